@@ -1,0 +1,67 @@
+"""A small catalogue of GPUs and their memory, each with its source.
+
+`memory_bytes` is the total that CUDA reports (`cudaMemGetInfo` total / `nvidia-smi` "Total"),
+which is what an OOM is decided against; marketing "GB" differs from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridmem.errors import SpecError
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    arch: str
+    """Compute architecture (sets e.g. the cuBLAS workspace size)."""
+    source: str
+
+
+# Totals as `nvidia-smi --query-gpu=memory.total` prints them (MiB), from NVIDIA datasheets and
+# nvidia-smi outputs quoted in the sources given.
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU(name="a100-40gb", memory_bytes=40960 * MiB, arch="ampere",
+        source="nvidia-smi on A100-SXM4-40GB: 40960MiB (NVIDIA A100 datasheet: 40 GB HBM2)"),
+    GPU(name="a100-80gb", memory_bytes=81920 * MiB, arch="ampere",
+        source="nvidia-smi on A100-SXM4-80GB: 81920MiB (NVIDIA A100 datasheet: 80 GB HBM2e)"),
+    GPU(name="h100-80gb", memory_bytes=81559 * MiB, arch="hopper",
+        source="nvidia-smi on H100 80GB HBM3: 81559MiB (NVIDIA H100 datasheet: 80 GB)"),
+    GPU(name="h200", memory_bytes=143771 * MiB, arch="hopper",
+        source="nvidia-smi on H200: 143771MiB (NVIDIA H200 datasheet: 141 GB HBM3e)"),
+    GPU(name="l40s", memory_bytes=46068 * MiB, arch="ada",
+        source="nvidia-smi on L40S: 46068MiB (NVIDIA L40S datasheet: 48 GB GDDR6)"),
+    GPU(name="rtx-4090", memory_bytes=24564 * MiB, arch="ada",
+        source="nvidia-smi on GeForce RTX 4090: 24564MiB (NVIDIA spec: 24 GB GDDR6X)"),
+    GPU(name="rtx-3090", memory_bytes=24576 * MiB, arch="ampere",
+        source="nvidia-smi on GeForce RTX 3090: 24576MiB (NVIDIA spec: 24 GB GDDR6X)"),
+    GPU(name="a10g", memory_bytes=23028 * MiB, arch="ampere",
+        source="nvidia-smi on A10G (AWS g5): 23028MiB (NVIDIA A10 datasheet: 24 GB)"),
+    GPU(name="l4", memory_bytes=23034 * MiB, arch="ada",
+        source="nvidia-smi on L4: 23034MiB (NVIDIA L4 datasheet: 24 GB)"),
+    GPU(name="v100-32gb", memory_bytes=32768 * MiB, arch="volta",
+        source="nvidia-smi on V100-SXM2-32GB: 32768MiB (NVIDIA V100 datasheet: 32 GB)"),
+    GPU(name="t4", memory_bytes=15360 * MiB, arch="turing",
+        source="nvidia-smi on Tesla T4: 15360MiB (NVIDIA T4 datasheet: 16 GB)"),
+)}
+
+
+def gpu_by_name(name: str) -> GPU:
+    """Catalogue lookup; case-insensitive, ignores spaces/underscores."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    if key not in GPUS:
+        raise SpecError("gpu", name, sorted(GPUS))
+    return GPUS[key]
+
+
+def custom_gpu(gib: float) -> GPU:
+    """A GPU given only by its memory (`--gpu-mem GIB`); architecture unknown."""
+    if not gib > 0:
+        raise SpecError("gpu_mem", gib, reason="must be > 0 GiB")
+    return GPU(name=f"custom-{gib:g}gib", memory_bytes=int(gib * GiB), arch="unknown",
+               source="given by the user")

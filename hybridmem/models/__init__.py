@@ -1,0 +1,13 @@
+"""Model configs (presets, files) and the config -> module/layer graph parser."""
+
+from hybridmem.models.loader import (
+    DECODER_TYPES,
+    MULTIMODAL_TYPES,
+    SUPPORTED_TYPES,
+    load_config,
+    load_config_dict,
+    preset_names,
+)
+
+__all__ = ["DECODER_TYPES", "MULTIMODAL_TYPES", "SUPPORTED_TYPES", "load_config",
+           "load_config_dict", "preset_names"]

@@ -1,0 +1,88 @@
+"""Model configs from shipped presets or local files: never from a hub.
+
+A model is named by a preset (a HF `config.json` shipped in `presets/`) or by a path to a
+config.json or to a folder holding one. The result is a `transformers.PretrainedConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from hybridmem.errors import SpecError
+
+# model_type values the estimators understand; anything else is refused at the boundary.
+MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next")
+DECODER_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
+SUPPORTED_TYPES: tuple[str, ...] = MULTIMODAL_TYPES + DECODER_TYPES
+
+
+def preset_names() -> tuple[str, ...]:
+    """Names of the shipped presets (file stems of `presets/*.json`)."""
+    root = resources.files("hybridmem.models") / "presets"
+    return tuple(sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json")))
+
+
+def _read_json(path: Path, field: str) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SpecError(field, str(path), reason=f"cannot read it ({err.strerror})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SpecError(field, str(path),
+                        reason=f"malformed JSON at line {err.lineno} col {err.colno}: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise SpecError(field, str(path), reason="config JSON must be an object")
+    return data
+
+
+def load_config_dict(model: str) -> tuple[str, dict]:
+    """(display name, raw config dict) for a preset name or a config path."""
+    if model in preset_names():
+        path = Path(str(resources.files("hybridmem.models") / "presets" / f"{model}.json"))
+        return model, _read_json(path, "model")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise SpecError("model", model, reason="folder has no config.json")
+    if path.suffix == ".json" or path.is_file():
+        if not path.exists():
+            raise SpecError("model", model, reason="no such file")
+        return str(model), _read_json(path, "model")
+    raise SpecError("model", model, preset_names() + ("<path to config.json>",),
+                    reason="unknown preset")
+
+
+@lru_cache(maxsize=64)
+def _config_from_json(text: str):
+    from transformers import AutoConfig
+
+    data = json.loads(text)
+    model_type = data.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise SpecError("model_type", model_type, SUPPORTED_TYPES)
+    for key in ("vision_config",):
+        sub = data.get(key)
+        if isinstance(sub, dict) and sub.get("model_type") not in VISION_TYPES:
+            raise SpecError(f"{key}.model_type", sub.get("model_type"), VISION_TYPES)
+    sub = data.get("text_config")
+    if isinstance(sub, dict) and sub.get("model_type", "llama") not in DECODER_TYPES:
+        raise SpecError("text_config.model_type", sub.get("model_type"), DECODER_TYPES)
+    clean = {k: v for k, v in data.items() if not k.startswith("_")}
+    clean.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **clean)
+    except (TypeError, ValueError, KeyError) as err:
+        raise SpecError("model", model_type, reason=f"config rejected by transformers: {err}") from None
+
+
+def load_config(model: str):
+    """A `transformers.PretrainedConfig` for a preset name or a config path."""
+    _, data = load_config_dict(model)
+    return _config_from_json(json.dumps(data, sort_keys=True))

@@ -1,0 +1,71 @@
+"""The public Python API: `predict(spec, method=...) -> Prediction`.
+
+Tiers are looked up by name and imported lazily, so `import hybridmem` stays fast and the
+analytic tier never pays for torch-heavy tiers it does not use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from importlib import import_module
+
+from hybridmem.errors import SpecError
+from hybridmem.gpus import GPU
+from hybridmem.prediction import Prediction
+from hybridmem.spec import TrainingSpec
+
+# method name -> "module:function" taking a TrainingSpec and returning a Prediction
+METHODS: dict[str, str] = {
+    "analytic": "hybridmem.analytic:estimate",
+    "trace": "hybridmem.trace:estimate",
+    "hybrid": "hybridmem.learned.predictor:estimate",
+}
+
+# Upper end of the micro-batch search; far beyond any GPU today for the smallest presets.
+MAX_SEARCH_BATCH = 1 << 16
+
+
+def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
+    """The estimate function of a tier."""
+    if method not in METHODS:
+        raise SpecError("method", method, METHODS)
+    module, func = METHODS[method].split(":")
+    return getattr(import_module(module), func)
+
+
+def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic") -> int:
+    """Largest micro-batch whose predicted device peak fits `gpu` (0 if even 1 does not fit).
+
+    Peak memory is monotone in the micro-batch, so exponential search then bisection needs
+    O(log B) estimates.
+    """
+    run = estimator(method)
+
+    def fits(batch: int) -> bool:
+        return run(spec.with_(micro_batch=batch)).peak.device_bytes <= gpu.memory_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= MAX_SEARCH_BATCH and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > MAX_SEARCH_BATCH:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None,
+            find_max_batch: bool = False) -> Prediction:
+    """Predict the peak memory of `spec`; with `gpu`, also whether it fits (and the max batch)."""
+    result = estimator(method)(spec)
+    if gpu is None:
+        if find_max_batch:
+            raise SpecError("find_max_batch", True, reason="needs a GPU (--gpu or --gpu-mem)")
+        return result
+    max_batch = find_max_micro_batch(spec, gpu, method) if find_max_batch else None
+    return dataclasses.replace(result, gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
+                               max_micro_batch=max_batch)

@@ -1,0 +1,93 @@
+"""The answer every tier gives: `Prediction`, and its JSON form (a contract for other tools)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from hybridmem.categories import CATEGORIES, PHASES
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModuleMemory:
+    """Memory of one top-level module (vision tower, projector, language model, lm_head)."""
+
+    name: str
+    params: int
+    trainable_params: int
+    param: int
+    grad: int
+    optimizer: int
+    activation: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Peak:
+    allocated_bytes: int
+    """Peak of `torch.cuda.memory_allocated` (PyTorch tensors, 512 B-rounded)."""
+    reserved_bytes: int
+    """Peak of `torch.cuda.memory_reserved` (allocator segments)."""
+    device_bytes: int
+    """Whole process on the GPU (what nvidia-smi shows, what OOM is decided against)."""
+    phase: str
+    """Phase of the peak: forward, backward or optimizer."""
+    iteration: int
+    """Training iteration (0-based) at which the peak happens."""
+
+    def __post_init__(self) -> None:
+        assert self.phase in PHASES, self.phase
+        assert self.allocated_bytes <= self.reserved_bytes <= self.device_bytes, self
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    model: str
+    method: str
+    params_total: int
+    params_trainable: int
+    peak: Peak
+    breakdown: dict[str, int]
+    """Bytes per category at the device peak; sums to `peak.device_bytes`."""
+    modules: tuple[ModuleMemory, ...]
+    gpu_name: str | None = None
+    gpu_memory_bytes: int | None = None
+    max_micro_batch: int | None = None
+    notes: tuple[str, ...] = ()
+    """Caveats a user should read: fallbacks, known limitations, which model was used."""
+    extras: dict = field(default_factory=dict)
+    """Tier-specific extras (e.g. per-rank info, upper bound, timeline path)."""
+
+    def __post_init__(self) -> None:
+        assert tuple(self.breakdown) == CATEGORIES, tuple(self.breakdown)
+        assert sum(self.breakdown.values()) == self.peak.device_bytes, (
+            sum(self.breakdown.values()), self.peak.device_bytes)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.gpu_memory_bytes is None:
+            return None
+        return self.peak.device_bytes <= self.gpu_memory_bytes
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        if self.gpu_memory_bytes is None:
+            return None
+        return self.gpu_memory_bytes - self.peak.device_bytes
+
+    def to_dict(self) -> dict:
+        """The `--json` object (schema in README.md; names are a contract)."""
+        out = {
+            "model": self.model,
+            "method": self.method,
+            "params": {"total": self.params_total, "trainable": self.params_trainable},
+            "peak": asdict(self.peak),
+            "breakdown": dict(self.breakdown),
+            "modules": [asdict(m) for m in self.modules],
+            "gpu": (None if self.gpu_name is None
+                    else {"name": self.gpu_name, "memory_bytes": self.gpu_memory_bytes}),
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "max_micro_batch": self.max_micro_batch,
+            "notes": list(self.notes),
+        }
+        out.update({k: v for k, v in self.extras.items() if k not in out})
+        return out

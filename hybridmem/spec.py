@@ -1,0 +1,201 @@
+"""What a training job is: the `TrainingSpec` every tier takes as input.
+
+Only checks that need no model config live here (choices, signs, impossible pairs); checks
+that need the model (image size, LoRA targets, image tokens vs. sequence length) are done when
+the model graph is built (`hybridmem.models.build_graph`), still at the boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal, get_args
+
+from hybridmem.errors import SpecError
+
+Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
+Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
+Trainable = Literal["full", "llm+projector", "projector", "lora"]
+Attention = Literal["eager", "sdpa", "flash_attention_2"]
+
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+TRAINABLES: tuple[str, ...] = get_args(Trainable)
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
+
+# LoRA on every LLM linear layer except lm_head, as the LLaVA-1.5 finetune_lora recipe does
+# (haotian-liu/LLaVA `llava/train/train.py::find_all_linear_names`).
+DEFAULT_LORA_TARGETS: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+
+# Precision/optimizer pairs that no framework offers. bitsandbytes' 8-bit optimizers keep their
+# own quantised state and are not wrapped by DeepSpeed's fp32-master-weight optimizer
+# (transformers refuses `optim=adamw_bnb_8bit` together with a DeepSpeed optimizer).
+INVALID_PAIRS: dict[tuple[str, str], str] = {
+    ("bf16-master", "adamw-8bit"): "8-bit optimizer state cannot sit under fp32 master weights",
+}
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SpecError(name, value, choices)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(name, value, reason="must be a positive integer")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoraSpec:
+    """LoRA adapters as PEFT builds them (adapter weights in fp32 by default)."""
+
+    r: int = 8
+    """Adapter rank."""
+    alpha: float = 16.0
+    """Scaling numerator (scale = alpha / r); changes no memory, kept for the record."""
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    """Module-name suffixes that get adapters (PEFT `target_modules`)."""
+    dropout: float = 0.0
+    """LoRA dropout; > 0 saves a dropout mask and the dropped input per adapted layer."""
+
+    def __post_init__(self) -> None:
+        _check_positive("lora.r", self.r)
+        if not self.alpha > 0:
+            raise SpecError("lora.alpha", self.alpha, reason="must be > 0")
+        if not self.targets:
+            raise SpecError("lora.targets", self.targets, DEFAULT_LORA_TARGETS,
+                            reason="at least one target module is needed")
+        if not 0.0 <= self.dropout < 1.0:
+            raise SpecError("lora.dropout", self.dropout, reason="must be in [0, 1)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelSpec:
+    """How the job is spread over GPUs; memory is predicted per rank."""
+
+    world_size: int = 1
+    """Number of data-parallel ranks (GPUs)."""
+    strategy: Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"] = "none"
+    """Data-parallel flavour; `none` is a single process."""
+
+    def __post_init__(self) -> None:
+        _check_positive("parallel.world_size", self.world_size)
+        _check_choice("parallel.strategy", self.strategy,
+                      ("none", "ddp", "zero1", "zero2", "zero3", "fsdp"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingSpec:
+    """One training configuration whose per-GPU peak memory we predict."""
+
+    model: str
+    """Preset name (see `hybridmem.models.PRESETS`) or path to a HF config.json / folder."""
+    micro_batch: int = 1
+    """Samples per GPU per step."""
+    seq_len: int = 2048
+    """Tokens per sample incl. image tokens (LLaVA's `model_max_length` counts both)."""
+    images_per_sample: int | None = None
+    """Images per sample; None means 1 for a multimodal model and 0 for a decoder LLM."""
+    image_size: int | None = None
+    """Input image side in pixels; None means the vision tower's native size."""
+    precision: Precision = "bf16-mixed"
+    """Where params, grads and optimizer state live (pure, autocast-mixed, master-weights)."""
+    optimizer: Optimizer = "adamw"
+    """Optimizer; `adamw` is torch's foreach AdamW, the CUDA default."""
+    grad_ckpt: bool = False
+    """Activation (gradient) checkpointing of every decoder / encoder layer."""
+    train: Trainable = "full"
+    """Which parameters are trained."""
+    lora: LoraSpec | None = None
+    """LoRA settings; required and only meaningful with `train='lora'`."""
+    attn: Attention = "sdpa"
+    """Attention implementation (`attn_implementation` in transformers)."""
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    """Data parallelism; the default is one GPU."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise SpecError("model", self.model, reason="give a preset name or a config path")
+        _check_positive("micro_batch", self.micro_batch)
+        _check_positive("seq_len", self.seq_len)
+        if self.images_per_sample is not None and (
+            isinstance(self.images_per_sample, bool) or not isinstance(self.images_per_sample, int)
+            or self.images_per_sample < 0
+        ):
+            raise SpecError("images_per_sample", self.images_per_sample,
+                            reason="must be a non-negative integer")
+        if self.image_size is not None:
+            _check_positive("image_size", self.image_size)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("train", self.train, TRAINABLES)
+        _check_choice("attn", self.attn, ATTENTIONS)
+        if (self.precision, self.optimizer) in INVALID_PAIRS:
+            raise SpecError("optimizer", self.optimizer,
+                            [o for o in OPTIMIZERS if (self.precision, o) not in INVALID_PAIRS],
+                            reason=f"not available with precision={self.precision!r}: "
+                            + INVALID_PAIRS[(self.precision, self.optimizer)])
+        if self.train == "lora" and self.lora is None:
+            object.__setattr__(self, "lora", LoraSpec())
+        if self.train != "lora" and self.lora is not None:
+            raise SpecError("lora", "set", reason=f"LoRA settings need train='lora', not {self.train!r}")
+
+    def with_(self, **changes: object) -> "TrainingSpec":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Plain, JSON-ready dict (nested specs as dicts, tuples as lists)."""
+        out: dict = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (LoraSpec, ParallelSpec)):
+                v = {g.name: (list(x) if isinstance(x := getattr(v, g.name), tuple) else x)
+                     for g in fields(v)}
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainingSpec":
+        """Inverse of `to_dict`; unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError("spec", unknown[0], sorted(known), reason="unknown field")
+        data = dict(data)
+        if isinstance(data.get("lora"), dict):
+            lora = dict(data["lora"])
+            if "targets" in lora:
+                lora["targets"] = tuple(lora["targets"])
+            data["lora"] = LoraSpec(**lora)
+        if isinstance(data.get("parallel"), dict):
+            data["parallel"] = ParallelSpec(**data["parallel"])
+        return cls(**data)
+
+
+# dtype of parameters / grads / optimizer state per precision policy, in bytes.
+# Source: torch.amp docs (autocast keeps fp32 params), DeepSpeed bf16_optimizer.py (bf16 params
+# + fp32 master copy + fp32 Adam state), Megatron `--bf16` with distributed optimizer.
+@dataclass(frozen=True, slots=True)
+class PrecisionPolicy:
+    param_bytes: int
+    """Bytes per element of the model's parameters."""
+    grad_bytes: int
+    """Bytes per element of the .grad tensors."""
+    state_bytes: int
+    """Bytes per element of each full-precision optimizer state tensor."""
+    master_bytes: int
+    """Bytes per element of a separate master copy of trainable params (0 = none)."""
+    compute_bytes: int
+    """Bytes per element of activations (autocast dtype or param dtype)."""
+
+
+POLICIES: dict[str, PrecisionPolicy] = {
+    "fp32": PrecisionPolicy(4, 4, 4, 0, 4),
+    "bf16": PrecisionPolicy(2, 2, 2, 0, 2),
+    "fp16": PrecisionPolicy(2, 2, 2, 0, 2),
+    "bf16-mixed": PrecisionPolicy(4, 4, 4, 0, 2),
+    "fp16-mixed": PrecisionPolicy(4, 4, 4, 0, 2),
+    "bf16-master": PrecisionPolicy(2, 2, 4, 4, 2),
+}
