@@ -86,3 +86,32 @@ def load_config(model: str):
     """A `transformers.PretrainedConfig` for a preset name or a config path."""
     _, data = load_config_dict(model)
     return _config_from_json(json.dumps(data, sort_keys=True))
+
+
+def config_cache_dir() -> Path:
+    """Folder for configs materialised from dataset rows (content-addressed, safe to delete)."""
+    import os
+    root = os.environ.get("HYBRIDMEM_CACHE") or Path.home() / ".cache" / "hybridmem"
+    return Path(root) / "configs"
+
+
+def materialize_config(config_json: str) -> str:
+    """Write a config JSON text to a content-addressed file and return its path.
+
+    Dataset rows store the full HF config (sweeps build custom-sized models); tiers take a
+    path, so this turns a row back into a `TrainingSpec.model` value.
+    """
+    import hashlib
+    import os
+
+    data = json.loads(config_json)
+    text = json.dumps(data, sort_keys=True, indent=1)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    folder = config_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{digest}.json"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return str(path)
