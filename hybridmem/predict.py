@@ -59,9 +59,12 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic")
 
 
 def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None,
-            find_max_batch: bool = False) -> Prediction:
-    """Predict the peak memory of `spec`; with `gpu`, also whether it fits (and the max batch)."""
-    result = estimator(method)(spec)
+            find_max_batch: bool = False, **tier_options: object) -> Prediction:
+    """Predict the peak memory of `spec`; with `gpu`, also whether it fits (and the max batch).
+
+    `tier_options` go to the tier's estimate function (e.g. `timeline=` for the trace tier).
+    """
+    result = estimator(method)(spec, **tier_options)
     if gpu is None:
         if find_max_batch:
             raise SpecError("find_max_batch", True, reason="needs a GPU (--gpu or --gpu-mem)")

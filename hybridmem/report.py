@@ -1,0 +1,114 @@
+"""Presentation of a `Prediction`: rich tables for people, a stacked bar chart for reports.
+
+Pure functions of the Prediction; computing never happens here (STYLE.md: gather, then print).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridmem.categories import CATEGORIES
+from hybridmem.prediction import Prediction
+
+GiB = 1024**3
+MODULE_COLUMNS: tuple[str, ...] = ("param", "grad", "optimizer", "activation")
+
+
+def gib(n: int | None) -> str:
+    """Bytes as GiB with two decimals (GiB = 2^30, what nvidia-smi's MiB/1024 gives)."""
+    return "-" if n is None else f"{n / GiB:,.2f}"
+
+
+def module_rows(pred: Prediction) -> list[list[str]]:
+    """Rows of the module x category table; a last row for what belongs to no module."""
+    rows = []
+    for m in pred.modules:
+        values = [getattr(m, c) for c in MODULE_COLUMNS]
+        rows.append([m.name, f"{m.params:,}", f"{m.trainable_params:,}",
+                     *(gib(v) for v in values), gib(sum(values))])
+    other = {c: v for c, v in pred.breakdown.items() if c not in MODULE_COLUMNS}
+    rows.append(["(not per module: " + ", ".join(c for c, v in other.items() if v) + ")",
+                 "", "", "", "", "", "", gib(sum(other.values()))])
+    return rows
+
+
+def verdict(pred: Prediction) -> str:
+    """One line: fits or not, with headroom, against the chosen GPU."""
+    if pred.fits is None:
+        return "no GPU given (use --gpu NAME or --gpu-mem GIB to check the fit)"
+    word = "FITS" if pred.fits else "DOES NOT FIT"
+    head = pred.headroom_bytes
+    rel = head / pred.gpu_memory_bytes * 100
+    return (f"{word} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
+            f"headroom {gib(head)} GiB ({rel:+.1f}%)")
+
+
+def render(pred: Prediction, console=None) -> None:
+    """Print the human-readable report with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"{pred.model} — memory at the peak by module (GiB)",
+                  title_justify="left")
+    for col in ("module", "params", "trainable", *MODULE_COLUMNS, "total"):
+        table.add_column(col, justify="left" if col == "module" else "right")
+    for row in module_rows(pred):
+        table.add_row(*row)
+    console.print(table)
+
+    cats = Table(title="breakdown at the device peak (GiB)", title_justify="left")
+    cats.add_column("category")
+    cats.add_column("GiB", justify="right")
+    cats.add_column("share", justify="right")
+    total = pred.peak.device_bytes
+    for c in CATEGORIES:
+        v = pred.breakdown[c]
+        cats.add_row(c, gib(v), f"{v / total * 100:.1f}%" if total else "-")
+    console.print(cats)
+    p = pred.peak
+    console.print(f"method: {pred.method}   params: {pred.params_total:,} "
+                  f"(trainable {pred.params_trainable:,})")
+    console.print(f"peak: allocated {gib(p.allocated_bytes)} GiB, reserved "
+                  f"{gib(p.reserved_bytes)} GiB, [bold]device {gib(p.device_bytes)} GiB[/bold] "
+                  f"in the {p.phase} phase of iteration {p.iteration}")
+    console.print(verdict(pred))
+    if pred.max_micro_batch is not None:
+        console.print(f"largest micro-batch that fits: [bold]{pred.max_micro_batch}[/bold]")
+    if "upper_bound_bytes" in pred.extras:
+        console.print(f"P95 upper bound: {gib(pred.extras['upper_bound_bytes'])} GiB")
+    for note in pred.notes:
+        console.print(f"note: {note}", style="dim")
+
+
+def plot(pred: Prediction, path: str | Path) -> Path:
+    """Stacked bars: one bar per module (+ one for non-module terms), stacked by category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [m.name for m in pred.modules] + ["other"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names)), 4.5))
+    bottoms = [0.0] * len(names)
+    for cat in CATEGORIES:
+        if cat in MODULE_COLUMNS:
+            vals = [getattr(m, cat) / GiB for m in pred.modules] + [0.0]
+        else:
+            vals = [0.0] * len(pred.modules) + [pred.breakdown[cat] / GiB]
+        if not any(vals):
+            continue
+        ax.bar(names, vals, bottom=bottoms, label=cat)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    if pred.gpu_memory_bytes:
+        ax.axhline(pred.gpu_memory_bytes / GiB, color="red", linestyle="--",
+                   label=f"{pred.gpu_name} memory")
+    ax.set_ylabel("GiB at the device peak")
+    ax.set_title(f"{pred.model}: {pred.peak.device_bytes / GiB:.2f} GiB peak "
+                 f"({pred.peak.phase}, {pred.method})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
