@@ -12,6 +12,7 @@ from importlib import import_module
 
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
+from hybridmem.models.loader import load_config
 from hybridmem.prediction import Prediction
 from hybridmem.spec import TrainingSpec
 
@@ -64,6 +65,7 @@ def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None
 
     `tier_options` go to the tier's estimate function (e.g. `timeline=` for the trace tier).
     """
+    load_config(spec.model)  # unknown preset / bad config JSON fail here, the same for every tier
     result = estimator(method)(spec, **tier_options)
     if gpu is None:
         if find_max_batch:

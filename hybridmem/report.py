@@ -48,7 +48,10 @@ def render(pred: Prediction, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # pipes and logs: do not truncate module names at 80 cols
+            console = Console(width=140)
     table = Table(title=f"{pred.model} — memory at the peak by module (GiB)",
                   title_justify="left")
     for col in ("module", "params", "trainable", *MODULE_COLUMNS, "total"):

@@ -1,0 +1,5 @@
+import sys
+
+from hybridmem.cli import main
+
+sys.exit(main())
