@@ -1,0 +1,156 @@
+"""`build_graph(spec)`: the model graph with the spec's shapes, trainable flags and LoRA adapters.
+
+Model-dependent validation lives here, at the boundary: image size, images in a text-only
+model, image tokens longer than the sequence, LoRA targets that match nothing, `train` modes
+the model has no part for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hybridmem.errors import SpecError
+from hybridmem.models.decoder import language_model_layers, lm_head_layer
+from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T
+from hybridmem.models.llava import ImageLayout, image_layout, num_feature_layers
+from hybridmem.models.loader import DECODER_TYPES, load_config, load_config_dict
+from hybridmem.models.vision import tokens_per_crop, vision_layers
+from hybridmem.spec import TrainingSpec
+
+# Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
+# the projector; stage 2 (`llm+projector`) everything but the vision tower
+# (haotian-liu/LLaVA scripts/v1_5/pretrain.sh, finetune.sh; DESIGN.md).
+TRAINABLE_MODULES: dict[str, frozenset[str]] = {
+    "full": frozenset({"vision_tower", "multi_modal_projector", "image_newline",
+                       "language_model", "lm_head"}),
+    "llm+projector": frozenset({"multi_modal_projector", "image_newline", "language_model",
+                                "lm_head"}),
+    "projector": frozenset({"multi_modal_projector"}),
+    "lora": frozenset(),
+}
+DECODER_TRAINS: tuple[str, ...] = ("full", "lora")
+LORA_FP32 = 4  # PEFT `autocast_adapter_dtype=True` (default) keeps adapters in float32
+# LoRA goes on language-model linears only, as LLaVA's `find_all_linear_names` does (it skips
+# the vision tower and the projector); `lm_head` only when named explicitly.
+LORA_MODULES = ("language_model", "lm_head")
+
+
+def _decoder_modules(cfg, spec: TrainingSpec, lm_prefix: str) -> tuple[Module, Module]:
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    tc = getattr(cfg, "text_config", cfg)
+    lm = Module(name="language_model", prefix=lm_prefix,
+                layers=language_model_layers(tc, spec.micro_batch, spec.seq_len))
+    head = Module(name="lm_head", prefix="lm_head",
+                  layers=(lm_head_layer(tc, spec.micro_batch, spec.seq_len, tied),))
+    return lm, head
+
+
+def _images(spec: TrainingSpec, multimodal: bool) -> int:
+    images = spec.images_per_sample
+    if not multimodal:
+        if images:
+            raise SpecError("images_per_sample", images, [0],
+                            reason=f"{spec.model} is a text-only decoder")
+        return 0
+    return 1 if images is None else images
+
+
+def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayout):
+    vc, th = cfg.vision_config, cfg.text_config.hidden_size
+    n_crops = spec.micro_batch * images * layout.crops
+    runs = images > 0
+    vision = tuple(replace(layer, runs=runs)
+                   for layer in vision_layers(vc, cfg.vision_feature_layer, n_crops))
+    d_in = vc.hidden_size * num_feature_layers(cfg)
+    bias = bool(getattr(cfg, "multimodal_projector_bias", True))
+    proj = (T("linear_1.weight", (th, d_in)),) + ((T("linear_1.bias", (th,)),) if bias else ())
+    proj += (T("linear_2.weight", (th, th)),) + ((T("linear_2.bias", (th,)),) if bias else ())
+    projector = Layer(name="projector", kind="projector", params=proj, runs=runs,
+                      dims=dict(n=n_crops, t=layout.features_per_crop, d_in=d_in, h=th,
+                                act=cfg.projector_hidden_act))
+    modules = [Module(name="vision_tower", prefix="model.vision_tower", layers=vision),
+               Module(name="multi_modal_projector", prefix="model.multi_modal_projector",
+                      layers=(projector,))]
+    if cfg.model_type == "llava_next":
+        # modeling_llava_next.LlavaNextModel: `self.image_newline = nn.Parameter(hidden)`
+        modules.append(Module(name="image_newline", prefix="model", layers=(
+            Layer(name="image_newline", kind="image_newline", params=(T("image_newline", (th,)),),
+                  runs=runs, dims=dict(n=spec.micro_batch * images * layout.newlines, h=th)),)))
+    return modules
+
+
+def _lora_adapters(layer: Layer, module: str, targets: tuple[str, ...], r: int) -> Layer:
+    """PEFT `LoraLayer`: lora_A (r x in) and lora_B (out x r) on every matching Linear."""
+    adapters = []
+    for p in layer.params:
+        if not p.name.endswith("weight") or len(p.shape) != 2 or layer.kind == "embedding":
+            continue
+        linear = p.name[: -len(".weight")] if p.name != "weight" else ""
+        key = ".".join(x for x in (module, layer.scope, linear) if x)
+        if any(key == t or key.endswith("." + t) for t in targets):
+            n_out, n_in = p.shape
+            prefix = f"{linear}." if linear else ""
+            adapters += [T(f"{prefix}lora_A.default.weight", (r, n_in), LORA_FP32),
+                         T(f"{prefix}lora_B.default.weight", (n_out, r), LORA_FP32)]
+    return replace(layer, lora=tuple(adapters))
+
+
+def _lora_target_names(modules: list[Module]) -> list[str]:
+    names = set()
+    for m in modules:
+        if m.name in LORA_MODULES:
+            for layer in m.layers:
+                if layer.kind in ("decoder_layer", "lm_head"):
+                    names |= {(p.name[: -len(".weight")].split(".")[-1] if p.name != "weight"
+                               else m.name) for p in layer.params if len(p.shape) == 2}
+    return sorted(names)
+
+
+def _apply_training(modules: list[Module], spec: TrainingSpec) -> list[Module]:
+    trainable = TRAINABLE_MODULES[spec.train]
+    out = []
+    for m in modules:
+        layers = tuple(replace(layer, trainable=m.name in trainable) for layer in m.layers)
+        if spec.train == "lora" and m.name in LORA_MODULES:
+            layers = tuple(_lora_adapters(layer, m.name, spec.lora.targets, spec.lora.r)
+                           for layer in layers)
+        out.append(replace(m, layers=layers))
+    if spec.train == "lora" and not any(layer.lora for m in out for layer in m.layers):
+        raise SpecError("lora.targets", ",".join(spec.lora.targets), _lora_target_names(out),
+                        reason="matches no module")
+    return out
+
+
+def build_graph(spec: TrainingSpec) -> ModelGraph:
+    """Parse the spec's model config into modules -> layers with the spec's shapes."""
+    name, _ = load_config_dict(spec.model)
+    cfg = load_config(spec.model)
+    multimodal = cfg.model_type not in DECODER_TYPES
+    images = _images(spec, multimodal)
+    if not multimodal:
+        if spec.train not in DECODER_TRAINS:
+            raise SpecError("train", spec.train, DECODER_TRAINS,
+                            reason=f"{cfg.model_type} has no vision tower or projector")
+        if spec.image_size is not None:
+            raise SpecError("image_size", spec.image_size, reason=f"{name} takes no images")
+        modules = list(_decoder_modules(cfg, spec, "model"))
+        layout = ImageLayout(crops=0, features_per_crop=0, tokens=0)
+    else:
+        layout = image_layout(cfg, spec.image_size)
+        if images * layout.tokens > spec.seq_len:
+            raise SpecError("seq_len", spec.seq_len,
+                            reason=f"{images} image(s) take {images * layout.tokens} tokens; "
+                            "seq_len counts text and image tokens")
+        modules = _multimodal_modules(cfg, spec, images, layout)
+        lm, head = _decoder_modules(cfg, spec, "model.language_model")
+        modules = modules + [lm, head]
+    modules = _apply_training(modules, spec)
+    vc = getattr(cfg, "vision_config", None)
+    tc = getattr(cfg, "text_config", cfg)
+    return ModelGraph(
+        model=name, model_type=cfg.model_type, modules=tuple(modules),
+        vocab_size=tc.vocab_size, text_hidden=tc.hidden_size, micro_batch=spec.micro_batch,
+        seq_len=spec.seq_len, image_tokens=images * layout.tokens,
+        vision_batch=spec.micro_batch * images * layout.crops,
+        vision_seq=tokens_per_crop(vc) if vc is not None else 0,
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))

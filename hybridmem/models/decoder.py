@@ -1,0 +1,78 @@
+"""Decoder LLMs (Llama, Mistral, Qwen2) as layers, following transformers 5.x
+`modeling_llama.py`, `modeling_mistral.py` and `modeling_qwen2.py` parameter by parameter.
+
+Differences that change memory: grouped-query attention (`num_key_value_heads`), an explicit
+`head_dim` (may differ from hidden/heads), Qwen2's q/k/v biases (hard-coded `bias=True`, o_proj
+without), Llama's optional `attention_bias` / `mlp_bias`, tied input/output embeddings.
+"""
+
+from __future__ import annotations
+
+from hybridmem.models.graph import Layer, ParamTensor as T
+
+FP32 = 4  # rotary `inv_freq` buffers are built in float32 (LlamaRotaryEmbedding)
+
+
+def head_dim(tc) -> int:
+    """`head_dim` from the config, else hidden / heads (as the attention modules compute it)."""
+    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
+
+def kv_heads(tc) -> int:
+    return getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+
+
+def _biases(tc) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, o_proj bias, mlp bias) per family."""
+    if tc.model_type == "qwen2":
+        return True, False, False  # modeling_qwen2.Qwen2Attention: bias=True on q/k/v only
+    attn = bool(getattr(tc, "attention_bias", False))
+    return attn, attn, bool(getattr(tc, "mlp_bias", False))
+
+
+def _linear(prefix: str, n_out: int, n_in: int, bias: bool) -> tuple[T, ...]:
+    w = (T(f"{prefix}.weight", (n_out, n_in)),)
+    return w + ((T(f"{prefix}.bias", (n_out,)),) if bias else ())
+
+
+def decoder_layer_params(tc) -> tuple[T, ...]:
+    h, f, d = tc.hidden_size, tc.intermediate_size, head_dim(tc)
+    q, kv = tc.num_attention_heads * d, kv_heads(tc) * d
+    qkv_b, o_b, mlp_b = _biases(tc)
+    return (_linear("self_attn.q_proj", q, h, qkv_b) + _linear("self_attn.k_proj", kv, h, qkv_b)
+            + _linear("self_attn.v_proj", kv, h, qkv_b) + _linear("self_attn.o_proj", h, q, o_b)
+            + _linear("mlp.gate_proj", f, h, mlp_b) + _linear("mlp.up_proj", f, h, mlp_b)
+            + _linear("mlp.down_proj", h, f, mlp_b)
+            + (T("input_layernorm.weight", (h,)), T("post_attention_layernorm.weight", (h,))))
+
+
+def decoder_dims(tc, batch: int, seq: int) -> dict:
+    return dict(b=batch, s=seq, h=tc.hidden_size, heads=tc.num_attention_heads,
+                kv_heads=kv_heads(tc), head_dim=head_dim(tc), ffn=tc.intermediate_size,
+                vocab=tc.vocab_size, act=tc.hidden_act,
+                attn_dropout=float(getattr(tc, "attention_dropout", 0.0) or 0.0))
+
+
+def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
+    """Layers of the base model (`model.*` in a CausalLM): embed_tokens, decoder layers, norm."""
+    h = tc.hidden_size
+    dims = decoder_dims(tc, batch, seq)
+    rot = head_dim(tc) // 2  # inv_freq = 1 / base ** (arange(0, dim, 2) / dim)
+    layers = [Layer(name="embed_tokens", kind="embedding",
+                    params=(T("embed_tokens.weight", (tc.vocab_size, h)),), dims=dims)]
+    params = decoder_layer_params(tc)
+    layers += [Layer(name=f"layers.{i}", kind="decoder_layer", params=params, scope=f"layers.{i}",
+                     dims=dims)
+               for i in range(tc.num_hidden_layers)]
+    layers.append(Layer(name="norm", kind="rmsnorm", params=(T("norm.weight", (h,)),), dims=dims))
+    layers.append(Layer(name="rotary_emb", kind="rotary",
+                        buffers=(T("rotary_emb.inv_freq", (rot,), FP32),
+                                 T("rotary_emb.original_inv_freq", (rot,), FP32)), dims=dims))
+    return tuple(layers)
+
+
+def lm_head_layer(tc, batch: int, seq: int, tied: bool) -> Layer:
+    """The output projection; tied to embed_tokens it owns no parameter (counted there)."""
+    params = () if tied else (T("weight", (tc.vocab_size, tc.hidden_size)),)
+    return Layer(name="lm_head", kind="lm_head", params=params,
+                 dims=dict(decoder_dims(tc, batch, seq), tied=tied))

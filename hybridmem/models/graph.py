@@ -1,0 +1,127 @@
+"""The model graph: top-level modules -> layers -> parameter tensors, with the shapes that the
+analytic tier needs.
+
+A `Layer` is the unit the analytic tier prices: one parameter-holding block whose activations
+follow one formula (`kind`). Parameter names are the suffixes below the layer's own name, as
+`named_parameters()` of the `transformers` model prints them, so counts can be checked against a
+meta-device instantiation tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ParamTensor:
+    """One parameter (or buffer) tensor."""
+
+    name: str
+    """Suffix below the layer name, e.g. `self_attn.q_proj.weight`."""
+    shape: tuple[int, ...]
+    itemsize: int | None = None
+    """Fixed bytes per element (buffers, LoRA adapters); None = the precision policy's dtype."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layer:
+    """One block of a module, priced by one activation formula (`kind`)."""
+
+    name: str
+    """Dotted path below the top-level module, e.g. `layers.3`."""
+    kind: str
+    """Activation formula key: decoder_layer, encoder_layer, embedding, ... (see analytic)."""
+    scope: str = ""
+    """Prefix of the parameter names inside the module, e.g. `layers.3` (empty: none)."""
+    params: tuple[ParamTensor, ...] = ()
+    buffers: tuple[ParamTensor, ...] = ()
+    """Registered buffers (rotary frequencies, position ids): memory, but not parameters."""
+    lora: tuple[ParamTensor, ...] = ()
+    """LoRA adapter tensors added by PEFT (fp32), when train='lora'."""
+    trainable: bool = False
+    """The base params have requires_grad=True under the spec's `train` mode."""
+    on_grad_path: bool = True
+    """The layer's output reaches the loss; False e.g. for CLIP layers after vision_feature_layer."""
+    runs: bool = True
+    """The layer runs in the forward (a vision tower does not run when there are no images)."""
+    dims: dict = field(default_factory=dict)
+    """Shapes its activation formula needs (b, s, h, heads, kv_heads, head_dim, ffn, ...)."""
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def gets_grads(self) -> bool:
+        """Base params receive .grad tensors (and hence optimizer state)."""
+        return self.trainable and self.on_grad_path and self.runs
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Module:
+    """A top-level part of the model (vision_tower, multi_modal_projector, language_model, ...)."""
+
+    name: str
+    prefix: str
+    """Its path in the HF CausalLM model (`model.vision_tower`, `lm_head`, `model`)."""
+    layers: tuple[Layer, ...]
+
+    @property
+    def num_params(self) -> int:
+        return sum(layer.num_params for layer in self.layers)
+
+    @property
+    def num_lora_params(self) -> int:
+        return sum(p.numel for layer in self.layers for p in layer.lora)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelGraph:
+    """The parsed model with the spec's shapes applied (batch, sequence, images)."""
+
+    model: str
+    """Display name (preset or path)."""
+    model_type: str
+    modules: tuple[Module, ...]
+    vocab_size: int
+    text_hidden: int
+    micro_batch: int
+    seq_len: int
+    image_tokens: int = 0
+    """Image tokens per sample inside `seq_len` (all images of the sample)."""
+    vision_batch: int = 0
+    """Crops the vision tower sees per step (micro_batch x images x crops per image)."""
+    vision_seq: int = 0
+    """Tokens per crop inside the vision tower (patches, + CLS for CLIP)."""
+    tied_embeddings: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def num_params(self) -> int:
+        return sum(m.num_params for m in self.modules)
+
+    def param_names(self) -> dict[str, int]:
+        """Full `named_parameters()` name -> numel, as the HF CausalLM model prints them."""
+        out = {}
+        for m in self.modules:
+            for layer in m.layers:
+                for p in layer.params:
+                    out[".".join(x for x in (m.prefix, layer.scope, p.name) if x)] = p.numel
+        return out
+
+    def module(self, name: str) -> Module:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def layers(self):
+        """(module name, layer) pairs in forward order."""
+        for m in self.modules:
+            for layer in m.layers:
+                yield m.name, layer

@@ -1,0 +1,97 @@
+"""LLaVA-1.5 and LLaVA-NeXT: how many crops the vision tower sees and how many image tokens
+land in the language model's sequence.
+
+Counting follows transformers 5.x `modeling_llava.py` (`get_image_features`: hidden state
+`vision_feature_layer`, CLS dropped under the `default` strategy) and `modeling_llava_next.py`
+(`image_size_to_num_patches`, `get_anyres_image_grid_shape`, `unpad_image`,
+`pack_image_features`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridmem.errors import SpecError
+from hybridmem.models.vision import has_cls, patches_per_side, tokens_per_crop
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLayout:
+    crops: int
+    """Crops per image the vision tower encodes (1 for LLaVA-1.5; tiles + 1 base for NeXT)."""
+    features_per_crop: int
+    """Tokens per crop entering the projector (after the select strategy)."""
+    tokens: int
+    """Image tokens per image in the language model's sequence."""
+    newlines: int = 0
+    """`image_newline` tokens among them (LLaVA-NeXT)."""
+
+
+def features_per_crop(cfg) -> int:
+    """Tokens the projector sees per crop: `default` drops the first token (`[:, 1:]`)."""
+    t = tokens_per_crop(cfg.vision_config)
+    return t - 1 if cfg.vision_feature_select_strategy == "default" else t
+
+
+def num_feature_layers(cfg) -> int:
+    return 1 if isinstance(cfg.vision_feature_layer, int) else len(cfg.vision_feature_layer)
+
+
+def llava_layout(cfg, image_size: int) -> ImageLayout:
+    """LLaVA-1.5: the tower takes its native size only (fixed position embeddings)."""
+    native = cfg.vision_config.image_size
+    if image_size != native:
+        raise SpecError("image_size", image_size, [native],
+                        reason=f"the {cfg.vision_config.model_type} tower has fixed position "
+                        "embeddings for its native size")
+    f = features_per_crop(cfg)
+    return ImageLayout(crops=1, features_per_crop=f, tokens=f)
+
+
+def select_best_resolution(size: tuple[int, int], pinpoints) -> tuple[int, int]:
+    """Same rule as transformers `image_processing_utils.select_best_resolution`."""
+    h0, w0 = size
+    best, best_eff, best_waste = None, 0, float("inf")
+    for h, w in pinpoints:
+        scale = min(w / w0, h / h0)
+        eff = min(int(w0 * scale) * int(h0 * scale), w0 * h0)
+        waste = w * h - eff
+        if eff > best_eff or (eff == best_eff and waste < best_waste):
+            best, best_eff, best_waste = (h, w), eff, waste
+    return best
+
+
+def unpadded_size(cur: tuple[int, int], original: tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of the feature map after `unpad_image` removes the letterbox padding."""
+    ch, cw = cur
+    oh, ow = original
+    if ow / oh > cw / ch:
+        new_h = int(round(oh * (cw / ow), 7))
+        pad = (ch - new_h) // 2
+        return ch - 2 * pad, cw
+    new_w = int(round(ow * (ch / oh), 7))
+    pad = (cw - new_w) // 2
+    return ch, cw - 2 * pad
+
+
+def llava_next_layout(cfg, image_size: int) -> ImageLayout:
+    """LLaVA-NeXT anyres: base crop + best-resolution tiles, unpadded, one newline per row."""
+    vc = cfg.vision_config
+    side = patches_per_side(vc, vc.image_size)
+    f = features_per_crop(cfg)
+    if f != side * side:
+        raise SpecError("vision_feature_select_strategy", cfg.vision_feature_select_strategy,
+                        ["default" if has_cls(vc) else "full"],
+                        reason=f"anyres packing needs {side}x{side} features per crop, got {f}")
+    bh, bw = select_best_resolution((image_size, image_size), cfg.image_grid_pinpoints)
+    gh, gw = -(-bh // vc.image_size), -(-bw // vc.image_size)  # image_size_to_num_patches
+    rows, cols = unpadded_size((gh * side, gw * side), (image_size, image_size))
+    return ImageLayout(crops=gh * gw + 1, features_per_crop=f, tokens=f + rows * (cols + 1),
+                       newlines=rows)
+
+
+def image_layout(cfg, image_size: int | None) -> ImageLayout:
+    size = cfg.vision_config.image_size if image_size is None else image_size
+    if cfg.model_type == "llava_next":
+        return llava_next_layout(cfg, size)
+    return llava_layout(cfg, size)
