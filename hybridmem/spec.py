@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal, get_args
 
 from hybridmem.errors import SpecError
+from hybridmem.parallel.spec import ParallelSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
@@ -68,21 +69,6 @@ class LoraSpec:
                             reason="at least one target module is needed")
         if not 0.0 <= self.dropout < 1.0:
             raise SpecError("lora.dropout", self.dropout, reason="must be in [0, 1)")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ParallelSpec:
-    """How the job is spread over GPUs; memory is predicted per rank."""
-
-    world_size: int = 1
-    """Number of data-parallel ranks (GPUs)."""
-    strategy: Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"] = "none"
-    """Data-parallel flavour; `none` is a single process."""
-
-    def __post_init__(self) -> None:
-        _check_positive("parallel.world_size", self.world_size)
-        _check_choice("parallel.strategy", self.strategy,
-                      ("none", "ddp", "zero1", "zero2", "zero3", "fsdp"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
