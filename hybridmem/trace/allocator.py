@@ -1,0 +1,28 @@
+"""A simulator of PyTorch's CUDA caching allocator: an alloc/free stream in, reserved bytes out.
+
+What the trace tier records is what PyTorch *allocates*; what a GPU runs out of is what the
+caching allocator *reserves* (segments from cudaMalloc, or pages from cuMemMap with expandable
+segments). The simulator replays the allocator's decisions rule by rule from
+`c10/cuda/CUDACachingAllocator.cpp` (`DeviceCachingAllocator`, read at pytorch/pytorch commit
+001074d2) and the shared code it moved to in newer releases (`c10/core/CachingDeviceAllocator.h`,
+`c10/core/AllocatorConfig.{h,cpp}`).
+
+Public API (agreed with the tracker):
+- `AllocatorConfig` (+ `from_env`): the options that change memory, `allocator_config.py`;
+- `CachingAllocatorSim`: malloc/free/empty_cache with allocated/reserved peaks, `allocator_sim.py`;
+- `replay`, `replay_snapshot`, `ReplayResult`: streams and real `torch.cuda.memory._snapshot()`
+  traces, `allocator_replay.py`.
+"""
+
+from __future__ import annotations
+
+from hybridmem.trace.allocator_config import AllocatorConfig, division_table
+from hybridmem.trace.allocator_replay import ReplayResult, replay, replay_snapshot
+from hybridmem.trace.allocator_sim import (
+    CachingAllocatorSim, SimulatedOOM, get_allocation_size, round_size,
+)
+
+__all__ = [
+    "AllocatorConfig", "CachingAllocatorSim", "ReplayResult", "SimulatedOOM", "division_table",
+    "get_allocation_size", "replay", "replay_snapshot", "round_size",
+]
