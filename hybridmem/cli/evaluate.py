@@ -1,0 +1,60 @@
+"""`hybridmem evaluate`: held-out error table of analytic / trace / hybrid, or registry A vs B."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+METRIC_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("n", "rows"), ("mape", "MAPE %"), ("median_ape", "median APE %"), ("p95_ape", "P95 APE %"),
+    ("under_share", "under-pred."), ("verdict_acc", "fit verdict acc."),
+    ("bound_coverage", "P95 bound cover."),
+)
+
+
+def metrics_table(table: dict[str, dict[str, float]], title: str):
+    """A rich Table: one row per method, the metrics of `hybridmem.learned.metrics`."""
+    from rich.table import Table
+
+    out = Table(title=title)
+    out.add_column("method")
+    for _, header in METRIC_COLUMNS:
+        out.add_column(header, justify="right")
+    for method, m in table.items():
+        cells = []
+        for key, _ in METRIC_COLUMNS:
+            v = m.get(key)
+            cells.append("-" if v is None else f"{int(v)}" if key == "n"
+                         else f"{v:.1%}" if key in ("under_share", "verdict_acc", "bound_coverage")
+                         else f"{v:.2f}")
+        out.add_row(method, *cells)
+    return out
+
+
+def print_notes(notes: list[str]) -> None:
+    for note in notes:
+        typer.echo(f"note: {note}")
+
+
+def evaluate_command(
+    data: str = typer.Option(..., "--data", help="Dataset (parquet file or folder) from `hybridmem collect`."),
+    model: Optional[list[str]] = typer.Option(None, "--model", help="Registry entry (folder) to score; repeat to compare A and B."),
+    target: str = typer.Option("device", "--target", help="device or reserved peak."),
+    folds: int = typer.Option(5, "--folds", help="GroupKFold splits (by model shape) without --model."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Save the predicted-vs-measured plot to FILE (PNG/SVG/PDF)."),
+) -> None:
+    """Errors on held-out model shapes: analytic vs trace vs hybrid, or model A vs model B."""
+    from rich.console import Console
+
+    from hybridmem.learned.compare import compare
+
+    result = compare(data, models=model or (), target=target, n_splits=folds, plot=plot)
+    Console().print(metrics_table(result.table, f"{target} peak, held-out model shapes"))
+    print_notes(result.notes)
+    if plot:
+        typer.echo(f"plot: {plot}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("evaluate")(evaluate_command)

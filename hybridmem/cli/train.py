@@ -1,0 +1,36 @@
+"""`hybridmem train`: fit the residual model on a dataset and write it to the registry."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def train_command(
+    data: str = typer.Option(..., "--data", help="Dataset (parquet file or folder) from `hybridmem collect`."),
+    out: str = typer.Option(..., "--out", help="Registry folder to write, e.g. models/h100-torch2.13."),
+    target: str = typer.Option("both", "--target", help="device, reserved or both."),
+    folds: int = typer.Option(5, "--folds", help="GroupKFold splits (by model shape) for the held-out metrics."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out folder."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Also save the predicted-vs-measured plot to FILE."),
+    track: bool = typer.Option(True, "--track/--no-track", help="Log the run to MLflow (experiments/mlruns)."),
+) -> None:
+    """Train the LightGBM residual on measured rows; held-out metrics, MLflow run, registry entry."""
+    from rich.console import Console
+
+    from hybridmem.cli.evaluate import metrics_table, print_notes
+    from hybridmem.learned.train import train
+
+    result = train(data, out, force=force, target=target, n_splits=folds, plot=plot, track=track)
+    for name, ev in result.evaluations.items():
+        Console().print(metrics_table(ev.table, f"{name} peak, held-out model shapes (CV)"))
+    print_notes(result.notes)
+    meta = result.metadata
+    typer.echo(f"model: {result.path} ({meta['dataset']['rows_used']} rows, sources "
+               f"{', '.join(meta['sources'])}, calibrated_to_gpu={str(meta['calibrated_to_gpu']).lower()}"
+               + (f", MLflow run {meta['mlflow_run_id']}" if meta.get("mlflow_run_id") else "") + ")")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train_command)

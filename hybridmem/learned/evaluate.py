@@ -1,0 +1,141 @@
+"""Held-out evaluation: grouped cross-validation by model shape, tiers side by side.
+
+Groups are model shapes (a hash of the model config), so no architecture/size is ever in
+both the training and the test fold: the numbers say how the residual does on a model it
+never saw, which is what a user with a new model gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from hybridmem.errors import SpecError
+from hybridmem.learned.dataset import TARGET_COLUMNS, shape_group
+from hybridmem.learned.features import FeatureTable
+from hybridmem.learned.metrics import bound_coverage, error_metrics
+
+METHODS: tuple[str, ...] = ("analytic", "trace", "hybrid")
+
+
+@dataclass
+class Evaluation:
+    predictions: pd.DataFrame
+    """One row per held-out measurement: fold, group, model_name, measured, one column per method, upper."""
+    table: dict[str, dict[str, float]]
+    """method -> metrics over all held-out rows (trace only where trace rows exist)."""
+    per_fold: list[dict[str, float]] = field(default_factory=list)
+    target: str = "device"
+
+
+def trace_baseline(rows: pd.DataFrame, all_rows: pd.DataFrame, target: str) -> np.ndarray:
+    """The trace tier's peak for each row's spec, from trace rows of the dataset (NaN if none).
+
+    A trace row is never its own baseline: rows that are themselves trace rows get NaN.
+    """
+    column = TARGET_COLUMNS[target]
+    trace = all_rows[(all_rows["source"] == "trace") & (all_rows["outcome"] == "ok")]
+    lookup = trace.groupby("spec_hash")[column].median()
+    values = rows["spec_hash"].map(lookup).to_numpy(float, copy=True)
+    values[(rows["source"] == "trace").to_numpy()] = np.nan
+    return values
+
+
+def summarise(pred: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Metrics per method over the rows where that method has a value."""
+    out: dict[str, dict[str, float]] = {}
+    for method in METHODS:
+        ok = pred[method].notna()
+        if ok.any():
+            out[method] = error_metrics(pred.loc[ok, method], pred.loc[ok, "measured"])
+    if "hybrid" in out:
+        out["hybrid"]["bound_coverage"] = bound_coverage(pred["upper"], pred["measured"])
+        out["hybrid"]["upper_mape"] = error_metrics(pred["upper"], pred["measured"])["mape"]
+    return out
+
+
+def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "device",
+                   n_splits: int = 5, estimator_params: dict | None = None) -> Evaluation:
+    """GroupKFold over model shapes; each fold fits a fresh residual on the other shapes."""
+    from sklearn.model_selection import GroupKFold
+
+    from hybridmem.learned.model import ResidualRegressor
+
+    groups = table.rows["model_config"].map(shape_group).to_numpy()
+    n_groups = len(set(groups))
+    if n_groups < 2:
+        raise SpecError("data", f"{n_groups} model shape",
+                        reason="held-out evaluation needs rows of at least 2 model shapes")
+    y = table.target(target)
+    base = table.base_device if target == "device" else table.base_reserved
+    measured = table.rows[TARGET_COLUMNS[target]].to_numpy(float)
+    trace = trace_baseline(table.rows, all_rows, target)
+    parts, per_fold = [], []
+    splitter = GroupKFold(n_splits=min(n_splits, n_groups))
+    for fold, (train, test) in enumerate(splitter.split(table.X, y, groups)):
+        est = ResidualRegressor(**(estimator_params or {})).fit(table.X.iloc[train], y[train])
+        X_test = table.X.iloc[test]
+        part = pd.DataFrame({
+            "fold": fold, "group": groups[test],
+            "model_name": table.rows["model_name"].to_numpy()[test],
+            "measured": measured[test], "analytic": base[test], "trace": trace[test],
+            "hybrid": base[test] * np.exp(est.predict(X_test)),
+            "upper": base[test] * np.exp(est.predict_upper(X_test)),
+        })
+        parts.append(part)
+        per_fold.append({f"{m}_{k}": v for m, metrics in summarise(part).items()
+                         for k, v in metrics.items()})
+    pred = pd.concat(parts, ignore_index=True)
+    return Evaluation(predictions=pred, table=summarise(pred), per_fold=per_fold, target=target)
+
+
+def evaluate_fitted(table: FeatureTable, all_rows: pd.DataFrame, est, target: str,
+                    exclude_groups: set[str] = frozenset()) -> Evaluation:
+    """Metrics of an already-fitted residual on rows whose model shape it was not trained on."""
+    groups = table.rows["model_config"].map(shape_group).to_numpy()
+    keep = np.array([g not in exclude_groups for g in groups])
+    if not keep.any():
+        raise SpecError("data", f"{len(groups)} rows",
+                        reason="every row's model shape was in the model's training data; "
+                               "no held-out rows to compare on")
+    base = (table.base_device if target == "device" else table.base_reserved)[keep]
+    X = table.X[keep]
+    pred = pd.DataFrame({
+        "fold": 0, "group": groups[keep], "model_name": table.rows["model_name"].to_numpy()[keep],
+        "measured": table.rows[TARGET_COLUMNS[target]].to_numpy(float)[keep],
+        "analytic": base, "trace": trace_baseline(table.rows, all_rows, target)[keep],
+        "hybrid": base * np.exp(est.predict(X)), "upper": base * np.exp(est.predict_upper(X)),
+    })
+    return Evaluation(predictions=pred, table=summarise(pred), target=target)
+
+
+def plot_predictions(pred: pd.DataFrame, path: str, title: str = "",
+                     methods: tuple[str, ...] = METHODS) -> str:
+    """Predicted vs measured peak (log-log), one colour per method, y = x and +-10 % lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gib = 2**30
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for method, marker in zip(methods, "o^sDvP<>"):
+        ok = pred[method].notna() if method in pred else None
+        if ok is not None and ok.any():
+            ax.scatter(pred.loc[ok, "measured"] / gib, pred.loc[ok, method] / gib, s=14,
+                       marker=marker, alpha=0.7, label=method)
+    lo = max(pred["measured"].min() / gib * 0.8, 1e-6)
+    hi = pred["measured"].max() / gib * 1.25
+    xs = np.array([lo, hi])
+    ax.plot(xs, xs, "k-", lw=1, label="y = x")
+    for f in (0.9, 1.1):
+        ax.plot(xs, xs * f, "k:", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="measured peak (GiB)", ylabel="predicted peak (GiB)",
+           title=title or "predicted vs measured (held-out model shapes)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,253 @@
+"""Features and residual targets of the learned tier.
+
+One function, `feature_row`, turns (spec, model config, base estimate, environment) into a
+flat dict, so training rows and a user's spec at predict time are featurised the same way.
+Targets are residuals on the base estimate, `log(measured / base)`: a ratio generalises to
+model sizes the trees never saw, where raw bytes could not (trees do not extrapolate).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from hybridmem.categories import CATEGORIES
+from hybridmem.errors import SpecError
+from hybridmem.prediction import Prediction
+from hybridmem.spec import TrainingSpec
+
+BaseFn = Callable[[TrainingSpec], Prediction]
+
+CATEGORICAL: tuple[str, ...] = ("precision", "optimizer", "train", "attn", "strategy",
+                                "base_phase", "gpu_name")
+"""Features encoded as categories (codes learned at fit time; unseen values become missing)."""
+
+RANGE_FEATURES: tuple[str, ...] = ("micro_batch", "seq_len", "image_tokens", "params_total",
+                                   "params_trainable", "hidden_size", "num_layers", "base_device_gib")
+"""Main features whose training ranges go into the registry metadata (predict warns outside)."""
+
+
+def analytic_base(spec: TrainingSpec) -> Prediction:
+    """The default base estimate: the analytic tier (imported lazily)."""
+    from hybridmem.analytic import estimate
+
+    return estimate(spec)
+
+
+def resolve_base(base_fn: BaseFn | None) -> BaseFn:
+    """`base_fn`, or the analytic tier looked up at call time (tests can patch `analytic_base`)."""
+    import sys
+
+    return base_fn or sys.modules[__name__].analytic_base
+
+
+def _version_number(text: object) -> float:
+    """'2.13.0+cu124' -> 2.13 as major + minor/100 (NaN when unknown), a sortable feature."""
+    parts = str(text or "").split("+")[0].split(".")
+    try:
+        return int(parts[0]) + int(parts[1]) / 100 if len(parts) >= 2 else float("nan")
+    except ValueError:
+        return float("nan")
+
+
+def major_minor(text: object) -> str | None:
+    """'2.13.0+cu124' -> '2.13'; None when it cannot be read."""
+    parts = str(text or "").split("+")[0].split(".")
+    return ".".join(parts[:2]) if len(parts) >= 2 and all(p.isdigit() for p in parts[:2]) else None
+
+
+def config_features(config: Mapping) -> dict[str, float]:
+    """Sizes of the language model and vision tower from a raw HF config dict."""
+    text = config.get("text_config") or config
+    vision = config.get("vision_config") or {}
+    heads = text.get("num_attention_heads", 0)
+    patch = vision.get("patch_size", 0) or 0
+    img = vision.get("image_size", 0) or 0
+    return {
+        "hidden_size": text.get("hidden_size", 0),
+        "num_layers": text.get("num_hidden_layers", 0),
+        "intermediate_size": text.get("intermediate_size", 0),
+        "num_heads": heads,
+        "num_kv_heads": text.get("num_key_value_heads") or heads,
+        "vocab_size": text.get("vocab_size") or config.get("vocab_size", 0),
+        "vision_hidden": vision.get("hidden_size", 0),
+        "vision_layers": vision.get("num_hidden_layers", 0),
+        "vision_image_size": img,
+        "vision_patch": patch,
+    }
+
+
+def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
+    """What the user chose: sizes, batch, lengths, image tokens, dtypes, optimizer, ..."""
+    vision = config.get("vision_config") or {}
+    multimodal = bool(vision)
+    images = spec.images_per_sample if spec.images_per_sample is not None else int(multimodal)
+    size = spec.image_size or vision.get("image_size", 0) or 0
+    patch = vision.get("patch_size", 0) or 0
+    # CLIP/SigLIP: (size / patch)^2 patch tokens per image (LLaVA-1.5 drops CLS: 24x24 = 576);
+    # LLaVA-NeXT's anyres tiling adds more, which the base estimate accounts for.
+    per_image = (size // patch) ** 2 if patch else 0
+    return {
+        "micro_batch": spec.micro_batch,
+        "seq_len": spec.seq_len,
+        "tokens": spec.micro_batch * spec.seq_len,
+        "images_per_sample": images,
+        "image_size": size,
+        "image_tokens": images * per_image,
+        "precision": spec.precision,
+        "optimizer": spec.optimizer,
+        "train": spec.train,
+        "attn": spec.attn,
+        "grad_ckpt": int(spec.grad_ckpt),
+        "lora_r": spec.lora.r if spec.lora is not None else 0,
+        "world_size": spec.parallel.world_size,
+        "strategy": spec.parallel.strategy,
+    }
+
+
+def base_features(base: Prediction) -> dict[str, object]:
+    """Every factor of the base breakdown (bytes and share of the device peak) and its peaks."""
+    device = max(base.peak.device_bytes, 1)
+    out: dict[str, object] = {
+        "params_total": base.params_total,
+        "params_trainable": base.params_trainable,
+        "base_allocated_gib": base.peak.allocated_bytes / 2**30,
+        "base_reserved_gib": base.peak.reserved_bytes / 2**30,
+        "base_device_gib": base.peak.device_bytes / 2**30,
+        "base_log_device": math.log(device),
+        "base_phase": base.peak.phase,
+        "base_iteration": base.peak.iteration,
+    }
+    for cat in CATEGORIES:
+        out[f"base_{cat}_gib"] = base.breakdown.get(cat, 0) / 2**30
+        out[f"share_{cat}"] = base.breakdown.get(cat, 0) / device
+    return out
+
+
+def env_features(gpu_name: str, gpu_memory_bytes: float, torch_version: str,
+                 cuda_version: str, alloc_conf: str = "") -> dict[str, object]:
+    """The environment: GPU, its memory, torch and CUDA versions, allocator settings."""
+    return {
+        "gpu_name": gpu_name,
+        "gpu_memory_gib": gpu_memory_bytes / 2**30 if gpu_memory_bytes else float("nan"),
+        "torch": _version_number(torch_version),
+        "cuda": _version_number(cuda_version),
+        "expandable_segments": int("expandable_segments:true" in str(alloc_conf).replace(" ", "").lower()),
+    }
+
+
+def feature_row(spec: TrainingSpec, config: Mapping, base: Prediction,
+                env: Mapping[str, object]) -> dict[str, object]:
+    """All features of one (spec, environment); `env` holds `env_features` arguments."""
+    return {**spec_features(spec, config), **config_features(config), **base_features(base),
+            **env_features(**env)}
+
+
+def row_spec(row: Mapping) -> tuple[TrainingSpec, dict]:
+    """(TrainingSpec, raw config dict) rebuilt from a dataset row (see the dataset contract)."""
+    from hybridmem.models.loader import materialize_config
+
+    config = json.loads(row["model_config"])
+    spec = TrainingSpec.from_dict({**json.loads(row["spec_json"]),
+                                   "model": materialize_config(row["model_config"])})
+    return spec, config
+
+
+@dataclass
+class FeatureTable:
+    """Features, bases and targets of the usable rows (aligned by position)."""
+
+    X: pd.DataFrame
+    rows: pd.DataFrame
+    """The dataset rows kept (same order as X)."""
+    base_device: np.ndarray
+    base_reserved: np.ndarray
+    dropped: dict[str, str] = field(default_factory=dict)
+    """spec_hash -> why the base estimate failed for it (those rows are left out)."""
+
+    def target(self, name: str) -> np.ndarray:
+        """log(measured / base) for `name` in ("device", "reserved")."""
+        if name == "device":
+            return np.log(self.rows["peak_device_bytes"].to_numpy(float) / self.base_device)
+        if name == "reserved":
+            return np.log(self.rows["peak_reserved_bytes"].to_numpy(float) / self.base_reserved)
+        raise SpecError("target", name, ("device", "reserved"))
+
+
+def build_table(rows: pd.DataFrame, base_fn: BaseFn | None = None) -> FeatureTable:
+    """Featurise dataset rows; the base estimate runs once per distinct spec."""
+    base_fn = resolve_base(base_fn)
+    cache: dict[str, tuple[TrainingSpec, dict, Prediction] | str] = {}
+    records, keep = [], []
+    for i, row in enumerate(rows.to_dict("records")):
+        key = row["spec_hash"]
+        if key not in cache:
+            try:
+                spec, config = row_spec(row)
+                cache[key] = (spec, config, base_fn(spec))
+            except SpecError as err:  # includes UnsupportedModelError
+                cache[key] = str(err)
+        hit = cache[key]
+        if isinstance(hit, str):
+            continue
+        spec, config, base = hit
+        env = {"gpu_name": row["gpu_name"], "gpu_memory_bytes": row["gpu_memory_bytes"],
+               "torch_version": row["torch_version"], "cuda_version": row["cuda_version"],
+               "alloc_conf": row.get("alloc_conf", "") or ""}
+        records.append((feature_row(spec, config, base, env), base))
+        keep.append(i)
+    dropped = {k: v for k, v in cache.items() if isinstance(v, str)}
+    if not records:
+        reason = next(iter(dropped.values()), "no rows")
+        raise SpecError("data", f"{len(rows)} rows", reason=f"no row has a base estimate ({reason})")
+    X = pd.DataFrame([r for r, _ in records])
+    bases = [b for _, b in records]
+    return FeatureTable(
+        X=X, rows=rows.iloc[keep].reset_index(drop=True),
+        base_device=np.array([b.peak.device_bytes for b in bases], dtype=float),
+        base_reserved=np.array([b.peak.reserved_bytes for b in bases], dtype=float),
+        dropped=dropped)
+
+
+class FeatureEncoder:
+    """Feature dicts -> a float matrix with stable columns; categories become integer codes.
+
+    scikit-learn conventions: `fit` learns `columns_` and `categories_` and returns self.
+    """
+
+    def fit(self, X: pd.DataFrame) -> "FeatureEncoder":
+        self.columns_ = list(X.columns)
+        self.categories_ = {c: sorted(str(v) for v in X[c].dropna().unique())
+                            for c in X.columns if c in CATEGORICAL}
+        return self
+
+    def transform(self, X: pd.DataFrame) -> np.ndarray:
+        out = np.full((len(X), len(self.columns_)), np.nan)
+        for j, col in enumerate(self.columns_):
+            if col not in X.columns:
+                continue
+            if col in self.categories_:
+                codes = {v: k for k, v in enumerate(self.categories_[col])}
+                out[:, j] = [codes.get(str(v), np.nan) for v in X[col]]
+            else:
+                out[:, j] = pd.to_numeric(X[col], errors="coerce").to_numpy(float)
+        return out
+
+    @property
+    def categorical_indices_(self) -> list[int]:
+        return [j for j, c in enumerate(self.columns_) if c in self.categories_]
+
+    def to_dict(self) -> dict:
+        return {"columns": self.columns_, "categories": self.categories_}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "FeatureEncoder":
+        enc = cls()
+        enc.columns_ = list(data["columns"])
+        enc.categories_ = {k: list(v) for k, v in data["categories"].items()}
+        return enc

@@ -1,0 +1,119 @@
+"""`predict --method hybrid`: the analytic estimate corrected by the registry's residual model.
+
+The residual changes only what the analytic tier cannot see: the reserved peak (allocator
+caching / fragmentation) and the device peak (CUDA context, memory outside PyTorch). Tensor
+categories stay as the analytic tier computed them; the corrections go to the breakdown as
+  fragmentation = corrected reserved - (tensor + workspace bytes of the base estimate)
+  context       = corrected device - corrected reserved
+so the breakdown still sums to the device peak and allocated <= reserved <= device holds.
+With no suitable model the analytic estimate (with its sourced default overheads) is
+returned, and the notes say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import lru_cache
+from pathlib import Path
+
+from hybridmem.learned import registry
+from hybridmem.prediction import Peak, Prediction
+from hybridmem.spec import TrainingSpec
+
+_DEFAULT_NOTE = ("no trained residual model fits this environment: this is the analytic "
+                 "estimate with its default (sourced) overheads for the CUDA context, "
+                 "workspaces and fragmentation")
+
+
+@lru_cache(maxsize=8)
+def _load(path: str, stamp: float) -> registry.LoadedModel:
+    """Registry entries are read once per process (find-max-batch calls us O(log B) times)."""
+    return registry.load(path)
+
+
+def load_cached(folder: Path) -> registry.LoadedModel:
+    return _load(str(folder), (folder / "metadata.json").stat().st_mtime)
+
+
+def fallback(base: Prediction, notes: list[str]) -> Prediction:
+    return dataclasses.replace(base, method="hybrid",
+                               notes=tuple(base.notes) + tuple(notes) + (_DEFAULT_NOTE,),
+                               extras={**base.extras, "model": None, "fallback": "analytic",
+                                       "upper_bound_bytes": None})
+
+
+def corrected(base: Prediction, device: float, reserved: float) -> tuple[Peak, dict[str, int]]:
+    """Peak and breakdown with corrected device / reserved peaks (split in the module doc)."""
+    bd = dict(base.breakdown)
+    inside = base.peak.device_bytes - bd["context"] - bd["fragmentation"]
+    new_reserved = max(int(round(reserved)), inside, base.peak.allocated_bytes)
+    new_device = max(int(round(device)), new_reserved)
+    bd["fragmentation"] = new_reserved - inside
+    bd["context"] = new_device - new_reserved
+    peak = dataclasses.replace(base.peak, reserved_bytes=new_reserved, device_bytes=new_device)
+    return peak, bd
+
+
+def out_of_range(features: dict, ranges: dict) -> list[str]:
+    """'name=value (trained min..max)' for each main feature outside its training range."""
+    out = []
+    for name, (lo, hi) in ranges.items():
+        v = features.get(name)
+        if isinstance(v, (int, float)) and not (lo <= v <= hi):
+            out.append(f"{name}={v:g} (trained {lo:g}..{hi:g})")
+    return out
+
+
+def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedModel,
+                env: dict, gpu_name: str | None = None) -> Prediction:
+    """The base prediction corrected by `model`, with notes and the P95 upper bound."""
+    import pandas as pd
+
+    from hybridmem.learned.features import feature_row
+    from hybridmem.models.loader import load_config_dict
+
+    meta = model.metadata
+    _, config = load_config_dict(spec.model)
+    gpu = gpu_name or meta.get("default_gpu") or meta["gpu_names"][0]
+    row = feature_row(spec, config, base, {
+        "gpu_name": gpu, "gpu_memory_bytes": meta.get("gpu_memory_bytes") or 0,
+        "torch_version": env.get("torch") or meta["torch_versions"][-1],
+        "cuda_version": env.get("cuda") or meta["cuda_versions"][-1]})
+    X = pd.DataFrame([row])
+    ests = model.estimators
+    r_dev, r_up = ests["device"].predict(X)[0], ests["device"].predict_upper(X)[0]
+    r_res = ests["reserved"].predict(X)[0] if "reserved" in ests else 0.0
+    peak, bd = corrected(base, base.peak.device_bytes * math.exp(r_dev),
+                         base.peak.reserved_bytes * math.exp(r_res))
+    upper = max(int(round(base.peak.device_bytes * math.exp(r_up))), peak.device_bytes)
+    notes = [f"residual model {model.name} ({meta.get('dataset', {}).get('rows_used', '?')} rows, "
+             f"GPUs {', '.join(meta.get('gpu_names', []))}, torch {', '.join(meta.get('torch_versions', []))}); "
+             f"GPU assumed: {gpu}",
+             f"P95 upper bound of the device peak: {upper / 2**30:.2f} GiB"]
+    if not meta.get("calibrated_to_gpu"):
+        notes.insert(0, f"WARNING: model {model.name} was trained on "
+                        f"{'/'.join(meta.get('sources', ['?']))} rows, not real GPU measurements; "
+                        "it is NOT calibrated to real GPUs")
+    outside = out_of_range(row, meta.get("feature_ranges", {}))
+    if outside:
+        notes.append("spec outside the model's training range: " + "; ".join(outside))
+    return dataclasses.replace(
+        base, method="hybrid", peak=peak, breakdown=bd, notes=tuple(base.notes) + tuple(notes),
+        extras={**base.extras, "model": model.name, "upper_bound_bytes": upper,
+                "calibrated_to_gpu": bool(meta.get("calibrated_to_gpu"))})
+
+
+def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
+             gpu_name: str | None = None, base_fn=None) -> Prediction:
+    """Hybrid estimate of `spec`: analytic base + the newest matching residual model."""
+    from hybridmem.learned.features import resolve_base
+
+    base = resolve_base(base_fn)(spec)
+    env = registry.user_env()
+    root = Path(models_dir) if models_dir is not None else registry.models_root()
+    folder, notes = registry.select(root, env["torch"], env["cuda"])
+    if folder is None:
+        return fallback(base, notes)
+    pred = apply_model(spec, base, load_cached(folder), env, gpu_name)
+    return dataclasses.replace(pred, notes=pred.notes + tuple(notes))

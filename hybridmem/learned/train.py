@@ -1,0 +1,154 @@
+"""`hybridmem train`: dataset -> features -> held-out CV -> fit -> registry entry + MLflow run.
+
+Only real CUDA rows calibrate a model to GPUs. If the dataset has any "cuda" rows, only those
+are used (a model never mixes simulated and measured targets); otherwise the non-cuda rows are
+used and the entry says `calibrated_to_gpu: false`, which `predict` repeats loudly.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import tempfile
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from hybridmem.errors import SpecError
+from hybridmem.learned import dataset, registry
+from hybridmem.learned.dataset import shape_group
+from hybridmem.learned.evaluate import Evaluation, cross_validate, plot_predictions
+from hybridmem.learned.features import RANGE_FEATURES, BaseFn, FeatureTable
+
+TARGET_CHOICES: tuple[str, ...] = ("device", "reserved", "both")
+
+
+@dataclass
+class TrainResult:
+    path: Path
+    metadata: dict
+    evaluations: dict[str, Evaluation] = field(default_factory=dict)
+    importances: dict[str, dict[str, float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    plot_path: str | None = None
+
+
+def pick_sources(df: pd.DataFrame) -> tuple[str, ...]:
+    """"cuda" rows when there are any, else everything else (marked uncalibrated)."""
+    present = set(df["source"])
+    return ("cuda",) if "cuda" in present else tuple(sorted(present))
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib_metadata.version(pkg)
+    except importlib_metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _ranges(X: pd.DataFrame) -> dict[str, list[float]]:
+    return {c: [float(X[c].min()), float(X[c].max())] for c in RANGE_FEATURES if c in X}
+
+
+def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ...],
+                   targets: tuple[str, ...], evaluations: dict[str, Evaluation],
+                   hyper: dict, data_path: str) -> dict:
+    """Everything `predict` and a reviewer need to trust (or not) this model."""
+    rows = table.rows
+    return {
+        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hybridmem_version": _version("hybridmem"),
+        "lightgbm_version": _version("lightgbm"),
+        "base": "analytic",
+        "targets": list(targets),
+        "dataset": {"path": str(data_path), "hash": dataset.dataset_hash(df), "rows": len(df),
+                    "rows_used": len(rows), "specs_without_base": len(table.dropped)},
+        "sources": list(sources),
+        "calibrated_to_gpu": sources == ("cuda",),
+        "gpu_names": sorted(set(rows["gpu_name"])),
+        "default_gpu": str(rows["gpu_name"].mode().iloc[0]),
+        "gpu_memory_bytes": int(rows["gpu_memory_bytes"].mode().iloc[0]),
+        "torch_versions": sorted(set(rows["torch_version"])),
+        "cuda_versions": sorted(set(rows["cuda_version"])),
+        "transformers_versions": sorted(set(rows["transformers_version"])),
+        "model_names": sorted(set(rows["model_name"])),
+        "training_groups": sorted(set(rows["model_config"].map(shape_group))),
+        "feature_ranges": _ranges(table.X),
+        "metrics": {t: ev.table for t, ev in evaluations.items()},
+        "hyperparameters": hyper,
+    }
+
+
+def _log_run(run, meta: dict, evaluations: dict[str, Evaluation], importances: dict,
+             plot_path: str | None, saved: Path) -> None:
+    run.params({"data": meta["dataset"]["path"], "dataset_hash": meta["dataset"]["hash"],
+                "rows": meta["dataset"]["rows"], "rows_used": meta["dataset"]["rows_used"],
+                "sources": ",".join(meta["sources"]), "targets": ",".join(meta["targets"]),
+                "torch_versions": ",".join(meta["torch_versions"]),
+                "gpu_names": ",".join(meta["gpu_names"]),
+                **{f"hp_{k}": v for k, v in meta["hyperparameters"].items()}})
+    run.tags({"calibrated_to_gpu": str(meta["calibrated_to_gpu"]).lower(), "model": saved.name})
+    for target, ev in evaluations.items():
+        for fold, metrics in enumerate(ev.per_fold):
+            run.metrics({f"{target}_{k}": v for k, v in metrics.items() if np.isfinite(v)}, step=fold)
+        run.metrics({f"{target}_cv_{m}_{k}": v for m, d in ev.table.items() for k, v in d.items()})
+    run.json_artifact(importances, "feature_importances.json")
+    run.json_artifact(meta, "metadata.json")
+    if plot_path:
+        run.artifact(plot_path)
+    for file in sorted(saved.iterdir()):
+        run.artifact(file, subdir="model")
+
+
+def train(data: str | Path, out: str | Path, *, force: bool = False, target: str = "both",
+          n_splits: int = 5, base_fn: BaseFn | None = None, estimator_params: dict | None = None,
+          plot: str | None = None, track: bool = True) -> TrainResult:
+    """Train, evaluate on held-out model shapes, save to the registry, log to MLflow."""
+    from hybridmem.learned.model import ResidualRegressor
+    from hybridmem.tracking import start_run
+
+    if target not in TARGET_CHOICES:
+        raise SpecError("target", target, TARGET_CHOICES)
+    targets = registry.TARGETS if target == "both" else (target,)
+    registry.check_out_path(out, force)  # refuse before any work: nothing is overwritten
+    df = dataset.load(data)
+    sources = pick_sources(df)
+    table = build_table_for(df, sources, base_fn)
+    notes = [] if sources == ("cuda",) else [
+        f"trained on {'/'.join(sources)} rows, not real CUDA measurements: NOT calibrated to GPUs"]
+    if table.dropped:
+        notes.append(f"{len(table.dropped)} spec(s) had no base estimate and were left out, e.g. "
+                     + next(iter(table.dropped.values())))
+    evaluations: dict[str, Evaluation] = {}
+    if table.rows["model_config"].map(shape_group).nunique() >= 2:
+        evaluations = {t: cross_validate(table, df, t, n_splits, estimator_params) for t in targets}
+    else:
+        notes.append("only one model shape: no held-out evaluation is possible")
+    estimators = {t: ResidualRegressor(**(estimator_params or {})).fit(table.X, table.target(t))
+                  for t in targets}
+    hyper = estimators[targets[0]].get_params()
+    meta = build_metadata(df, table, sources, targets, evaluations, hyper, str(data))
+    meta["notes"] = notes
+    importances = {t: e.feature_importances() for t, e in estimators.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        plot_path = plot
+        if evaluations and plot_path is None:
+            plot_path = str(Path(tmp) / "predicted_vs_measured.png")
+        if evaluations:
+            first = evaluations[targets[0]]
+            plot_predictions(first.predictions, plot_path, f"{targets[0]} peak, held-out shapes")
+        with start_run("train", run_name=Path(out).name, enabled=track) as run:
+            meta["mlflow_run_id"] = run.run_id
+            saved = registry.save(out, estimators, meta, force=force)
+            _log_run(run, meta, evaluations, importances, plot_path if evaluations else None, saved)
+    return TrainResult(path=saved, metadata=meta, evaluations=evaluations,
+                       importances=importances, notes=notes, plot_path=plot)
+
+
+def build_table_for(df: pd.DataFrame, sources: tuple[str, ...], base_fn: BaseFn) -> FeatureTable:
+    """Features of the usable rows of `sources`."""
+    from hybridmem.learned.features import build_table
+
+    return build_table(dataset.usable_rows(df, sources), base_fn)
