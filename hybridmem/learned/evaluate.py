@@ -75,7 +75,8 @@ def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "d
     parts, per_fold = [], []
     splitter = GroupKFold(n_splits=min(n_splits, n_groups))
     for fold, (train, test) in enumerate(splitter.split(table.X, y, groups)):
-        est = ResidualRegressor(**(estimator_params or {})).fit(table.X.iloc[train], y[train])
+        est = ResidualRegressor(**(estimator_params or {})).fit(
+            table.X.iloc[train], y[train], groups=groups[train])
         X_test = table.X.iloc[test]
         part = pd.DataFrame({
             "fold": fold, "group": groups[test],

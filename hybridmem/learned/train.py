@@ -8,6 +8,7 @@ used and the entry says `calibrated_to_gpu: false`, which `predict` repeats loud
 from __future__ import annotations
 
 import datetime as dt
+import os
 import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
@@ -126,7 +127,8 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
         evaluations = {t: cross_validate(table, df, t, n_splits, estimator_params) for t in targets}
     else:
         notes.append("only one model shape: no held-out evaluation is possible")
-    estimators = {t: ResidualRegressor(**(estimator_params or {})).fit(table.X, table.target(t))
+    groups = table.rows["model_config"].map(shape_group).to_numpy()
+    estimators = {t: ResidualRegressor(**(estimator_params or {})).fit(table.X, table.target(t), groups)
                   for t in targets}
     hyper = estimators[targets[0]].get_params()
     meta = build_metadata(df, table, sources, targets, evaluations, hyper, str(data))
@@ -139,6 +141,9 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
         if evaluations:
             first = evaluations[targets[0]]
             plot_predictions(first.predictions, plot_path, f"{targets[0]} peak, held-out shapes")
+        # MLflow >= 3.x refuses the local file store unless opted in (its FileStore.__init__
+        # error message names this variable); the design asks for that store, no server.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         with start_run("train", run_name=Path(out).name, enabled=track) as run:
             meta["mlflow_run_id"] = run.run_id
             saved = registry.save(out, estimators, meta, force=force)

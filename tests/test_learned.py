@@ -1,0 +1,241 @@
+"""Learned residual tier: dataset checks, metrics, estimator, registry, train, predictor.
+
+Rows come from `test_learned_support.make_rows` (made-up, labelled "analytic", never "cuda");
+the base estimate is its `toy_base`, patched in where the analytic tier would be used.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from hybridmem.errors import SpecError
+from hybridmem.learned import dataset, registry
+from hybridmem.learned.features import build_table, feature_row
+from hybridmem.learned.metrics import error_metrics, verdict_accuracy
+from hybridmem.spec import TrainingSpec
+from test_learned_support import SHAPES, make_rows, toy_base, true_factor
+
+FAST = {"n_estimators": 60}
+"""Fewer boosting rounds keep each fit ~20 ms; enough for the learnable made-up factor."""
+
+
+@pytest.fixture
+def rows() -> pd.DataFrame:
+    return make_rows()
+
+
+@pytest.fixture
+def data_file(rows, tmp_path) -> str:
+    path = tmp_path / "rows.parquet"
+    rows.to_parquet(path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _toy_base_and_registry(monkeypatch, tmp_path):
+    monkeypatch.setattr("hybridmem.learned.features.analytic_base", toy_base)
+    monkeypatch.setenv("HYBRIDMEM_MODELS", str(tmp_path / "registry"))
+    monkeypatch.setenv("HYBRIDMEM_TORCH_VERSION", "2.13.0")
+    monkeypatch.delenv("HYBRIDMEM_CUDA_VERSION", raising=False)
+
+
+# ---- dataset boundary ----
+
+def test_missing_column_names_it(rows):
+    with pytest.raises(SpecError, match=r"dataset column='peak_device_bytes': missing"):
+        dataset.validate(rows.drop(columns=["peak_device_bytes"]))
+
+
+def test_mistyped_column_names_it(rows):
+    rows["micro_batch"] = rows["micro_batch"].astype(str)
+    with pytest.raises(SpecError, match=r"dataset column='micro_batch': expected integer"):
+        dataset.validate(rows)
+
+
+def test_empty_dataset_is_an_error(rows):
+    with pytest.raises(SpecError, match="no rows"):
+        dataset.validate(rows.iloc[:0])
+
+
+def test_unknown_source_and_newer_schema_are_errors(rows):
+    bad = rows.assign(source="synthetic")
+    with pytest.raises(SpecError, match="source.*valid: cuda, trace, analytic"):
+        dataset.validate(bad)
+    with pytest.raises(SpecError, match="schema_version.*newer"):
+        dataset.validate(rows.assign(schema_version=99))
+
+
+def test_usable_rows_drop_oom_rows(rows):
+    rows.loc[0, "outcome"] = "oom"
+    rows.loc[0, "peak_device_bytes"] = pd.NA
+    assert len(dataset.usable_rows(rows)) == len(rows) - 1
+
+
+def test_dataset_hash_ignores_row_order(rows):
+    assert dataset.dataset_hash(rows) == dataset.dataset_hash(rows.iloc[::-1])
+    changed = rows.copy()
+    changed.loc[3, "peak_device_bytes"] += 1
+    assert dataset.dataset_hash(rows) != dataset.dataset_hash(changed)
+
+
+# ---- features and metrics ----
+
+def test_features_cover_spec_base_and_environment():
+    spec = TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=64)
+    from hybridmem.models.loader import load_config_dict
+
+    row = feature_row(spec, load_config_dict("tiny-llava")[1], toy_base(spec),
+                      {"gpu_name": "h100", "gpu_memory_bytes": 2**30, "torch_version": "2.13.0+cu126",
+                       "cuda_version": "12.6"})
+    # tiny-llava: CLIP 30 px / 6 px patches -> 5 x 5 = 25 image tokens per image (preset _source)
+    assert row["image_tokens"] == 25
+    assert row["torch"] == pytest.approx(2.13) and row["cuda"] == pytest.approx(12.06)
+    for cat in ("param", "grad", "optimizer", "activation", "temporary", "workspace",
+                "context", "fragmentation"):
+        assert f"base_{cat}_gib" in row and f"share_{cat}" in row
+
+
+def test_error_metrics_hand_computed():
+    # predicted 110 and 90 against 100: APE 10 % each, one under-prediction of two.
+    m = error_metrics([110, 90], [100, 100])
+    assert m["mape"] == pytest.approx(10) and m["under_share"] == 0.5
+    # verdicts at capacities 90, 95, 105, 110 (truth: no, no, yes, yes):
+    # predicted 110 -> no, no, no, yes: 3 right; predicted 90 -> yes, yes, yes, yes: 2 right
+    assert verdict_accuracy(np.array([110.0, 90.0]), np.array([100.0, 100.0])) == 5 / 8
+
+
+# ---- estimator ----
+
+def test_estimator_follows_sklearn_conventions_and_learns(rows, tmp_path):
+    from sklearn.utils.validation import check_is_fitted
+
+    from hybridmem.learned.model import ResidualRegressor
+
+    table = build_table(rows, toy_base)
+    y = table.target("device")
+    est = ResidualRegressor(**FAST)
+    assert est.fit(table.X, y, groups=table.rows["model_config"]) is est
+    check_is_fitted(est)
+    specs = [TrainingSpec.from_dict({**json.loads(s), "model": "tiny-llava"}) for s in table.rows["spec_json"]]
+    truth = np.log([true_factor(s) for s in specs])
+    assert np.abs(est.predict(table.X) - truth).max() < 0.03  # noise sd 0.005 in make_rows
+    assert np.all(est.predict_upper(table.X) >= est.predict(table.X))
+    est.save(tmp_path, "device")
+    again = ResidualRegressor.load(tmp_path, "device")
+    np.testing.assert_allclose(again.predict(table.X), est.predict(table.X))
+    np.testing.assert_allclose(again.predict_upper(table.X), est.predict_upper(table.X))
+
+
+def test_fit_rejects_bad_targets(rows):
+    from hybridmem.learned.model import ResidualRegressor
+
+    table = build_table(rows, toy_base)
+    with pytest.raises(SpecError, match="finite"):
+        ResidualRegressor(**FAST).fit(table.X, np.full(len(table.X), np.inf))
+
+
+# ---- train, registry, predictor ----
+
+def _train(data_file, out, **kw):
+    from hybridmem.learned.train import train
+
+    return train(data_file, out, estimator_params=FAST, n_splits=3, **kw)
+
+
+def test_train_writes_registry_entry_and_mlflow_run(data_file, tmp_path):
+    import mlflow
+
+    out = tmp_path / "registry" / "toy"
+    result = _train(data_file, out)
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["calibrated_to_gpu"] is False and meta["sources"] == ["analytic"]
+    assert meta["format_version"] == registry.FORMAT_VERSION
+    assert meta["dataset"]["rows"] == len(SHAPES) * 8 and len(meta["training_groups"]) == len(SHAPES)
+    assert meta["feature_ranges"]["seq_len"] == [128, 256]
+    assert {p.name for p in out.iterdir()} >= {"metadata.json", "device.point.txt", "device.upper.txt",
+                                               "reserved.point.txt", "reserved.json"}
+    # held-out shapes: the made-up factor is learnable, so the hybrid must beat the base
+    cv = result.evaluations["device"].table
+    assert cv["hybrid"]["mape"] < cv["analytic"]["mape"] / 3
+    run = mlflow.get_run(meta["mlflow_run_id"])
+    assert run.data.tags["calibrated_to_gpu"] == "false"
+    assert run.data.params["dataset_hash"] == meta["dataset"]["hash"]
+    assert "device_cv_hybrid_mape" in run.data.metrics
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "device_hybrid_mape")
+    assert sorted(m.step for m in history) == [0, 1, 2]
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"feature_importances.json", "predicted_vs_measured.png", "model"} <= artifacts
+
+
+def test_train_refuses_to_overwrite_and_bad_data_changes_nothing(data_file, rows, tmp_path):
+    out = tmp_path / "registry" / "toy"
+    _train(data_file, out)
+    before = (out / "metadata.json").read_text()
+    with pytest.raises(SpecError, match="already exists; pass --force"):
+        _train(data_file, out)
+    bad = tmp_path / "bad.parquet"
+    rows.drop(columns=["seq_len"]).to_parquet(bad)
+    with pytest.raises(SpecError, match="seq_len"):
+        _train(str(bad), out, force=True)
+    assert (out / "metadata.json").read_text() == before
+    assert [p.name for p in out.parent.iterdir()] == ["toy"]  # no temp folders left
+
+
+def test_incompatible_format_version_is_a_clear_error(data_file, tmp_path):
+    out = tmp_path / "registry" / "toy"
+    _train(data_file, out)
+    meta = json.loads((out / "metadata.json").read_text())
+    (out / "metadata.json").write_text(json.dumps({**meta, "format_version": 0}))
+    with pytest.raises(SpecError, match="format_version 0 is incompatible"):
+        registry.load(out)
+    folder, notes = registry.select(out.parent, "2.13.0", None)
+    assert folder is None and any("incompatible" in n for n in notes)
+
+
+def _fake_entry(root, name, torch_versions, created, calibrated=False):
+    (root / name).mkdir(parents=True)
+    (root / name / "metadata.json").write_text(json.dumps({
+        "format_version": registry.FORMAT_VERSION, "torch_versions": torch_versions,
+        "cuda_versions": ["12.4"], "created_at": created, "calibrated_to_gpu": calibrated}))
+
+
+def test_select_prefers_matching_torch_then_newest(tmp_path):
+    _fake_entry(tmp_path, "old", ["2.13.0"], "2026-01-01")
+    _fake_entry(tmp_path, "new", ["2.13.1"], "2026-06-01")
+    _fake_entry(tmp_path, "other", ["2.12.0"], "2026-09-01")
+    assert registry.select(tmp_path, "2.13.0", "12.4")[0].name == "new"
+    folder, notes = registry.select(tmp_path, "2.14.0", "12.4")
+    assert folder.name == "other" and any("outside the torch versions" in n for n in notes)
+    assert registry.select(tmp_path, "3.0.0", None)[0] is None
+    assert registry.select(tmp_path, "2.13.0", "11.8")[0] is None  # CUDA major differs
+
+
+def test_hybrid_falls_back_to_analytic_when_no_model():
+    from hybridmem.learned.predictor import estimate
+
+    spec = TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=64)
+    pred = estimate(spec)
+    assert pred.peak == toy_base(spec).peak and pred.extras["model"] is None
+    assert any("no trained residual model fits" in n for n in pred.notes)
+
+
+def test_hybrid_applies_model_and_warns(data_file, tmp_path):
+    from hybridmem.learned.predictor import estimate
+
+    _train(data_file, tmp_path / "registry" / "toy")
+    spec = TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=200, precision="fp32")
+    base = toy_base(spec)
+    pred = estimate(spec)
+    assert pred.method == "hybrid" and pred.extras["model"] == "toy"
+    # the made-up factor for fp32 without checkpointing is 1.25 (test_learned_support.true_factor)
+    assert pred.peak.device_bytes / base.peak.device_bytes == pytest.approx(1.25, rel=0.05)
+    assert pred.extras["upper_bound_bytes"] >= pred.peak.device_bytes
+    assert sum(pred.breakdown.values()) == pred.peak.device_bytes
+    assert pred.breakdown["param"] == base.breakdown["param"]
+    assert any("NOT calibrated to real GPUs" in n for n in pred.notes)
+    far = estimate(spec.with_(seq_len=4096))
+    assert any("outside the model's training range" in n and "seq_len=4096" in n for n in far.notes)
