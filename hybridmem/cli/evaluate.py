@@ -7,17 +7,18 @@ from typing import Optional
 import typer
 
 METRIC_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("n", "rows"), ("mape", "MAPE %"), ("median_ape", "median APE %"), ("p95_ape", "P95 APE %"),
-    ("under_share", "under-pred."), ("verdict_acc", "fit verdict acc."),
-    ("bound_coverage", "P95 bound cover."),
+    ("n", "rows"), ("mape", "MAPE%"), ("median_ape", "medAPE%"), ("p95_ape", "P95APE%"),
+    ("under_share", "under"), ("verdict_acc", "verdict"), ("bound_coverage", "bound"),
 )
+CAPTION = ("under: share of under-predictions; verdict: fits/does-not-fit accuracy at GPU = "
+           "measured x {0.9, 0.95, 1.05, 1.1}; bound: share measured <= P95 upper bound")
 
 
 def metrics_table(table: dict[str, dict[str, float]], title: str):
     """A rich Table: one row per method, the metrics of `hybridmem.learned.metrics`."""
     from rich.table import Table
 
-    out = Table(title=title)
+    out = Table(title=title, caption=CAPTION)
     out.add_column("method")
     for _, header in METRIC_COLUMNS:
         out.add_column(header, justify="right")

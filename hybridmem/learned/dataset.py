@@ -70,12 +70,15 @@ def load(path: str | Path) -> pd.DataFrame:
     p = Path(path)
     if not p.exists():
         raise SpecError("data", str(path), reason="no such file or folder")
-    try:
-        from hybridmem.harness import load_dataset  # the writer's own reader, when present
+    try:  # the writer's own reader (newest row per measurement key), when present
+        from hybridmem.harness.store import load_dataset
     except ImportError:
         load_dataset = None
     try:
-        df = load_dataset(p) if load_dataset is not None else pd.read_parquet(p)
+        try:
+            df = load_dataset(p) if load_dataset is not None else pd.read_parquet(p)
+        except KeyError:  # the writer's reader needs its key columns; `validate` names them
+            df = pd.read_parquet(p)
     except SpecError:
         raise
     except Exception as err:  # pyarrow raises several types for unreadable files
