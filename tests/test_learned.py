@@ -239,3 +239,15 @@ def test_hybrid_applies_model_and_warns(data_file, tmp_path):
     assert any("NOT calibrated to real GPUs" in n for n in pred.notes)
     far = estimate(spec.with_(seq_len=4096))
     assert any("outside the model's training range" in n and "seq_len=4096" in n for n in far.notes)
+
+
+def test_default_method_needs_a_gpu_calibrated_model(data_file, tmp_path):
+    from hybridmem.learned.predictor import default_method
+
+    assert default_method() == "analytic"  # empty registry
+    out = tmp_path / "registry" / "toy"
+    _train(data_file, out)
+    assert default_method() == "analytic"  # trained on non-cuda rows: never the default
+    meta = json.loads((out / "metadata.json").read_text())
+    (out / "metadata.json").write_text(json.dumps({**meta, "calibrated_to_gpu": True}))
+    assert default_method() == "hybrid"

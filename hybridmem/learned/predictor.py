@@ -104,6 +104,23 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
                 "calibrated_to_gpu": bool(meta.get("calibrated_to_gpu"))})
 
 
+def default_method(models_dir: str | Path | None = None) -> str:
+    """"hybrid" when the registry has a GPU-calibrated model for this environment, else "analytic".
+
+    What `hybridmem predict` should use when `--method` is not given (issue 5: hybrid becomes
+    the default as soon as a fitting model exists). Models trained on trace rows never count.
+    """
+    import json
+
+    env = registry.user_env()
+    root = Path(models_dir) if models_dir is not None else registry.models_root()
+    folder, _ = registry.select(root, env["torch"], env["cuda"])
+    if folder is None:
+        return "analytic"
+    calibrated = json.loads((folder / "metadata.json").read_text()).get("calibrated_to_gpu")
+    return "hybrid" if calibrated else "analytic"
+
+
 def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
              gpu_name: str | None = None, base_fn=None) -> Prediction:
     """Hybrid estimate of `spec`: analytic base + the newest matching residual model."""
