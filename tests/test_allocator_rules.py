@@ -194,6 +194,10 @@ def test_oversize_block_is_refused_beyond_the_rounding_limit():
     sim.free(sim.malloc(84 * MiB))  # (84 is a multiple of kRoundLarge: segment = request)
     sim.malloc(60 * MiB)  # 84 >= 60 + 20: refused, new 60 MiB segment
     assert sim.reserved == 144 * MiB
+    edge = CachingAllocatorSim(AllocatorConfig(max_split_size_mb=40))
+    edge.free(edge.malloc(60 * MiB))
+    edge.malloc(40 * MiB)  # 60 >= 40 + 20 exactly: refused (the check is >=)
+    assert edge.reserved == 100 * MiB
     wide = CachingAllocatorSim(AllocatorConfig(max_split_size_mb=40, max_non_split_rounding_mb=30))
     wide.free(wide.malloc(84 * MiB))
     wide.malloc(60 * MiB)  # 84 < 60 + 30: reused
