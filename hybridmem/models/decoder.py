@@ -60,14 +60,15 @@ def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
     rot = head_dim(tc) // 2  # inv_freq = 1 / base ** (arange(0, dim, 2) / dim)
     layers = [Layer(name="embed_tokens", kind="embedding",
                     params=(T("embed_tokens.weight", (tc.vocab_size, h)),), dims=dims)]
+    # forward order: LlamaModel.forward embeds, then computes cos/sin once, then runs the layers
+    layers.append(Layer(name="rotary_emb", kind="rotary",
+                        buffers=(T("rotary_emb.inv_freq", (rot,), FP32),
+                                 T("rotary_emb.original_inv_freq", (rot,), FP32)), dims=dims))
     params = decoder_layer_params(tc)
     layers += [Layer(name=f"layers.{i}", kind="decoder_layer", params=params, scope=f"layers.{i}",
                      dims=dims)
                for i in range(tc.num_hidden_layers)]
     layers.append(Layer(name="norm", kind="rmsnorm", params=(T("norm.weight", (h,)),), dims=dims))
-    layers.append(Layer(name="rotary_emb", kind="rotary",
-                        buffers=(T("rotary_emb.inv_freq", (rot,), FP32),
-                                 T("rotary_emb.original_inv_freq", (rot,), FP32)), dims=dims))
     return tuple(layers)
 
 

@@ -1,0 +1,223 @@
+"""`estimate(spec) -> Prediction`: the analytic tier, per layer and per factor, peak over a timeline.
+
+Which tensors need grads follows autograd: a layer keeps activations only if its input
+requires grad or it has parameters that get grads (a frozen vision tower under
+`llm+projector` keeps nothing; a frozen LM under `projector` still keeps what the backward to
+the projector needs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridmem.analytic import activations as A
+from hybridmem.analytic.alloc import t
+from hybridmem.analytic.overheads import (
+    CUBLAS_HANDLES_TRAINING,
+    CUDA_CONTEXT_DEFAULT,
+    cublas_workspace,
+)
+from hybridmem.analytic.states import (
+    LayerStates,
+    layer_states,
+    optimizer_shared_bytes,
+    optimizer_temporary,
+)
+from hybridmem.analytic.timeline import Statics, Step, peak, walk
+from hybridmem.categories import CATEGORIES
+from hybridmem.errors import SpecError
+from hybridmem.models import ModelGraph, build_graph
+from hybridmem.models.graph import Layer
+from hybridmem.prediction import ModuleMemory, Peak, Prediction
+from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec
+
+INT64 = 8
+CHECKPOINTED = ("decoder_layer", "encoder_layer")  # GradientCheckpointingLayer subclasses
+
+
+@dataclass(frozen=True, slots=True)
+class Priced:
+    module: str
+    layer: Layer
+    states: LayerStates
+    step: Step
+
+
+def context(spec: TrainingSpec) -> A.Ctx:
+    policy = POLICIES[spec.precision]
+    amp = spec.precision.endswith("-mixed")
+    if spec.attn == "flash_attention_2" and policy.compute_bytes == 4:
+        raise SpecError("attn", spec.attn, [a for a in ATTENTIONS if a != spec.attn],
+                        reason="FlashAttention-2 runs only in fp16/bf16, not precision='fp32'")
+    return A.Ctx(e=policy.compute_bytes, stream=4 if amp else policy.param_bytes, amp=amp,
+                 attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0, ckpt=spec.grad_ckpt)
+
+
+def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int) -> A.Acts:
+    kind = layer.kind
+    if kind == "decoder_layer":
+        return A.decoder_layer(layer, c, need_in, need_w)
+    if kind == "encoder_layer":
+        return A.encoder_layer(layer, c, need_in, need_w)
+    if kind == "layernorm":
+        return A._ln_shared(layer, c, need_in, need_w)
+    if kind == "rmsnorm":
+        return A.rmsnorm(layer, c, need_in, need_w)
+    if kind == "lm_head":
+        return A.lm_head(layer, c, need_in, need_w)
+    if kind == "projector":
+        return A.projector(layer, c, need_in, need_w)
+    if kind == "vision_embeddings":
+        return A.vision_embeddings(layer, c, need_in, need_w)
+    if kind == "embedding":
+        return A.embedding(layer, c, need_in, need_w, tied_grad)
+    return A.Acts()  # image_newline (expand + cat save nothing), pooling head (no grad path)
+
+
+def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
+    """Every layer with its states, activations and flags, in forward order."""
+    c = context(spec)
+    policy = POLICIES[spec.precision]
+    embed = next(l for m, l in graph.layers() if l.kind == "embedding")
+    tied_w = graph.tied_embeddings and embed.gets_grads
+    tied_grad = t(embed.num_params, policy.grad_bytes) if tied_w else 0
+    lm_layers = graph.module("language_model").layers
+    flow = {"vision": False, "image": False, "lm": False}
+    out = []
+    for mname, layer in graph.layers():
+        st = layer_states(layer, policy, spec.optimizer)
+        need_w = layer.gets_grads
+        lora = bool(layer.lora) and layer.runs
+        if mname == "vision_tower":
+            need_in = flow["vision"]
+            if layer.runs and layer.on_grad_path and (need_in or need_w):
+                flow["vision"] = True
+        elif mname == "multi_modal_projector":
+            need_in = flow["vision"]
+            flow["image"] = layer.runs and (need_in or need_w)
+        elif mname == "image_newline":
+            need_in = flow["image"]
+            flow["image"] |= need_w
+        elif layer.kind == "embedding":
+            need_in = False
+            flow["lm"] = need_w or (flow["image"] and graph.image_tokens > 0)
+        elif layer.kind == "rotary":
+            need_in = flow["lm"] or any(l.gets_grads or l.lora for l in lm_layers)
+        elif layer.kind == "lm_head":
+            need_in = flow["lm"]
+            need_w = need_w or tied_w
+        else:
+            need_in = flow["lm"]
+            flow["lm"] |= need_w or lora
+        if layer.kind == "rotary":
+            acts = A.rotary(layer, c, need_in)
+        else:
+            acts = _acts(layer, c, need_in, need_w, tied_grad)
+        if layer.kind == "embedding" and graph.image_tokens and flow["lm"]:
+            acts = A.Acts(saved=acts.saved + A.image_merge(graph.micro_batch, graph.seq_len),
+                          fwd_extra=acts.fwd_extra, bwd_extra=acts.bwd_extra)
+        grad, waste = st.grad, st.waste_grad
+        if tied_w and layer.kind == "embedding":
+            grad, waste = grad - tied_grad, 0      # the tied weight's grad appears at lm_head
+        if tied_w and layer.kind == "lm_head":
+            grad += tied_grad
+        ckpt = spec.grad_ckpt and layer.kind in CHECKPOINTED
+        step = Step(acts=acts, ckpt=ckpt, grad=grad, grad_waste=waste,
+                    on_path=layer.on_grad_path)
+        out.append(Priced(mname, layer, st, step))
+    return out
+
+
+def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
+    """input_ids, labels, attention_mask (int64) and pixel_values for the whole iteration."""
+    tokens = t(graph.micro_batch * graph.seq_len, INT64)
+    out = 3 * tokens
+    if graph.vision_batch:
+        emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
+        amp = spec.precision.endswith("-mixed")
+        pix = 4 if amp else POLICIES[spec.precision].param_bytes
+        out += t(graph.vision_batch * emb["channels"] * emb["side"] ** 2, pix)
+        if graph.model_type == "llava_next":
+            out += t(graph.micro_batch * max(1, spec.images_per_sample or 1) * 2, INT64)
+    return out
+
+
+def _modules(graph: ModelGraph, priced: list[Priced]) -> tuple[ModuleMemory, ...]:
+    out = []
+    for m in graph.modules:
+        rows = [p for p in priced if p.module == m.name]
+        out.append(ModuleMemory(
+            name=m.name, params=sum(p.states.param_count for p in rows),
+            trainable_params=sum(p.states.trainable_count for p in rows),
+            param=sum(p.states.param for p in rows), grad=sum(p.states.grad for p in rows),
+            optimizer=sum(p.states.optimizer for p in rows),
+            activation=sum(p.step.kept for p in rows)))
+    return tuple(out)
+
+
+def _notes(graph: ModelGraph, spec: TrainingSpec) -> tuple[str, ...]:
+    notes = [
+        f"context: {CUDA_CONTEXT_DEFAULT >> 20} MiB is a default (DESIGN.md: 0.3-0.6 GiB), not a "
+        "measurement",
+        "workspace: two cuBLAS workspaces of Hopper size (32 MiB each); other GPUs use less",
+        "fragmentation: only the 2 MiB segment rounding of tensors > 10 MiB (a lower bound)",
+    ]
+    if graph.image_tokens:
+        notes.append(f"{graph.image_tokens} of the {graph.seq_len} tokens per sample are image "
+                     f"tokens; the vision tower encodes {graph.vision_batch} crops per step")
+    if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
+        notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
+    if spec.precision == "bf16-master":
+        notes.append("bf16-master: fp32 master weights + fp32 state; DeepSpeed's extra fp32 "
+                     "gradient buffers are not counted")
+    if spec.train == "lora":
+        notes.append("LoRA adapters (fp32, PEFT default) on language-model linears only, as "
+                     "LLaVA's finetune_lora recipe")
+        if spec.lora.dropout > 0:
+            notes.append("LoRA dropout masks are not counted")
+    return tuple(notes)
+
+
+def estimate(spec: TrainingSpec) -> Prediction:
+    """Predict the per-GPU peak memory of `spec` in closed form."""
+    graph = build_graph(spec)
+    priced = price(graph, spec)
+    stepped = [s for p in priced for s in p.states.stepped]
+    if not stepped:
+        raise SpecError("train", spec.train, reason="no parameter receives a gradient "
+                        "(e.g. train='projector' with images_per_sample=0)")
+    master = sum(p.states.master for p in priced)
+    shared = optimizer_shared_bytes(spec.optimizer, stepped)
+    ws = cublas_workspace()
+    st = Statics(
+        param=sum(p.states.param for p in priced), master=master,
+        state=sum(p.states.optimizer for p in priced) - master + shared,
+        opt_temp=optimizer_temporary(spec.optimizer, stepped), inputs=batch_bytes(graph, spec),
+        workspace_first=ws, workspace=CUBLAS_HANDLES_TRAINING * ws,
+        waste_param=sum(p.states.waste_param for p in priced),
+        waste_optimizer=sum(p.states.waste_optimizer for p in priced))
+    points = walk([p.step for p in priced], st)
+    top = max(points, key=lambda p: p.allocated + p.waste)
+    allocated = peak(points).allocated
+    reserved = top.allocated + top.waste
+    breakdown = {c: 0 for c in CATEGORIES}
+    breakdown.update(top.bytes)
+    breakdown["fragmentation"] = top.waste
+    breakdown["context"] = CUDA_CONTEXT_DEFAULT
+    modules = _modules(graph, priced)
+    phases = {}
+    for p in points:
+        key = f"{p.phase}@{p.iteration}"
+        phases[key] = max(phases.get(key, 0), p.allocated)
+    return Prediction(
+        model=graph.model, method="analytic",
+        params_total=sum(m.params for m in modules),
+        params_trainable=sum(m.trainable_params for m in modules),
+        peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
+                  device_bytes=reserved + CUDA_CONTEXT_DEFAULT, phase=top.phase,
+                  iteration=top.iteration),
+        breakdown=breakdown, modules=modules, notes=_notes(graph, spec),
+        extras={"analytic": {
+            "tensor_peak_bytes": max(p.allocated - p.bytes["workspace"] for p in points),
+            "phase_peaks": phases, "image_tokens": graph.image_tokens,
+            "vision_crops": graph.vision_batch}})

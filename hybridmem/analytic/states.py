@@ -1,0 +1,145 @@
+"""Parameters, gradients and optimizer state: bytes per layer, tensor by tensor.
+
+Each tensor is its own allocation (512 B-rounded, `alloc.t`). Dtypes follow the precision
+policy (`hybridmem.spec.POLICIES`); tensors with a fixed itemsize (buffers, LoRA adapters in
+fp32 as PEFT keeps them by default) keep it.
+
+Optimizer state per stepped tensor of n elements (state dtype s = the dtype of the tensor the
+optimizer steps: the fp32 master copy under bf16-master, the parameter itself otherwise):
+- adamw / adamw-fused: exp_avg + exp_avg_sq, 2 n s (torch/optim/adam.py `_init_group`,
+  `zeros_like(p)`); `step` is a CPU scalar unless fused/capturable; fused keeps a 4-byte device
+  scalar (one 512 B block) per tensor.
+- adamw-8bit (bitsandbytes `Optimizer8bit.init_state`): n >= 4096 (`min_8bit_size`): state1 +
+  state2 uint8 (2 n), absmax1 + absmax2 fp32 per 256-element block, and two 256-entry fp32 qmaps
+  shared by all tensors; smaller tensors keep two fp32 states.
+- sgd: none; sgd-momentum: momentum_buffer (n s) (torch/optim/sgd.py).
+- adafactor (torch/optim/_adafactor.py): >= 2-D: row_var (shape[:-1]) + col_var
+  (shape[:-2] + shape[-1:]); 1-D: variance (n); CPU `step`.
+- lion (lucidrains/lion-pytorch): exp_avg (n s).
+- bf16-master adds the fp32 master copy (n x 4) of every trainable non-fp32 tensor, made at
+  initialisation (DeepSpeed bf16_optimizer.py), counted as optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridmem.analytic.alloc import segment_waste, t
+from hybridmem.models.graph import Layer, ParamTensor
+from hybridmem.spec import PrecisionPolicy
+
+BNB_MIN_8BIT = 4096   # bitsandbytes optim `min_8bit_size` default
+BNB_BLOCK = 256       # bitsandbytes blockwise optimizer state: absmax per 256 elements
+BNB_QMAP = 256 * 4    # one dynamic-quantisation map, 256 fp32 entries (F.create_dynamic_map)
+FP32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Stepped:
+    """One tensor the optimizer steps."""
+
+    numel: int
+    shape: tuple[int, ...]
+    state: int
+    """State itemsize (dtype of the stepped tensor)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStates:
+    param: int
+    grad: int
+    optimizer: int
+    """State + master copies (created lazily at step 0, except master: at init)."""
+    master: int
+    """The part of `optimizer` that exists from the start (bf16-master fp32 copies)."""
+    param_count: int
+    trainable_count: int
+    stepped: tuple[Stepped, ...]
+    waste_param: int
+    waste_grad: int
+    waste_optimizer: int
+
+
+def _size(p: ParamTensor, policy: PrecisionPolicy) -> int:
+    return p.itemsize if p.itemsize is not None else policy.param_bytes
+
+
+def state_bytes(s: Stepped, optimizer: str) -> list[int]:
+    """Allocations of the optimizer state of one stepped tensor."""
+    n = s.numel
+    if optimizer in ("adamw", "adamw-fused"):
+        out = [t(n, s.state), t(n, s.state)]
+        return out + ([t(1, FP32)] if optimizer == "adamw-fused" else [])
+    if optimizer == "adamw-8bit":
+        if n < BNB_MIN_8BIT:
+            return [t(n, FP32), t(n, FP32)]
+        blocks = -(-n // BNB_BLOCK)
+        return [t(n, 1), t(n, 1), t(blocks, FP32), t(blocks, FP32)]
+    if optimizer in ("sgd-momentum", "lion"):
+        return [t(n, s.state)]
+    if optimizer == "adafactor":
+        if len(s.shape) >= 2:
+            row = math.prod(s.shape[:-1])
+            col = math.prod(s.shape[:-2]) * s.shape[-1]
+            return [t(row, s.state), t(col, s.state)]
+        return [t(n, s.state)]
+    return []  # sgd
+
+
+def optimizer_shared_bytes(optimizer: str, stepped: list[Stepped]) -> int:
+    """State shared by all tensors: bitsandbytes' two qmaps (only if some tensor is 8-bit)."""
+    if optimizer == "adamw-8bit" and any(s.numel >= BNB_MIN_8BIT for s in stepped):
+        return 2 * t(256, FP32)
+    return 0
+
+
+def optimizer_temporary(optimizer: str, stepped: list[Stepped]) -> int:
+    """Peak of the short-lived tensors of one optimizer step.
+
+    - adamw (foreach, torch/optim/adam.py `_multi_tensor_adam`): `exp_avg_sq_sqrt =
+      torch._foreach_sqrt(exp_avg_sqs)` is a new list sized like all states (one state's worth).
+    - adafactor (foreach `_multi_tensor_adafactor`): `var_estimates = row_var @ col_var` is a
+      full-size tensor per >= 2-D parameter (the 1-D group's `grads_squared` is freed before its
+      clone, and is smaller); the largest group sets the peak.
+    - lion (lion-pytorch `update_fn`, per tensor): `exp_avg.clone()...add(grad)` makes two
+      tensors the size of the largest parameter.
+    - fused AdamW, bitsandbytes 8-bit, SGD: in place, none.
+    """
+    if not stepped:
+        return 0
+    if optimizer == "adamw":
+        return sum(t(s.numel, s.state) for s in stepped)
+    if optimizer == "adafactor":
+        multi = sum(t(s.numel, s.state) for s in stepped if len(s.shape) >= 2)
+        single = sum(t(s.numel, s.state) for s in stepped if len(s.shape) < 2)
+        return max(multi, single)
+    if optimizer == "lion":
+        return 2 * max(t(s.numel, s.state) for s in stepped)
+    return 0
+
+
+def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> LayerStates:
+    """Param / grad / optimizer bytes of one layer (base params, buffers, LoRA adapters)."""
+    base = [(p, _size(p, policy)) for p in layer.params]
+    lora = [(p, _size(p, policy)) for p in layer.lora]
+    buffers = [t(b.numel, _size(b, policy)) for b in layer.buffers]
+    params = [t(p.numel, sz) for p, sz in base + lora]
+    with_grad = (base if layer.gets_grads else []) + (lora if layer.runs else [])
+    grads = [t(p.numel, p.itemsize or policy.grad_bytes) for p, _ in with_grad]
+    stepped, masters = [], []
+    for p, sz in with_grad:
+        fixed = p.itemsize is not None
+        if policy.master_bytes and not fixed:
+            masters.append(t(p.numel, policy.master_bytes))
+        state = FP32 if fixed else policy.state_bytes
+        stepped.append(Stepped(p.numel, p.shape, state))
+    states = [b for s in stepped for b in state_bytes(s, optimizer)]
+    trainable = (layer.num_params if layer.trainable else 0) + sum(p.numel for p, _ in lora)
+    return LayerStates(
+        param=sum(params) + sum(buffers), grad=sum(grads), optimizer=sum(states) + sum(masters),
+        master=sum(masters), param_count=layer.num_params + sum(p.numel for p, _ in lora),
+        trainable_count=trainable, stepped=tuple(stepped),
+        waste_param=sum(map(segment_waste, params + buffers)),
+        waste_grad=sum(map(segment_waste, grads)),
+        waste_optimizer=sum(map(segment_waste, states + masters)))

@@ -1,0 +1,123 @@
+"""The peak over a timeline of one training step, for the first and a later iteration.
+
+The loop priced is the standard one: `loss = model(**batch).loss; loss.backward();
+opt.step(); opt.zero_grad(set_to_none=True)`. So:
+- forward: activations accumulate layer by layer (checkpointed layers keep only their input;
+  autocast's cached weight copies live until the forward ends);
+- backward, last layer first: a layer's grads appear, its saved tensors (recomputed first when
+  checkpointed) and its backward transients are live, then its saved tensors are freed;
+- optimizer step: all grads + the state, created lazily in the first step (so iteration 0's
+  forward/backward run without it) + the step's temporaries; then the grads are freed.
+The batch (ids, labels, mask, pixels) lives for the whole iteration. Each point of the timeline
+carries its bytes per category, so the breakdown at the peak is exact, not a sum of maxima.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridmem.analytic.activations import Acts
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One layer as the timeline sees it."""
+
+    acts: Acts
+    ckpt: bool
+    grad: int
+    """Grad bytes that appear when this layer runs backward."""
+    grad_waste: int = 0
+    on_path: bool = True
+    """Saved tensors are kept for backward (False: the layer's output is never used)."""
+
+    @property
+    def kept(self) -> int:
+        if not self.on_path:
+            return 0
+        return (self.acts.ckpt_saved + self.acts.cache) if self.ckpt else self.acts.saved
+
+    @property
+    def released_at_forward_end(self) -> int:
+        return self.acts.cache if self.ckpt and self.on_path else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    phase: str
+    iteration: int
+    bytes: dict[str, int]
+    waste: int = 0
+    """Segment rounding of the persistent tensors alive here (a fragmentation lower bound)."""
+
+    @property
+    def allocated(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Statics:
+    param: int
+    master: int
+    """Optimizer bytes present from initialisation (fp32 master weights)."""
+    state: int
+    """Optimizer state created lazily in the first step."""
+    opt_temp: int
+    inputs: int
+    workspace_first: int
+    """Kernel workspaces during iteration 0's forward (one cuBLAS handle)."""
+    workspace: int
+    """Kernel workspaces from the first backward on (a second handle on the autograd thread)."""
+    waste_param: int = 0
+    waste_optimizer: int = 0
+
+
+@dataclass
+class _Walk:
+    st: Statics
+    iteration: int
+    points: list[Point] = field(default_factory=list)
+
+    def point(self, phase: str, act: int, temp: int, grad: int, grad_waste: int) -> None:
+        later = self.iteration > 0
+        ws = self.st.workspace if (later or phase != "forward") else self.st.workspace_first
+        opt = self.st.master + (self.st.state if later else 0)
+        b = {"param": self.st.param, "grad": grad, "optimizer": opt, "activation": act,
+             "temporary": temp, "workspace": ws}
+        waste = self.st.waste_param + grad_waste + (self.st.waste_optimizer if later else 0)
+        self.points.append(Point(phase, self.iteration, b, waste))
+
+
+def walk(steps: list[Step], st: Statics, iterations: int = 2) -> list[Point]:
+    """All timeline points of `iterations` training iterations."""
+    points: list[Point] = []
+    for it in range(iterations):
+        w = _Walk(st, it)
+        act = st.inputs
+        for s in steps:  # forward
+            live = s.acts.saved if (s.on_path and not s.ckpt) else s.kept
+            w.point("forward", act + live, s.acts.fwd_extra + (0 if s.on_path else s.acts.saved), 0, 0)
+            act += s.kept
+        act -= sum(s.released_at_forward_end for s in steps)
+        grad = grad_waste = 0
+        for s in reversed(steps):  # backward
+            grad += s.grad
+            grad_waste += s.grad_waste
+            recompute = s.acts.saved if (s.ckpt and s.on_path) else 0
+            w.point("backward", act + recompute, s.acts.bwd_extra, grad, grad_waste)
+            act -= s.kept - s.released_at_forward_end
+        # optimizer step: state exists during it (created lazily at iteration 0)
+        opt = _Walk(st, max(it, 1))
+        opt.point("optimizer", st.inputs, st.opt_temp, grad, grad_waste)
+        w.points.append(Point("optimizer", it, opt.points[0].bytes, opt.points[0].waste))
+        points += w.points
+    return points
+
+
+def peak(points: list[Point]) -> Point:
+    """The first point with the largest allocated bytes."""
+    best = points[0]
+    for p in points[1:]:
+        if p.allocated > best.allocated:
+            best = p
+    return best
