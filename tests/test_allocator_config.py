@@ -72,3 +72,13 @@ def test_bad_field_values_raise_spec_errors():
         AllocatorConfig(roundup_power2_divisions="4")
     with pytest.raises(SpecError, match="large_segment_size_mb=3"):
         AllocatorConfig(large_segment_size_mb=3)
+
+
+def test_from_environ_prefers_pytorch_alloc_conf():
+    # AcceleratorAllocatorConfig::instance reads PYTORCH_ALLOC_CONF, then PYTORCH_CUDA_ALLOC_CONF.
+    both = {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
+            "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}
+    assert AllocatorConfig.from_environ(both) == AllocatorConfig(expandable_segments=True)
+    legacy = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}
+    assert AllocatorConfig.from_environ(legacy) == AllocatorConfig(max_split_size_mb=64)
+    assert AllocatorConfig.from_environ({}) == AllocatorConfig()

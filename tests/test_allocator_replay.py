@@ -65,6 +65,12 @@ def test_replay_uses_the_config_and_streams():
     assert replay(events, AllocatorConfig(expandable_segments=True)).peak_allocated == 11 * MiB
 
 
+def test_replay_counts_frees_it_never_saw_allocated():
+    result = replay([("free", "ghost", 0), ("alloc", "x", 512), ("free", "x", 0)])
+    assert result.unmatched_frees == 1
+    assert result.timeline[-1] == (2, 0, 2 * MiB)
+
+
 def test_replay_rejects_unknown_actions():
     with pytest.raises(SpecError, match="event='malloc'"):
         replay([("malloc", 0, 1)])

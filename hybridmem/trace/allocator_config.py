@@ -6,6 +6,8 @@ of `c10/cuda/CUDACachingAllocator.cpp`); names in comments are the C++ ones.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +114,16 @@ class AllocatorConfig:
     def from_env(cls, value: str | None) -> AllocatorConfig:
         """Parse PYTORCH_CUDA_ALLOC_CONF syntax, e.g. ``"max_split_size_mb:128,expandable_segments:True"``."""
         return cls(**_parse_env(value or ""))
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> AllocatorConfig:
+        """The config this process's PyTorch would use: PYTORCH_ALLOC_CONF, else the older
+        PYTORCH_CUDA_ALLOC_CONF (the order of `AcceleratorAllocatorConfig::instance`)."""
+        env = os.environ if environ is None else environ
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+            if name in env:
+                return cls.from_env(env[name])
+        return cls()
 
     def max_split_size(self) -> int:
         """Bytes; "unlimited" is infinity so that every comparison reads as in the source."""

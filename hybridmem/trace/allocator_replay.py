@@ -49,6 +49,7 @@ class ReplayResult:
     real_timeline: list[tuple[int, int, int]] | None = None
     """(trace index, requested, reserved) of the real allocator, after each entry."""
     unmatched_frees: int = 0
+    """Frees whose allocation the stream (or trace) never showed; skipped."""
 
     @property
     def reserved_error(self) -> float | None:
@@ -62,24 +63,30 @@ def replay(events: Iterable[tuple], config: AllocatorConfig = AllocatorConfig(),
            capacity: int | None = None) -> ReplayResult:
     """Feed ("alloc", key, size) / ("free", key, 0) events (optionally a 4th item: stream).
 
-    ("empty_cache", 0, 0) calls `torch.cuda.empty_cache()`. Keys are any hashable caller ids.
+    ("empty_cache", 0, 0) calls `torch.cuda.empty_cache()`. Keys are any hashable caller ids;
+    a free of a key never allocated is counted in `unmatched_frees` and skipped.
     """
     sim = CachingAllocatorSim(config, capacity=capacity)
     live: dict = {}
     timeline = []
     append = timeline.append
+    unmatched = 0
     for index, event in enumerate(events):
         action = event[0]
         if action == "alloc":
             live[event[1]] = sim.malloc(event[2], event[3] if len(event) > 3 else 0)
         elif action == "free":
-            sim.free(live.pop(event[1]))
+            addr = live.pop(event[1], None)
+            if addr is None:
+                unmatched += 1
+            else:
+                sim.free(addr)
         elif action == "empty_cache":
             sim.empty_cache()
         else:
             raise SpecError("event", action, ("alloc", "free", "empty_cache"))
         append((index, sim.allocated, sim.reserved))
-    return _result(sim, timeline)
+    return _result(sim, timeline, unmatched_frees=unmatched)
 
 
 def _result(sim: CachingAllocatorSim, timeline: list, **real) -> ReplayResult:
