@@ -64,8 +64,10 @@ def main() -> None:
             start = time.perf_counter()
             result = replay(events, config)
             times.append(time.perf_counter() - start)
+        gib = 2**30
         print(f"{name:28s} {statistics.median(times):6.3f} s   peak allocated "
-              f"{result.peak_allocated / 2**30:7.2f} GiB  reserved {result.peak_reserved / 2**30:7.2f} GiB")
+              f"{result.peak_allocated / gib:7.2f} GiB  "
+              f"reserved {result.peak_reserved / gib:7.2f} GiB")
 
 
 if __name__ == "__main__":

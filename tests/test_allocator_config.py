@@ -1,4 +1,4 @@
-"""`AllocatorConfig`: PYTORCH_CUDA_ALLOC_CONF parsing and validation, as `AllocatorConfig.cpp` does it."""
+"""`AllocatorConfig`: PYTORCH_CUDA_ALLOC_CONF parsing and checks, as `AllocatorConfig.cpp` does."""
 
 from __future__ import annotations
 

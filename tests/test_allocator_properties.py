@@ -10,18 +10,21 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridmem.trace.allocator import AllocatorConfig, CachingAllocatorSim, get_allocation_size, round_size
+from hybridmem.trace.allocator import (
+    AllocatorConfig, CachingAllocatorSim, get_allocation_size, round_size,
+)
 
 MiB = 1 << 20
 BASE = 1 << 44  # the simulator's first segment address (allocator_sim._BASE_ADDRESS)
 
-sizes = st.one_of(st.integers(1, 1 * MiB), st.integers(1 * MiB, 40 * MiB), st.sampled_from([0, 512, 20 * MiB]))
+sizes = st.one_of(st.integers(1, 1 * MiB), st.integers(1 * MiB, 40 * MiB),
+                  st.sampled_from([0, 512, 20 * MiB]))
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "empty"]), sizes,
                          st.integers(0, 1), st.integers(0, 10**6)), max_size=120)
 configs = st.sampled_from([
-    AllocatorConfig(), AllocatorConfig(max_split_size_mb=24), AllocatorConfig(roundup_power2_divisions=4),
-    AllocatorConfig(expandable_segments=True), AllocatorConfig.from_env(
-        "expandable_segments:True,roundup_power2_divisions:[1:2,>:8]"),
+    AllocatorConfig(), AllocatorConfig(max_split_size_mb=24),
+    AllocatorConfig(roundup_power2_divisions=4), AllocatorConfig(expandable_segments=True),
+    AllocatorConfig.from_env("expandable_segments:True,roundup_power2_divisions:[1:2,>:8]"),
 ])
 
 
@@ -54,7 +57,8 @@ class NaiveAllocator:
             _, _, seg, i = best
         else:
             total = get_allocation_size(rounded)
-            seg = {"ptr": self.next, "small": small, "stream": stream, "blocks": [[self.next, total, False]]}
+            seg = {"ptr": self.next, "small": small, "stream": stream,
+                   "blocks": [[self.next, total, False]]}
             self.next += total
             self.segments.append(seg)
             i = 0
@@ -107,7 +111,8 @@ def _run(sim, stream_ops, check):
 
 
 naive_configs = st.sampled_from([
-    AllocatorConfig(), AllocatorConfig(max_split_size_mb=24), AllocatorConfig(roundup_power2_divisions=4),
+    AllocatorConfig(), AllocatorConfig(max_split_size_mb=24),
+    AllocatorConfig(roundup_power2_divisions=4),
     AllocatorConfig(max_split_size_mb=20, roundup_power2_divisions={1: 2, 8: 8, ">": 4}),
 ])
 

@@ -27,7 +27,7 @@ def _segment(addr: int, total: int, blocks: list[tuple[int, str]]) -> dict:
 
 
 def _fixture_snapshot() -> dict:
-    """5 MiB and 12 MiB in one 20 MiB segment, then 600 KiB in a 2 MiB one (real reserved 22 MiB)."""
+    """5 + 12 MiB in one 20 MiB segment, then 600 KiB in a 2 MiB one (real reserved 22 MiB)."""
     trace = [
         _entry("segment_alloc", A, 20 * MiB),
         _entry("alloc", A, 5 * MiB),

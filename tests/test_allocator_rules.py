@@ -301,7 +301,8 @@ def test_empty_cache_releases_only_fully_free_segments():
 
 
 def test_oom_retry_frees_cached_segments_and_counts_a_retry():
-    # malloc: alloc_block fails -> release_cached_blocks -> alloc_block(isRetry) (num_alloc_retries).
+    # malloc: alloc_block fails -> release_cached_blocks -> alloc_block(isRetry=true), which
+    # counts num_alloc_retries.
     sim = CachingAllocatorSim(capacity=40 * MiB)
     sim.free(sim.malloc(12 * MiB))
     sim.malloc(30 * MiB)  # 12 + 30 > 40: free the cached 12 MiB segment, retry

@@ -7,8 +7,23 @@ segments). The simulator replays the allocator's decisions rule by rule from
 001074d2) and the shared code it moved to in newer releases (`c10/core/CachingDeviceAllocator.h`,
 `c10/core/AllocatorConfig.{h,cpp}`).
 
+Known limitations (what the simulator does not see, and roughly how much it matters):
+- CUDA-graph private pools and `torch.cuda.MemPool` are not modelled (no graphs in training here);
+- `record_stream` / cross-stream uses: a free completes at once; real frees of blocks used on a
+  side stream wait for an event, so reserved can be higher there (NCCL / prefetch streams);
+- the OOM path runs only with a `capacity`: without one the simulator never frees cached
+  segments, as PyTorch does until it hits the device limit; `garbage_collection_threshold` acts
+  only with a `capacity`, as it needs `set_per_process_memory_fraction` in PyTorch;
+- simulated segment addresses grow monotonically; real cudaMalloc addresses can be reused,
+  which only changes ties between equal-sized free blocks;
+- the newest shared `BlockComparatorSize` orders free blocks by size before stream; this file
+  follows the CUDA file's (stream, size, address) order: identical on a single stream;
+- memory outside the allocator (CUDA context, NCCL buffers, cuBLAS/cuDNN handles' own memory)
+  is not reserved bytes and is not here.
+
 Public API (agreed with the tracker):
-- `AllocatorConfig` (+ `from_env`): the options that change memory, `allocator_config.py`;
+- `AllocatorConfig` (+ `from_env`, `from_environ`): the options that change memory,
+  `allocator_config.py`;
 - `CachingAllocatorSim`: malloc/free/empty_cache with allocated/reserved peaks, `allocator_sim.py`;
 - `replay`, `replay_snapshot`, `ReplayResult`: streams and real `torch.cuda.memory._snapshot()`
   traces, `allocator_replay.py`.

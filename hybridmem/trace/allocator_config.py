@@ -18,7 +18,7 @@ MiB = 1 << 20
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 K_SMALL_SIZE = 1 * MiB  # kSmallSize: largest "small" allocation is 1 MiB
 K_SMALL_BUFFER = 2 * MiB  # kSmallBuffer: "small" allocations are packed in 2 MiB blocks
-K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer
+K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: 1-10 MiB allocations may use kLargeBuffer
 K_ROUND_LARGE = 2 * MiB  # kRoundLarge: round up large allocations to 2 MiB
 K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer: "large" allocations may be packed in 20 MiB blocks
 # AllocatorConfig.cpp: roundup_power2_divisions has 16 intervals, from 1 MiB (2^20) to 64 GiB.
@@ -29,7 +29,8 @@ MIN_SPLIT_MB = K_LARGE_BUFFER // MiB
 # Keys that PYTORCH_CUDA_ALLOC_CONF accepts but that change nothing about device memory sizes.
 IGNORED_KEYS = frozenset({
     "release_lock_on_cudamalloc", "release_lock_on_device_malloc", "pinned_use_cuda_host_register",
-    "pinned_use_device_host_register", "pinned_num_register_threads", "pinned_use_background_threads",
+    "pinned_use_device_host_register", "pinned_num_register_threads",
+    "pinned_use_background_threads",
     "pinned_reserve_segment_size_mb", "pinned_free_catch_all", "graph_capture_record_stream_reuse",
 })
 MODELLED_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb",
@@ -65,7 +66,8 @@ def division_table(value: int | dict | None) -> tuple[int, ...]:
             table[last + 1:] = [divs] * (ROUNDUP_INTERVALS - last - 1)
             continue
         if isinstance(key, bool) or not isinstance(key, int) or not _is_pow2(key):
-            raise SpecError(field, value, reason=f"interval {key!r} must be a power of 2 (MiB) or '>'")
+            raise SpecError(field, value,
+                            reason=f"interval {key!r} must be a power of 2 (MiB) or '>'")
         index = min(key.bit_length() - 1, ROUNDUP_INTERVALS - 1)
         if first:
             table[:index] = [divs] * index
@@ -112,7 +114,7 @@ class AllocatorConfig:
 
     @classmethod
     def from_env(cls, value: str | None) -> AllocatorConfig:
-        """Parse PYTORCH_CUDA_ALLOC_CONF syntax, e.g. ``"max_split_size_mb:128,expandable_segments:True"``."""
+        """Parse PYTORCH_CUDA_ALLOC_CONF syntax, e.g. ``"max_split_size_mb:128"``."""
         return cls(**_parse_env(value or ""))
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Replay alloc/free streams, and real `torch.cuda.memory._snapshot()` traces, through the simulator.
+"""Replay alloc/free streams and real `torch.cuda.memory._snapshot()` traces through the simulator.
 
 `replay` drives a `CachingAllocatorSim` with the tracker's event stream. `replay_snapshot` drives
 it with the `alloc` / `free_completed` entries that the real allocator recorded

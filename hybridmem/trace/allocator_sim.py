@@ -46,9 +46,10 @@ def roundup_power2_next_division(size: int, divisions: int) -> int:
 def _round(size: int, table: tuple[int, ...]) -> int:
     if size < K_MIN_BLOCK_SIZE:
         return K_MIN_BLOCK_SIZE
-    log = size.bit_length() - 1  # AllocatorConfig.cpp roundup_power2_divisions(size): interval index
-    divisions = table[min(log - ROUNDUP_START_LOG2, ROUNDUP_INTERVALS - 1)] if log > ROUNDUP_START_LOG2 \
-        else table[0]
+    # AllocatorConfig.cpp roundup_power2_divisions(size): interval index log2(size) - 20, clamped
+    log = size.bit_length() - 1
+    index = min(log - ROUNDUP_START_LOG2, ROUNDUP_INTERVALS - 1) if log > ROUNDUP_START_LOG2 else 0
+    divisions = table[index]
     if divisions > 1 and size > K_MIN_BLOCK_SIZE * divisions:
         return roundup_power2_next_division(size, divisions)
     return -(-size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
@@ -142,7 +143,7 @@ class CachingAllocatorSim:
     # ---- public API ---------------------------------------------------------------------------
 
     def malloc(self, size: int, stream: int = 0) -> int:
-        """`DeviceCachingAllocator::malloc`; size 0 gets a null-like handle (`allocate` skips malloc)."""
+        """`DeviceCachingAllocator::malloc`; size 0 gets a null-like handle (never malloc'd)."""
         if size == 0:
             self._zero -= 1
             return self._zero
@@ -183,7 +184,8 @@ class CachingAllocatorSim:
     def reset_peak(self) -> None:
         """`resetPeakStats`: peaks restart from the current values."""
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
-        self.peak_requested, self.peak_inactive_split_bytes = self.requested, self.inactive_split_bytes
+        self.peak_requested = self.requested
+        self.peak_inactive_split_bytes = self.inactive_split_bytes
 
     def block_size(self, addr: int) -> int:
         """Bytes the live allocation at `addr` holds (rounded, plus any unsplit remainder)."""
@@ -220,7 +222,8 @@ class CachingAllocatorSim:
                     i, block = i + 1, nxt
             else:  # expandable segments turned off since: skip their blocks
                 i += 1
-                while i < len(keys) and keys[i][0] == stream and self._free[keys[i][2]].seg is not None:
+                while (i < len(keys) and keys[i][0] == stream
+                       and self._free[keys[i][2]].seg is not None):
                     i += 1
                 if i == len(keys) or keys[i][0] != stream:
                     return None
@@ -321,7 +324,7 @@ class CachingAllocatorSim:
             self.peak_reserved = self.reserved
 
     def _alloc_block(self, pool, size, alloc_size, stream) -> _Block | None:
-        """`alloc_block`: cudaMalloc a segment of `get_allocation_size`, or grow an expandable one."""
+        """`alloc_block`: cudaMalloc a `get_allocation_size` segment, or grow an expandable one."""
         if self._expandable:
             return self._try_allocate_expandable_block(pool, size, stream)
         if not self._fits(alloc_size):
@@ -360,7 +363,7 @@ class CachingAllocatorSim:
                 self._remove_unmapped(block)
 
     def _release_available_cached_blocks(self, pool, size, stream) -> bool:
-        """`release_available_cached_blocks`: free just enough oversize blocks (max_split_size set)."""
+        """`release_available_cached_blocks`: free just enough oversize blocks (max_split_size)."""
         if self.config.max_split_size_mb is None:
             return False
         key = max(size, self._max_split)
@@ -417,7 +420,7 @@ class CachingAllocatorSim:
         del self._unmapped[b.ptr]
 
     def _find_expandable_block(self, pool, size, stream) -> _Block:
-        """`find_expandable_block`: lowest address with room (free + unmapped), else a new segment."""
+        """`find_expandable_block`: lowest address with room (free + unmapped), else a new one."""
         keys = pool.unmapped
         i = bisect_left(keys, (stream, 0))
         while i < len(keys) and keys[i][0] == stream:
@@ -433,14 +436,16 @@ class CachingAllocatorSim:
             i += 1
         # 2 MiB pages for the small pool, 20 MiB (kLargeBuffer / large_segment_size) for the large
         page = K_SMALL_BUFFER if pool.is_small else self.config.large_segment_size()
-        seg = _Segment(self._next_addr, page, self.capacity or DEFAULT_ADDRESS_SPACE)
+        # ExpandableSegment reserves address space for 1 1/8 of the device's memory
+        space = self.capacity + self.capacity // 8 if self.capacity else DEFAULT_ADDRESS_SPACE
+        seg = _Segment(self._next_addr, page, space)
         self._next_addr += seg.size
         candidate = _Block(seg.ptr, seg.size, stream, pool, seg, mapped=False)
         self._insert_unmapped(candidate)
         return candidate
 
     def _map_block(self, to_map: _Block, size: int) -> bool:
-        """`map_block`: map whole pages covering `size` bytes from the start of an unmapped block."""
+        """`map_block`: map whole pages covering `size` bytes at the start of an unmapped block."""
         seg = to_map.seg
         begin = (to_map.ptr - seg.ptr) // seg.page  # ExpandableSegment::map: segmentLeft/Right
         end = -(-(to_map.ptr + size - seg.ptr) // seg.page)
@@ -505,7 +510,7 @@ class CachingAllocatorSim:
 
     def check_invariants(self) -> None:
         """Blocks tile their segments, free neighbours are merged, counters match (for tests)."""
-        blocks = list(self._active.values()) + list(self._free.values()) + list(self._unmapped.values())
+        blocks = [*self._active.values(), *self._free.values(), *self._unmapped.values()]
         heads = [b for b in blocks if b.prev is None]
         mapped_total = 0
         for head in heads:
