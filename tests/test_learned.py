@@ -251,3 +251,15 @@ def test_default_method_needs_a_gpu_calibrated_model(data_file, tmp_path):
     meta = json.loads((out / "metadata.json").read_text())
     (out / "metadata.json").write_text(json.dumps({**meta, "calibrated_to_gpu": True}))
     assert default_method() == "hybrid"
+
+
+def test_trace_baseline_joins_trace_rows_by_spec_but_never_a_row_to_itself(rows):
+    from hybridmem.learned.evaluate import trace_baseline
+    from hybridmem.learned.train import pick_sources
+
+    trace = rows.iloc[:3].assign(source="trace", peak_device_bytes=[11, 22, 33])
+    both = pd.concat([rows, trace], ignore_index=True)
+    values = trace_baseline(both, both, "device")
+    assert list(values[:3]) == [11, 22, 33] and np.isnan(values[3:len(rows)]).all()
+    assert np.isnan(values[len(rows):]).all()  # trace rows themselves
+    assert pick_sources(both) == ("trace",)  # sources are never mixed

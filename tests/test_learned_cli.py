@@ -84,7 +84,7 @@ def test_cli_bad_inputs_raise_spec_errors(app, data_file, tmp_path):
     assert not (tmp_path / "m").exists()
 
 
-def _collect_trace_rows(out: Path) -> None:
+def _collect_trace_rows(app: typer.Typer, out: Path) -> None:
     """Run `hybridmem collect --backend trace` on the CI sweep, or skip saying what is missing."""
     sweep = ROOT / "datasets" / "sweeps" / "ci-tiny.toml"
     try:
@@ -93,7 +93,6 @@ def _collect_trace_rows(out: Path) -> None:
         pytest.skip("`hybridmem collect` (hybridmem/cli/collect.py) does not exist yet")
     if not sweep.exists():
         pytest.skip(f"{sweep} does not exist yet")
-    app = typer.Typer()
     collect.register(app)
     res = CliRunner().invoke(app, ["collect", "--sweep", str(sweep), "--backend", "trace",
                                    "--out", str(out)])
@@ -102,7 +101,6 @@ def _collect_trace_rows(out: Path) -> None:
                     f" {res.exception!r}")
 
 
-@pytest.mark.slow
 def test_pipeline_on_rows_from_collect_backend_trace(app, tmp_path, monkeypatch):
     """The whole pipeline on `hybridmem collect --backend trace` rows (no GPU anywhere)."""
     try:  # the real analytic tier as the base when it exists
@@ -113,7 +111,7 @@ def test_pipeline_on_rows_from_collect_backend_trace(app, tmp_path, monkeypatch)
     except ImportError:
         pass
     data = tmp_path / "trace-rows"
-    _collect_trace_rows(data)
+    _collect_trace_rows(app, data)
     from hybridmem.learned.dataset import load
 
     rows = load(data)

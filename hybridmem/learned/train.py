@@ -1,8 +1,8 @@
 """`hybridmem train`: dataset -> features -> held-out CV -> fit -> registry entry + MLflow run.
 
 Only real CUDA rows calibrate a model to GPUs. If the dataset has any "cuda" rows, only those
-are used (a model never mixes simulated and measured targets); otherwise the non-cuda rows are
-used and the entry says `calibrated_to_gpu: false`, which `predict` repeats loudly.
+are used (a model never mixes simulated and measured targets); otherwise the trace rows (else
+the analytic rows) are used and the entry says `calibrated_to_gpu: false`, which `predict` repeats loudly.
 """
 
 from __future__ import annotations
@@ -37,9 +37,12 @@ class TrainResult:
 
 
 def pick_sources(df: pd.DataFrame) -> tuple[str, ...]:
-    """"cuda" rows when there are any, else everything else (marked uncalibrated)."""
+    """The one source whose rows are targets: "cuda" if any, else "trace", else "analytic".
+
+    Sources are never mixed: a simulated peak is not a noisy measurement of a real one.
+    """
     present = set(df["source"])
-    return ("cuda",) if "cuda" in present else tuple(sorted(present))
+    return next((s,) for s in dataset.SOURCES if s in present)
 
 
 def _version(pkg: str) -> str:
