@@ -1,5 +1,23 @@
-"""Per-rank memory under data parallelism (DDP, ZeRO-1/2/3, FSDP2)."""
+"""Per-rank memory under data parallelism (DDP, ZeRO-1/2/3, FSDP2), and the training configs
+users already have (DeepSpeed JSON, HF TrainingArguments, LLaVA recipes) as input.
 
-from hybridmem.parallel.spec import ParallelSpec
+`hybridmem.spec` imports `hybridmem.parallel.spec`, so this package imports nothing eagerly
+(that would be circular); the public names are resolved on first use.
+"""
 
-__all__ = ["ParallelSpec"]
+from importlib import import_module
+
+_EXPORTS = {
+    "estimate_per_rank": "estimate", "smallest_fitting_setup": "fit",
+    "from_deepspeed_json": "inputs", "from_training_args": "inputs", "merge_inputs": "inputs",
+    "spec_from_inputs": "inputs", "RECIPES": "recipes", "ParallelSpec": "spec",
+    "STRATEGIES": "spec", "check_parallel": "validate", "torchrun_command": "launch",
+    "launch_ranks": "launch",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(name)
+    return getattr(import_module(f"hybridmem.parallel.{_EXPORTS[name]}"), name)

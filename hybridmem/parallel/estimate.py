@@ -1,0 +1,141 @@
+"""`estimate_per_rank`: a single-GPU Prediction turned into one rank's Prediction.
+
+Data parallelism leaves each rank's micro-batch, and hence its activations, kernel workspaces
+and CUDA context, exactly as on one GPU; it changes where parameters, gradients and optimizer
+state live and adds communication buffers. So the single-GPU tier prices the activation side
+and `hybridmem.parallel.sharding` prices the model states per rank. The peak is the larger of
+two phases:
+
+- forward/backward: resident states + gathered params + reduction buffers + the single-GPU
+  activations and temporaries at its forward/backward peak;
+- optimizer step: resident states + the step's transient tensors (on the rank's shard only).
+
+If the single-GPU peak is in the optimizer step its breakdown holds no activations, so the
+activation side is taken from a second single-GPU estimate with plain SGD (no state, no step
+temporaries), whose peak is then in forward/backward: the activation side does not depend on
+the optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from hybridmem.categories import CATEGORIES, TENSOR_CATEGORIES
+from hybridmem.parallel.sharding import RankStates, rank_states, replicated
+from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.parallel.states import model_tensors
+from hybridmem.parallel.validate import check_parallel
+from hybridmem.prediction import Peak, Prediction
+from hybridmem.spec import TrainingSpec
+
+# NCCL allocates its buffers outside the caching allocator: NCCL_BUFFSIZE (default 4 MiB, NCCL
+# env docs) per channel per peer connection. A ring has 2 peers; 16 channels is a typical
+# intra-node NVLink count. A nominal figure: the learned tier corrects it from measurements.
+NCCL_BUFFSIZE = 4 * 2**20
+NCCL_CHANNELS = 16
+NCCL_RING_PEERS = 2
+NCCL_BYTES = NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS
+
+Estimator = Callable[[TrainingSpec], Prediction]
+
+
+def _activation_side(spec: TrainingSpec, estimate: Estimator) -> tuple[Prediction, Prediction]:
+    """(single-GPU prediction, a prediction whose peak is in forward/backward)."""
+    single = spec.with_(parallel=ParallelSpec())
+    base = estimate(single)
+    if base.peak.phase != "optimizer":
+        return base, base
+    return base, estimate(single.with_(optimizer="sgd"))
+
+
+def _fwd_bwd(states: RankStates, fwd: Prediction, single: RankStates, extra: dict) -> dict:
+    """Forward/backward peak: gathered params and reduce buffers on top of the resident states;
+    grads that grow with the backward are scaled like the single-GPU grads at its peak."""
+    grown = min(1.0, fwd.breakdown["grad"] / single.grad) if single.grad else 1.0
+    out = {c: 0 for c in CATEGORIES}
+    out["param"] = states.param + states.gathered
+    out["grad"] = states.grad_fixed + round((states.grad - states.grad_fixed) * grown) + states.comm
+    out["optimizer"] = states.optimizer
+    out["activation"] = fwd.breakdown["activation"]
+    out["temporary"] = fwd.breakdown["temporary"]
+    out.update(extra)
+    return out
+
+
+def _step(states: RankStates, base: Prediction, extra: dict) -> dict:
+    """Optimizer step: every grad, the state and the step's transients on this rank's shard."""
+    out = {c: 0 for c in CATEGORIES}
+    out.update(param=states.param, grad=states.grad, optimizer=states.optimizer,
+               temporary=states.step_temporary)
+    if base.peak.phase == "optimizer":
+        out["activation"] = base.breakdown["activation"]  # the batch, alive all iteration
+    out.update(extra)
+    return out
+
+
+def _peak(breakdown: dict, base: Prediction, phase: str, iteration: int) -> Peak:
+    """Allocated / reserved / device: tensors, then the single-GPU non-tensor terms on top."""
+    allocated = sum(breakdown[c] for c in TENSOR_CATEGORIES)
+    base_alloc_extra = base.peak.allocated_bytes - sum(base.breakdown[c] for c in TENSOR_CATEGORIES)
+    allocated += max(0, base_alloc_extra)
+    device = sum(breakdown.values())
+    reserved = min(device, allocated + breakdown["fragmentation"]
+                   + max(0, base.peak.reserved_bytes - base.peak.allocated_bytes
+                         - base.breakdown["fragmentation"]))
+    return Peak(allocated_bytes=min(allocated, reserved), reserved_bytes=reserved,
+                device_bytes=device, phase=phase, iteration=iteration)
+
+
+def _scaled_modules(base: Prediction, rank: RankStates, single: RankStates) -> tuple:
+    """Per-module param/grad/optimizer scaled by the per-rank / single-GPU ratio of each."""
+    def f(x: int, num: int, den: int) -> int:
+        return round(x * num / den) if den else x
+    return tuple(dataclasses.replace(
+        m, param=f(m.param, rank.param, single.param), grad=f(m.grad, rank.grad, single.grad),
+        optimizer=f(m.optimizer, rank.optimizer, single.optimizer)) for m in base.modules)
+
+
+def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator) -> Prediction:
+    """Peak memory of one rank of `spec` (per GPU), given any single-GPU tier's estimate."""
+    check_parallel(spec)
+    ps = spec.parallel
+    base, fwd = _activation_side(spec, single_gpu_estimate)
+    mt = model_tensors(spec)
+    states = rank_states(spec, mt)
+    nccl = NCCL_BYTES if ps.world_size > 1 else 0
+    extra = {"workspace": base.breakdown["workspace"],
+             "context": base.breakdown["context"] + nccl,
+             "fragmentation": base.breakdown["fragmentation"]}
+    single_states = replicated(spec, mt)
+    phases = {fwd.peak.phase: _fwd_bwd(states, fwd, single_states, extra),
+              "optimizer": _step(states, base, extra)}
+    phase = max(phases, key=lambda k: sum(phases[k].values()))
+    # optimizer state exists from the first step on, so a forward/backward peak that includes
+    # it is at iteration 1; the step's own peak is already there at iteration 0
+    iteration = 0 if phase == "optimizer" or states.optimizer == 0 else 1
+    breakdown = phases[phase]
+    notes = list(base.notes) + [
+        f"per rank of {ps.world_size} GPUs ({ps.strategy}); activations are per micro-batch of "
+        f"{spec.micro_batch} on each GPU",
+    ]
+    if nccl:
+        notes.append(f"NCCL buffers outside PyTorch: nominal {nccl / 2**20:.0f} MiB in context")
+    if ps.strategy == "zero1":
+        notes.append("ZeRO-1 keeps full gradients (ZeRO paper P_os); DeepSpeed may free the other "
+                     "ranks' grads at the accumulation boundary, making this an upper bound")
+    extras = dict(base.extras)
+    extras.update({
+        "world_size": ps.world_size, "strategy": ps.strategy, "per_rank": True,
+        "zero_stage": ps.zero_stage,
+        "phases": {k: dict(v) for k, v in phases.items()},
+        "parallel_buffers": dict(states.detail),
+        "single_gpu_states": {"param": single_states.param, "grad": single_states.grad,
+                              "optimizer": single_states.optimizer},
+        "single_gpu_device_bytes": base.peak.device_bytes,
+    })
+    return dataclasses.replace(
+        base, method=f"{base.method}+{ps.strategy}", breakdown=breakdown,
+        modules=_scaled_modules(base, states, single_states),
+        peak=_peak(breakdown, base, phase, iteration), notes=tuple(notes), extras=extras,
+        max_micro_batch=None)

@@ -1,0 +1,100 @@
+"""`--gpu` advice: the smallest change that makes a job fit (world size, ZeRO stage, checkpointing).
+
+Per-rank memory never grows with the world size under sharding (every sharded term is a
+ceil(x / N)), so the smallest fitting world size is found by doubling then bisection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from hybridmem.errors import SpecError
+from hybridmem.gpus import GPU
+from hybridmem.prediction import Prediction
+from hybridmem.spec import TrainingSpec
+
+MAX_WORLD_SIZE = 4096
+SHARDED = ("zero1", "zero2", "zero3", "fsdp")
+
+
+def _with_parallel(spec: TrainingSpec, **changes) -> TrainingSpec:
+    parallel = replace(spec.parallel, **changes)
+    precision = spec.precision
+    if parallel.strategy.startswith("zero") and precision in ("bf16-mixed", "fp16-mixed"):
+        precision = "bf16-master"  # DeepSpeed holds a 16-bit model + fp32 master partition
+    return spec.with_(parallel=parallel, precision=precision)
+
+
+def _option(spec: TrainingSpec, pred: Prediction, gpu: GPU) -> dict:
+    return {"world_size": spec.parallel.world_size, "strategy": spec.parallel.strategy,
+            "grad_ckpt": spec.grad_ckpt, "peak_bytes": pred.peak.device_bytes,
+            "headroom_bytes": gpu.memory_bytes - pred.peak.device_bytes}
+
+
+def _fits(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> Prediction | None:
+    try:
+        pred = estimate(spec)
+    except SpecError:
+        return None
+    return pred if pred.peak.device_bytes <= gpu.memory_bytes else None
+
+
+def _smallest_world_size(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
+    strategy = spec.parallel.strategy if spec.parallel.strategy in SHARDED else "zero3"
+    at = lambda n: _with_parallel(spec, world_size=n, strategy=strategy)  # noqa: E731
+    lo, hi = 1, 2
+    while hi <= MAX_WORLD_SIZE and _fits(at(hi), gpu, estimate) is None:
+        lo, hi = hi, hi * 2
+    if hi > MAX_WORLD_SIZE:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _fits(at(mid), gpu, estimate) is not None else (mid, hi)
+    return _option(at(hi), _fits(at(hi), gpu, estimate), gpu)
+
+
+def _smallest_zero_stage(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
+    if spec.parallel.world_size < 2 or spec.parallel.strategy == "fsdp":
+        return None
+    first = spec.parallel.zero_stage + 1
+    for stage in range(first, 4):
+        candidate = _with_parallel(spec, strategy=f"zero{stage}")
+        if (pred := _fits(candidate, gpu, estimate)) is not None:
+            return _option(candidate, pred, gpu)
+    return None
+
+
+def _largest_micro_batch(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
+    """Largest micro-batch below the current one that fits ("how far must I go down?")."""
+    lo, hi = 0, spec.micro_batch  # invariant: hi does not fit; lo fits (or is 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _fits(spec.with_(micro_batch=mid), gpu, estimate) else (lo, mid)
+    if lo == 0:
+        return None
+    candidate = spec.with_(micro_batch=lo)
+    return {**_option(candidate, _fits(candidate, gpu, estimate), gpu), "micro_batch": lo}
+
+
+def smallest_fitting_setup(spec: TrainingSpec, gpu: GPU,
+                           estimate: Callable[[TrainingSpec], Prediction]) -> dict:
+    """What makes `spec` fit `gpu`: as is; else the smallest world size (same sharding, or ZeRO-3
+    if the job does not shard), the smallest higher ZeRO stage at this world size, and turning
+    on gradient checkpointing, and the largest smaller micro-batch. `estimate` must price parallel
+    specs (e.g. `predict`). Options that do not fit are None."""
+    current = estimate(spec)
+    out: dict = {"gpu": gpu.name, "gpu_memory_bytes": gpu.memory_bytes,
+                 "fits_as_is": current.peak.device_bytes <= gpu.memory_bytes,
+                 "current": _option(spec, current, gpu),
+                 "world_size": None, "zero_stage": None, "grad_ckpt": None, "micro_batch": None}
+    if out["fits_as_is"]:
+        return out
+    out["world_size"] = _smallest_world_size(spec, gpu, estimate)
+    out["zero_stage"] = _smallest_zero_stage(spec, gpu, estimate)
+    out["micro_batch"] = _largest_micro_batch(spec, gpu, estimate)
+    if not spec.grad_ckpt:
+        candidate = spec.with_(grad_ckpt=True)
+        if (pred := _fits(candidate, gpu, estimate)) is not None:
+            out["grad_ckpt"] = _option(candidate, pred, gpu)
+    return out

@@ -1,0 +1,373 @@
+"""Training configs users already have -> TrainingSpec keyword arguments.
+
+Sources, in increasing priority: a recipe preset, HF `TrainingArguments` (JSON of its fields),
+a DeepSpeed JSON, then explicit command-line values. "auto" DeepSpeed values are resolved the
+way transformers does it (`integrations/deepspeed.py`, `HfTrainerDeepSpeedConfig`):
+`trainer_config_process` fills batch size and bf16/fp16 from the TrainingArguments, and
+`trainer_config_finalize` fills the hidden-size based keys from the model config.
+
+Every problem is a one-line SpecError (malformed JSON, an "auto" that cannot be resolved,
+contradictory options).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from hybridmem.errors import SpecError
+from hybridmem.parallel.recipes import RECIPES
+from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.parallel.validate import check_parallel
+from hybridmem.spec import LoraSpec, TrainingSpec
+
+# transformers `OptimizerNames` -> our optimizer names (None: not modelled)
+HF_OPTIMS: dict[str, str] = {
+    "adamw_torch": "adamw", "adamw_hf": "adamw", "paged_adamw_32bit": "adamw",
+    "adamw_torch_fused": "adamw-fused", "adamw_apex_fused": "adamw-fused",
+    "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "paged_adamw_8bit": "adamw-8bit",
+    "sgd": "sgd", "adafactor": "adafactor", "lion_32bit": "lion", "paged_lion_32bit": "lion",
+}
+# transformers 5.x default `optim` (training_args.py: adamw_torch_fused for torch >= 2.8)
+HF_DEFAULT_OPTIM = "adamw_torch_fused"
+HF_DEFAULT_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
+# DeepSpeed "optimizer.type" -> ours: Adam/AdamW build DeepSpeed's FusedAdam (no foreach
+# temporaries; engine `_configure_basic_optimizer`), Lion its FusedLion.
+DS_OPTIMS: dict[str, str] = {"adam": "adamw-fused", "adamw": "adamw-fused", "lion": "lion"}
+DS_ZERO_KEYS: tuple[str, ...] = (
+    "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "overlap_comm",
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size",
+)
+# TrainingArguments `fsdp` options -> FSDP settings (FSDP1 names; SHARD_GRAD_OP keeps params
+# unsharded between forward and backward = FSDP2 reshard_after_forward=False)
+FSDP_OPTIONS: dict[str, dict] = {
+    "full_shard": {"strategy": "fsdp", "reshard_after_forward": True},
+    "shard_grad_op": {"strategy": "fsdp", "reshard_after_forward": False},
+    "no_shard": {"strategy": "ddp"},
+    "auto_wrap": {},
+}
+SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
+             "optimizer", "grad_ckpt", "train", "attn")
+LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
+
+
+def _read_json(source: str | os.PathLike | dict, field: str) -> dict:
+    if isinstance(source, dict):
+        return json.loads(json.dumps(source))  # a private deep copy
+    path = Path(source)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(field, str(source), reason="file not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError(field, str(source), reason=f"cannot read: {err}") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(field, str(source),
+                        reason=f"malformed JSON: {err.msg} at line {err.lineno}") from None
+    if not isinstance(data, dict):
+        raise SpecError(field, str(source), reason="must hold a JSON object")
+    return data
+
+
+def _count(field: str, value: object) -> int:
+    """DeepSpeed numbers may be written 1e9; they must be whole and non-negative."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
+            or int(value) != value:
+        raise SpecError(field, value, reason="must be a non-negative whole number")
+    return int(value)
+
+
+def _flag(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(field, value, [True, False])
+    return value
+
+
+def hidden_size_of(model: str) -> int:
+    """The hidden size transformers uses for "auto" DeepSpeed keys (`trainer_config_finalize`:
+    config.hidden_size, else max(hidden_sizes), else the text_config's)."""
+    from hybridmem.models import load_config
+
+    cfg = load_config(model)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is None:
+            continue
+        if getattr(c, "hidden_size", None):
+            return int(c.hidden_size)
+        if getattr(c, "hidden_sizes", None):
+            return int(max(c.hidden_sizes))
+    raise SpecError("model", model, reason="config has no hidden_size to resolve DeepSpeed 'auto'")
+
+
+# ---------------------------------------------------------------- TrainingArguments
+
+def from_training_args(source: str | os.PathLike | dict) -> dict:
+    """HF TrainingArguments fields (a JSON object, e.g. `args.to_json_string()`) -> layered kwargs.
+
+    Also reads LLaVA's TrainingArguments extensions (`model_max_length`, `lora_enable`,
+    `lora_r`, `lora_alpha`, `tune_mm_mlp_adapter`) and `attn_implementation`. The world size is
+    not a TrainingArguments field: a `world_size` key, else $WORLD_SIZE, else unset.
+    Returns {"spec": ..., "parallel": ..., "lora": ..., "deepspeed": dict | None, "hf": ...}.
+    """
+    args = _read_json(source, "training_args")
+    spec: dict = {}
+    parallel: dict = {}
+    lora: dict = {}
+    if "per_device_train_batch_size" in args:
+        spec["micro_batch"] = args["per_device_train_batch_size"]
+    if "gradient_checkpointing" in args:
+        spec["grad_ckpt"] = _flag("training_args.gradient_checkpointing",
+                                  args["gradient_checkpointing"])
+    bf16, fp16 = bool(args.get("bf16")), bool(args.get("fp16"))
+    if bf16 and fp16:
+        raise SpecError("training_args.fp16", True, reason="bf16 and fp16 cannot both be set")
+    if "bf16" in args or "fp16" in args:
+        spec["precision"] = "bf16-mixed" if bf16 else "fp16-mixed" if fp16 else "fp32"
+    optim = str(args.get("optim", HF_DEFAULT_OPTIM))
+    if optim not in HF_OPTIMS:
+        raise SpecError("training_args.optim", optim, sorted(HF_OPTIMS))
+    if "optim" in args:
+        spec["optimizer"] = HF_OPTIMS[optim]
+    if "model_max_length" in args:
+        spec["seq_len"] = args["model_max_length"]
+    if "attn_implementation" in args:
+        spec["attn"] = args["attn_implementation"]
+    if args.get("tune_mm_mlp_adapter"):
+        spec["train"] = "projector"
+    if args.get("lora_enable"):
+        spec["train"] = "lora"
+        lora.update({k: args[f"lora_{k}"] for k in ("r", "alpha") if f"lora_{k}" in args})
+    ws = args.get("world_size", os.environ.get("WORLD_SIZE"))
+    if ws is not None:
+        try:
+            parallel["world_size"] = int(ws)
+        except (TypeError, ValueError):
+            raise SpecError("training_args.world_size", ws, reason="must be an integer") from None
+    parallel.update(_fsdp_options(args.get("fsdp")))
+    ds = args.get("deepspeed") or None
+    if ds is not None and parallel.get("strategy") == "fsdp":
+        raise SpecError("training_args.fsdp", args.get("fsdp"),
+                        reason="FSDP and DeepSpeed cannot both be set")
+    if ds is not None and not isinstance(ds, dict):
+        ds = _read_json(ds, "training_args.deepspeed")
+    hf = {"per_device_train_batch_size": args.get("per_device_train_batch_size", HF_DEFAULT_BATCH),
+          "bf16": bf16, "fp16": fp16,
+          "gradient_accumulation_steps": args.get("gradient_accumulation_steps", 1)}
+    return {"spec": spec, "parallel": parallel, "lora": lora, "deepspeed": ds, "hf": hf}
+
+
+def _fsdp_options(value: object) -> dict:
+    if not value:
+        return {}
+    tokens = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) \
+        else None
+    if tokens is None:
+        raise SpecError("training_args.fsdp", value, sorted(FSDP_OPTIONS))
+    out: dict = {}
+    for tok in tokens:
+        if tok == "offload":
+            raise SpecError("training_args.fsdp", value, reason="FSDP CPU offload is not modelled")
+        if tok not in FSDP_OPTIONS:
+            raise SpecError("training_args.fsdp", tok, sorted(FSDP_OPTIONS))
+        out.update(FSDP_OPTIONS[tok])
+    return out
+
+
+# ---------------------------------------------------------------- DeepSpeed JSON
+
+def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | None = None,
+                        hf: dict | None = None) -> dict:
+    """A DeepSpeed config -> layered kwargs, "auto" resolved from `hf` (TrainingArguments values,
+    HF defaults when None) and `hidden_size` (the model's; needed only for hidden-size keys)."""
+    cfg = _read_json(source, "deepspeed")
+    hf = hf or {"per_device_train_batch_size": HF_DEFAULT_BATCH, "bf16": False, "fp16": False,
+                "gradient_accumulation_steps": 1}
+    zero = cfg.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise SpecError("deepspeed.zero_optimization", zero, reason="must be a JSON object")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise SpecError("deepspeed.zero_optimization.stage", stage, [0, 1, 2, 3])
+    parallel: dict = {"strategy": f"zero{stage}" if stage else "ddp"}
+    auto_hidden = {"reduce_bucket_size": lambda h: h * h}
+    if stage == 3:
+        auto_hidden.update(stage3_prefetch_bucket_size=lambda h: int(0.9 * h * h),
+                           stage3_param_persistence_threshold=lambda h: 10 * h)
+    for key in DS_ZERO_KEYS:
+        if key not in zero:
+            continue
+        value = zero[key]
+        if value == "auto":
+            if key not in auto_hidden:
+                raise SpecError(f"deepspeed.zero_optimization.{key}", "auto",
+                                reason="transformers resolves no 'auto' for this key")
+            if hidden_size is None:
+                raise SpecError(f"deepspeed.zero_optimization.{key}", "auto",
+                                reason="needs the model's hidden size: give --model")
+            value = auto_hidden[key](hidden_size)
+        field = f"deepspeed.zero_optimization.{key}"
+        parallel[key] = (_flag(field, value) if key in ("contiguous_gradients", "overlap_comm")
+                         else _count(field, value))
+    for key in ("offload_optimizer", "offload_param"):
+        block = zero.get(key) or {}
+        if not isinstance(block, dict):
+            raise SpecError(f"deepspeed.zero_optimization.{key}", block, reason="must be a JSON object")
+        device = block.get("device", "none")
+        if device not in ("none", "cpu", "nvme"):
+            raise SpecError(f"deepspeed.zero_optimization.{key}.device", device, ["none", "cpu", "nvme"])
+        # NVMe offload frees the GPU exactly as CPU offload does
+        parallel[key] = "none" if device == "none" else "cpu"
+    spec: dict = {"precision": _ds_precision(cfg, hf)}
+    micro = cfg.get("train_micro_batch_size_per_gpu", "auto")
+    spec["micro_batch"] = hf["per_device_train_batch_size"] if micro == "auto" else micro
+    if micro != "auto" and micro != hf["per_device_train_batch_size"] and hf.get("_given"):
+        # transformers `trainer_config_finalize` refuses mismatches between the two files
+        raise SpecError("deepspeed.train_micro_batch_size_per_gpu", micro,
+                        reason=f"TrainingArguments say {hf['per_device_train_batch_size']}")
+    ws = _world_size_from_batch(cfg, spec["micro_batch"], hf)
+    if ws is not None:
+        parallel["world_size"] = ws
+    opt = cfg.get("optimizer")
+    if opt is not None:
+        kind = str((opt or {}).get("type", "")).lower() if isinstance(opt, dict) else str(opt)
+        if kind not in DS_OPTIMS:
+            raise SpecError("deepspeed.optimizer.type", kind, sorted(DS_OPTIMS))
+        spec["optimizer"] = DS_OPTIMS[kind]
+    return {"spec": spec, "parallel": parallel, "lora": {}}
+
+
+def _ds_precision(cfg: dict, hf: dict) -> str:
+    """bf16/fp16 "auto" from the TrainingArguments (`trainer_config_process`). DeepSpeed then
+    holds the model in 16 bits with an fp32 master partition: priced as bf16-master (fp16 has the
+    same bytes); without either, everything is fp32."""
+    enabled = {}
+    for key in ("bf16", "fp16"):
+        block = cfg.get(key, {})
+        value = block.get("enabled", False) if isinstance(block, dict) else block
+        enabled[key] = hf[key] if value == "auto" else _flag(f"deepspeed.{key}.enabled", value)
+    if enabled["bf16"] and enabled["fp16"]:
+        raise SpecError("deepspeed.fp16.enabled", True, reason="bf16 and fp16 cannot both be enabled")
+    return "bf16-master" if enabled["bf16"] or enabled["fp16"] else "fp32"
+
+
+def _world_size_from_batch(cfg: dict, micro: int, hf: dict) -> int | None:
+    """DeepSpeed asserts train_batch_size == micro * grad_accum * world_size; a numeric
+    train_batch_size therefore fixes the world size."""
+    total = cfg.get("train_batch_size", "auto")
+    if total == "auto" or not isinstance(micro, int):
+        return None
+    gas = cfg.get("gradient_accumulation_steps", "auto")
+    gas = hf.get("gradient_accumulation_steps", 1) if gas == "auto" else gas
+    total, gas = _count("deepspeed.train_batch_size", total), _count(
+        "deepspeed.gradient_accumulation_steps", gas)
+    if gas == 0 or micro <= 0 or total % (micro * gas):
+        raise SpecError("deepspeed.train_batch_size", total,
+                        reason=f"is not micro batch {micro} x grad accumulation {gas} x world size")
+    return total // (micro * gas)
+
+
+# ---------------------------------------------------------------- merging
+
+def _layer_overrides(overrides: dict) -> dict:
+    spec, parallel, lora = {}, {}, {}
+    pfields = set(ParallelSpec.__dataclass_fields__)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key in SPEC_KEYS:
+            spec[key] = value
+        elif key in LORA_KEYS:
+            lora[LORA_KEYS[key]] = tuple(value) if key == "lora_targets" else value
+        elif key == "zero_stage":
+            if value not in (1, 2, 3):
+                raise SpecError("zero_stage", value, [1, 2, 3])
+            parallel["strategy"] = f"zero{value}"
+        elif key in pfields:
+            parallel[key] = value
+        else:
+            raise SpecError("overrides", key, sorted((*SPEC_KEYS, *LORA_KEYS, "zero_stage", *pfields)))
+    return {"spec": spec, "parallel": parallel, "lora": lora}
+
+
+def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
+                 training_args: str | os.PathLike | dict | None = None,
+                 overrides: dict | None = None) -> dict:
+    """TrainingSpec keyword arguments from the inputs; explicit `overrides` win over files, files
+    over the recipe. `overrides` take TrainingSpec field names, lora_r/lora_alpha/lora_targets,
+    ParallelSpec field names and zero_stage; None values are ignored."""
+    over = _layer_overrides(overrides or {})
+    layers: list[dict] = []
+    ds_sources: list = []
+    hf: dict | None = None
+    if recipe is not None:
+        if recipe not in RECIPES:
+            raise SpecError("recipe", recipe, sorted(RECIPES))
+        ta = from_training_args(RECIPES[recipe]["training_args"])
+        ta["spec"].update(RECIPES[recipe].get("spec", {}))
+        layers.append(ta)
+        hf = ta["hf"]
+        ds_sources.append(RECIPES[recipe]["deepspeed"])
+    if training_args is not None:
+        ta = from_training_args(training_args)
+        layers.append(ta)
+        hf = {**ta["hf"], "_given": "micro_batch" in ta["spec"]}
+        if ta["deepspeed"] is not None:
+            ds_sources.append(ta["deepspeed"])
+        elif ta["parallel"].get("strategy") == "fsdp":
+            ds_sources.clear()  # the user's own args replace the recipe's DeepSpeed config
+    if deepspeed is not None:
+        if any(layer["parallel"].get("strategy") == "fsdp" for layer in layers[-1:]):
+            raise SpecError("deepspeed", str(deepspeed),
+                            reason="FSDP (training args) and DeepSpeed cannot both be set")
+        ds_sources.append(deepspeed)
+    if "micro_batch" in over["spec"]:
+        hf = {**(hf or {"bf16": False, "fp16": False, "gradient_accumulation_steps": 1}),
+              "per_device_train_batch_size": over["spec"]["micro_batch"], "_given": False}
+    if ds_sources:
+        model = over["spec"].get("model")
+        hidden = hidden_size_of(model) if model else None
+        layers.append(from_deepspeed_json(ds_sources[-1], hidden_size=hidden, hf=hf))
+    layers.append(over)
+    return _combine(layers, over)
+
+
+def _combine(layers: list[dict], over: dict) -> dict:
+    spec: dict = {}
+    parallel: dict = {}
+    lora: dict = {}
+    for layer in layers:
+        spec.update(layer["spec"])
+        parallel.update(layer["parallel"])
+        lora.update(layer["lora"])
+    if parallel.get("strategy") == "fsdp" and any(
+            layer["parallel"].get("strategy", "").startswith("zero") for layer in layers):
+        if "strategy" not in over["parallel"]:
+            raise SpecError("parallel.strategy", "fsdp+zero",
+                            reason="FSDP and DeepSpeed ZeRO cannot both be set")
+    ws = parallel.get("world_size", 1)
+    if parallel.get("strategy", "none") == "none" and ws > 1:
+        parallel["strategy"] = "ddp"  # torchrun + HF Trainer without DeepSpeed/FSDP is DDP
+    if str(parallel.get("strategy", "")).startswith("zero") and "precision" not in over["spec"]:
+        # DeepSpeed bf16/fp16 = 16-bit model + fp32 master partition (engine casts the module)
+        if spec.get("precision") in ("bf16-mixed", "fp16-mixed"):
+            spec["precision"] = "bf16-master"
+    if lora or spec.get("train") == "lora":
+        spec["train"] = spec.get("train", "lora")
+        if spec["train"] == "lora":
+            spec["lora"] = LoraSpec(**lora)
+    spec["parallel"] = ParallelSpec(**parallel)
+    return spec
+
+
+def spec_from_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
+                     training_args: str | os.PathLike | dict | None = None,
+                     overrides: dict | None = None) -> TrainingSpec:
+    """`merge_inputs` -> a validated TrainingSpec (parallel settings checked against the rest)."""
+    kwargs = merge_inputs(recipe, deepspeed, training_args, overrides)
+    if "model" not in kwargs:
+        raise SpecError("model", None, reason="give --model")
+    spec = TrainingSpec(**kwargs)
+    check_parallel(spec)
+    return spec

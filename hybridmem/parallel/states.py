@@ -1,0 +1,78 @@
+"""Parameter tensors of a spec's model, flattened to what the sharding formulas need.
+
+Every data-parallel scheme prices the same tensors differently (replicate, shard flat, shard
+dim 0, keep small ones whole), so the formulas take this one list, built once from
+`hybridmem.models.build_graph`, rather than the graph itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridmem.models import build_graph
+from hybridmem.spec import TrainingSpec
+
+# Layers that FSDP2 users wrap with `fully_shard` one by one (torchtitan `apply_fsdp`, HF
+# accelerate `transformer_layer_cls_to_wrap`), and that ZeRO-3 gathers as a unit; everything
+# else belongs to the root unit.
+UNIT_KINDS: frozenset[str] = frozenset({"decoder_layer", "encoder_layer"})
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """One parameter tensor as the sharding formulas see it."""
+
+    numel: int
+    dim0: int
+    """Size of dim 0 (FSDP2 shards along it, padding to a multiple of the world size)."""
+    itemsize: int | None
+    """Fixed bytes per element (LoRA adapters); None = the precision policy's param dtype."""
+    trainable: bool
+    """Gets a .grad and optimizer state."""
+    unit: str
+    """FSDP unit / ZeRO-3 fetch unit: the layer's name for repeated layers, else 'root'."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTensors:
+    tensors: tuple[Tensor, ...]
+    buffer_bytes: int
+    """Registered buffers (rotary tables): replicated by every scheme."""
+
+    @property
+    def params(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def trainable(self) -> int:
+        return sum(t.numel for t in self.tensors if t.trainable)
+
+    @property
+    def largest_tensor(self) -> int:
+        return max((t.numel for t in self.tensors), default=0)
+
+    def units(self) -> dict[str, tuple[int, int]]:
+        """unit -> (elements, trainable elements)."""
+        out: dict[str, tuple[int, int]] = {}
+        for t in self.tensors:
+            n, tr = out.get(t.unit, (0, 0))
+            out[t.unit] = (n + t.numel, tr + (t.numel if t.trainable else 0))
+        return out
+
+
+def model_tensors(spec: TrainingSpec) -> ModelTensors:
+    """All parameter tensors of `spec`'s model (LoRA adapters included), with trainability."""
+    graph = build_graph(spec)
+    tensors: list[Tensor] = []
+    buffers = 0
+    for module, layer in graph.layers():
+        unit = f"{module}.{layer.name}" if layer.kind in UNIT_KINDS else "root"
+        base_trains = layer.gets_grads
+        for p in layer.params:
+            tensors.append(Tensor(p.numel, p.shape[0], p.itemsize, base_trains, unit))
+        for p in layer.lora:
+            # PEFT adapters train whenever their layer is on the gradient path
+            tensors.append(Tensor(p.numel, p.shape[0], p.itemsize,
+                                  layer.on_grad_path and layer.runs, unit))
+        buffers += sum(b.numel * (b.itemsize or 4) for b in layer.buffers)
+    return ModelTensors(tuple(tensors), buffers)

@@ -1,0 +1,26 @@
+"""Checks of the parallel settings against the rest of the spec (the optimizer, the precision).
+
+`ParallelSpec.__post_init__` checks what it can see alone; these need the whole TrainingSpec, so
+they run at the boundary where specs are merged from user inputs and again before estimating.
+"""
+
+from __future__ import annotations
+
+from hybridmem.errors import SpecError
+from hybridmem.spec import TrainingSpec
+
+# ZeRO-Offload steps on the CPU with DeepSpeedCPUAdam; the engine refuses other client
+# optimizers with offload (`zero_force_ds_cpu_optimizer`, deepspeed/runtime/engine.py), and HF
+# maps `adamw_*` to it. SGD, Lion, Adafactor and bitsandbytes 8-bit have no CPU kernel there.
+OFFLOAD_OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-fused")
+
+
+def check_parallel(spec: TrainingSpec) -> None:
+    """Raise a one-line SpecError for parallel settings the spec's optimizer cannot run."""
+    ps = spec.parallel
+    if ps.offload_optimizer != "none" and spec.optimizer not in OFFLOAD_OPTIMIZERS:
+        raise SpecError("optimizer", spec.optimizer, OFFLOAD_OPTIMIZERS,
+                        reason="optimizer offload to the CPU needs DeepSpeedCPUAdam")
+    if ps.zero_stage and spec.optimizer == "adamw-8bit":
+        # transformers refuses bitsandbytes optimizers under a DeepSpeed ZeRO optimizer wrapper
+        raise SpecError("optimizer", spec.optimizer, reason="8-bit optimizers do not run under ZeRO")
