@@ -1,0 +1,142 @@
+"""The measuring subprocess: `python -m hybridmem.harness.child REQUEST.json RESULT.json`.
+
+One fresh process per config, because the CUDA context and the allocator's cache are part of
+what a user's job pays for. Protocol (DESIGN.md, "Ground truth"): read NVML before CUDA is
+initialised; build, train `iterations` steps, resetting the allocator's peak statistics at each
+phase boundary; report per-phase peaks, their maximum, counters and the device usage. An OOM
+is a result (`outcome="oom"`), not a crash. The result file is written once, atomically.
+`--env RESULT.json` only reports the probe's environment (the parent's resume key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+SETUP = "setup"  # model build, optimizer, batch: before the first forward
+
+
+def _write(path: str, result: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(result, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:500]
+
+
+def summarize(phases: list[dict]) -> dict:
+    """Global peaks and the phase/iteration of the allocated peak, from per-phase peaks."""
+    training = [p for p in phases if p["phase"] != SETUP]
+    if not training:
+        return {}
+    # the phase of the peak is a training phase (categories.PHASES); setup never exceeds them
+    top = max(training, key=lambda p: p["allocated"])
+    devices = [p["device"] for p in phases if p["device"] is not None]
+    return {"peak_allocated_bytes": top["allocated"],
+            "peak_reserved_bytes": max(p["reserved"] for p in phases),
+            "peak_active_bytes": max(p["active"] for p in phases),
+            "peak_inactive_split_bytes": max(p["inactive_split"] for p in phases),
+            "peak_device_bytes": max(devices) if devices else None,
+            "peak_phase": top["phase"], "peak_iteration": top["iteration"]}
+
+
+def measure(request: dict, probe) -> dict:
+    """Run one config under `probe`; always returns a result dict (ok / oom / error)."""
+    import torch
+
+    from hybridmem.spec import TrainingSpec
+
+    result: dict = {"outcome": "error", "error": "", "device_baseline_bytes": probe.baseline()}
+    phases: list[dict] = []
+    phase, iteration = SETUP, -1
+    history = request.get("history_path")
+    try:
+        device = probe.init()
+        result.update(probe.environment())
+        if history:
+            probe.start_history()
+        from hybridmem.harness import workload
+        from hybridmem.models.loader import load_config
+
+        spec = TrainingSpec.from_dict(request["spec"])
+        probe.phase_start(phase, iteration)
+        job = workload.prepare(spec, load_config(spec.model), device)
+        phases.append({"phase": phase, "iteration": iteration, **probe.phase_end(phase, iteration)})
+        result["params_total"] = sum(p.numel() for p in job.model.parameters())
+        result["params_trainable"] = sum(p.numel() for p in job.params)
+        times = []
+        for iteration in range(request["iterations"]):
+            start = time.perf_counter()
+            for phase in ("forward", "backward", "optimizer"):
+                probe.phase_start(phase, iteration)
+                if phase == "forward":
+                    loss = workload.forward(job, spec, device)
+                elif phase == "backward":
+                    workload.backward(job, loss)
+                    del loss
+                else:
+                    workload.optimizer_step(job)
+                phases.append({"phase": phase, "iteration": iteration,
+                               **probe.phase_end(phase, iteration)})
+            times.append(time.perf_counter() - start)
+        result.update(outcome="ok", iteration_seconds=times)
+        used = probe.device_usage()  # context = process usage - allocator segments, same instant
+        result["context_bytes"] = used - probe.reserved_now() if used is not None else None
+    except torch.OutOfMemoryError as err:
+        result.update(outcome="oom", error=_first_line(err), oom_phase=phase,
+                      oom_iteration=iteration)
+    except Exception as err:  # any other failure is an `error` row with its message
+        result.update(error=_first_line(err), traceback=traceback.format_exc()[-4000:])
+    try:
+        result.update(probe.counters())
+    except Exception:  # CUDA never came up: no counters
+        pass
+    result["phases"] = phases
+    result["device_source"] = probe.device_source
+    polled = probe.polled_peak()
+    if result["outcome"] == "ok":
+        result.update(summarize(phases))
+        if polled and (result["peak_device_bytes"] or 0) < polled:
+            result["peak_device_bytes"] = polled
+    if history:
+        try:
+            probe.dump_history(history)
+        except Exception as err:
+            result["history_error"] = _first_line(err)
+    probe.close()
+    return result
+
+
+def environment(probe) -> dict:
+    probe.baseline()
+    probe.init()
+    env = probe.environment()
+    probe.close()
+    return env
+
+
+def main(argv: list[str]) -> int:
+    from hybridmem.harness.probe import load_probe
+
+    if argv[:1] == ["--env"]:
+        _write(argv[1], environment(load_probe()))
+        return 0
+    request_path, result_path = argv
+    with open(request_path) as fh:
+        request = json.load(fh)
+    probe = load_probe()
+    _write(result_path, measure(request, probe))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

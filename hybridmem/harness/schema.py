@@ -1,0 +1,91 @@
+"""The dataset's columns, their types and versions: the contract with the learned tier.
+
+`datasets/README.md` documents every column; `COLUMNS` is the machine-readable copy of it, and
+the store casts each row to these types so every part file has the same parquet schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+SCHEMA_VERSION = 1
+"""Bump when a column changes meaning or type (readers refuse a newer schema)."""
+HARNESS_VERSION = "0.1.0"
+"""Bump when the measurement protocol changes (what is run, how peaks are read)."""
+
+SOURCES: tuple[str, ...] = ("cuda", "trace", "analytic")
+OUTCOMES: tuple[str, ...] = ("ok", "oom", "error")
+ENV_KEY: tuple[str, ...] = ("gpu_name", "torch_version", "source")
+"""Columns that, with `spec_hash`, identify a measurement: `--resume` skips a spec measured
+under the same key, and the reader keeps the newest row per key."""
+
+# column -> pandas dtype ("Int64"/"boolean" are nullable: oom/error rows have no peaks)
+COLUMNS: dict[str, str] = {
+    # identity and provenance
+    "schema_version": "int64",
+    "harness_version": "string",
+    "spec_hash": "string",
+    "collected_at": "string",
+    "source": "string",
+    "outcome": "string",
+    "error": "string",
+    "sweep_name": "string",
+    "spec_json": "string",
+    "model_config": "string",
+    # flattened spec
+    "model_name": "string",
+    "model_type": "string",
+    "micro_batch": "int64",
+    "seq_len": "int64",
+    "images_per_sample": "int64",
+    "image_size": "int64",
+    "image_tokens": "int64",
+    "precision": "string",
+    "optimizer": "string",
+    "train": "string",
+    "attn": "string",
+    "grad_ckpt": "bool",
+    "lora_r": "int64",
+    "world_size": "int64",
+    "params_total": "Int64",
+    "params_trainable": "Int64",
+    # targets (null for oom / error rows)
+    "peak_allocated_bytes": "Int64",
+    "peak_reserved_bytes": "Int64",
+    "peak_active_bytes": "Int64",
+    "peak_inactive_split_bytes": "Int64",
+    "peak_device_bytes": "Int64",
+    "device_baseline_bytes": "Int64",
+    "context_bytes": "Int64",
+    "device_source": "string",
+    "peak_phase": "string",
+    "peak_iteration": "Int64",
+    "num_alloc_retries": "Int64",
+    "num_ooms": "Int64",
+    "oom_phase": "string",
+    "iterations": "int64",
+    "step_seconds": "float64",
+    "wall_seconds": "float64",
+    "phase_peaks_json": "string",
+    # environment
+    "gpu_name": "string",
+    "gpu_memory_bytes": "int64",
+    "driver_version": "string",
+    "cuda_version": "string",
+    "torch_version": "string",
+    "transformers_version": "string",
+    "alloc_conf": "string",
+    "hostname": "string",
+    "history_path": "string",
+}
+
+
+def spec_hash(spec_dict: dict, model_config: dict) -> str:
+    """sha256 of the canonical spec JSON with the model's full config in place of its label.
+
+    The label (a display name) is left out so that renaming a shape does not re-measure it.
+    """
+    canonical = {**spec_dict, "model": model_config}
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()

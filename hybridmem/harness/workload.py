@@ -1,0 +1,214 @@
+"""The training job a measurement runs: model from config, frozen parts, LoRA, optimizer, batch.
+
+It follows the same conventions as the trace tier (`hybridmem.trace.runner`), so that a measured
+row and a traced row describe the same job: HF's own loss from `labels`, outputs dropped before
+backward, `zero_grad(set_to_none=True)`, LoRA adapters on the language model's linears only,
+image tokens right after BOS and masked out of the labels, no attention mask (unpadded batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybridmem.spec import TrainingSpec
+
+PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+               "bf16-mixed": torch.float32, "fp16-mixed": torch.float32,
+               "bf16-master": torch.bfloat16}
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+LR = 1e-5  # any value; memory does not depend on it
+IGNORE_INDEX = -100  # HF / LLaVA label value left out of the loss
+
+
+class Unavailable(RuntimeError):
+    """The job needs something this machine lacks (bitsandbytes, flash-attn): an `error` row."""
+
+
+@dataclass
+class Job:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: dict
+    params: list[nn.Parameter]
+    masters: list[torch.Tensor] = field(default_factory=list)
+    scaler: object | None = None
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
+    """Random-weight model built directly on `device` in the spec's parameter dtype."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    try:
+        with torch.device(device), default_dtype(PARAM_DTYPE[spec.precision]):
+            model = auto.from_config(config, attn_implementation=spec.attn)
+    except ImportError as err:  # e.g. flash_attention_2 without the flash-attn package
+        raise Unavailable(f"attn={spec.attn!r} unavailable: {err}") from err
+    return model.to(device).train()
+
+
+def _part(name: str) -> str:
+    for fragment, part in (("vision_tower", "vision"), ("multi_modal_projector", "projector"),
+                           ("image_newline", "projector")):
+        if fragment in name:
+            return part
+    return "llm"
+
+
+TRAINS = {"full": {"vision", "projector", "llm"}, "llm+projector": {"projector", "llm"},
+          "projector": {"projector"}, "lora": set()}
+"""Parts that train per `spec.train` (LLaVA-1.5 stage 1 = projector, stage 2 = llm+projector)."""
+
+
+def freeze(model: nn.Module, spec: TrainingSpec) -> None:
+    for name, p in model.named_parameters():
+        p.requires_grad_(_part(name) in TRAINS[spec.train])
+
+
+def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
+    """PEFT LoRA on the non-vision linears named in `spec.lora.targets` (adapters in fp32)."""
+    import peft
+
+    lora = spec.lora
+    pattern = r"^(?!.*vision_tower).*\.(" + "|".join(map(re.escape, lora.targets)) + r")$"
+    cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=pattern, bias="none")
+    return peft.get_peft_model(model, cfg)
+
+
+def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The optimizer as users get it: torch's foreach implementations, bitsandbytes for 8-bit/Lion."""
+    optim = torch.optim
+    table = {
+        "adamw": lambda: optim.AdamW(params, lr=LR, foreach=True),
+        "adamw-fused": lambda: optim.AdamW(params, lr=LR, fused=True),
+        "sgd": lambda: optim.SGD(params, lr=LR, foreach=True),
+        "sgd-momentum": lambda: optim.SGD(params, lr=LR, momentum=0.9, foreach=True),
+        "adafactor": lambda: optim.Adafactor(params, lr=1e-2, foreach=True),
+    }
+    if name in table:
+        return table[name]()
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise Unavailable(f"optimizer {name!r} needs bitsandbytes, which is not installed") from err
+    return {"lion": bnb.optim.Lion, "adamw-8bit": bnb.optim.AdamW8bit}[name](params, lr=LR)
+
+
+def _image_token_id(config) -> int:
+    return getattr(config, "image_token_id", None) or config.image_token_index
+
+
+def _pixels(spec: TrainingSpec, config, n_images: int, dtype, device) -> dict:
+    side = spec.image_size or config.vision_config.image_size
+    if config.model_type == "llava_next":
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        native = config.vision_config.image_size
+        patches = image_size_to_num_patches((side, side), config.image_grid_pinpoints, native)
+        return {"pixel_values": torch.zeros(n_images, patches, 3, native, native, dtype=dtype,
+                                            device=device),
+                "image_sizes": torch.tensor([[side, side]] * n_images, device=device)}
+    return {"pixel_values": torch.zeros(n_images, 3, side, side, dtype=dtype, device=device)}
+
+
+def _tokens_per_image(model: nn.Module, config, pixels: dict) -> int:
+    if config.model_type == "llava":  # one token per patch; CLS dropped under "default"
+        vc = config.vision_config
+        n = (vc.image_size // vc.patch_size) ** 2
+        return n + (config.vision_feature_select_strategy == "full"
+                    and vc.model_type == "clip_vision_model")
+    one = {k: v[:1] for k, v in pixels.items()}  # LLaVA-NeXT anyres: ask the model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.no_grad():
+        out = base.model.get_image_features(**one)
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    feats = feats[0] if isinstance(feats, (list, tuple)) else feats
+    return feats.shape[0]
+
+
+def make_batch(spec: TrainingSpec, config, model: nn.Module, device) -> dict:
+    """input_ids / labels of shape (micro_batch, seq_len), plus pixel inputs for LLaVA."""
+    b, s = spec.micro_batch, spec.seq_len
+    n_img = 0
+    if hasattr(config, "vision_config"):  # TrainingSpec: None means one image per sample
+        n_img = 1 if spec.images_per_sample is None else spec.images_per_sample
+    batch: dict = {}
+    n_tok = 0
+    if n_img:
+        dtype = PARAM_DTYPE[spec.precision]
+        batch = _pixels(spec, config, b * n_img, dtype, device)
+        n_tok = n_img * _tokens_per_image(model, config, batch)
+        if n_tok + 1 > s:
+            raise ValueError(f"seq_len={s} too short for {n_tok} image tokens")
+    ids = torch.ones(b, s, dtype=torch.long, device=device)  # token 1 = BOS in Llama vocabularies
+    labels = ids.clone()
+    if n_tok:
+        ids[:, 1:1 + n_tok] = _image_token_id(config)
+        labels[:, 1:1 + n_tok] = IGNORE_INDEX
+    batch.update(input_ids=ids, labels=labels)
+    return batch
+
+
+def prepare(spec: TrainingSpec, config, device) -> Job:
+    """Everything on `device`; `bf16-master` emulates DeepSpeed's BF16_Optimizer (see README)."""
+    model = build_model(spec, config, device)
+    freeze(model, spec)
+    if spec.train == "lora":
+        model = add_lora(model, spec)
+    if spec.grad_ckpt:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    # fp32 master copies of the trainable bf16 params; the optimizer steps on them
+    masters = ([p.detach().float().requires_grad_(True) for p in params]
+               if spec.precision == "bf16-master" else [])
+    optimizer = make_optimizer(spec.optimizer, masters or params)
+    scaler = torch.amp.GradScaler(device.type) if spec.precision == "fp16-mixed" else None
+    return Job(model, optimizer, make_batch(spec, config, model, device), params, masters, scaler)
+
+
+def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor:
+    ctx = (torch.autocast(device.type, dtype=AUTOCAST[spec.precision])
+           if spec.precision in AUTOCAST else contextlib.nullcontext())
+    with ctx:
+        return job.model(**job.batch).loss  # the output (and its logits) is dropped here
+
+
+def backward(job: Job, loss: torch.Tensor) -> None:
+    (job.scaler.scale(loss) if job.scaler else loss).backward()
+
+
+def optimizer_step(job: Job) -> None:
+    if job.masters:
+        with torch.no_grad():  # BF16_Optimizer: bf16 grads -> fp32 master grads, step, copy back
+            for m, p in zip(job.masters, job.params):
+                if p.grad is not None:
+                    m.grad = p.grad.float()
+                    p.grad = None
+        job.optimizer.step()
+        with torch.no_grad():
+            for m, p in zip(job.masters, job.params):
+                p.copy_(m)
+    elif job.scaler:
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
+    else:
+        job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    job.model.zero_grad(set_to_none=True)
