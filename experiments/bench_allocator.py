@@ -2,7 +2,9 @@
 
 A 7B training trace has ~10^5 alloc/free events (DESIGN.md, trace tier). The synthetic stream
 mimics one: long-lived parameter-sized blocks, activations freed in reverse order (backward),
-short-lived temporaries, sizes from 512 B to 200 MiB. Run: `python experiments/bench_allocator.py`.
+short-lived temporaries, sizes from 512 B to 200 MiB. Run: `python experiments/bench_allocator.py`;
+`--trace-model llava-1.5-7b` replays the trace tier's own stream for that model instead
+(seq 2048, micro-batch 8, llm+projector, checkpointing; the trace itself takes ~10 s).
 """
 
 from __future__ import annotations
@@ -45,12 +47,23 @@ def synthetic_stream(n_events: int, seed: int = 0) -> list[tuple[str, int, int]]
     return events
 
 
+def trace_stream(model: str) -> list[tuple[str, int, int]]:
+    """The alloc/free stream the trace tier records for `model` (two training iterations)."""
+    from hybridmem.spec import TrainingSpec
+    from hybridmem.trace import run_trace
+
+    spec = TrainingSpec(model=model, seq_len=2048, micro_batch=8, train="llm+projector",
+                        grad_ckpt=True)
+    return run_trace(spec).events
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--trace-model", default=None, help="replay a real trace of this preset")
     args = parser.parse_args()
-    events = synthetic_stream(args.events)
+    events = trace_stream(args.trace_model) if args.trace_model else synthetic_stream(args.events)
     configs = {
         "default": AllocatorConfig(),
         "max_split_size_mb=128": AllocatorConfig(max_split_size_mb=128),
