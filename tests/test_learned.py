@@ -219,7 +219,7 @@ def test_hybrid_falls_back_to_analytic_when_no_model():
 
     spec = TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=64)
     pred = estimate(spec)
-    assert pred.peak == toy_base(spec).peak and pred.extras["model"] is None
+    assert pred.peak == toy_base(spec).peak and pred.extras["residual_model"] is None
     assert any("no trained residual model fits" in n for n in pred.notes)
 
 
@@ -230,7 +230,8 @@ def test_hybrid_applies_model_and_warns(data_file, tmp_path):
     spec = TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=200, precision="fp32")
     base = toy_base(spec)
     pred = estimate(spec)
-    assert pred.method == "hybrid" and pred.extras["model"] == "toy"
+    assert pred.method == "hybrid" and pred.extras["residual_model"] == "toy"
+    assert pred.to_dict()["residual_model"] == "toy"  # extras reach the --json object
     # the made-up factor for fp32 without checkpointing is 1.25 (test_learned_support.true_factor)
     assert pred.peak.device_bytes / base.peak.device_bytes == pytest.approx(1.25, rel=0.05)
     assert pred.extras["upper_bound_bytes"] >= pred.peak.device_bytes
@@ -263,3 +264,18 @@ def test_trace_baseline_joins_trace_rows_by_spec_but_never_a_row_to_itself(rows)
     assert list(values[:3]) == [11, 22, 33] and np.isnan(values[3:len(rows)]).all()
     assert np.isnan(values[len(rows):]).all()  # trace rows themselves
     assert pick_sources(both) == ("trace",)  # sources are never mixed
+
+
+def test_corrupt_model_file_and_single_target_models(data_file, tmp_path):
+    from hybridmem.learned.predictor import estimate
+
+    out = tmp_path / "registry" / "dev"
+    _train(data_file, out, target="reserved")
+    assert json.loads((out / "metadata.json").read_text())["targets"] == ["reserved"]
+    spec = TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=200, precision="fp32")
+    pred = estimate(spec)
+    assert pred.extras["residual_model"] == "dev"
+    assert pred.peak.reserved_bytes / toy_base(spec).peak.reserved_bytes == pytest.approx(1.25, rel=0.05)
+    (out / "reserved.point.txt").write_text("not a model")
+    with pytest.raises(SpecError, match="cannot load the 'reserved' model"):
+        registry.load(out)

@@ -131,8 +131,8 @@ def plot_predictions(pred: pd.DataFrame, path: str, title: str = "",
     hi = pred["measured"].max() / gib * 1.25
     xs = np.array([lo, hi])
     ax.plot(xs, xs, "k-", lw=1, label="y = x")
-    for f in (0.9, 1.1):
-        ax.plot(xs, xs * f, "k:", lw=0.8)
+    for f, label in ((0.9, "+-10 %"), (1.1, None)):
+        ax.plot(xs, xs * f, "k:", lw=0.8, label=label)
     ax.set(xscale="log", yscale="log", xlabel="measured peak (GiB)", ylabel="predicted peak (GiB)",
            title=title or "predicted vs measured (held-out model shapes)")
     ax.legend()

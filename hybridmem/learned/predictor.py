@@ -39,7 +39,7 @@ def load_cached(folder: Path) -> registry.LoadedModel:
 def fallback(base: Prediction, notes: list[str]) -> Prediction:
     return dataclasses.replace(base, method="hybrid",
                                notes=tuple(base.notes) + tuple(notes) + (_DEFAULT_NOTE,),
-                               extras={**base.extras, "model": None, "fallback": "analytic",
+                               extras={**base.extras, "residual_model": None, "fallback": "analytic",
                                        "upper_bound_bytes": None})
 
 
@@ -82,7 +82,9 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
         "cuda_version": env.get("cuda") or meta["cuda_versions"][-1]})
     X = pd.DataFrame([row])
     ests = model.estimators
-    r_dev, r_up = ests["device"].predict(X)[0], ests["device"].predict_upper(X)[0]
+    # a model trained for one target only (`--target`) leaves the other peak as the base has it
+    r_dev, r_up = ((ests["device"].predict(X)[0], ests["device"].predict_upper(X)[0])
+                   if "device" in ests else (0.0, 0.0))
     r_res = ests["reserved"].predict(X)[0] if "reserved" in ests else 0.0
     peak, bd = corrected(base, base.peak.device_bytes * math.exp(r_dev),
                          base.peak.reserved_bytes * math.exp(r_res))
@@ -100,7 +102,7 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
         notes.append("spec outside the model's training range: " + "; ".join(outside))
     return dataclasses.replace(
         base, method="hybrid", peak=peak, breakdown=bd, notes=tuple(base.notes) + tuple(notes),
-        extras={**base.extras, "model": model.name, "upper_bound_bytes": upper,
+        extras={**base.extras, "residual_model": model.name, "upper_bound_bytes": upper,
                 "calibrated_to_gpu": bool(meta.get("calibrated_to_gpu"))})
 
 
