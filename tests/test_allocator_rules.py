@@ -357,6 +357,11 @@ def test_peaks_and_reset_peak():
     assert (sim.peak_allocated, sim.peak_reserved) == (2 * MiB, 30 * MiB)
 
 
+def test_negative_sizes_are_an_error():
+    with pytest.raises(ValueError, match="negative allocation size -1"):
+        CachingAllocatorSim().malloc(-1)
+
+
 def test_freeing_an_unknown_address_is_an_error():
     with pytest.raises(KeyError, match="did not hand out"):
         CachingAllocatorSim().free(12345)

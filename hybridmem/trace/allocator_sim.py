@@ -144,7 +144,9 @@ class CachingAllocatorSim:
 
     def malloc(self, size: int, stream: int = 0) -> int:
         """`DeviceCachingAllocator::malloc`; size 0 gets a null-like handle (never malloc'd)."""
-        if size == 0:
+        if size <= 0:
+            if size < 0:
+                raise ValueError(f"negative allocation size {size}")
             self._zero -= 1
             return self._zero
         rounded = _round(size, self._table)
