@@ -26,6 +26,7 @@ from hybridmem.analytic.alloc import t
 from hybridmem.models.graph import Layer
 
 FP32 = 4
+INT64 = 8
 LSE_ALIGN_EFFICIENT = 32  # mem-efficient SDPA pads logsumexp rows to 32 (kAlignLSE)
 # Ops that keep two inputs of the activation in memory (x * sigmoid(1.702 x)): quick_gelu.
 TWO_TENSOR_ACTS = frozenset({"quick_gelu"})
@@ -172,11 +173,13 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     copies, cache = _amp_copies(layer, c, active, need_w)
     rope = t(B * qd, FP32) + t(B * kvd, FP32) if c.amp else 2 * t(B * qd, e)
     fwd = rope + (2 * t(probs, e) if probs else 0)
-    mlp_bwd = 3 * t(B * f, e)
+    # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
+    # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
+    mlp_bwd = 2 * t(B * f, e)
     attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
-    bwd = 2 * t(B * h, sb) + max(mlp_bwd, attn_bwd)
+    bwd = t(B * h, sb) + max(mlp_bwd, attn_bwd)
     return Acts(saved=sv.total + copies, ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=fwd,
                 bwd_extra=bwd)
 
@@ -203,7 +206,7 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(N * f, e, need_w)          # fc2 input
     copies, cache = _amp_copies(layer, c, active, need_w)
     fwd = (t(N * f, e) if two else 0) + (2 * t(probs, e) if probs else 0)
-    bwd = 2 * t(N * h, sb) + max(3 * t(N * f, e),
+    bwd = t(N * h, sb) + max(2 * t(N * f, e),
                                  3 * t(N * h, e) + (t(probs, FP32) + t(probs, e) if probs else 0))
     return Acts(saved=sv.total + copies, ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=fwd,
                 bwd_extra=bwd)
@@ -251,6 +254,8 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     _linear_inputs(sv, c, B * h, c.stream, 1, need_w, len(layer.lora) // 2, shared=False)
     _lora_outputs(sv, c, B, len(layer.lora) // 2)
     sv.add(B * V, FP32)  # log_softmax output
+    sv.add(B, INT64)     # shift_labels (`labels[..., 1:].contiguous()`), nll_loss's target
+    sv.add(1, FP32, times=2)  # nll_loss output and total_weight
     copies = cache = 0
     if c.amp:
         w = t(V * h, 2)
@@ -286,31 +291,43 @@ def projector(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
 
 def vision_embeddings(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     """Patch conv (+ CLS, + position embedding). The pixels are a batch input (counted there);
-    autocast saves a bf16 copy of them for the conv weight grad."""
+    autocast saves a bf16 copy of them for the conv weight grad.
+
+    With checkpointing, transformers' `enable_input_require_grads` (called by
+    `activation_checkpointing_enable` when `main_input_name == "input_ids"`) hooks every input
+    embedding, the tower's patch conv included: a frozen conv's output becomes a leaf that
+    requires grad, kept by its AccumulateGrad node through backward, and gets a .grad at the end.
+    """
     d = layer.dims
     N, h = d["n"] * d["t"], d["h"]
     if not layer.runs or d["n"] == 0:
         return Acts()
+    patches = d["n"] * (d["t"] - (1 if d["cls"] else 0)) * h
     pixels = d["n"] * d["channels"] * d["side"] ** 2
     saved = t(pixels, 2) if c.amp and need_w else 0
-    return Acts(saved=saved, fwd_extra=t(N * h, c.e) + t(N * h, c.stream),
-                bwd_extra=t(N * h, c.stream) if need_w else 0)
+    leaf = t(patches, c.e) if c.ckpt and not need_w else 0
+    return Acts(saved=saved + leaf, fwd_extra=t(N * h, c.e) + t(N * h, c.stream),
+                bwd_extra=(t(N * h, c.stream) if need_w else 0) + leaf)
 
 
 def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0) -> Acts:
     """Token embedding: saves only the ids (a batch input). Backward of a tied weight makes a
-    second grad buffer before accumulating into the existing one."""
+    second grad buffer before accumulating into the existing one. Frozen under checkpointing,
+    its output is a grad-requiring leaf (see `vision_embeddings`): kept, and given a .grad."""
     d = layer.dims
     B, h = d["b"] * d["s"], d["h"]
-    return Acts(fwd_extra=2 * t(B * h, c.stream), bwd_extra=tied_grad if need_w else 0)
+    leaf = t(B * h, c.stream) if c.ckpt and not need_w else 0
+    return Acts(saved=leaf, fwd_extra=2 * t(B * h, c.stream),
+                bwd_extra=(tied_grad if need_w else 0) + leaf)
 
 
 def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
-    """cos/sin (b, s, head_dim) in the stream dtype: computed once, saved by every layer's RoPE."""
+    """cos/sin (1, s, head_dim) in the stream dtype (`position_ids` is one arange row shared by
+    the batch): computed once per forward, saved by every layer's RoPE."""
     d = layer.dims
     if not active:
         return Acts()
-    return Acts(saved=2 * t(d["b"] * d["s"] * d["head_dim"], c.stream))
+    return Acts(saved=2 * t(d["s"] * d["head_dim"], c.stream))
 
 
 def image_merge(b: int, s: int) -> int:

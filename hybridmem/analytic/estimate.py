@@ -82,6 +82,9 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
     tied_w = graph.tied_embeddings and embed.gets_grads
     tied_grad = t(embed.num_params, policy.grad_bytes) if tied_w else 0
     lm_layers = graph.module("language_model").layers
+    # transformers' activation_checkpointing_enable calls enable_input_require_grads: every
+    # input embedding's output requires grad (modeling_utils._activation_checkpointing_enable)
+    input_grads = spec.grad_ckpt
     flow = {"vision": False, "image": False, "lm": False}
     out = []
     for mname, layer in graph.layers():
@@ -90,7 +93,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
         lora = bool(layer.lora) and layer.runs
         if mname == "vision_tower":
             need_in = flow["vision"]
-            if layer.runs and layer.on_grad_path and (need_in or need_w):
+            if layer.runs and layer.on_grad_path and (need_in or need_w or input_grads):
                 flow["vision"] = True
         elif mname == "multi_modal_projector":
             need_in = flow["vision"]
@@ -100,7 +103,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
             flow["image"] |= need_w
         elif layer.kind == "embedding":
             need_in = False
-            flow["lm"] = need_w or (flow["image"] and graph.image_tokens > 0)
+            flow["lm"] = need_w or input_grads or (flow["image"] and graph.image_tokens > 0)
         elif layer.kind == "rotary":
             need_in = flow["lm"] or any(l.gets_grads or l.lora for l in lm_layers)
         elif layer.kind == "lm_head":
@@ -129,16 +132,17 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
 
 
 def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
-    """input_ids, labels, attention_mask (int64) and pixel_values for the whole iteration."""
+    """input_ids and labels (int64) and pixel_values, alive for the whole iteration.
+
+    No attention mask: an unpadded batch, for which HF takes the causal kernel path (the trace
+    tier's batch is the same, `hybridmem.trace.inputs`)."""
     tokens = t(graph.micro_batch * graph.seq_len, INT64)
-    out = 3 * tokens
+    out = 2 * tokens
     if graph.vision_batch:
         emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
         amp = spec.precision.endswith("-mixed")
         pix = 4 if amp else POLICIES[spec.precision].param_bytes
         out += t(graph.vision_batch * emb["channels"] * emb["side"] ** 2, pix)
-        if graph.model_type == "llava_next":
-            out += t(graph.micro_batch * max(1, spec.images_per_sample or 1) * 2, INT64)
     return out
 
 
@@ -178,6 +182,15 @@ def _notes(graph: ModelGraph, spec: TrainingSpec) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def _master_grads(priced: list[Priced], spec: TrainingSpec) -> int:
+    """bf16-master: `master.grad = param.grad.float()` before each step (DeepSpeed
+    bf16_optimizer keeps fp32 gradients for its fp32 master weights): a new fp32 tensor for a
+    bf16 parameter, the same tensor for an fp32 one (LoRA adapters)."""
+    if not POLICIES[spec.precision].master_bytes:
+        return 0
+    return sum(t(s.numel, 4) for p in priced for s in p.states.stepped)
+
+
 def estimate(spec: TrainingSpec) -> Prediction:
     """Predict the per-GPU peak memory of `spec` in closed form."""
     graph = build_graph(spec)
@@ -195,7 +208,8 @@ def estimate(spec: TrainingSpec) -> Prediction:
         opt_temp=optimizer_temporary(spec.optimizer, stepped), inputs=batch_bytes(graph, spec),
         workspace_first=ws, workspace=CUBLAS_HANDLES_TRAINING * ws,
         waste_param=sum(p.states.waste_param for p in priced),
-        waste_optimizer=sum(p.states.waste_optimizer for p in priced))
+        waste_optimizer=sum(p.states.waste_optimizer for p in priced),
+        master_grads=_master_grads(priced, spec))
     points = walk([p.step for p in priced], st)
     top = max(points, key=lambda p: p.allocated + p.waste)
     allocated = peak(points).allocated

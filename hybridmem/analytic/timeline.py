@@ -33,13 +33,18 @@ class Step:
 
     @property
     def kept(self) -> int:
+        """Bytes this layer leaves alive after its forward."""
         if not self.on_path:
-            return 0
+            # output unused, but the model's output object (`image_outputs`) holds it and
+            # its autograd graph until the forward returns
+            return self.acts.saved
         return (self.acts.ckpt_saved + self.acts.cache) if self.ckpt else self.acts.saved
 
     @property
     def released_at_forward_end(self) -> int:
-        return self.acts.cache if self.ckpt and self.on_path else 0
+        if not self.on_path:
+            return self.acts.saved
+        return self.acts.cache if self.ckpt else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,9 @@ class Statics:
     """Kernel workspaces from the first backward on (a second handle on the autograd thread)."""
     waste_param: int = 0
     waste_optimizer: int = 0
+    master_grads: int = 0
+    """bf16-master: fp32 grads of the master copies, made from the bf16 grads (which are then
+    dropped) right before the step; 0 when the optimizer steps the parameters themselves."""
 
 
 @dataclass
@@ -95,21 +103,25 @@ def walk(steps: list[Step], st: Statics, iterations: int = 2) -> list[Point]:
         w = _Walk(st, it)
         act = st.inputs
         for s in steps:  # forward
-            live = s.acts.saved if (s.on_path and not s.ckpt) else s.kept
-            w.point("forward", act + live, s.acts.fwd_extra + (0 if s.on_path else s.acts.saved), 0, 0)
+            w.point("forward", act + s.kept, s.acts.fwd_extra, 0, 0)
             act += s.kept
         act -= sum(s.released_at_forward_end for s in steps)
         grad = grad_waste = 0
         for s in reversed(steps):  # backward
             grad += s.grad
             grad_waste += s.grad_waste
-            recompute = s.acts.saved if (s.ckpt and s.on_path) else 0
+            if not s.on_path:
+                continue
+            recompute = s.acts.saved if s.ckpt else 0
             w.point("backward", act + recompute, s.acts.bwd_extra, grad, grad_waste)
             act -= s.kept - s.released_at_forward_end
         # optimizer step: state exists during it (created lazily at iteration 0)
         opt = _Walk(st, max(it, 1))
-        opt.point("optimizer", st.inputs, st.opt_temp, grad, grad_waste)
-        w.points.append(Point("optimizer", it, opt.points[0].bytes, opt.points[0].waste))
+        opt.point("optimizer", st.inputs, st.opt_temp, 0 if st.master_grads else grad,
+                  grad_waste)
+        b = dict(opt.points[0].bytes)
+        b["optimizer"] += st.master_grads
+        w.points.append(Point("optimizer", it, b, opt.points[0].waste))
         points += w.points
     return points
 
