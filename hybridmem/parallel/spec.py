@@ -110,7 +110,8 @@ class ParallelSpec:
                             reason=f"parameter offload needs zero3, not {s}")
         if n == 1 and (s == "fsdp" or (s in ZERO_STAGES and not offload)):
             raise SpecError("parallel.world_size", n,
-                            reason=f"{s} over one GPU shards nothing; use strategy=none or more GPUs")
+                            reason=f"{s} over one GPU shards nothing; give world_size > 1 (--world-size) "
+                            "or strategy=none")
 
     @property
     def zero_stage(self) -> int:
