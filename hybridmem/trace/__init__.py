@@ -1,0 +1,101 @@
+"""The trace tier: run the real HF training step on CPU under FakeTensorMode, CUDA rules applied.
+
+`run_trace(spec)` builds the model from its config (no weights, no real memory), runs
+`runner.ITERATIONS` full training iterations and records every storage's birth and death;
+`estimate(spec)` turns that into a `Prediction` in the same schema as the analytic tier, with
+reserved memory from the caching-allocator simulator (`allocator.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from hybridmem.categories import CATEGORIES, Phase
+from hybridmem.prediction import ModuleMemory, Peak, Prediction
+from hybridmem.spec import TrainingSpec
+from hybridmem.trace.corrections import KNOWN_LIMITATIONS
+from hybridmem.trace.overheads import context_bytes, workspace_bytes
+from hybridmem.trace.result import TraceResult, summarize
+from hybridmem.trace.timeline import save_timeline
+
+__all__ = ["KNOWN_LIMITATIONS", "TraceResult", "estimate", "run_trace", "save_timeline"]
+
+
+def _validate(spec: TrainingSpec):
+    """Same boundary checks and errors as the analytic tier; returns the HF config."""
+    from hybridmem import models
+
+    if hasattr(models, "build_graph"):
+        models.build_graph(spec)
+    else:
+        from hybridmem.models.build import build_graph
+
+        build_graph(spec)
+    return models.load_config(spec.model)
+
+
+def _simulate_reserved(result: TraceResult) -> None:
+    """Reserved bytes from the caching-allocator simulator (or = allocated if it is missing)."""
+    try:
+        from hybridmem.trace.allocator import AllocatorConfig, replay
+    except ImportError:
+        result.peak_reserved = None
+        result.notes.append("allocator simulator unavailable: reserved = allocated")
+        return
+    config = AllocatorConfig.from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    sim = replay(result.events, config)
+    result.peak_reserved = sim.peak_reserved
+    reserved = np.zeros(len(result.events), dtype=np.int64)
+    for index, _, res in sim.timeline:
+        reserved[index] = res
+    result.reserved_curve = np.maximum.accumulate(reserved) if len(reserved) else reserved
+
+
+def run_trace(spec: TrainingSpec) -> TraceResult:
+    """Trace `spec`'s training step; allocated and simulated reserved bytes over time."""
+    from hybridmem.trace import runner
+
+    config = _validate(spec)
+    size, count = workspace_bytes()
+    start = time.perf_counter()
+    tracker, job = runner.trace(spec, config, workspace=size if count else 0)
+    if count > 2:  # more than the two workspaces the runner places
+        for _ in range(count - 2):
+            tracker.add_external(size, "workspace")
+    result = summarize(tracker, job)
+    _simulate_reserved(result)
+    result.notes.append(f"trace: {runner.ITERATIONS} iterations in "
+                        f"{time.perf_counter() - start:.1f} s")
+    return result
+
+
+def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None) -> Prediction:
+    """`Prediction` from a trace: allocated and reserved peak, breakdown at the peak."""
+    result = run_trace(spec)
+    context, context_src = context_bytes()
+    allocated = result.peak_allocated
+    reserved = max(result.peak_reserved or allocated, allocated)
+    breakdown = {c: result.breakdown.get(c, 0) for c in CATEGORIES}
+    breakdown["fragmentation"] = reserved - allocated
+    breakdown["context"] = context
+    notes = list(result.notes) + [f"context: {context} bytes ({context_src})"]
+    notes += [f"known limitation: {x}" for x in KNOWN_LIMITATIONS]
+    extras = {"trace": {"events": len(result.events), "peak_event": result.peak_index}}
+    if timeline is not None:
+        extras["timeline"] = str(save_timeline(result, timeline))
+    phase = result.peak_phase if result.peak_phase in {p.value for p in Phase} else "forward"
+    return Prediction(
+        model=spec.model, method="trace", params_total=result.params_total,
+        params_trainable=result.params_trainable,
+        peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
+                  device_bytes=reserved + context, phase=phase,
+                  iteration=result.peak_iteration),
+        breakdown=breakdown,
+        modules=tuple(ModuleMemory(name=m.name, params=m.params,
+                                   trainable_params=m.trainable_params, param=m.param,
+                                   grad=m.grad, optimizer=m.optimizer, activation=m.activation)
+                      for m in result.modules),
+        notes=tuple(notes), extras=extras)

@@ -1,0 +1,84 @@
+"""Synthetic batches of exactly the configured shape, image tokens where the model expects them.
+
+LLaVA (and LLaVA-NeXT) replace each `<image>` token of `input_ids` by one projected image
+feature (`masked_scatter` in `get_placeholder_mask`); the collator puts the image first, after
+BOS, and masks image positions out of the labels (-100, haotian-liu/LLaVA `preprocess`).
+No attention mask is passed: an unpadded batch, the common training case, for which HF uses
+the causal kernel path instead of materialising a (B, 1, S, S) mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridmem.errors import SpecError
+from hybridmem.spec import TrainingSpec
+
+IGNORE_INDEX = -100  # HF/LLaVA label value excluded from the loss
+
+
+def images_per_sample(spec: TrainingSpec, config) -> int:
+    if not hasattr(config, "vision_config"):
+        if spec.images_per_sample:
+            raise SpecError("images_per_sample", spec.images_per_sample, (0,),
+                            reason="a decoder-only model takes no images")
+        return 0
+    return 1 if spec.images_per_sample is None else spec.images_per_sample
+
+
+def image_side(spec: TrainingSpec, config) -> int:
+    return spec.image_size or config.vision_config.image_size
+
+
+def pixel_inputs(spec: TrainingSpec, config, n_images: int, dtype: torch.dtype) -> dict:
+    """pixel_values (and LLaVA-NeXT's image_sizes / anyres patches) for `n_images` images."""
+    side = image_side(spec, config)
+    native = config.vision_config.image_size
+    if config.model_type == "llava_next":
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        patches = image_size_to_num_patches((side, side), config.image_grid_pinpoints, native)
+        return {"pixel_values": torch.zeros(n_images, patches, 3, native, native, dtype=dtype),
+                "image_sizes": [[side, side]] * n_images}
+    if side != native:
+        raise SpecError("image_size", spec.image_size, (native,),
+                        reason="LLaVA-1.5's CLIP tower takes only its native size")
+    return {"pixel_values": torch.zeros(n_images, 3, side, side, dtype=dtype)}
+
+
+def tokens_per_image(model: nn.Module, config, pixels: dict) -> int:
+    """Image tokens one image becomes, asked of the model itself (one image, no grad)."""
+    if config.model_type == "llava":
+        cfg = config.vision_config
+        n = (cfg.image_size // cfg.patch_size) ** 2
+        return n + (config.vision_feature_select_strategy == "full")
+    one = {k: v[:1] for k, v in pixels.items()}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.no_grad():
+        out = base.model.get_image_features(**one)
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    feats = feats[0] if isinstance(feats, (list, tuple)) else feats
+    return feats.shape[0]
+
+
+def make_batch(spec: TrainingSpec, config, model: nn.Module, dtype: torch.dtype) -> dict:
+    """input_ids, labels (and pixel inputs) of shape (micro_batch, seq_len)."""
+    b, s = spec.micro_batch, spec.seq_len
+    n_img = images_per_sample(spec, config)
+    batch: dict = {}
+    n_tok = 0
+    if n_img:
+        batch = pixel_inputs(spec, config, b * n_img, dtype)
+        n_tok = n_img * tokens_per_image(model, config, batch)
+        if n_tok + 1 > s:
+            raise SpecError("seq_len", s, reason=f"too short for {n_img} image(s) of {n_tok} "
+                            "image tokens plus at least one text token")
+    ids = torch.ones(b, s, dtype=torch.long)  # token 1: BOS in Llama/Mistral vocabularies
+    labels = torch.ones(b, s, dtype=torch.long)
+    if n_tok:
+        image_id = config.image_token_id if hasattr(config, "image_token_id") else config.image_token_index
+        ids[:, 1:1 + n_tok] = image_id
+        labels[:, 1:1 + n_tok] = IGNORE_INDEX
+    batch.update(input_ids=ids, labels=labels)
+    return batch

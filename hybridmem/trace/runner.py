@@ -1,0 +1,173 @@
+"""Run the real training step of a spec under FakeTensorMode, watched by the storage tracker.
+
+Each iteration is what HF Trainer's `training_step` does on one GPU: forward with labels (HF's
+own loss), drop the outputs, backward, optimizer step, `zero_grad(set_to_none=True)`. Mixed
+precision is `torch.autocast` over the forward (on CPU here; see `corrections` for how CPU and
+CUDA autocast differ). fp16-mixed scales the loss and unscales grads in place, as GradScaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from hybridmem.errors import SpecError, UnsupportedModelError
+from hybridmem.spec import TrainingSpec
+from hybridmem.trace import corrections, model as build
+from hybridmem.trace.inputs import make_batch
+from hybridmem.trace.optimizers import host_state_keys, make_optimizer
+from hybridmem.trace.tracker import StorageTracker
+
+ITERATIONS = 2  # optimizer state appears in the first step; the second shows the steady peak
+
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+LOSS_SCALE = 2.0**16  # torch.amp.GradScaler default init_scale
+
+
+@dataclass
+class Job:
+    """Everything one traced run needs, built under the fake mode."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: dict
+    trainable: list[tuple[str, nn.Parameter]]
+    masters: list[torch.Tensor] = field(default_factory=list)
+
+
+def _master_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """fp32 master weights for bf16 params (DeepSpeed `bf16_optimizer.py`), optimizer-owned."""
+    return [p.detach().float().requires_grad_(True) for p in params]
+
+
+def prepare(spec: TrainingSpec, config) -> Job:
+    """Model, frozen parts, LoRA, checkpointing, optimizer and batch, as for a CUDA run."""
+    model = build.build_model(spec, config)
+    build.freeze(model, spec)
+    if spec.train == "lora":
+        model = build.add_lora(model, spec)
+    if spec.grad_ckpt:
+        build.enable_checkpointing(model)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in trainable]
+    masters = _master_copies(params) if spec.precision == "bf16-master" else []
+    optimizer = make_optimizer(spec.optimizer, masters or params)
+    pixel_dtype = build.PARAM_DTYPE[spec.precision]
+    batch = make_batch(spec, config, model, pixel_dtype)
+    return Job(model, optimizer, batch, trainable, masters)
+
+
+def _forward(job: Job, spec: TrainingSpec) -> torch.Tensor:
+    ctx = (torch.autocast("cpu", dtype=AUTOCAST[spec.precision]) if spec.precision in AUTOCAST
+           else contextlib.nullcontext())
+    with ctx, corrections.cuda_autocast_rules(spec.precision in AUTOCAST):
+        return job.model(**job.batch, use_cache=False).loss
+
+
+@contextlib.contextmanager
+def _fake_item():
+    """`Tensor.item()` on a fake tensor returns 1.0 (Adafactor reads norms and `step` with it).
+
+    On CUDA `.item()` is a sync that allocates nothing; the value changes no allocation size.
+    """
+    item = torch.Tensor.item
+
+    def fake_item(self):
+        return 1.0 if isinstance(self, FakeTensor) else item(self)
+
+    torch.Tensor.item = fake_item
+    try:
+        yield
+    finally:
+        torch.Tensor.item = item
+
+
+def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> None:
+    with torch.no_grad():
+        if spec.precision == "fp16-mixed":  # GradScaler.unscale_: in place, no new memory
+            torch._foreach_mul_([p.grad for _, p in job.trainable if p.grad is not None],
+                                1.0 / LOSS_SCALE)
+        for m, (_, p) in zip(job.masters, job.trainable):  # fp32 master grads (optimizer's)
+            if p.grad is not None:
+                m.grad = p.grad.float()
+                tracker.label(m.grad, "optimizer")
+                p.grad = None
+    with _fake_item():
+        job.optimizer.step()
+    with torch.no_grad():
+        for m, (_, p) in zip(job.masters, job.trainable):
+            p.copy_(m)
+    for t in getattr(job.optimizer, "qmaps", ()):
+        tracker.label(t, "optimizer")
+    host = host_state_keys(job.optimizer)
+    for state in job.optimizer.state.values():
+        for key, t in state.items():
+            if isinstance(t, torch.Tensor):
+                tracker.label(t, "host" if key in host else "optimizer")
+    job.optimizer.zero_grad(set_to_none=True)
+    for m in job.masters:
+        m.grad = None
+
+
+def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int,
+          workspace: int = 0) -> None:
+    """`iterations` full training iterations, phases marked on the tracker.
+
+    `workspace` > 0 adds the two cuBLAS workspaces where CUDA creates them: the forward
+    thread's at the first matmul, the autograd device thread's at the first backward matmul.
+    """
+    for it in range(iterations):
+        tracker.mark("forward", it)
+        if workspace and it == 0:
+            tracker.add_external(workspace, "workspace")
+        start = len(tracker.events)
+        loss = _forward(job, spec)
+        # what the forward made and still holds is what autograd saved for backward
+        tracker.label_alive_since(start, "activation")
+        tracker.mark("backward", it)
+        if workspace and it == 0:
+            tracker.add_external(workspace, "workspace")
+        (loss * LOSS_SCALE if spec.precision == "fp16-mixed" else loss).backward()
+        del loss
+        for _, p in job.trainable:
+            if p.grad is not None:
+                tracker.label(p.grad, "grad")
+        tracker.mark("optimizer", it)
+        _optimizer_step(job, spec, tracker)
+
+
+def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, fake: bool = True,
+          workspace: int = 0) -> tuple[StorageTracker, Job]:
+    """Build and run `spec` under fake tensors; the tracker holds every allocation.
+
+    `fake=False` runs the same step on real CPU tensors (tiny models only: tests use it to
+    check the fake run against real allocations).
+    """
+    tracker = StorageTracker()
+    try:
+        with (FakeTensorMode() if fake else contextlib.nullcontext()), \
+                corrections.patched_model_checks():
+            job = prepare(spec, config)
+            with tracker, tracker.watching(build.top_modules(job.model)):
+                for _, p in job.model.named_parameters():
+                    tracker.label(p, "param")
+                for b in job.model.buffers():
+                    tracker.label(b, "param")
+                for m in job.masters:
+                    tracker.label(m, "optimizer")
+                for t in job.batch.values():
+                    if isinstance(t, torch.Tensor):
+                        tracker.label(t, "activation")
+                train(job, spec, tracker, iterations, workspace)
+    except SpecError:
+        raise
+    except Exception as err:
+        raise UnsupportedModelError(
+            "model", spec.model,
+            reason=f"its training step cannot run under fake tensors ({type(err).__name__}: "
+            f"{str(err)[:300]}); use --method analytic") from err
+    return tracker, job
