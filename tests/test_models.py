@@ -1,0 +1,241 @@
+"""The model graph against the real `transformers` models instantiated on the meta device.
+
+Expected numbers come from the models themselves (meta-device `named_parameters()`), from
+DESIGN.md's published counts, or from transformers' own LLaVA-NeXT packing code run on a tiny
+real model — never from the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridmem import SpecError, TrainingSpec
+from hybridmem.models import build_graph, load_config, preset_names
+from hybridmem.spec import LoraSpec
+
+
+def _meta_model(config):
+    from transformers import (AutoModelForCausalLM, LlavaForConditionalGeneration,
+                              LlavaNextForConditionalGeneration)
+
+    cls = {"llava": LlavaForConditionalGeneration,
+           "llava_next": LlavaNextForConditionalGeneration}.get(config.model_type)
+    with torch.device("meta"):
+        return cls(config) if cls else AutoModelForCausalLM.from_config(config)
+
+
+def _spec(model: str, **kw) -> TrainingSpec:
+    kw.setdefault("micro_batch", 1)
+    kw.setdefault("seq_len", 4096)
+    return TrainingSpec(model=model, **kw)
+
+
+def _assert_matches_meta(model: str, **kw) -> None:
+    graph = build_graph(_spec(model, **kw))
+    meta = _meta_model(load_config(model))
+    want = {n: p.numel() for n, p in meta.named_parameters()}
+    assert graph.param_names() == want
+    want_buffers = {n: b.numel() * b.element_size() for n, b in meta.named_buffers()}
+    got_buffers = {".".join(x for x in (m.prefix, layer.scope, b.name) if x): b.numel * b.itemsize
+                   for m in graph.modules for layer in m.layers for b in layer.buffers}
+    assert got_buffers == want_buffers
+    assert graph.num_params == sum(want.values())
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_every_preset_matches_the_meta_device_model(preset):
+    _assert_matches_meta(preset)
+
+
+def test_llava_7b_published_counts():
+    # DESIGN.md, "Parameter counts (meta-device instantiation)"
+    g = build_graph(_spec("llava-1.5-7b"))
+    assert g.num_params == 7_063_427_072
+    assert g.module("vision_tower").num_params == 303_507_456
+    assert g.module("multi_modal_projector").num_params == 20_979_712
+    assert g.module("language_model").num_params == 6_607_605_760
+    assert g.module("lm_head").num_params == 131_334_144
+    assert build_graph(_spec("llava-1.5-13b")).num_params == 13_351_494_656
+    assert build_graph(_spec("llama-3.2-3b")).num_params == 3_212_749_824
+
+
+def test_tied_embeddings_leave_lm_head_without_params():
+    g = build_graph(_spec("llama-3.2-3b"))
+    assert g.tied_embeddings
+    assert g.module("lm_head").num_params == 0
+
+
+def test_vision_feature_layer_minus_two_cuts_the_grad_path():
+    # LLaVA reads hidden_states[-2]: the last CLIP layer and post_layernorm get no grads
+    g = build_graph(_spec("llava-1.5-7b", train="full"))
+    vt = {layer.name: layer for layer in g.module("vision_tower").layers}
+    assert not vt["encoder.layers.23"].gets_grads
+    assert not vt["post_layernorm"].gets_grads
+    assert vt["encoder.layers.22"].gets_grads and vt["embeddings"].gets_grads
+
+
+def test_llava_15_image_tokens_and_crops():
+    g = build_graph(_spec("llava-1.5-7b", images_per_sample=2, micro_batch=3))
+    assert g.image_tokens == 2 * 576      # 24 x 24 patches, CLS dropped (DESIGN.md)
+    assert g.vision_batch == 3 * 2        # one crop per image
+    assert g.vision_seq == 577
+
+
+# --- random small configs -----------------------------------------------------------------
+
+def _text_config(draw, family: str) -> dict:
+    heads = draw(st.sampled_from([2, 4]))
+    kv = draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]))
+    head_dim = draw(st.sampled_from([8, 16]))
+    cfg = {"model_type": family, "hidden_size": draw(st.sampled_from([16, 32])),
+           "intermediate_size": draw(st.sampled_from([24, 64])), "num_attention_heads": heads,
+           "num_key_value_heads": kv, "num_hidden_layers": draw(st.integers(1, 3)),
+           "vocab_size": draw(st.sampled_from([50, 96])), "max_position_embeddings": 256,
+           "tie_word_embeddings": draw(st.booleans())}
+    if family != "qwen2" and draw(st.booleans()):
+        cfg["head_dim"] = head_dim  # explicit head_dim, may differ from hidden / heads
+    if family == "llama":
+        cfg["attention_bias"] = draw(st.booleans())
+        cfg["mlp_bias"] = draw(st.booleans())
+    return cfg
+
+
+@st.composite
+def small_configs(draw) -> dict:
+    kind = draw(st.sampled_from(["llama", "mistral", "qwen2", "llava", "llava_next"]))
+    if kind in ("llama", "mistral", "qwen2"):
+        return _text_config(draw, kind)
+    vision = draw(st.sampled_from(["clip_vision_model", "siglip_vision_model"]))
+    patch = 4
+    side = draw(st.sampled_from([2, 3]))
+    layers = draw(st.integers(1, 3))
+    vc = {"model_type": vision, "hidden_size": 16, "intermediate_size": 32,
+          "num_attention_heads": 2, "num_hidden_layers": layers,
+          "image_size": patch * side, "patch_size": patch}
+    feature = draw(st.sampled_from([-1, -2, [-1, -2], 0])) if layers > 1 else -1
+    strategy = "default" if vision.startswith("clip") else "full"
+    cfg = {"model_type": kind, "vision_config": vc,
+           "text_config": _text_config(draw, draw(st.sampled_from(["llama", "mistral", "qwen2"]))),
+           "vision_feature_layer": feature, "vision_feature_select_strategy": strategy,
+           "image_token_index": 3, "projector_hidden_act": "gelu",
+           "multimodal_projector_bias": draw(st.booleans())}
+    cfg["text_config"]["tie_word_embeddings"] = False
+    cfg["tie_word_embeddings"] = draw(st.booleans())
+    if kind == "llava_next":
+        s = vc["image_size"]
+        cfg["image_grid_pinpoints"] = [[s, 2 * s], [2 * s, s], [2 * s, 2 * s]]
+    return cfg
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cfg=small_configs())
+def test_random_small_configs_match_the_meta_device_model(cfg, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    kw = {} if "vision_config" in cfg else {"images_per_sample": 0}
+    _assert_matches_meta(str(path), seq_len=512, **kw)
+
+
+# --- LLaVA-NeXT anyres token counting, against transformers' own packing ----------------------
+
+TINY_NEXT = {
+    "model_type": "llava_next", "image_token_index": 3, "projector_hidden_act": "gelu",
+    "image_grid_pinpoints": [[30, 60], [60, 30], [60, 60], [90, 30], [30, 90]],
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+    "vision_config": {"model_type": "clip_vision_model", "hidden_size": 16,
+                      "intermediate_size": 32, "num_attention_heads": 2, "num_hidden_layers": 2,
+                      "image_size": 30, "patch_size": 6},
+    "text_config": {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+                    "vocab_size": 64},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_next(tmp_path_factory):
+    path = tmp_path_factory.mktemp("next") / "config.json"
+    path.write_text(json.dumps(TINY_NEXT))
+    return str(path)
+
+
+@pytest.mark.parametrize("size", [30, 45, 60, 20, 100, 31])
+def test_llava_next_tokens_follow_transformers_packing(tiny_next, size):
+    from transformers import LlavaNextForConditionalGeneration
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    config = load_config(tiny_next)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    crops = image_size_to_num_patches((size, size), config.image_grid_pinpoints, 30)
+    pixels = torch.zeros(1, crops, 3, 30, 30)
+    with torch.no_grad():
+        out = model.model.get_image_features(pixel_values=pixels, image_sizes=[[size, size]])
+    want_tokens = out.pooler_output[0].shape[0]
+    g = build_graph(TrainingSpec(model=tiny_next, image_size=size, seq_len=512))
+    assert g.image_tokens == want_tokens
+    assert g.vision_batch == crops
+
+
+def test_llava_next_native_size_tokens():
+    # 336 px on 336-multiple pinpoints: best fit 336x672 -> 2 tiles + base = 3 crops;
+    # base 576 + unpadded 24 rows x (24 cols + 1 newline) = 600 -> 1176 tokens
+    g = build_graph(_spec("llava-v1.6-mistral-7b"))
+    assert (g.vision_batch, g.image_tokens) == (3, 1176)
+
+
+# --- training flags and LoRA --------------------------------------------------------------
+
+def test_train_modes_set_trainable_modules():
+    def trainable(mode):
+        g = build_graph(_spec("tiny-llava", train=mode))
+        return {m.name for m in g.modules if any(layer.trainable for layer in m.layers)}
+
+    assert trainable("full") == {"vision_tower", "multi_modal_projector", "language_model",
+                                 "lm_head"}
+    assert trainable("llm+projector") == {"multi_modal_projector", "language_model", "lm_head"}
+    assert trainable("projector") == {"multi_modal_projector"}
+    assert trainable("lora") == set()
+
+
+def test_lora_adapters_match_peft_on_the_meta_device():
+    import peft
+
+    spec = _spec("tiny-llava", train="lora", lora=LoraSpec(r=4, targets=("q_proj", "down_proj")))
+    g = build_graph(spec)
+    model = _meta_model(load_config("tiny-llava"))
+    cfg = peft.LoraConfig(r=4, target_modules=r"^(?!.*vision_tower).*\.(q_proj|down_proj)$")
+    with torch.device("meta"):
+        peft_model = peft.get_peft_model(model, cfg)
+    want = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    got = sum(m.num_lora_params for m in g.modules)
+    assert got == want == 2 * (4 * 64 + 64 * 4) + 2 * (4 * 128 + 64 * 4)
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, field", [
+    ({"model": "tiny-llava", "image_size": 64}, "image_size"),
+    ({"model": "llama-3.2-3b", "images_per_sample": 1}, "images_per_sample"),
+    ({"model": "tiny-llava", "seq_len": 20}, "seq_len"),
+    ({"model": "llama-3.2-3b", "train": "projector"}, "train"),
+    ({"model": "tiny-llava", "train": "lora", "lora": LoraSpec(targets=("nope",))},
+     "lora.targets"),
+])
+def test_bad_model_dependent_input_names_the_field(kw, field):
+    with pytest.raises(SpecError, match=rf"^{field}="):
+        build_graph(TrainingSpec(**kw))
+
+
+def test_image_size_error_lists_the_valid_size():
+    with pytest.raises(SpecError, match=r"valid: 30\)"):
+        build_graph(TrainingSpec(model="tiny-llava", image_size=64))
+
+
+def test_lora_target_error_lists_existing_names():
+    with pytest.raises(SpecError, match="q_proj") as err:
+        build_graph(TrainingSpec(model="tiny-llava", train="lora", lora=LoraSpec(targets=("x",))))
+    assert "down_proj" in str(err.value)
