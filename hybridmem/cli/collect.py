@@ -82,7 +82,8 @@ def collect_command(
         report = collect(sweep, out=out, backend=backend, resume=resume, max_minutes=max_minutes,
                          record_history=record_history, on_start=on_start, on_row=on_row)
     finally:
-        progress.stop()
+        if task:
+            progress.stop()
     _summary(report)
 
 

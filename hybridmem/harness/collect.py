@@ -62,22 +62,25 @@ def software_environment() -> dict:
             "alloc_conf": _alloc_conf(), "hostname": platform.node()}
 
 
-def _environment(backend: str) -> tuple[str, dict, str | None]:
-    """(source, environment columns, tier method or None) for `backend`."""
-    if backend not in BACKENDS:
-        raise SpecError("backend", backend, BACKENDS)
-    env = software_environment()
-    if backend == "trace":
-        method = tiers.tier_method()
-        return method, {**env, "gpu_name": "cpu-trace", "gpu_memory_bytes": 0,
-                        "driver_version": "", "cuda_version": ""}, method
+def _probe():
+    """The device probe, checked: SpecError (exit 2) when its device is missing."""
     from hybridmem.harness.probe import load_probe
 
     probe = load_probe()
     ok, why = probe.available()
     if not ok:
         raise SpecError("backend", "cuda", ("trace",), reason=why)
-    return probe.source, {**env, **runner.query_environment()}, None
+    return probe
+
+
+def _environment(backend: str) -> tuple[str, dict, str | None]:
+    """(source, environment columns, tier method or None) for `backend`."""
+    env = software_environment()
+    if backend == "trace":
+        method = tiers.tier_method()
+        return method, {**env, "gpu_name": "cpu-trace", "gpu_memory_bytes": 0,
+                        "driver_version": "", "cuda_version": ""}, method
+    return _probe().source, {**env, **runner.query_environment()}, None
 
 
 def spec_columns(item: SweepItem) -> dict:
@@ -161,9 +164,13 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
             on_row: Callable[[SweepItem, dict], None] | None = None,
             mlflow: bool = True) -> CollectReport:
     """Run the sweep at `sweep_path` through `backend`, appending one row per config to `out`."""
-    sweep = load_sweep(sweep_path)
+    if backend not in BACKENDS:
+        raise SpecError("backend", backend, BACKENDS)
     if max_minutes is not None and max_minutes <= 0:
         raise SpecError("max_minutes", max_minutes, reason="must be > 0")
+    if backend == "cuda":
+        _probe()  # fail fast, before the sweep is expanded
+    sweep = load_sweep(sweep_path)
     source, env, method = _environment(backend)
     out = Path(out) if out is not None else DEFAULT_OUT[backend]
     done = store.measured_keys(out) if resume else set()

@@ -46,7 +46,7 @@ AXES: dict[str, list] = {
     "attn": ["sdpa"],
     "grad_ckpt": [False],
 }
-BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed") + tuple(AXES)
+BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority") + tuple(AXES)
 SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
 SPEC_AXES = ("micro_batch", "seq_len", "precision", "optimizer", "train", "attn", "grad_ckpt")
@@ -65,6 +65,8 @@ class SweepItem:
     """Axis values of this config, in `AXES` order (for ordering and summaries)."""
     image_tokens: int
     est_seconds: float
+    priority: int = 0
+    """Blocks of higher priority run first (e.g. the few configs a run must not miss)."""
 
     def config_json(self) -> str:
         return json.dumps(self.config, sort_keys=True)
@@ -159,7 +161,8 @@ def _validate_graph(spec: TrainingSpec) -> None:
     build_graph(spec)
 
 
-def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str) -> SweepItem:
+def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str,
+              priority: int = 0) -> SweepItem:
     """The item for one combination; SpecError if the combination cannot exist."""
     label, cfg = _model_config(combo, custom, where)
     multimodal = "vision_config" in cfg
@@ -185,7 +188,8 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         axes = tuple(0 if a == "lora_r" else v for a, v in zip(AXES, axes))
     est = estimate_seconds(cfg, spec.micro_batch * spec.seq_len, iterations, spec.grad_ckpt)
     return SweepItem(label=label, config=cfg, spec=spec, spec_hash=spec_hash(spec.to_dict(), cfg),
-                     block=block, axes=axes, image_tokens=tokens, est_seconds=est)
+                     block=block, axes=axes, image_tokens=tokens, est_seconds=est,
+                     priority=priority)
 
 
 def _materialize(cfg: dict) -> str:
@@ -251,6 +255,9 @@ def expand_block(block: dict, index: int, custom: dict, seed: int, iterations: i
         raise SpecError(where, block, reason="must be a table")
     _check_keys(block, BLOCK_KEYS, where)
     name = str(block.get("name", where))
+    priority = block.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise SpecError(f"{where}.priority", priority, reason="must be an integer")
     axes = _block_axes(block, where)
     names, values = list(axes), list(axes.values())
     sizes = [len(v) for v in values]
@@ -260,7 +267,7 @@ def expand_block(block: dict, index: int, custom: dict, seed: int, iterations: i
     for i in _indices(sizes, block, int(block.get("seed", seed + index)), where):
         combo = {n: values[a][k] for a, (n, k) in enumerate(zip(names, _decode(i, sizes)))}
         try:
-            item = make_item(combo, custom, name, iterations, where)
+            item = make_item(combo, custom, name, iterations, where, priority)
         except SpecError as err:
             if err.field.startswith(where):
                 raise  # a bad value, not a bad combination
@@ -322,9 +329,12 @@ def load_sweep(path: str | Path) -> Sweep:
     for i, block in enumerate(blocks):
         for item in expand_block(block, i, custom, opts["seed"], opts["iterations"], dropped):
             items.setdefault(item.spec_hash, item)
-    pool = list(items.values())
-    order = space_filling_order([it.axes for it in pool], [it.est_seconds for it in pool])
-    ordered = tuple(pool[i] for i in order)[: opts["max_configs"]]
+    ordered: list[SweepItem] = []
+    for priority in sorted({it.priority for it in items.values()}, reverse=True):
+        pool = [it for it in items.values() if it.priority == priority]
+        order = space_filling_order([it.axes for it in pool], [it.est_seconds for it in pool])
+        ordered += [pool[i] for i in order]
+    ordered = tuple(ordered[: opts["max_configs"]])
     return Sweep(name=opts["name"] or path.stem, path=str(path), items=ordered,
                  iterations=opts["iterations"], timeout_s=float(opts["timeout_s"]),
                  max_minutes=opts["max_minutes"], dropped=dict(dropped))

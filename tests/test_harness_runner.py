@@ -1,0 +1,108 @@
+"""The subprocess path on CPU: OOM, a killed child and a hung child each give a labelled row.
+
+The child process loads the probe named by HYBRIDMEM_PROBE; the stand-ins below (imported by the
+child from this file) replace the CUDA calls and inject the failure. The sweep must go on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridmem.harness.probe import CpuProbe
+
+HERE = Path(__file__).resolve().parent
+MARK_ENV = "HYBRIDMEM_TEST_FAULT_MARK"
+
+SWEEP = """
+[sweep]
+name = "faults"
+timeout_s = {timeout}
+[[block]]
+decoder = ["llama-tiny"]
+seq_len = [16]
+micro_batch = {batches}
+precision = ["fp32"]
+"""
+
+
+def _first_time() -> bool:
+    """True in the first child that asks (a marker file, shared through the environment)."""
+    mark = Path(os.environ[MARK_ENV])
+    if mark.exists():
+        return False
+    mark.write_text("seen")
+    return True
+
+
+class OomProbe(CpuProbe):
+    """The first forward pass raises the allocator's OOM, as CUDA would."""
+
+    def phase_start(self, phase: str, iteration: int) -> None:
+        if phase == "forward":
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+class KillProbe(CpuProbe):
+    """The first measured config dies by SIGKILL (as the kernel's OOM killer would do)."""
+
+    def phase_start(self, phase: str, iteration: int) -> None:
+        if phase == "setup" and _first_time():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HangProbe(CpuProbe):
+    """The first measured config hangs (a deadlocked kernel, say)."""
+
+    def phase_start(self, phase: str, iteration: int) -> None:
+        if phase == "setup" and _first_time():
+            time.sleep(600)
+
+
+def _collect(tmp_path, monkeypatch, probe: str, batches: str, timeout: float = 120):
+    from hybridmem.harness import collect, load_dataset
+
+    monkeypatch.setenv("HYBRIDMEM_PROBE", f"test_harness_runner:{probe}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(MARK_ENV, str(tmp_path / "fault-mark"))
+    sweep = tmp_path / "faults.toml"
+    sweep.write_text(SWEEP.format(timeout=timeout, batches=batches))
+    out = tmp_path / "data"
+    report = collect(sweep, out=out, backend="cuda", mlflow=False)
+    return report, load_dataset(out)
+
+
+def test_out_of_memory_in_the_child_is_an_oom_row(tmp_path, monkeypatch):
+    report, df = _collect(tmp_path, monkeypatch, "OomProbe", "[1]")
+    assert report.counts == {"oom": 1}
+    row = df.iloc[0]
+    assert row["outcome"] == "oom" and row["oom_phase"] == "forward"
+    assert "OutOfMemoryError" in row["error"] and "2.00 GiB" in row["error"]
+    assert row["peak_allocated_bytes"] is __import__("pandas").NA  # no peak for an OOM row
+    assert row["source"] == "dryrun"  # stand-in rows never pass for CUDA measurements
+
+
+def test_a_killed_child_is_an_error_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    report, df = _collect(tmp_path, monkeypatch, "KillProbe", "[1, 2]")
+    assert report.counts == {"error": 1, "ok": 1}
+    err = df[df.outcome == "error"].iloc[0]
+    assert "killed by SIGKILL" in err["error"]
+    ok = df[df.outcome == "ok"].iloc[0]
+    phases = __import__("json").loads(ok["phase_peaks_json"])
+    # setup + 3 iterations x (forward, backward, optimizer)
+    assert [p["phase"] for p in phases] == ["setup"] + ["forward", "backward", "optimizer"] * 3
+    assert ok["params_total"] > 0 and ok["step_seconds"] > 0
+
+
+def test_a_hung_child_is_killed_at_the_timeout(tmp_path, monkeypatch):
+    start = time.monotonic()
+    report, df = _collect(tmp_path, monkeypatch, "HangProbe", "[1]", timeout=4)
+    assert report.counts == {"error": 1}
+    assert "timed out after 4 s" in df.iloc[0]["error"]
+    assert time.monotonic() - start < 120  # the 600 s sleep did not run out
