@@ -279,3 +279,21 @@ def test_corrupt_model_file_and_single_target_models(data_file, tmp_path):
     (out / "reserved.point.txt").write_text("not a model")
     with pytest.raises(SpecError, match="cannot load the 'reserved' model"):
         registry.load(out)
+
+
+def test_oom_rows_are_judged_at_their_real_gpu_limit(rows, tmp_path):
+    from hybridmem.learned.compare import compare
+
+    # made-up OOM rows: fp32 specs (made-up factor 1.25) on a GPU 1.15 x the base estimate:
+    # the base says "fits" (wrong), a residual that learned the factor says "does not fit"
+    fp32 = rows[(rows["precision"] == "fp32") & ~rows["grad_ckpt"]].copy()
+    base = fp32["peak_device_bytes"].astype(float) / 1.25
+    oom = fp32.assign(outcome="oom", spec_hash=fp32["spec_hash"] + "-oom", peak_device_bytes=pd.NA, peak_reserved_bytes=pd.NA,
+                      peak_allocated_bytes=pd.NA, gpu_memory_bytes=(base * 1.15).astype("int64"))
+    path = tmp_path / "with-oom.parquet"
+    pd.concat([rows, oom], ignore_index=True).to_parquet(path)
+    result = compare(path, n_splits=3, estimator_params=FAST)
+    assert result.table["hybrid"]["n"] == len(rows)  # the OOM rows are kept apart, not dropped
+    assert result.table["analytic"]["oom_caught"] == 0.0
+    assert result.table["hybrid"]["oom_caught"] == 1.0
+    assert result.table["hybrid"]["n_oom"] == len(oom)

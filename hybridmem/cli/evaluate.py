@@ -9,25 +9,28 @@ import typer
 METRIC_COLUMNS: tuple[tuple[str, str], ...] = (
     ("n", "rows"), ("mape", "MAPE%"), ("median_ape", "medAPE%"), ("p95_ape", "P95APE%"),
     ("under_share", "under"), ("verdict_acc", "verdict"), ("bound_coverage", "bound"),
+    ("oom_caught", "OOM"),
 )
 CAPTION = ("under: share of under-predictions; verdict: fits/does-not-fit accuracy at GPU = "
-           "measured x {0.9, 0.95, 1.05, 1.1}; bound: share measured <= P95 upper bound")
+           "measured x {0.9, 0.95, 1.05, 1.1}; bound: share measured <= P95 upper bound; "
+           "OOM: share of real OOM rows predicted not to fit")
 
 
 def metrics_table(table: dict[str, dict[str, float]], title: str):
     """A rich Table: one row per method, the metrics of `hybridmem.learned.metrics`."""
     from rich.table import Table
 
+    columns = [(k, h) for k, h in METRIC_COLUMNS if any(k in m for m in table.values())]
     out = Table(title=title, caption=CAPTION)
-    out.add_column("method")
-    for _, header in METRIC_COLUMNS:
+    out.add_column("method", no_wrap=True)
+    for _, header in columns:
         out.add_column(header, justify="right")
     for method, m in table.items():
         cells = []
-        for key, _ in METRIC_COLUMNS:
+        for key, _ in columns:
             v = m.get(key)
             cells.append("-" if v is None else f"{int(v)}" if key == "n"
-                         else f"{v:.1%}" if key in ("under_share", "verdict_acc", "bound_coverage")
+                         else f"{v:.1%}" if key in ("under_share", "verdict_acc", "bound_coverage", "oom_caught")
                          else f"{v:.2f}")
         out.add_row(method, *cells)
     return out

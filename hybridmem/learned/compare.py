@@ -18,7 +18,7 @@ from hybridmem.learned import dataset, registry
 from hybridmem.learned.evaluate import (METHODS, cross_validate, evaluate_fitted,
                                         plot_predictions)
 from hybridmem.learned.features import BaseFn
-from hybridmem.learned.train import build_table_for, pick_sources
+from hybridmem.learned.train import build_oom_table, build_table_for, pick_sources
 
 
 @dataclass
@@ -73,7 +73,8 @@ def compare(data: str | Path, *, models: list[str] | tuple[str, ...] = (), targe
         methods = tuple(k for k in ("analytic", "trace") if k in result) + tuple(
             k for k in result if k.startswith("hybrid:"))
     else:
-        ev = cross_validate(table, df, target, n_splits, estimator_params)
+        ev = cross_validate(table, df, target, n_splits, estimator_params,
+                            build_oom_table(df, sources, base_fn))
         result, pred, methods = ev.table, ev.predictions, METHODS
         notes.append(f"{len(pred)} held-out rows, {pred['group'].nunique()} model shapes, "
                      f"{pred['fold'].nunique()} folds (GroupKFold by model shape)")

@@ -130,6 +130,11 @@ def usable_rows(df: pd.DataFrame, sources: tuple[str, ...] | None = None) -> pd.
     return out
 
 
+def oom_rows(df: pd.DataFrame, sources: tuple[str, ...]) -> pd.DataFrame:
+    """Rows that ran out of memory (no peak, but a verdict: it did not fit its GPU)."""
+    return df[(df["outcome"] == "oom") & df["source"].isin(sources)].reset_index(drop=True)
+
+
 def dataset_hash(df: pd.DataFrame) -> str:
     """sha256 of the rows' content (order- and file-layout-independent), for provenance."""
     cols = sorted(REQUIRED_COLUMNS)

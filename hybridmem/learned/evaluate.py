@@ -56,9 +56,43 @@ def summarise(pred: pd.DataFrame) -> dict[str, dict[str, float]]:
     return out
 
 
+def oom_verdicts(oom: FeatureTable, est, done: np.ndarray, train_groups: set[str]) -> pd.DataFrame:
+    """Device-peak predictions for OOM rows of shapes `est` was not trained on (not yet `done`)."""
+    groups = oom.rows["model_config"].map(shape_group).to_numpy()
+    pick = ~done & np.array([g not in train_groups for g in groups])
+    done |= pick
+    X = oom.X[pick]
+    return pd.DataFrame({
+        "group": groups[pick], "capacity": oom.rows["gpu_memory_bytes"].to_numpy(float)[pick],
+        "analytic": oom.base_device[pick],
+        "hybrid": oom.base_device[pick] * np.exp(est.predict(X)) if pick.any() else [],
+        "upper": oom.base_device[pick] * np.exp(est.predict_upper(X)) if pick.any() else [],
+    })
+
+
+def add_oom_metrics(table: dict[str, dict[str, float]], ooms: pd.DataFrame) -> None:
+    """`oom_caught`: share of rows that ran out of memory which the method says do not fit.
+
+    The truest verdict test there is: the GPU said no at its real limit (`gpu_memory_bytes`).
+    """
+    if ooms.empty:
+        return
+    for method, column in (("analytic", "analytic"), ("hybrid", "hybrid")):
+        if method in table:
+            table[method]["oom_caught"] = float(np.mean(ooms[column] > ooms["capacity"]))
+            table[method]["n_oom"] = float(len(ooms))
+    if "hybrid" in table:
+        table["hybrid"]["oom_caught_by_bound"] = float(np.mean(ooms["upper"] > ooms["capacity"]))
+
+
 def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "device",
-                   n_splits: int = 5, estimator_params: dict | None = None) -> Evaluation:
-    """GroupKFold over model shapes; each fold fits a fresh residual on the other shapes."""
+                   n_splits: int = 5, estimator_params: dict | None = None,
+                   oom: FeatureTable | None = None) -> Evaluation:
+    """GroupKFold over model shapes; each fold fits a fresh residual on the other shapes.
+
+    With `oom` (features of rows that ran out of memory) and the device target, each OOM row is
+    also judged by a fold model that never saw its shape (`oom_caught` in the table).
+    """
     from sklearn.model_selection import GroupKFold
 
     from hybridmem.learned.model import ResidualRegressor
@@ -72,7 +106,8 @@ def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "d
     base = table.base_device if target == "device" else table.base_reserved
     measured = table.rows[TARGET_COLUMNS[target]].to_numpy(float)
     trace = trace_baseline(table.rows, all_rows, target)
-    parts, per_fold = [], []
+    parts, per_fold, oom_parts = [], [], []
+    oom_done = np.zeros(len(oom.rows) if oom is not None else 0, dtype=bool)
     splitter = GroupKFold(n_splits=min(n_splits, n_groups))
     for fold, (train, test) in enumerate(splitter.split(table.X, y, groups)):
         est = ResidualRegressor(**(estimator_params or {})).fit(
@@ -86,10 +121,15 @@ def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "d
             "upper": base[test] * np.exp(est.predict_upper(X_test)),
         })
         parts.append(part)
+        if oom is not None and target == "device":
+            oom_parts.append(oom_verdicts(oom, est, oom_done, set(groups[train])))
         per_fold.append({f"{m}_{k}": v for m, metrics in summarise(part).items()
                          for k, v in metrics.items()})
     pred = pd.concat(parts, ignore_index=True)
-    return Evaluation(predictions=pred, table=summarise(pred), per_fold=per_fold, target=target)
+    result = summarise(pred)
+    if oom_parts:
+        add_oom_metrics(result, pd.concat(oom_parts, ignore_index=True))
+    return Evaluation(predictions=pred, table=result, per_fold=per_fold, target=target)
 
 
 def evaluate_fitted(table: FeatureTable, all_rows: pd.DataFrame, est, target: str,

@@ -127,7 +127,9 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
                      + next(iter(table.dropped.values())))
     evaluations: dict[str, Evaluation] = {}
     if table.rows["model_config"].map(shape_group).nunique() >= 2:
-        evaluations = {t: cross_validate(table, df, t, n_splits, estimator_params) for t in targets}
+        oom = build_oom_table(df, sources, base_fn)
+        evaluations = {t: cross_validate(table, df, t, n_splits, estimator_params, oom)
+                       for t in targets}
     else:
         notes.append("only one model shape: no held-out evaluation is possible")
     groups = table.rows["model_config"].map(shape_group).to_numpy()
@@ -155,8 +157,22 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
                        importances=importances, notes=notes, plot_path=plot)
 
 
-def build_table_for(df: pd.DataFrame, sources: tuple[str, ...], base_fn: BaseFn) -> FeatureTable:
+def build_table_for(df: pd.DataFrame, sources: tuple[str, ...], base_fn: BaseFn | None) -> FeatureTable:
     """Features of the usable rows of `sources`."""
     from hybridmem.learned.features import build_table
 
     return build_table(dataset.usable_rows(df, sources), base_fn)
+
+
+def build_oom_table(df: pd.DataFrame, sources: tuple[str, ...],
+                    base_fn: BaseFn | None) -> FeatureTable | None:
+    """Features of the OOM rows of `sources`, or None when there are none (or none has a base)."""
+    from hybridmem.learned.features import build_table
+
+    rows = dataset.oom_rows(df, sources)
+    if rows.empty:
+        return None
+    try:
+        return build_table(rows, base_fn)
+    except SpecError:
+        return None
