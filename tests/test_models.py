@@ -239,3 +239,27 @@ def test_lora_target_error_lists_existing_names():
     with pytest.raises(SpecError, match="q_proj") as err:
         build_graph(TrainingSpec(model="tiny-llava", train="lora", lora=LoraSpec(targets=("x",))))
     assert "down_proj" in str(err.value)
+
+
+def test_siglip_tower_has_no_cls_and_its_head_gets_no_grads():
+    # 32 px / 8 px patches: 16 tokens per crop (no CLS), `full` strategy keeps all 16
+    g = build_graph(TrainingSpec(model="tiny-llava-siglip", seq_len=64, train="full"))
+    assert (g.vision_seq, g.image_tokens) == (16, 16)
+    vt = {layer.name: layer for layer in g.module("vision_tower").layers}
+    assert not vt["head"].gets_grads and not vt["post_layernorm"].gets_grads
+    assert vt["encoder.layers.2"].gets_grads  # feature layer -1: every encoder layer is used
+
+
+def test_feature_layer_list_widens_the_projector(tmp_path):
+    from hybridmem.models.loader import load_config_dict
+
+    _, data = load_config_dict("tiny-llava")
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    data["vision_feature_layer"] = [-2, -3]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    g = build_graph(TrainingSpec(model=str(path), seq_len=64))
+    proj = g.module("multi_modal_projector").layers[0]
+    assert proj.dims["d_in"] == 2 * 32
+    vt = {layer.name: layer for layer in g.module("vision_tower").layers}
+    assert not vt["encoder.layers.2"].on_grad_path and vt["encoder.layers.1"].on_grad_path

@@ -23,7 +23,7 @@ from hybridmem.analytic.states import (
     optimizer_shared_bytes,
     optimizer_temporary,
 )
-from hybridmem.analytic.timeline import Statics, Step, peak, walk
+from hybridmem.analytic.timeline import Point, Statics, Step, peak, walk
 from hybridmem.categories import CATEGORIES
 from hybridmem.errors import SpecError
 from hybridmem.models import ModelGraph, build_graph
@@ -191,8 +191,8 @@ def _master_grads(priced: list[Priced], spec: TrainingSpec) -> int:
     return sum(t(s.numel, 4) for p in priced for s in p.states.stepped)
 
 
-def estimate(spec: TrainingSpec) -> Prediction:
-    """Predict the per-GPU peak memory of `spec` in closed form."""
+def timeline(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], list[Point]]:
+    """The graph, every priced layer and every timeline point of two iterations."""
     graph = build_graph(spec)
     priced = price(graph, spec)
     stepped = [s for p in priced for s in p.states.stepped]
@@ -210,7 +210,12 @@ def estimate(spec: TrainingSpec) -> Prediction:
         waste_param=sum(p.states.waste_param for p in priced),
         waste_optimizer=sum(p.states.waste_optimizer for p in priced),
         master_grads=_master_grads(priced, spec))
-    points = walk([p.step for p in priced], st)
+    return graph, priced, walk([p.step for p in priced], st)
+
+
+def estimate(spec: TrainingSpec) -> Prediction:
+    """Predict the per-GPU peak memory of `spec` in closed form."""
+    graph, priced, points = timeline(spec)
     top = max(points, key=lambda p: p.allocated + p.waste)
     allocated = peak(points).allocated
     reserved = top.allocated + top.waste
