@@ -62,8 +62,9 @@ def tokens_per_image(model: nn.Module, config, pixels: dict) -> int:
     return feats.shape[0]
 
 
-def make_batch(spec: TrainingSpec, config, model: nn.Module, dtype: torch.dtype) -> dict:
-    """input_ids, labels (and pixel inputs) of shape (micro_batch, seq_len)."""
+def make_batch(spec: TrainingSpec, config, model: nn.Module,
+               dtype: torch.dtype) -> tuple[dict, int]:
+    """input_ids, labels (and pixel inputs) of shape (micro_batch, seq_len); image tokens."""
     b, s = spec.micro_batch, spec.seq_len
     n_img = images_per_sample(spec, config)
     batch: dict = {}
@@ -81,4 +82,4 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module, dtype: torch.dtype)
         ids[:, 1:1 + n_tok] = image_id
         labels[:, 1:1 + n_tok] = IGNORE_INDEX
     batch.update(input_ids=ids, labels=labels)
-    return batch
+    return batch, n_tok

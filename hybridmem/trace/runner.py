@@ -37,6 +37,8 @@ class Job:
     batch: dict
     trainable: list[tuple[str, nn.Parameter]]
     masters: list[torch.Tensor] = field(default_factory=list)
+    image_tokens: int = 0
+    """Image tokens per sample in `batch` (all images of a sample)."""
 
 
 def _master_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -57,8 +59,8 @@ def prepare(spec: TrainingSpec, config) -> Job:
     masters = _master_copies(params) if spec.precision == "bf16-master" else []
     optimizer = make_optimizer(spec.optimizer, masters or params)
     pixel_dtype = build.PARAM_DTYPE[spec.precision]
-    batch = make_batch(spec, config, model, pixel_dtype)
-    return Job(model, optimizer, batch, trainable, masters)
+    batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
+    return Job(model, optimizer, batch, trainable, masters, image_tokens)
 
 
 def _forward(job: Job, spec: TrainingSpec) -> torch.Tensor:
