@@ -297,3 +297,41 @@ def test_oom_rows_are_judged_at_their_real_gpu_limit(rows, tmp_path):
     assert result.table["analytic"]["oom_caught"] == 0.0
     assert result.table["hybrid"]["oom_caught"] == 1.0
     assert result.table["hybrid"]["n_oom"] == len(oom)
+
+
+def test_trace_features_join_by_spec_and_run_the_trace_tier_at_predict_time(rows, tmp_path):
+    import dataclasses
+
+    from hybridmem.learned.model import ResidualRegressor
+    from hybridmem.learned.predictor import estimate
+    from hybridmem.learned.train import build_table_for
+
+    trace = rows.assign(source="trace")  # stand-in trace rows: same specs, peaks = the targets
+    both = pd.concat([rows, trace], ignore_index=True)
+    table = build_table_for(both, ("analytic",), toy_base, with_trace=True)
+    ratio = table.X["trace_over_base"].to_numpy()
+    np.testing.assert_allclose(ratio, np.exp(table.target("device")))  # joined to its own spec
+    with pytest.raises(SpecError, match="with_trace"):
+        build_table_for(both, ("trace",), toy_base, with_trace=True)
+
+    est = ResidualRegressor(**FAST).fit(table.X, table.target("device"))
+    registry.save(tmp_path / "registry" / "tr", {"device": est}, {
+        "targets": ["device"], "trace_features": True, "torch_versions": ["2.13.0"],
+        "cuda_versions": [""], "gpu_names": ["cpu-trace"], "sources": ["analytic"]})
+    spec = TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=200, precision="fp32")
+
+    def fake_trace(s):  # the trace tier "sees" the 1.25 factor of this spec (as extra context)
+        base = toy_base(s)
+        device = int(base.peak.device_bytes * true_factor(s))
+        bd = {**base.breakdown, "context": base.breakdown["context"] + device - base.peak.device_bytes}
+        return dataclasses.replace(base, breakdown=bd,
+                                   peak=dataclasses.replace(base.peak, device_bytes=device))
+
+    def broken_trace(s):
+        raise SpecError("model", s.model, reason="cannot run under fake tensors")
+
+    pred = estimate(spec, trace_fn=fake_trace)
+    assert any("trace tier ran" in n for n in pred.notes)
+    assert pred.peak.device_bytes / toy_base(spec).peak.device_bytes == pytest.approx(1.25, rel=0.05)
+    pred = estimate(spec, trace_fn=broken_trace)
+    assert any("trace tier could not run" in n for n in pred.notes)

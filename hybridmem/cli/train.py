@@ -15,6 +15,7 @@ def train_command(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out folder."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Also save the predicted-vs-measured plot to FILE."),
     track: bool = typer.Option(True, "--track/--no-track", help="Log the run to MLflow (experiments/mlruns)."),
+    with_trace: bool = typer.Option(False, "--trace-features", help="Also learn from the dataset's trace rows of the same spec (predict then runs the trace tier)."),
 ) -> None:
     """Train the LightGBM residual on measured rows; held-out metrics, MLflow run, registry entry."""
     from rich.console import Console
@@ -22,7 +23,8 @@ def train_command(
     from hybridmem.cli.evaluate import metrics_table, print_notes
     from hybridmem.learned.train import train
 
-    result = train(data, out, force=force, target=target, n_splits=folds, plot=plot, track=track)
+    result = train(data, out, force=force, target=target, n_splits=folds, plot=plot, track=track,
+                   with_trace=with_trace)
     for name, ev in result.evaluations.items():
         Console().print(metrics_table(ev.table, f"{name} peak, held-out model shapes (CV)"))
     print_notes(result.notes)

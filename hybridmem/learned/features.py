@@ -141,6 +141,31 @@ def env_features(gpu_name: str, gpu_memory_bytes: float, torch_version: str,
     }
 
 
+TRACE_FEATURES: tuple[str, ...] = ("trace_allocated_gib", "trace_reserved_gib",
+                                   "trace_device_gib", "trace_over_base")
+"""Optional features from the trace tier's peaks (`train --trace-features`): from the dataset's
+trace rows of the same spec when training, from running the trace tier when predicting."""
+
+
+def trace_features(allocated: float, reserved: float, device: float,
+                   base_device: float) -> dict[str, float]:
+    """The trace tier's three peaks (GiB) and its device peak over the base's."""
+    return {"trace_allocated_gib": allocated / 2**30, "trace_reserved_gib": reserved / 2**30,
+            "trace_device_gib": device / 2**30, "trace_over_base": device / base_device}
+
+
+def trace_columns(table: "FeatureTable", all_rows: pd.DataFrame) -> pd.DataFrame:
+    """`TRACE_FEATURES` for each row of `table` from trace rows of the same spec (NaN if none)."""
+    trace = all_rows[(all_rows["source"] == "trace") & (all_rows["outcome"] == "ok")]
+    peaks = trace.groupby("spec_hash")[["peak_allocated_bytes", "peak_reserved_bytes",
+                                        "peak_device_bytes"]].median()
+    joined = peaks.reindex(table.rows["spec_hash"]).to_numpy(float)
+    return pd.DataFrame({
+        "trace_allocated_gib": joined[:, 0] / 2**30, "trace_reserved_gib": joined[:, 1] / 2**30,
+        "trace_device_gib": joined[:, 2] / 2**30, "trace_over_base": joined[:, 2] / table.base_device,
+    })
+
+
 def feature_row(spec: TrainingSpec, config: Mapping, base: Prediction,
                 env: Mapping[str, object]) -> dict[str, object]:
     """All features of one (spec, environment); `env` holds `env_features` arguments."""

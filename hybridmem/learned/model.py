@@ -90,10 +90,10 @@ class ResidualRegressor(RegressorMixin, BaseEstimator):
         return self
 
     def _conformal_margin(self, data, y, groups, booster) -> float:
-        """alpha-quantile of out-of-group residuals y - point(x); 0 without >= 3 groups."""
+        """alpha-quantile of out-of-group residuals y - point(x); 0 without >= 2 groups."""
         from sklearn.model_selection import GroupKFold
 
-        if groups is None or len(set(groups)) < 3:
+        if groups is None or len(set(groups)) < 2:
             return 0.0
         oof = np.empty_like(y)
         splitter = GroupKFold(n_splits=min(5, len(set(groups))))

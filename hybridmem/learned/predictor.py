@@ -65,8 +65,24 @@ def out_of_range(features: dict, ranges: dict) -> list[str]:
     return out
 
 
+def trace_row(spec: TrainingSpec, base: Prediction, trace_fn=None) -> tuple[dict, list[str]]:
+    """Trace-tier features for a model trained with them (seconds of CPU); NaN if it cannot run."""
+    from hybridmem.errors import SpecError
+    from hybridmem.learned.features import TRACE_FEATURES, trace_features
+
+    try:
+        if trace_fn is None:
+            from hybridmem.trace import estimate as trace_fn
+        t = trace_fn(spec)
+    except (SpecError, ImportError) as err:
+        return ({k: float("nan") for k in TRACE_FEATURES},
+                [f"trace tier could not run ({err}); the model's trace features are missing"])
+    return trace_features(t.peak.allocated_bytes, t.peak.reserved_bytes, t.peak.device_bytes,
+                          base.peak.device_bytes), ["trace tier ran for the model's trace features"]
+
+
 def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedModel,
-                env: dict, gpu_name: str | None = None) -> Prediction:
+                env: dict, gpu_name: str | None = None, trace_fn=None) -> Prediction:
     """The base prediction corrected by `model`, with notes and the P95 upper bound."""
     import pandas as pd
 
@@ -80,6 +96,10 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
         "gpu_name": gpu, "gpu_memory_bytes": meta.get("gpu_memory_bytes") or 0,
         "torch_version": env.get("torch") or meta["torch_versions"][-1],
         "cuda_version": env.get("cuda") or meta["cuda_versions"][-1]})
+    trace_notes: list[str] = []
+    if meta.get("trace_features"):
+        extra, trace_notes = trace_row(spec, base, trace_fn)
+        row.update(extra)
     X = pd.DataFrame([row])
     ests = model.estimators
     # a model trained for one target only (`--target`) leaves the other peak as the base has it
@@ -97,6 +117,7 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
         notes.insert(0, f"WARNING: model {model.name} was trained on "
                         f"{'/'.join(meta.get('sources', ['?']))} rows, not real GPU measurements; "
                         "it is NOT calibrated to real GPUs")
+    notes += trace_notes
     outside = out_of_range(row, meta.get("feature_ranges", {}))
     if outside:
         notes.append("spec outside the model's training range: " + "; ".join(outside))
@@ -124,7 +145,7 @@ def default_method(models_dir: str | Path | None = None) -> str:
 
 
 def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
-             gpu_name: str | None = None, base_fn=None) -> Prediction:
+             gpu_name: str | None = None, base_fn=None, trace_fn=None) -> Prediction:
     """Hybrid estimate of `spec`: analytic base + the newest matching residual model."""
     from hybridmem.learned.features import resolve_base
 
@@ -134,5 +155,5 @@ def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
     folder, notes = registry.select(root, env["torch"], env["cuda"])
     if folder is None:
         return fallback(base, notes)
-    pred = apply_model(spec, base, load_cached(folder), env, gpu_name)
+    pred = apply_model(spec, base, load_cached(folder), env, gpu_name, trace_fn)
     return dataclasses.replace(pred, notes=pred.notes + tuple(notes))

@@ -108,7 +108,8 @@ def _log_run(run, meta: dict, evaluations: dict[str, Evaluation], importances: d
 
 def train(data: str | Path, out: str | Path, *, force: bool = False, target: str = "both",
           n_splits: int = 5, base_fn: BaseFn | None = None, estimator_params: dict | None = None,
-          plot: str | None = None, track: bool = True) -> TrainResult:
+          plot: str | None = None, track: bool = True,
+          with_trace: bool = False) -> TrainResult:
     """Train, evaluate on held-out model shapes, save to the registry, log to MLflow."""
     from hybridmem.learned.model import ResidualRegressor
     from hybridmem.tracking import start_run
@@ -119,7 +120,7 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
     registry.check_out_path(out, force)  # refuse before any work: nothing is overwritten
     df = dataset.load(data)
     sources = pick_sources(df)
-    table = build_table_for(df, sources, base_fn)
+    table = build_table_for(df, sources, base_fn, with_trace)
     notes = [] if sources == ("cuda",) else [
         f"trained on {'/'.join(sources)} rows, not real CUDA measurements: NOT calibrated to GPUs"]
     if table.dropped:
@@ -127,7 +128,7 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
                      + next(iter(table.dropped.values())))
     evaluations: dict[str, Evaluation] = {}
     if table.rows["model_config"].map(shape_group).nunique() >= 2:
-        oom = build_oom_table(df, sources, base_fn)
+        oom = build_oom_table(df, sources, base_fn, with_trace)
         evaluations = {t: cross_validate(table, df, t, n_splits, estimator_params, oom)
                        for t in targets}
     else:
@@ -138,6 +139,7 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
     hyper = estimators[targets[0]].get_params()
     meta = build_metadata(df, table, sources, targets, evaluations, hyper, str(data))
     meta["notes"] = notes
+    meta["trace_features"] = with_trace
     importances = {t: e.feature_importances() for t, e in estimators.items()}
     with tempfile.TemporaryDirectory() as tmp:
         plot_path = plot
@@ -157,15 +159,27 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
                        importances=importances, notes=notes, plot_path=plot)
 
 
-def build_table_for(df: pd.DataFrame, sources: tuple[str, ...], base_fn: BaseFn | None) -> FeatureTable:
-    """Features of the usable rows of `sources`."""
+def _with_trace(table: FeatureTable, df: pd.DataFrame) -> FeatureTable:
+    from hybridmem.learned.features import trace_columns
+
+    if "trace" in set(table.rows["source"]):
+        raise SpecError("with_trace", True, reason="trace features need cuda target rows "
+                        "(the targets here are trace rows themselves)")
+    table.X = pd.concat([table.X, trace_columns(table, df)], axis=1)
+    return table
+
+
+def build_table_for(df: pd.DataFrame, sources: tuple[str, ...], base_fn: BaseFn | None,
+                    with_trace: bool = False) -> FeatureTable:
+    """Features of the usable rows of `sources` (plus the trace tier's peaks if asked)."""
     from hybridmem.learned.features import build_table
 
-    return build_table(dataset.usable_rows(df, sources), base_fn)
+    table = build_table(dataset.usable_rows(df, sources), base_fn)
+    return _with_trace(table, df) if with_trace else table
 
 
-def build_oom_table(df: pd.DataFrame, sources: tuple[str, ...],
-                    base_fn: BaseFn | None) -> FeatureTable | None:
+def build_oom_table(df: pd.DataFrame, sources: tuple[str, ...], base_fn: BaseFn | None,
+                    with_trace: bool = False) -> FeatureTable | None:
     """Features of the OOM rows of `sources`, or None when there are none (or none has a base)."""
     from hybridmem.learned.features import build_table
 
@@ -173,6 +187,7 @@ def build_oom_table(df: pd.DataFrame, sources: tuple[str, ...],
     if rows.empty:
         return None
     try:
-        return build_table(rows, base_fn)
+        table = build_table(rows, base_fn)
     except SpecError:
         return None
+    return _with_trace(table, df) if with_trace else table
