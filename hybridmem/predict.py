@@ -32,7 +32,9 @@ def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
     if method not in METHODS:
         raise SpecError("method", method, METHODS)
     module, func = METHODS[method].split(":")
-    return getattr(import_module(module), func)
+    # --- parallel hook (issue 6, hybridmem/parallel): data-parallel specs are priced per rank ---
+    from hybridmem.parallel.estimate import per_rank_aware
+    return per_rank_aware(getattr(import_module(module), func))
 
 
 def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic") -> int:

@@ -24,15 +24,17 @@ class Stub:
     """A single-GPU tier with known numbers: full replicated states + fixed activation side.
     With `step_peak`, its peak is in the optimizer step (no activations in that breakdown)."""
 
-    def __init__(self, step_peak: bool = False):
+    def __init__(self, step_peak: bool = False, master_step_peak: bool = False):
         self.step_peak = step_peak
+        self.master_step_peak = master_step_peak  # SGD still peaks in the step under bf16-master
         self.calls: list[TrainingSpec] = []
 
     def __call__(self, spec: TrainingSpec) -> Prediction:
         self.calls.append(spec)
         r = replicated(spec, model_tensors(spec))
         b = empty_breakdown()
-        step = self.step_peak and spec.optimizer != "sgd"
+        step = self.step_peak and (spec.optimizer != "sgd" or (
+            self.master_step_peak and spec.precision == "bf16-master"))
         b.update(param=r.param, grad=r.grad, optimizer=r.optimizer,
                  activation=0 if step else ACT, temporary=OPT_TEMP if step else TEMP,
                  workspace=WS, context=CTX, fragmentation=FRAG)
@@ -78,6 +80,25 @@ def test_step_peak_falls_back_to_sgd_for_activations():
     assert [s.optimizer for s in stub.calls] == ["adamw", "sgd"]
     fwd = pred.extras["phases"]["backward"]
     assert fwd["activation"] == ACT  # taken from the SGD estimate
+
+
+def test_step_peak_falls_back_to_pure_bf16_twin():
+    stub = Stub(step_peak=True, master_step_peak=True)
+    pred = estimate_per_rank(_spec("zero3", 8), stub)
+    assert [(s.optimizer, s.precision) for s in stub.calls] == [
+        ("adamw", "bf16-master"), ("sgd", "bf16-master"), ("sgd", "bf16")]
+    assert pred.extras["phases"]["backward"]["activation"] == ACT
+
+
+def test_predict_dispatches_parallel_specs_per_rank():
+    from hybridmem.predict import predict
+
+    spec = TrainingSpec(model="tiny-llava", precision="bf16-master",
+                        parallel=ParallelSpec(world_size=4, strategy="zero2"))
+    pred = predict(spec, gpu=gpu_by_name("a100-40gb"), find_max_batch=True)
+    assert pred.extras["per_rank"] is True and pred.extras["world_size"] == 4
+    assert pred.max_micro_batch and pred.max_micro_batch > 1
+    assert predict(spec.with_(parallel=ParallelSpec())).extras.get("per_rank") is None
 
 
 def test_sharding_lowers_the_peak_and_more_gpus_never_raise_it():

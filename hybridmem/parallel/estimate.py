@@ -40,13 +40,28 @@ NCCL_BYTES = NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS
 Estimator = Callable[[TrainingSpec], Prediction]
 
 
+# Pure 16-bit twins of the master-weight policy: same compute dtype, hence same activations,
+# without the fp32 master copy whose step can still out-peak the backward under plain SGD.
+PURE_TWIN = {"bf16-master": "bf16"}
+
+
 def _activation_side(spec: TrainingSpec, estimate: Estimator) -> tuple[Prediction, Prediction]:
-    """(single-GPU prediction, a prediction whose peak is in forward/backward)."""
+    """(single-GPU prediction, a prediction whose peak is in forward/backward).
+
+    Tries the spec, then plain SGD, then SGD with the pure 16-bit twin of the precision; if all
+    still peak in the step, the activations are small and the last one's are used as they are.
+    """
     single = spec.with_(parallel=ParallelSpec())
     base = estimate(single)
-    if base.peak.phase != "optimizer":
-        return base, base
-    return base, estimate(single.with_(optimizer="sgd"))
+    candidates = [single.with_(optimizer="sgd")]
+    if single.precision in PURE_TWIN:
+        candidates.append(candidates[0].with_(precision=PURE_TWIN[single.precision]))
+    fwd = base
+    for candidate in candidates:
+        if fwd.peak.phase != "optimizer":
+            break
+        fwd = estimate(candidate)
+    return base, fwd
 
 
 def _fwd_bwd(states: RankStates, fwd: Prediction, single: RankStates, extra: dict) -> dict:
@@ -108,7 +123,8 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator) -> Pre
              "context": base.breakdown["context"] + nccl,
              "fragmentation": base.breakdown["fragmentation"]}
     single_states = replicated(spec, mt)
-    phases = {fwd.peak.phase: _fwd_bwd(states, fwd, single_states, extra),
+    fwd_phase = fwd.peak.phase if fwd.peak.phase != "optimizer" else "backward"
+    phases = {fwd_phase: _fwd_bwd(states, fwd, single_states, extra),
               "optimizer": _step(states, base, extra)}
     phase = max(phases, key=lambda k: sum(phases[k].values()))
     # optimizer state exists from the first step on, so a forward/backward peak that includes
@@ -139,3 +155,13 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator) -> Pre
         modules=_scaled_modules(base, states, single_states),
         peak=_peak(breakdown, base, phase, iteration), notes=tuple(notes), extras=extras,
         max_micro_batch=None)
+
+
+def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[..., Prediction]:
+    """Wrap a tier's estimate so that data-parallel specs are priced per rank (the hook used by
+    `hybridmem.predict.estimator`); tier options go to the single-GPU estimate."""
+    def run(spec: TrainingSpec, **options: object) -> Prediction:
+        if spec.parallel.strategy == "none":
+            return single_gpu_estimate(spec, **options)
+        return estimate_per_rank(spec, lambda s: single_gpu_estimate(s, **options))
+    return run
