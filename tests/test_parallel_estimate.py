@@ -7,7 +7,7 @@ import pytest
 from hybridmem.analytic import estimate as analytic
 from hybridmem.categories import empty_breakdown
 from hybridmem.gpus import GPU, gpu_by_name
-from hybridmem.parallel.estimate import NCCL_BYTES, estimate_per_rank
+from hybridmem.parallel.estimate import NCCL_BYTES, analytic_points, estimate_per_rank
 from hybridmem.parallel.fit import smallest_fitting_setup
 from hybridmem.parallel.inputs import spec_from_inputs
 from hybridmem.parallel.sharding import replicated
@@ -157,3 +157,15 @@ def test_llava_finetune_recipe_on_a100_40gb():
     advice = smallest_fitting_setup(spec, gpu_by_name("a100-40gb"),
                                     lambda s: estimate_per_rank(s, analytic))
     assert advice["fits_as_is"] == (pred.peak.device_bytes <= gpu_by_name("a100-40gb").memory_bytes)
+
+
+def test_analytic_timeline_points():
+    spec = spec_from_inputs(recipe="llava-1.5-finetune", overrides={"model": "llava-1.5-7b"})
+    points = analytic_points(spec)
+    assert points[0].phase == "forward" and points[0].grad_fraction == 0
+    assert max(p.grad_fraction for p in points) == 1.0
+    # every point is considered, so the peak can only be at least the one-point answer
+    full = estimate_per_rank(spec, analytic, analytic_points)
+    one = estimate_per_rank(spec, analytic)
+    assert full.peak.device_bytes >= one.peak.device_bytes
+    assert sum(full.breakdown.values()) == full.peak.device_bytes

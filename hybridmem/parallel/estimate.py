@@ -4,16 +4,17 @@ Data parallelism leaves each rank's micro-batch, and hence its activations, kern
 and CUDA context, exactly as on one GPU; it changes where parameters, gradients and optimizer
 state live and adds communication buffers. So the single-GPU tier prices the activation side
 and `hybridmem.parallel.sharding` prices the model states per rank. The peak is the larger of
-two phases:
 
-- forward/backward: resident states + gathered params + reduction buffers + the single-GPU
-  activations and temporaries at its forward/backward peak;
+- forward/backward: over the points of the single-GPU timeline, resident states + gathered
+  params + reduction buffers + that point's activations and temporaries, with the grads that
+  grow during backward scaled by how far the backward has got;
 - optimizer step: resident states + the step's transient tensors (on the rank's shard only).
 
-If the single-GPU peak is in the optimizer step its breakdown holds no activations, so the
-activation side is taken from a second single-GPU estimate with plain SGD (no state, no step
-temporaries), whose peak is then in forward/backward: the activation side does not depend on
-the optimizer.
+With the analytic tier, every timeline point is used (`analytic_points`). Any other tier gives
+only its peak's breakdown; if that peak is in the optimizer step it holds no activations, so
+the activation side comes from a second estimate with plain SGD (and, under bf16-master, the
+pure-bf16 twin), whose peak is then in forward/backward: activations do not depend on the
+optimizer.
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ Estimator = Callable[[TrainingSpec], Prediction]
 PURE_TWIN = {"bf16-master": "bf16"}
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ActPoint:
+    """One forward/backward point of the single-GPU timeline, without the model states."""
+
+    phase: str
+    grad_fraction: float
+    """Share of all gradients already produced (0 in forward, growing in backward)."""
+    activation: int
+    temporary: int
+
+
 def _activation_side(spec: TrainingSpec, estimate: Estimator) -> tuple[Prediction, Prediction]:
     """(single-GPU prediction, a prediction whose peak is in forward/backward).
 
@@ -64,16 +76,33 @@ def _activation_side(spec: TrainingSpec, estimate: Estimator) -> tuple[Predictio
     return base, fwd
 
 
-def _fwd_bwd(states: RankStates, fwd: Prediction, single: RankStates, extra: dict) -> dict:
-    """Forward/backward peak: gathered params and reduce buffers on top of the resident states;
-    grads that grow with the backward are scaled like the single-GPU grads at its peak."""
+def _prediction_point(fwd: Prediction, single: RankStates) -> ActPoint:
     grown = min(1.0, fwd.breakdown["grad"] / single.grad) if single.grad else 1.0
+    phase = fwd.peak.phase if fwd.peak.phase != "optimizer" else "backward"
+    return ActPoint(phase, grown, fwd.breakdown["activation"], fwd.breakdown["temporary"])
+
+
+def analytic_points(spec: TrainingSpec) -> list[ActPoint]:
+    """Every forward/backward point of the analytic tier's timeline (`analytic.estimate.timeline`)."""
+    from hybridmem.analytic.estimate import timeline
+
+    _, _, points = timeline(spec.with_(parallel=ParallelSpec()))
+    full = max((p.bytes["grad"] for p in points), default=0)
+    return [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0, p.bytes["activation"],
+                     p.bytes["temporary"]) for p in points if p.phase != "optimizer"]
+
+
+def _fwd_bwd(states: RankStates, point: ActPoint, extra: dict) -> dict:
+    """One forward/backward point: gathered params and reduce buffers on top of the resident
+    states; grads that grow with the backward scaled like the single-GPU grads at the point."""
     out = {c: 0 for c in CATEGORIES}
+    growing = states.grad - states.grad_fixed
     out["param"] = states.param + states.gathered
-    out["grad"] = states.grad_fixed + round((states.grad - states.grad_fixed) * grown) + states.comm
+    out["grad"] = states.grad_fixed + round(growing * point.grad_fraction) + (
+        states.comm if point.phase == "backward" else 0)
     out["optimizer"] = states.optimizer
-    out["activation"] = fwd.breakdown["activation"]
-    out["temporary"] = fwd.breakdown["temporary"]
+    out["activation"] = point.activation
+    out["temporary"] = point.temporary
     out.update(extra)
     return out
 
@@ -111,21 +140,24 @@ def _scaled_modules(base: Prediction, rank: RankStates, single: RankStates) -> t
         optimizer=f(m.optimizer, rank.optimizer, single.optimizer)) for m in base.modules)
 
 
-def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator) -> Prediction:
-    """Peak memory of one rank of `spec` (per GPU), given any single-GPU tier's estimate."""
+def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
+                      points: Callable[[TrainingSpec], list[ActPoint]] | None = None) -> Prediction:
+    """Peak memory of one rank of `spec` (per GPU), given any single-GPU tier's estimate;
+    `points` (e.g. `analytic_points`) gives the whole forward/backward timeline when known."""
     check_parallel(spec)
     ps = spec.parallel
     base, fwd = _activation_side(spec, single_gpu_estimate)
     mt = model_tensors(spec)
     states = rank_states(spec, mt)
+    single_states = replicated(spec, mt)
     nccl = NCCL_BYTES if ps.world_size > 1 else 0
     extra = {"workspace": base.breakdown["workspace"],
              "context": base.breakdown["context"] + nccl,
              "fragmentation": base.breakdown["fragmentation"]}
-    single_states = replicated(spec, mt)
-    fwd_phase = fwd.peak.phase if fwd.peak.phase != "optimizer" else "backward"
-    phases = {fwd_phase: _fwd_bwd(states, fwd, single_states, extra),
-              "optimizer": _step(states, base, extra)}
+    acts = points(spec) if points is not None else [_prediction_point(fwd, single_states)]
+    fwd_best = max((_fwd_bwd(states, p, extra) for p in acts), key=lambda b: sum(b.values()))
+    fwd_phase = max(acts, key=lambda p: sum(_fwd_bwd(states, p, extra).values())).phase
+    phases = {fwd_phase: fwd_best, "optimizer": _step(states, base, extra)}
     phase = max(phases, key=lambda k: sum(phases[k].values()))
     # optimizer state exists from the first step on, so a forward/backward peak that includes
     # it is at iteration 1; the step's own peak is already there at iteration 0
@@ -159,9 +191,14 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator) -> Pre
 
 def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[..., Prediction]:
     """Wrap a tier's estimate so that data-parallel specs are priced per rank (the hook used by
-    `hybridmem.predict.estimator`); tier options go to the single-GPU estimate."""
+    `hybridmem.predict.estimator`); tier options go to the single-GPU estimate. The analytic
+    tier also lends its whole timeline."""
+    from hybridmem.analytic import estimate as analytic
+
+    points = analytic_points if single_gpu_estimate is analytic else None
+
     def run(spec: TrainingSpec, **options: object) -> Prediction:
         if spec.parallel.strategy == "none":
             return single_gpu_estimate(spec, **options)
-        return estimate_per_rank(spec, lambda s: single_gpu_estimate(s, **options))
+        return estimate_per_rank(spec, lambda s: single_gpu_estimate(s, **options), points)
     return run

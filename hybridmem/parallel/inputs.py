@@ -279,7 +279,10 @@ def _layer_overrides(overrides: dict) -> dict:
         if key in SPEC_KEYS:
             spec[key] = value
         elif key in LORA_KEYS:
-            lora[LORA_KEYS[key]] = tuple(value) if key == "lora_targets" else value
+            if key == "lora_targets":
+                value = tuple(t.strip() for t in value.split(",") if t.strip()) \
+                    if isinstance(value, str) else tuple(value)
+            lora[LORA_KEYS[key]] = value
         elif key == "zero_stage":
             if value not in (1, 2, 3):
                 raise SpecError("zero_stage", value, [1, 2, 3])
@@ -353,10 +356,11 @@ def _combine(layers: list[dict], over: dict) -> dict:
         # DeepSpeed bf16/fp16 = 16-bit model + fp32 master partition (engine casts the module)
         if spec.get("precision") in ("bf16-mixed", "fp16-mixed"):
             spec["precision"] = "bf16-master"
-    if lora or spec.get("train") == "lora":
-        spec["train"] = spec.get("train", "lora")
-        if spec["train"] == "lora":
-            spec["lora"] = LoraSpec(**lora)
+    if spec.get("train") == "lora":
+        spec["lora"] = LoraSpec(**lora)
+    elif over["lora"]:
+        raise SpecError("train", spec.get("train", "full"), ["lora"],
+                        reason="--lora-* options need --train lora")
     spec["parallel"] = ParallelSpec(**parallel)
     return spec
 

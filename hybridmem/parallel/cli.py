@@ -1,0 +1,45 @@
+"""Pure functions behind the `hybridmem predict` parallel options (the lead's CLI calls them).
+
+`spec_from_cli` takes the raw option values (None = not given on the command line) and returns
+the TrainingSpec; `fit_lines` turns `smallest_fitting_setup`'s answer into console lines.
+"""
+
+from __future__ import annotations
+
+from hybridmem.parallel.inputs import spec_from_inputs
+from hybridmem.spec import TrainingSpec
+
+GiB = 2**30
+
+
+def spec_from_cli(*, model: str, recipe: str | None = None, deepspeed: str | None = None,
+                  training_args: str | None = None, **values: object) -> TrainingSpec:
+    """Recipe < training args < DeepSpeed JSON < explicit flags. `values` are the other
+    options by TrainingSpec / ParallelSpec field name (micro_batch, precision, world_size,
+    strategy, zero_stage, offload_optimizer, lora_r, ...); None means "not given"."""
+    return spec_from_inputs(recipe=recipe, deepspeed=deepspeed, training_args=training_args,
+                            overrides={"model": model, **values})
+
+
+def _describe(option: dict) -> str:
+    return (f"{option['world_size']} GPU(s), {option['strategy']}, micro-batch "
+            f"{option.get('micro_batch', '')}".rstrip(", micro-batch ")
+            + f", checkpointing {'on' if option['grad_ckpt'] else 'off'}: "
+            f"{option['peak_bytes'] / GiB:.1f} GiB per GPU "
+            f"({option['headroom_bytes'] / GiB:+.1f} GiB headroom)")
+
+
+def fit_lines(advice: dict) -> list[str]:
+    """Console lines for `smallest_fitting_setup`'s answer."""
+    gpu = f"{advice['gpu']} ({advice['gpu_memory_bytes'] / GiB:.1f} GiB)"
+    if advice["fits_as_is"]:
+        return [f"fits {gpu} as configured: {_describe(advice['current'])}"]
+    lines = [f"does not fit {gpu}: {_describe(advice['current'])}"]
+    labels = {"world_size": "smallest world size", "zero_stage": "ZeRO stage at this size",
+              "grad_ckpt": "gradient checkpointing", "micro_batch": "largest micro-batch"}
+    for key, label in labels.items():
+        if advice.get(key) is not None:
+            lines.append(f"  {label}: {_describe(advice[key])}")
+    if len(lines) == 1:
+        lines.append("  no single change (world size, ZeRO stage, checkpointing, micro-batch) fits")
+    return lines
