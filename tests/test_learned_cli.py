@@ -121,6 +121,9 @@ def test_pipeline_on_rows_from_collect_backend_trace(app, tmp_path, monkeypatch)
     assert res.exit_code == 0, res.output
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["calibrated_to_gpu"] is False and meta["sources"] == ["trace"]
+    res = CliRunner().invoke(app, ["evaluate", "--data", str(data), "--folds", "2"])
+    assert res.exit_code == 0, res.output
+    assert "rows are trace output, not real CUDA measurements" in res.output
     from hybridmem.learned.predictor import estimate as hybrid
     from hybridmem.spec import TrainingSpec
 
