@@ -22,10 +22,11 @@ def spec_from_cli(*, model: str, recipe: str | None = None, deepspeed: str | Non
 
 
 def _describe(option: dict) -> str:
-    return (f"{option['world_size']} GPU(s), {option['strategy']}, micro-batch "
-            f"{option.get('micro_batch', '')}".rstrip(", micro-batch ")
-            + f", checkpointing {'on' if option['grad_ckpt'] else 'off'}: "
-            f"{option['peak_bytes'] / GiB:.1f} GiB per GPU "
+    parts = [f"{option['world_size']} GPU(s)", option["strategy"]]
+    if "micro_batch" in option:
+        parts.append(f"micro-batch {option['micro_batch']}")
+    parts.append(f"checkpointing {'on' if option['grad_ckpt'] else 'off'}")
+    return (", ".join(parts) + f": {option['peak_bytes'] / GiB:.1f} GiB per GPU "
             f"({option['headroom_bytes'] / GiB:+.1f} GiB headroom)")
 
 
