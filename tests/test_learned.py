@@ -335,3 +335,12 @@ def test_trace_features_join_by_spec_and_run_the_trace_tier_at_predict_time(rows
     assert pred.peak.device_bytes / toy_base(spec).peak.device_bytes == pytest.approx(1.25, rel=0.05)
     pred = estimate(spec, trace_fn=broken_trace)
     assert any("trace tier could not run" in n for n in pred.notes)
+
+
+def test_rows_with_unreadable_specs_are_left_out_and_reported(rows):
+    rows.loc[0, "spec_json"] = "{not json"
+    rows.loc[1, "alloc_conf"] = None
+    rows["cuda_version"] = None  # e.g. a writer that leaves it empty for trace rows
+    table = build_table(rows, toy_base)
+    assert len(table.rows) == len(rows) - 1
+    assert "unreadable spec" in table.dropped[rows.loc[0, "spec_hash"]]

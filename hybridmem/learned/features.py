@@ -173,6 +173,11 @@ def feature_row(spec: TrainingSpec, config: Mapping, base: Prediction,
             **env_features(**env)}
 
 
+def _text(value: object) -> str:
+    """A text cell as str; missing values (None, NaN, pd.NA) as ''."""
+    return "" if value is None or (not isinstance(value, str) and pd.isna(value)) else str(value)
+
+
 def row_spec(row: Mapping) -> tuple[TrainingSpec, dict]:
     """(TrainingSpec, raw config dict) rebuilt from a dataset row (see the dataset contract)."""
     from hybridmem.models.loader import materialize_config
@@ -217,13 +222,15 @@ def build_table(rows: pd.DataFrame, base_fn: BaseFn | None = None) -> FeatureTab
                 cache[key] = (spec, config, base_fn(spec))
             except SpecError as err:  # includes UnsupportedModelError
                 cache[key] = str(err)
+            except (ValueError, TypeError, KeyError) as err:  # malformed spec_json / model_config
+                cache[key] = f"unreadable spec in the row ({type(err).__name__}: {err})"
         hit = cache[key]
         if isinstance(hit, str):
             continue
         spec, config, base = hit
         env = {"gpu_name": row["gpu_name"], "gpu_memory_bytes": row["gpu_memory_bytes"],
-               "torch_version": row["torch_version"], "cuda_version": row["cuda_version"],
-               "alloc_conf": row.get("alloc_conf", "") or ""}
+               "torch_version": _text(row["torch_version"]), "cuda_version": _text(row["cuda_version"]),
+               "alloc_conf": _text(row.get("alloc_conf"))}
         records.append((feature_row(spec, config, base, env), base))
         keep.append(i)
     dropped = {k: v for k, v in cache.items() if isinstance(v, str)}

@@ -91,11 +91,11 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
 
     meta = model.metadata
     _, config = load_config_dict(spec.model)
-    gpu = gpu_name or meta.get("default_gpu") or meta["gpu_names"][0]
+    gpu = gpu_name or meta.get("default_gpu") or (meta.get("gpu_names") or ["unknown"])[0]
     row = feature_row(spec, config, base, {
         "gpu_name": gpu, "gpu_memory_bytes": meta.get("gpu_memory_bytes") or 0,
-        "torch_version": env.get("torch") or meta["torch_versions"][-1],
-        "cuda_version": env.get("cuda") or meta["cuda_versions"][-1]})
+        "torch_version": env.get("torch") or (meta.get("torch_versions") or [""])[-1],
+        "cuda_version": env.get("cuda") or (meta.get("cuda_versions") or [""])[-1]})
     trace_notes: list[str] = []
     if meta.get("trace_features"):
         extra, trace_notes = trace_row(spec, base, trace_fn)

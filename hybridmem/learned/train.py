@@ -52,6 +52,11 @@ def _version(pkg: str) -> str:
         return "unknown"
 
 
+def _distinct(series: pd.Series) -> list[str]:
+    """Sorted distinct non-missing values as text (versions, GPU names)."""
+    return sorted({str(v) for v in series if isinstance(v, str) or pd.notna(v)})
+
+
 def _ranges(X: pd.DataFrame) -> dict[str, list[float]]:
     return {c: [float(X[c].min()), float(X[c].max())] for c in RANGE_FEATURES if c in X}
 
@@ -71,13 +76,13 @@ def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ..
                     "rows_used": len(rows), "specs_without_base": len(table.dropped)},
         "sources": list(sources),
         "calibrated_to_gpu": sources == ("cuda",),
-        "gpu_names": sorted(set(rows["gpu_name"])),
+        "gpu_names": _distinct(rows["gpu_name"]),
         "default_gpu": str(rows["gpu_name"].mode().iloc[0]),
         "gpu_memory_bytes": int(rows["gpu_memory_bytes"].mode().iloc[0]),
-        "torch_versions": sorted(set(rows["torch_version"])),
-        "cuda_versions": sorted(set(rows["cuda_version"])),
-        "transformers_versions": sorted(set(rows["transformers_version"])),
-        "model_names": sorted(set(rows["model_name"])),
+        "torch_versions": _distinct(rows["torch_version"]),
+        "cuda_versions": _distinct(rows["cuda_version"]),
+        "transformers_versions": _distinct(rows["transformers_version"]),
+        "model_names": _distinct(rows["model_name"]),
         "training_groups": sorted(set(rows["model_config"].map(shape_group))),
         "feature_ranges": _ranges(table.X),
         "metrics": {t: ev.table for t, ev in evaluations.items()},
