@@ -344,3 +344,15 @@ def test_rows_with_unreadable_specs_are_left_out_and_reported(rows):
     table = build_table(rows, toy_base)
     assert len(table.rows) == len(rows) - 1
     assert "unreadable spec" in table.dropped[rows.loc[0, "spec_hash"]]
+
+
+def test_catalogue_gpu_names_match_cuda_device_names():
+    from hybridmem.learned.predictor import match_gpu
+
+    meta = {"gpu_names": ["NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3"],
+            "default_gpu": "NVIDIA H100 80GB HBM3"}
+    assert match_gpu("a100-40gb", meta)[0] == "NVIDIA A100-SXM4-40GB"
+    assert match_gpu("NVIDIA H100 80GB HBM3", meta)[0] == "NVIDIA H100 80GB HBM3"
+    name, note = match_gpu("l40s", meta)
+    assert name == "NVIDIA H100 80GB HBM3" and "not among the model's training GPUs" in note
+    assert "most common training GPU" in match_gpu(None, meta)[1]

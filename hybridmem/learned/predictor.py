@@ -55,6 +55,28 @@ def corrected(base: Prediction, device: float, reserved: float) -> tuple[Peak, d
     return peak, bd
 
 
+def _gpu_key(name: str) -> str:
+    return "".join(ch for ch in name.lower().replace("nvidia", "") if ch.isalnum())
+
+
+def match_gpu(given: str | None, meta: dict) -> tuple[str, str]:
+    """(training GPU name to use as the feature, note) for the GPU the user asked about.
+
+    Dataset rows name GPUs as CUDA does ("NVIDIA H100 80GB HBM3"), the catalogue as `h100-80gb`;
+    they match when the catalogue name's first token ("h100") is in the CUDA name.
+    """
+    trained = meta.get("gpu_names") or ["unknown"]
+    default = meta.get("default_gpu") or trained[0]
+    if given is None:
+        return default, f"GPU assumed: {default} (the model's most common training GPU)"
+    token = _gpu_key(given.split("-")[0])
+    hits = [g for g in trained if _gpu_key(g) == _gpu_key(given) or (token and token in _gpu_key(g))]
+    if hits:
+        return hits[0], f"GPU: {given} (trained on {hits[0]})"
+    return default, (f"GPU {given} is not among the model's training GPUs ({', '.join(trained)}); "
+                     f"its residual for {default} is used")
+
+
 def out_of_range(features: dict, ranges: dict) -> list[str]:
     """'name=value (trained min..max)' for each main feature outside its training range."""
     out = []
@@ -91,9 +113,10 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
 
     meta = model.metadata
     _, config = load_config_dict(spec.model)
-    gpu = gpu_name or meta.get("default_gpu") or (meta.get("gpu_names") or ["unknown"])[0]
+    gpu, gpu_note = match_gpu(gpu_name, meta)
+    memory = (meta.get("gpu_memory_by_name") or {}).get(gpu, meta.get("gpu_memory_bytes"))
     row = feature_row(spec, config, base, {
-        "gpu_name": gpu, "gpu_memory_bytes": meta.get("gpu_memory_bytes") or 0,
+        "gpu_name": gpu, "gpu_memory_bytes": memory or 0,
         "torch_version": env.get("torch") or (meta.get("torch_versions") or [""])[-1],
         "cuda_version": env.get("cuda") or (meta.get("cuda_versions") or [""])[-1]})
     trace_notes: list[str] = []
@@ -110,8 +133,8 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
                          base.peak.reserved_bytes * math.exp(r_res))
     upper = max(int(round(base.peak.device_bytes * math.exp(r_up))), peak.device_bytes)
     notes = [f"residual model {model.name} ({meta.get('dataset', {}).get('rows_used', '?')} rows, "
-             f"GPUs {', '.join(meta.get('gpu_names', []))}, torch {', '.join(meta.get('torch_versions', []))}); "
-             f"GPU assumed: {gpu}",
+             f"GPUs {', '.join(meta.get('gpu_names', []))}, torch {', '.join(meta.get('torch_versions', []))})",
+             gpu_note,
              f"P95 upper bound of the device peak: {upper / 2**30:.2f} GiB"]
     if not meta.get("calibrated_to_gpu"):
         notes.insert(0, f"WARNING: model {model.name} was trained on "

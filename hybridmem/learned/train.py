@@ -79,6 +79,8 @@ def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ..
         "gpu_names": _distinct(rows["gpu_name"]),
         "default_gpu": str(rows["gpu_name"].mode().iloc[0]),
         "gpu_memory_bytes": int(rows["gpu_memory_bytes"].mode().iloc[0]),
+        "gpu_memory_by_name": {str(k): int(v.mode().iloc[0])
+                               for k, v in rows.groupby("gpu_name")["gpu_memory_bytes"]},
         "torch_versions": _distinct(rows["torch_version"]),
         "cuda_versions": _distinct(rows["cuda_version"]),
         "transformers_versions": _distinct(rows["transformers_version"]),
