@@ -60,6 +60,11 @@ class Acts:
     """Transient on top of `saved` while the layer runs forward."""
     bwd_extra: int = 0
     """Transient on top of `saved` while the layer runs backward (grads of activations)."""
+    mlp_saved: int = 0
+    """Part of `saved` that the MLP holds: freed before the attention's backward runs."""
+    bwd_mlp: int = 0
+    """Transient of the MLP's backward (the first half of a transformer layer's backward);
+    0: the layer's backward is one stage with `bwd_extra`."""
 
 
 class _Saved:
@@ -161,6 +166,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     _linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager")
     _lora_outputs(sv, c, B, n_o)
+    attn_part = sv.total
     # post-attention RMSNorm on the residual h1 (always on the grad path once active)
     sv.add(B * h, FP32)
     sv.add(B, FP32)
@@ -179,9 +185,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
-    bwd = t(B * h, sb) + max(mlp_bwd, attn_bwd)
     return Acts(saved=sv.total + copies, ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=fwd,
-                bwd_extra=bwd)
+                bwd_extra=2 * t(B * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
+                bwd_mlp=t(B * h, sb) + mlp_bwd)
 
 
 def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
@@ -198,6 +204,7 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     _linear_inputs(sv, c, N * h, sb, 3, need_w, 0, shared=False)
     probs = _attention_core(sv, c, d["n"], d["t"], heads, h, h)
     _linear_inputs(sv, c, N * h, e, 1, need_w, 0, shared=c.attn != "eager")
+    attn_part = sv.total
     sv.add(N * h, sb)                 # second LayerNorm input (residual)
     sv.add(N, FP32, times=2)
     _linear_inputs(sv, c, N * h, sb, 1, need_w, 0, shared=False)
@@ -206,10 +213,10 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(N * f, e, need_w)          # fc2 input
     copies, cache = _amp_copies(layer, c, active, need_w)
     fwd = (t(N * f, e) if two else 0) + (2 * t(probs, e) if probs else 0)
-    bwd = t(N * h, sb) + max(2 * t(N * f, e),
-                                 3 * t(N * h, e) + (t(probs, FP32) + t(probs, e) if probs else 0))
+    attn_bwd = 3 * t(N * h, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
     return Acts(saved=sv.total + copies, ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=fwd,
-                bwd_extra=bwd)
+                bwd_extra=2 * t(N * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
+                bwd_mlp=t(N * h, sb) + 2 * t(N * f, e))
 
 
 def _ln_shared(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:

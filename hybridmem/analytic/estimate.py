@@ -74,6 +74,20 @@ def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int) -
     return A.Acts()  # image_newline (expand + cat save nothing), pooling head (no grad path)
 
 
+MLP_OUT = ("mlp.down_proj.", "mlp.fc2.")
+MLP_ALL = ("mlp.", "post_attention_layernorm.", "layer_norm2.")
+
+
+def _mlp_grads(layer: Layer, policy) -> tuple[int, int]:
+    """Grad bytes of (the MLP output projection, the whole MLP half) of a transformer layer."""
+    def grads(prefixes):
+        base = sum(t(p.numel, policy.grad_bytes) for p in layer.params
+                   if p.name.startswith(prefixes)) if layer.gets_grads else 0
+        return base + sum(t(p.numel, p.itemsize) for p in layer.lora
+                          if p.name.startswith(prefixes))
+    return grads(MLP_OUT), grads(MLP_ALL)
+
+
 def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
     """Every layer with its states, activations and flags, in forward order."""
     c = context(spec)
@@ -126,6 +140,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
             grad += tied_grad
         ckpt = spec.grad_ckpt and layer.kind in CHECKPOINTED
         step = Step(acts=acts, ckpt=ckpt, grad=grad, grad_waste=waste,
+                    grad_mlp=_mlp_grads(layer, policy) if layer.gets_grads or lora else (0, 0),
                     on_path=layer.on_grad_path)
         out.append(Priced(mname, layer, st, step))
     return out

@@ -28,6 +28,9 @@ class Step:
     grad: int
     """Grad bytes that appear when this layer runs backward."""
     grad_waste: int = 0
+    grad_mlp: tuple[int, int] = (0, 0)
+    """(grads made by the MLP's output projection, by the whole MLP half): a transformer layer's
+    backward runs MLP first, attention second; its grads appear stage by stage."""
     on_path: bool = True
     """Saved tensors are kept for backward (False: the layer's output is never used)."""
 
@@ -113,7 +116,14 @@ def walk(steps: list[Step], st: Statics, iterations: int = 2) -> list[Point]:
             if not s.on_path:
                 continue
             recompute = s.acts.saved if s.ckpt else 0
-            w.point("backward", act + recompute, s.acts.bwd_extra, grad, grad_waste)
+            before = grad - s.grad
+            if s.acts.bwd_mlp:  # MLP half, then attention half with the MLP's saved freed
+                w.point("backward", act + recompute, s.acts.bwd_mlp, before + s.grad_mlp[0],
+                        grad_waste)
+                w.point("backward", act + recompute - s.acts.mlp_saved, s.acts.bwd_extra,
+                        before + s.grad_mlp[1], grad_waste)
+            else:
+                w.point("backward", act + recompute, s.acts.bwd_extra, grad, grad_waste)
             act -= s.kept - s.released_at_forward_end
         # optimizer step: state exists during it (created lazily at iteration 0)
         opt = _Walk(st, max(it, 1))
