@@ -47,13 +47,15 @@ def evaluate_command(
     target: str = typer.Option("device", "--target", help="device or reserved peak."),
     folds: int = typer.Option(5, "--folds", help="GroupKFold splits (by model shape) without --model."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Save the predicted-vs-measured plot to FILE (PNG/SVG/PDF)."),
+    with_trace: bool = typer.Option(False, "--trace-features", help="Cross-validate with the trace-peak features (as train --trace-features)."),
 ) -> None:
     """Errors on held-out model shapes: analytic vs trace vs hybrid, or model A vs model B."""
     from rich.console import Console
 
     from hybridmem.learned.compare import compare
 
-    result = compare(data, models=model or (), target=target, n_splits=folds, plot=plot)
+    result = compare(data, models=model or (), target=target, n_splits=folds, plot=plot,
+                     with_trace=with_trace)
     Console().print(metrics_table(result.table, f"{target} peak, held-out model shapes"))
     print_notes(result.notes)
     if plot:

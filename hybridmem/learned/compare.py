@@ -55,15 +55,19 @@ def _compare_models(table, df, names: list[str], target: str) -> tuple[dict, pd.
 
 def compare(data: str | Path, *, models: list[str] | tuple[str, ...] = (), target: str = "device",
             n_splits: int = 5, base_fn: BaseFn | None = None, plot: str | None = None,
-            estimator_params: dict | None = None) -> Comparison:
-    """The evaluation table (and optional plot) for `hybridmem evaluate`."""
+            estimator_params: dict | None = None, with_trace: bool = False) -> Comparison:
+    """The evaluation table (and optional plot) for `hybridmem evaluate`.
+
+    `with_trace` adds the trace-peak features (as `train --trace-features`); it is switched on
+    when a compared model was trained with them.
+    """
     if target not in registry.TARGETS:
         raise SpecError("target", target, registry.TARGETS)
     for name in models:  # fail on a bad model before the (slower) featurisation
-        registry.read_metadata(name)
+        with_trace |= bool(registry.read_metadata(name).get("trace_features"))
     df = dataset.load(data)
     sources = pick_sources(df)
-    table = build_table_for(df, sources, base_fn)
+    table = build_table_for(df, sources, base_fn, with_trace)
     notes = [] if sources == ("cuda",) else [
         f"rows are {'/'.join(sources)} output, not real CUDA measurements: "
         "errors are against a simulation, not a GPU"]
@@ -74,7 +78,7 @@ def compare(data: str | Path, *, models: list[str] | tuple[str, ...] = (), targe
             k for k in result if k.startswith("hybrid:"))
     else:
         ev = cross_validate(table, df, target, n_splits, estimator_params,
-                            build_oom_table(df, sources, base_fn))
+                            build_oom_table(df, sources, base_fn, with_trace))
         result, pred, methods = ev.table, ev.predictions, METHODS
         notes.append(f"{len(pred)} held-out rows, {pred['group'].nunique()} model shapes, "
                      f"{pred['fold'].nunique()} folds (GroupKFold by model shape)")
