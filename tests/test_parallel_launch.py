@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel.launch import launch_ranks, torchrun_command
+from hybridmem.parallel.launch import launch_ranks, rank_path, summarize_ranks, torchrun_command
 
 # Each rank builds a replica, all-reduces its grads over gloo and reports its own numbers.
 RANK_SCRIPT = textwrap.dedent("""
@@ -31,6 +31,8 @@ def test_torchrun_command():
     cmd = torchrun_command("run.py", 4, ["--spec", "x.json"], python="py")
     assert cmd == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                    "run.py", "--spec", "x.json"]
+    assert torchrun_command("hybridmem.harness.child", 2, ["req", "res"], python="py",
+                            module=True)[-4:] == ["-m", "hybridmem.harness.child", "req", "res"]
     with pytest.raises(SpecError, match="nproc=0"):
         torchrun_command("run.py", 0)
 
@@ -49,3 +51,19 @@ def test_failed_rank_is_reported(tmp_path):
     script.write_text("import sys; sys.exit(3)\n")
     with pytest.raises(RuntimeError, match="torchrun exited"):
         launch_ranks(script, 2, timeout_s=120)
+
+
+def test_rank_path(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert str(rank_path("r.json")) == "r.json"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "3")
+    assert str(rank_path("r.json")) == "r.json.rank3"
+
+
+def test_summarize_ranks_takes_the_worst_rank():
+    rows = [{"rank": 0, "max_allocated": 10, "outcome": "ok"},
+            {"rank": 1, "max_allocated": 12, "outcome": "ok", "extra": 1}]
+    out = summarize_ranks(rows)
+    assert out["max_allocated"] == 12 and out["world_size"] == 2 and out["per_rank"] == rows
+    assert "extra" not in out and "outcome" not in out

@@ -21,18 +21,21 @@ RANK_OUT_ENV = "HYBRIDMEM_RANK_OUT"
 
 
 def torchrun_command(script: str | os.PathLike, nproc: int, args: list[str] | tuple[str, ...] = (),
-                     *, nnodes: int = 1, python: str | None = None) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N script args...`.
+                     *, nnodes: int = 1, python: str | None = None,
+                     module: bool = False) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N [-m] script args...`.
 
     `--standalone` starts a local rendezvous on a free port (torchrun docs, single-node), so
-    parallel launches do not collide on MASTER_PORT.
+    parallel launches do not collide on MASTER_PORT. With `module`, `script` is a module name
+    (torchrun `-m`), e.g. the harness child `hybridmem.harness.child`.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise SpecError("nproc", nproc, reason="must be a positive integer")
     if nnodes != 1:
         raise SpecError("nnodes", nnodes, [1], reason="multi-node launches are not supported yet")
     return [python or sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", str(script), *map(str, args)]
+            f"--nproc-per-node={nproc}", *(["-m"] if module else []), str(script),
+            *map(str, args)]
 
 
 def read_rank_results(out_dir: str | os.PathLike, nproc: int) -> list[dict]:
@@ -70,4 +73,24 @@ def write_rank_result(result: dict) -> Path:
     """For the launched script: write this rank's result where `launch_ranks` looks for it."""
     out = Path(os.environ[RANK_OUT_ENV]) / f"rank{int(os.environ.get('RANK', 0))}.json"
     out.write_text(json.dumps(result))
+    return out
+
+
+def rank_path(path: str | os.PathLike) -> Path:
+    """This rank's own copy of a result path (`RESULT.json.rank3`) when launched by torchrun
+    (which sets LOCAL_RANK), else the path itself: ranks must not overwrite each other."""
+    if "LOCAL_RANK" not in os.environ:
+        return Path(path)
+    return Path(f"{path}.rank{int(os.environ.get('RANK', 0))}")
+
+
+def summarize_ranks(results: list[dict]) -> dict:
+    """One row for a multi-rank run: every rank's result, and the maximum over ranks of each
+    numeric field all ranks report (the rank that OOMs first decides the job)."""
+    shared = set.intersection(*(set(r) for r in results)) if results else set()
+    out: dict = {"world_size": len(results), "per_rank": results}
+    for key in sorted(shared):
+        values = [r[key] for r in results]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = max(values)
     return out
