@@ -135,6 +135,7 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
     notes = [f"residual model {model.name} ({meta.get('dataset', {}).get('rows_used', '?')} rows, "
              f"GPUs {', '.join(meta.get('gpu_names', []))}, torch {', '.join(meta.get('torch_versions', []))})",
              gpu_note,
+             "context and fragmentation above are the analytic defaults corrected by this model",
              f"P95 upper bound of the device peak: {upper / 2**30:.2f} GiB"]
     if not meta.get("calibrated_to_gpu"):
         notes.insert(0, f"WARNING: model {model.name} was trained on "

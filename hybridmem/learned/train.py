@@ -22,6 +22,7 @@ from hybridmem.learned import dataset, registry
 from hybridmem.learned.dataset import shape_group
 from hybridmem.learned.evaluate import Evaluation, cross_validate, plot_predictions
 from hybridmem.learned.features import RANGE_FEATURES, BaseFn, FeatureTable
+from hybridmem.tracking import start_run
 
 TARGET_CHOICES: tuple[str, ...] = ("device", "reserved", "both")
 
@@ -113,13 +114,41 @@ def _log_run(run, meta: dict, evaluations: dict[str, Evaluation], importances: d
         run.artifact(file, subdir="model")
 
 
+def _notes(sources: tuple[str, ...], table: FeatureTable) -> list[str]:
+    notes = [] if sources == ("cuda",) else [
+        f"trained on {'/'.join(sources)} rows, not real CUDA measurements: NOT calibrated to GPUs"]
+    if table.dropped:
+        notes.append(f"{len(table.dropped)} spec(s) had no base estimate and were left out, e.g. "
+                     + next(iter(table.dropped.values())))
+    return notes
+
+
+def _save_and_log(out, estimators: dict, meta: dict, evaluations: dict[str, Evaluation],
+                  importances: dict, plot: str | None, force: bool, track: bool) -> Path:
+    """Plot, registry entry and MLflow run (the entry records the run id)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plot_path = None
+        if evaluations:
+            target = meta["targets"][0]
+            plot_path = plot or str(Path(tmp) / "predicted_vs_measured.png")
+            plot_predictions(evaluations[target].predictions, plot_path,
+                             f"{target} peak, held-out shapes")
+        # MLflow >= 3.x refuses the local file store unless opted in (its FileStore.__init__
+        # error message names this variable); the design asks for that store, no server.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        with start_run("train", run_name=Path(out).name, enabled=track) as run:
+            meta["mlflow_run_id"] = run.run_id
+            saved = registry.save(out, estimators, meta, force=force)
+            _log_run(run, meta, evaluations, importances, plot_path, saved)
+    return saved
+
+
 def train(data: str | Path, out: str | Path, *, force: bool = False, target: str = "both",
           n_splits: int = 5, base_fn: BaseFn | None = None, estimator_params: dict | None = None,
           plot: str | None = None, track: bool = True,
           with_trace: bool = False) -> TrainResult:
     """Train, evaluate on held-out model shapes, save to the registry, log to MLflow."""
     from hybridmem.learned.model import ResidualRegressor
-    from hybridmem.tracking import start_run
 
     if target not in TARGET_CHOICES:
         raise SpecError("target", target, TARGET_CHOICES)
@@ -128,40 +157,22 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
     df = dataset.load(data)
     sources = pick_sources(df)
     table = build_table_for(df, sources, base_fn, with_trace)
-    notes = [] if sources == ("cuda",) else [
-        f"trained on {'/'.join(sources)} rows, not real CUDA measurements: NOT calibrated to GPUs"]
-    if table.dropped:
-        notes.append(f"{len(table.dropped)} spec(s) had no base estimate and were left out, e.g. "
-                     + next(iter(table.dropped.values())))
+    notes = _notes(sources, table)
+    groups = table.rows["model_config"].map(shape_group).to_numpy()
     evaluations: dict[str, Evaluation] = {}
-    if table.rows["model_config"].map(shape_group).nunique() >= 2:
+    if len(set(groups)) >= 2:
         oom = build_oom_table(df, sources, base_fn, with_trace)
         evaluations = {t: cross_validate(table, df, t, n_splits, estimator_params, oom)
                        for t in targets}
     else:
         notes.append("only one model shape: no held-out evaluation is possible")
-    groups = table.rows["model_config"].map(shape_group).to_numpy()
     estimators = {t: ResidualRegressor(**(estimator_params or {})).fit(table.X, table.target(t), groups)
                   for t in targets}
-    hyper = estimators[targets[0]].get_params()
-    meta = build_metadata(df, table, sources, targets, evaluations, hyper, str(data))
-    meta["notes"] = notes
-    meta["trace_features"] = with_trace
+    meta = build_metadata(df, table, sources, targets, evaluations,
+                          estimators[targets[0]].get_params(), str(data))
+    meta.update(notes=notes, trace_features=with_trace)
     importances = {t: e.feature_importances() for t, e in estimators.items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        plot_path = plot
-        if evaluations and plot_path is None:
-            plot_path = str(Path(tmp) / "predicted_vs_measured.png")
-        if evaluations:
-            first = evaluations[targets[0]]
-            plot_predictions(first.predictions, plot_path, f"{targets[0]} peak, held-out shapes")
-        # MLflow >= 3.x refuses the local file store unless opted in (its FileStore.__init__
-        # error message names this variable); the design asks for that store, no server.
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        with start_run("train", run_name=Path(out).name, enabled=track) as run:
-            meta["mlflow_run_id"] = run.run_id
-            saved = registry.save(out, estimators, meta, force=force)
-            _log_run(run, meta, evaluations, importances, plot_path if evaluations else None, saved)
+    saved = _save_and_log(out, estimators, meta, evaluations, importances, plot, force, track)
     return TrainResult(path=saved, metadata=meta, evaluations=evaluations,
                        importances=importances, notes=notes, plot_path=plot)
 
