@@ -163,7 +163,9 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     # it is at iteration 1; the step's own peak is already there at iteration 0
     iteration = 0 if phase == "optimizer" or states.optimizer == 0 else 1
     breakdown = phases[phase]
-    notes = list(base.notes) + [
+    # single-GPU caveats this module answers (ZeRO's fp32 grad partition is priced in the step)
+    answered = ("DeepSpeed's extra fp32 gradient buffers",) if ps.zero_stage else ()
+    notes = [n for n in base.notes if not any(a in n for a in answered)] + [
         f"per rank of {ps.world_size} GPUs ({ps.strategy}); activations are per micro-batch of "
         f"{spec.micro_batch} on each GPU",
     ]
