@@ -279,6 +279,11 @@ def test_corrupt_model_file_and_single_target_models(data_file, tmp_path):
     (out / "reserved.point.txt").write_text("not a model")
     with pytest.raises(SpecError, match="cannot load the 'reserved' model"):
         registry.load(out)
+    meta = (out / "metadata.json")
+    meta.write_text(meta.read_text() + " ")  # new mtime: the predictor's cache reloads
+    pred = estimate(spec)  # predict does not crash on a damaged entry: it falls back, saying so
+    assert pred.extras["residual_model"] is None
+    assert any("could not be loaded" in n for n in pred.notes)
 
 
 def test_oom_rows_are_judged_at_their_real_gpu_limit(rows, tmp_path):

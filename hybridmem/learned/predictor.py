@@ -17,6 +17,7 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
+from hybridmem.errors import SpecError
 from hybridmem.learned import registry
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.spec import TrainingSpec
@@ -27,13 +28,14 @@ _DEFAULT_NOTE = ("no trained residual model fits this environment: this is the a
 
 
 @lru_cache(maxsize=8)
-def _load(path: str, stamp: float) -> registry.LoadedModel:
+def _load(path: str, stamp: tuple[int, int]) -> registry.LoadedModel:
     """Registry entries are read once per process (find-max-batch calls us O(log B) times)."""
     return registry.load(path)
 
 
 def load_cached(folder: Path) -> registry.LoadedModel:
-    return _load(str(folder), (folder / "metadata.json").stat().st_mtime)
+    stat = (folder / "metadata.json").stat()
+    return _load(str(folder), (stat.st_mtime_ns, stat.st_size))
 
 
 def fallback(base: Prediction, notes: list[str]) -> Prediction:
@@ -89,7 +91,6 @@ def out_of_range(features: dict, ranges: dict) -> list[str]:
 
 def trace_row(spec: TrainingSpec, base: Prediction, trace_fn=None) -> tuple[dict, list[str]]:
     """Trace-tier features for a model trained with them (seconds of CPU); NaN if it cannot run."""
-    from hybridmem.errors import SpecError
     from hybridmem.learned.features import TRACE_FEATURES, trace_features
 
     try:
@@ -179,5 +180,9 @@ def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
     folder, notes = registry.select(root, env["torch"], env["cuda"])
     if folder is None:
         return fallback(base, notes)
-    pred = apply_model(spec, base, load_cached(folder), env, gpu_name, trace_fn)
+    try:
+        model = load_cached(folder)
+    except SpecError as err:  # a damaged entry must not break `predict`; say so and fall back
+        return fallback(base, notes + [f"model {folder.name} could not be loaded: {err}"])
+    pred = apply_model(spec, base, model, env, gpu_name, trace_fn)
     return dataclasses.replace(pred, notes=pred.notes + tuple(notes))
