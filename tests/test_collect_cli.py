@@ -68,6 +68,11 @@ def test_trace_collect_killed_midway_then_resumed(tmp_path):
     assert (df["peak_reserved_bytes"] <= df["peak_device_bytes"]).all()
     assert len(part_files(out)) == 1  # compacted at the end of the run
     assert list((tmp_path / "mlruns").rglob("summary.json"))  # the run is tracked in MLflow
+    # every row rebuilds into its spec: the analytic tier predicts each one
+    from hybridmem.harness.compare import compare, spread
+
+    summary = spread(compare(df, "analytic"))
+    assert summary["ok_rows"] == TOTAL and summary["tier_errors"] == 0
 
 
 def test_cuda_backend_without_cuda_is_a_one_line_error(capsys, monkeypatch):

@@ -65,7 +65,8 @@ class HangProbe(CpuProbe):
             time.sleep(600)
 
 
-def _collect(tmp_path, monkeypatch, probe: str, batches: str, timeout: float = 120):
+def _collect(tmp_path, monkeypatch, probe: str, batches: str, timeout: float = 120,
+             record_history: bool = False):
     from hybridmem.harness import collect, load_dataset
 
     monkeypatch.setenv("HYBRIDMEM_PROBE", f"test_harness_runner:{probe}")
@@ -74,14 +75,17 @@ def _collect(tmp_path, monkeypatch, probe: str, batches: str, timeout: float = 1
     sweep = tmp_path / "faults.toml"
     sweep.write_text(SWEEP.format(timeout=timeout, batches=batches))
     out = tmp_path / "data"
-    report = collect(sweep, out=out, backend="cuda", mlflow=False)
+    report = collect(sweep, out=out, backend="cuda", mlflow=False, record_history=record_history)
     return report, load_dataset(out)
 
 
 def test_out_of_memory_in_the_child_is_an_oom_row(tmp_path, monkeypatch):
-    report, df = _collect(tmp_path, monkeypatch, "OomProbe", "[1]")
+    report, df = _collect(tmp_path, monkeypatch, "OomProbe", "[1]", record_history=True)
     assert report.counts == {"oom": 1}
     row = df.iloc[0]
+    # the allocator history of an OOM run is kept: it is what the simulator is checked against
+    assert row["history_path"].startswith("history/")
+    assert (tmp_path / "data" / row["history_path"]).is_file()
     assert row["outcome"] == "oom" and row["oom_phase"] == "forward"
     assert "OutOfMemoryError" in row["error"] and "2.00 GiB" in row["error"]
     assert row["peak_allocated_bytes"] is __import__("pandas").NA  # no peak for an OOM row
