@@ -1,8 +1,11 @@
-"""A small wrapper around MLflow: imported lazily, local file store, no server.
+"""A small wrapper around MLflow: imported lazily, a local store, no server.
 
-Both `hybridmem collect` and `hybridmem train` log runs here. The default store is
-`experiments/mlruns` under the current directory (override with `HYBRIDMEM_MLFLOW_URI` or
-`MLFLOW_TRACKING_URI`), so tests can point it at a temporary folder.
+Both `hybridmem collect` and `hybridmem train` log runs here. The default store is MLflow's
+own default backend (a SQLite file, MLflow >= 3) placed in `experiments/mlruns/mlflow.db`,
+with artifacts in `experiments/mlruns/artifacts`, under the current directory. Override with
+`HYBRIDMEM_MLFLOW_URI` or `MLFLOW_TRACKING_URI` (tests point it at a temporary folder); a
+`file:` URI selects MLflow's older file store, which MLflow 3 only opens with
+`MLFLOW_ALLOW_FILE_STORE=true` (set here for that case).
 """
 
 from __future__ import annotations
@@ -18,9 +21,29 @@ DEFAULT_STORE = Path("experiments") / "mlruns"
 
 
 def tracking_uri() -> str:
-    """Where runs go: env override, else a local folder (file store, no server)."""
+    """Where runs go: env override, else a SQLite file in the local store folder."""
     uri = os.environ.get("HYBRIDMEM_MLFLOW_URI") or os.environ.get("MLFLOW_TRACKING_URI")
-    return uri or DEFAULT_STORE.resolve().as_uri()
+    return uri or f"sqlite:///{(DEFAULT_STORE / 'mlflow.db').resolve()}"
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Artifacts beside a SQLite store (MLflow would otherwise write ./mlruns in the cwd)."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        return (db.parent / "artifacts").resolve().as_uri()
+    return None
+
+
+def _prepare(mlflow, experiment: str) -> None:
+    uri = tracking_uri()
+    if uri.startswith("file:"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses it otherwise
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(experiment) is None:
+        mlflow.create_experiment(experiment, artifact_location=_artifact_root(uri))
+    mlflow.set_experiment(experiment)
 
 
 class Run:
@@ -71,7 +94,6 @@ def start_run(experiment: str, run_name: str | None = None,
     except ImportError:  # the `learned` extra is not installed
         yield Run(None, None)
         return
-    mlflow.set_tracking_uri(tracking_uri())
-    mlflow.set_experiment(experiment)
+    _prepare(mlflow, experiment)
     with mlflow.start_run(run_name=run_name) as run:
         yield Run(mlflow, run)

@@ -13,7 +13,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 def _isolated_stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybridmem-stores")
     old = {k: os.environ.get(k) for k in ("HYBRIDMEM_MLFLOW_URI", "HYBRIDMEM_CACHE")}
-    os.environ["HYBRIDMEM_MLFLOW_URI"] = (root / "mlruns").as_uri()
+    os.environ["HYBRIDMEM_MLFLOW_URI"] = f"sqlite:///{root / 'mlruns' / 'mlflow.db'}"
     os.environ["HYBRIDMEM_CACHE"] = str(root / "cache")
     yield
     for k, v in old.items():

@@ -1,0 +1,35 @@
+"""The MLflow wrapper logs to a local store with no server, wherever the env points it."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridmem.tracking import start_run
+
+mlflow = pytest.importorskip("mlflow")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+def test_run_is_logged_locally(tmp_path, monkeypatch, kind):
+    uri = (f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}" if kind == "sqlite"
+           else (tmp_path / "store").as_uri())
+    monkeypatch.setenv("HYBRIDMEM_MLFLOW_URI", uri)
+    art = tmp_path / "a.txt"
+    art.write_text("x")
+    with start_run("unit", run_name="r1") as run:
+        run.params({"a": 1})
+        run.metrics({"mape": 0.1})
+        run.artifact(art)
+        run.json_artifact({"k": 2}, "obj.json")
+    got = mlflow.get_run(run.run_id)
+    assert got.data.params["a"] == "1" and got.data.metrics["mape"] == pytest.approx(0.1)
+    names = {f.path for f in mlflow.MlflowClient().list_artifacts(run.run_id)}
+    assert names == {"a.txt", "obj.json"}
+    assert not (tmp_path.parent / "mlruns").exists() or kind == "file"
+
+
+def test_disabled_run_is_a_no_op():
+    with start_run("unit", enabled=False) as run:
+        run.params({"a": 1})
+        run.metrics({"m": 1.0})
+        assert run.run_id is None
