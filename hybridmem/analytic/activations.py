@@ -183,6 +183,13 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
     mlp_bwd = 2 * t(B * f, e)
     attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
+    if not c.amp and e != FP32:
+        # the fp32 adapter branch: its output grad is cast to fp32 (B x out) and lora_A returns
+        # an fp32 input grad (B x in) before the cast back (PEFT lora.Linear in bf16 models)
+        if n_gu or n_down:
+            mlp_bwd += t(B * f, FP32) + t(B * h, FP32)
+        if n_qkv or n_o:
+            attn_bwd += t(B * qd, FP32) + t(B * h, FP32)
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
     return Acts(saved=sv.total + copies, ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=fwd,
@@ -317,14 +324,17 @@ def vision_embeddings(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts
                 bwd_extra=(t(N * h, c.stream) if need_w else 0) + leaf)
 
 
-def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0) -> Acts:
+def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0,
+              merged: bool = False) -> Acts:
     """Token embedding: saves only the ids (a batch input). Backward of a tied weight makes a
     second grad buffer before accumulating into the existing one. Frozen under checkpointing,
-    its output is a grad-requiring leaf (see `vision_embeddings`): kept, and given a .grad."""
+    its output is a grad-requiring leaf (see `vision_embeddings`) that gets a .grad; it is kept
+    anyway as the first layer's checkpointed input, unless image features were `merged` into a
+    new tensor (LLaVA), which leaves the leaf as an extra tensor."""
     d = layer.dims
     B, h = d["b"] * d["s"], d["h"]
     leaf = t(B * h, c.stream) if c.ckpt and not need_w else 0
-    return Acts(saved=leaf, fwd_extra=2 * t(B * h, c.stream),
+    return Acts(saved=leaf if merged else 0, fwd_extra=2 * t(B * h, c.stream),
                 bwd_extra=(tied_grad if need_w else 0) + leaf)
 
 

@@ -53,7 +53,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0, ckpt=spec.grad_ckpt)
 
 
-def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int) -> A.Acts:
+def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
+          merged: bool) -> A.Acts:
     kind = layer.kind
     if kind == "decoder_layer":
         return A.decoder_layer(layer, c, need_in, need_w)
@@ -70,7 +71,7 @@ def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int) -
     if kind == "vision_embeddings":
         return A.vision_embeddings(layer, c, need_in, need_w)
     if kind == "embedding":
-        return A.embedding(layer, c, need_in, need_w, tied_grad)
+        return A.embedding(layer, c, need_in, need_w, tied_grad, merged)
     return A.Acts()  # image_newline (expand + cat save nothing), pooling head (no grad path)
 
 
@@ -129,7 +130,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
         if layer.kind == "rotary":
             acts = A.rotary(layer, c, need_in)
         else:
-            acts = _acts(layer, c, need_in, need_w, tied_grad)
+            acts = _acts(layer, c, need_in, need_w, tied_grad, graph.image_tokens > 0)
         if layer.kind == "embedding" and graph.image_tokens and flow["lm"]:
             acts = A.Acts(saved=acts.saved + A.image_merge(graph.micro_batch, graph.seq_len),
                           fwd_extra=acts.fwd_extra, bwd_extra=acts.bwd_extra)
