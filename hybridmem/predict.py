@@ -68,6 +68,8 @@ def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None
     `tier_options` go to the tier's estimate function (e.g. `timeline=` for the trace tier).
     """
     load_config(spec.model)  # unknown preset / bad config JSON fail here, the same for every tier
+    if method == "hybrid" and gpu is not None:
+        tier_options.setdefault("gpu_name", gpu.name)  # the residual model is per GPU type
     result = estimator(method)(spec, **tier_options)
     if gpu is None:
         if find_max_batch:

@@ -47,24 +47,43 @@ def resolve_gpu(gpu: str | None, gpu_mem: float | None) -> GPU | None:
     return None
 
 
+def resolve_method(method: str | None) -> str:
+    """The tier to use: the user's, else hybrid only when a calibrated model fits (issue 5)."""
+    if method is not None:
+        return method
+    try:
+        from hybridmem.learned.predictor import default_method
+    except ImportError:  # the `learned` extra is not installed
+        return "analytic"
+    return default_method()
+
+
 def predict_command(
     model: str = typer.Option(..., "--model", help="Preset name or path to a HF config.json (or its folder)."),
-    micro_batch: int = typer.Option(1, "--micro-batch", help="Samples per GPU per step."),
-    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sample, image tokens included."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per GPU per step (default 1)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample, image tokens included (default 2048)."),
     images_per_sample: Optional[int] = typer.Option(None, "--images-per-sample", help="Default: 1 for multimodal models, 0 for LLMs."),
     image_size: Optional[int] = typer.Option(None, "--image-size", help="Image side in pixels; default: the vision tower's."),
-    precision: str = typer.Option("bf16-mixed", "--precision", help="fp32, bf16, fp16, bf16-mixed, fp16-mixed, bf16-master."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adamw-fused, adamw-8bit, sgd, sgd-momentum, adafactor, lion."),
-    grad_ckpt: bool = typer.Option(False, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing."),
-    train: str = typer.Option("full", "--train", help="full, llm+projector, projector, lora."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16, fp16, bf16-mixed (default), fp16-mixed, bf16-master."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw (default), adamw-fused, adamw-8bit, sgd, sgd-momentum, adafactor, lion."),
+    grad_ckpt: Optional[bool] = typer.Option(None, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing (default off)."),
+    train: Optional[str] = typer.Option(None, "--train", help="full (default), llm+projector, projector, lora."),
     lora_r: Optional[int] = typer.Option(None, "--lora-r", help="LoRA rank (default 8)."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 16)."),
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="Comma-separated module names (default: all LLM linear layers)."),
-    attn: str = typer.Option("sdpa", "--attn", help="eager, sdpa, flash_attention_2."),
+    attn: Optional[str] = typer.Option(None, "--attn", help="eager, sdpa (default), flash_attention_2."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="llava-1.5-pretrain, llava-1.5-finetune, llava-1.5-finetune-lora (official LLaVA-1.5 scripts)."),
+    deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="DeepSpeed config JSON ('auto' resolved as transformers does)."),
+    training_args: Optional[str] = typer.Option(None, "--training-args", help="HF TrainingArguments fields as JSON."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Data-parallel GPUs; memory is predicted per GPU."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="none, ddp, zero1, zero2, zero3, fsdp."),
+    zero_stage: Optional[int] = typer.Option(None, "--zero-stage", help="DeepSpeed ZeRO stage 1, 2 or 3 (= --strategy zeroN)."),
+    offload_optimizer: Optional[str] = typer.Option(None, "--offload-optimizer", help="none or cpu (ZeRO-Offload)."),
+    offload_param: Optional[str] = typer.Option(None, "--offload-param", help="none or cpu (ZeRO-3 only)."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU from the catalogue, e.g. h100-80gb, a100-40gb, h200."),
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB (instead of --gpu)."),
     find_max_batch: bool = typer.Option(False, "--find-max-batch", help="Search the largest micro-batch that fits the GPU."),
-    method: str = typer.Option("analytic", "--method", help="analytic, trace or hybrid."),
+    method: Optional[str] = typer.Option(None, "--method", help="analytic, trace or hybrid (default: hybrid when a GPU-calibrated model in models/ fits this environment, else analytic)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Save a stacked bar chart (PNG/SVG/PDF) to FILE."),
     timeline: Optional[str] = typer.Option(None, "--timeline", help="(trace) Save the memory timeline as JSON or PNG."),
@@ -73,23 +92,40 @@ def predict_command(
     from hybridmem.predict import predict
     from hybridmem.report import plot as save_plot, render
 
-    spec = build_spec(model=model, micro_batch=micro_batch, seq_len=seq_len,
-                      images_per_sample=images_per_sample, image_size=image_size,
-                      precision=precision, optimizer=optimizer, grad_ckpt=grad_ckpt, train=train,
-                      lora_r=lora_r, lora_alpha=lora_alpha, lora_targets=lora_targets, attn=attn)
+    from hybridmem.parallel.cli import fit_lines, spec_from_cli
+    from hybridmem.parallel.fit import smallest_fitting_setup
+
+    # recipe < --training-args < --deepspeed < explicit flags (None = flag not given)
+    spec = spec_from_cli(model=model, recipe=recipe, deepspeed=deepspeed,
+                         training_args=training_args, micro_batch=micro_batch, seq_len=seq_len,
+                         images_per_sample=images_per_sample, image_size=image_size,
+                         precision=precision, optimizer=optimizer, grad_ckpt=grad_ckpt,
+                         train=train, lora_r=lora_r, lora_alpha=lora_alpha,
+                         lora_targets=lora_targets, attn=attn, world_size=world_size,
+                         strategy=strategy, zero_stage=zero_stage,
+                         offload_optimizer=offload_optimizer, offload_param=offload_param)
     target = resolve_gpu(gpu, gpu_mem)
     options = {}
     if timeline is not None:
-        if method != "trace":
+        if method not in ("trace",):
             raise SpecError("timeline", timeline, reason="--timeline needs --method trace")
         options["timeline"] = timeline
+    method = resolve_method(method)
     result = predict(spec, method=method, gpu=target, find_max_batch=find_max_batch, **options)
+    advice = None
+    if target is not None and (spec.parallel.strategy != "none" or not result.fits):
+        advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=method))
     if plot:
         save_plot(result, plot)
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+        out = result.to_dict()
+        if advice is not None:
+            out["fit"] = advice
+        typer.echo(json.dumps(out, indent=2))
     else:
         render(result)
+        if advice is not None:
+            typer.echo("\n".join(fit_lines(advice)))
 
 
 def register(app: typer.Typer) -> None:
