@@ -129,3 +129,18 @@ def test_h200_first_contains_the_paper_setting():
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         assert paper[0].config["text_config"][key] == preset["text_config"][key]
         assert paper[0].config["vision_config"][key] == preset["vision_config"][key]
+
+
+def test_image_size_rebuilds_llava15_towers_but_not_llava_next_ones(tmp_path):
+    text = """
+[[block]]
+model = ["llava-1.5-7b", "llava-v1.6-mistral-7b"]
+image_size = [672]
+seq_len = [4096]
+"""
+    items = {it.label: it for it in load_sweep(_write(tmp_path, text)).items}
+    v15, nxt = items["llava-1.5-7b"], items["llava-v1.6-mistral-7b"]
+    # LLaVA-1.5 takes its tower's native size only: the tower is built at 672 -> 48^2 tokens
+    assert v15.config["vision_config"]["image_size"] == 672 and v15.image_tokens == 48 * 48
+    # LLaVA-NeXT tiles a 672 px image onto its 336 px tower (anyres)
+    assert nxt.config["vision_config"]["image_size"] == 336 and nxt.spec.image_size == 672

@@ -132,7 +132,9 @@ def _model_config(combo: dict, custom: dict, where: str) -> tuple[str, dict]:
         except SpecError as err:
             raise SpecError(f"{where}.model", err.value, err.choices, err.reason) from None
         cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
-        if combo["image_size"] and "vision_config" in cfg:
+        # LLaVA-1.5 takes only the tower's native size: build the tower at the asked size.
+        # LLaVA-NeXT tiles any image size onto its native-size tower (anyres): keep the tower.
+        if combo["image_size"] and cfg.get("model_type") == "llava":
             cfg["vision_config"] = {**cfg["vision_config"], "image_size": combo["image_size"]}
         return label, cfg
     return shapes.compose(combo["vision"], combo["decoder"], combo["gqa"], combo["image_size"],
