@@ -54,27 +54,45 @@ def _simulate_reserved(result: TraceResult) -> None:
     result.reserved_curve = np.maximum.accumulate(reserved) if len(reserved) else reserved
 
 
-def run_trace(spec: TrainingSpec) -> TraceResult:
-    """Trace `spec`'s training step; allocated and simulated reserved bytes over time."""
+def run_trace(spec: TrainingSpec, *, backend: str = "meta") -> TraceResult:
+    """Trace `spec`'s training step; allocated and simulated reserved bytes over time.
+
+    `backend="meta"` (fast; CUDA autocast emulated) falls back to `"fake"` (FakeTensorMode,
+    torch's own CPU autocast) if the model's code does not run on meta tensors; both give the
+    same bytes on every config tests compare (tests/test_trace_backends.py).
+    """
+    from hybridmem.errors import UnsupportedModelError
     from hybridmem.trace import runner
 
     config = _validate(spec)
     size, count = workspace_bytes()
     start = time.perf_counter()
-    tracker, job = runner.trace(spec, config, workspace=size if count else 0)
+    notes = []
+    try:
+        tracker, job = runner.trace(spec, config, backend=backend,
+                                    workspace=size if count else 0)
+    except UnsupportedModelError as err:
+        if backend != "meta":
+            raise
+        notes.append(f"meta backend failed ({err.reason}); traced under FakeTensorMode")
+        backend = "fake"
+        tracker, job = runner.trace(spec, config, backend=backend,
+                                    workspace=size if count else 0)
     if count > 2:  # more than the two workspaces the runner places
         for _ in range(count - 2):
             tracker.add_external(size, "workspace")
     result = summarize(tracker, job)
+    result.notes.extend(notes)
     _simulate_reserved(result)
-    result.notes.append(f"trace: {runner.ITERATIONS} iterations in "
+    result.notes.append(f"trace: {runner.ITERATIONS} iterations on {backend} tensors in "
                         f"{time.perf_counter() - start:.1f} s")
     return result
 
 
-def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None) -> Prediction:
+def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
+             backend: str = "meta") -> Prediction:
     """`Prediction` from a trace: allocated and reserved peak, breakdown at the peak."""
-    result = run_trace(spec)
+    result = run_trace(spec, backend=backend)
     context, context_src = context_bytes()
     allocated = result.peak_allocated
     reserved = max(result.peak_reserved or allocated, allocated)

@@ -92,3 +92,29 @@ class CudaAutocastFp32(TorchFunctionMode):
 
 def cuda_autocast_rules(enabled: bool):
     return CudaAutocastFp32() if enabled else contextlib.nullcontext()
+
+
+class CpuSdpaOnMeta(TorchFunctionMode):
+    """On meta tensors SDPA has no fused kernel and would decompose into the math path (which
+    saves the S x S attention matrix); run the kernel a CPU (fake) run picks instead.
+
+    aten/src/ATen/native/transformers/attention.cpp: on CPU, dense 4-D inputs without dropout
+    go to `_scaled_dot_product_flash_attention_for_cpu` (GQA handled in the kernel), which has
+    a meta implementation and an autograd formula.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            call = _as_cpu_flash(*args, **kwargs)
+            if call is not None:
+                return call
+        return func(*args, **kwargs)
+
+
+def _as_cpu_flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                  scale=None, enable_gqa=False):
+    if dropout_p or query.dim() != 4 or not query.is_meta:
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]

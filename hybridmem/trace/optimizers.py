@@ -7,6 +7,8 @@ torch implementation, so they are emulated by their state layout (see each class
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.optim import Optimizer
 
@@ -88,6 +90,11 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> Optimizer:
         # torch picks foreach on CUDA (`_default_to_fused_or_foreach`); CPU would not, so force it.
         return torch.optim.AdamW(params, lr=LR, foreach=True)
     if name == "adamw-fused":
+        if params and params[0].is_meta:  # torch refuses fused on meta; see `fused_on_meta`
+            opt = torch.optim.AdamW(params, lr=LR, foreach=False)
+            for group in opt.param_groups:
+                group["fused"] = True
+            return opt
         return torch.optim.AdamW(params, lr=LR, fused=True)
     if name == "sgd":
         return torch.optim.SGD(params, lr=LR, foreach=True)
@@ -101,6 +108,24 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> Optimizer:
         return AdamW8bitLayout(params)
     raise SpecError("optimizer", name, ("adamw", "adamw-fused", "adamw-8bit", "sgd",
                                         "sgd-momentum", "adafactor", "lion"))
+
+
+@contextlib.contextmanager
+def fused_on_meta():
+    """Let fused AdamW step meta tensors: `_fused_adamw_` has a meta kernel, only the Python
+    device check (torch/optim/optimizer.py `_device_dtype_check_for_fused`) refuses them."""
+    from torch.optim import adam
+
+    check = adam._device_dtype_check_for_fused
+
+    def meta_ok(p, *args, **kwargs):
+        return None if p.is_meta else check(p, *args, **kwargs)
+
+    adam._device_dtype_check_for_fused = meta_ok
+    try:
+        yield
+    finally:
+        adam._device_dtype_check_for_fused = check
 
 
 def host_state_keys(opt: Optimizer) -> tuple[str, ...]:

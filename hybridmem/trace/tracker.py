@@ -145,9 +145,10 @@ class StorageTracker(TorchDispatchMode):
         return out
 
     # -- results ---------------------------------------------------------------------------
-    def live_curve(self, device_only: bool = True) -> np.ndarray:
+    def live_curve(self, device_only: bool = True, rounded: bool = True) -> np.ndarray:
         """Allocated bytes (512-rounded; host-only storages excluded) after each event."""
-        sizes = np.array([0 if device_only and s.category == "host" else round_size(s.nbytes)
+        size = round_size if rounded else int
+        sizes = np.array([0 if device_only and s.category == "host" else size(s.nbytes)
                           for s in self.storages], dtype=np.int64)
         ev = np.asarray(self.events, dtype=np.int64)
         born = ev >= 0

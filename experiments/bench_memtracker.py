@@ -1,0 +1,94 @@
+"""PyTorch's own `MemTracker` under FakeTensorMode beside our tracker, same configs, same loop.
+
+Both run the identical training loop (`hybridmem.trace.runner`) on the identical fake model;
+MemTracker (torch/distributed/_tools/mem_tracker.py) attributes by its own categories and does
+not round CPU-device storages, so our unrounded peak is printed next to it as well as our
+512 B-rounded one. Times are for the training iterations only (model build excluded, same for
+both).
+
+    python experiments/bench_memtracker.py [--iterations 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hybridmem.models import load_config
+from hybridmem.spec import TrainingSpec
+from hybridmem.trace import corrections, runner
+from hybridmem.trace.tracker import StorageTracker
+
+CONFIGS = (
+    TrainingSpec(model="llava-1.5-7b", micro_batch=8, seq_len=2048, train="llm+projector",
+                 grad_ckpt=True),
+    TrainingSpec(model="llama-3.2-3b", micro_batch=1, seq_len=1024, precision="bf16"),
+    TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=64, precision="fp32"),
+)
+
+
+class NoTracker(StorageTracker):
+    """The runner's hooks (marks, labels) with no recording, for MemTracker's run."""
+
+    def mark(self, *a): pass
+    def label(self, *a): pass
+    def label_alive_since(self, *a): pass
+    def add_external(self, *a): pass
+
+
+def run(spec: TrainingSpec, iterations: int, which: str) -> tuple[float, dict]:
+    config = load_config(spec.model)
+    with FakeTensorMode(), corrections.patched_model_checks():
+        job = runner.prepare(spec, config)
+        if which == "ours":
+            tracker = StorageTracker()
+            for t in [*job.model.parameters(), *job.model.buffers(),
+                      *(v for v in job.batch.values() if hasattr(v, "untyped_storage"))]:
+                tracker.label(t, "param")
+            ctx, watcher = tracker, tracker
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            ctx = MemTracker()
+            ctx.track_external(job.model, job.optimizer,
+                               *(v for v in job.batch.values() if hasattr(v, "untyped_storage")))
+            watcher = NoTracker()
+        start = time.perf_counter()
+        peak = 0
+        with ctx:
+            if which == "ours":
+                runner.train(job, spec, watcher, iterations)
+            else:  # MemTracker refuses a 2nd forward unless its module stats are reset
+                for _ in range(iterations):
+                    runner.train(job, spec, watcher, 1)
+                    snap = ctx.get_tracker_snapshot("peak")
+                    peak = max(peak, sum(v.get("Total", 0) for v in snap.values()))
+                    ctx.reset_mod_stats()
+        seconds = time.perf_counter() - start
+    if which == "ours":
+        return seconds, {"rounded": int(tracker.live_curve(False).max()),
+                         "raw": int(tracker.live_curve(False, rounded=False).max())}
+    return seconds, {"raw": int(peak)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--only", default=None, help="model name to run alone")
+    args = ap.parse_args()
+    gib = 2**30
+    for spec in CONFIGS:
+        if args.only and spec.model != args.only:
+            continue
+        t_ours, ours = run(spec, args.iterations, "ours")
+        t_mt, mt = run(spec, args.iterations, "memtracker")
+        print(f"{spec.model} mb={spec.micro_batch} seq={spec.seq_len} {spec.precision} "
+              f"{spec.train} ckpt={spec.grad_ckpt}: ours {t_ours:.1f} s peak {ours['raw'] / gib:.4f}"
+              f" GiB raw / {ours['rounded'] / gib:.3f} GiB rounded | MemTracker {t_mt:.1f} s "
+              f"peak {mt['raw'] / gib:.3f} GiB raw | raw diff {ours['raw'] - mt['raw']} B")
+
+
+if __name__ == "__main__":
+    main()
