@@ -1,92 +1,15 @@
 """`hybridmem collect`: run a sweep on the GPU (or through a tier) and grow the dataset.
 
-Thin: options -> `hybridmem.harness.collect` -> progress bar and summary table (rich).
+The command itself is `hybridmem.harness.command.collect_command` (also runnable alone as
+`python -m hybridmem.harness`); this module only registers it.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-from typing import Optional
-
 import typer
 
-GiB = 1024**3
-MAX_TABLE_ROWS = 60
-
-
-def _gib(value) -> str:
-    return "-" if value is None else f"{value / GiB:.2f}"
-
-
-def _summary(report) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    rows = report.rows
-    table = Table(title=f"{report.sweep.name}: {len(rows)} configs via {report.source}")
-    for col in ("model", "mb", "seq", "img", "precision", "optimizer", "train", "ckpt", "attn",
-                "outcome", "alloc GiB", "device GiB", "step s"):
-        table.add_column(col, justify="right" if col[0].isdigit() or "GiB" in col else "left")
-    for r in rows[:MAX_TABLE_ROWS]:
-        table.add_row(r["model_name"], str(r["micro_batch"]), str(r["seq_len"]),
-                      str(r["images_per_sample"]), r["precision"], r["optimizer"],
-                      r["train"] + (f" r{r['lora_r']}" if r["lora_r"] else ""),
-                      "yes" if r["grad_ckpt"] else "no", r["attn"], r["outcome"],
-                      _gib(r["peak_allocated_bytes"]), _gib(r["peak_device_bytes"]),
-                      "-" if r["step_seconds"] is None else f"{r['step_seconds']:.2f}")
-    if rows:
-        console.print(table)
-    if len(rows) > MAX_TABLE_ROWS:
-        console.print(f"... {len(rows) - MAX_TABLE_ROWS} more rows in {report.out}")
-    counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items())) or "none"
-    console.print(f"outcomes: {counts}; skipped (already measured): {report.skipped}; "
-                  f"planned: {report.planned}; {report.wall_seconds:.0f} s -> {report.out}")
-    if report.stopped_by_budget:
-        console.print("stopped by the time budget; run again with --resume to continue")
-    for reason, n in sorted(report.sweep.dropped.items()):
-        console.print(f"dropped {n} impossible combination(s): {reason}")
-    for r in rows:
-        if r["outcome"] == "error":
-            console.print(f"[red]error[/red] {r['model_name']} {r['spec_hash'][:12]}: {r['error']}")
-
-
-def collect_command(
-    sweep: Path = typer.Option(..., "--sweep", help="Sweep TOML file (see datasets/sweeps/README.md)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Dataset folder (default datasets/cuda or datasets/trace)."),
-    backend: str = typer.Option("cuda", "--backend", help="cuda (measure on this GPU) or trace (CPU prediction tier)."),
-    resume: bool = typer.Option(False, "--resume", help="Skip specs already in the dataset for this environment."),
-    max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Start no config after this many minutes."),
-    record_history: bool = typer.Option(False, "--record-history", help="Save the allocator's memory history per config (cuda)."),
-) -> None:
-    """Measure (or predict) every config of a sweep; one dataset row per config."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from hybridmem.harness import collect
-
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), transient=False)
-    task = {}
-
-    def on_start(report) -> None:
-        progress.start()
-        task["id"] = progress.add_task(f"{report.sweep.name} ({report.source})",
-                                       total=report.planned - report.skipped)
-
-    def on_row(item, row) -> None:
-        progress.update(task["id"], advance=1,
-                        description=f"{item.label[:40]} mb{row['micro_batch']}: {row['outcome']}")
-
-    try:
-        report = collect(sweep, out=out, backend=backend, resume=resume, max_minutes=max_minutes,
-                         record_history=record_history, on_start=on_start, on_row=on_row)
-    finally:
-        if task:
-            progress.stop()
-    _summary(report)
+from hybridmem.harness.command import collect_command
 
 
 def register(app: typer.Typer) -> None:
     app.command("collect")(collect_command)
-

@@ -8,13 +8,13 @@ import sys
 
 import typer
 
-from hybridmem.cli.collect import register
+from hybridmem.harness.command import collect_command
 from hybridmem.errors import SpecError
 
 
 def main(argv: list[str] | None = None) -> int:
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    register(app)  # a single command: typer runs it without a subcommand name
+    app.command("collect")(collect_command)  # single command: run without its name
     try:
         app(args=sys.argv[1:] if argv is None else argv, standalone_mode=False)
     except SpecError as err:
