@@ -190,6 +190,10 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
             mlp_bwd += t(B * f, FP32) + t(B * h, FP32)
         if n_qkv or n_o:
             attn_bwd += t(B * qd, FP32) + t(B * h, FP32)
+    elif c.amp:
+        # autocast: lora_A's bf16 input grad is cast back to the fp32 stream (B x in)
+        mlp_bwd += t(B * h, FP32) if (n_gu or n_down) else 0
+        attn_bwd += t(B * h, FP32) if (n_qkv or n_o) else 0
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
     return Acts(saved=sv.total + copies, ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=fwd,
