@@ -21,7 +21,7 @@ KNOWN_LIMITATIONS: tuple[str, ...] = (
     "match to within B*H*32*4 bytes per layer",
     "flash_attention_2 is traced as SDPA; FA-2's backward allocates softmax_d (B*H*S*4 bytes) "
     "and dq_accum (B*S*H*D*4 bytes, fp32) inside the kernel, transiently, per layer: not in "
-    "the trace (e.g. 64 MiB + 256 MiB at B=8, S=2048, hidden 4096)",
+    "the trace (e.g. 2 MiB + 256 MiB at B=8, S=2048, 32 heads, hidden 4096)",
     "kernel-internal workspaces (cuDNN attention, cuBLASLt beyond the two 32 MiB cuBLAS "
     "workspaces counted as 'workspace') are not seen by the trace (typically < 100 MiB)",
     "autocast: CPU and CUDA op lists differ; CUDA's fp32 list is applied to layer_norm and "
@@ -34,6 +34,11 @@ KNOWN_LIMITATIONS: tuple[str, ...] = (
     "(bitsandbytes uint8 states + one fp32 absmax per 256 elements; lion-pytorch's exp_avg)",
     "no attention mask is passed (unpadded batch); a padded batch makes HF build a "
     "(B, 1, S, S) mask for SDPA/eager (B*S*S bytes as bool)",
+    "meta backend (the default): scalars made with torch.tensor() inside an optimizer step are "
+    "not seen (one 512 B block each, transient); layer_norm on bf16/fp16 input keeps fp32 "
+    "mean/rstd (as CUDA does: 4 bytes per row and statistic, the CPU kernel's are 2)",
+    "the two iterations use a fixed batch; data-dependent shapes (variable-length LLaVA "
+    "batches, group_by_modality_length) are not sampled",
 )
 
 
