@@ -101,6 +101,9 @@ MEASURED = ("params_total", "params_trainable", "peak_allocated_bytes", "peak_re
             "peak_active_bytes", "peak_inactive_split_bytes", "peak_device_bytes",
             "device_baseline_bytes", "context_bytes", "device_source", "peak_phase",
             "peak_iteration", "num_alloc_retries", "num_ooms", "oom_phase")
+TARGETS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes",
+           "peak_inactive_split_bytes", "peak_device_bytes", "context_bytes")
+"""Null unless the run finished (`ok`): an OOM or a crash has no peak (schema contract)."""
 ENVIRONMENT = ("gpu_name", "gpu_memory_bytes", "driver_version", "cuda_version", "torch_version",
                "transformers_version", "alloc_conf", "hostname")
 
@@ -118,10 +121,8 @@ def make_row(item: SweepItem, result: dict, env: dict, source: str, sweep: Sweep
            "history_path": history}
     row.update({k: result.get(k) for k in MEASURED})
     row.update({k: result.get(k) or env.get(k) for k in ENVIRONMENT})
-    if row["outcome"] != "ok":  # targets are null unless the run finished (schema contract)
-        for k in MEASURED[2:9]:
-            if k != "device_baseline_bytes":
-                row[k] = None
+    if row["outcome"] != "ok":
+        row.update(dict.fromkeys(TARGETS))
     return row
 
 
@@ -162,6 +163,7 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
             resume: bool = False, max_minutes: float | None = None, record_history: bool = False,
             on_start: Callable[[CollectReport], None] | None = None,
             on_row: Callable[[SweepItem, dict], None] | None = None,
+            on_item: Callable[[SweepItem], None] | None = None,
             mlflow: bool = True) -> CollectReport:
     """Run the sweep at `sweep_path` through `backend`, appending one row per config to `out`."""
     if backend not in BACKENDS:
@@ -191,6 +193,8 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
             if budget is not None and time.monotonic() - start > budget * 60:
                 report.stopped_by_budget = True
                 break
+            if on_item:
+                on_item(item)
             t0 = time.monotonic()
             result, history = _run_one(item, backend, method, sweep, out, record_history)
             row = make_row(item, result, env, source, sweep, time.monotonic() - t0, history)

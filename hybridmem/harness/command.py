@@ -75,13 +75,18 @@ def collect_command(
         task["id"] = progress.add_task(f"{report.sweep.name} ({report.source})",
                                        total=report.planned - report.skipped)
 
+    def on_item(item) -> None:
+        spec = item.spec
+        progress.update(task["id"], description=f"{item.label[:44]} mb{spec.micro_batch} "
+                        f"s{spec.seq_len} {spec.precision} {spec.train}")
+
     def on_row(item, row) -> None:
-        progress.update(task["id"], advance=1,
-                        description=f"{item.label[:40]} mb{row['micro_batch']}: {row['outcome']}")
+        progress.update(task["id"], advance=1)
 
     try:
         report = collect(sweep, out=out, backend=backend, resume=resume, max_minutes=max_minutes,
-                         record_history=record_history, on_start=on_start, on_row=on_row)
+                         record_history=record_history, on_start=on_start, on_row=on_row,
+                         on_item=on_item)
     finally:
         if task:
             progress.stop()

@@ -34,6 +34,8 @@ def estimate(spec, method: str) -> dict:
         pred = predict(spec, method=method)
     except SpecError as err:  # the tier cannot handle this config: an error row, sweep goes on
         return {"outcome": "error", "error": str(err)[:500]}
+    except Exception as err:  # a tier bug: recorded (and listed in red), the sweep goes on
+        return {"outcome": "error", "error": f"{type(err).__name__}: {err}"[:500]}
     seconds = time.perf_counter() - start
     peak = pred.peak
     return {
