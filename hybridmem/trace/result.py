@@ -115,7 +115,7 @@ def _modules(job, tracker: StorageTracker, live: list[int]) -> list[ModuleTrace]
         row.param += round_size(p.untyped_storage().nbytes())
         if p.requires_grad:
             row.trainable_params += p.numel()
-            row.grad += round_size(p.numel() * p.element_size())
+            row.grad += round_size(job.grad_bytes.get(id(p), 0))
             stepped = masters.get(id(p), p)
             if stepped is not p:
                 row.optimizer += round_size(stepped.untyped_storage().nbytes())

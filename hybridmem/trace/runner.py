@@ -42,6 +42,8 @@ class Job:
     """Image tokens per sample in `batch` (all images of a sample)."""
     amp: CudaAutocast | None = None
     """Emulated CUDA autocast (meta backend with a *-mixed precision), else None."""
+    grad_bytes: dict[int, int] = field(default_factory=dict)
+    """id(param) -> bytes of its .grad storage, for params that received one."""
 
 
 def _master_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -144,6 +146,7 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
         for _, p in job.trainable:
             if p.grad is not None:
                 tracker.label(p.grad, "grad")
+                job.grad_bytes[id(p)] = p.grad.untyped_storage().nbytes()
         tracker.mark("optimizer", it)
         _optimizer_step(job, spec, tracker)
 
