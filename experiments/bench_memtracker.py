@@ -12,9 +12,10 @@ both).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
-from torch._subclasses.fake_tensor import FakeTensorMode
+import torch
 
 from hybridmem.models import load_config
 from hybridmem.spec import TrainingSpec
@@ -38,11 +39,37 @@ class NoTracker(StorageTracker):
     def add_external(self, *a): pass
 
 
+@contextlib.contextmanager
+def hooks_on_frozen_params_ignored():
+    """MemTracker registers a grad hook on every parameter of a module (mem_tracker.py
+    `_track_module_params_and_buffers`), which raises for frozen ones (a frozen vision tower);
+    give those a no-op handle so it can run on LLaVA's `llm+projector` at all."""
+    register = torch.Tensor.register_hook
+
+    def safe(self, hook):
+        if not self.requires_grad:
+            return torch.utils.hooks.RemovableHandle({})
+        return register(self, hook)
+
+    torch.Tensor.register_hook = safe
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = register
+
+
 def run(spec: TrainingSpec, iterations: int, which: str) -> tuple[float, dict]:
     config = load_config(spec.model)
-    with FakeTensorMode(), corrections.patched_model_checks():
+    backend = "meta" if which == "ours-meta" else "fake"
+    with runner._tensors(backend, spec) as amp, corrections.patched_model_checks(), \
+            hooks_on_frozen_params_ignored():
         job = runner.prepare(spec, config)
-        if which == "ours":
+        job.amp = amp
+        if backend == "meta":
+            from hybridmem.trace.autocast import wrap_checkpointing
+
+            wrap_checkpointing(job.model, amp, corrections.CpuSdpaOnMeta)
+        if which.startswith("ours"):
             tracker = StorageTracker()
             for t in [*job.model.parameters(), *job.model.buffers(),
                       *(v for v in job.batch.values() if hasattr(v, "untyped_storage"))]:
@@ -58,7 +85,7 @@ def run(spec: TrainingSpec, iterations: int, which: str) -> tuple[float, dict]:
         start = time.perf_counter()
         peak = 0
         with ctx:
-            if which == "ours":
+            if which.startswith("ours"):
                 runner.train(job, spec, watcher, iterations)
             else:  # MemTracker refuses a 2nd forward unless its module stats are reset
                 for _ in range(iterations):
@@ -67,7 +94,7 @@ def run(spec: TrainingSpec, iterations: int, which: str) -> tuple[float, dict]:
                     peak = max(peak, sum(v.get("Total", 0) for v in snap.values()))
                     ctx.reset_mod_stats()
         seconds = time.perf_counter() - start
-    if which == "ours":
+    if which.startswith("ours"):
         return seconds, {"rounded": int(tracker.live_curve(False).max()),
                          "raw": int(tracker.live_curve(False, rounded=False).max())}
     return seconds, {"raw": int(peak)}
@@ -82,12 +109,17 @@ def main() -> None:
     for spec in CONFIGS:
         if args.only and spec.model != args.only:
             continue
+        t_meta, meta = run(spec, args.iterations, "ours-meta")
         t_ours, ours = run(spec, args.iterations, "ours")
         t_mt, mt = run(spec, args.iterations, "memtracker")
         print(f"{spec.model} mb={spec.micro_batch} seq={spec.seq_len} {spec.precision} "
-              f"{spec.train} ckpt={spec.grad_ckpt}: ours {t_ours:.1f} s peak {ours['raw'] / gib:.4f}"
-              f" GiB raw / {ours['rounded'] / gib:.3f} GiB rounded | MemTracker {t_mt:.1f} s "
-              f"peak {mt['raw'] / gib:.3f} GiB raw | raw diff {ours['raw'] - mt['raw']} B")
+              f"{spec.train} ckpt={spec.grad_ckpt}:\n"
+              f"  ours (fake) {t_ours:6.1f} s  peak {ours['raw'] / gib:9.4f} GiB raw, "
+              f"{ours['rounded'] / gib:9.4f} GiB 512-rounded\n"
+              f"  ours (meta) {t_meta:6.1f} s  peak {meta['raw'] / gib:9.4f} GiB raw, "
+              f"{meta['rounded'] / gib:9.4f} GiB 512-rounded\n"
+              f"  MemTracker  {t_mt:6.1f} s  peak {mt['raw'] / gib:9.4f} GiB raw "
+              f"(ours - MemTracker: {ours['raw'] - mt['raw']:+d} B)", flush=True)
 
 
 if __name__ == "__main__":
