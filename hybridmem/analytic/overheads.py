@@ -34,3 +34,9 @@ CUBLAS_HANDLES_TRAINING = 2
 def cublas_workspace(arch: str = DEFAULT_ARCH) -> int:
     """Workspace bytes of one cuBLAS handle on `arch` (Hopper's when unknown)."""
     return CUBLAS_WORKSPACE.get(arch, CUBLAS_WORKSPACE[DEFAULT_ARCH])
+
+
+# Names other tiers read (hybridmem.trace.overheads), so every tier prices the same defaults.
+CONTEXT_BYTES = CUDA_CONTEXT_DEFAULT
+CUBLAS_WORKSPACE_BYTES = cublas_workspace()
+CUBLAS_WORKSPACES = CUBLAS_HANDLES_TRAINING

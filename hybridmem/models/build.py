@@ -13,7 +13,8 @@ from hybridmem.errors import SpecError
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T
 from hybridmem.models.llava import ImageLayout, image_layout, num_feature_layers
-from hybridmem.models.loader import DECODER_TYPES, load_config, load_config_dict
+from hybridmem.models.light import light_config
+from hybridmem.models.loader import DECODER_TYPES
 from hybridmem.models.vision import tokens_per_crop, vision_layers
 from hybridmem.spec import TrainingSpec
 
@@ -123,8 +124,7 @@ def _apply_training(modules: list[Module], spec: TrainingSpec) -> list[Module]:
 
 def build_graph(spec: TrainingSpec) -> ModelGraph:
     """Parse the spec's model config into modules -> layers with the spec's shapes."""
-    name, _ = load_config_dict(spec.model)
-    cfg = load_config(spec.model)
+    name, cfg = light_config(spec.model)
     multimodal = cfg.model_type not in DECODER_TYPES
     images = _images(spec, multimodal)
     if not multimodal:

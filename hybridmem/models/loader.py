@@ -59,21 +59,27 @@ def load_config_dict(model: str) -> tuple[str, dict]:
                     reason="unknown preset")
 
 
-@lru_cache(maxsize=64)
-def _config_from_json(text: str):
-    from transformers import AutoConfig
-
-    data = json.loads(text)
+def validate_types(data: dict) -> str:
+    """The config's model_type, after checking it and its sub-configs' types are supported."""
     model_type = data.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         raise SpecError("model_type", model_type, SUPPORTED_TYPES)
     for key in ("vision_config",):
         sub = data.get(key)
-        if isinstance(sub, dict) and sub.get("model_type") not in VISION_TYPES:
+        if isinstance(sub, dict) and sub.get("model_type", "clip_vision_model") not in VISION_TYPES:
             raise SpecError(f"{key}.model_type", sub.get("model_type"), VISION_TYPES)
     sub = data.get("text_config")
     if isinstance(sub, dict) and sub.get("model_type", "llama") not in DECODER_TYPES:
         raise SpecError("text_config.model_type", sub.get("model_type"), DECODER_TYPES)
+    return model_type
+
+
+@lru_cache(maxsize=64)
+def _config_from_json(text: str):
+    from transformers import AutoConfig
+
+    data = json.loads(text)
+    model_type = validate_types(data)
     clean = {k: v for k, v in data.items() if not k.startswith("_")}
     clean.pop("model_type")
     try:
