@@ -263,3 +263,40 @@ def test_feature_layer_list_widens_the_projector(tmp_path):
     assert proj.dims["d_in"] == 2 * 32
     vt = {layer.name: layer for layer in g.module("vision_tower").layers}
     assert not vt["encoder.layers.2"].on_grad_path and vt["encoder.layers.1"].on_grad_path
+
+
+# --- the light config reader (no transformers import on the analytic path) -----------------
+
+def test_build_graph_imports_neither_torch_nor_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys; from hybridmem import TrainingSpec; from hybridmem.analytic import estimate;"
+            "estimate(TrainingSpec(model='llava-1.5-7b'));"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"text_config": {"hidden_size": "64"}}, "text_config.hidden_size"),
+    ({"text_config": {"num_key_value_heads": 3}}, "text_config.num_key_value_heads"),
+    ({"vision_config": {"model_type": "clip_vision_model", "num_attention_heads": 5}},
+     "vision_config.hidden_size"),
+    ({"vision_feature_select_strategy": "cls"}, "vision_feature_select_strategy"),
+    ({"vision_config": {"model_type": "vit"}}, "vision_config.model_type"),
+    ({"model_type": "gpt2"}, "model_type"),
+])
+def test_malformed_config_values_name_the_field(tmp_path, patch, field):
+    from hybridmem.models.loader import load_config_dict
+
+    _, data = load_config_dict("tiny-llava")
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SpecError, match=rf"^{field}="):
+        build_graph(TrainingSpec(model=str(path), seq_len=64))
