@@ -110,3 +110,48 @@ def test_a_hung_child_is_killed_at_the_timeout(tmp_path, monkeypatch):
     assert report.counts == {"error": 1}
     assert "timed out after 4 s" in df.iloc[0]["error"]
     assert time.monotonic() - start < 120  # the 600 s sleep did not run out
+
+
+def test_params_are_built_in_the_spec_dtype_and_state_bytes_are_counted(tmp_path, monkeypatch):
+    """A config's own torch_dtype (float16 here, as llava-1.5-7b's) must not override the
+    precision's parameter dtype. Expected bytes by hand: fp32 params 4 B each, AdamW's two fp32
+    moments 8 B each plus one fp32 `step` scalar per parameter tensor (on the CPU, where this
+    stand-in runs); bf16 params 2 B, SGD momentum one bf16 buffer 2 B."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybridmem.harness import collect, load_dataset
+
+    cfg = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "vocab_size": 64, "torch_dtype": "float16", "tie_word_embeddings": False}
+    path = tmp_path / "llama16.json"
+    path.write_text(json.dumps(cfg))
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(f"""
+[[block]]
+model = ["{path}"]
+seq_len = [16]
+precision = ["fp32"]
+optimizer = ["adamw"]
+[[block]]
+model = ["{path}"]
+seq_len = [16]
+precision = ["bf16"]
+optimizer = ["sgd-momentum"]
+""")
+    monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
+    out = tmp_path / "data"
+    collect(sweep, out=out, backend="cuda", mlflow=False)
+    df = load_dataset(out).set_index(["precision", "optimizer"])
+    assert set(df["outcome"]) == {"ok"}
+    with torch.device("meta"):
+        tensors = len(list(AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**{k: v for k, v in cfg.items()})).parameters()))
+    p = int(df["params_total"].iloc[0])
+    assert df.loc[("fp32", "adamw"), "param_bytes"] == 4 * p
+    assert df.loc[("fp32", "adamw"), "optimizer_state_bytes"] == 8 * p + 4 * tensors
+    assert df.loc[("bf16", "sgd-momentum"), "param_bytes"] == 2 * p
+    assert df.loc[("bf16", "sgd-momentum"), "optimizer_state_bytes"] == 2 * p

@@ -49,6 +49,19 @@ def summarize(phases: list[dict]) -> dict:
             "peak_phase": top["phase"], "peak_iteration": top["iteration"]}
 
 
+def _state_bytes(job, device) -> dict:
+    """Bytes of parameters and of optimizer state (+ fp32 masters) on the device, counted."""
+    import torch
+
+    def size(t) -> int:
+        return t.numel() * t.element_size()
+
+    state = sum(size(t) for st in job.optimizer.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor) and t.device.type == device.type)
+    return {"param_bytes": sum(size(p) for p in job.model.parameters()),
+            "optimizer_state_bytes": state + sum(size(m) for m in job.masters)}
+
+
 def measure(request: dict, probe) -> dict:
     """Run one config under `probe`; always returns a result dict (ok / oom / error)."""
     import torch
@@ -88,7 +101,7 @@ def measure(request: dict, probe) -> dict:
                 phases.append({"phase": phase, "iteration": iteration,
                                **probe.phase_end(phase, iteration)})
             times.append(time.perf_counter() - start)
-        result.update(outcome="ok", iteration_seconds=times)
+        result.update(outcome="ok", iteration_seconds=times, **_state_bytes(job, device))
         used = probe.device_usage()  # context = process usage - allocator segments, same instant
         result["context_bytes"] = used - probe.reserved_now() if used is not None else None
     except torch.OutOfMemoryError as err:

@@ -97,7 +97,8 @@ def spec_columns(item: SweepItem) -> dict:
     }
 
 
-MEASURED = ("params_total", "params_trainable", "peak_allocated_bytes", "peak_reserved_bytes",
+MEASURED = ("params_total", "params_trainable", "param_bytes", "optimizer_state_bytes",
+            "peak_allocated_bytes", "peak_reserved_bytes",
             "peak_active_bytes", "peak_inactive_split_bytes", "peak_device_bytes",
             "device_baseline_bytes", "context_bytes", "device_source", "peak_phase",
             "peak_iteration", "num_alloc_retries", "num_ooms", "oom_phase")

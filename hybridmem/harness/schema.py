@@ -50,6 +50,8 @@ COLUMNS: dict[str, str] = {
     "world_size": "int64",
     "params_total": "Int64",
     "params_trainable": "Int64",
+    "param_bytes": "Int64",
+    "optimizer_state_bytes": "Int64",
     # targets (null for oom / error rows)
     "peak_allocated_bytes": "Int64",
     "peak_reserved_bytes": "Int64",

@@ -54,9 +54,12 @@ def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    dtype = PARAM_DTYPE[spec.precision]
     try:
-        with torch.device(device), default_dtype(PARAM_DTYPE[spec.precision]):
-            model = auto.from_config(config, attn_implementation=spec.attn)
+        # `dtype=` explicitly: a config's own `torch_dtype` (llava-1.5-7b's is float16) would
+        # otherwise override the default dtype (transformers `_from_config`)
+        with torch.device(device), default_dtype(dtype):
+            model = auto.from_config(config, attn_implementation=spec.attn, dtype=dtype)
     except ImportError as err:  # e.g. flash_attention_2 without the flash-attn package
         raise Unavailable(f"attn={spec.attn!r} unavailable: {err}") from err
     return model.to(device).train()
