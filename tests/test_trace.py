@@ -223,3 +223,14 @@ def test_model_code_that_cannot_run_fake_says_so(monkeypatch):
     monkeypatch.setattr(runner, "_forward", broken)
     with pytest.raises(UnsupportedModelError, match="fake tensors.*--method analytic"):
         estimate(tiny())
+
+
+def test_bf16_master_steps_every_trained_tensor():
+    # fp32 LoRA adapters are their own master copy; bf16 base params get fp32 masters
+    for train in ("lora", "full"):
+        spec = tiny(precision="bf16-master", train=train, optimizer="adamw")
+        tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
+        with_grad = [p for _, p in job.trainable if id(p) in job.grad_bytes]
+        assert len(job.optimizer.state) == len(with_grad) > 0
+        assert all(s.dtype == torch.float32 for st in job.optimizer.state.values()
+                   for k, s in st.items() if k != "step")

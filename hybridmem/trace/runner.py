@@ -1,9 +1,10 @@
-"""Run the real training step of a spec under FakeTensorMode, watched by the storage tracker.
+"""Run the real training step of a spec on fake or meta tensors, watched by the storage tracker.
 
 Each iteration is what HF Trainer's `training_step` does on one GPU: forward with labels (HF's
 own loss), drop the outputs, backward, optimizer step, `zero_grad(set_to_none=True)`. Mixed
-precision is `torch.autocast` over the forward (on CPU here; see `corrections` for how CPU and
-CUDA autocast differ). fp16-mixed scales the loss and unscales grads in place, as GradScaler.
+precision is `torch.autocast` over the forward (CPU autocast on fake tensors, CUDA's lists
+emulated on meta tensors; see `corrections` and `autocast`). fp16-mixed scales the loss and
+unscales grads in place, as GradScaler does.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
             torch._foreach_mul_([p.grad for _, p in job.trainable if p.grad is not None],
                                 1.0 / LOSS_SCALE)
         for m, (_, p) in zip(job.masters, job.trainable):  # fp32 master grads (optimizer's)
-            if p.grad is not None:
+            if p.grad is not None and m is not p:  # fp32 params (LoRA adapters) are their own master
                 m.grad = p.grad.float()
                 tracker.label(m.grad, "optimizer")
                 p.grad = None
@@ -110,7 +111,8 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
         job.optimizer.step()
     with torch.no_grad():
         for m, (_, p) in zip(job.masters, job.trainable):
-            p.copy_(m)
+            if m is not p:
+                p.copy_(m)
     for t in getattr(job.optimizer, "qmaps", ()):
         tracker.label(t, "optimizer")
     host = host_state_keys(job.optimizer)
@@ -119,8 +121,8 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
             if isinstance(t, torch.Tensor):
                 tracker.label(t, "host" if key in host else "optimizer")
     job.optimizer.zero_grad(set_to_none=True)
-    for m in job.masters:
-        m.grad = None
+    for m, (_, p) in zip(job.masters, job.trainable):
+        m.grad = p.grad = None
 
 
 def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int,
