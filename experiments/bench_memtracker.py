@@ -12,6 +12,7 @@ both).
 from __future__ import annotations
 
 import argparse
+from collections import OrderedDict
 import contextlib
 import time
 
@@ -48,7 +49,7 @@ def hooks_on_frozen_params_ignored():
 
     def safe(self, hook):
         if not self.requires_grad:
-            return torch.utils.hooks.RemovableHandle({})
+            return torch.utils.hooks.RemovableHandle(OrderedDict())  # weakref-able
         return register(self, hook)
 
     torch.Tensor.register_hook = safe
