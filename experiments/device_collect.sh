@@ -66,11 +66,12 @@ $PY -c "import hybridmem, transformers, peft, pandas; print('hybridmem from', hy
   || { log "hybridmem does not import"; exit 4; }
 $PY -c "import bitsandbytes" 2>/dev/null || log "bitsandbytes absent: lion / adamw-8bit rows will be 'error'"
 
-# 3. Collect (a hard stop 3 minutes past the budget, so the call always ends with files)
+# 3. Collect (TERM 3 minutes past the budget, which also kills the config in flight, then KILL:
+#    the call always ends with files)
 args=(--sweep "$SWEEP" --backend cuda --out "$OUT/dataset" --max-minutes "$MAX_MINUTES")
 [ "${RECORD_HISTORY:-0}" = 1 ] && args+=(--record-history)
 start=$(date +%s)
-timeout --signal=KILL $(( MAX_MINUTES * 60 + 180 )) $PY -m hybridmem.harness "${args[@]}"
+timeout -k 30 $(( MAX_MINUTES * 60 + 180 )) $PY -m hybridmem.harness "${args[@]}"
 rc=$?
 log "collect exited $rc after $(( $(date +%s) - start )) s"
 

@@ -6,6 +6,7 @@ on a bare GPU machine without importing the other subcommands.
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -53,6 +54,10 @@ def _summary(report) -> None:
             console.print(f"[red]error[/red] {r['model_name']} {r['spec_hash'][:12]}: {r['error']}")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def collect_command(
     sweep: Path = typer.Option(..., "--sweep", help="Sweep TOML file (see datasets/sweeps/README.md)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Dataset folder (default datasets/cuda or datasets/trace)."),
@@ -83,6 +88,8 @@ def collect_command(
     def on_row(item, row) -> None:
         progress.update(task["id"], advance=1)
 
+    # a TERM (e.g. from `timeout`) ends the run like Ctrl-C: the child in flight is killed with it
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         report = collect(sweep, out=out, backend=backend, resume=resume, max_minutes=max_minutes,
                          record_history=record_history, on_start=on_start, on_row=on_row,
