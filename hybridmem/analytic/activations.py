@@ -322,7 +322,10 @@ def vision_embeddings(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts
         return Acts()
     patches = d["n"] * (d["t"] - (1 if d["cls"] else 0)) * h
     pixels = d["n"] * d["channels"] * d["side"] ** 2
-    saved = t(pixels, 2) if c.amp and need_w else 0
+    # the conv saves its input for the weight grad: autocast's bf16 copy, or LLaVA-NeXT's
+    # `torch.cat` of each image's crops (get_image_features); else the batch tensor itself
+    copy = c.amp or d.get("anyres", False)
+    saved = t(pixels, 2 if c.amp else c.e) if copy and need_w else 0
     leaf = t(patches, c.e) if c.ckpt and not need_w else 0
     return Acts(saved=saved + leaf, fwd_extra=t(N * h, c.e) + t(N * h, c.stream),
                 bwd_extra=(t(N * h, c.stream) if need_w else 0) + leaf)

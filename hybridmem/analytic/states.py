@@ -127,11 +127,13 @@ def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> Layer
     params = [t(p.numel, sz) for p, sz in base + lora]
     with_grad = (base if layer.gets_grads else []) + (lora if layer.runs else [])
     grads = [t(p.numel, p.itemsize or policy.grad_bytes) for p, _ in with_grad]
-    stepped, masters = [], []
+    stepped = []
+    # master copies are made at initialisation for every trainable tensor, graded or not
+    # (DeepSpeed flattens all requires_grad params into its fp32 groups)
+    masters = [t(p.numel, policy.master_bytes) for p, _ in base
+               if policy.master_bytes and layer.trainable]
     for p, sz in with_grad:
         fixed = p.itemsize is not None
-        if policy.master_bytes and not fixed:
-            masters.append(t(p.numel, policy.master_bytes))
         state = FP32 if fixed else policy.state_bytes
         stepped.append(Stepped(p.numel, p.shape, state))
     states = [b for s in stepped for b in state_bytes(s, optimizer)]

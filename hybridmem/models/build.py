@@ -62,6 +62,8 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
     runs = images > 0
     vision = tuple(replace(layer, runs=runs)
                    for layer in vision_layers(vc, cfg.vision_feature_layer, n_crops))
+    if cfg.model_type == "llava_next":  # crops are concatenated into a new pixel tensor
+        vision = (replace(vision[0], dims={**vision[0].dims, "anyres": True}),) + vision[1:]
     d_in = vc.hidden_size * num_feature_layers(cfg)
     bias = bool(getattr(cfg, "multimodal_projector_bias", True))
     proj = (T("linear_1.weight", (th, d_in)),) + ((T("linear_1.bias", (th,)),) if bias else ())
