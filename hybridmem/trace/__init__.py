@@ -101,7 +101,8 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
     breakdown["context"] = context
     notes = list(result.notes) + [f"context: {context} bytes ({context_src})"]
     notes += [f"known limitation: {x}" for x in KNOWN_LIMITATIONS]
-    extras = {"trace": {"events": len(result.events), "peak_event": result.peak_index}}
+    extras = {"trace": {"events": len(result.events), "peak_event": result.peak_index,
+                        "peak_by_phase": result.by_phase, "peak_by_module": result.by_part}}
     if timeline is not None:
         extras["timeline"] = str(save_timeline(result, timeline))
     phase = result.peak_phase if result.peak_phase in {p.value for p in Phase} else "forward"

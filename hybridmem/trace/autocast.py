@@ -123,7 +123,7 @@ def _dtype_positional(func, args) -> bool:
 
 @contextlib.contextmanager
 def emulated(mode: CudaAutocast):
-    """Route `maybe_autocast` / `torch.autocast` / `is_autocast_enabled` to `mode`, for meta tensors.
+    """Route transformers' `maybe_autocast` and `torch.is_autocast_enabled` to `mode` (meta).
 
     transformers' `maybe_autocast` is a no-op on meta tensors and `torch.autocast` refuses the
     meta device, so the model's own "autocast off here" regions (RoPE in fp32) would be lost.

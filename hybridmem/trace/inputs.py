@@ -78,7 +78,8 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module,
     ids = torch.ones(b, s, dtype=torch.long)  # token 1: BOS in Llama/Mistral vocabularies
     labels = torch.ones(b, s, dtype=torch.long)
     if n_tok:
-        image_id = config.image_token_id if hasattr(config, "image_token_id") else config.image_token_index
+        image_id = getattr(config, "image_token_id", None)
+        image_id = config.image_token_index if image_id is None else image_id
         ids[:, 1:1 + n_tok] = image_id
         labels[:, 1:1 + n_tok] = IGNORE_INDEX
     batch.update(input_ids=ids, labels=labels)

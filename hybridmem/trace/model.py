@@ -65,7 +65,8 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
     config = copy.deepcopy(config)
     with default_dtype(dtype), no_init_weights():
         try:
-            model = auto.from_config(config, dtype=dtype, attn_implementation=attn_for_cpu(spec.attn))
+            model = auto.from_config(config, dtype=dtype,
+                                     attn_implementation=attn_for_cpu(spec.attn))
         except Exception as err:  # the model's own code refused to build under fake tensors
             raise UnsupportedModelError(
                 "model", spec.model,

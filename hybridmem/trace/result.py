@@ -41,6 +41,10 @@ class TraceResult:
     peak_iteration: int
     breakdown: dict[str, int]
     """Bytes per category (tensor categories + workspace) live at the peak."""
+    by_phase: dict[str, int]
+    """Bytes live at the peak by the phase ("forward 1", "optimizer 0", ...) that made them."""
+    by_part: dict[str, int]
+    """Bytes live at the peak by the top-level module whose forward made them ("other": none)."""
     modules: list[ModuleTrace]
     params_total: int
     params_trainable: int
@@ -132,16 +136,23 @@ def summarize(tracker: StorageTracker, job) -> TraceResult:
     peak_index = int(np.argmax(curve))
     live = _live_at(tracker, events, peak_index)
     breakdown = {c: 0 for c in (*TENSOR_CATEGORIES, "workspace")}
+    by_phase: dict[str, int] = {}
+    by_part: dict[str, int] = {}
     for sid in live:
         s = tracker.storages[sid]
-        breakdown[s.category] += round_size(s.nbytes)
+        size = round_size(s.nbytes)
+        breakdown[s.category] += size
+        key = s.phase if s.phase == "setup" else f"{s.phase} {s.iteration}"
+        by_phase[key] = by_phase.get(key, 0) + size
+        by_part[s.part or "other"] = by_part.get(s.part or "other", 0) + size
     # phase of the peak: the last mark at or before it, mapped from tracker to device events
     phase, iteration = tracker.phase_at(_tracker_index(tracker, events, peak_index))
     params = list(job.model.parameters())
     return TraceResult(
         events=events, curve=curve, peak_allocated=int(curve[peak_index]),
         peak_index=peak_index, peak_phase=phase, peak_iteration=iteration,
-        breakdown=breakdown, modules=_modules(job, tracker, live),
+        breakdown=breakdown, by_phase=by_phase, by_part=by_part,
+        modules=_modules(job, tracker, live),
         params_total=sum(p.numel() for p in params),
         params_trainable=sum(p.numel() for p in params if p.requires_grad),
         marks=_device_marks(tracker, events))

@@ -102,10 +102,10 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
         if spec.precision == "fp16-mixed":  # GradScaler.unscale_: in place, no new memory
             torch._foreach_mul_([p.grad for _, p in job.trainable if p.grad is not None],
                                 1.0 / LOSS_SCALE)
-        for m, (_, p) in zip(job.masters, job.trainable):  # fp32 master grads (optimizer's)
-            if p.grad is not None and m is not p:  # fp32 params (LoRA adapters) are their own master
+        for m, (name, p) in zip(job.masters, job.trainable):  # fp32 master grads (optimizer's)
+            if p.grad is not None and m is not p:  # an fp32 param is its own master
                 m.grad = p.grad.float()
-                tracker.label(m.grad, "optimizer")
+                tracker.label(m.grad, "optimizer", build.part_of(name))
                 p.grad = None
     with _fake_item():
         job.optimizer.step()
@@ -116,10 +116,12 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
     for t in getattr(job.optimizer, "qmaps", ()):
         tracker.label(t, "optimizer")
     host = host_state_keys(job.optimizer)
-    for state in job.optimizer.state.values():
+    parts = {id(p): build.part_of(n) for n, p in job.trainable}
+    parts.update({id(m): parts[id(p)] for m, (_, p) in zip(job.masters, job.trainable)})
+    for param, state in job.optimizer.state.items():
         for key, t in state.items():
             if isinstance(t, torch.Tensor):
-                tracker.label(t, "host" if key in host else "optimizer")
+                tracker.label(t, "host" if key in host else "optimizer", parts.get(id(param)))
     job.optimizer.zero_grad(set_to_none=True)
     for m, (_, p) in zip(job.masters, job.trainable):
         m.grad = p.grad = None
@@ -145,9 +147,9 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
             tracker.add_external(workspace, "workspace")
         (loss * LOSS_SCALE if spec.precision == "fp16-mixed" else loss).backward()
         del loss
-        for _, p in job.trainable:
+        for name, p in job.trainable:
             if p.grad is not None:
-                tracker.label(p.grad, "grad")
+                tracker.label(p.grad, "grad", build.part_of(name))
                 job.grad_bytes[id(p)] = p.grad.untyped_storage().nbytes()
         tracker.mark("optimizer", it)
         _optimizer_step(job, spec, tracker)
@@ -189,12 +191,12 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
             if backend == "meta":
                 wrap_checkpointing(job.model, amp, corrections.CpuSdpaOnMeta)
             with tracker, tracker.watching(build.top_modules(job.model)):
-                for _, p in job.model.named_parameters():
-                    tracker.label(p, "param")
-                for b in job.model.buffers():
-                    tracker.label(b, "param")
-                for m in job.masters:
-                    tracker.label(m, "optimizer")
+                for name, p in job.model.named_parameters():
+                    tracker.label(p, "param", build.part_of(name))
+                for name, b in job.model.named_buffers():
+                    tracker.label(b, "param", build.part_of(name))
+                for m, (name, _) in zip(job.masters, job.trainable):
+                    tracker.label(m, "optimizer", build.part_of(name))
                 for t in job.batch.values():
                     if isinstance(t, torch.Tensor):
                         tracker.label(t, "activation")

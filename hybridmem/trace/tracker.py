@@ -56,7 +56,7 @@ class StorageTracker(TorchDispatchMode):
         self.storages: list[Storage] = []
         self.events: list[int] = []  # sid for a birth, ~sid for a death
         self.marks: list[tuple[int, str, int]] = []  # (event index, phase, iteration)
-        self.phase, self.iteration = "forward", 0
+        self.phase, self.iteration = "setup", 0  # births before the first mark: model, batch
         self.part_stack: list[str | None] = [None]
         self._sid = WeakIdKeyDictionary()
 
@@ -82,9 +82,11 @@ class StorageTracker(TorchDispatchMode):
         self.storages[sid].death = len(self.events)
         self.events.append(~sid)
 
-    def label(self, tensor: torch.Tensor, category: str) -> None:
+    def label(self, tensor: torch.Tensor, category: str, part: str | None = None) -> None:
         """Label the storage behind `tensor` (tracking it if it predates the tracker)."""
-        self.track(tensor.untyped_storage(), category)
+        sid = self.track(tensor.untyped_storage(), category)
+        if sid is not None and part is not None:
+            self.storages[sid].part = part
 
     def category_of(self, tensor: torch.Tensor) -> str | None:
         """Label of the storage behind `tensor` (None if never tracked)."""
