@@ -45,18 +45,23 @@ def hooks_on_frozen_params_ignored():
     """MemTracker registers a grad hook on every parameter of a module (mem_tracker.py
     `_track_module_params_and_buffers`), which raises for frozen ones (a frozen vision tower);
     give those a no-op handle so it can run on LLaVA's `llm+projector` at all."""
-    register = torch.Tensor.register_hook
+    names = ("register_hook", "register_post_accumulate_grad_hook")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
 
-    def safe(self, hook):
-        if not self.requires_grad:
-            return torch.utils.hooks.RemovableHandle(OrderedDict())  # weakref-able
-        return register(self, hook)
+    def guarded(name):
+        def register(self, hook):
+            if not self.requires_grad:
+                return torch.utils.hooks.RemovableHandle(OrderedDict())  # weakref-able
+            return saved[name](self, hook)
+        return register
 
-    torch.Tensor.register_hook = safe
+    for n in names:
+        setattr(torch.Tensor, n, guarded(n))
     try:
         yield
     finally:
-        torch.Tensor.register_hook = register
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
 
 
 def run(spec: TrainingSpec, iterations: int, which: str) -> tuple[float, dict]:
