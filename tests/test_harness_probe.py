@@ -71,3 +71,30 @@ def test_summary_takes_maxima_over_phases_and_names_the_allocated_peak():
 @pytest.mark.parametrize("phases", [[], [_phase("setup", -1, 1, 1, 1)]])
 def test_summary_of_a_run_without_training_phases_is_empty(phases):
     assert summarize(phases) == {}
+
+
+class _Raising:
+    """A CPU stand-in probe whose setup phase raises `exc` (in-process, no subprocess)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        from hybridmem.harness.probe import CpuProbe
+
+        probe = CpuProbe()
+        probe.phase_start = lambda phase, it: (_ for _ in ()).throw(exc)
+        self.probe = probe
+
+
+@pytest.mark.parametrize("exc, outcome", [
+    (__import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB"), "oom"),
+    # allocations outside the caching allocator fail as plain RuntimeErrors
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "oom"),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), "error"),
+    (ValueError("bad shape"), "error"),
+])
+def test_failures_in_the_child_are_classified(exc, outcome):
+    from hybridmem.harness.child import measure
+
+    result = measure({"spec": {"model": "tiny-llava"}, "iterations": 3}, _Raising(exc).probe)
+    assert result["outcome"] == outcome
+    assert result["error"].startswith(type(exc).__name__)
+    assert (result.get("oom_phase") == "setup") == (outcome == "oom")

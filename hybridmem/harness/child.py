@@ -17,6 +17,10 @@ import time
 import traceback
 
 SETUP = "setup"  # model build, optimizer, batch: before the first forward
+# Out-of-memory raised outside the caching allocator (so not as torch.OutOfMemoryError): a
+# cudaMalloc inside a library, cuBLAS / cuDNN workspace allocation failures.
+OOM_MARKERS = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
+               "CUDNN_STATUS_ALLOC_FAILED", "CUDA_ERROR_OUT_OF_MEMORY")
 
 
 def _write(path: str, result: dict) -> None:
@@ -108,7 +112,10 @@ def measure(request: dict, probe) -> dict:
         result.update(outcome="oom", error=_first_line(err), oom_phase=phase,
                       oom_iteration=iteration)
     except Exception as err:  # any other failure is an `error` row with its message
-        result.update(error=_first_line(err), traceback=traceback.format_exc()[-4000:])
+        oom = any(m in str(err) for m in OOM_MARKERS)
+        result.update(outcome="oom" if oom else "error", error=_first_line(err),
+                      traceback=traceback.format_exc()[-4000:],
+                      **({"oom_phase": phase, "oom_iteration": iteration} if oom else {}))
     try:
         result.update(probe.counters())
     except Exception:  # CUDA never came up: no counters
