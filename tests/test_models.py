@@ -143,39 +143,19 @@ def test_random_small_configs_match_the_meta_device_model(cfg, tmp_path):
 
 # --- LLaVA-NeXT anyres token counting, against transformers' own packing ----------------------
 
-TINY_NEXT = {
-    "model_type": "llava_next", "image_token_index": 3, "projector_hidden_act": "gelu",
-    "image_grid_pinpoints": [[30, 60], [60, 30], [60, 60], [90, 30], [30, 90]],
-    "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
-    "vision_config": {"model_type": "clip_vision_model", "hidden_size": 16,
-                      "intermediate_size": 32, "num_attention_heads": 2, "num_hidden_layers": 2,
-                      "image_size": 30, "patch_size": 6},
-    "text_config": {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64,
-                    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
-                    "vocab_size": 64},
-}
-
-
-@pytest.fixture(scope="module")
-def tiny_next(tmp_path_factory):
-    path = tmp_path_factory.mktemp("next") / "config.json"
-    path.write_text(json.dumps(TINY_NEXT))
-    return str(path)
-
-
 @pytest.mark.parametrize("size", [30, 45, 60, 20, 100, 31])
-def test_llava_next_tokens_follow_transformers_packing(tiny_next, size):
+def test_llava_next_tokens_follow_transformers_packing(size):
     from transformers import LlavaNextForConditionalGeneration
     from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
-    config = load_config(tiny_next)
+    config = load_config("tiny-llava-next")  # 30 px crops, pinpoints 30x60 ... 30x90
     model = LlavaNextForConditionalGeneration(config).eval()
     crops = image_size_to_num_patches((size, size), config.image_grid_pinpoints, 30)
     pixels = torch.zeros(1, crops, 3, 30, 30)
     with torch.no_grad():
         out = model.model.get_image_features(pixel_values=pixels, image_sizes=[[size, size]])
     want_tokens = out.pooler_output[0].shape[0]
-    g = build_graph(TrainingSpec(model=tiny_next, image_size=size, seq_len=512))
+    g = build_graph(TrainingSpec(model="tiny-llava-next", image_size=size, seq_len=512))
     assert g.image_tokens == want_tokens
     assert g.vision_batch == crops
 

@@ -65,6 +65,8 @@ class Acts:
     bwd_mlp: int = 0
     """Transient of the MLP's backward (the first half of a transformer layer's backward);
     0: the layer's backward is one stage with `bwd_extra`."""
+    held: int = 0
+    """Outputs the model's return value holds (`image_outputs`) until the forward returns."""
 
 
 class _Saved:
@@ -231,9 +233,17 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
 
 
 def _ln_shared(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
-    """A vision LayerNorm (pre_layrnorm): input, mean, rstd."""
+    """A vision LayerNorm (pre_layrnorm): input, mean, rstd.
+
+    `post_layernorm` pools the first token of the last hidden state; LLaVA never uses it, but
+    the returned `image_outputs` holds the last hidden state and the pooled output until the
+    forward returns (the LayerNorm's saved input is a view of that same last hidden state)."""
     d = layer.dims
     N = d["n"] * d["t"]
+    if layer.name == "post_layernorm":
+        if not layer.runs:
+            return Acts()
+        return Acts(held=t(N * d["h"], c.stream) + t(d["n"] * d["h"], c.stream))
     if not (need_in or need_w) or not layer.runs:
         return Acts()
     saved = t(N * d["h"], c.stream) + 2 * t(N, FP32)
@@ -290,8 +300,10 @@ def projector(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     """mlp2x_gelu: linear_1 (saves its folded input), GELU (saves input), linear_2."""
     d = layer.dims
     N, d_in, h = d["n"] * d["t"], d["d_in"], d["h"]
-    if not (need_in or need_w) or not layer.runs or N == 0:
+    if not layer.runs or N == 0:
         return Acts()
+    if not (need_in or need_w):
+        return Acts(held=t(N * h, c.e) + t(d.get("packed", 0) * h, c.e))
     e = c.e
     sv = _Saved()
     sv.add(N * d_in, e, need_w)  # reshape copy of the [:, 1:] view, or autocast's cast copy
@@ -303,8 +315,11 @@ def projector(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         w2 = t(h * h + h, 2)
         copies = w2 + (w1 if need_in else 0)
         cache = (w1 + w2) if need_w else 0
+    # the projector's output stays referenced by `image_outputs.pooler_output` (LLaVA-NeXT:
+    # the packed per-image features instead) until the forward returns
+    held = t(N * h, e) + t(d.get("packed", 0) * h, e)
     return Acts(saved=sv.total + copies, cache=cache, fwd_extra=t(N * h, c.stream),
-                bwd_extra=2 * t(N * h, e))
+                bwd_extra=2 * t(N * h, e), held=held)
 
 
 def vision_embeddings(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:

@@ -40,14 +40,15 @@ class Step:
         if not self.on_path:
             # output unused, but the model's output object (`image_outputs`) holds it and
             # its autograd graph until the forward returns
-            return self.acts.saved
-        return (self.acts.ckpt_saved + self.acts.cache) if self.ckpt else self.acts.saved
+            return self.acts.saved + self.acts.held
+        kept = (self.acts.ckpt_saved + self.acts.cache) if self.ckpt else self.acts.saved
+        return kept + self.acts.held
 
     @property
     def released_at_forward_end(self) -> int:
         if not self.on_path:
-            return self.acts.saved
-        return self.acts.cache if self.ckpt else 0
+            return self.acts.saved + self.acts.held
+        return (self.acts.cache if self.ckpt else 0) + self.acts.held
 
 
 @dataclass(frozen=True, slots=True)

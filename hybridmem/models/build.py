@@ -70,7 +70,9 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
     proj += (T("linear_2.weight", (th, th)),) + ((T("linear_2.bias", (th,)),) if bias else ())
     projector = Layer(name="projector", kind="projector", params=proj, runs=runs,
                       dims=dict(n=n_crops, t=layout.features_per_crop, d_in=d_in, h=th,
-                                act=cfg.projector_hidden_act))
+                                act=cfg.projector_hidden_act,
+                                packed=(spec.micro_batch * images * layout.tokens
+                                        if cfg.model_type == "llava_next" else 0)))
     modules = [Module(name="vision_tower", prefix="model.vision_tower", layers=vision),
                Module(name="multi_modal_projector", prefix="model.multi_modal_projector",
                       layers=(projector,))]
