@@ -232,7 +232,7 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 bwd_mlp=t(N * h, sb) + 2 * t(N * f, e))
 
 
-def _ln_shared(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+def layernorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     """A vision LayerNorm (pre_layrnorm): input, mean, rstd.
 
     `post_layernorm` pools the first token of the last hidden state; LLaVA never uses it, but

@@ -8,7 +8,7 @@ the projector needs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridmem.analytic import activations as A
 from hybridmem.analytic.alloc import t
@@ -53,26 +53,23 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0, ckpt=spec.grad_ckpt)
 
 
+# layer kind -> activation formula (need_in, need_w); kinds not listed keep nothing for
+# backward (image_newline: expand + cat; SigLIP's pooling head: off the grad path)
+FORMULAS = {
+    "decoder_layer": A.decoder_layer, "encoder_layer": A.encoder_layer,
+    "layernorm": A.layernorm, "rmsnorm": A.rmsnorm, "lm_head": A.lm_head,
+    "projector": A.projector, "vision_embeddings": A.vision_embeddings,
+}
+
+
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
-    kind = layer.kind
-    if kind == "decoder_layer":
-        return A.decoder_layer(layer, c, need_in, need_w)
-    if kind == "encoder_layer":
-        return A.encoder_layer(layer, c, need_in, need_w)
-    if kind == "layernorm":
-        return A._ln_shared(layer, c, need_in, need_w)
-    if kind == "rmsnorm":
-        return A.rmsnorm(layer, c, need_in, need_w)
-    if kind == "lm_head":
-        return A.lm_head(layer, c, need_in, need_w)
-    if kind == "projector":
-        return A.projector(layer, c, need_in, need_w)
-    if kind == "vision_embeddings":
-        return A.vision_embeddings(layer, c, need_in, need_w)
-    if kind == "embedding":
+    if layer.kind == "embedding":
         return A.embedding(layer, c, need_in, need_w, tied_grad, merged)
-    return A.Acts()  # image_newline (expand + cat save nothing), pooling head (no grad path)
+    if layer.kind == "rotary":
+        return A.rotary(layer, c, need_in)
+    formula = FORMULAS.get(layer.kind)
+    return formula(layer, c, need_in, need_w) if formula else A.Acts()
 
 
 MLP_OUT = ("mlp.down_proj.", "mlp.fc2.")
@@ -127,13 +124,10 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
         else:
             need_in = flow["lm"]
             flow["lm"] |= need_w or lora
-        if layer.kind == "rotary":
-            acts = A.rotary(layer, c, need_in)
-        else:
-            acts = _acts(layer, c, need_in, need_w, tied_grad, graph.image_tokens > 0)
+        acts = _acts(layer, c, need_in, need_w, tied_grad, graph.image_tokens > 0)
         if layer.kind == "embedding" and graph.image_tokens and flow["lm"]:
-            acts = A.Acts(saved=acts.saved + A.image_merge(graph.micro_batch, graph.seq_len),
-                          fwd_extra=acts.fwd_extra, bwd_extra=acts.bwd_extra)
+            acts = replace(acts, saved=acts.saved + A.image_merge(graph.micro_batch,
+                                                                  graph.seq_len))
         grad, waste = st.grad, st.waste_grad
         if tied_w and layer.kind == "embedding":
             grad, waste = grad - tied_grad, 0      # the tied weight's grad appears at lm_head
@@ -163,6 +157,9 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
 
 
 def _modules(graph: ModelGraph, priced: list[Priced]) -> tuple[ModuleMemory, ...]:
+    """Per top-level module: params, and bytes of params, grads (all of them, as at the step),
+    optimizer state, and activations carried from the forward into the backward (for
+    checkpointed layers, their inputs)."""
     out = []
     for m in graph.modules:
         rows = [p for p in priced if p.module == m.name]
@@ -171,7 +168,7 @@ def _modules(graph: ModelGraph, priced: list[Priced]) -> tuple[ModuleMemory, ...
             trainable_params=sum(p.states.trainable_count for p in rows),
             param=sum(p.states.param for p in rows), grad=sum(p.states.grad for p in rows),
             optimizer=sum(p.states.optimizer for p in rows),
-            activation=sum(p.step.kept for p in rows)))
+            activation=sum(p.step.kept - p.step.released_at_forward_end for p in rows)))
     return tuple(out)
 
 
