@@ -6,6 +6,7 @@ optimizer factors agree, then the distribution (median, p95, max).
 
     python experiments/analytic_vs_trace.py            # full grid (~2-4 min on 2 cores)
     python experiments/analytic_vs_trace.py --limit 12 # a quick subset
+    python experiments/analytic_vs_trace.py --large    # LLaVA-1.5-7B, Qwen2-7B, Llama-3.2-3B
 """
 
 from __future__ import annotations
@@ -32,6 +33,20 @@ def grid() -> list[TrainingSpec]:
             out.append(TrainingSpec(model=model, micro_batch=2, seq_len=64, precision=prec,
                                     optimizer=opt, grad_ckpt=ckpt, train=train))
     return out
+
+
+# real shapes (~10-30 s of tracing each): `--large`
+LARGE = [
+    dict(model="llava-1.5-7b", micro_batch=1, seq_len=1024, precision="bf16",
+         train="llm+projector", grad_ckpt=True),
+    dict(model="llava-1.5-7b", micro_batch=2, seq_len=2048, precision="bf16-mixed",
+         train="lora", grad_ckpt=True),
+    dict(model="llava-1.5-7b", micro_batch=4, seq_len=2048, precision="bf16",
+         train="llm+projector", attn="flash_attention_2"),
+    dict(model="qwen2-7b", micro_batch=1, seq_len=1024, precision="bf16", train="lora",
+         attn="eager"),
+    dict(model="llama-3.2-3b", micro_batch=1, seq_len=512, precision="bf16", train="full"),
+]
 
 
 def factors(pred) -> dict[str, int]:
@@ -67,8 +82,9 @@ def _q(xs: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--large", action="store_true", help="real model shapes instead")
     args = ap.parse_args()
-    specs = grid()
+    specs = [TrainingSpec(**kw) for kw in LARGE] if args.large else grid()
     if args.limit:
         specs = specs[:: max(1, len(specs) // args.limit)][: args.limit]
     rows, skipped, start = [], 0, time.perf_counter()
