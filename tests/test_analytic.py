@@ -42,15 +42,10 @@ def spec(**kw) -> TrainingSpec:
 
 
 def at_optimizer(s: TrainingSpec) -> dict:
-    """Category bytes at the optimizer step of a later iteration (all grads + state live)."""
-    graph = build_graph(s)
-    from hybridmem.analytic.estimate import estimate as est
-
-    pred = est(s)
-    assert pred.peak.phase in ("optimizer", "forward", "backward")
-    priced = price(graph, s)
-    stepped = sum(p.states.grad for p in priced)
-    return {"grad": stepped, "optimizer": sum(p.states.optimizer for p in priced),
+    """Whole-run totals: every param, every grad (all live at the step), all optimizer state."""
+    priced = price(build_graph(s), s)
+    return {"grad": sum(p.states.grad for p in priced),
+            "optimizer": sum(p.states.optimizer for p in priced),
             "param": sum(p.states.param for p in priced)}
 
 

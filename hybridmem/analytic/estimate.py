@@ -178,12 +178,17 @@ def _notes(graph: ModelGraph, spec: TrainingSpec) -> tuple[str, ...]:
         "measurement",
         "workspace: two cuBLAS workspaces of Hopper size (32 MiB each); other GPUs use less",
         "fragmentation: only the 2 MiB segment rounding of tensors > 10 MiB (a lower bound)",
+        "batch: unpadded (no attention mask), loss over every position with fp32 logits "
+        "(transformers ForCausalLMLoss)",
     ]
     if graph.image_tokens:
         notes.append(f"{graph.image_tokens} of the {graph.seq_len} tokens per sample are image "
                      f"tokens; the vision tower encodes {graph.vision_batch} crops per step")
     if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
         notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
+    if spec.attn == "flash_attention_2":
+        notes.append("flash_attention_2: saved tensors as flash-attn's (q, k, v, out, lse); "
+                     "its backward's fp32 dq_accum is counted, softmax_d is not")
     if spec.precision == "bf16-master":
         notes.append("bf16-master: fp32 master weights + fp32 state; DeepSpeed's extra fp32 "
                      "gradient buffers are not counted")
