@@ -77,3 +77,18 @@ def test_analytic_matches_trace(kw):
 @pytest.mark.parametrize("kw", SLOW, ids=_id)
 def test_analytic_matches_trace_rest_of_grid(kw):
     _check(kw)
+
+
+@pytest.mark.xfail(strict=False, reason="trace tier counts a tied lm_head as its own tensor "
+                   "(e.g. Llama-3.2-3B: 7.21 GB of bf16 params vs 6.43 GB); reported")
+def test_tied_embeddings_match_trace(tmp_path):
+    import json
+
+    from hybridmem.models.loader import load_config_dict
+
+    _, data = load_config_dict("tiny-llama")
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    data["tie_word_embeddings"] = True
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    _check(dict(model=str(path), precision="bf16"))
