@@ -296,3 +296,21 @@ def test_every_preset_and_precision_gives_a_consistent_prediction(preset, precis
     pred = estimate(s)
     assert pred.peak.device_bytes > pred.breakdown["param"] > 0
     assert pred.to_dict()["params"]["total"] == sum(m.params for m in pred.modules)
+
+
+def test_lora_dropout_saves_a_bool_mask_and_its_own_output_per_adapter():
+    # CUDA's fused native_dropout saves a bool mask (1 B/element); lora_A then saves the dropout
+    # output, one per adapter, where without dropout (nn.Identity) fp32 adapters share the
+    # layer's input. B = 32 tokens, fp32, adapters on all 7 linears, base frozen:
+    # without dropout: q/k/v input 8192 once, gate/up input 8192 once, down input 16384 once
+    # (o_proj reads SDPA's saved output) = 32768;
+    # with dropout: masks 6 x 2048 (h inputs) + 4096 (down, 32x128) = 16384, outputs
+    # 6 x 8192 + 16384 = 65536 -> 81920. Difference 49152.
+    from hybridmem.spec import LoraSpec
+
+    plain = spec(train="lora")
+    drop = spec(train="lora", lora=LoraSpec(dropout=0.1))
+    layer = build_graph(plain).module("language_model").layers[2]
+    a = A.decoder_layer(layer, context(plain), need_in=True, need_w=False).saved
+    b = A.decoder_layer(layer, context(drop), need_in=True, need_w=False).saved
+    assert b - a == 49152

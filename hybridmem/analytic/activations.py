@@ -43,6 +43,7 @@ class Ctx:
     amp: bool
     attn: str
     lora_r: int = 0
+    lora_dropout: float = 0.0
     ckpt: bool = False
 
 
@@ -91,6 +92,10 @@ def _linear_inputs(sv: _Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, b
     `shared`: the tensor itself is already saved by another op (no new memory when saved again).
     Under autocast each linear casts an fp32 input separately (one saved copy per linear).
     """
+    dropout = c.lora_dropout > 0
+    # LoRA dropout (nn.Dropout before lora_A) saves a bool mask per adapter and hands lora_A a
+    # new tensor; without it PEFT uses nn.Identity
+    sv.add(numel, 1, times=adapters if dropout else 0)
     if c.amp:
         cast = in_bytes != 2
         if base_w:
@@ -99,10 +104,10 @@ def _linear_inputs(sv: _Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, b
     else:
         sv.add(numel, in_bytes, cond=base_w and not shared)
         if adapters:
-            if in_bytes == FP32:
+            if in_bytes == FP32 and not dropout:
                 sv.add(numel, FP32, cond=not base_w and not shared)
-            else:
-                sv.add(numel, FP32, times=adapters)  # `_cast_input_dtype` fp32 copy per adapter
+            else:  # `_cast_input_dtype` fp32 copy (or dropout output) per adapter
+                sv.add(numel, FP32, times=adapters)
 
 
 def _lora_outputs(sv: _Saved, c: Ctx, tokens: int, adapters: int) -> None:

@@ -50,7 +50,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
         raise SpecError("attn", spec.attn, [a for a in ATTENTIONS if a != spec.attn],
                         reason="FlashAttention-2 runs only in fp16/bf16, not precision='fp32'")
     return A.Ctx(e=policy.compute_bytes, stream=4 if amp else policy.param_bytes, amp=amp,
-                 attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0, ckpt=spec.grad_ckpt)
+                 attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0,
+                 lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt)
 
 
 # layer kind -> activation formula (need_in, need_w); kinds not listed keep nothing for
@@ -195,8 +196,6 @@ def _notes(graph: ModelGraph, spec: TrainingSpec) -> tuple[str, ...]:
     if spec.train == "lora":
         notes.append("LoRA adapters (fp32, PEFT default) on language-model linears only, as "
                      "LLaVA's finetune_lora recipe")
-        if spec.lora.dropout > 0:
-            notes.append("LoRA dropout masks are not counted")
     return tuple(notes)
 
 
