@@ -12,6 +12,8 @@ lm_head 8192; buffers: rotary inv_freq + original_inv_freq, 8 fp32 each (512 B e
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridmem import SpecError, TrainingSpec
 from hybridmem.analytic import estimate
@@ -19,6 +21,7 @@ from hybridmem.analytic import activations as A
 from hybridmem.analytic.estimate import context, price, timeline
 from hybridmem.analytic.timeline import walk
 from hybridmem.models import build_graph
+from hybridmem.spec import ATTENTIONS, OPTIMIZERS, PRECISIONS, TRAINABLES
 
 MiB = 1024**2
 
@@ -314,3 +317,25 @@ def test_lora_dropout_saves_a_bool_mask_and_its_own_output_per_adapter():
     a = A.decoder_layer(layer, context(plain), need_in=True, need_w=False).saved
     b = A.decoder_layer(layer, context(drop), need_in=True, need_w=False).saved
     assert b - a == 49152
+
+
+@settings(max_examples=40, deadline=None)
+@given(model=st.sampled_from(["tiny-llava", "tiny-llama", "tiny-llava-siglip", "tiny-llava-next"]),
+       precision=st.sampled_from(PRECISIONS), optimizer=st.sampled_from(OPTIMIZERS),
+       train=st.sampled_from(TRAINABLES), ckpt=st.booleans(), attn=st.sampled_from(ATTENTIONS),
+       batch=st.integers(1, 4), seq=st.sampled_from([96, 128, 300]))
+def test_invariants_hold_for_any_valid_spec(model, precision, optimizer, train, ckpt, attn,
+                                            batch, seq):
+    try:
+        s = TrainingSpec(model=model, precision=precision, optimizer=optimizer, train=train,
+                         grad_ckpt=ckpt, attn=attn, micro_batch=batch, seq_len=seq)
+        pred = estimate(s)
+    except SpecError:
+        return  # e.g. a projector on a decoder-only model, FlashAttention-2 in fp32
+    assert sum(pred.breakdown.values()) == pred.peak.device_bytes
+    assert pred.peak.allocated_bytes <= pred.peak.reserved_bytes <= pred.peak.device_bytes
+    assert pred.peak.allocated_bytes == max(pred.extras["analytic"]["phase_peaks"].values())
+    assert sum(m.params for m in pred.modules) == pred.params_total
+    assert 0 < pred.params_trainable <= pred.params_total
+    bigger = estimate(s.with_(micro_batch=batch + 1))
+    assert bigger.peak.device_bytes >= pred.peak.device_bytes  # find-max-batch bisects on this
