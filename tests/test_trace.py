@@ -85,6 +85,13 @@ def test_fake_peak_equals_real_cpu_run(kw):
     assert fake_peak == real_cpu_peak(spec)
 
 
+def test_meta_peak_equals_real_cpu_run():
+    # the default backend, fp32 (no autocast: CPU and emulated CUDA lists cannot differ)
+    spec = tiny(precision="fp32", grad_ckpt=True, train="llm+projector")
+    tracker, _ = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
 def test_step_scalars_left_off_the_device():
     # torch/optim/adamw.py: non-fused, non-capturable `step` is a CPU scalar, one per param.
     spec = tiny(precision="fp32")
