@@ -48,18 +48,19 @@ def pixel_inputs(spec: TrainingSpec, config, n_images: int, dtype: torch.dtype) 
 
 
 def tokens_per_image(model: nn.Module, config, pixels: dict) -> int:
-    """Image tokens one image becomes, asked of the model itself (one image, no grad)."""
-    if config.model_type == "llava":
-        cfg = config.vision_config
-        n = (cfg.image_size // cfg.patch_size) ** 2
-        return n + (config.vision_feature_select_strategy == "full")
+    """Image tokens one image becomes, asked of the model itself (one image, no grad).
+
+    The model knows its CLS handling (CLIP vs SigLIP), feature selection and LLaVA-NeXT's
+    anyres packing; the batch then has exactly as many `<image>` tokens as features.
+    """
     one = {k: v[:1] for k, v in pixels.items()}
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with torch.no_grad():
         out = base.model.get_image_features(**one)
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
-    feats = feats[0] if isinstance(feats, (list, tuple)) else feats
-    return feats.shape[0]
+    if isinstance(feats, (list, tuple)):
+        return sum(f.numel() for f in feats) // config.get_text_config().hidden_size
+    return feats.numel() // config.get_text_config().hidden_size
 
 
 def make_batch(spec: TrainingSpec, config, model: nn.Module,
