@@ -37,6 +37,9 @@ KNOWN_LIMITATIONS: tuple[str, ...] = (
     "meta backend (the default): scalars made with torch.tensor() inside an optimizer step are "
     "not seen (one 512 B block each, transient); layer_norm on bf16/fp16 input keeps fp32 "
     "mean/rstd (as CUDA does: 4 bytes per row and statistic, the CPU kernel's are 2)",
+    "meta backend: inside Python-level composite functions (nn.MultiheadAttention, used only "
+    "by SigLIP's pooling head) the emulated autocast does not apply, so that head runs in "
+    "fp32 (a few KiB per image)",
     "the two iterations use a fixed batch; data-dependent shapes (variable-length LLaVA "
     "batches, group_by_modality_length) are not sampled",
 )
