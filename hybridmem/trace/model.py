@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import warnings
 
 import torch
 from torch import nn
@@ -124,7 +125,9 @@ def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
     nn.Module.to = to_device_only
     try:
         # PEFT keeps adapter weights in fp32 (`autocast_adapter_dtype=True`): build them so.
-        with default_dtype(torch.float32):
+        with default_dtype(torch.float32), warnings.catch_warnings():
+            # peft calls transformers' deprecated `is_gradient_checkpointing`: not the user's concern
+            warnings.simplefilter("ignore", FutureWarning)
             return peft.get_peft_model(model, cfg)
     finally:
         lora_layer.LoraLayer._move_adapter_to_device_of_base_layer = move
