@@ -241,3 +241,15 @@ def test_bf16_master_steps_every_trained_tensor():
         assert len(job.optimizer.state) == len(with_grad) > 0
         assert all(s.dtype == torch.float32 for st in job.optimizer.state.values()
                    for k, s in st.items() if k != "step")
+
+
+def test_tied_embeddings_stay_tied(tmp_path):
+    # Llama-3.2-3B ties lm_head to embed_tokens: 3,212,749,824 params on the meta device
+    # (DESIGN.md); an untied build would have 128256 x 3072 more.
+    from hybridmem.trace.model import build_model
+
+    for backend in ("meta", "fake"):
+        spec = TrainingSpec(model="llama-3.2-3b", precision="bf16")
+        with runner._tensors(backend, spec):
+            model = build_model(spec, load_config(spec.model))
+        assert sum(p.numel() for p in model.parameters()) == 3_212_749_824

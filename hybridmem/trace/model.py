@@ -73,6 +73,9 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
                 "model", spec.model,
                 reason=f"its code cannot be built under fake tensors ({type(err).__name__}: "
                 f"{err}); use --method analytic") from err
+    # `no_init_weights` also skips tying: tie as `from_pretrained`/`post_init` would (Llama-3.2
+    # ties lm_head to embed_tokens; untied it would count 394M parameters twice)
+    model.tie_weights()
     model.train()
     return model
 
