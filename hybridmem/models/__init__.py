@@ -2,6 +2,7 @@
 
 from hybridmem.models.build import build_graph
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor
+from hybridmem.models.light import light_config
 from hybridmem.models.loader import (
     DECODER_TYPES,
     MULTIMODAL_TYPES,
@@ -12,4 +13,5 @@ from hybridmem.models.loader import (
 )
 
 __all__ = ["DECODER_TYPES", "MULTIMODAL_TYPES", "SUPPORTED_TYPES", "Layer", "ModelGraph", "Module",
-           "ParamTensor", "build_graph", "load_config", "load_config_dict", "preset_names"]
+           "ParamTensor", "build_graph", "light_config", "load_config", "load_config_dict",
+           "preset_names"]
