@@ -24,10 +24,10 @@ KNOWN_LIMITATIONS: tuple[str, ...] = (
     "the trace (e.g. 2 MiB + 256 MiB at B=8, S=2048, 32 heads, hidden 4096)",
     "kernel-internal workspaces (cuDNN attention, cuBLASLt beyond the two 32 MiB cuBLAS "
     "workspaces counted as 'workspace') are not seen by the trace (typically < 100 MiB)",
-    "autocast: CPU and CUDA op lists differ; CUDA's fp32 list is applied to layer_norm and "
-    "group_norm (CLIP's norms: fp32 outputs, 2x the bytes of bf16 ones); other ops in CUDA's "
-    "fp32 list (pow, exp, sum, ...) are not called on low-precision tensors by the supported "
-    "models",
+    "autocast: the meta backend emulates CUDA's op lists; the fake backend runs CPU autocast "
+    "with CUDA's fp32 policy added for layer_norm/group_norm (CLIP's norms: fp32 outputs, 2x "
+    "the bytes of bf16 ones); other ops in CUDA's fp32 list (pow, exp, sum, ...) are not "
+    "called on low-precision tensors by the supported models",
     "fp16-mixed: GradScaler is emulated (loss scaled, grads unscaled in place); its found_inf "
     "scalars (512 B per device) are not traced",
     "adamw-8bit and lion have no torch implementation: their state layout is emulated "
