@@ -45,7 +45,7 @@ def _simulate_reserved(result: TraceResult) -> None:
         result.peak_reserved = None
         result.notes.append("allocator simulator unavailable: reserved = allocated")
         return
-    config = AllocatorConfig.from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    config = AllocatorConfig.from_environ()  # PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF
     sim = replay(result.events, config)
     result.peak_reserved = sim.peak_reserved
     reserved = np.zeros(len(result.events), dtype=np.int64)
