@@ -6,6 +6,10 @@ initialised; build, train `iterations` steps, resetting the allocator's peak sta
 phase boundary; report per-phase peaks, their maximum, counters and the device usage. An OOM
 is a result (`outcome="oom"`), not a crash. The result file is written once, atomically.
 `--env RESULT.json` only reports the probe's environment (the parent's resume key).
+
+Launched by torchrun (a multi-rank spec), every rank does all of the above on its own device,
+after joining the process group, and writes its own `RESULT.json.rank<R>`; a rank that fails
+exits non-zero so that torchrun stops the others (`hybridmem.harness.distributed`).
 """
 
 from __future__ import annotations
@@ -54,25 +58,34 @@ def summarize(phases: list[dict]) -> dict:
 
 
 def _state_bytes(job, device) -> dict:
-    """Bytes of parameters and of optimizer state (+ fp32 masters) on the device, counted."""
+    """Bytes of parameters and of optimizer state (+ fp32 masters) on the device, counted; of
+    a sharded job, this rank's shards."""
     import torch
 
+    from hybridmem.harness.distributed import local_tensor, master_tensors
+
     def size(t) -> int:
+        t = local_tensor(t)
         return t.numel() * t.element_size()
 
     state = sum(size(t) for st in job.optimizer.state.values() for t in st.values()
                 if isinstance(t, torch.Tensor) and t.device.type == device.type)
+    masters = list(job.masters) + master_tensors(job.optimizer)
     return {"param_bytes": sum(size(p) for p in job.model.parameters()),
-            "optimizer_state_bytes": state + sum(size(m) for m in job.masters)}
+            "optimizer_state_bytes": state + sum(size(m) for m in masters)}
 
 
 def measure(request: dict, probe) -> dict:
     """Run one config under `probe`; always returns a result dict (ok / oom / error)."""
     import torch
 
+    from hybridmem.harness import distributed
     from hybridmem.spec import TrainingSpec
 
     result: dict = {"outcome": "error", "error": "", "device_baseline_bytes": probe.baseline()}
+    ranked = distributed.launched()
+    if ranked:
+        result["rank"] = distributed.rank()
     phases: list[dict] = []
     phase, iteration = SETUP, -1
     history = request.get("history_path")
@@ -85,10 +98,12 @@ def measure(request: dict, probe) -> dict:
         from hybridmem.models.loader import load_config
 
         spec = TrainingSpec.from_dict(request["spec"])
+        if ranked:  # the process group (NCCL's buffers) is part of what the job pays for
+            distributed.init(device, spec)
         probe.phase_start(phase, iteration)
         job = workload.prepare(spec, load_config(spec.model), device)
         phases.append({"phase": phase, "iteration": iteration, **probe.phase_end(phase, iteration)})
-        result["params_total"] = sum(p.numel() for p in job.model.parameters())
+        result["params_total"] = sum(distributed.global_numel(p) for p in job.model.parameters())
         result["params_trainable"] = sum(p.numel() for p in job.params)
         times = []
         for iteration in range(request["iterations"]):
@@ -105,6 +120,8 @@ def measure(request: dict, probe) -> dict:
                 phases.append({"phase": phase, "iteration": iteration,
                                **probe.phase_end(phase, iteration)})
             times.append(time.perf_counter() - start)
+        if ranked:
+            distributed.barrier()
         result.update(outcome="ok", iteration_seconds=times, **_state_bytes(job, device))
         used = probe.device_usage()  # context = process usage - allocator segments, same instant
         result["context_bytes"] = used - probe.reserved_now() if used is not None else None
@@ -133,6 +150,7 @@ def measure(request: dict, probe) -> dict:
         except Exception as err:
             result["history_error"] = _first_line(err)
     probe.close()
+    result["ended_at"] = time.time()  # which rank failed first (`hybridmem.harness.ranks`)
     return result
 
 
@@ -150,11 +168,20 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--env"]:
         _write(argv[1], environment(load_probe()))
         return 0
+    from hybridmem.harness import distributed
+    from hybridmem.parallel.launch import rank_path
+
     request_path, result_path = argv
     with open(request_path) as fh:
         request = json.load(fh)
+    if distributed.launched():
+        with open(distributed.pid_path(result_path), "w") as fh:
+            fh.write(str(os.getpid()))
     probe = load_probe()
-    _write(result_path, measure(request, probe))
+    result = measure(request, probe)
+    _write(str(rank_path(result_path)), result)
+    if distributed.launched():
+        return distributed.finish(result["outcome"] == "ok")
     return 0
 
 

@@ -40,6 +40,8 @@ class CollectReport:
     counts: Counter = field(default_factory=Counter)
     rows: list[dict] = field(default_factory=list)
     stopped_by_budget: bool = False
+    too_many_ranks: int = 0
+    """Configs not run: they need more GPUs than this machine has (not recorded, not skipped)."""
     wall_seconds: float = 0.0
 
     def summary(self) -> dict:
@@ -47,6 +49,7 @@ class CollectReport:
                 "out": str(self.out), "planned": self.planned, "skipped": self.skipped,
                 "measured": len(self.rows), "outcomes": dict(self.counts),
                 "stopped_by_budget": self.stopped_by_budget, "wall_seconds": self.wall_seconds,
+                "too_many_ranks": self.too_many_ranks,
                 "dropped_combinations": self.sweep.dropped}
 
 
@@ -94,6 +97,7 @@ def spec_columns(item: SweepItem) -> dict:
         "precision": spec.precision, "optimizer": spec.optimizer, "train": spec.train,
         "attn": spec.attn, "grad_ckpt": spec.grad_ckpt,
         "lora_r": spec.lora.r if spec.lora else 0, "world_size": spec.parallel.world_size,
+        "strategy": spec.parallel.strategy,
     }
 
 
@@ -119,6 +123,7 @@ def make_row(item: SweepItem, result: dict, env: dict, source: str, sweep: Sweep
            **spec_columns(item), "iterations": sweep.iterations,
            "step_seconds": statistics.fmean(steady) if steady else None, "wall_seconds": wall,
            "phase_peaks_json": json.dumps(result.get("phases", [])),
+           "rank_peaks_json": json.dumps(result["rank_peaks"]) if "rank_peaks" in result else "",
            "history_path": history}
     row.update({k: result.get(k) for k in MEASURED})
     row.update({k: result.get(k) or env.get(k) for k in ENVIRONMENT})
@@ -179,8 +184,13 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
     done = store.measured_keys(out) if resume else set()
     key = (env["gpu_name"], env["torch_version"], source)
     todo = [it for it in sweep.items if (it.spec_hash, *key) not in done]
+    skipped = len(sweep.items) - len(todo)
+    gpus = env.pop("device_count", None) if backend == "cuda" else None
+    runnable = [it for it in todo if gpus is None or it.spec.parallel.world_size <= gpus]
     report = CollectReport(sweep=sweep, out=out, backend=backend, source=source,
-                           planned=len(sweep.items), skipped=len(sweep.items) - len(todo))
+                           planned=len(sweep.items), skipped=skipped,
+                           too_many_ranks=len(todo) - len(runnable))
+    todo = runnable
     budget = max_minutes if max_minutes is not None else sweep.max_minutes
     start = time.monotonic()
     if on_start:

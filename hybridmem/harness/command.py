@@ -21,6 +21,10 @@ def _gib(value) -> str:
     return "-" if value is None else f"{value / GiB:.2f}"
 
 
+def _ranks(row) -> str:
+    return "1" if row["strategy"] == "none" else f"{row['world_size']} {row['strategy']}"
+
+
 def _summary(report) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -29,13 +33,13 @@ def _summary(report) -> None:
     rows = report.rows
     table = Table(title=f"{report.sweep.name}: {len(rows)} configs via {report.source}")
     for col in ("model", "mb", "seq", "img", "precision", "optimizer", "train", "ckpt", "attn",
-                "outcome", "alloc GiB", "device GiB", "step s"):
+                "ranks", "outcome", "alloc GiB", "device GiB", "step s"):
         table.add_column(col, justify="right" if col[0].isdigit() or "GiB" in col else "left")
     for r in rows[:MAX_TABLE_ROWS]:
         table.add_row(r["model_name"], str(r["micro_batch"]), str(r["seq_len"]),
                       str(r["images_per_sample"]), r["precision"], r["optimizer"],
                       r["train"] + (f" r{r['lora_r']}" if r["lora_r"] else ""),
-                      "yes" if r["grad_ckpt"] else "no", r["attn"], r["outcome"],
+                      "yes" if r["grad_ckpt"] else "no", r["attn"], _ranks(r), r["outcome"],
                       _gib(r["peak_allocated_bytes"]), _gib(r["peak_device_bytes"]),
                       "-" if r["step_seconds"] is None else f"{r['step_seconds']:.2f}")
     if rows:
@@ -45,6 +49,9 @@ def _summary(report) -> None:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items())) or "none"
     console.print(f"outcomes: {counts}; skipped (already measured): {report.skipped}; "
                   f"planned: {report.planned}; {report.wall_seconds:.0f} s -> {report.out}")
+    if report.too_many_ranks:
+        console.print(f"not run: {report.too_many_ranks} config(s) need more GPUs than this "
+                      "machine has (world_size)")
     if report.stopped_by_budget:
         console.print("stopped by the time budget; run again with --resume to continue")
     for reason, n in sorted(report.sweep.dropped.items()):
@@ -78,7 +85,7 @@ def collect_command(
     def on_start(report) -> None:
         progress.start()
         task["id"] = progress.add_task(f"{report.sweep.name} ({report.source})",
-                                       total=report.planned - report.skipped)
+                                       total=report.planned - report.skipped - report.too_many_ranks)
 
     def on_item(item) -> None:
         spec = item.spec

@@ -20,6 +20,9 @@ INIT_PARAMS_PER_S = 2e9
 """Random init of parameters on the GPU incl. transformers' per-module init loop (assumed)."""
 PEAK_FLOPS = 989e12
 """H200 dense BF16 tensor-core peak (NVIDIA H200 datasheet, same as H100 SXM)."""
+TORCHRUN_S = 10.0
+"""torchrun, its rendezvous and the process group of a multi-rank config (assumed; 13 s for a
+2-rank CPU/gloo launch of a tiny model on this 2-core machine, import time included)."""
 MFU = 0.3
 """Assumed model-FLOPs utilisation of an eager HF training step."""
 
@@ -39,11 +42,15 @@ def param_count(config: dict) -> int:
     return total
 
 
-def estimate_seconds(config: dict, tokens: int, iterations: int, grad_ckpt: bool) -> float:
-    """Wall seconds of one config (startup + init + steps at 6 FLOPs/param/token), rough."""
+def estimate_seconds(config: dict, tokens: int, iterations: int, grad_ckpt: bool,
+                     launched: bool = False) -> float:
+    """Wall seconds of one config (startup + init + steps at 6 FLOPs/param/token), rough.
+
+    Each rank of a multi-rank config runs its own micro-batch in parallel: same step time,
+    plus the launch (`launched`)."""
     params = param_count(config)
     flops = 6 * params * tokens * (4 / 3 if grad_ckpt else 1)  # checkpointing: one more forward
-    return STARTUP_S + params / INIT_PARAMS_PER_S + iterations * flops / (PEAK_FLOPS * MFU)
+    return STARTUP_S + TORCHRUN_S * launched + params / INIT_PARAMS_PER_S + iterations * flops / (PEAK_FLOPS * MFU)
 
 
 def space_filling_order(keys: Sequence[Sequence[Hashable]], costs: Sequence[float]) -> list[int]:

@@ -17,6 +17,11 @@ DEFAULT_PROBE = "hybridmem.harness.probe:CudaProbe"
 POLL_S = 0.005  # NVML sampling period between phase boundaries (catches short spikes)
 
 
+def _local_rank() -> int:
+    """This process's rank on the machine (torchrun's LOCAL_RANK; 0 for a single process)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def load_probe():
     """An instance of the probe named by `HYBRIDMEM_PROBE` (default: the CUDA probe)."""
     module, _, name = (os.environ.get(PROBE_ENV) or DEFAULT_PROBE).partition(":")
@@ -53,7 +58,11 @@ class CudaProbe:
                 import pynvml  # from the nvidia-ml-py package
 
                 pynvml.nvmlInit()
-                visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+                # this rank's GPU: the LOCAL_RANK-th visible one (torchrun), else the first
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+                index = _local_rank()
+                visible = (visible.split(",")[index].strip() if visible.strip()
+                           else str(index))
                 self._handle = (pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit()
                                 else pynvml.nvmlDeviceGetHandleByUUID(visible))
                 self._nvml = pynvml
@@ -92,6 +101,8 @@ class CudaProbe:
     def init(self):
         import torch
 
+        if "LOCAL_RANK" in os.environ:  # one GPU per rank (torchrun), before anything touches one
+            torch.cuda.set_device(_local_rank())
         torch.cuda.init()
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._start_poll()
@@ -165,7 +176,8 @@ class CudaProbe:
             driver = self._nvml.nvmlSystemGetDriverVersion()
             driver = driver.decode() if isinstance(driver, bytes) else str(driver)
         return {"gpu_name": props.name, "gpu_memory_bytes": int(props.total_memory),
-                "driver_version": driver, "cuda_version": torch.version.cuda or ""}
+                "driver_version": driver, "cuda_version": torch.version.cuda or "",
+                "device_count": torch.cuda.device_count()}
 
 
 class CpuProbe:
@@ -220,5 +232,6 @@ class CpuProbe:
         pass
 
     def environment(self) -> dict:
+        # device_count None: ranks are CPU processes, any world size runs (slowly)
         return {"gpu_name": "cpu-dryrun", "gpu_memory_bytes": 0,
-                "driver_version": "", "cuda_version": ""}
+                "driver_version": "", "cuda_version": "", "device_count": None}

@@ -20,6 +20,10 @@ ENV_KEY: tuple[str, ...] = ("gpu_name", "torch_version", "source")
 """Columns that, with `spec_hash`, identify a measurement: `--resume` skips a spec measured
 under the same key, and the reader keeps the newest row per key."""
 
+# Columns added after version 1 without a version bump (a reader of version 1 ignores them);
+# parts written before them read back with these values.
+ADDED_COLUMNS: dict[str, object] = {"strategy": "none", "rank_peaks_json": ""}
+
 # column -> pandas dtype ("Int64"/"boolean" are nullable: oom/error rows have no peaks)
 COLUMNS: dict[str, str] = {
     # identity and provenance
@@ -48,6 +52,7 @@ COLUMNS: dict[str, str] = {
     "grad_ckpt": "bool",
     "lora_r": "int64",
     "world_size": "int64",
+    "strategy": "string",
     "params_total": "Int64",
     "params_trainable": "Int64",
     "param_bytes": "Int64",
@@ -70,6 +75,7 @@ COLUMNS: dict[str, str] = {
     "step_seconds": "float64",
     "wall_seconds": "float64",
     "phase_peaks_json": "string",
+    "rank_peaks_json": "string",
     # environment
     "gpu_name": "string",
     "gpu_memory_bytes": "int64",

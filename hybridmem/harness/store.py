@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from hybridmem.errors import SpecError
-from hybridmem.harness.schema import COLUMNS, ENV_KEY, SCHEMA_VERSION
+from hybridmem.harness.schema import ADDED_COLUMNS, COLUMNS, ENV_KEY, SCHEMA_VERSION
 
 PART_PREFIX = "part-"
 KEY: tuple[str, ...] = ("spec_hash",) + ENV_KEY
@@ -82,6 +82,10 @@ def _read(files: list[Path]) -> pd.DataFrame:
     if not frames:
         return rows_frame([])
     df = pd.concat(frames, ignore_index=True)
+    for column, default in ADDED_COLUMNS.items():  # parts written before the column existed
+        if column not in df:
+            df[column] = default
+        df[column] = df[column].fillna(default).astype(COLUMNS[column])
     newer = df["schema_version"] > SCHEMA_VERSION
     if newer.any():
         raise SpecError("schema_version", int(df.loc[newer, "schema_version"].max()),

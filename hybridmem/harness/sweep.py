@@ -23,6 +23,8 @@ from hybridmem.errors import SpecError
 from hybridmem.harness import shapes
 from hybridmem.harness.order import estimate_seconds, space_filling_order
 from hybridmem.harness.schema import spec_hash
+from hybridmem.parallel.spec import STRATEGIES, ParallelSpec
+from hybridmem.parallel.validate import check_parallel
 from hybridmem.spec import LoraSpec, TrainingSpec
 
 SWEEP_KEYS: dict[str, object] = {"name": "", "seed": 0, "iterations": 3, "timeout_s": 600.0,
@@ -45,8 +47,13 @@ AXES: dict[str, list] = {
     "lora_r": [8],
     "attn": ["sdpa"],
     "grad_ckpt": [False],
+    "world_size": [1],  # ranks (GPUs); > 1 is launched through torchrun
+    "strategy": ["none"],  # hybridmem.parallel.spec.STRATEGIES; > 1 rank needs one
 }
-BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority") + tuple(AXES)
+BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority",
+                               "parallel") + tuple(AXES)
+PARALLEL_AXES = ("world_size", "strategy")
+"""Axes that go into the spec's `ParallelSpec`; a block's `parallel` table sets its other knobs."""
 SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
 SPEC_AXES = ("micro_batch", "seq_len", "precision", "optimizer", "train", "attn", "grad_ckpt")
@@ -117,6 +124,10 @@ def _check_value(where: str, axis: str, value: object) -> None:
             LoraSpec(r=value)
         elif axis == "image_size" and value != 0:
             TrainingSpec(model="x", image_size=value)
+        elif axis == "world_size":
+            ParallelSpec(world_size=value, strategy="ddp")  # DDP takes any world size
+        elif axis == "strategy" and value not in STRATEGIES:
+            raise SpecError(axis, value, STRATEGIES)
         elif axis in ("model", "vision", "decoder") and not isinstance(value, str):
             raise SpecError(axis, value, reason="must be a name")
     except SpecError as err:
@@ -163,8 +174,18 @@ def _validate_graph(spec: TrainingSpec) -> None:
     build_graph(spec)
 
 
+def _parallel_knobs(block: dict, where: str) -> dict:
+    """The block's `parallel` table: fixed ParallelSpec knobs (bucket sizes, offload, ...)."""
+    knobs = block.get("parallel", {})
+    if not isinstance(knobs, dict):
+        raise SpecError(f"{where}.parallel", knobs, reason="use a table of ParallelSpec fields")
+    allowed = [f for f in ParallelSpec.__dataclass_fields__ if f not in PARALLEL_AXES]
+    _check_keys(knobs, allowed, f"{where}.parallel")
+    return knobs
+
+
 def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str,
-              priority: int = 0) -> SweepItem:
+              priority: int = 0, knobs: dict | None = None) -> SweepItem:
     """The item for one combination; SpecError if the combination cannot exist."""
     label, cfg = _model_config(combo, custom, where)
     multimodal = "vision_config" in cfg
@@ -178,7 +199,9 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         precision=combo["precision"], optimizer=combo["optimizer"], train=train,
         # LLaVA-1.5 finetune_lora uses alpha = 2 r (r 128, alpha 256)
         lora=LoraSpec(r=combo["lora_r"], alpha=2.0 * combo["lora_r"]) if train == "lora" else None,
-        attn=combo["attn"], grad_ckpt=combo["grad_ckpt"])
+        attn=combo["attn"], grad_ckpt=combo["grad_ckpt"],
+        parallel=_parallel(combo, knobs or {}, where))
+    check_parallel(spec)
     runnable = spec.with_(model=_materialize(cfg))
     tokens = _image_tokens(cfg, runnable)
     if tokens + 1 > spec.seq_len:
@@ -188,10 +211,25 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
     axes = tuple(combo[a] for a in AXES)
     if train != "lora":  # the rank means nothing then: do not let it count as a new axis value
         axes = tuple(0 if a == "lora_r" else v for a, v in zip(AXES, axes))
-    est = estimate_seconds(cfg, spec.micro_batch * spec.seq_len, iterations, spec.grad_ckpt)
+    est = estimate_seconds(cfg, spec.micro_batch * spec.seq_len, iterations, spec.grad_ckpt,
+                           launched=spec.parallel.strategy != "none")
     return SweepItem(label=label, config=cfg, spec=spec, spec_hash=spec_hash(spec.to_dict(), cfg),
                      block=block, axes=axes, image_tokens=tokens, est_seconds=est,
                      priority=priority)
+
+
+def _parallel(combo: dict, knobs: dict, where: str) -> ParallelSpec:
+    """The ParallelSpec of a combination; a bad knob value is the block's error, a strategy that
+    does not go with the world size an impossible combination (dropped)."""
+    try:
+        return ParallelSpec(world_size=combo["world_size"], strategy=combo["strategy"], **knobs)
+    except SpecError as err:
+        name = err.field.removeprefix("parallel.")
+        if name in knobs:
+            raise SpecError(f"{where}.parallel.{name}", err.value, err.choices, err.reason) from None
+        raise
+    except TypeError as err:  # a knob of the wrong kind that the dataclass cannot take
+        raise SpecError(f"{where}.parallel", knobs, reason=str(err)) from None
 
 
 def _materialize(cfg: dict) -> str:
@@ -261,6 +299,10 @@ def expand_block(block: dict, index: int, custom: dict, seed: int, iterations: i
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise SpecError(f"{where}.priority", priority, reason="must be an integer")
     axes = _block_axes(block, where)
+    knobs = _parallel_knobs(block, where)
+    if max(axes["world_size"]) > 1 and "strategy" not in block:
+        raise SpecError(f"{where}.strategy", None, STRATEGIES[1:],
+                        reason="world_size > 1 needs a data-parallel strategy axis")
     names, values = list(axes), list(axes.values())
     sizes = [len(v) for v in values]
     want = block.get("samples") if block.get("sampling") == "random" else None
@@ -269,7 +311,7 @@ def expand_block(block: dict, index: int, custom: dict, seed: int, iterations: i
     for i in _indices(sizes, block, int(block.get("seed", seed + index)), where):
         combo = {n: values[a][k] for a, (n, k) in enumerate(zip(names, _decode(i, sizes)))}
         try:
-            item = make_item(combo, custom, name, iterations, where, priority)
+            item = make_item(combo, custom, name, iterations, where, priority, knobs)
         except SpecError as err:
             if err.field.startswith(where):
                 raise  # a bad value, not a bad combination

@@ -37,6 +37,8 @@ class Job:
     params: list[nn.Parameter]
     masters: list[torch.Tensor] = field(default_factory=list)
     scaler: object | None = None
+    engine: object | None = None
+    """A DeepSpeed engine (ZeRO): it runs backward and the step itself."""
 
 
 @contextlib.contextmanager
@@ -168,8 +170,8 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module, device) -> dict:
     return batch
 
 
-def prepare(spec: TrainingSpec, config, device) -> Job:
-    """Everything on `device`; `bf16-master` emulates DeepSpeed's BF16_Optimizer (see README)."""
+def build_trainable(spec: TrainingSpec, config, device) -> nn.Module:
+    """The model as it trains on one GPU: built, parts frozen, LoRA added, checkpointing on."""
     model = build_model(spec, config, device)
     freeze(model, spec)
     if spec.train == "lora":
@@ -177,13 +179,33 @@ def prepare(spec: TrainingSpec, config, device) -> Job:
     if spec.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def prepare(spec: TrainingSpec, config, device) -> Job:
+    """Everything on `device`; `bf16-master` emulates DeepSpeed's BF16_Optimizer (see README).
+
+    A multi-rank spec is wrapped per its strategy (`hybridmem.harness.distributed`)."""
+    model = build_trainable(spec, config, device)
+    if spec.parallel.strategy != "none":
+        from hybridmem.harness import distributed
+
+        # the batch is made from the bare model: LLaVA-NeXT asks it for its image token count
+        return distributed.prepare(model, make_batch(spec, config, model, device), spec, device)
+    job = finish_job(model, spec, device)
+    job.batch = make_batch(spec, config, model, device)
+    return job
+
+
+def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None = None) -> Job:
+    """Optimizer (on fp32 masters under `bf16-master`) and loss scaler for `model`."""
     params = [p for p in model.parameters() if p.requires_grad]
     # fp32 master copies of the trainable bf16 params; the optimizer steps on them
     masters = ([p.detach().float().requires_grad_(True) for p in params]
                if spec.precision == "bf16-master" else [])
     optimizer = make_optimizer(spec.optimizer, masters or params)
     scaler = torch.amp.GradScaler(device.type) if spec.precision == "fp16-mixed" else None
-    return Job(model, optimizer, make_batch(spec, config, model, device), params, masters, scaler)
+    return Job(model, optimizer, batch or {}, params, masters, scaler)
 
 
 def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor:
@@ -194,10 +216,16 @@ def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor:
 
 
 def backward(job: Job, loss: torch.Tensor) -> None:
+    if job.engine is not None:
+        job.engine.backward(loss)
+        return
     (job.scaler.scale(loss) if job.scaler else loss).backward()
 
 
 def optimizer_step(job: Job) -> None:
+    if job.engine is not None:  # DeepSpeed: step, then zero the grads itself
+        job.engine.step()
+        return
     if job.masters:
         with torch.no_grad():  # BF16_Optimizer: bf16 grads -> fp32 master grads, step, copy back
             for m, p in zip(job.masters, job.params):

@@ -1,0 +1,207 @@
+"""The rank side of a multi-rank measurement: process group, one device per rank, and the model
+wrapped per strategy (DDP, FSDP2, DeepSpeed ZeRO) the way users' frameworks wrap it.
+
+The child runs this when torchrun launched it (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK). Each
+rank measures itself with its own probe and writes its own result; the parent merges them
+(`hybridmem.harness.ranks`). NCCL on CUDA; gloo for the CPU stand-in that tests use.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+from hybridmem.harness import workload
+from hybridmem.spec import TrainingSpec
+
+FAILED_EXIT = 3
+"""Exit status of a rank whose result is not `ok`: torchrun then stops the other ranks, which
+would otherwise wait for it in a collective (until the NCCL timeout, 10 min by default)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def launched() -> bool:
+    """True inside a rank started by torchrun (same test as `parallel.launch.rank_path`)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def pid_path(result_path: str) -> str:
+    """Where a rank notes its pid: torchrun starts each rank in its own session, so the parent
+    can only reach a rank left behind by a killed torchrun through its process group."""
+    return f"{result_path}.rank{rank()}.pid"
+
+
+def init(device: torch.device, spec: TrainingSpec) -> None:
+    """Join the process group: NCCL bound to this rank's GPU, else gloo."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != spec.parallel.world_size:
+        raise RuntimeError(f"launched on {world} ranks; the spec asks for "
+                           f"{spec.parallel.world_size}")
+    if device.type == "cuda":  # device_id: communicators are made now, inside the setup phase
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+
+
+def barrier() -> None:
+    """Every rank finished its iterations (a peer that failed shows up here as an error)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def finish(ok: bool) -> int:
+    """Leave the process group; the exit status torchrun should see."""
+    import torch.distributed as dist
+
+    if not ok:  # no clean-up: a collective may hang on the failed peer; torchrun stops the rest
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(FAILED_EXIT)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def prepare(model: nn.Module, batch: dict, spec: TrainingSpec, device) -> workload.Job:
+    """The job of one rank: `model` (built, frozen, LoRA, checkpointing) wrapped per strategy."""
+    strategy = spec.parallel.strategy
+    if strategy == "ddp":
+        return workload.finish_job(ddp(model, spec, device), spec, device, batch)
+    if strategy == "fsdp":
+        return workload.finish_job(fsdp(model, spec), spec, device, batch)
+    return deepspeed_job(model, batch, spec)
+
+
+def ddp(model: nn.Module, spec: TrainingSpec, device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import PreTrainedModel
+
+    ps = spec.parallel
+    # HF Trainer's default (`_build_accelerator_args`): find unused parameters unless a
+    # PreTrainedModel checkpoints activations; any other module (a PEFT wrapper): find them
+    find_unused = not spec.grad_ckpt if isinstance(model, PreTrainedModel) else True
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=ps.bucket_cap_mb, gradient_as_bucket_view=ps.gradient_as_bucket_view,
+        find_unused_parameters=find_unused)
+
+
+def _compute_dtype(spec: TrainingSpec) -> torch.dtype:
+    return workload.AUTOCAST.get(spec.precision, workload.PARAM_DTYPE[spec.precision])
+
+
+def _wrap_classes(model: nn.Module) -> set[str]:
+    """Block classes HF marks as never to be split (`_no_split_modules`: decoder and encoder
+    layers); accelerate's FSDP auto-wrap policy uses the same list."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    return names
+
+
+def fsdp(model: nn.Module, spec: TrainingSpec) -> nn.Module:
+    """FSDP2: `fully_shard` each HF block (decoder / encoder layer), then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    ps = spec.parallel
+    compute = _compute_dtype(spec)
+    # "auto" = the spec's compute dtype (hybridmem.parallel.sharding prices the same); reduce
+    # "auto" = FSDP2's None (reduce in the param dtype)
+    param_dtype = compute if ps.mp_param_dtype == "auto" else DTYPES[ps.mp_param_dtype]
+    reduce_dtype = None if ps.mp_reduce_dtype == "auto" else DTYPES[ps.mp_reduce_dtype]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs = {"reshard_after_forward": ps.reshard_after_forward, "mp_policy": mp}
+    wrap = _wrap_classes(model)
+    for m in reversed(list(model.modules())):  # children before parents
+        if type(m).__name__ in wrap:
+            fully_shard(m, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def deepspeed_config(spec: TrainingSpec) -> dict:
+    """DeepSpeed's JSON config for `spec` (ZeRO stage, buckets, offload, precision).
+
+    bf16 / bf16-master: DeepSpeed's bf16 (bf16 params, fp32 master partitions: the LLaVA recipe);
+    fp16: DeepSpeed's loss-scaled fp16; fp32 and the autocast policies: an fp32 model (the
+    harness's own autocast runs the forward; no loss scaler under DeepSpeed).
+    """
+    ps = spec.parallel
+    zero: dict = {
+        "stage": ps.zero_stage, "reduce_bucket_size": ps.reduce_bucket_size,
+        "allgather_bucket_size": ps.allgather_bucket_size,
+        "contiguous_gradients": ps.contiguous_gradients, "overlap_comm": ps.overlap,
+        "stage3_prefetch_bucket_size": ps.stage3_prefetch_bucket_size,
+        "stage3_param_persistence_threshold": ps.stage3_param_persistence_threshold,
+        "stage3_max_live_parameters": ps.stage3_max_live_parameters,
+        "stage3_max_reuse_distance": ps.stage3_max_reuse_distance,
+        "sub_group_size": ps.sub_group_size,
+    }
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(ps, name) != "none":
+            zero[name] = {"device": getattr(ps, name)}
+    return {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": spec.micro_batch * ps.world_size,
+        "gradient_clipping": 0.0,  # the single-GPU workload does not clip either
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec.precision in ("bf16", "bf16-master")},
+        "fp16": {"enabled": spec.precision == "fp16"},
+        # torch.optim.* and bitsandbytes optimizers are "client" optimizers to DeepSpeed
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1_000_000,
+    }
+
+
+def deepspeed_job(model: nn.Module, batch: dict, spec: TrainingSpec) -> workload.Job:
+    """ZeRO 1/2/3 through `deepspeed.initialize`; an `error` row when DeepSpeed is missing."""
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise workload.Unavailable(f"strategy={spec.parallel.strategy!r} needs DeepSpeed, "
+                                   "which is not installed") from err
+    params = [p for p in model.parameters() if p.requires_grad]
+    if spec.parallel.offload_optimizer != "none":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # offload steps on the CPU with it
+
+        optimizer = DeepSpeedCPUAdam(params, lr=workload.LR, adamw_mode=True)
+    else:
+        optimizer = workload.make_optimizer(spec.optimizer, params)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                   config=deepspeed_config(spec))
+    return workload.Job(engine, optimizer, batch, params, engine=engine)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds: a DTensor's shard (FSDP2), a ZeRO-3 partition."""
+    if hasattr(t, "ds_tensor"):
+        return t.ds_tensor
+    if hasattr(t, "to_local"):
+        return t.to_local()
+    return t
+
+
+def global_numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter, however it is sharded (ZeRO-3 empties `p` itself)."""
+    return int(getattr(p, "ds_numel", 0) or p.numel())
+
+
+def master_tensors(optimizer) -> list[torch.Tensor]:
+    """DeepSpeed ZeRO's fp32 master partitions (they are not optimizer `state`)."""
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        groups = getattr(optimizer, name, None)
+        if groups:
+            return [t for t in groups if isinstance(t, torch.Tensor)]
+    return []

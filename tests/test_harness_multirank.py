@@ -1,0 +1,154 @@
+"""Multi-rank configs through the real torchrun path, on the CPU: gloo stands in for NCCL and a
+stand-in probe for CUDA (imported by every rank from this file through PYTHONPATH).
+
+Each launch starts torchrun and two ranks (~14 s on 2 cores), so the configs here are few.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from hybridmem.errors import SpecError
+from hybridmem.harness import collect, load_dataset, load_sweep
+from hybridmem.harness.probe import CpuProbe
+from hybridmem.harness.ranks import NO_RESULT, merge
+from hybridmem.harness.store import measured_keys
+
+HERE = Path(__file__).resolve().parent
+MiB = 2**20
+
+SWEEP = """
+[sweep]
+name = "multirank"
+timeout_s = 120
+[[block]]
+decoder = ["llama-tiny"]
+seq_len = [16]
+precision = ["fp32"]
+world_size = [2]
+strategy = {strategies}
+"""
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+class RankProbe(CpuProbe):
+    """Per-rank numbers that tell the ranks apart: rank r peaks at (r + 1) MiB allocated in its
+    backward phases, reserved one MiB above that, device one more."""
+
+    PHASE = {"setup": 0, "forward": 1, "backward": 3, "optimizer": 2}
+
+    def phase_end(self, phase: str, iteration: int) -> dict:
+        alloc = (_rank() + 1) * MiB * self.PHASE[phase] // 3
+        return {"allocated": alloc, "reserved": alloc + MiB, "active": alloc,
+                "inactive_split": 0, "device": alloc + 2 * MiB}
+
+
+class DeadRankProbe(CpuProbe):
+    """Rank 1 dies by SIGKILL while building (as the kernel's OOM killer would do)."""
+
+    def phase_start(self, phase: str, iteration: int) -> None:
+        if phase == "setup" and _rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _collect(tmp_path, monkeypatch, probe: str, strategies: list[str], resume: bool = False):
+    monkeypatch.setenv("HYBRIDMEM_PROBE", f"test_harness_multirank:{probe}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    sweep = tmp_path / "multirank.toml"
+    sweep.write_text(SWEEP.format(strategies=json.dumps(strategies)))
+    out = tmp_path / "data"
+    report = collect(sweep, out=out, backend="cuda", mlflow=False, resume=resume)
+    return report, load_dataset(out)
+
+
+def test_ddp_and_fsdp_rows_carry_both_ranks_and_resume_adds_nothing(tmp_path, monkeypatch):
+    report, df = _collect(tmp_path, monkeypatch, "RankProbe", ["ddp", "fsdp"])
+    assert report.counts == {"ok": 2}, df["error"].tolist()
+    assert sorted(df["strategy"]) == ["ddp", "fsdp"] and set(df["world_size"]) == {2}
+    for _, row in df.iterrows():
+        ranks = json.loads(row["rank_peaks_json"])
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert [r["peak_allocated_bytes"] for r in ranks] == [MiB, 2 * MiB]  # RankProbe
+        # the row is the worst rank (rank 1): its peaks and the phase of its peak
+        assert row["peak_allocated_bytes"] == 2 * MiB
+        assert row["peak_reserved_bytes"] == 3 * MiB and row["peak_device_bytes"] == 4 * MiB
+        assert row["peak_phase"] == "backward"
+    by = df.set_index("strategy")
+    # FSDP2 shards every parameter along dim 0 over 2 ranks; every llama-tiny parameter has an
+    # even dim 0 (vocab 128, hidden 64, intermediate 128), so each rank holds exactly half of
+    # what a DDP replica holds (bytes counted per rank by the child)
+    assert by.loc["fsdp", "param_bytes"] * 2 == by.loc["ddp", "param_bytes"]
+    assert by.loc["ddp", "params_total"] == by.loc["fsdp", "params_total"]  # whole-model count
+
+    again, df2 = _collect(tmp_path, monkeypatch, "RankProbe", ["ddp", "fsdp"], resume=True)
+    assert again.skipped == 2 and not again.rows
+    assert len(df2) == 2 and len(measured_keys(tmp_path / "data")) == 2
+
+
+def test_a_rank_that_dies_is_an_error_row_naming_it(tmp_path, monkeypatch):
+    report, df = _collect(tmp_path, monkeypatch, "DeadRankProbe", ["ddp"])
+    assert report.counts == {"error": 1}
+    row = df.iloc[0]
+    assert "rank 1 died: killed by SIGKILL" in row["error"]
+    assert row["peak_allocated_bytes"] is pd.NA
+    assert {r["outcome"] for r in json.loads(row["rank_peaks_json"])} == {NO_RESULT}
+
+
+def _rank_result(outcome: str, alloc: int | None, ended: float, error: str = "") -> dict:
+    return {"outcome": outcome, "error": error, "peak_allocated_bytes": alloc,
+            "peak_reserved_bytes": alloc, "peak_phase": "forward", "ended_at": ended,
+            "iteration_seconds": [1.0, 2.0]}
+
+
+def test_merge_any_oom_makes_an_oom_job():
+    """The OOM of one rank decides the job even when a peer failed earlier in the collective
+    it left (the peer's error is a consequence)."""
+    out = merge([_rank_result("error", None, 1.0, "gloo: connection closed"),
+                 _rank_result("oom", None, 2.0, "OutOfMemoryError: 2 GiB")])
+    assert out["outcome"] == "oom" and out["error"] == "rank 1: OutOfMemoryError: 2 GiB"
+    assert [r["outcome"] for r in out["rank_peaks"]] == ["error", "oom"]
+
+
+def test_merge_first_error_partial_and_ok():
+    first = merge([_rank_result("error", None, 5.0, "late"), _rank_result("error", None, 3.0, "first")])
+    assert first["error"] == "rank 1: first"
+    partial = merge([_rank_result("ok", 7, 1.0), None], failure="timed out after 9 s")
+    assert partial["outcome"] == "error"
+    assert partial["error"] == "timed out after 9 s; no result from rank(s) [1]"
+    slow = {**_rank_result("ok", 9, 1.0), "iteration_seconds": [0.5, 3.0], "peak_phase": "backward"}
+    ok = merge([_rank_result("ok", 7, 1.0), slow])
+    assert ok["outcome"] == "ok" and ok["peak_allocated_bytes"] == 9
+    assert ok["peak_phase"] == "backward"  # the phase of the worst rank's peak
+    assert ok["iteration_seconds"] == [1.0, 3.0]  # the slowest rank per iteration
+
+
+def test_sweep_parallel_axis_is_validated(tmp_path):
+    path = tmp_path / "s.toml"
+    head = '[[block]]\ndecoder = ["llama-tiny"]\nseq_len = [16]\n'
+    path.write_text(head + 'world_size = [1, 2]\nstrategy = ["none", "ddp", "fsdp"]\n'
+                    "parallel = { bucket_cap_mb = 50 }\n")
+    sweep = load_sweep(path)
+    got = sorted((i.spec.parallel.world_size, i.spec.parallel.strategy) for i in sweep.items)
+    # (1, fsdp) shards nothing and (2, none) has no strategy: ParallelSpec refuses both
+    assert got == [(1, "ddp"), (1, "none"), (2, "ddp"), (2, "fsdp")]
+    assert sum(sweep.dropped.values()) == 2
+    assert {i.spec.parallel.bucket_cap_mb for i in sweep.items} == {50}
+    for body, match in [('world_size = [2]\n', r"block\[0\].strategy=None"),
+                        ('world_size = [0]\nstrategy = ["ddp"]\n', r"block\[0\].world_size=0"),
+                        ('world_size = [2]\nstrategy = ["dp"]\n', r"block\[0\].strategy='dp'"),
+                        ('world_size = [2]\nstrategy = ["ddp"]\nparallel = { bucket_cap_mb = -1 }\n',
+                         r"block\[0\].parallel.bucket_cap_mb=-1"),
+                        ('world_size = [2]\nstrategy = ["ddp"]\nparallel = { nope = 1 }\n',
+                         r"block\[0\].parallel.nope=1: unknown key")]:
+        path.write_text(head + body)
+        with pytest.raises(SpecError, match=match):
+            load_sweep(path)
