@@ -11,7 +11,7 @@ from importlib import import_module
 
 import typer
 
-from hybridmem.errors import SpecError
+from hybridmem.console import run_app
 
 SUBCOMMANDS: tuple[str, ...] = ("predict", "collect", "train", "evaluate")
 
@@ -45,24 +45,7 @@ _register_all()
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: one-line errors on stderr, exit 2, no traceback."""
-    try:
-        app(args=argv, standalone_mode=False)
-    except SpecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except typer.Exit as err:
-        return err.exit_code
-    except typer.Abort:
-        print("aborted", file=sys.stderr)
-        return 130
-    except Exception as err:
-        # click usage errors (typer vendors click, so match by shape) carry their own message
-        # and exit code (2 for usage errors)
-        if hasattr(err, "show") and isinstance(getattr(err, "exit_code", None), int):
-            err.show()
-            return err.exit_code
-        raise
-    return 0
+    return run_app(app, argv)
 
 
 if __name__ == "__main__":

@@ -17,5 +17,6 @@ def main(argv: list[str] | None = None) -> int:
     app.command("collect")(collect_command)  # single command: run without its name
     return run_app(app, argv)
 
+
 if __name__ == "__main__":
     sys.exit(main())
