@@ -1,4 +1,5 @@
-"""`estimate(spec) -> Prediction`: the analytic tier, per layer and per factor, peak over a timeline.
+"""`estimate(spec) -> Prediction`: the analytic tier, per layer and per factor, peak over a
+timeline.
 
 Which tensors need grads follows autograd: a layer keeps activations only if its input
 requires grad or it has parameters that get grads (a frozen vision tower under
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybridmem.analytic import activations as A
+from hybridmem.analytic import activations as A, text_acts as TA, vision_acts as VA
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.overheads import (
     CUBLAS_HANDLES_TRAINING,
@@ -57,18 +58,18 @@ def context(spec: TrainingSpec) -> A.Ctx:
 # layer kind -> activation formula (need_in, need_w); kinds not listed keep nothing for
 # backward (image_newline: expand + cat; SigLIP's pooling head: off the grad path)
 FORMULAS = {
-    "decoder_layer": A.decoder_layer, "encoder_layer": A.encoder_layer,
-    "layernorm": A.layernorm, "rmsnorm": A.rmsnorm, "lm_head": A.lm_head,
-    "projector": A.projector, "vision_embeddings": A.vision_embeddings,
+    "decoder_layer": TA.decoder_layer, "encoder_layer": VA.encoder_layer,
+    "layernorm": VA.layernorm, "rmsnorm": TA.rmsnorm, "lm_head": TA.lm_head,
+    "projector": VA.projector, "vision_embeddings": VA.vision_embeddings,
 }
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
     if layer.kind == "embedding":
-        return A.embedding(layer, c, need_in, need_w, tied_grad, merged)
+        return TA.embedding(layer, c, need_in, need_w, tied_grad, merged)
     if layer.kind == "rotary":
-        return A.rotary(layer, c, need_in)
+        return TA.rotary(layer, c, need_in)
     formula = FORMULAS.get(layer.kind)
     return formula(layer, c, need_in, need_w) if formula else A.Acts()
 
@@ -127,7 +128,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
             flow["lm"] |= need_w or lora
         acts = _acts(layer, c, need_in, need_w, tied_grad, graph.image_tokens > 0)
         if layer.kind == "embedding" and graph.image_tokens and flow["lm"]:
-            acts = replace(acts, saved=acts.saved + A.image_merge(graph.micro_batch,
+            acts = replace(acts, saved=acts.saved + VA.image_merge(graph.micro_batch,
                                                                   graph.seq_len))
         grad, waste = st.grad, st.waste_grad
         if tied_w and layer.kind == "embedding":

@@ -8,7 +8,7 @@ opt.step(); opt.zero_grad(set_to_none=True)`. So:
   checkpointed) and its backward transients are live, then its saved tensors are freed;
 - optimizer step: all grads + the state, created lazily in the first step (so iteration 0's
   forward/backward run without it) + the step's temporaries; then the grads are freed.
-The batch (ids, labels, mask, pixels) lives for the whole iteration. Each point of the timeline
+The batch (ids, labels, pixels; no attention mask) lives for the whole iteration. Each point of the timeline
 carries its bytes per category, so the breakdown at the peak is exact, not a sum of maxima.
 """
 

@@ -1,0 +1,139 @@
+"""Activation formulas of the decoder LLM: Llama/Mistral/Qwen2 layers, final norm, lm_head
+with the loss, token embedding, rotary tables (sources: `hybridmem.analytic.activations`)."""
+
+from __future__ import annotations
+
+from hybridmem.analytic.activations import (
+    FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, linear_inputs,
+    lora_outputs,
+)
+from hybridmem.analytic.alloc import t
+from hybridmem.models.graph import Layer
+
+
+def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """Llama/Mistral/Qwen2 decoder layer: RMSNorm, GQA attention with RoPE, SwiGLU MLP."""
+    d = layer.dims
+    b, s, h, f = d["b"], d["s"], d["h"], d["ffn"]
+    B, qd, kvd = b * s, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    lora = bool(layer.lora)
+    active = need_in or need_w or lora
+    if not active or not layer.runs:
+        return Acts()
+    e, sb = c.e, c.stream
+    sv = Saved()
+    n_qkv = adapters_on(layer, ("q_proj", "k_proj", "v_proj"))
+    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, ("gate_proj", "up_proj"))
+    n_down = adapters_on(layer, ("down_proj",))
+    # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
+    sv.add(B * h, FP32, need_in)
+    sv.add(B, FP32, need_in)
+    sv.add(B * h, sb, need_w)
+    linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False)
+    lora_outputs(sv, c, B, n_qkv)
+    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd)
+    # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
+    linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager")
+    lora_outputs(sv, c, B, n_o)
+    attn_part = sv.total
+    # post-attention RMSNorm on the residual h1 (always on the grad path once active)
+    sv.add(B * h, FP32)
+    sv.add(B, FP32)
+    sv.add(B * h, sb, need_w)
+    linear_inputs(sv, c, B * h, sb, 2, need_w, n_gu, shared=False)
+    lora_outputs(sv, c, B, n_gu)
+    sv.add(B * f, e, times=3)  # gate output (SiLU input), SiLU output, up output (mul operands)
+    linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
+    lora_outputs(sv, c, B, n_down)
+    copies, cache = amp_copies(layer, c, active, need_w)
+    rope = t(B * qd, FP32) + t(B * kvd, FP32) if c.amp else 2 * t(B * qd, e)
+    fwd = rope + (2 * t(probs, e) if probs else 0)
+    # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
+    # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
+    mlp_bwd = 2 * t(B * f, e)
+    attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
+    if not c.amp and e != FP32:
+        # the fp32 adapter branch: its output grad is cast to fp32 (B x out) and lora_A returns
+        # an fp32 input grad (B x in) before the cast back (PEFT lora.Linear in bf16 models)
+        if n_gu or n_down:
+            mlp_bwd += t(B * f, FP32) + t(B * h, FP32)
+        if n_qkv or n_o:
+            attn_bwd += t(B * qd, FP32) + t(B * h, FP32)
+    elif c.amp:
+        # autocast: lora_A's bf16 input grad is cast back to the fp32 stream (B x in)
+        mlp_bwd += t(B * h, FP32) if (n_gu or n_down) else 0
+        attn_bwd += t(B * h, FP32) if (n_qkv or n_o) else 0
+    if c.attn == "flash_attention_2":
+        attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
+    return Acts(saved=sv.total + copies, ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=fwd,
+                bwd_extra=2 * t(B * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
+                bwd_mlp=t(B * h, sb) + mlp_bwd)
+
+
+def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """Final RMSNorm: fp32 input, rsqrt; normalised input for the weight grad."""
+    d = layer.dims
+    B, h = d["b"] * d["s"], d["h"]
+    if not (need_in or need_w):
+        return Acts()
+    sv = Saved()
+    sv.add(B * h, FP32, need_in)
+    sv.add(B, FP32, need_in)
+    sv.add(B * h, c.stream, need_w)
+    return Acts(saved=sv.total, bwd_extra=2 * t(B * h, c.stream))
+
+
+def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """Output projection + ForCausalLMLoss: `logits.float()` then cross_entropy.
+
+    Saved: the head's input (weight grad) and log_softmax's fp32 output (B x V). Forward
+    transient: the logits (compute dtype) and their fp32 upcast, alive while log_softmax writes
+    its output. Backward: nll_loss's grad (B x V fp32) and log_softmax's grad input (fp32)
+    coexist, then the cast back to the compute dtype, then the head's input grad.
+    """
+    d = layer.dims
+    B, h, V = d["b"] * d["s"], d["h"], d["vocab"]
+    lora = bool(layer.lora)
+    active = need_in or need_w or lora
+    if not active:
+        return Acts()
+    e = c.e
+    sv = Saved()
+    linear_inputs(sv, c, B * h, c.stream, 1, need_w, len(layer.lora) // 2, shared=False)
+    lora_outputs(sv, c, B, len(layer.lora) // 2)
+    sv.add(B * V, FP32)  # log_softmax output
+    sv.add(B, INT64)     # shift_labels (`labels[..., 1:].contiguous()`), nll_loss's target
+    sv.add(1, FP32, times=2)  # nll_loss output and total_weight
+    copies = cache = 0
+    if c.amp:
+        w = t(V * h, 2)
+        copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in layer.lora)
+        cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in layer.lora)
+    fwd = t(B * V, e) + (t(B * V, FP32) if e != FP32 else 0)
+    bwd = max(2 * t(B * V, FP32),
+              t(B * V, FP32) + (t(B * V, e) if e != FP32 else 0),
+              t(B * V, e) + t(B * h, e) + (t(V * h, 2) if c.amp and need_w else 0))
+    return Acts(saved=sv.total + copies, cache=cache, fwd_extra=fwd, bwd_extra=bwd)
+
+
+def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0,
+              merged: bool = False) -> Acts:
+    """Token embedding: saves only the ids (a batch input). Backward of a tied weight makes a
+    second grad buffer before accumulating into the existing one. Frozen under checkpointing,
+    its output is a grad-requiring leaf (see `vision_embeddings`) that gets a .grad; it is kept
+    anyway as the first layer's checkpointed input, unless image features were `merged` into a
+    new tensor (LLaVA), which leaves the leaf as an extra tensor."""
+    d = layer.dims
+    B, h = d["b"] * d["s"], d["h"]
+    leaf = t(B * h, c.stream) if c.ckpt and not need_w else 0
+    return Acts(saved=leaf if merged else 0, fwd_extra=2 * t(B * h, c.stream),
+                bwd_extra=(tied_grad if need_w else 0) + leaf)
+
+
+def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
+    """cos/sin (1, s, head_dim) in the stream dtype (`position_ids` is one arange row shared by
+    the batch): computed once per forward, saved by every layer's RoPE."""
+    d = layer.dims
+    if not active:
+        return Acts()
+    return Acts(saved=2 * t(d["s"] * d["head_dim"], c.stream))
