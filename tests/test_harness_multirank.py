@@ -6,6 +6,7 @@ Each launch starts torchrun and two ranks (~14 s on 2 cores), so the configs her
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -152,3 +153,38 @@ def test_sweep_parallel_axis_is_validated(tmp_path):
         path.write_text(head + body)
         with pytest.raises(SpecError, match=match):
             load_sweep(path)
+
+
+def test_deepspeed_config_follows_the_parallel_spec():
+    """Every ZeRO knob is passed through; bf16-master is DeepSpeed's bf16 (bf16 params, fp32
+    master partitions, as the LLaVA recipe runs)."""
+    from hybridmem.harness.distributed import deepspeed_config
+    from hybridmem.parallel.spec import ParallelSpec
+    from hybridmem.spec import TrainingSpec
+
+    ps = ParallelSpec(world_size=4, strategy="zero3", offload_optimizer="cpu",
+                      reduce_bucket_size=1234)
+    cfg = deepspeed_config(TrainingSpec(model="x", micro_batch=3, precision="bf16-master",
+                                        parallel=ps))
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3 and zero["reduce_bucket_size"] == 1234
+    assert zero["offload_optimizer"] == {"device": "cpu"} and "offload_param" not in zero
+    assert zero["overlap_comm"] is True  # DeepSpeed's default for stage 3 (ParallelSpec.overlap)
+    assert cfg["train_batch_size"] == 12 and cfg["train_micro_batch_size_per_gpu"] == 3
+    assert cfg["bf16"] == {"enabled": True} and cfg["fp16"] == {"enabled": False}
+    fp32 = deepspeed_config(TrainingSpec(model="x", precision="fp32",
+                                         parallel=ParallelSpec(world_size=2, strategy="zero1")))
+    assert fp32["zero_optimization"]["stage"] == 1 and not fp32["bf16"]["enabled"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None,
+                    reason="DeepSpeed is installed")
+def test_zero_without_deepspeed_is_an_unavailable_error():
+    from hybridmem.harness.distributed import deepspeed_job
+    from hybridmem.harness.workload import Unavailable
+    from hybridmem.parallel.spec import ParallelSpec
+    from hybridmem.spec import TrainingSpec
+
+    spec = TrainingSpec(model="x", parallel=ParallelSpec(world_size=2, strategy="zero2"))
+    with pytest.raises(Unavailable, match="strategy='zero2' needs DeepSpeed"):
+        deepspeed_job(spec, None, None)

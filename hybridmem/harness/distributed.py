@@ -8,6 +8,7 @@ rank measures itself with its own probe and writes its own result; the parent me
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -73,14 +74,29 @@ def finish(ok: bool) -> int:
     return 0
 
 
-def prepare(model: nn.Module, batch: dict, spec: TrainingSpec, device) -> workload.Job:
-    """The job of one rank: `model` (built, frozen, LoRA, checkpointing) wrapped per strategy."""
+def _batch(spec: TrainingSpec, config, model: nn.Module, device) -> dict:
+    """The batch, made next to the bare model (LLaVA-NeXT asks it for its image token count)."""
+    where = next(model.parameters()).device
+    return {k: v.to(device) for k, v in workload.make_batch(spec, config, model, where).items()}
+
+
+def prepare(spec: TrainingSpec, config, device) -> workload.Job:
+    """The job of one rank: the model (built, frozen, LoRA, checkpointing) wrapped per strategy.
+
+    FSDP2 models are built on the CPU and `fully_shard` moves each unit's shard to the GPU, so
+    no rank holds a whole replica (as accelerate loads FSDP models); ZeRO-3 models are built
+    under `deepspeed.zero.Init` (as transformers does under ZeRO-3); DDP and ZeRO-1/2 keep a
+    whole replica per rank anyway and are built on the GPU."""
     strategy = spec.parallel.strategy
-    if strategy == "ddp":
-        return workload.finish_job(ddp(model, spec, device), spec, device, batch)
     if strategy == "fsdp":
+        model = workload.build_trainable(spec, config, torch.device("cpu"))
+        batch = _batch(spec, config, model, device)
         return workload.finish_job(fsdp(model, spec), spec, device, batch)
-    return deepspeed_job(model, batch, spec)
+    if strategy == "ddp":
+        model = workload.build_trainable(spec, config, device)
+        batch = _batch(spec, config, model, device)
+        return workload.finish_job(ddp(model, spec, device), spec, device, batch)
+    return deepspeed_job(spec, config, device)
 
 
 def ddp(model: nn.Module, spec: TrainingSpec, device) -> nn.Module:
@@ -165,13 +181,19 @@ def deepspeed_config(spec: TrainingSpec) -> dict:
     }
 
 
-def deepspeed_job(model: nn.Module, batch: dict, spec: TrainingSpec) -> workload.Job:
+def deepspeed_job(spec: TrainingSpec, config, device) -> workload.Job:
     """ZeRO 1/2/3 through `deepspeed.initialize`; an `error` row when DeepSpeed is missing."""
     try:
         import deepspeed
     except ImportError as err:
         raise workload.Unavailable(f"strategy={spec.parallel.strategy!r} needs DeepSpeed, "
                                    "which is not installed") from err
+    ds_config = deepspeed_config(spec)
+    init = (deepspeed.zero.Init(config_dict_or_path=ds_config) if spec.parallel.zero_stage == 3
+            else contextlib.nullcontext())
+    with init:
+        model = workload.build_trainable(spec, config, device)
+    batch = _batch(spec, config, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     if spec.parallel.offload_optimizer != "none":
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # offload steps on the CPU with it
@@ -180,7 +202,7 @@ def deepspeed_job(model: nn.Module, batch: dict, spec: TrainingSpec) -> workload
     else:
         optimizer = workload.make_optimizer(spec.optimizer, params)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                   config=deepspeed_config(spec))
+                                                   config=ds_config)
     return workload.Job(engine, optimizer, batch, params, engine=engine)
 
 

@@ -186,12 +186,11 @@ def prepare(spec: TrainingSpec, config, device) -> Job:
     """Everything on `device`; `bf16-master` emulates DeepSpeed's BF16_Optimizer (see README).
 
     A multi-rank spec is wrapped per its strategy (`hybridmem.harness.distributed`)."""
-    model = build_trainable(spec, config, device)
     if spec.parallel.strategy != "none":
         from hybridmem.harness import distributed
 
-        # the batch is made from the bare model: LLaVA-NeXT asks it for its image token count
-        return distributed.prepare(model, make_batch(spec, config, model, device), spec, device)
+        return distributed.prepare(spec, config, device)
+    model = build_trainable(spec, config, device)
     job = finish_job(model, spec, device)
     job.batch = make_batch(spec, config, model, device)
     return job
