@@ -12,7 +12,7 @@ from importlib import import_module
 
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
-from hybridmem.models.loader import load_config
+from hybridmem.models.light import light_config
 from hybridmem.prediction import Prediction
 from hybridmem.spec import TrainingSpec
 
@@ -67,7 +67,9 @@ def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None
 
     `tier_options` go to the tier's estimate function (e.g. `timeline=` for the trace tier).
     """
-    load_config(spec.model)  # unknown preset / bad config JSON fail here, the same for every tier
+    # unknown preset / bad config JSON / unsupported model_type fail here, the same for every
+    # tier, without importing transformers (that alone costs seconds)
+    light_config(spec.model)
     if method == "hybrid" and gpu is not None:
         tier_options.setdefault("gpu_name", gpu.name)  # the residual model is per GPU type
     result = estimator(method)(spec, **tier_options)
