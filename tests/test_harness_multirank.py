@@ -53,6 +53,13 @@ class RankProbe(CpuProbe):
                 "inactive_split": 0, "device": alloc + 2 * MiB}
 
 
+class OneGpuProbe(CpuProbe):
+    """A machine with a single GPU."""
+
+    def environment(self) -> dict:
+        return {**super().environment(), "device_count": 1}
+
+
 class DeadRankProbe(CpuProbe):
     """Rank 1 dies by SIGKILL while building (as the kernel's OOM killer would do)."""
 
@@ -61,18 +68,21 @@ class DeadRankProbe(CpuProbe):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _collect(tmp_path, monkeypatch, probe: str, strategies: list[str], resume: bool = False):
+def _collect(tmp_path, monkeypatch, probe: str, strategies: list[str], resume: bool = False,
+             record_history: bool = False):
     monkeypatch.setenv("HYBRIDMEM_PROBE", f"test_harness_multirank:{probe}")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     sweep = tmp_path / "multirank.toml"
     sweep.write_text(SWEEP.format(strategies=json.dumps(strategies)))
     out = tmp_path / "data"
-    report = collect(sweep, out=out, backend="cuda", mlflow=False, resume=resume)
-    return report, load_dataset(out)
+    report = collect(sweep, out=out, backend="cuda", mlflow=False, resume=resume,
+                     record_history=record_history)
+    return report, load_dataset(out) if out.exists() else None
 
 
 def test_ddp_and_fsdp_rows_carry_both_ranks_and_resume_adds_nothing(tmp_path, monkeypatch):
-    report, df = _collect(tmp_path, monkeypatch, "RankProbe", ["ddp", "fsdp"])
+    report, df = _collect(tmp_path, monkeypatch, "RankProbe", ["ddp", "fsdp"],
+                          record_history=True)
     assert report.counts == {"ok": 2}, df["error"].tolist()
     assert sorted(df["strategy"]) == ["ddp", "fsdp"] and set(df["world_size"]) == {2}
     for _, row in df.iterrows():
@@ -83,6 +93,8 @@ def test_ddp_and_fsdp_rows_carry_both_ranks_and_resume_adds_nothing(tmp_path, mo
         assert row["peak_allocated_bytes"] == 2 * MiB
         assert row["peak_reserved_bytes"] == 3 * MiB and row["peak_device_bytes"] == 4 * MiB
         assert row["peak_phase"] == "backward"
+        snapshots = tmp_path / "data" / f"{row['history_path']}.rank1"
+        assert row["history_path"] and snapshots.is_file()  # one allocator history per rank
     by = df.set_index("strategy")
     # FSDP2 shards every parameter along dim 0 over 2 ranks; every llama-tiny parameter has an
     # even dim 0 (vocab 128, hidden 64, intermediate 128), so each rank holds exactly half of
@@ -188,3 +200,21 @@ def test_zero_without_deepspeed_is_an_unavailable_error():
     spec = TrainingSpec(model="x", parallel=ParallelSpec(world_size=2, strategy="zero2"))
     with pytest.raises(Unavailable, match="strategy='zero2' needs DeepSpeed"):
         deepspeed_job(spec, None, None)
+
+
+def test_configs_needing_more_gpus_than_the_machine_has_are_not_run(tmp_path, monkeypatch):
+    report, df = _collect(tmp_path, monkeypatch, "OneGpuProbe", ["ddp"])
+    assert report.too_many_ranks == 1 and not report.rows and df is None  # nothing launched
+
+
+def test_parts_written_before_the_parallel_columns_read_as_single_process(tmp_path):
+    from hybridmem.harness.schema import COLUMNS
+    from hybridmem.harness.store import append_rows, load_dataset
+
+    row = {c: 1 for c, kind in COLUMNS.items() if kind == "int64"}
+    append_rows(tmp_path, [{**row, "grad_ckpt": False, "spec_hash": "a", "collected_at": "t",
+                            "source": "cuda", "gpu_name": "g", "torch_version": "v"}])
+    old = next(tmp_path.glob("part-*.parquet"))
+    pd.read_parquet(old).drop(columns=["strategy", "rank_peaks_json"]).to_parquet(old)
+    df = load_dataset(tmp_path)
+    assert df.loc[0, "strategy"] == "none" and df.loc[0, "rank_peaks_json"] == ""

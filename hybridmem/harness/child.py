@@ -89,6 +89,10 @@ def measure(request: dict, probe) -> dict:
     phases: list[dict] = []
     phase, iteration = SETUP, -1
     history = request.get("history_path")
+    if history:  # each rank its own snapshot: HISTORY.rank<R> (parallel.launch.rank_path)
+        from hybridmem.parallel.launch import rank_path
+
+        history = str(rank_path(history))
     try:
         device = probe.init()
         result.update(probe.environment())

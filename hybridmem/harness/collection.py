@@ -144,7 +144,9 @@ def _run_one(item: SweepItem, backend: str, method: str | None, sweep: Sweep, ou
         (out / "history").mkdir(parents=True, exist_ok=True)
         request["history_path"] = str((out / history).resolve())
     result = runner.measure(request, sweep.timeout_s, log_dir=out / "logs")
-    if history and not (out / history).exists():
+    # a multi-rank config leaves one snapshot per rank: HISTORY.rank<R>
+    if history and not ((out / history).exists() or any((out / "history").glob(
+            f"{Path(history).name}.rank*"))):
         history = ""
     return result, history
 
