@@ -221,8 +221,11 @@ def global_numel(p: torch.Tensor) -> int:
 
 
 def master_tensors(optimizer) -> list[torch.Tensor]:
-    """DeepSpeed ZeRO's fp32 master partitions (they are not optimizer `state`)."""
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+    """DeepSpeed's fp32 master partitions (they are not optimizer `state`): ZeRO-1/2
+    (`DeepSpeedZeroOptimizer`), ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`), bf16 ZeRO-1
+    (`BF16_Optimizer`). Attribute names from deepspeed/runtime; untested here."""
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+                 "fp32_groups_flat_partition"):
         groups = getattr(optimizer, name, None)
         if groups:
             return [t for t in groups if isinstance(t, torch.Tensor)]
