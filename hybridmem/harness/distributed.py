@@ -189,6 +189,10 @@ def deepspeed_job(spec: TrainingSpec, config, device) -> workload.Job:
         raise workload.Unavailable(f"strategy={spec.parallel.strategy!r} needs DeepSpeed, "
                                    "which is not installed") from err
     ds_config = deepspeed_config(spec)
+    deepspeed.init_distributed()  # adopts the torch process group; zero.Init needs it first
+    # zero.Init patches torch.Tensor.__new__; torch._dynamo (imported by transformers' modeling
+    # code) refuses to register its polyfills over the patched one, so import it before
+    import torch._dynamo  # noqa: F401
     init = (deepspeed.zero.Init(config_dict_or_path=ds_config) if spec.parallel.zero_stage == 3
             else contextlib.nullcontext())
     with init:
