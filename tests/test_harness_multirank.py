@@ -189,6 +189,21 @@ def test_deepspeed_config_follows_the_parallel_spec():
     assert fp32["zero_optimization"]["stage"] == 1 and not fp32["bf16"]["enabled"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed")
+def test_zero3_ranks_hold_half_the_params_and_their_masters(tmp_path, monkeypatch):
+    """ZeRO-3 over 2 ranks through DeepSpeed (on gloo). Expected bytes by hand: llama-tiny has
+    P = 2 x 128 x 64 (embeddings, lm_head) + 2 x (4 x 64^2 + 3 x 64 x 128 + 2 x 64) + 64
+    = 98,624 parameters; each rank holds P/2 fp32 params, and as state P/2 x (4 B fp32 master
+    + 8 B AdamW moments) + one 4 B `step` scalar (one flat partition, on the CPU here)."""
+    report, df = _collect(tmp_path, monkeypatch, "RankProbe", ["zero3"])
+    assert report.counts == {"ok": 1}, df["error"].tolist()
+    row = df.iloc[0]
+    p = 98_624
+    assert row["params_total"] == p  # the whole model, though each rank holds half
+    assert row["param_bytes"] == 4 * p // 2
+    assert row["optimizer_state_bytes"] == 12 * p // 2 + 4
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None,
                     reason="DeepSpeed is installed")
 def test_zero_without_deepspeed_is_an_unavailable_error():

@@ -108,7 +108,7 @@ def measure(request: dict, probe) -> dict:
         job = workload.prepare(spec, load_config(spec.model), device)
         phases.append({"phase": phase, "iteration": iteration, **probe.phase_end(phase, iteration)})
         result["params_total"] = sum(distributed.global_numel(p) for p in job.model.parameters())
-        result["params_trainable"] = sum(p.numel() for p in job.params)
+        result["params_trainable"] = sum(distributed.global_numel(p) for p in job.params)
         times = []
         for iteration in range(request["iterations"]):
             start = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from functools import partial
 
 import torch
 from torch import nn
@@ -181,6 +182,21 @@ def deepspeed_config(spec: TrainingSpec) -> dict:
     }
 
 
+def _cast_to_engine_dtype(model: nn.Module, ds_config: dict) -> None:
+    """PEFT keeps LoRA adapters in fp32; under DeepSpeed bf16 / fp16 the LLaVA recipe casts the
+    whole model after adding them (haotian-liu/LLaVA `llava/train/train.py`: `model.to(torch.
+    bfloat16)` when `bits == 16`), and ZeRO-3 refuses mixed dtypes in one partition buffer
+    (`deepspeed/runtime/zero/utils.py::defragment`). ZeRO-3's own partitioned params (`ds_id`)
+    already have the dtype."""
+    dtype = (torch.bfloat16 if ds_config["bf16"]["enabled"]
+             else torch.float16 if ds_config["fp16"]["enabled"] else None)
+    if dtype is None:
+        return
+    for p in model.parameters():
+        if p.dtype != dtype and not hasattr(p, "ds_id"):
+            p.data = p.data.to(dtype)
+
+
 def deepspeed_job(spec: TrainingSpec, config, device) -> workload.Job:
     """ZeRO 1/2/3 through `deepspeed.initialize`; an `error` row when DeepSpeed is missing."""
     try:
@@ -193,10 +209,12 @@ def deepspeed_job(spec: TrainingSpec, config, device) -> workload.Job:
     # zero.Init patches torch.Tensor.__new__; torch._dynamo (imported by transformers' modeling
     # code) refuses to register its polyfills over the patched one, so import it before
     import torch._dynamo  # noqa: F401
-    init = (deepspeed.zero.Init(config_dict_or_path=ds_config) if spec.parallel.zero_stage == 3
-            else contextlib.nullcontext())
-    with init:
-        model = workload.build_trainable(spec, config, device)
+    # only the base model is built under zero.Init, as transformers does (`from_pretrained`);
+    # LLaVA adds LoRA after it (llava/train/train.py), and DeepSpeed partitions the adapters
+    init = (partial(deepspeed.zero.Init, config_dict_or_path=ds_config)
+            if spec.parallel.zero_stage == 3 else contextlib.nullcontext)
+    model = workload.build_trainable(spec, config, device, build_context=init)
+    _cast_to_engine_dtype(model, ds_config)
     batch = _batch(spec, config, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     if spec.parallel.offload_optimizer != "none":

@@ -170,9 +170,12 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module, device) -> dict:
     return batch
 
 
-def build_trainable(spec: TrainingSpec, config, device) -> nn.Module:
-    """The model as it trains on one GPU: built, parts frozen, LoRA added, checkpointing on."""
-    model = build_model(spec, config, device)
+def build_trainable(spec: TrainingSpec, config, device,
+                    build_context=contextlib.nullcontext) -> nn.Module:
+    """The model as it trains on one GPU: built (inside `build_context()`, e.g. DeepSpeed's
+    `zero.Init`), parts frozen, LoRA added, checkpointing on."""
+    with build_context():
+        model = build_model(spec, config, device)
     freeze(model, spec)
     if spec.train == "lora":
         model = add_lora(model, spec)
