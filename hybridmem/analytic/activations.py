@@ -70,15 +70,21 @@ class Acts:
     0: the layer's backward is one stage with `bwd_extra`."""
     held: int = 0
     """Outputs the model's return value holds (`image_outputs`) until the forward returns."""
+    parts: tuple[int, ...] = ()
+    """The tensors of `saved`, in the order the forward makes them (for the allocator replay
+    of `events.py`; the bytes not listed count as one tensor)."""
 
 
 class Saved:
     def __init__(self) -> None:
         self.total = 0
+        self.sizes: list[int] = []
 
     def add(self, numel: int, itemsize: int, cond: bool = True, times: int = 1) -> None:
-        if cond:
-            self.total += times * t(numel, itemsize)
+        if cond and times > 0:
+            size = t(numel, itemsize)
+            self.total += times * size
+            self.sizes += [size] * times
 
 
 def adapters_on(layer: Layer, names: tuple[str, ...]) -> int:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 from hybridmem.analytic import activations as A, text_acts as TA, vision_acts as VA
 from hybridmem.analytic.alloc import t
+from hybridmem.analytic.events import build as build_events
+from hybridmem.analytic.reserved import envelope
 from hybridmem.analytic.overheads import (
     CUBLAS_HANDLES_TRAINING,
     CUDA_CONTEXT_DEFAULT,
@@ -179,7 +181,9 @@ def _notes(graph: ModelGraph, spec: TrainingSpec) -> tuple[str, ...]:
         f"context: {CUDA_CONTEXT_DEFAULT >> 20} MiB is a default (DESIGN.md: 0.3-0.6 GiB), not a "
         "measurement",
         "workspace: two cuBLAS workspaces of Hopper size (32 MiB each); other GPUs use less",
-        "fragmentation: only the 2 MiB segment rounding of tensors > 10 MiB (a lower bound)",
+        "fragmentation: reserved - allocated of an approximate alloc/free stream of two "
+        "iterations replayed through the caching-allocator simulator (PYTORCH_ALLOC_CONF "
+        "respected); allocated stays the closed form's",
         "batch: unpadded (no attention mask), loss over every position with fp32 logits "
         "(transformers ForCausalLMLoss)",
     ]
@@ -211,6 +215,11 @@ def _master_grads(priced: list[Priced], spec: TrainingSpec) -> int:
 
 def timeline(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], list[Point]]:
     """The graph, every priced layer and every timeline point of two iterations."""
+    graph, priced, st = _setup(spec)
+    return graph, priced, walk([p.step for p in priced], st)
+
+
+def _setup(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], Statics]:
     graph = build_graph(spec)
     priced = price(graph, spec)
     stepped = [s for p in priced for s in p.states.stepped]
@@ -228,18 +237,28 @@ def timeline(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], list[Point]]
         waste_param=sum(p.states.waste_param for p in priced),
         waste_optimizer=sum(p.states.waste_optimizer for p in priced),
         master_grads=_master_grads(priced, spec))
-    return graph, priced, walk([p.step for p in priced], st)
+    return graph, priced, st
+
+
+def _events(spec: TrainingSpec) -> list[tuple]:
+    """The approximate alloc/free stream of two iterations of `spec` (`events.py`)."""
+    _, priced, st = _setup(spec)
+    return build_events(priced, spec, st)
 
 
 def estimate(spec: TrainingSpec) -> Prediction:
     """Predict the per-GPU peak memory of `spec` in closed form."""
-    graph, priced, points = timeline(spec)
-    top = max(points, key=lambda p: p.allocated + p.waste)
-    allocated = peak(points).allocated
-    reserved = top.allocated + top.waste
+    graph, priced, st = _setup(spec)
+    points = walk([p.step for p in priced], st)
+    top = peak(points)
+    allocated = top.allocated
+    # reserved - allocated from replaying an approximate alloc/free stream through the
+    # allocator simulator (`events.py`, `reserved.py`), non-decreasing in the micro-batch
+    waste = envelope(spec, _events)
+    reserved = allocated + waste
     breakdown = {c: 0 for c in CATEGORIES}
     breakdown.update(top.bytes)
-    breakdown["fragmentation"] = top.waste
+    breakdown["fragmentation"] = waste
     breakdown["context"] = CUDA_CONTEXT_DEFAULT
     modules = _modules(graph, priced)
     phases = {}

@@ -65,7 +65,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         attn_bwd += t(B * h, FP32) if (n_qkv or n_o) else 0
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
-    return Acts(saved=sv.total + copies, ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=fwd,
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+                ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=fwd,
                 bwd_extra=2 * t(B * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
                 bwd_mlp=t(B * h, sb) + mlp_bwd)
 
@@ -80,7 +81,8 @@ def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(B * h, FP32, need_in)
     sv.add(B, FP32, need_in)
     sv.add(B * h, c.stream, need_w)
-    return Acts(saved=sv.total, bwd_extra=2 * t(B * h, c.stream))
+    return Acts(saved=sv.total, parts=tuple(sv.sizes),
+                bwd_extra=2 * t(B * h, c.stream))
 
 
 def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
@@ -113,7 +115,8 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     bwd = max(2 * t(B * V, FP32),
               t(B * V, FP32) + (t(B * V, e) if e != FP32 else 0),
               t(B * V, e) + t(B * h, e) + (t(V * h, 2) if c.amp and need_w else 0))
-    return Acts(saved=sv.total + copies, cache=cache, fwd_extra=fwd, bwd_extra=bwd)
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+                cache=cache, fwd_extra=fwd, bwd_extra=bwd)
 
 
 def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0,

@@ -34,7 +34,8 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     copies, cache = amp_copies(layer, c, active, need_w)
     fwd = (t(N * f, e) if two else 0) + (2 * t(probs, e) if probs else 0)
     attn_bwd = 3 * t(N * h, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
-    return Acts(saved=sv.total + copies, ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=fwd,
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+                ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=fwd,
                 bwd_extra=2 * t(N * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
                 bwd_mlp=t(N * h, sb) + 2 * t(N * f, e))
 
@@ -79,7 +80,8 @@ def projector(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # the projector's output stays referenced by `image_outputs.pooler_output` (LLaVA-NeXT:
     # the packed per-image features instead) until the forward returns
     held = t(N * h, e) + t(d.get("packed", 0) * h, e)
-    return Acts(saved=sv.total + copies, cache=cache, fwd_extra=t(N * h, c.stream),
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+                cache=cache, fwd_extra=t(N * h, c.stream),
                 bwd_extra=2 * t(N * h, e), held=held)
 
 

@@ -1,0 +1,208 @@
+"""An approximate alloc/free stream of two training iterations, built from the priced layers.
+
+Why: reserved memory (segments the caching allocator holds) depends on the ORDER and SIZES of
+allocations, not only on their sum; the closed form gives the sum. This stream follows the
+same timeline as `timeline.walk` (the loop in its docstring), tensor by tensor where the
+analytic model knows the tensors, so `reserved.py` can replay it through the trace tier's
+allocator simulator:
+- setup: every parameter / buffer / LoRA tensor (and bf16-master fp32 copies), the batch;
+- forward, per layer: its saved tensors (`Acts.parts`, in forward order) with its transient
+  tensors (`fwd_extra`, cut into tensors of the layer's hidden-state size) alive over the
+  second half; a checkpointed layer runs under no_grad (each intermediate dies after the next
+  one is made) and keeps its input (`ckpt_saved`) and autocast's cache;
+- backward, last layer first: recompute (checkpointing), the MLP half then the attention half
+  (their transients, grads allocated per parameter as they are produced, the MLP's saved
+  tensors freed in between), then the layer's remaining saved tensors are freed;
+- optimizer: bf16-master fp32 grads (made per layer, each bf16 grad freed after its copy);
+  iteration 0 creates the state lazily, per parameter in order (torch/optim/adam.py
+  `_init_group`: exp_avg then exp_avg_sq); then the step's temporaries: foreach AdamW
+  (`_multi_tensor_adam`) makes `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, one
+  tensor per parameter of a (device, dtype) group, all alive until the group's update ends;
+  adafactor one `row_var @ col_var` per >= 2-D parameter at a time; lion two clones per
+  parameter at a time; fused/8-bit/SGD none; then zero_grad(set_to_none=True) frees the grads.
+
+Approximations (documented, not hidden): parts of a layer that the formulas sum (autocast
+weight copies, transients) are one or a few tensors; per-head or per-op ordering inside a
+layer is not modelled.
+"""
+
+from __future__ import annotations
+
+from hybridmem.analytic.alloc import t
+from hybridmem.analytic.states import state_bytes
+from hybridmem.spec import POLICIES, TrainingSpec
+
+MLP_ALL = ("mlp.", "post_attention_layernorm.", "layer_norm2.")  # as estimate.MLP_ALL
+
+
+class Stream:
+    """Collects ("alloc", key, size) / ("free", key, 0) events with fresh integer keys."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int]] = []
+        self.sizes: list[int] = []
+
+    def alloc(self, size: int) -> int | None:
+        if size <= 0:
+            return None
+        key = len(self.sizes)
+        self.sizes.append(size)
+        self.events.append(("alloc", key, size))
+        return key
+
+    def allocs(self, sizes) -> list[int]:
+        return [k for k in map(self.alloc, sizes) if k is not None]
+
+    def free(self, keys) -> None:
+        self.events += [("free", k, 0) for k in keys if k is not None]
+
+
+def chunks(total: int, unit: int) -> list[int]:
+    """`total` bytes as tensors of `unit` bytes (+ the remainder): a summed transient."""
+    if total <= 0:
+        return []
+    if unit <= 0 or unit >= total:
+        return [total]
+    n, rest = divmod(total, unit)
+    return [unit] * n + ([rest] if rest else [])
+
+
+def _parts(acts) -> list[int]:
+    """The saved tensors of a layer; bytes the formula did not list count as one tensor."""
+    parts = [p for p in acts.parts if p > 0]
+    rest = acts.saved - sum(parts)
+    if rest > 0:
+        parts.append(rest)
+    return parts
+
+
+def _grad_sizes(p, policy) -> tuple[list[int], list[int]]:
+    """Grad tensors of a layer in the order backward makes them: (MLP half, the rest)."""
+    layer = p.layer
+    with_grad = (list(layer.params) if layer.gets_grads else []) + \
+        (list(layer.lora) if layer.runs else [])
+    mlp, rest = [], []
+    for q in reversed(with_grad):
+        (mlp if q.name.startswith(MLP_ALL) else rest).append(t(q.numel, q.itemsize or
+                                                               policy.grad_bytes))
+    diff = p.step.grad - sum(mlp) - sum(rest)  # tied embeddings: the grad moves to lm_head
+    if diff < 0 and -diff in rest:
+        rest.remove(-diff)
+    elif diff < 0 and -diff in mlp:
+        mlp.remove(-diff)
+    elif diff > 0:
+        rest.append(diff)
+    elif diff < 0:
+        return [], chunks(p.step.grad, p.step.grad)
+    return mlp, rest
+
+
+def build(priced, spec: TrainingSpec, statics, iterations: int = 2) -> list[tuple]:
+    """The event stream of `iterations` training iterations (see the module docstring)."""
+    policy = POLICIES[spec.precision]
+    s = Stream()
+    for p in priced:  # setup: parameters, buffers, adapters; fp32 masters
+        layer = p.layer
+        s.allocs(t(q.numel, q.itemsize or policy.param_bytes)
+                 for q in (*layer.params, *layer.buffers, *layer.lora))
+    if policy.master_bytes:
+        for p in priced:
+            if p.layer.trainable:
+                s.allocs(t(q.numel, policy.master_bytes) for q in p.layer.params)
+    s.alloc(statics.inputs)
+    stepped = [x for p in priced for x in p.states.stepped]
+    grads: list[list[int]] = [[] for _ in priced]
+    for it in range(iterations):
+        if it == 0:
+            s.alloc(statics.workspace_first)
+        kept: list[list[int]] = [[] for _ in priced]
+        saved: list[list[int]] = [[] for _ in priced]
+        drop_at_end: list[int] = []
+        for i, p in enumerate(priced):  # forward
+            a, st = p.step.acts, p.step
+            unit = a.ckpt_saved or max(a.parts, default=0)
+            extra = chunks(a.fwd_extra, unit)
+            parts = _parts(a)
+            if st.on_path and st.ckpt:
+                window: list[int] = []
+                for size in parts + extra:  # no_grad: each intermediate dies after the next
+                    window += s.allocs([size])
+                    if len(window) > 2:
+                        s.free([window.pop(0)])
+                s.free(window)
+                kept[i] = s.allocs([a.ckpt_saved])
+                drop_at_end += s.allocs([a.cache])
+            else:
+                half = len(parts) // 2
+                saved[i] = s.allocs(parts[:half])
+                tmp = s.allocs(extra)
+                saved[i] += s.allocs(parts[half:])
+                s.free(tmp)
+                if not st.on_path:
+                    drop_at_end += saved[i]
+                    saved[i] = []
+            drop_at_end += s.allocs([a.held])
+        s.free(drop_at_end)
+        if it == 0:
+            s.alloc(statics.workspace - statics.workspace_first)
+        for i in reversed(range(len(priced))):  # backward
+            p = priced[i]
+            a, st = p.step.acts, p.step
+            mlp_g, rest_g = _grad_sizes(p, policy)
+            if not st.on_path:
+                grads[i] = s.allocs(mlp_g + rest_g)
+                continue
+            unit = a.ckpt_saved or max(a.parts, default=0)
+            if st.ckpt:
+                parts = _parts(a)
+                half = len(parts) // 2
+                saved[i] = s.allocs(parts[:half])
+                tmp = s.allocs(chunks(a.fwd_extra, unit))
+                saved[i] += s.allocs(parts[half:])
+                s.free(tmp)
+            if a.bwd_mlp:
+                tmp = s.allocs(chunks(a.bwd_mlp, unit))
+                grads[i] = s.allocs(mlp_g)
+                s.free(tmp)
+                freed = 0  # the MLP's saved tensors: the last ones the forward made
+                while saved[i] and freed < a.mlp_saved:
+                    key = saved[i].pop()
+                    s.free([key])
+                    freed += s.sizes[key]
+            else:
+                rest_g = mlp_g + rest_g
+            tmp = s.allocs(chunks(a.bwd_extra, unit))
+            grads[i] += s.allocs(rest_g)
+            s.free(tmp)
+            s.free(saved[i])
+            s.free(kept[i])
+            saved[i], kept[i] = [], []
+        if policy.master_bytes:  # master.grad = param.grad.float(), per layer
+            for i, p in enumerate(priced):
+                new = s.allocs(t(x.numel, 4) for x in p.states.stepped)
+                s.free(grads[i])
+                grads[i] = new
+        if it == 0:
+            for x in stepped:
+                s.allocs(state_bytes(x, spec.optimizer))
+        _optimizer_temporaries(s, spec.optimizer, stepped)
+        for g in grads:  # zero_grad(set_to_none=True)
+            s.free(g)
+        grads = [[] for _ in priced]
+    return s.events
+
+
+def _optimizer_temporaries(s: Stream, optimizer: str, stepped) -> None:
+    if optimizer == "adamw":
+        groups: dict[int, list] = {}
+        for x in stepped:  # _group_tensors_by_device_and_dtype: first-seen dtype order
+            groups.setdefault(x.state, []).append(x)
+        for group in groups.values():
+            s.free(s.allocs(t(x.numel, x.state) for x in group))
+    elif optimizer == "adafactor":
+        for x in stepped:
+            if len(x.shape) >= 2:
+                s.free(s.allocs([t(x.numel, x.state)]))
+    elif optimizer == "lion":
+        for x in stepped:
+            s.free(s.allocs([t(x.numel, x.state)] * 2))
