@@ -76,7 +76,10 @@ def finish(ok: bool) -> int:
 
 
 def _batch(spec: TrainingSpec, config, model: nn.Module, device) -> dict:
-    """The batch, made next to the bare model (LLaVA-NeXT asks it for its image token count)."""
+    """The batch, made next to the bare model (LLaVA-NeXT asks it for its image token count;
+    a ZeRO-3 model cannot run before `deepspeed.initialize`: the model graph counts them)."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return workload.make_batch(spec, config, None, device)
     where = next(model.parameters()).device
     return {k: v.to(device) for k, v in workload.make_batch(spec, config, model, where).items()}
 

@@ -147,8 +147,11 @@ def _tokens_per_image(model: nn.Module, config, pixels: dict) -> int:
     return feats.shape[0]
 
 
-def make_batch(spec: TrainingSpec, config, model: nn.Module, device) -> dict:
-    """input_ids / labels of shape (micro_batch, seq_len), plus pixel inputs for LLaVA."""
+def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> dict:
+    """input_ids / labels of shape (micro_batch, seq_len), plus pixel inputs for LLaVA.
+
+    `model=None`: image tokens per image from the model graph instead of the model (a ZeRO-3
+    model cannot run outside its engine)."""
     b, s = spec.micro_batch, spec.seq_len
     n_img = 0
     if hasattr(config, "vision_config"):  # TrainingSpec: None means one image per sample
@@ -158,7 +161,12 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module, device) -> dict:
     if n_img:
         dtype = PARAM_DTYPE[spec.precision]
         batch = _pixels(spec, config, b * n_img, dtype, device)
-        n_tok = n_img * _tokens_per_image(model, config, batch)
+        if model is None:
+            from hybridmem.models.llava import image_layout
+
+            n_tok = n_img * image_layout(config, spec.image_size).tokens
+        else:
+            n_tok = n_img * _tokens_per_image(model, config, batch)
         if n_tok + 1 > s:
             raise ValueError(f"seq_len={s} too short for {n_tok} image tokens")
     ids = torch.ones(b, s, dtype=torch.long, device=device)  # token 1 = BOS in Llama vocabularies
