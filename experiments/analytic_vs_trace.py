@@ -1,8 +1,9 @@
 """Analytic tier vs. trace tier (the oracle) on a grid of tiny configs.
 
 Prints, per config, the relative difference of the allocated peak (whole, and tensors only,
-i.e. without the two cuBLAS workspaces both tiers add) and whether the param / grad /
-optimizer factors agree, then the distribution (median, p95, max).
+i.e. without the two cuBLAS workspaces both tiers add), of the reserved peak, and of the
+fragmentation (reserved - allocated) in percentage points of the trace's reserved peak, and
+whether the param / grad / optimizer factors agree, then the distribution (median, p95, max).
 
     python experiments/analytic_vs_trace.py            # full grid (~2-4 min on 2 cores)
     python experiments/analytic_vs_trace.py --limit 12 # a quick subset
@@ -69,9 +70,19 @@ def compare(spec: TrainingSpec) -> dict | None:
         return None
     ta = a.peak.allocated_bytes - a.breakdown["workspace"]
     tt = t.peak.allocated_bytes - t.breakdown["workspace"]
+    from hybridmem.analytic.estimate import _events
+    from hybridmem.analytic.reserved import fragmentation
+
+    res_a, res_t = a.peak.reserved_bytes, t.peak.reserved_bytes
+    frag_t = t.breakdown["fragmentation"]
+    raw = fragmentation(_events(spec))[0]  # this micro-batch's replay, before the envelope
+    lower = a.extras["analytic"]["fragmentation_lower_bound"]
     return {"allocated": (a.peak.allocated_bytes - t.peak.allocated_bytes) / t.peak.allocated_bytes,
             "tensors": (ta - tt) / tt, "factors_a": factors(a), "factors_t": factors(t),
-            "phase": (a.peak.phase, t.peak.phase)}
+            "phase": (a.peak.phase, t.peak.phase), "reserved": (res_a - res_t) / res_t,
+            "frag_pp": (a.breakdown["fragmentation"] - frag_t) / res_t,
+            "raw_pp": (raw - frag_t) / res_t, "lower_pp": (lower - frag_t) / res_t,
+            "frag": (a.breakdown["fragmentation"], frag_t)}
 
 
 def _q(xs: list[float], q: float) -> float:
@@ -98,12 +109,18 @@ def main() -> None:
         rows.append(r)
         mism = [k for k in r["factors_a"] if r["factors_a"][k] != r["factors_t"][k]]
         print(f"{tag}  tensors {r['tensors']:+7.2%}  allocated {r['allocated']:+7.3%}  "
+              f"reserved {r['reserved']:+7.3%}  frag {r['frag'][0] / 2**20:8.1f} vs "
+              f"{r['frag'][1] / 2**20:8.1f} MiB ({r['frag_pp']:+6.2%} of reserved; replay at "
+              f"this batch {r['raw_pp']:+6.2%}, former lower bound {r['lower_pp']:+6.2%})  "
               f"phase {r['phase'][0]}/{r['phase'][1]}  factors "
               + ("equal" if not mism else "DIFFER: " + ", ".join(
                   f"{k} {r['factors_a'][k]} vs {r['factors_t'][k]}" for k in mism)))
     print(f"\n{len(rows)} configs compared, {skipped} unsupported by the trace, "
           f"{time.perf_counter() - start:.0f} s")
-    for key in ("tensors", "allocated"):
+    # frag_pp: analytic - trace fragmentation in points of the trace's reserved peak (as used:
+    # the micro-batch envelope); raw_pp: the replay at this micro-batch alone; lower_pp: the
+    # former closed-form lower bound (2 MiB rounding only)
+    for key in ("tensors", "allocated", "reserved", "frag_pp", "raw_pp", "lower_pp"):
         d = [abs(r[key]) for r in rows]
         print(f"|rel diff| {key:9s}: median {statistics.median(d):.2%}  p95 {_q(d, .95):.2%}  "
               f"max {max(d):.2%}")

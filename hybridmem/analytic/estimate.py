@@ -255,6 +255,8 @@ def estimate(spec: TrainingSpec) -> Prediction:
     # reserved - allocated from replaying an approximate alloc/free stream through the
     # allocator simulator (`events.py`, `reserved.py`), non-decreasing in the micro-batch
     waste = envelope(spec, _events)
+    # the former estimate: 2 MiB rounding of the > 10 MiB tensors alive (a lower bound)
+    lower = max(p.allocated + p.waste for p in points) - allocated
     reserved = allocated + waste
     breakdown = {c: 0 for c in CATEGORIES}
     breakdown.update(top.bytes)
@@ -275,5 +277,6 @@ def estimate(spec: TrainingSpec) -> Prediction:
         breakdown=breakdown, modules=modules, notes=_notes(graph, spec),
         extras={"analytic": {
             "tensor_peak_bytes": max(p.allocated - p.bytes["workspace"] for p in points),
+            "fragmentation_lower_bound": lower,
             "phase_peaks": phases, "image_tokens": graph.image_tokens,
             "vision_crops": graph.vision_batch}})

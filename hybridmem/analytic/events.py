@@ -8,8 +8,8 @@ allocator simulator:
 - setup: every parameter / buffer / LoRA tensor (and bf16-master fp32 copies), the batch;
 - forward, per layer: its saved tensors (`Acts.parts`, in forward order) with its transient
   tensors (`fwd_extra`, cut into tensors of the layer's hidden-state size) alive over the
-  second half; a checkpointed layer runs under no_grad (each intermediate dies after the next
-  one is made) and keeps its input (`ckpt_saved`) and autocast's cache;
+  second half; a checkpointed layer runs under no_grad (working set: its largest
+  intermediate and the transients) and keeps its input (`ckpt_saved`) and autocast's cache;
 - backward, last layer first: recompute (checkpointing), the MLP half then the attention half
   (their transients, grads allocated per parameter as they are produced, the MLP's saved
   tensors freed in between), then the layer's remaining saved tensors are freed;
@@ -97,8 +97,14 @@ def _grad_sizes(p, policy) -> tuple[list[int], list[int]]:
     return mlp, rest
 
 
-def build(priced, spec: TrainingSpec, statics, iterations: int = 2) -> list[tuple]:
-    """The event stream of `iterations` training iterations (see the module docstring)."""
+def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
+          marks: list | None = None) -> list[tuple]:
+    """The event stream of `iterations` training iterations (see the module docstring).
+
+    `marks`, if given, receives (event index, phase, iteration) at each phase start, as the
+    trace tier's `TraceResult.marks` (for comparing the two streams)."""
+    mark = (lambda ph, it: marks.append((len(s.events), ph, it))) if marks is not None \
+        else (lambda ph, it: None)
     policy = POLICIES[spec.precision]
     s = Stream()
     for p in priced:  # setup: parameters, buffers, adapters; fp32 masters
@@ -113,6 +119,7 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2) -> list[tupl
     stepped = [x for p in priced for x in p.states.stepped]
     grads: list[list[int]] = [[] for _ in priced]
     for it in range(iterations):
+        mark("forward", it)
         if it == 0:
             s.alloc(statics.workspace_first)
         kept: list[list[int]] = [[] for _ in priced]
@@ -124,12 +131,9 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2) -> list[tupl
             extra = chunks(a.fwd_extra, unit)
             parts = _parts(a)
             if st.on_path and st.ckpt:
-                window: list[int] = []
-                for size in parts + extra:  # no_grad: each intermediate dies after the next
-                    window += s.allocs([size])
-                    if len(window) > 2:
-                        s.free([window.pop(0)])
-                s.free(window)
+                # no_grad: intermediates die as soon as the next op ran; the working set is
+                # about the largest intermediate with the transients (as the closed form)
+                s.free(s.allocs([max(parts, default=0)] + extra))
                 kept[i] = s.allocs([a.ckpt_saved])
                 drop_at_end += s.allocs([a.cache])
             else:
@@ -143,6 +147,7 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2) -> list[tupl
                     saved[i] = []
             drop_at_end += s.allocs([a.held])
         s.free(drop_at_end)
+        mark("backward", it)
         if it == 0:
             s.alloc(statics.workspace - statics.workspace_first)
         for i in reversed(range(len(priced))):  # backward
@@ -177,6 +182,7 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2) -> list[tupl
             s.free(saved[i])
             s.free(kept[i])
             saved[i], kept[i] = [], []
+        mark("optimizer", it)
         if policy.master_bytes:  # master.grad = param.grad.float(), per layer
             for i, p in enumerate(priced):
                 new = s.allocs(t(x.numel, 4) for x in p.states.stepped)
