@@ -10,6 +10,8 @@ import importlib.util
 import json
 import os
 import signal
+import time
+import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -27,7 +29,7 @@ MiB = 2**20
 SWEEP = """
 [sweep]
 name = "multirank"
-timeout_s = 120
+timeout_s = {timeout}
 [[block]]
 decoder = ["llama-tiny"]
 seq_len = [16]
@@ -60,6 +62,15 @@ class OneGpuProbe(CpuProbe):
         return {**super().environment(), "device_count": 1}
 
 
+class HungRankProbe(CpuProbe):
+    """Rank 1 hangs in its first forward (a deadlocked kernel); rank 0 then waits in DDP's
+    gradient all-reduce."""
+
+    def phase_start(self, phase: str, iteration: int) -> None:
+        if phase == "forward" and _rank() == 1:
+            time.sleep(600)
+
+
 class DeadRankProbe(CpuProbe):
     """Rank 1 dies by SIGKILL while building (as the kernel's OOM killer would do)."""
 
@@ -69,11 +80,11 @@ class DeadRankProbe(CpuProbe):
 
 
 def _collect(tmp_path, monkeypatch, probe: str, strategies: list[str], resume: bool = False,
-             record_history: bool = False):
+             record_history: bool = False, timeout: float = 120):
     monkeypatch.setenv("HYBRIDMEM_PROBE", f"test_harness_multirank:{probe}")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     sweep = tmp_path / "multirank.toml"
-    sweep.write_text(SWEEP.format(strategies=json.dumps(strategies)))
+    sweep.write_text(SWEEP.format(strategies=json.dumps(strategies), timeout=timeout))
     out = tmp_path / "data"
     report = collect(sweep, out=out, backend="cuda", mlflow=False, resume=resume,
                      record_history=record_history)
@@ -233,3 +244,26 @@ def test_parts_written_before_the_parallel_columns_read_as_single_process(tmp_pa
     pd.read_parquet(old).drop(columns=["strategy", "rank_peaks_json"]).to_parquet(old)
     df = load_dataset(tmp_path)
     assert df.loc[0, "strategy"] == "none" and df.loc[0, "rank_peaks_json"] == ""
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds `marker` (Linux /proc)."""
+    pids = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in env.read_bytes():
+                pids.append(int(env.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+def test_a_hung_rank_times_out_and_no_rank_is_left_behind(tmp_path, monkeypatch):
+    marker = f"HYBRIDMEM_TEST_MARK={uuid.uuid4().hex}"
+    monkeypatch.setenv(*marker.split("="))
+    report, df = _collect(tmp_path, monkeypatch, "HungRankProbe", ["ddp"], timeout=30)
+    assert report.counts == {"error": 1}
+    assert df.iloc[0]["error"].startswith("timed out after 30 s")
+    assert _processes_with(marker) == []  # torchrun and both ranks are gone
