@@ -89,8 +89,10 @@ def collect_command(
 
     def on_item(item) -> None:
         spec = item.spec
+        ps = spec.parallel
+        ranks = "" if ps.strategy == "none" else f" {ps.world_size}x{ps.strategy}"
         progress.update(task["id"], description=f"{item.label[:44]} mb{spec.micro_batch} "
-                        f"s{spec.seq_len} {spec.precision} {spec.train}")
+                        f"s{spec.seq_len} {spec.precision} {spec.train}{ranks}")
 
     def on_row(item, row) -> None:
         progress.update(task["id"], advance=1)
