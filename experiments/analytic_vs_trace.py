@@ -7,7 +7,7 @@ whether the param / grad / optimizer factors agree, then the distribution (media
 
     python experiments/analytic_vs_trace.py            # full grid (~2-4 min on 2 cores)
     python experiments/analytic_vs_trace.py --limit 12 # a quick subset
-    python experiments/analytic_vs_trace.py --large    # LLaVA-1.5-7B, Qwen2-7B, Llama-3.2-3B
+    python experiments/analytic_vs_trace.py --large    # LLaVA-1.5-7B, Qwen2-7B, Llama-3.2-3B (~1 min)
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ LARGE = [
     dict(model="qwen2-7b", micro_batch=1, seq_len=1024, precision="bf16", train="lora",
          attn="eager"),
     dict(model="llama-3.2-3b", micro_batch=1, seq_len=512, precision="bf16", train="full"),
+    # the reserved-memory issue's command (trace: 8.26 GiB fragmentation)
+    dict(model="llava-1.5-7b", micro_batch=8, seq_len=2048, train="llm+projector",
+         grad_ckpt=True),
 ]
 
 

@@ -72,7 +72,13 @@ class Acts:
     """Outputs the model's return value holds (`image_outputs`) until the forward returns."""
     parts: tuple[int, ...] = ()
     """The tensors of `saved`, in the order the forward makes them (for the allocator replay
-    of `events.py`; the bytes not listed count as one tensor)."""
+    of `events.py`; the bytes not listed count as one tensor). Likewise, the tensors of:"""
+    fwd_parts: tuple[int, ...] = ()
+    """... `fwd_extra`,"""
+    bwd_parts: tuple[int, ...] = ()
+    """... `bwd_extra`,"""
+    bwd_mlp_parts: tuple[int, ...] = ()
+    """... `bwd_mlp`."""
 
 
 class Saved:

@@ -67,6 +67,16 @@ def chunks(total: int, unit: int) -> list[int]:
     return [unit] * n + ([rest] if rest else [])
 
 
+def split(total: int, listed, unit: int) -> list[int]:
+    """A transient of `total` bytes as the tensors its formula `listed`, the rest (bytes it
+    summed without listing: LoRA / flash-attention extras) as tensors of `unit` bytes."""
+    listed = [x for x in listed if x > 0]
+    rest = total - sum(listed)
+    if rest < 0:
+        return chunks(total, unit)
+    return listed + chunks(rest, unit)
+
+
 def _parts(acts) -> list[int]:
     """The saved tensors of a layer; bytes the formula did not list count as one tensor."""
     parts = [p for p in acts.parts if p > 0]
@@ -149,7 +159,7 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
         for i, p in enumerate(priced):  # forward
             a, st = p.step.acts, p.step
             unit = a.ckpt_saved or max(a.parts, default=0)
-            extra = chunks(a.fwd_extra, unit)
+            extra = split(a.fwd_extra, a.fwd_parts, unit)
             parts = _parts(a)
             if st.on_path and st.ckpt:
                 # no_grad: intermediates die as soon as the next op ran; the working set is
@@ -184,11 +194,11 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
                 parts = _parts(a)
                 half = len(parts) // 2
                 saved[i] = s.allocs(parts[:half])
-                tmp = s.allocs(chunks(a.fwd_extra, unit))
+                tmp = s.allocs(split(a.fwd_extra, a.fwd_parts, unit))
                 saved[i] += s.allocs(parts[half:])
                 s.free(tmp)
             if a.bwd_mlp:
-                tmp = s.allocs(chunks(a.bwd_mlp, unit))
+                tmp = s.allocs(split(a.bwd_mlp, a.bwd_mlp_parts, unit))
                 grads[i] = s.allocs(mlp_g)
                 s.free(tmp)
                 freed = 0  # the MLP's saved tensors: the last ones the forward made
@@ -198,7 +208,7 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
                     freed += s.sizes[key]
             else:
                 rest_g = mlp_g + rest_g
-            tmp = s.allocs(chunks(a.bwd_extra, unit))
+            tmp = s.allocs(split(a.bwd_extra, a.bwd_parts, unit))
             grads[i] += s.allocs(rest_g)
             if tie > 0:
                 tied = (i, len(grads[i]) - 1)

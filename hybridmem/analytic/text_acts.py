@@ -65,10 +65,15 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         attn_bwd += t(B * h, FP32) if (n_qkv or n_o) else 0
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
+    rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
+    probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=fwd,
                 bwd_extra=2 * t(B * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
-                bwd_mlp=t(B * h, sb) + mlp_bwd)
+                bwd_mlp=t(B * h, sb) + mlp_bwd,
+                fwd_parts=(*rope_parts, *[t(probs, e)] * (2 if probs else 0)),
+                bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts),
+                bwd_mlp_parts=(t(B * h, sb), t(B * f, e), t(B * f, e)))
 
 
 def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
@@ -115,8 +120,13 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     bwd = max(2 * t(B * V, FP32),
               t(B * V, FP32) + (t(B * V, e) if e != FP32 else 0),
               t(B * V, e) + t(B * h, e) + (t(V * h, 2) if c.amp and need_w else 0))
+    alternatives = ([t(B * V, FP32)] * 2,
+                    [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else []),
+                    [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else []))
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
-                cache=cache, fwd_extra=fwd, bwd_extra=bwd)
+                cache=cache, fwd_extra=fwd, bwd_extra=bwd,
+                fwd_parts=(t(B * V, e), *([t(B * V, FP32)] if e != FP32 else [])),
+                bwd_parts=tuple(max(alternatives, key=sum)))
 
 
 def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0,

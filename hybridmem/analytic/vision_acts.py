@@ -34,10 +34,14 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     copies, cache = amp_copies(layer, c, active, need_w)
     fwd = (t(N * f, e) if two else 0) + (2 * t(probs, e) if probs else 0)
     attn_bwd = 3 * t(N * h, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
+    probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=fwd,
                 bwd_extra=2 * t(N * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
-                bwd_mlp=t(N * h, sb) + 2 * t(N * f, e))
+                bwd_mlp=t(N * h, sb) + 2 * t(N * f, e),
+                fwd_parts=(*([t(N * f, e)] if two else []), *[t(probs, e)] * (2 if probs else 0)),
+                bwd_parts=(t(N * h, sb), t(N * h, sb), *[t(N * h, e)] * 3, *probs_parts),
+                bwd_mlp_parts=(t(N * h, sb), t(N * f, e), t(N * f, e)))
 
 
 def layernorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
