@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hybridmem.spec import TrainingSpec
+from hybridmem.torch_dtype import default_dtype
 
 PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                "bf16-mixed": torch.float32, "fp16-mixed": torch.float32,
@@ -39,16 +40,6 @@ class Job:
     scaler: object | None = None
     engine: object | None = None
     """A DeepSpeed engine (ZeRO): it runs backward and the step itself."""
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:

@@ -9,7 +9,6 @@ the base layer's device).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 import warnings
@@ -19,6 +18,7 @@ from torch import nn
 
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.spec import TrainingSpec
+from hybridmem.torch_dtype import default_dtype
 
 # spec.precision -> dtype of the parameters as built (POLICIES.param_bytes in hybridmem.spec).
 PARAM_DTYPE = {
@@ -37,16 +37,6 @@ def part_of(name: str) -> str:
         if part in name:
             return part
     return "language_model"
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def attn_for_cpu(attn: str) -> str:
