@@ -7,7 +7,7 @@ whether the param / grad / optimizer factors agree, then the distribution (media
 
     python experiments/analytic_vs_trace.py            # full grid (~2-4 min on 2 cores)
     python experiments/analytic_vs_trace.py --limit 12 # a quick subset
-    python experiments/analytic_vs_trace.py --large    # LLaVA-1.5-7B, Qwen2-7B, Llama-3.2-3B (~1 min)
+    python experiments/analytic_vs_trace.py --large    # LLaVA-1.5-7B, Qwen2-7B, Llama-3.2-3B
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ analytic model knows the tensors, so `reserved.py` can replay it through the tra
 allocator simulator:
 - setup: every parameter / buffer / LoRA tensor (and bf16-master fp32 copies), the batch;
 - forward, per layer: its saved tensors (`Acts.parts`, in forward order) with its transient
-  tensors (`fwd_extra`, cut into tensors of the layer's hidden-state size) alive over the
-  second half; a checkpointed layer runs under no_grad (working set: its largest
-  intermediate and the transients) and keeps its input (`ckpt_saved`) and autocast's cache;
+  tensors (`Acts.fwd_parts`; bytes a formula sums without listing are cut into tensors of the
+  layer's hidden-state size) alive over the second half; a checkpointed layer runs under
+  no_grad (working set: `_no_grad_working_set` and the transients) and keeps its input
+  (`ckpt_saved`) and autocast's cache; the tied embedding's grad is accumulated out of place;
 - backward, last layer first: recompute (checkpointing), the MLP half then the attention half
   (their transients, grads allocated per parameter as they are produced, the MLP's saved
   tensors freed in between), then the layer's remaining saved tensors are freed;
@@ -21,9 +22,11 @@ allocator simulator:
   adafactor one `row_var @ col_var` per >= 2-D parameter at a time; lion two clones per
   parameter at a time; fused/8-bit/SGD none; then zero_grad(set_to_none=True) frees the grads.
 
-Approximations (documented, not hidden): parts of a layer that the formulas sum (autocast
-weight copies, transients) are one or a few tensors; per-head or per-op ordering inside a
-layer is not modelled.
+Approximations (documented, not hidden): what the formulas sum without listing (autocast
+weight copies, LoRA / flash-attention extras) is one or a few tensors; the order of ops inside
+a layer, and temporaries the closed form does not count (e.g. RMSNorm's fp32 upcasts in
+backward), are not modelled. Measured against the trace tier's recorded stream replayed
+through the same simulator: experiments/analytic_vs_trace.py.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def _no_grad_working_set(layer, acts, amp: bool) -> list[int]:
     (not cached: autocast caches only leaves that require grad). Measured on llava-1.5-7b
     LoRA bf16-mixed (trace tier): ~400-470 MiB per decoder layer, this gives 344 MiB + RoPE.
     """
-    acts_only = sorted(acts.parts[1:] if acts.parts else ())  # parts[0]: weight copies
+    # parts[0] of the checkpointed kinds (decoder_layer, encoder_layer): the weight copies
+    acts_only = sorted(acts.parts[1:] if acts.parts else ())
     out = acts_only[-3:]
     if amp and layer.params:
         out.append(t(max(q.numel for q in layer.params), 2))
@@ -162,8 +166,8 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
             extra = split(a.fwd_extra, a.fwd_parts, unit)
             parts = _parts(a)
             if st.on_path and st.ckpt:
-                # no_grad: intermediates die as soon as the next op ran; the working set is
-                # about the largest intermediate with the transients (as the closed form)
+                # no_grad: intermediates die as soon as they are consumed; only the working
+                # set at the layer's high point and then its output are allocated
                 s.free(s.allocs(_no_grad_working_set(p.layer, a, amp) + extra))
                 kept[i] = s.allocs([a.ckpt_saved])
                 drop_at_end += s.allocs([a.cache])
