@@ -26,11 +26,16 @@ def preset_names() -> tuple[str, ...]:
     return tuple(sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json")))
 
 
-def _read_json(path: Path, field: str) -> dict:
+def read_json_object(path: str | Path, field: str) -> dict:
+    """A JSON object from a file, or a one-line SpecError naming `field` (every JSON input)."""
+    path = Path(path)
     try:
         text = path.read_text()
-    except OSError as err:
-        raise SpecError(field, str(path), reason=f"cannot read it ({err.strerror})") from None
+    except FileNotFoundError:
+        raise SpecError(field, str(path), reason="file not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+        raise SpecError(field, str(path), reason=f"cannot read it ({reason})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
@@ -39,6 +44,9 @@ def _read_json(path: Path, field: str) -> dict:
     if not isinstance(data, dict):
         raise SpecError(field, str(path), reason="config JSON must be an object")
     return data
+
+
+_read_json = read_json_object
 
 
 def load_config_dict(model: str) -> tuple[str, dict]:

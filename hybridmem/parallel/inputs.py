@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from hybridmem.errors import SpecError
+from hybridmem.models.loader import read_json_object
 from hybridmem.parallel.recipes import RECIPES
 from hybridmem.parallel.spec import ParallelSpec
 from hybridmem.parallel.validate import check_parallel
@@ -56,19 +57,7 @@ LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
 def _read_json(source: str | os.PathLike | dict, field: str) -> dict:
     if isinstance(source, dict):
         return json.loads(json.dumps(source))  # a private deep copy
-    path = Path(source)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(field, str(source), reason="file not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecError(field, str(source), reason=f"cannot read: {err}") from None
-    except json.JSONDecodeError as err:
-        raise SpecError(field, str(source),
-                        reason=f"malformed JSON: {err.msg} at line {err.lineno}") from None
-    if not isinstance(data, dict):
-        raise SpecError(field, str(source), reason="must hold a JSON object")
-    return data
+    return read_json_object(source, field)
 
 
 def _count(field: str, value: object) -> int:
