@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.models.loader import read_json_object
