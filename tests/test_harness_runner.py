@@ -11,7 +11,6 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 
 from hybridmem.harness.probe import CpuProbe
 
