@@ -246,6 +246,13 @@ def _events(spec: TrainingSpec) -> list[tuple]:
     return build_events(priced, spec, st)
 
 
+def _measure(spec: TrainingSpec) -> tuple[int, list[tuple]]:
+    """(closed-form allocated peak, event stream) of `spec`, for `reserved.envelope`."""
+    _, priced, st = _setup(spec)
+    points = walk([p.step for p in priced], st)
+    return peak(points).allocated, build_events(priced, spec, st)
+
+
 def estimate(spec: TrainingSpec) -> Prediction:
     """Predict the per-GPU peak memory of `spec` in closed form."""
     graph, priced, st = _setup(spec)
@@ -254,7 +261,7 @@ def estimate(spec: TrainingSpec) -> Prediction:
     allocated = top.allocated
     # reserved - allocated from replaying an approximate alloc/free stream through the
     # allocator simulator (`events.py`, `reserved.py`), non-decreasing in the micro-batch
-    waste = envelope(spec, _events)
+    waste = envelope(spec, allocated, _measure)
     # the former estimate: 2 MiB rounding of the > 10 MiB tensors alive (a lower bound)
     lower = max(p.allocated + p.waste for p in points) - allocated
     reserved = allocated + waste

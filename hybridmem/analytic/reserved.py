@@ -80,25 +80,43 @@ def fragmentation(events, config=None) -> tuple[int, int, int]:
     return sim.peak_reserved - sim.peak_allocated, sim.peak_reserved, sim.peak_allocated
 
 
-def envelope(spec, stream: Callable) -> int:
-    """Fragmentation for `spec`, made non-decreasing in the micro-batch.
+def envelope(spec, allocated: int, measure: Callable) -> int:
+    """Fragmentation for `spec`, such that device bytes never shrink as the micro-batch grows.
 
-    The replayed fragmentation F(b) is not monotone in the micro-batch b (segment reuse is
-    discrete: llava-1.5-7b llm+projector ckpt gives 2.30, 2.10, 4.52, 9.39 GiB at b = 1, 2, 4,
-    8), but `--find-max-batch` bisects on device bytes, which must not shrink as b grows. So
-    the estimate is max F(2^j) over the powers of two 2^j <= b: exact at powers of two (if F
-    grows there), non-decreasing in b, and log2(b) + 1 replays (each cached).
-    `stream(spec)` returns the event stream of a spec."""
+    The replayed fragmentation F(b) is not monotone in the micro-batch b, and neither is the
+    trace tier's (segment reuse is discrete: llava-1.5-7b bf16 flash-attention gives 5.6, 1.6,
+    11.4, 1.5 GiB at b = 1..4; the trace tier 3.6, 1.9, 12.3, 2.2 GiB), but `--find-max-batch`
+    bisects on device bytes. With D(p) = allocated(p) + F(p) and q the largest power of two
+    <= b, the estimate of reserved bytes is
+        max( max over powers of two p <= q of D(p),  allocated(b) + min(F(q), F(2q)) )
+    Non-decreasing in b: within [q, 2q) the first term is fixed and the second grows with
+    allocated(b); at b = 2q the first term gains D(2q) = allocated(2q) + F(2q), which bounds
+    every earlier second term. At a power of two it is D(b) unless a smaller power had more
+    device bytes (then that one, as find-max-batch needs). Cost: log2(b) + 1 replays, + 1
+    when b is not a power of two; each is cached.
+    `measure(spec)` returns (closed-form allocated peak, event stream) of a spec."""
     env = tuple(os.environ.get(k) for k in _ENV)
     _config(env)  # a malformed PYTORCH_ALLOC_CONF raises its SpecError here
-    best = 0
-    for j in range(spec.micro_batch.bit_length()):
-        try:
-            smaller = spec.with_(micro_batch=1 << j)
-        except SpecError:
-            continue
-        best = max(best, _replayed(smaller, stream, env))
-    return best
+    b = spec.micro_batch
+    q = 1 << (b.bit_length() - 1)
+    device = allocated
+    for j in range(q.bit_length()):
+        a, f = _at(spec, 1 << j, measure, env)
+        device = max(device, a + f)
+    if b != q:
+        f_q = _at(spec, q, measure, env)[1]
+        f_2q = _at(spec, 2 * q, measure, env, default=f_q)[1]
+        device = max(device, allocated + min(f_q, f_2q))
+    return device - allocated
+
+
+def _at(spec, batch: int, measure: Callable, env: tuple, default: int = 0) -> tuple[int, int]:
+    """(allocated, F) at another micro-batch; a batch the spec rejects counts as (0, default)."""
+    try:
+        other = spec.with_(micro_batch=batch)
+    except SpecError:
+        return 0, default
+    return _replayed(other, measure, env)
 
 
 def _config(env: tuple):
@@ -107,5 +125,6 @@ def _config(env: tuple):
 
 
 @lru_cache(maxsize=64)
-def _replayed(spec, stream: Callable, env: tuple) -> int:
-    return fragmentation(stream(spec), _config(env))[0]
+def _replayed(spec, measure: Callable, env: tuple) -> tuple[int, int]:
+    allocated, events = measure(spec)
+    return allocated, fragmentation(events, _config(env))[0]
