@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from hybridmem.trace.allocator import AllocatorConfig, replay
+from hybridmem.allocator import AllocatorConfig, replay
 
 MiB = 1 << 20
 

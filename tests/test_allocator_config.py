@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.trace.allocator import AllocatorConfig, division_table
+from hybridmem.allocator import AllocatorConfig, division_table
 
 MiB = 1 << 20
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridmem.trace.allocator import (
+from hybridmem.allocator import (
     AllocatorConfig, CachingAllocatorSim, get_allocation_size, round_size,
 )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.trace.allocator import AllocatorConfig, ReplayResult, replay, replay_snapshot
+from hybridmem.allocator import AllocatorConfig, ReplayResult, replay, replay_snapshot
 
 KiB, MiB = 1 << 10, 1 << 20
 A, B, C = 0x7F0000000000, 0x7F0002000000, 0x7F0004000000  # segment addresses (any values)

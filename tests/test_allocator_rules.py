@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridmem.trace.allocator import (
+from hybridmem.allocator import (
     AllocatorConfig, CachingAllocatorSim, SimulatedOOM, get_allocation_size, round_size,
 )
 

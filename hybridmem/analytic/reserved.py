@@ -1,29 +1,20 @@
 """Reserved - allocated bytes (fragmentation) from replaying `events.build`'s stream through
-the trace tier's caching-allocator simulator.
+the caching-allocator simulator (`hybridmem.allocator`, shared with the trace tier).
 
 Only the difference is taken from the replay: the allocated peak stays the closed form's
 (the simulator's allocated peak differs slightly, e.g. it keeps <= 1 MiB remainders of split
 blocks unsplit). The difference is `peak_reserved - peak_allocated` of the replay, the same
 definition as the trace tier's `fragmentation` (`hybridmem.trace.estimate`).
-
-Import cost: `hybridmem.trace/__init__` imports torch (via `trace.corrections`), so importing
-`hybridmem.trace.allocator` would cost the analytic tier ~1 s and a torch dependency. The
-simulator's two modules are pure Python; unless the trace package is already imported they
-are loaded here from their files under private names (`_load`), the trace package untouched.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from collections.abc import Callable
-from functools import cache, lru_cache
-from pathlib import Path
+from functools import lru_cache
 
 from hybridmem.errors import SpecError
 
-_TRACE = "hybridmem.trace"
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # AllocatorConfig.from_environ reads
 # CARRY = 1 / CARRY_DIV: how much of a smaller micro-batch's device bytes carries over to a
 # larger one's, per byte of allocated growth. 1 would carry its whole fragmentation (always
@@ -32,36 +23,14 @@ _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # AllocatorConfig.from
 # midpoint, and on the large configs of experiments/analytic_vs_trace.py the estimate equals
 # the replay at the spec's own micro-batch.
 CARRY_DIV = 2
-_PRIVATE = "hybridmem.analytic._sim_"
 
 
-@cache
 def _load():
-    """(AllocatorConfig, CachingAllocatorSim) without importing the torch-importing package."""
-    if _TRACE in sys.modules:
-        from hybridmem.trace.allocator_config import AllocatorConfig
-        from hybridmem.trace.allocator_sim import CachingAllocatorSim
-        return AllocatorConfig, CachingAllocatorSim
-    root = Path(__file__).resolve().parent.parent / "trace"
-    mods = {}
-    for name in ("allocator_config", "allocator_sim"):
-        spec = importlib.util.spec_from_file_location(_PRIVATE + name, root / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[_PRIVATE + name] = mod
-        real = f"{_TRACE}.{name}"
-        # allocator_sim imports `hybridmem.trace.allocator_config`: point that name at the
-        # private copy while it runs (a module already in sys.modules is not re-imported, so
-        # the package's __init__ does not run), then remove it again
-        had = real in sys.modules
-        if name == "allocator_sim" and not had:
-            sys.modules[f"{_TRACE}.allocator_config"] = mods["allocator_config"]
-        try:
-            spec.loader.exec_module(mod)
-        finally:
-            if name == "allocator_sim" and not had:
-                del sys.modules[f"{_TRACE}.allocator_config"]
-        mods[name] = mod
-    return mods["allocator_config"].AllocatorConfig, mods["allocator_sim"].CachingAllocatorSim
+    """(AllocatorConfig, CachingAllocatorSim): pure Python, no torch import."""
+    from hybridmem.allocator.config import AllocatorConfig
+    from hybridmem.allocator.sim import CachingAllocatorSim
+
+    return AllocatorConfig, CachingAllocatorSim
 
 
 def config_from_environ(environ=None):
@@ -73,7 +42,7 @@ def config_from_environ(environ=None):
 def fragmentation(events, config=None) -> tuple[int, int, int]:
     """(peak reserved - peak allocated, peak reserved, peak allocated) of the replayed stream.
 
-    The loop is `hybridmem.trace.allocator_replay.replay` without its per-event timeline (which
+    The loop is `hybridmem.allocator.replay.replay` without its per-event timeline (which
     the analytic tier does not need and which costs time)."""
     _, sim_cls = _load()
     sim = sim_cls(config if config is not None else config_from_environ())

@@ -3,7 +3,7 @@
 `run_trace(spec)` builds the model from its config (no weights, no real memory), runs
 `runner.ITERATIONS` full training iterations and records every storage's birth and death;
 `estimate(spec)` turns that into a `Prediction` in the same schema as the analytic tier, with
-reserved memory from the caching-allocator simulator (`allocator.py`).
+reserved memory from the caching-allocator simulator (`hybridmem.allocator`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _validate(spec: TrainingSpec):
 def _simulate_reserved(result: TraceResult) -> None:
     """Reserved bytes from the caching-allocator simulator (or = allocated if it is missing)."""
     try:
-        from hybridmem.trace.allocator import AllocatorConfig, replay
+        from hybridmem.allocator import AllocatorConfig, replay
     except ImportError:
         result.peak_reserved = None
         result.notes.append("allocator simulator unavailable: reserved = allocated")

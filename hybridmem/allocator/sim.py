@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from hybridmem.trace.allocator_config import (
+from hybridmem.allocator.config import (
     K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_BUFFER, K_SMALL_SIZE,
     ROUNDUP_INTERVALS, ROUNDUP_START_LOG2, AllocatorConfig, division_table,
 )

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from hybridmem.errors import SpecError
-from hybridmem.trace.allocator_config import AllocatorConfig
-from hybridmem.trace.allocator_sim import CachingAllocatorSim
+from hybridmem.allocator.config import AllocatorConfig
+from hybridmem.allocator.sim import CachingAllocatorSim
 
 _SEGMENT_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",

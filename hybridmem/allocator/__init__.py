@@ -1,5 +1,8 @@
 """A simulator of PyTorch's CUDA caching allocator: an alloc/free stream in, reserved bytes out.
 
+Shared by the trace tier (its recorded stream) and the analytic tier (an approximate stream it
+builds from its closed forms); pure Python, so the analytic tier stays free of torch.
+
 What the trace tier records is what PyTorch *allocates*; what a GPU runs out of is what the
 caching allocator *reserves* (segments from cudaMalloc, or pages from cuMemMap with expandable
 segments). The simulator replays the allocator's decisions rule by rule from
@@ -31,9 +34,9 @@ Public API (agreed with the tracker):
 
 from __future__ import annotations
 
-from hybridmem.trace.allocator_config import AllocatorConfig, division_table
-from hybridmem.trace.allocator_replay import ReplayResult, replay, replay_snapshot
-from hybridmem.trace.allocator_sim import (
+from hybridmem.allocator.config import AllocatorConfig, division_table
+from hybridmem.allocator.replay import ReplayResult, replay, replay_snapshot
+from hybridmem.allocator.sim import (
     CachingAllocatorSim, SimulatedOOM, get_allocation_size, round_size,
 )
 
