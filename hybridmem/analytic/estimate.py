@@ -190,7 +190,7 @@ def _notes(graph: ModelGraph, spec: TrainingSpec) -> tuple[str, ...]:
     ]
     if graph.image_tokens:
         notes.append(f"{graph.image_tokens} of the {graph.seq_len} tokens per sample are image "
-                     f"tokens; the vision tower encodes {graph.vision_batch} crops per step")
+                     f"tokens; the vision tower encodes {graph.vision_batch} crop(s) per step")
     if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
         notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
     if spec.attn == "flash_attention_2":
