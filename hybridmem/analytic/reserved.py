@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable
 from functools import lru_cache
 
+from hybridmem.allocator.config import AllocatorConfig
+from hybridmem.allocator.sim import CachingAllocatorSim
 from hybridmem.errors import SpecError
 
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # AllocatorConfig.from_environ reads
@@ -25,27 +27,13 @@ _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # AllocatorConfig.from
 CARRY_DIV = 2
 
 
-def _load():
-    """(AllocatorConfig, CachingAllocatorSim): pure Python, no torch import."""
-    from hybridmem.allocator.config import AllocatorConfig
-    from hybridmem.allocator.sim import CachingAllocatorSim
-
-    return AllocatorConfig, CachingAllocatorSim
-
-
-def config_from_environ(environ=None):
-    """PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF (`AllocatorConfig.from_environ`)."""
-    config, _ = _load()
-    return config.from_environ(os.environ if environ is None else environ)
-
-
 def fragmentation(events, config=None) -> tuple[int, int, int]:
     """(peak reserved - peak allocated, peak reserved, peak allocated) of the replayed stream.
 
     The loop is `hybridmem.allocator.replay.replay` without its per-event timeline (which
-    the analytic tier does not need and which costs time)."""
-    _, sim_cls = _load()
-    sim = sim_cls(config if config is not None else config_from_environ())
+    the analytic tier does not need and which costs time). `config`: by default the one
+    PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF give (`AllocatorConfig.from_environ`)."""
+    sim = CachingAllocatorSim(config if config is not None else AllocatorConfig.from_environ())
     live = {}
     malloc, free = sim.malloc, sim.free
     for action, key, size in events:
@@ -97,9 +85,8 @@ def _at(spec, batch: int, measure: Callable, env: tuple, default: int = 0) -> tu
     return _replayed(other, measure, env)
 
 
-def _config(env: tuple):
-    config, _ = _load()
-    return config.from_environ({k: v for k, v in zip(_ENV, env) if v is not None})
+def _config(env: tuple) -> AllocatorConfig:
+    return AllocatorConfig.from_environ({k: v for k, v in zip(_ENV, env) if v is not None})
 
 
 @lru_cache(maxsize=64)
