@@ -37,7 +37,8 @@ def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
     return per_rank_aware(getattr(import_module(module), func))
 
 
-def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic") -> int:
+def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
+                         **tier_options: object) -> int:
     """Largest micro-batch whose predicted device peak fits `gpu` (0 if even 1 does not fit).
 
     Peak memory is monotone in the micro-batch, so exponential search then bisection needs
@@ -46,7 +47,8 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic")
     run = estimator(method)
 
     def fits(batch: int) -> bool:
-        return run(spec.with_(micro_batch=batch)).peak.device_bytes <= gpu.memory_bytes
+        peak = run(spec.with_(micro_batch=batch), **tier_options).peak
+        return peak.device_bytes <= gpu.memory_bytes
 
     if not fits(1):
         return 0
@@ -67,6 +69,8 @@ def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None
 
     `tier_options` go to the tier's estimate function (e.g. `timeline=` for the trace tier).
     """
+    if find_max_batch and gpu is None:
+        raise SpecError("find_max_batch", True, reason="needs a GPU (--gpu or --gpu-mem)")
     # unknown preset / bad config JSON / unsupported model_type fail here, the same for every
     # tier, without importing transformers (that alone costs seconds)
     light_config(spec.model)
@@ -74,9 +78,10 @@ def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None
         tier_options.setdefault("gpu_name", gpu.name)  # the residual model is per GPU type
     result = estimator(method)(spec, **tier_options)
     if gpu is None:
-        if find_max_batch:
-            raise SpecError("find_max_batch", True, reason="needs a GPU (--gpu or --gpu-mem)")
         return result
-    max_batch = find_max_micro_batch(spec, gpu, method) if find_max_batch else None
+    # the timeline file belongs to the spec as asked, not to the search's probes
+    search_options = {k: v for k, v in tier_options.items() if k != "timeline"}
+    max_batch = (find_max_micro_batch(spec, gpu, method, **search_options)
+                 if find_max_batch else None)
     return dataclasses.replace(result, gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
                                max_micro_batch=max_batch)

@@ -9,7 +9,13 @@ from hybridmem.categories import CATEGORIES, PHASES
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModuleMemory:
-    """Memory of one top-level module (vision tower, projector, language model, lm_head)."""
+    """Memory of one top-level module (vision tower, projector, language model, lm_head).
+
+    `param`/`grad`/`optimizer`: bytes of the module's own tensors when they all exist;
+    `activation`: tensors the module saves for backward (the analytic tier reports what it
+    carries into backward, the trace tier what is live at the peak). The run-wide snapshot at
+    the peak is `Prediction.breakdown`.
+    """
 
     name: str
     params: int

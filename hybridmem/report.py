@@ -52,8 +52,10 @@ def render(pred: Prediction, console=None) -> None:
         console = Console()
         if not console.is_terminal:  # pipes and logs: do not truncate module names at 80 cols
             console = Console(width=140)
-    table = Table(title=f"{pred.model} — memory at the peak by module (GiB)",
-                  title_justify="left")
+    # module rows hold each module's own tensors (params, grads, state) and what it saves for
+    # backward; the breakdown below is the snapshot at the device peak, so the two can differ
+    # (e.g. bf16 grads already folded into fp32 master grads at an optimizer-step peak)
+    table = Table(title=f"{pred.model} — memory by module (GiB)", title_justify="left")
     for col in ("module", "params", "trainable", *MODULE_COLUMNS, "total"):
         table.add_column(col, justify="left" if col == "module" else "right")
     for row in module_rows(pred):

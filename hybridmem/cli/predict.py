@@ -12,29 +12,6 @@ import typer
 
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU, custom_gpu, gpu_by_name
-from hybridmem.spec import LoraSpec, TrainingSpec
-
-
-def build_spec(*, model: str, micro_batch: int, seq_len: int, images_per_sample: int | None,
-               image_size: int | None, precision: str, optimizer: str, grad_ckpt: bool,
-               train: str, lora_r: int | None, lora_alpha: float | None,
-               lora_targets: str | None, attn: str) -> TrainingSpec:
-    """A validated TrainingSpec from CLI values (LoRA flags need --train lora)."""
-    lora_given = any(v is not None for v in (lora_r, lora_alpha, lora_targets))
-    lora = None
-    if train == "lora":
-        defaults = LoraSpec()
-        targets = (tuple(t.strip() for t in lora_targets.split(",") if t.strip())
-                   if lora_targets is not None else defaults.targets)
-        lora = LoraSpec(r=lora_r if lora_r is not None else defaults.r,
-                        alpha=lora_alpha if lora_alpha is not None else defaults.alpha,
-                        targets=targets)
-    elif lora_given:
-        raise SpecError("train", train, ["lora"], reason="--lora-* options need --train lora")
-    return TrainingSpec(model=model, micro_batch=micro_batch, seq_len=seq_len,
-                        images_per_sample=images_per_sample, image_size=image_size,
-                        precision=precision, optimizer=optimizer, grad_ckpt=grad_ckpt,
-                        train=train, lora=lora, attn=attn)
 
 
 def resolve_gpu(gpu: str | None, gpu_mem: float | None) -> GPU | None:
