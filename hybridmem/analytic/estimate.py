@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from hybridmem.analytic import activations as A, text_acts as TA, vision_acts as VA
 from hybridmem.analytic.alloc import t
-from hybridmem.analytic.events import build as build_events
+from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.analytic.reserved import envelope
 from hybridmem.analytic.overheads import (
     CUBLAS_HANDLES_TRAINING,
@@ -27,14 +27,13 @@ from hybridmem.analytic.states import (
     optimizer_temporary,
 )
 from hybridmem.analytic.timeline import Point, Statics, Step, peak, walk
-from hybridmem.categories import CATEGORIES
+from hybridmem.categories import empty_breakdown
 from hybridmem.errors import SpecError
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
 from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec
 
-INT64 = 8
 CHECKPOINTED = ("decoder_layer", "encoder_layer")  # GradientCheckpointingLayer subclasses
 
 
@@ -77,7 +76,6 @@ def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
 
 
 MLP_OUT = ("mlp.down_proj.", "mlp.fc2.")
-MLP_ALL = ("mlp.", "post_attention_layernorm.", "layer_norm2.")
 
 
 def _mlp_grads(layer: Layer, policy) -> tuple[int, int]:
@@ -150,12 +148,11 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
 
     No attention mask: an unpadded batch, for which HF takes the causal kernel path (the trace
     tier's batch is the same, `hybridmem.trace.inputs`)."""
-    tokens = t(graph.micro_batch * graph.seq_len, INT64)
+    tokens = t(graph.micro_batch * graph.seq_len, A.INT64)
     out = 2 * tokens
     if graph.vision_batch:
         emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
-        amp = spec.precision.endswith("-mixed")
-        pix = 4 if amp else POLICIES[spec.precision].param_bytes
+        pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
         out += t(graph.vision_batch * emb["channels"] * emb["side"] ** 2, pix)
     return out
 
@@ -266,7 +263,7 @@ def estimate(spec: TrainingSpec) -> Prediction:
     # the former estimate: 2 MiB rounding of the > 10 MiB tensors alive (a lower bound)
     lower = max(p.allocated + p.waste for p in points) - allocated
     reserved = allocated + waste
-    breakdown = {c: 0 for c in CATEGORIES}
+    breakdown = empty_breakdown()
     breakdown.update(top.bytes)
     breakdown["fragmentation"] = waste
     breakdown["context"] = CUDA_CONTEXT_DEFAULT

@@ -35,7 +35,9 @@ from hybridmem.analytic.alloc import t
 from hybridmem.analytic.states import state_bytes
 from hybridmem.spec import POLICIES, TrainingSpec
 
-MLP_ALL = ("mlp.", "post_attention_layernorm.", "layer_norm2.")  # as estimate.MLP_ALL
+# parameters of a transformer layer's MLP half (its grads appear first in backward);
+# estimate._mlp_grads uses the same split
+MLP_ALL = ("mlp.", "post_attention_layernorm.", "layer_norm2.")
 
 
 class Stream:
