@@ -13,11 +13,13 @@ import time
 
 import numpy as np
 
+from hybridmem.allocator import AllocatorConfig, replay
+from hybridmem.analytic.overheads import CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES
 from hybridmem.categories import CATEGORIES, Phase
+from hybridmem.models import build_graph, load_config
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
 from hybridmem.spec import TrainingSpec
 from hybridmem.trace.corrections import KNOWN_LIMITATIONS
-from hybridmem.trace.overheads import context_bytes, workspace_bytes
 from hybridmem.trace.result import TraceResult, summarize
 from hybridmem.trace.timeline import save_timeline
 
@@ -26,25 +28,12 @@ __all__ = ["KNOWN_LIMITATIONS", "TraceResult", "estimate", "run_trace", "save_ti
 
 def _validate(spec: TrainingSpec):
     """Same boundary checks and errors as the analytic tier; returns the HF config."""
-    from hybridmem import models
-
-    if hasattr(models, "build_graph"):
-        models.build_graph(spec)
-    else:
-        from hybridmem.models.build import build_graph
-
-        build_graph(spec)
-    return models.load_config(spec.model)
+    build_graph(spec)
+    return load_config(spec.model)
 
 
 def _simulate_reserved(result: TraceResult) -> None:
-    """Reserved bytes from the caching-allocator simulator (or = allocated if it is missing)."""
-    try:
-        from hybridmem.allocator import AllocatorConfig, replay
-    except ImportError:
-        result.peak_reserved = None
-        result.notes.append("allocator simulator unavailable: reserved = allocated")
-        return
+    """Reserved bytes from the caching-allocator simulator."""
     config = AllocatorConfig.from_environ()  # PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF
     sim = replay(result.events, config)
     result.peak_reserved = sim.peak_reserved
@@ -65,22 +54,20 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta") -> TraceResult:
     from hybridmem.trace import runner
 
     config = _validate(spec)
-    size, count = workspace_bytes()
+    # the runner places one workspace per cuBLAS handle a training step holds (forward thread,
+    # autograd device thread): analytic.overheads.CUBLAS_HANDLES_TRAINING = 2
     start = time.perf_counter()
     notes = []
     try:
         tracker, job = runner.trace(spec, config, backend=backend,
-                                    workspace=size if count else 0)
+                                    workspace=CUBLAS_WORKSPACE_BYTES)
     except UnsupportedModelError as err:
         if backend != "meta":
             raise
         notes.append(f"meta backend failed ({err.reason}); traced under FakeTensorMode")
         backend = "fake"
         tracker, job = runner.trace(spec, config, backend=backend,
-                                    workspace=size if count else 0)
-    if count > 2:  # more than the two workspaces the runner places
-        for _ in range(count - 2):
-            tracker.add_external(size, "workspace")
+                                    workspace=CUBLAS_WORKSPACE_BYTES)
     result = summarize(tracker, job)
     result.notes.extend(notes)
     _simulate_reserved(result)
@@ -93,13 +80,13 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
              backend: str = "meta") -> Prediction:
     """`Prediction` from a trace: allocated and reserved peak, breakdown at the peak."""
     result = run_trace(spec, backend=backend)
-    context, context_src = context_bytes()
     allocated = result.peak_allocated
-    reserved = max(result.peak_reserved or allocated, allocated)
+    reserved = max(result.peak_reserved, allocated)
     breakdown = {c: result.breakdown.get(c, 0) for c in CATEGORIES}
     breakdown["fragmentation"] = reserved - allocated
-    breakdown["context"] = context
-    notes = list(result.notes) + [f"context: {context} bytes ({context_src})"]
+    breakdown["context"] = CONTEXT_BYTES
+    notes = list(result.notes) + [
+        f"context: {CONTEXT_BYTES} bytes (hybridmem.analytic.overheads.CONTEXT_BYTES)"]
     notes += [f"known limitation: {x}" for x in KNOWN_LIMITATIONS]
     extras = {"trace": {"events": len(result.events), "peak_event": result.peak_index,
                         "peak_by_phase": result.by_phase, "peak_by_module": result.by_part}}
@@ -110,7 +97,7 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
         model=spec.model, method="trace", params_total=result.params_total,
         params_trainable=result.params_trainable,
         peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
-                  device_bytes=reserved + context, phase=phase,
+                  device_bytes=reserved + CONTEXT_BYTES, phase=phase,
                   iteration=result.peak_iteration),
         breakdown=breakdown,
         modules=tuple(ModuleMemory(name=m.name, params=m.params,
