@@ -2,8 +2,8 @@
 
 Corrected here: CUDA autocast's fp32 list for the norms HF models call (`cuda_autocast_rules`),
 AdamW/Adafactor `step` scalars on the host (`optimizers.host_state_keys`), cuBLAS workspaces
-(added by `result`). Everything else is listed, with its size, in `KNOWN_LIMITATIONS` (copied
-into every trace prediction's notes and into docs/trace.md).
+(placed by `runner.train`). Everything else is listed, with its size, in `KNOWN_LIMITATIONS`
+(copied into every trace prediction's notes and into docs/trace.md).
 """
 
 from __future__ import annotations
