@@ -87,6 +87,8 @@ def test_issue_command_json(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is False and out["max_micro_batch"] == 0
+    # trainable = 7,063,427,072 total - 303,507,456 vision (meta-device counts, DESIGN.md)
+    assert out["params"]["trainable"] == 6_759_919_616
     assert out["peak"]["device_bytes"] > 6_759_919_616 * 14
     assert [m["name"] for m in out["modules"]][:2] == ["vision_tower", "multi_modal_projector"]
 

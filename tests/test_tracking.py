@@ -14,6 +14,9 @@ def test_run_is_logged_locally(tmp_path, monkeypatch, kind):
     uri = (f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}" if kind == "sqlite"
            else (tmp_path / "store").as_uri())
     monkeypatch.setenv("HYBRIDMEM_MLFLOW_URI", uri)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)  # MLflow's own default would put artifacts in ./mlruns here
     art = tmp_path / "a.txt"
     art.write_text("x")
     with start_run("unit", run_name="r1") as run:
@@ -25,7 +28,7 @@ def test_run_is_logged_locally(tmp_path, monkeypatch, kind):
     assert got.data.params["a"] == "1" and got.data.metrics["mape"] == pytest.approx(0.1)
     names = {f.path for f in mlflow.MlflowClient().list_artifacts(run.run_id)}
     assert names == {"a.txt", "obj.json"}
-    assert not (tmp_path.parent / "mlruns").exists() or kind == "file"
+    assert list(work.iterdir()) == []  # nothing written in the working directory
 
 
 def test_disabled_run_is_a_no_op():
