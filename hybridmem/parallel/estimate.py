@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from hybridmem.categories import CATEGORIES, TENSOR_CATEGORIES
+from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
 from hybridmem.parallel.sharding import RankStates, rank_states, replicated
 from hybridmem.parallel.spec import ParallelSpec
 from hybridmem.parallel.states import model_tensors
@@ -95,7 +95,7 @@ def analytic_points(spec: TrainingSpec) -> list[ActPoint]:
 def _fwd_bwd(states: RankStates, point: ActPoint, extra: dict) -> dict:
     """One forward/backward point: gathered params and reduce buffers on top of the resident
     states; grads that grow with the backward scaled like the single-GPU grads at the point."""
-    out = {c: 0 for c in CATEGORIES}
+    out = empty_breakdown()
     growing = states.grad - states.grad_fixed
     out["param"] = states.param + states.gathered
     out["grad"] = states.grad_fixed + round(growing * point.grad_fraction) + (
@@ -109,7 +109,7 @@ def _fwd_bwd(states: RankStates, point: ActPoint, extra: dict) -> dict:
 
 def _step(states: RankStates, base: Prediction, extra: dict) -> dict:
     """Optimizer step: every grad, the state and the step's transients on this rank's shard."""
-    out = {c: 0 for c in CATEGORIES}
+    out = empty_breakdown()
     out.update(param=states.param, grad=states.grad, optimizer=states.optimizer,
                temporary=states.step_temporary)
     if base.peak.phase == "optimizer":
@@ -155,8 +155,8 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
              "context": base.breakdown["context"] + nccl,
              "fragmentation": base.breakdown["fragmentation"]}
     acts = points(spec) if points is not None else [_prediction_point(fwd, single_states)]
-    fwd_best = max((_fwd_bwd(states, p, extra) for p in acts), key=lambda b: sum(b.values()))
-    fwd_phase = max(acts, key=lambda p: sum(_fwd_bwd(states, p, extra).values())).phase
+    fwd_phase, fwd_best = max(((p.phase, _fwd_bwd(states, p, extra)) for p in acts),
+                              key=lambda pb: sum(pb[1].values()))
     phases = {fwd_phase: fwd_best, "optimizer": _step(states, base, extra)}
     phase = max(phases, key=lambda k: sum(phases[k].values()))
     # optimizer state exists from the first step on, so a forward/backward peak that includes
