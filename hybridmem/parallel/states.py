@@ -47,10 +47,6 @@ class ModelTensors:
     def trainable(self) -> int:
         return sum(t.numel for t in self.tensors if t.trainable)
 
-    @property
-    def largest_tensor(self) -> int:
-        return max((t.numel for t in self.tensors), default=0)
-
     def units(self) -> dict[str, tuple[int, int]]:
         """unit -> (elements, trainable elements)."""
         out: dict[str, tuple[int, int]] = {}
