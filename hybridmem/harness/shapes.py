@@ -84,11 +84,6 @@ def decoder_config(name: str, gqa: bool, custom: dict[str, dict] | None = None,
     return cfg
 
 
-def image_tokens(vision: dict, image_size: int) -> int:
-    """Image tokens per image: one per patch (CLIP's CLS is dropped, SigLIP has none)."""
-    return (image_size // vision["patch_size"]) ** 2
-
-
 def compose(vision_name: str, decoder_name: str, gqa: bool, image_size: int | None,
             custom_vision: dict | None = None, custom_decoder: dict | None = None,
             field: str = "vision") -> tuple[str, dict]:

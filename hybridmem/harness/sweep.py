@@ -23,6 +23,7 @@ from hybridmem.errors import SpecError
 from hybridmem.harness import shapes
 from hybridmem.harness.order import estimate_seconds, space_filling_order
 from hybridmem.harness.schema import spec_hash
+from hybridmem.models import build_graph
 from hybridmem.parallel.spec import STRATEGIES, ParallelSpec
 from hybridmem.parallel.validate import check_parallel
 from hybridmem.spec import LoraSpec, TrainingSpec
@@ -152,26 +153,14 @@ def _model_config(combo: dict, custom: dict, where: str) -> tuple[str, dict]:
                           custom.get("vision"), custom.get("decoder"), field=f"{where}.vision")
 
 
-def _image_tokens(cfg: dict, spec: TrainingSpec) -> int:
+def _image_tokens(spec: TrainingSpec) -> int:
     """Image tokens per sample, as the model graph counts them (0 for a decoder)."""
     if not spec.images_per_sample:
         return 0
-    try:
-        from hybridmem.models.llava import image_layout
-        from hybridmem.models.loader import load_config
+    from hybridmem.models.llava import image_layout
+    from hybridmem.models.loader import load_config
 
-        per_image = image_layout(load_config(spec.model), spec.image_size).tokens
-    except ImportError:  # model graph not available: LLaVA-1.5 count
-        per_image = shapes.image_tokens(cfg["vision_config"], spec.image_size)
-    return per_image * spec.images_per_sample
-
-
-def _validate_graph(spec: TrainingSpec) -> None:
-    try:
-        from hybridmem.models import build_graph
-    except ImportError:
-        return
-    build_graph(spec)
+    return image_layout(load_config(spec.model), spec.image_size).tokens * spec.images_per_sample
 
 
 def _parallel_knobs(block: dict, where: str) -> dict:
@@ -203,11 +192,11 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
     runnable = spec.with_(model=_materialize(cfg))
-    tokens = _image_tokens(cfg, runnable)
+    tokens = _image_tokens(runnable)
     if tokens + 1 > spec.seq_len:
         raise SpecError("seq_len", spec.seq_len,
                         reason=f"too short for {tokens} image tokens plus one text token")
-    _validate_graph(runnable)
+    build_graph(runnable)  # SpecError for what the model graph refuses (dropped as impossible)
     axes = tuple(combo[a] for a in AXES)
     if train != "lora":  # the rank means nothing then: do not let it count as a new axis value
         axes = tuple(0 if a == "lora_r" else v for a, v in zip(AXES, axes))
