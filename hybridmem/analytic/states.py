@@ -31,7 +31,7 @@ from hybridmem.spec import PrecisionPolicy
 
 BNB_MIN_8BIT = 4096   # bitsandbytes optim `min_8bit_size` default
 BNB_BLOCK = 256       # bitsandbytes blockwise optimizer state: absmax per 256 elements
-BNB_QMAP = 256 * 4    # one dynamic-quantisation map, 256 fp32 entries (F.create_dynamic_map)
+BNB_QMAP = 256       # one dynamic-quantisation map: 256 fp32 entries (F.create_dynamic_map)
 FP32 = 4
 
 
@@ -90,7 +90,7 @@ def state_bytes(s: Stepped, optimizer: str) -> list[int]:
 def optimizer_shared_bytes(optimizer: str, stepped: list[Stepped]) -> int:
     """State shared by all tensors: bitsandbytes' two qmaps (only if some tensor is 8-bit)."""
     if optimizer == "adamw-8bit" and any(s.numel >= BNB_MIN_8BIT for s in stepped):
-        return 2 * t(256, FP32)
+        return 2 * t(BNB_QMAP, FP32)
     return 0
 
 
@@ -132,9 +132,8 @@ def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> Layer
     # (DeepSpeed flattens all requires_grad params into its fp32 groups)
     masters = [t(p.numel, policy.master_bytes) for p, _ in base
                if policy.master_bytes and layer.trainable]
-    for p, sz in with_grad:
-        fixed = p.itemsize is not None
-        state = FP32 if fixed else policy.state_bytes
+    for p, _ in with_grad:
+        state = FP32 if p.itemsize is not None else policy.state_bytes
         stepped.append(Stepped(p.numel, p.shape, state))
     states = [b for s in stepped for b in state_bytes(s, optimizer)]
     trainable = (layer.num_params if layer.trainable else 0) + sum(p.numel for p, _ in lora)

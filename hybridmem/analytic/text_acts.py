@@ -46,8 +46,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
     lora_outputs(sv, c, B, n_down)
     copies, cache = amp_copies(layer, c, active, need_w)
-    rope = t(B * qd, FP32) + t(B * kvd, FP32) if c.amp else 2 * t(B * qd, e)
-    fwd = rope + (2 * t(probs, e) if probs else 0)
+    # forward transients: RoPE's rotated q, k (fp32 under autocast), eager's two probs casts
+    rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
+    fwd_parts = (*rope_parts, *[t(probs, e)] * (2 if probs else 0))
     # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
     # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
     mlp_bwd = 2 * t(B * f, e)
@@ -65,13 +66,12 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         attn_bwd += t(B * h, FP32) if (n_qkv or n_o) else 0
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
-    rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
     probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
-                ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=fwd,
+                ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
                 bwd_extra=2 * t(B * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
                 bwd_mlp=t(B * h, sb) + mlp_bwd,
-                fwd_parts=(*rope_parts, *[t(probs, e)] * (2 if probs else 0)),
+                fwd_parts=fwd_parts,
                 bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts),
                 bwd_mlp_parts=(t(B * h, sb), t(B * f, e), t(B * f, e)))
 
@@ -116,17 +116,15 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         w = t(V * h, 2)
         copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in layer.lora)
         cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in layer.lora)
-    fwd = t(B * V, e) + (t(B * V, FP32) if e != FP32 else 0)
-    bwd = max(2 * t(B * V, FP32),
-              t(B * V, FP32) + (t(B * V, e) if e != FP32 else 0),
-              t(B * V, e) + t(B * h, e) + (t(V * h, 2) if c.amp and need_w else 0))
-    alternatives = ([t(B * V, FP32)] * 2,
-                    [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else []),
-                    [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else []))
+    fwd_parts = (t(B * V, e), *([t(B * V, FP32)] if e != FP32 else []))
+    # the backward's three stages (docstring); the largest sets the transient
+    bwd_parts = max(([t(B * V, FP32)] * 2,
+                     [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else []),
+                     [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])),
+                    key=sum)
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
-                cache=cache, fwd_extra=fwd, bwd_extra=bwd,
-                fwd_parts=(t(B * V, e), *([t(B * V, FP32)] if e != FP32 else [])),
-                bwd_parts=tuple(max(alternatives, key=sum)))
+                cache=cache, fwd_extra=sum(fwd_parts), bwd_extra=sum(bwd_parts),
+                fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
 
 
 def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0,

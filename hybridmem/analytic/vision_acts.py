@@ -20,7 +20,7 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     e, sb = c.e, c.stream
     sv = Saved()
     sv.add(N * h, sb)                 # LayerNorm input
-    sv.add(d["n"] * d["t"], FP32, times=2)  # mean, rstd
+    sv.add(N, FP32, times=2)          # mean, rstd
     linear_inputs(sv, c, N * h, sb, 3, need_w, 0, shared=False)
     probs = attention_core(sv, c, d["n"], d["t"], heads, h, h)
     linear_inputs(sv, c, N * h, e, 1, need_w, 0, shared=c.attn != "eager")
@@ -32,16 +32,16 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(N * f, e, times=2 if two else 1)  # activation input (+ sigmoid output)
     sv.add(N * f, e, need_w)          # fc2 input
     copies, cache = amp_copies(layer, c, active, need_w)
-    fwd = (t(N * f, e) if two else 0) + (2 * t(probs, e) if probs else 0)
-    attn_bwd = 3 * t(N * h, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
+    fwd_parts = (*([t(N * f, e)] if two else []), *[t(probs, e)] * (2 if probs else 0))
     probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
+    # backward: the grad of the layer output and its residual copy; dq, dk, dv (+ eager probs)
+    bwd_parts = (t(N * h, sb), t(N * h, sb), *[t(N * h, e)] * 3, *probs_parts)
+    bwd_mlp_parts = (t(N * h, sb), t(N * f, e), t(N * f, e))
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
-                ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=fwd,
-                bwd_extra=2 * t(N * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
-                bwd_mlp=t(N * h, sb) + 2 * t(N * f, e),
-                fwd_parts=(*([t(N * f, e)] if two else []), *[t(probs, e)] * (2 if probs else 0)),
-                bwd_parts=(t(N * h, sb), t(N * h, sb), *[t(N * h, e)] * 3, *probs_parts),
-                bwd_mlp_parts=(t(N * h, sb), t(N * f, e), t(N * f, e)))
+                ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
+                bwd_extra=sum(bwd_parts), mlp_saved=sv.total - attn_part,
+                bwd_mlp=sum(bwd_mlp_parts), fwd_parts=fwd_parts, bwd_parts=bwd_parts,
+                bwd_mlp_parts=bwd_mlp_parts)
 
 
 def layernorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
