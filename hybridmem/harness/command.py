@@ -13,12 +13,7 @@ from typing import Optional
 
 import typer
 
-GiB = 1024**3
 MAX_TABLE_ROWS = 60
-
-
-def _gib(value) -> str:
-    return "-" if value is None else f"{value / GiB:.2f}"
 
 
 def _ranks(row) -> str:
@@ -28,6 +23,8 @@ def _ranks(row) -> str:
 def _summary(report) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from hybridmem.report import gib
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     rows = report.rows
@@ -40,7 +37,7 @@ def _summary(report) -> None:
                       str(r["images_per_sample"]), r["precision"], r["optimizer"],
                       r["train"] + (f" r{r['lora_r']}" if r["lora_r"] else ""),
                       "yes" if r["grad_ckpt"] else "no", r["attn"], _ranks(r), r["outcome"],
-                      _gib(r["peak_allocated_bytes"]), _gib(r["peak_device_bytes"]),
+                      gib(r["peak_allocated_bytes"]), gib(r["peak_device_bytes"]),
                       "-" if r["step_seconds"] is None else f"{r['step_seconds']:.2f}")
     if rows:
         console.print(table)

@@ -15,8 +15,7 @@ import numpy as np
 import pandas as pd
 
 from hybridmem.errors import SpecError
-
-GiB = 1024**3
+from hybridmem.gpus import GiB
 
 
 def row_spec(row):
