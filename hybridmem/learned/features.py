@@ -41,9 +41,7 @@ def analytic_base(spec: TrainingSpec) -> Prediction:
 
 def resolve_base(base_fn: BaseFn | None) -> BaseFn:
     """`base_fn`, or the analytic tier looked up at call time (tests can patch `analytic_base`)."""
-    import sys
-
-    return base_fn or sys.modules[__name__].analytic_base
+    return base_fn or analytic_base
 
 
 def _version_number(text: object) -> float:
@@ -147,9 +145,9 @@ TRACE_FEATURES: tuple[str, ...] = ("trace_allocated_gib", "trace_reserved_gib",
 trace rows of the same spec when training, from running the trace tier when predicting."""
 
 
-def trace_features(allocated: float, reserved: float, device: float,
-                   base_device: float) -> dict[str, float]:
-    """The trace tier's three peaks (GiB) and its device peak over the base's."""
+def trace_features(allocated, reserved, device, base_device) -> dict:
+    """The trace tier's three peaks (GiB) and its device peak over the base's (numbers, or
+    arrays of one per row)."""
     return {"trace_allocated_gib": allocated / 2**30, "trace_reserved_gib": reserved / 2**30,
             "trace_device_gib": device / 2**30, "trace_over_base": device / base_device}
 
@@ -160,10 +158,7 @@ def trace_columns(table: "FeatureTable", all_rows: pd.DataFrame) -> pd.DataFrame
     peaks = trace.groupby("spec_hash")[["peak_allocated_bytes", "peak_reserved_bytes",
                                         "peak_device_bytes"]].median()
     joined = peaks.reindex(table.rows["spec_hash"]).to_numpy(float)
-    return pd.DataFrame({
-        "trace_allocated_gib": joined[:, 0] / 2**30, "trace_reserved_gib": joined[:, 1] / 2**30,
-        "trace_device_gib": joined[:, 2] / 2**30, "trace_over_base": joined[:, 2] / table.base_device,
-    })
+    return pd.DataFrame(trace_features(joined[:, 0], joined[:, 1], joined[:, 2], table.base_device))
 
 
 def feature_row(spec: TrainingSpec, config: Mapping, base: Prediction,
