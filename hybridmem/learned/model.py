@@ -78,7 +78,7 @@ class ResidualRegressor(RegressorMixin, BaseEstimator):
         def booster(extra: dict, rows=slice(None)):
             ds = lgb.Dataset(data[rows], label=y[rows], feature_name=self.encoder_.columns_,
                              categorical_feature=self.encoder_.categorical_indices_,
-                             params={"min_data_in_bin": 1, "max_bin": 63, "verbose": -1},
+                             params={k: params[k] for k in ("min_data_in_bin", "max_bin", "verbose")},
                              free_raw_data=True)
             return lgb.train({**params, **extra}, ds, num_boost_round=self.n_estimators)
 
