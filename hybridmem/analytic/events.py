@@ -108,6 +108,17 @@ def _no_grad_working_set(layer, acts, amp: bool) -> list[int]:
     return out
 
 
+def _forward_with_grad(s: Stream, parts: list[int], extra: list[int]) -> list[int]:
+    """A layer's forward under autograd: the first half of its saved tensors, its transients
+    (alive over the second half), the second half; returns the saved tensors' keys."""
+    half = len(parts) // 2
+    keys = s.allocs(parts[:half])
+    tmp = s.allocs(extra)
+    keys += s.allocs(parts[half:])
+    s.free(tmp)
+    return keys
+
+
 def _grad_sizes(p, policy) -> tuple[list[int], list[int], int]:
     """Grad tensors of a layer in the order backward makes them: (MLP half, the rest, tie).
 
@@ -166,7 +177,6 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
             a, st = p.step.acts, p.step
             unit = a.ckpt_saved or max(a.parts, default=0)
             extra = split(a.fwd_extra, a.fwd_parts, unit)
-            parts = _parts(a)
             if st.on_path and st.ckpt:
                 # no_grad: intermediates die as soon as they are consumed; only the working
                 # set at the layer's high point and then its output are allocated
@@ -174,11 +184,7 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
                 kept[i] = s.allocs([a.ckpt_saved])
                 drop_at_end += s.allocs([a.cache])
             else:
-                half = len(parts) // 2
-                saved[i] = s.allocs(parts[:half])
-                tmp = s.allocs(extra)
-                saved[i] += s.allocs(parts[half:])
-                s.free(tmp)
+                saved[i] = _forward_with_grad(s, _parts(a), extra)
                 if not st.on_path:
                     drop_at_end += saved[i]
                     saved[i] = []
@@ -196,13 +202,8 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
                 grads[i] = s.allocs(mlp_g + rest_g)
                 continue
             unit = a.ckpt_saved or max(a.parts, default=0)
-            if st.ckpt:
-                parts = _parts(a)
-                half = len(parts) // 2
-                saved[i] = s.allocs(parts[:half])
-                tmp = s.allocs(split(a.fwd_extra, a.fwd_parts, unit))
-                saved[i] += s.allocs(parts[half:])
-                s.free(tmp)
+            if st.ckpt:  # recompute
+                saved[i] = _forward_with_grad(s, _parts(a), split(a.fwd_extra, a.fwd_parts, unit))
             if a.bwd_mlp:
                 tmp = s.allocs(split(a.bwd_mlp, a.bwd_mlp_parts, unit))
                 grads[i] = s.allocs(mlp_g)
