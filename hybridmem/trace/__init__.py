@@ -17,7 +17,7 @@ from hybridmem.allocator import AllocatorConfig, replay
 from hybridmem.analytic.overheads import CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES
 from hybridmem.categories import CATEGORIES, Phase
 from hybridmem.models import build_graph, load_config
-from hybridmem.prediction import ModuleMemory, Peak, Prediction
+from hybridmem.prediction import Peak, Prediction
 from hybridmem.spec import TrainingSpec
 from hybridmem.trace.corrections import KNOWN_LIMITATIONS
 from hybridmem.trace.result import TraceResult, summarize
@@ -100,8 +100,5 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
                   device_bytes=reserved + CONTEXT_BYTES, phase=phase,
                   iteration=result.peak_iteration),
         breakdown=breakdown,
-        modules=tuple(ModuleMemory(name=m.name, params=m.params,
-                                   trainable_params=m.trainable_params, param=m.param,
-                                   grad=m.grad, optimizer=m.optimizer, activation=m.activation)
-                      for m in result.modules),
+        modules=tuple(result.modules),
         notes=tuple(notes), extras=extras)

@@ -7,23 +7,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridmem.categories import TENSOR_CATEGORIES
+from hybridmem.prediction import ModuleMemory
 from hybridmem.trace.model import part_of
 from hybridmem.trace.tracker import StorageTracker, round_size
 
 TIMELINE_POINTS = 2000  # max points kept in a timeline (max per bucket, so peaks survive)
-
-
-@dataclass(slots=True, kw_only=True)
-class ModuleTrace:
-    """Memory of one top-level part, at the peak (param/grad/optimizer: whole run)."""
-
-    name: str
-    params: int
-    trainable_params: int
-    param: int
-    grad: int
-    optimizer: int
-    activation: int
 
 
 @dataclass(slots=True, kw_only=True)
@@ -45,7 +33,8 @@ class TraceResult:
     """Bytes live at the peak by the phase ("forward 1", "optimizer 0", ...) that made them."""
     by_part: dict[str, int]
     """Bytes live at the peak by the top-level module whose forward made them ("other": none)."""
-    modules: list[ModuleTrace]
+    modules: list[ModuleMemory]
+    """Per top-level part: param/grad/optimizer bytes of the whole run, activation at the peak."""
     params_total: int
     params_trainable: int
     marks: list[tuple[int, str, int]]
@@ -101,32 +90,32 @@ def _live_at(tracker: StorageTracker, events, index: int) -> list[int]:
     return sorted(live)
 
 
-def _modules(job, tracker: StorageTracker, live: list[int]) -> list[ModuleTrace]:
+def _modules(job, tracker: StorageTracker, live: list[int]) -> list[ModuleMemory]:
     """Per part: params (whole run) and activation bytes live at the peak."""
     acts: dict[str, int] = {}
     for sid in live:
         s = tracker.storages[sid]
         if s.category == "activation" and s.part is not None:
             acts[s.part] = acts.get(s.part, 0) + round_size(s.nbytes)
-    rows: dict[str, ModuleTrace] = {}
+    rows: dict[str, dict[str, int]] = {}
     state_of = {id(p): st for p, st in job.optimizer.state.items()}
     masters = dict(zip((id(p) for _, p in job.trainable), job.masters))
     for name, p in job.model.named_parameters():
         part = part_of(name)
-        row = rows.setdefault(part, ModuleTrace(name=part, params=0, trainable_params=0, param=0,
-                                                grad=0, optimizer=0, activation=acts.get(part, 0)))
-        row.params += p.numel()
-        row.param += round_size(p.untyped_storage().nbytes())
+        row = rows.setdefault(part, {"params": 0, "trainable_params": 0, "param": 0, "grad": 0,
+                                    "optimizer": 0, "activation": acts.get(part, 0)})
+        row["params"] += p.numel()
+        row["param"] += round_size(p.untyped_storage().nbytes())
         if p.requires_grad:
-            row.trainable_params += p.numel()
-            row.grad += round_size(job.grad_bytes.get(id(p), 0))
+            row["trainable_params"] += p.numel()
+            row["grad"] += round_size(job.grad_bytes.get(id(p), 0))
             stepped = masters.get(id(p), p)
             if stepped is not p:
-                row.optimizer += round_size(stepped.untyped_storage().nbytes())
+                row["optimizer"] += round_size(stepped.untyped_storage().nbytes())
             for t in state_of.get(id(stepped), {}).values():
                 if hasattr(t, "untyped_storage") and tracker.category_of(t) == "optimizer":
-                    row.optimizer += round_size(t.untyped_storage().nbytes())
-    return list(rows.values())
+                    row["optimizer"] += round_size(t.untyped_storage().nbytes())
+    return [ModuleMemory(name=part, **row) for part, row in rows.items()]
 
 
 def summarize(tracker: StorageTracker, job) -> TraceResult:
