@@ -9,8 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from hybridmem.harness import load_dataset, load_sweep
 from hybridmem.harness.store import part_files
 
@@ -39,7 +37,6 @@ def _cli(*args: str) -> list[str]:
 
 
 def test_trace_collect_killed_midway_then_resumed(tmp_path):
-    pytest.importorskip("hybridmem.trace", reason="trace tier not built yet")
     sweep, out = tmp_path / "s.toml", tmp_path / "data"
     sweep.write_text(SWEEP)
     env = _env(tmp_path)
@@ -79,6 +76,7 @@ def test_cuda_backend_without_cuda_is_a_one_line_error(capsys, monkeypatch):
     from hybridmem.cli import main
 
     monkeypatch.delenv("HYBRIDMEM_PROBE", raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # also on a GPU machine
     sweep = Path(__file__).resolve().parents[1] / "datasets" / "sweeps" / "ci-tiny.toml"
     code = main(["collect", "--sweep", str(sweep), "--backend", "cuda"])
     err = capsys.readouterr().err.strip()
