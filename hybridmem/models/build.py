@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from hybridmem.errors import SpecError
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
-from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T
+from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.models.llava import ImageLayout, image_layout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
@@ -66,8 +66,7 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
         vision = (replace(vision[0], dims={**vision[0].dims, "anyres": True}),) + vision[1:]
     d_in = vc.hidden_size * num_feature_layers(cfg)
     bias = bool(getattr(cfg, "multimodal_projector_bias", True))
-    proj = (T("linear_1.weight", (th, d_in)),) + ((T("linear_1.bias", (th,)),) if bias else ())
-    proj += (T("linear_2.weight", (th, th)),) + ((T("linear_2.bias", (th,)),) if bias else ())
+    proj = linear("linear_1", th, d_in, bias) + linear("linear_2", th, th, bias)
     projector = Layer(name="projector", kind="projector", params=proj, runs=runs,
                       dims=dict(n=n_crops, t=layout.features_per_crop, d_in=d_in, h=th,
                                 act=cfg.projector_hidden_act,

@@ -8,7 +8,7 @@ without), Llama's optional `attention_bias` / `mlp_bias`, tied input/output embe
 
 from __future__ import annotations
 
-from hybridmem.models.graph import Layer, ParamTensor as T
+from hybridmem.models.graph import Layer, ParamTensor as T, linear as _linear
 
 FP32 = 4  # rotary `inv_freq` buffers are built in float32 (LlamaRotaryEmbedding)
 
@@ -28,11 +28,6 @@ def _biases(tc) -> tuple[bool, bool, bool]:
         return True, False, False  # modeling_qwen2.Qwen2Attention: bias=True on q/k/v only
     attn = bool(getattr(tc, "attention_bias", False))
     return attn, attn, bool(getattr(tc, "mlp_bias", False))
-
-
-def _linear(prefix: str, n_out: int, n_in: int, bias: bool) -> tuple[T, ...]:
-    w = (T(f"{prefix}.weight", (n_out, n_in)),)
-    return w + ((T(f"{prefix}.bias", (n_out,)),) if bias else ())
 
 
 def decoder_layer_params(tc) -> tuple[T, ...]:

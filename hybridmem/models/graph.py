@@ -28,6 +28,12 @@ class ParamTensor:
         return math.prod(self.shape)
 
 
+def linear(prefix: str, n_out: int, n_in: int, bias: bool) -> tuple[ParamTensor, ...]:
+    """An `nn.Linear`'s parameters: `{prefix}.weight` (out x in), and `{prefix}.bias`."""
+    w = (ParamTensor(f"{prefix}.weight", (n_out, n_in)),)
+    return w + ((ParamTensor(f"{prefix}.bias", (n_out,)),) if bias else ())
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Layer:
     """One block of a module, priced by one activation formula (`kind`)."""

@@ -112,7 +112,7 @@ def config_from_dict(data: dict) -> SimpleNamespace:
 
 
 @lru_cache(maxsize=64)
-def _cached(model: str, text: str) -> SimpleNamespace:
+def _cached(text: str) -> SimpleNamespace:
     import json
 
     return config_from_dict(json.loads(text))
@@ -123,4 +123,4 @@ def light_config(model: str) -> tuple[str, SimpleNamespace]:
     import json
 
     name, data = load_config_dict(model)
-    return name, _cached(name, json.dumps(data, sort_keys=True))
+    return name, _cached(json.dumps(data, sort_keys=True))

@@ -46,14 +46,12 @@ def read_json_object(path: str | Path, field: str) -> dict:
     return data
 
 
-_read_json = read_json_object
-
 
 def load_config_dict(model: str) -> tuple[str, dict]:
     """(display name, raw config dict) for a preset name or a config path."""
     if model in preset_names():
         path = Path(str(resources.files("hybridmem.models") / "presets" / f"{model}.json"))
-        return model, _read_json(path, "model")
+        return model, read_json_object(path, "model")
     path = Path(model).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -62,7 +60,7 @@ def load_config_dict(model: str) -> tuple[str, dict]:
     if path.suffix == ".json" or path.is_file():
         if not path.exists():
             raise SpecError("model", model, reason="no such file")
-        return str(model), _read_json(path, "model")
+        return str(model), read_json_object(path, "model")
     raise SpecError("model", model, preset_names() + ("<path to config.json>",),
                     reason="unknown preset")
 

@@ -9,7 +9,7 @@ SigLIP head feed LLaVA: it reads `hidden_states[vision_feature_layer]`, taken *b
 
 from __future__ import annotations
 
-from hybridmem.models.graph import Layer, ParamTensor as T
+from hybridmem.models.graph import Layer, ParamTensor as T, linear
 
 INT64 = 8  # position_ids buffer dtype (torch.arange default)
 
@@ -18,9 +18,9 @@ def _ln(prefix: str, h: int) -> tuple[T, ...]:
     return (T(f"{prefix}.weight", (h,)), T(f"{prefix}.bias", (h,)))
 
 
-def _linear(prefix: str, n_out: int, n_in: int, bias: bool = True) -> tuple[T, ...]:
-    w = (T(f"{prefix}.weight", (n_out, n_in)),)
-    return w + ((T(f"{prefix}.bias", (n_out,)),) if bias else ())
+def _linear(prefix: str, n_out: int, n_in: int) -> tuple[T, ...]:
+    """CLIP/SigLIP linears all have a bias."""
+    return linear(prefix, n_out, n_in, bias=True)
 
 
 def patches_per_side(vc, image_size: int) -> int:
