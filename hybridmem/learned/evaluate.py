@@ -43,6 +43,20 @@ def trace_baseline(rows: pd.DataFrame, all_rows: pd.DataFrame, target: str) -> n
     return values
 
 
+def held_out_predictions(table: FeatureTable, trace: np.ndarray, est, target: str, rows: np.ndarray,
+                         groups: np.ndarray, fold: int = 0) -> pd.DataFrame:
+    """The `Evaluation.predictions` rows of `table` picked by `rows` (positions or a mask):
+    measured peak, analytic base, trace baseline, `est`'s expected peak and its upper bound."""
+    base = (table.base_device if target == "device" else table.base_reserved)[rows]
+    X = table.X.iloc[rows]
+    return pd.DataFrame({
+        "fold": fold, "group": groups[rows], "model_name": table.rows["model_name"].to_numpy()[rows],
+        "measured": table.rows[TARGET_COLUMNS[target]].to_numpy(float)[rows],
+        "analytic": base, "trace": trace[rows],
+        "hybrid": base * np.exp(est.predict(X)), "upper": base * np.exp(est.predict_upper(X)),
+    })
+
+
 def summarise(pred: pd.DataFrame) -> dict[str, dict[str, float]]:
     """Metrics per method over the rows where that method has a value."""
     out: dict[str, dict[str, float]] = {}
@@ -103,8 +117,6 @@ def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "d
         raise SpecError("data", f"{n_groups} model shape",
                         reason="held-out evaluation needs rows of at least 2 model shapes")
     y = table.target(target)
-    base = table.base_device if target == "device" else table.base_reserved
-    measured = table.rows[TARGET_COLUMNS[target]].to_numpy(float)
     trace = trace_baseline(table.rows, all_rows, target)
     parts, per_fold, oom_parts = [], [], []
     oom_done = np.zeros(len(oom.rows) if oom is not None else 0, dtype=bool)
@@ -112,14 +124,7 @@ def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "d
     for fold, (train, test) in enumerate(splitter.split(table.X, y, groups)):
         est = ResidualRegressor(**(estimator_params or {})).fit(
             table.X.iloc[train], y[train], groups=groups[train])
-        X_test = table.X.iloc[test]
-        part = pd.DataFrame({
-            "fold": fold, "group": groups[test],
-            "model_name": table.rows["model_name"].to_numpy()[test],
-            "measured": measured[test], "analytic": base[test], "trace": trace[test],
-            "hybrid": base[test] * np.exp(est.predict(X_test)),
-            "upper": base[test] * np.exp(est.predict_upper(X_test)),
-        })
+        part = held_out_predictions(table, trace, est, target, test, groups, fold)
         parts.append(part)
         if oom is not None and target == "device":
             oom_parts.append(oom_verdicts(oom, est, oom_done, set(groups[train])))
@@ -141,14 +146,8 @@ def evaluate_fitted(table: FeatureTable, all_rows: pd.DataFrame, est, target: st
         raise SpecError("data", f"{len(groups)} rows",
                         reason="every row's model shape was in the model's training data; "
                                "no held-out rows to compare on")
-    base = (table.base_device if target == "device" else table.base_reserved)[keep]
-    X = table.X[keep]
-    pred = pd.DataFrame({
-        "fold": 0, "group": groups[keep], "model_name": table.rows["model_name"].to_numpy()[keep],
-        "measured": table.rows[TARGET_COLUMNS[target]].to_numpy(float)[keep],
-        "analytic": base, "trace": trace_baseline(table.rows, all_rows, target)[keep],
-        "hybrid": base * np.exp(est.predict(X)), "upper": base * np.exp(est.predict_upper(X)),
-    })
+    pred = held_out_predictions(table, trace_baseline(table.rows, all_rows, target), est, target,
+                                keep, groups)
     return Evaluation(predictions=pred, table=summarise(pred), target=target)
 
 
