@@ -76,14 +76,13 @@ def _probe():
     return probe
 
 
-def _environment(backend: str) -> tuple[str, dict, str | None]:
-    """(source, environment columns, tier method or None) for `backend`."""
+def _environment(backend: str) -> tuple[str, dict]:
+    """(source, environment columns) for `backend`."""
     env = software_environment()
     if backend == "trace":
-        method = tiers.tier_method()
-        return method, {**env, "gpu_name": "cpu-trace", "gpu_memory_bytes": 0,
-                        "driver_version": "", "cuda_version": ""}, method
-    return _probe().source, {**env, **runner.query_environment()}, None
+        return tiers.METHOD, {**env, "gpu_name": "cpu-trace", "gpu_memory_bytes": 0,
+                              "driver_version": "", "cuda_version": ""}
+    return _probe().source, {**env, **runner.query_environment()}
 
 
 def spec_columns(item: SweepItem) -> dict:
@@ -132,10 +131,10 @@ def make_row(item: SweepItem, result: dict, env: dict, source: str, sweep: Sweep
     return row
 
 
-def _run_one(item: SweepItem, backend: str, method: str | None, sweep: Sweep, out: Path,
+def _run_one(item: SweepItem, backend: str, sweep: Sweep, out: Path,
              record_history: bool) -> tuple[dict, str]:
     if backend == "trace":
-        return tiers.estimate(item.runnable_spec(), method), ""
+        return tiers.estimate(item.runnable_spec()), ""
     history = ""
     request = {"spec": item.runnable_spec().to_dict(), "iterations": sweep.iterations,
                "spec_hash": item.spec_hash}
@@ -181,7 +180,7 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
     if backend == "cuda":
         _probe()  # fail fast, before the sweep is expanded
     sweep = load_sweep(sweep_path)
-    source, env, method = _environment(backend)
+    source, env = _environment(backend)
     out = Path(out) if out is not None else DEFAULT_OUT[backend]
     done = store.measured_keys(out) if resume else set()
     key = (env["gpu_name"], env["torch_version"], source)
@@ -209,7 +208,7 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
             if on_item:
                 on_item(item)
             t0 = time.monotonic()
-            result, history = _run_one(item, backend, method, sweep, out, record_history)
+            result, history = _run_one(item, backend, sweep, out, record_history)
             row = make_row(item, result, env, source, sweep, time.monotonic() - t0, history)
             store.append_rows(out, [row])
             report.rows.append(row)

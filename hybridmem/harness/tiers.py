@@ -1,7 +1,7 @@
-"""The `trace` backend: the same sweep through a prediction tier instead of a GPU.
+"""The `trace` backend: the same sweep through the trace tier instead of a GPU.
 
-Rows say which tier made them (`source` = "trace" or "analytic"); they are predictions, never
-measurements. This is how CI runs the whole harness without a GPU.
+Rows say which tier made them (`source` = "trace"); they are predictions, never measurements.
+This is how CI runs the whole harness without a GPU.
 """
 
 from __future__ import annotations
@@ -10,28 +10,17 @@ import time
 
 from hybridmem.errors import SpecError
 
-
-def tier_method() -> str:
-    """"trace" if the trace tier is importable, else "analytic"; SpecError if neither is."""
-    from hybridmem.predict import estimator
-
-    for method in ("trace", "analytic"):
-        try:
-            estimator(method)
-            return method
-        except (ImportError, AttributeError):
-            continue
-    raise SpecError("backend", "trace", ("cuda",),
-                    reason="neither the trace nor the analytic tier is installed")
+METHOD = "trace"
+"""The tier the `trace` backend runs (`hybridmem.predict.METHODS`); also the rows' `source`."""
 
 
-def estimate(spec, method: str) -> dict:
+def estimate(spec) -> dict:
     """A result dict (same keys as a measurement) from the tier's prediction of `spec`."""
     from hybridmem.predict import predict
 
     start = time.perf_counter()
     try:
-        pred = predict(spec, method=method)
+        pred = predict(spec, method=METHOD)
     except SpecError as err:  # the tier cannot handle this config: an error row, sweep goes on
         return {"outcome": "error", "error": str(err)[:500]}
     except Exception as err:  # a tier bug: recorded (and listed in red), the sweep goes on
@@ -46,7 +35,7 @@ def estimate(spec, method: str) -> dict:
         "peak_device_bytes": peak.device_bytes,
         "device_baseline_bytes": 0,
         "context_bytes": pred.breakdown.get("context"),
-        "device_source": method,
+        "device_source": METHOD,
         "peak_phase": peak.phase, "peak_iteration": peak.iteration,
         "num_alloc_retries": 0, "num_ooms": 0,
         "params_total": pred.params_total, "params_trainable": pred.params_trainable,
