@@ -14,7 +14,7 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from hybridmem.allocator.config import AllocatorConfig
-from hybridmem.allocator.sim import CachingAllocatorSim
+from hybridmem.allocator.replay import replay
 from hybridmem.errors import SpecError
 
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # AllocatorConfig.from_environ reads
@@ -28,20 +28,12 @@ CARRY_DIV = 2
 
 
 def fragmentation(events, config=None) -> tuple[int, int, int]:
-    """(peak reserved - peak allocated, peak reserved, peak allocated) of the replayed stream.
-
-    The loop is `hybridmem.allocator.replay.replay` without its per-event timeline (which
-    the analytic tier does not need and which costs time). `config`: by default the one
-    PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF give (`AllocatorConfig.from_environ`)."""
-    sim = CachingAllocatorSim(config if config is not None else AllocatorConfig.from_environ())
-    live = {}
-    malloc, free = sim.malloc, sim.free
-    for action, key, size in events:
-        if action == "alloc":
-            live[key] = malloc(size, 0)
-        else:
-            free(live.pop(key))
-    return sim.peak_reserved - sim.peak_allocated, sim.peak_reserved, sim.peak_allocated
+    """(peak reserved - peak allocated, peak reserved, peak allocated) of the replayed stream
+    (`hybridmem.allocator.replay`). `config`: by default the one PYTORCH_ALLOC_CONF /
+    PYTORCH_CUDA_ALLOC_CONF give (`AllocatorConfig.from_environ`)."""
+    result = replay(events, config if config is not None else AllocatorConfig.from_environ())
+    return (result.peak_reserved - result.peak_allocated, result.peak_reserved,
+            result.peak_allocated)
 
 
 def envelope(spec, allocated: int, measure: Callable) -> int:
