@@ -32,6 +32,9 @@ HF_OPTIMS: dict[str, str] = {
 # transformers 5.x default `optim` (training_args.py: adamw_torch_fused for torch >= 2.8)
 HF_DEFAULT_OPTIM = "adamw_torch_fused"
 HF_DEFAULT_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
+# TrainingArguments defaults of the fields that resolve DeepSpeed "auto" values
+HF_DEFAULTS: dict = {"per_device_train_batch_size": HF_DEFAULT_BATCH, "bf16": False,
+                     "fp16": False, "gradient_accumulation_steps": 1}
 # DeepSpeed "optimizer.type" -> ours: Adam/AdamW build DeepSpeed's FusedAdam (no foreach
 # temporaries; engine `_configure_basic_optimizer`), Lion its FusedLion.
 DS_OPTIMS: dict[str, str] = {"adam": "adamw-fused", "adamw": "adamw-fused", "lion": "lion"}
@@ -170,8 +173,7 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
     """A DeepSpeed config -> layered kwargs, "auto" resolved from `hf` (TrainingArguments values,
     HF defaults when None) and `hidden_size` (the model's; needed only for hidden-size keys)."""
     cfg = _read_json(source, "deepspeed")
-    hf = hf or {"per_device_train_batch_size": HF_DEFAULT_BATCH, "bf16": False, "fp16": False,
-                "gradient_accumulation_steps": 1}
+    hf = hf or HF_DEFAULTS
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise SpecError("deepspeed.zero_optimization", zero, reason="must be a JSON object")
@@ -314,8 +316,8 @@ def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict 
                             reason="FSDP (training args) and DeepSpeed cannot both be set")
         ds_sources.append(deepspeed)
     if "micro_batch" in over["spec"]:
-        hf = {**(hf or {"bf16": False, "fp16": False, "gradient_accumulation_steps": 1}),
-              "per_device_train_batch_size": over["spec"]["micro_batch"], "_given": False}
+        hf = {**(hf or HF_DEFAULTS), "per_device_train_batch_size": over["spec"]["micro_batch"],
+              "_given": False}
     if ds_sources:
         model = over["spec"].get("model")
         hidden = hidden_size_of(model) if model else None
