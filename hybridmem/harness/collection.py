@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.harness import runner, store, tiers
-from hybridmem.harness.schema import HARNESS_VERSION, SCHEMA_VERSION
+from hybridmem.harness.schema import HARNESS_VERSION, OUTCOMES, SCHEMA_VERSION
 from hybridmem.harness.sweep import Sweep, SweepItem, load_sweep
 
 BACKENDS: tuple[str, ...] = ("cuda", "trace")
@@ -219,6 +219,6 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
         store.compact(out)
         run.metrics({"planned": report.planned, "skipped": report.skipped,
                      "measured": len(report.rows), "wall_seconds": report.wall_seconds,
-                     **{f"n_{k}": report.counts.get(k, 0) for k in ("ok", "oom", "error")}})
+                     **{f"n_{k}": report.counts.get(k, 0) for k in OUTCOMES}})
         run.json_artifact(report.summary(), "summary.json")
     return report
