@@ -81,9 +81,7 @@ class SweepItem:
 
     def runnable_spec(self) -> TrainingSpec:
         """The spec with `model` pointing at a materialised config file (what tiers take)."""
-        from hybridmem.models.loader import materialize_config
-
-        return self.spec.with_(model=materialize_config(self.config_json()))
+        return self.spec.with_(model=_materialize(self.config))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
