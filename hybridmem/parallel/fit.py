@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import cache
 
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
@@ -43,15 +44,16 @@ def _fits(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> Prediction | None
 def _smallest_world_size(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
     strategy = spec.parallel.strategy if spec.parallel.strategy in SHARDED else "zero3"
     at = lambda n: _with_parallel(spec, world_size=n, strategy=strategy)  # noqa: E731
+    fits_at = cache(lambda n: _fits(at(n), gpu, estimate))  # each size is estimated once
     lo, hi = 1, 2
-    while hi <= MAX_WORLD_SIZE and _fits(at(hi), gpu, estimate) is None:
+    while hi <= MAX_WORLD_SIZE and fits_at(hi) is None:
         lo, hi = hi, hi * 2
     if hi > MAX_WORLD_SIZE:
         return None
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _fits(at(mid), gpu, estimate) is not None else (mid, hi)
-    return _option(at(hi), _fits(at(hi), gpu, estimate), gpu)
+        lo, hi = (lo, mid) if fits_at(mid) is not None else (mid, hi)
+    return _option(at(hi), fits_at(hi), gpu)
 
 
 def _smallest_zero_stage(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
@@ -67,14 +69,14 @@ def _smallest_zero_stage(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> di
 
 def _largest_micro_batch(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
     """Largest micro-batch below the current one that fits ("how far must I go down?")."""
+    fits_at = cache(lambda b: _fits(spec.with_(micro_batch=b), gpu, estimate))
     lo, hi = 0, spec.micro_batch  # invariant: hi does not fit; lo fits (or is 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _fits(spec.with_(micro_batch=mid), gpu, estimate) else (lo, mid)
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
     if lo == 0:
         return None
-    candidate = spec.with_(micro_batch=lo)
-    return {**_option(candidate, _fits(candidate, gpu, estimate), gpu), "micro_batch": lo}
+    return {**_option(spec.with_(micro_batch=lo), fits_at(lo), gpu), "micro_batch": lo}
 
 
 def smallest_fitting_setup(spec: TrainingSpec, gpu: GPU,
