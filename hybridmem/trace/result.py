@@ -9,7 +9,7 @@ import numpy as np
 from hybridmem.categories import TENSOR_CATEGORIES
 from hybridmem.prediction import ModuleMemory
 from hybridmem.trace.model import part_of
-from hybridmem.trace.tracker import StorageTracker, round_size
+from hybridmem.trace.tracker import Storage, StorageTracker, round_size
 
 TIMELINE_POINTS = 2000  # max points kept in a timeline (max per bucket, so peaks survive)
 
@@ -60,41 +60,27 @@ class TraceResult:
         return out
 
 
-def device_events(tracker: StorageTracker) -> list[tuple[str, int, int]]:
-    """The alloc/free stream a CUDA device would see (host-side storages dropped)."""
+def device_positions(tracker: StorageTracker) -> np.ndarray:
+    """Index in `tracker.events` of each event a CUDA device would see (host storages dropped)."""
+    st = tracker.storages
+    return np.array([j for j, e in enumerate(tracker.events)
+                     if st[e if e >= 0 else ~e].category != "host"], dtype=np.int64)
+
+
+def device_events(tracker: StorageTracker, where: np.ndarray) -> list[tuple[str, int, int]]:
+    """The alloc/free stream at `where` (`device_positions`), as the allocator simulator reads."""
     st = tracker.storages
     out = []
-    for e in tracker.events:
-        sid = e if e >= 0 else ~e
-        if st[sid].category == "host":
-            continue
-        out.append(("alloc", sid, st[sid].nbytes) if e >= 0 else ("free", sid, 0))
+    for j in where.tolist():
+        e = tracker.events[j]
+        out.append(("alloc", e, st[e].nbytes) if e >= 0 else ("free", ~e, 0))
     return out
 
 
-def _curve(tracker: StorageTracker, events: list[tuple[str, int, int]]) -> np.ndarray:
-    sizes = np.array([round_size(s.nbytes) for s in tracker.storages], dtype=np.int64)
-    sid = np.fromiter((e[1] for e in events), dtype=np.int64, count=len(events))
-    sign = np.fromiter((1 if e[0] == "alloc" else -1 for e in events), dtype=np.int64,
-                       count=len(events))
-    return np.cumsum(sign * sizes[sid]) if len(events) else np.zeros(0, dtype=np.int64)
-
-
-def _live_at(tracker: StorageTracker, events, index: int) -> list[int]:
-    live: set[int] = set()
-    for kind, sid, _ in events[: index + 1]:
-        if kind == "alloc":
-            live.add(sid)
-        else:
-            live.discard(sid)
-    return sorted(live)
-
-
-def _modules(job, tracker: StorageTracker, live: list[int]) -> list[ModuleMemory]:
+def _modules(job, tracker: StorageTracker, live: list[Storage]) -> list[ModuleMemory]:
     """Per part: params (whole run) and activation bytes live at the peak."""
     acts: dict[str, int] = {}
-    for sid in live:
-        s = tracker.storages[sid]
+    for s in live:
         if s.category == "activation" and s.part is not None:
             acts[s.part] = acts.get(s.part, 0) + round_size(s.nbytes)
     rows: dict[str, dict[str, int]] = {}
@@ -120,42 +106,29 @@ def _modules(job, tracker: StorageTracker, live: list[int]) -> list[ModuleMemory
 
 def summarize(tracker: StorageTracker, job) -> TraceResult:
     """Peak, breakdown and per-module memory of a finished trace."""
-    events = device_events(tracker)
-    curve = _curve(tracker, events)
+    where = device_positions(tracker)
+    curve = tracker.live_curve()[where]  # host storages count 0 there
     peak_index = int(np.argmax(curve))
-    live = _live_at(tracker, events, peak_index)
+    at = int(where[peak_index])  # the peak's index in tracker.events
+    live = [s for s in tracker.live_at(at) if s.category != "host"]
     breakdown = {c: 0 for c in (*TENSOR_CATEGORIES, "workspace")}
     by_phase: dict[str, int] = {}
     by_part: dict[str, int] = {}
-    for sid in live:
-        s = tracker.storages[sid]
+    for s in live:
         size = round_size(s.nbytes)
         breakdown[s.category] += size
         key = s.phase if s.phase == "setup" else f"{s.phase} {s.iteration}"
         by_phase[key] = by_phase.get(key, 0) + size
         by_part[s.part or "other"] = by_part.get(s.part or "other", 0) + size
-    # phase of the peak: the last mark at or before it, mapped from tracker to device events
-    phase, iteration = tracker.phase_at(_tracker_index(tracker, events, peak_index))
+    phase, iteration = tracker.phase_at(at)
     params = list(job.model.parameters())
     return TraceResult(
-        events=events, curve=curve, peak_allocated=int(curve[peak_index]),
+        events=device_events(tracker, where), curve=curve,
+        peak_allocated=int(curve[peak_index]),
         peak_index=peak_index, peak_phase=phase, peak_iteration=iteration,
         breakdown=breakdown, by_phase=by_phase, by_part=by_part,
         modules=_modules(job, tracker, live),
         params_total=sum(p.numel() for p in params),
         params_trainable=sum(p.numel() for p in params if p.requires_grad),
-        marks=_device_marks(tracker, events))
-
-
-def _tracker_index(tracker: StorageTracker, events, device_index: int) -> int:
-    """Index in tracker.events of device event `device_index`."""
-    kind, sid, _ = events[device_index]
-    s = tracker.storages[sid]
-    return s.birth if kind == "alloc" else s.death
-
-
-def _device_marks(tracker: StorageTracker, events) -> list[tuple[int, str, int]]:
-    """Phase marks re-indexed onto the device event stream."""
-    where = np.array([_tracker_index(tracker, events, i) for i in range(len(events))],
-                     dtype=np.int64)
-    return [(int(np.searchsorted(where, at)), p, i) for at, p, i in tracker.marks]
+        # phase marks re-indexed onto the device event stream
+        marks=[(int(np.searchsorted(where, m)), p, i) for m, p, i in tracker.marks])
