@@ -39,4 +39,3 @@ def cublas_workspace(arch: str = DEFAULT_ARCH) -> int:
 # Names other tiers read (hybridmem.trace.overheads), so every tier prices the same defaults.
 CONTEXT_BYTES = CUDA_CONTEXT_DEFAULT
 CUBLAS_WORKSPACE_BYTES = cublas_workspace()
-CUBLAS_WORKSPACES = CUBLAS_HANDLES_TRAINING
