@@ -15,6 +15,9 @@ pyproject.toml), wrapped by ZeRO since the DeepSpeed JSONs have no "optimizer" b
 
 from __future__ import annotations
 
+# The two DeepSpeed files are transcribed whole, key for key, although they share the fp16/bf16/
+# batch block (upstream repeats it too): each stays checkable line by line against its source.
+
 # scripts/zero2.json (LLaVA repository)
 ZERO2_JSON: dict = {
     "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
