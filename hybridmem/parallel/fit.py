@@ -12,6 +12,7 @@ from functools import cache
 
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
+from hybridmem.parallel.inputs import deepspeed_precision
 from hybridmem.prediction import Prediction
 from hybridmem.spec import TrainingSpec
 
@@ -21,10 +22,8 @@ SHARDED = ("zero1", "zero2", "zero3", "fsdp")
 
 def _with_parallel(spec: TrainingSpec, **changes) -> TrainingSpec:
     parallel = replace(spec.parallel, **changes)
-    precision = spec.precision
-    if parallel.strategy.startswith("zero") and precision in ("bf16-mixed", "fp16-mixed"):
-        precision = "bf16-master"  # DeepSpeed holds a 16-bit model + fp32 master partition
-    return spec.with_(parallel=parallel, precision=precision)
+    return spec.with_(parallel=parallel,
+                      precision=deepspeed_precision(parallel.strategy, spec.precision))
 
 
 def _option(spec: TrainingSpec, pred: Prediction, gpu: GPU) -> dict:

@@ -326,6 +326,15 @@ def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict 
     return _combine(layers, over)
 
 
+def deepspeed_precision(strategy: str, precision: str) -> str:
+    """The precision a job really runs under `strategy`: DeepSpeed ZeRO's bf16/fp16 is a 16-bit
+    model + an fp32 master partition (the engine casts the module), priced as bf16-master (fp16
+    has the same bytes); anything else is unchanged."""
+    if strategy.startswith("zero") and precision in ("bf16-mixed", "fp16-mixed"):
+        return "bf16-master"
+    return precision
+
+
 def _combine(layers: list[dict], over: dict) -> dict:
     spec: dict = {}
     parallel: dict = {}
@@ -342,10 +351,8 @@ def _combine(layers: list[dict], over: dict) -> dict:
     ws = parallel.get("world_size", 1)
     if parallel.get("strategy", "none") == "none" and ws > 1:
         parallel["strategy"] = "ddp"  # torchrun + HF Trainer without DeepSpeed/FSDP is DDP
-    if str(parallel.get("strategy", "")).startswith("zero") and "precision" not in over["spec"]:
-        # DeepSpeed bf16/fp16 = 16-bit model + fp32 master partition (engine casts the module)
-        if spec.get("precision") in ("bf16-mixed", "fp16-mixed"):
-            spec["precision"] = "bf16-master"
+    if "precision" in spec and "precision" not in over["spec"]:
+        spec["precision"] = deepspeed_precision(str(parallel.get("strategy", "")), spec["precision"])
     if spec.get("train") == "lora":
         spec["lora"] = LoraSpec(**lora)
     elif over["lora"]:
