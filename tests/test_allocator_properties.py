@@ -15,7 +15,7 @@ from hybridmem.allocator import (
 )
 
 MiB = 1 << 20
-BASE = 1 << 44  # the simulator's first segment address (allocator_sim._BASE_ADDRESS)
+BASE = 1 << 44  # the simulator's first segment address (hybridmem.allocator.sim._BASE_ADDRESS)
 
 sizes = st.one_of(st.integers(1, 1 * MiB), st.integers(1 * MiB, 40 * MiB),
                   st.sampled_from([0, 512, 20 * MiB]))

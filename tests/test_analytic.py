@@ -125,6 +125,7 @@ def test_design_fact_pure_bf16_full_finetune_peaks_in_the_optimizer_step():
     # last ViT-L/14 layer: q/k/v/out 4 x (1024^2 + 1024) + fc1 (4096 x 1024 + 4096)
     # + fc2 (1024 x 4096 + 1024) + 2 LayerNorms x 2048 = 12,596,224; post_layernorm 2048
     last_clip = 12_596_224 + 2 * 1024
+    # p_all: meta-device parameter count (DESIGN.md, "Parameter counts"; test_models.py)
     p_all, p_trained = 7_063_427_072, 7_063_427_072 - last_clip
     tensors = pred.peak.allocated_bytes - pred.breakdown["workspace"] - pred.breakdown["activation"]
     assert tensors == pytest.approx(2 * p_all + 8 * p_trained, rel=1e-3)
@@ -269,6 +270,7 @@ def test_modules_sum_to_totals():
     pred = estimate(TrainingSpec(model="llava-1.5-7b", micro_batch=2, seq_len=2048))
     assert [m.name for m in pred.modules] == ["vision_tower", "multi_modal_projector",
                                                "language_model", "lm_head"]
+    # meta-device parameter count (DESIGN.md, "Parameter counts"; test_models.py)
     assert sum(m.params for m in pred.modules) == pred.params_total == 7_063_427_072
 
 

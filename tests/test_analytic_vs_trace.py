@@ -1,10 +1,10 @@
 """The analytic tier against the trace tier (the oracle: the real HF training step under
 FakeTensorMode, CUDA rules applied) on a grid of tiny configs.
 
-Param and optimizer factors must match exactly; grads too, except for a known trace quirk
-(below). The allocated peak must agree within 5%, and so must the tensor part of it (allocated
-minus the two cuBLAS workspaces both tiers add; 64 MiB would otherwise hide any error on
-models this small). `experiments/analytic_vs_trace.py` prints the distribution over the grid.
+Param, grad and optimizer factors must match exactly (per module). The allocated peak must
+agree within 5%, and so must the tensor part of it (allocated minus the two cuBLAS workspaces
+both tiers add; 64 MiB would otherwise hide any error on models this small).
+`experiments/analytic_vs_trace.py` prints the distribution over the grid.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ Known limitations (what the simulator does not see, and roughly how much it matt
 
 Public API (agreed with the tracker):
 - `AllocatorConfig` (+ `from_env`, `from_environ`): the options that change memory,
-  `allocator_config.py`;
-- `CachingAllocatorSim`: malloc/free/empty_cache with allocated/reserved peaks, `allocator_sim.py`;
+  `config.py`;
+- `CachingAllocatorSim`: malloc/free/empty_cache with allocated/reserved peaks, `sim.py`;
 - `replay`, `replay_snapshot`, `ReplayResult`: streams and real `torch.cuda.memory._snapshot()`
-  traces, `allocator_replay.py`.
+  traces, `replay.py`.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Why: reserved memory (segments the caching allocator holds) depends on the ORDER and SIZES of
 allocations, not only on their sum; the closed form gives the sum. This stream follows the
 same timeline as `timeline.walk` (the loop in its docstring), tensor by tensor where the
-analytic model knows the tensors, so `reserved.py` can replay it through the trace tier's
-allocator simulator:
+analytic model knows the tensors, so `reserved.py` can replay it through the
+caching-allocator simulator the trace tier also uses (`hybridmem.allocator`):
 - setup: every parameter / buffer / LoRA tensor (and bf16-master fp32 copies), the batch;
 - forward, per layer: its saved tensors (`Acts.parts`, in forward order) with its transient
   tensors (`Acts.fwd_parts`; bytes a formula sums without listing are cut into tensors of the
