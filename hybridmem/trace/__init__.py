@@ -15,7 +15,7 @@ import numpy as np
 
 from hybridmem.allocator import AllocatorConfig, replay
 from hybridmem.analytic.overheads import CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES
-from hybridmem.categories import CATEGORIES, Phase
+from hybridmem.categories import CATEGORIES
 from hybridmem.models import build_graph, load_config
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.spec import TrainingSpec
@@ -92,12 +92,11 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
                         "peak_by_phase": result.by_phase, "peak_by_module": result.by_part}}
     if timeline is not None:
         extras["timeline"] = str(save_timeline(result, timeline))
-    phase = result.peak_phase if result.peak_phase in {p.value for p in Phase} else "forward"
     return Prediction(
         model=spec.model, method="trace", params_total=result.params_total,
         params_trainable=result.params_trainable,
         peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
-                  device_bytes=reserved + CONTEXT_BYTES, phase=phase,
+                  device_bytes=reserved + CONTEXT_BYTES, phase=result.peak_phase,
                   iteration=result.peak_iteration),
         breakdown=breakdown,
         modules=tuple(result.modules),
