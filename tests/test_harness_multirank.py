@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_harness_runner import collect_with_probe
 
 from hybridmem.errors import SpecError
-from hybridmem.harness import collect, load_dataset, load_sweep
+from hybridmem.harness import load_dataset, load_sweep
 from hybridmem.harness.probe import CpuProbe
 from hybridmem.harness.ranks import NO_RESULT, merge
 from hybridmem.harness.store import measured_keys
 
-HERE = Path(__file__).resolve().parent
 MiB = 2**20
 
 SWEEP = """
@@ -81,13 +81,10 @@ class DeadRankProbe(CpuProbe):
 
 def _collect(tmp_path, monkeypatch, probe: str, strategies: list[str], resume: bool = False,
              record_history: bool = False, timeout: float = 120):
-    monkeypatch.setenv("HYBRIDMEM_PROBE", f"test_harness_multirank:{probe}")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    sweep = tmp_path / "multirank.toml"
-    sweep.write_text(SWEEP.format(strategies=json.dumps(strategies), timeout=timeout))
-    out = tmp_path / "data"
-    report = collect(sweep, out=out, backend="cuda", mlflow=False, resume=resume,
-                     record_history=record_history)
+    report, out = collect_with_probe(
+        tmp_path, monkeypatch, f"test_harness_multirank:{probe}",
+        SWEEP.format(strategies=json.dumps(strategies), timeout=timeout),
+        resume=resume, record_history=record_history)
     return report, load_dataset(out) if out.exists() else None
 
 

@@ -11,7 +11,6 @@ import signal
 import time
 from pathlib import Path
 
-
 from hybridmem.harness.probe import CpuProbe
 
 HERE = Path(__file__).resolve().parent
@@ -64,17 +63,28 @@ class HangProbe(CpuProbe):
             time.sleep(600)
 
 
+def collect_with_probe(tmp_path, monkeypatch, probe: str, sweep_text: str, **options):
+    """`collect` of `sweep_text` on the cuda backend with the stand-in probe `module:Class`
+    (a class of a test module here, which every child imports through PYTHONPATH); the report
+    and the dataset folder. Shared with test_harness_multirank."""
+    from hybridmem.harness import collect
+
+    monkeypatch.setenv("HYBRIDMEM_PROBE", probe)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(sweep_text)
+    out = tmp_path / "data"
+    return collect(sweep, out=out, backend="cuda", mlflow=False, **options), out
+
+
 def _collect(tmp_path, monkeypatch, probe: str, batches: str, timeout: float = 120,
              record_history: bool = False):
-    from hybridmem.harness import collect, load_dataset
+    from hybridmem.harness import load_dataset
 
-    monkeypatch.setenv("HYBRIDMEM_PROBE", f"test_harness_runner:{probe}")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv(MARK_ENV, str(tmp_path / "fault-mark"))
-    sweep = tmp_path / "faults.toml"
-    sweep.write_text(SWEEP.format(timeout=timeout, batches=batches))
-    out = tmp_path / "data"
-    report = collect(sweep, out=out, backend="cuda", mlflow=False, record_history=record_history)
+    report, out = collect_with_probe(tmp_path, monkeypatch, f"test_harness_runner:{probe}",
+                                     SWEEP.format(timeout=timeout, batches=batches),
+                                     record_history=record_history)
     return report, load_dataset(out)
 
 
