@@ -55,10 +55,9 @@ LARGE = [
 
 def factors(pred) -> dict[str, int]:
     """param (at the peak: constant), grad and optimizer (module sums over the run)."""
-    mods = {m.name: m for m in pred.modules}
     return {"param": pred.breakdown["param"],
-            "grad": sum(m.grad for n, m in mods.items()),
-            "optimizer": sum(m.optimizer for m in mods.values())}
+            "grad": sum(m.grad for m in pred.modules),
+            "optimizer": sum(m.optimizer for m in pred.modules)}
 
 
 def compare(spec: TrainingSpec) -> dict | None:
