@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from hybridmem.errors import SpecError
-from hybridmem.learned.dataset import TARGET_COLUMNS, shape_group
+from hybridmem.learned.dataset import TARGET_COLUMNS
 from hybridmem.learned.features import FeatureTable
 from hybridmem.learned.metrics import bound_coverage, error_metrics
 
@@ -72,7 +72,7 @@ def summarise(pred: pd.DataFrame) -> dict[str, dict[str, float]]:
 
 def oom_verdicts(oom: FeatureTable, est, done: np.ndarray, train_groups: set[str]) -> pd.DataFrame:
     """Device-peak predictions for OOM rows of shapes `est` was not trained on (not yet `done`)."""
-    groups = oom.rows["model_config"].map(shape_group).to_numpy()
+    groups = oom.groups
     pick = ~done & np.array([g not in train_groups for g in groups])
     done |= pick
     X = oom.X[pick]
@@ -111,7 +111,7 @@ def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "d
 
     from hybridmem.learned.model import ResidualRegressor
 
-    groups = table.rows["model_config"].map(shape_group).to_numpy()
+    groups = table.groups
     n_groups = len(set(groups))
     if n_groups < 2:
         raise SpecError("data", f"{n_groups} model shape",
@@ -140,7 +140,7 @@ def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "d
 def evaluate_fitted(table: FeatureTable, all_rows: pd.DataFrame, est, target: str,
                     exclude_groups: set[str] = frozenset()) -> Evaluation:
     """Metrics of an already-fitted residual on rows whose model shape it was not trained on."""
-    groups = table.rows["model_config"].map(shape_group).to_numpy()
+    groups = table.groups
     keep = np.array([g not in exclude_groups for g in groups])
     if not keep.any():
         raise SpecError("data", f"{len(groups)} rows",

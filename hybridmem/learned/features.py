@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from hybridmem.categories import CATEGORIES
+from hybridmem.learned.dataset import shape_group
 from hybridmem.errors import SpecError
 from hybridmem.prediction import Prediction
 from hybridmem.spec import TrainingSpec
@@ -194,6 +195,11 @@ class FeatureTable:
     base_reserved: np.ndarray
     dropped: dict[str, str] = field(default_factory=dict)
     """spec_hash -> why the base estimate failed for it (those rows are left out)."""
+
+    @property
+    def groups(self) -> np.ndarray:
+        """Model-shape group of each row (`dataset.shape_group`), the unit held out in evaluation."""
+        return self.rows["model_config"].map(shape_group).to_numpy()
 
     def target(self, name: str) -> np.ndarray:
         """log(measured / base) for `name` in ("device", "reserved")."""

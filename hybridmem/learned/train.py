@@ -19,7 +19,6 @@ import pandas as pd
 
 from hybridmem.errors import SpecError
 from hybridmem.learned import dataset, registry
-from hybridmem.learned.dataset import shape_group
 from hybridmem.learned.evaluate import Evaluation, cross_validate, plot_predictions
 from hybridmem.learned.features import RANGE_FEATURES, BaseFn, FeatureTable
 from hybridmem.tracking import start_run
@@ -86,7 +85,7 @@ def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ..
         "cuda_versions": _distinct(rows["cuda_version"]),
         "transformers_versions": _distinct(rows["transformers_version"]),
         "model_names": _distinct(rows["model_name"]),
-        "training_groups": sorted(set(rows["model_config"].map(shape_group))),
+        "training_groups": sorted(set(table.groups)),
         "feature_ranges": _ranges(table.X),
         "metrics": {t: ev.table for t, ev in evaluations.items()},
         "hyperparameters": hyper,
@@ -158,7 +157,7 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
     sources = pick_sources(df)
     table = build_table_for(df, sources, base_fn, with_trace)
     notes = _notes(sources, table)
-    groups = table.rows["model_config"].map(shape_group).to_numpy()
+    groups = table.groups
     evaluations: dict[str, Evaluation] = {}
     if len(set(groups)) >= 2:
         oom = build_oom_table(df, sources, base_fn, with_trace)
