@@ -57,7 +57,9 @@ PARALLEL_AXES = ("world_size", "strategy")
 """Axes that go into the spec's `ParallelSpec`; a block's `parallel` table sets its other knobs."""
 SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
-SPEC_AXES = ("micro_batch", "seq_len", "precision", "optimizer", "train", "attn", "grad_ckpt")
+SPEC_AXES = ("micro_batch", "seq_len", "images_per_sample", "precision", "optimizer", "train",
+             "attn", "grad_ckpt")
+"""Axes that are `TrainingSpec` fields of the same name (validated by the spec itself)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,14 +117,10 @@ def _check_value(where: str, axis: str, value: object) -> None:
     try:
         if axis in ("gqa", "grad_ckpt") and not isinstance(value, bool):
             raise SpecError(axis, value, (True, False), reason="must be true or false")
-        if axis in SPEC_AXES:
+        if axis in SPEC_AXES or (axis == "image_size" and value != 0):  # 0 = native size
             TrainingSpec(model="x", **{axis: value})
-        elif axis == "images_per_sample":
-            TrainingSpec(model="x", images_per_sample=value)
         elif axis == "lora_r":
             LoraSpec(r=value)
-        elif axis == "image_size" and value != 0:
-            TrainingSpec(model="x", image_size=value)
         elif axis == "world_size":
             ParallelSpec(world_size=value, strategy="ddp")  # DDP takes any world size
         elif axis == "strategy" and value not in STRATEGIES:
