@@ -253,8 +253,7 @@ def _measure(spec: TrainingSpec) -> tuple[int, list[tuple]]:
 
 def estimate(spec: TrainingSpec) -> Prediction:
     """Predict the per-GPU peak memory of `spec` in closed form."""
-    graph, priced, st = _setup(spec)
-    points = walk([p.step for p in priced], st)
+    graph, priced, points = timeline(spec)
     top = peak(points)
     allocated = top.allocated
     # reserved - allocated from replaying an approximate alloc/free stream through the
