@@ -192,6 +192,8 @@ def test_lora_adapters_match_peft_on_the_meta_device():
         peft_model = peft.get_peft_model(model, cfg)
     want = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
     got = sum(m.num_lora_params for m in g.modules)
+    # by hand: 2 LM layers (hidden 64, ffn 128), r=4: q_proj A 4x64 + B 64x4,
+    # down_proj A 4x128 + B 64x4 per layer
     assert got == want == 2 * (4 * 64 + 64 * 4) + 2 * (4 * 128 + 64 * 4)
 
 
