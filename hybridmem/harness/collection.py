@@ -54,7 +54,12 @@ class CollectReport:
 
 
 def _alloc_conf() -> str:
-    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+    """The allocator setting the measured children's PyTorch uses: PYTORCH_ALLOC_CONF, else
+    PYTORCH_CUDA_ALLOC_CONF (the order of `hybridmem.allocator.AllocatorConfig.from_environ`)."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        if name in os.environ:
+            return os.environ[name]
+    return ""
 
 
 def software_environment() -> dict:
