@@ -20,7 +20,7 @@ import torch
 
 from hybridmem.models import load_config
 from hybridmem.spec import TrainingSpec
-from hybridmem.trace import corrections, runner
+from hybridmem.trace import runner
 from hybridmem.trace.tracker import StorageTracker
 
 CONFIGS = (
@@ -67,14 +67,7 @@ def hooks_on_frozen_params_ignored():
 def run(spec: TrainingSpec, iterations: int, which: str) -> tuple[float, dict]:
     config = load_config(spec.model)
     backend = "meta" if which == "ours-meta" else "fake"
-    with runner._tensors(backend, spec) as amp, corrections.patched_model_checks(), \
-            hooks_on_frozen_params_ignored():
-        job = runner.prepare(spec, config)
-        job.amp = amp
-        if backend == "meta":
-            from hybridmem.trace.autocast import wrap_checkpointing
-
-            wrap_checkpointing(job.model, amp, corrections.CpuSdpaOnMeta)
+    with hooks_on_frozen_params_ignored(), runner.prepared(spec, config, backend) as job:
         if which.startswith("ours"):
             tracker = StorageTracker()
             for t in [*job.model.parameters(), *job.model.buffers(),

@@ -180,27 +180,35 @@ def _tensors(backend: str, spec: TrainingSpec):
         yield None
 
 
+@contextlib.contextmanager
+def prepared(spec: TrainingSpec, config, backend: str = "fake"):
+    """`prepare(spec, config)` on `backend`'s tensors, model checks patched; the job stays usable
+    (tensors, emulated autocast) until the block exits."""
+    with _tensors(backend, spec) as amp, corrections.patched_model_checks():
+        job = prepare(spec, config)
+        job.amp = amp
+        if backend == "meta":
+            wrap_checkpointing(job.model, amp, corrections.CpuSdpaOnMeta)
+        yield job
+
+
 def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str = "fake",
           workspace: int = 0) -> tuple[StorageTracker, Job]:
     """Build and run `spec` without real memory; the tracker holds every allocation."""
     tracker = StorageTracker()
     try:
-        with _tensors(backend, spec) as amp, corrections.patched_model_checks():
-            job = prepare(spec, config)
-            job.amp = amp
-            if backend == "meta":
-                wrap_checkpointing(job.model, amp, corrections.CpuSdpaOnMeta)
-            with tracker, tracker.watching(build.top_modules(job.model)):
-                for name, p in job.model.named_parameters():
-                    tracker.label(p, "param", build.part_of(name))
-                for name, b in job.model.named_buffers():
-                    tracker.label(b, "param", build.part_of(name))
-                for m, (name, _) in zip(job.masters, job.trainable):
-                    tracker.label(m, "optimizer", build.part_of(name))
-                for t in job.batch.values():
-                    if isinstance(t, torch.Tensor):
-                        tracker.label(t, "activation")
-                train(job, spec, tracker, iterations, workspace)
+        with prepared(spec, config, backend) as job, tracker, \
+                tracker.watching(build.top_modules(job.model)):
+            for name, p in job.model.named_parameters():
+                tracker.label(p, "param", build.part_of(name))
+            for name, b in job.model.named_buffers():
+                tracker.label(b, "param", build.part_of(name))
+            for m, (name, _) in zip(job.masters, job.trainable):
+                tracker.label(m, "optimizer", build.part_of(name))
+            for t in job.batch.values():
+                if isinstance(t, torch.Tensor):
+                    tracker.label(t, "activation")
+            train(job, spec, tracker, iterations, workspace)
     except SpecError:
         raise
     except Exception as err:
