@@ -45,19 +45,19 @@ def resolve_base(base_fn: BaseFn | None) -> BaseFn:
     return base_fn or analytic_base
 
 
-def _version_number(text: object) -> float:
-    """'2.13.0+cu124' -> 2.13 as major + minor/100 (NaN when unknown), a sortable feature."""
-    parts = str(text or "").split("+")[0].split(".")
-    try:
-        return int(parts[0]) + int(parts[1]) / 100 if len(parts) >= 2 else float("nan")
-    except ValueError:
-        return float("nan")
-
-
 def major_minor(text: object) -> str | None:
     """'2.13.0+cu124' -> '2.13'; None when it cannot be read."""
     parts = str(text or "").split("+")[0].split(".")
     return ".".join(parts[:2]) if len(parts) >= 2 and all(p.isdigit() for p in parts[:2]) else None
+
+
+def _version_number(text: object) -> float:
+    """'2.13.0+cu124' -> 2.13 as major + minor/100 (NaN when unknown), a sortable feature."""
+    version = major_minor(text)
+    if version is None:
+        return float("nan")
+    major, minor = version.split(".")
+    return int(major) + int(minor) / 100
 
 
 def config_features(config: Mapping) -> dict[str, float]:
