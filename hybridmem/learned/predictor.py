@@ -158,15 +158,12 @@ def default_method(models_dir: str | Path | None = None) -> str:
     What `hybridmem predict` should use when `--method` is not given (issue 5: hybrid becomes
     the default as soon as a fitting model exists). Models trained on trace rows never count.
     """
-    import json
-
     env = registry.user_env()
     root = Path(models_dir) if models_dir is not None else registry.models_root()
     folder, _ = registry.select(root, env["torch"], env["cuda"])
     if folder is None:
         return "analytic"
-    calibrated = json.loads((folder / "metadata.json").read_text()).get("calibrated_to_gpu")
-    return "hybrid" if calibrated else "analytic"
+    return "hybrid" if registry.read_metadata(folder).get("calibrated_to_gpu") else "analytic"
 
 
 def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
