@@ -50,6 +50,7 @@ def test_every_sampled_config_trains_on_the_cpu_stand_in(tmp_path, monkeypatch):
     report = collect(sweep, out=tmp_path / "data", backend="cuda", mlflow=False)
     errors = [(r["model_name"], r["precision"], r["optimizer"], r["train"], r["error"])
               for r in report.rows if r["outcome"] != "ok"]
+    assert len(report.rows) == 8  # `samples = 8`: every sampled config ran
     assert not errors
     for r in report.rows:
         assert len(json.loads(r["phase_peaks_json"])) == 1 + 3 * 3

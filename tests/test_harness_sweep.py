@@ -109,7 +109,7 @@ def test_malformed_sweeps_name_the_field(tmp_path, text, match):
         load_sweep(_write(tmp_path, text))
 
 
-@pytest.mark.parametrize("name", ["ci-tiny.toml", "h200-first.toml"])
+@pytest.mark.parametrize("name", ["ci-tiny.toml", "h200-first.toml", "multi-gpu-example.toml"])
 def test_shipped_sweeps_load(name):
     sweep = load_sweep(SWEEPS / name)
     assert sweep.items and sweep.iterations >= 3
