@@ -26,7 +26,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def launched() -> bool:
-    """True inside a rank started by torchrun (same test as `parallel.launch.rank_path`)."""
+    """True inside a rank started by torchrun, which sets both variables (`parallel.launch.
+    rank_path`, which names the rank's result file, looks at LOCAL_RANK alone)."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
