@@ -154,7 +154,9 @@ class CudaProbe:
     def start_history(self) -> None:
         import torch
 
-        # python frames only: enough to attribute blocks, far smaller than C++ stacks
+        # python frames only: enough to attribute blocks, far smaller than C++ stacks.
+        # max_entries bounds a ring buffer that keeps the newest alloc/free events (torch's
+        # default is unbounded); 2M is a chosen cap on the snapshot's size, not a measured need
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
 
     def dump_history(self, path: str) -> None:
