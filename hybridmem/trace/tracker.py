@@ -20,9 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 from torch.utils.weak import WeakIdKeyDictionary
 
-# CUDACachingAllocator.cpp: `constexpr size_t kMinBlockSize = 512;` and `round_size` rounds
-# every request up to a multiple of it (sizes below 512 become 512).
-MIN_BLOCK = 512
+from hybridmem.allocator.config import K_MIN_BLOCK_SIZE
 
 # Label precedence: a storage that is both saved for backward and a parameter is a parameter.
 RANK = {"param": 5, "workspace": 5, "host": 6, "grad": 4, "optimizer": 3, "activation": 2,
@@ -30,8 +28,12 @@ RANK = {"param": 5, "workspace": 5, "host": 6, "grad": 4, "optimizer": 3, "activ
 
 
 def round_size(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a request of `nbytes`."""
-    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+    """Bytes the CUDA caching allocator hands out for a request of `nbytes`.
+
+    CUDACachingAllocator.cpp `round_size`: up to a multiple of kMinBlockSize (512; sizes below
+    512 become 512), with the default `roundup_power2_divisions` (none).
+    """
+    return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
 
 
 @dataclass(slots=True)
