@@ -40,8 +40,9 @@ class TraceResult:
     marks: list[tuple[int, str, int]]
     """(event index, phase, iteration) at each phase start."""
     peak_reserved: int | None = None
-    """Simulated reserved peak (None when the allocator simulator is missing)."""
+    """Simulated reserved peak (`hybridmem.allocator`), set by `run_trace` after `summarize`."""
     reserved_curve: np.ndarray | None = None
+    """Simulated reserved bytes after each event of `events` (set with `peak_reserved`)."""
     notes: list[str] = field(default_factory=list)
 
     def timeline(self, points: int = TIMELINE_POINTS) -> dict:
