@@ -81,10 +81,8 @@ MLP_OUT = ("mlp.down_proj.", "mlp.fc2.")
 def _mlp_grads(layer: Layer, policy) -> tuple[int, int]:
     """Grad bytes of (the MLP output projection, the whole MLP half) of a transformer layer."""
     def grads(prefixes):
-        base = sum(t(p.numel, policy.grad_bytes) for p in layer.params
-                   if p.name.startswith(prefixes)) if layer.gets_grads else 0
-        return base + sum(t(p.numel, p.itemsize) for p in layer.lora
-                          if p.name.startswith(prefixes))
+        return sum(t(p.numel, p.itemsize or policy.grad_bytes) for p in layer.grad_tensors
+                   if p.name.startswith(prefixes))
     return grads(MLP_OUT), grads(MLP_ALL)
 
 

@@ -126,10 +126,8 @@ def _grad_sizes(p, policy) -> tuple[list[int], list[int], int]:
     of `rest`) and replaced at the embedding's backward (tie < 0), where autograd accumulates
     `old + new` into a new tensor (`AccumulateGrad`, out of place when the grad exists)."""
     layer = p.layer
-    with_grad = (list(layer.params) if layer.gets_grads else []) + \
-        (list(layer.lora) if layer.runs else [])
     mlp, rest = [], []
-    for q in reversed(with_grad):
+    for q in reversed(layer.grad_tensors):
         (mlp if q.name.startswith(MLP_ALL) else rest).append(t(q.numel, q.itemsize or
                                                                policy.grad_bytes))
     diff = p.step.grad - sum(mlp) - sum(rest)  # tied embeddings: the grad moves to lm_head

@@ -125,14 +125,14 @@ def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> Layer
     lora = [(p, _size(p, policy)) for p in layer.lora]
     buffers = [t(b.numel, _size(b, policy)) for b in layer.buffers]
     params = [t(p.numel, sz) for p, sz in base + lora]
-    with_grad = (base if layer.gets_grads else []) + (lora if layer.runs else [])
-    grads = [t(p.numel, p.itemsize or policy.grad_bytes) for p, _ in with_grad]
+    with_grad = layer.grad_tensors
+    grads = [t(p.numel, p.itemsize or policy.grad_bytes) for p in with_grad]
     stepped = []
     # master copies are made at initialisation for every trainable tensor, graded or not
     # (DeepSpeed flattens all requires_grad params into its fp32 groups)
     masters = [t(p.numel, policy.master_bytes) for p, _ in base
                if policy.master_bytes and layer.trainable]
-    for p, _ in with_grad:
+    for p in with_grad:
         state = FP32 if p.itemsize is not None else policy.state_bytes
         stepped.append(Stepped(p.numel, p.shape, state))
     states = [b for s in stepped for b in state_bytes(s, optimizer)]

@@ -67,6 +67,12 @@ class Layer:
         """Base params receive .grad tensors (and hence optimizer state)."""
         return self.trainable and self.on_grad_path and self.runs
 
+    @property
+    def grad_tensors(self) -> tuple[ParamTensor, ...]:
+        """The tensors that get a .grad (and optimizer state): base params when `gets_grads`,
+        LoRA adapters whenever the layer runs."""
+        return (self.params if self.gets_grads else ()) + (self.lora if self.runs else ())
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Module:
