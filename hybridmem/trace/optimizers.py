@@ -13,6 +13,7 @@ import torch
 from torch.optim import Optimizer
 
 from hybridmem.errors import SpecError
+from hybridmem.spec import OPTIMIZERS
 
 LR = 1e-5  # any value; learning rates change no memory
 
@@ -106,8 +107,7 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> Optimizer:
         return Lion(params)
     if name == "adamw-8bit":
         return AdamW8bitLayout(params)
-    raise SpecError("optimizer", name, ("adamw", "adamw-fused", "adamw-8bit", "sgd",
-                                        "sgd-momentum", "adafactor", "lion"))
+    raise SpecError("optimizer", name, OPTIMIZERS)
 
 
 @contextlib.contextmanager
