@@ -90,10 +90,12 @@ class _Walk:
     iteration: int
     points: list[Point] = field(default_factory=list)
 
-    def point(self, phase: str, act: int, temp: int, grad: int, grad_waste: int) -> None:
-        later = self.iteration > 0
+    def point(self, phase: str, act: int, temp: int, grad: int, grad_waste: int,
+              extra_opt: int = 0) -> None:
+        # the state exists from the first optimizer step on (created lazily inside it)
+        later = self.iteration > 0 or phase == "optimizer"
         ws = self.st.workspace if (later or phase != "forward") else self.st.workspace_first
-        opt = self.st.master + (self.st.state if later else 0)
+        opt = self.st.master + (self.st.state if later else 0) + extra_opt
         b = {"param": self.st.param, "grad": grad, "optimizer": opt, "activation": act,
              "temporary": temp, "workspace": ws}
         waste = self.st.waste_param + grad_waste + (self.st.waste_optimizer if later else 0)
@@ -126,13 +128,9 @@ def walk(steps: list[Step], st: Statics, iterations: int = 2) -> list[Point]:
             else:
                 w.point("backward", act + recompute, s.acts.bwd_extra, grad, grad_waste)
             act -= s.kept - s.released_at_forward_end
-        # optimizer step: state exists during it (created lazily at iteration 0)
-        opt = _Walk(st, max(it, 1))
-        opt.point("optimizer", st.inputs, st.opt_temp, 0 if st.master_grads else grad,
-                  grad_waste)
-        b = dict(opt.points[0].bytes)
-        b["optimizer"] += st.master_grads
-        w.points.append(Point("optimizer", it, b, opt.points[0].waste))
+        # optimizer step (bf16-master: the fp32 master grads replace the grads)
+        w.point("optimizer", st.inputs, st.opt_temp, 0 if st.master_grads else grad,
+                grad_waste, extra_opt=st.master_grads)
         points += w.points
     return points
 
