@@ -36,8 +36,10 @@ def _artifact_root(uri: str) -> str | None:
 
 def _prepare(mlflow, experiment: str) -> None:
     uri = tracking_uri()
-    if uri.startswith("file:"):
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses it otherwise
+    if uri.startswith("file:") or "://" not in uri:
+        # a file: URI or a plain folder path is MLflow's file store, which MLflow 3 refuses
+        # unless opted in (FileStore.__init__'s error names this variable)
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)

@@ -9,10 +9,12 @@ from hybridmem.tracking import start_run
 mlflow = pytest.importorskip("mlflow")
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "file"])
+@pytest.mark.parametrize("kind", ["sqlite", "file", "path"])
 def test_run_is_logged_locally(tmp_path, monkeypatch, kind):
-    uri = (f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}" if kind == "sqlite"
-           else (tmp_path / "store").as_uri())
+    uri = {"sqlite": f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}",
+           "file": (tmp_path / "store").as_uri(),
+           "path": str(tmp_path / "store")}[kind]
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # MLflow 3 needs it for files
     monkeypatch.setenv("HYBRIDMEM_MLFLOW_URI", uri)
     work = tmp_path / "cwd"
     work.mkdir()

@@ -8,7 +8,6 @@ the analytic rows) are used and the entry says `calibrated_to_gpu: false`, which
 from __future__ import annotations
 
 import datetime as dt
-import os
 import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
@@ -132,9 +131,6 @@ def _save_and_log(out, estimators: dict, meta: dict, evaluations: dict[str, Eval
             plot_path = plot or str(Path(tmp) / "predicted_vs_measured.png")
             plot_predictions(evaluations[target].predictions, plot_path,
                              f"{target} peak, held-out shapes")
-        # MLflow >= 3.x refuses the local file store unless opted in (its FileStore.__init__
-        # error message names this variable); the design asks for that store, no server.
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         with start_run("train", run_name=Path(out).name, enabled=track) as run:
             meta["mlflow_run_id"] = run.run_id
             saved = registry.save(out, estimators, meta, force=force)
