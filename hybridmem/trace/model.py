@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hybridmem.errors import SpecError, UnsupportedModelError
+from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES
 from hybridmem.spec import TrainingSpec
 from hybridmem.torch_dtype import default_dtype
 
@@ -74,18 +75,11 @@ def freeze(model: nn.Module, spec: TrainingSpec) -> None:
     """requires_grad per `spec.train` (LoRA: everything frozen, adapters added later)."""
     has_vision = any("vision_tower" in n for n, _ in model.named_parameters())
     if spec.train == "projector" and not has_vision:
-        raise SpecError("train", spec.train, ("full", "lora"),
+        raise SpecError("train", spec.train, DECODER_TRAINS,
                         reason="a decoder-only model has no projector")
+    trained = TRAINABLE_MODULES[spec.train]  # the model graph's table (LLaVA recipes)
     for name, p in model.named_parameters():
-        part = part_of(name)
-        if spec.train == "full":
-            p.requires_grad_(True)
-        elif spec.train == "llm+projector":
-            p.requires_grad_(part != "vision_tower")
-        elif spec.train == "projector":  # LLaVA stage 1 trains the projector only
-            p.requires_grad_(part == "multi_modal_projector")
-        else:
-            p.requires_grad_(False)
+        p.requires_grad_(part_of(name) in trained)
 
 
 def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
