@@ -36,6 +36,6 @@ def cublas_workspace(arch: str = DEFAULT_ARCH) -> int:
     return CUBLAS_WORKSPACE.get(arch, CUBLAS_WORKSPACE[DEFAULT_ARCH])
 
 
-# Names other tiers read (hybridmem.trace.overheads), so every tier prices the same defaults.
+# Names the trace tier reads (hybridmem.trace), so every tier prices the same defaults.
 CONTEXT_BYTES = CUDA_CONTEXT_DEFAULT
 CUBLAS_WORKSPACE_BYTES = cublas_workspace()
