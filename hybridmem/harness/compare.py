@@ -16,15 +16,7 @@ import pandas as pd
 
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GiB
-
-
-def row_spec(row):
-    """The `TrainingSpec` a dataset row was measured with (its model config materialised)."""
-    from hybridmem.models.loader import materialize_config
-    from hybridmem.spec import TrainingSpec
-
-    return TrainingSpec.from_dict({**json.loads(row["spec_json"]),
-                                   "model": materialize_config(row["model_config"])})
+from hybridmem.harness.schema import spec_from_row
 
 
 def compare(df: pd.DataFrame, method: str = "analytic") -> pd.DataFrame:
@@ -34,7 +26,7 @@ def compare(df: pd.DataFrame, method: str = "analytic") -> pd.DataFrame:
     out = []
     for _, row in df[df["outcome"].isin(["ok", "oom"])].iterrows():
         try:
-            pred = predict(row_spec(row), method=method)
+            pred = predict(spec_from_row(row), method=method)
         except SpecError as err:
             out.append({"spec_hash": row["spec_hash"], "error": str(err)})
             continue

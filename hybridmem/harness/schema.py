@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridmem.spec import TrainingSpec
 
 SCHEMA_VERSION = 1
 """Bump when a column changes meaning or type (readers refuse a newer schema)."""
@@ -97,3 +101,14 @@ def spec_hash(spec_dict: dict, model_config: dict) -> str:
     canonical = {**spec_dict, "model": model_config}
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def spec_from_row(row) -> TrainingSpec:
+    """The `TrainingSpec` a dataset row was measured with: `spec_json` with `model` pointing at
+    its `model_config` materialised to a file (the contract in datasets/README.md)."""
+    from hybridmem.models.loader import materialize_config
+    from hybridmem.spec import TrainingSpec
+
+    return TrainingSpec.from_dict({**json.loads(row["spec_json"]),
+                                   "model": materialize_config(row["model_config"])})
+

@@ -13,6 +13,8 @@ from pathlib import Path
 import pandas as pd
 
 from hybridmem.errors import SpecError
+# the contract's source/outcome values (owned by the harness); only "cuda" rows are GPU measurements
+from hybridmem.harness.schema import OUTCOMES, SOURCES
 
 # Kinds: "int" integer (nullable allowed), "num" int or float (targets: nullable int64 may come
 # back as float when a reader fills nulls), "str" text, "bool" boolean.
@@ -45,10 +47,6 @@ REQUIRED_COLUMNS: dict[str, str] = {
     "transformers_version": "str",
 }
 
-SOURCES: tuple[str, ...] = ("cuda", "trace", "analytic")
-"""`source` values of the contract; only "cuda" rows are measurements of a real GPU."""
-
-OUTCOMES: tuple[str, ...] = ("ok", "oom", "error")
 
 SCHEMA_VERSION = 1
 """Newest dataset schema this reader understands (`hybridmem.harness.schema.SCHEMA_VERSION`)."""

@@ -176,12 +176,9 @@ def _text(value: object) -> str:
 
 def row_spec(row: Mapping) -> tuple[TrainingSpec, dict]:
     """(TrainingSpec, raw config dict) rebuilt from a dataset row (see the dataset contract)."""
-    from hybridmem.models.loader import materialize_config
+    from hybridmem.harness.schema import spec_from_row
 
-    config = json.loads(row["model_config"])
-    spec = TrainingSpec.from_dict({**json.loads(row["spec_json"]),
-                                   "model": materialize_config(row["model_config"])})
-    return spec, config
+    return spec_from_row(row), json.loads(row["model_config"])
 
 
 @dataclass
