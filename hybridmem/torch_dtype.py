@@ -11,6 +11,15 @@ from collections.abc import Iterator
 
 import torch
 
+# Parameter dtype per precision policy (hybridmem.spec.POLICIES gives the byte sizes; bf16 and
+# fp16 are both 2 bytes, so the torch dtype needs its own table). *-mixed keeps fp32 params.
+PARAM_DTYPE: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+    "bf16-mixed": torch.float32, "fp16-mixed": torch.float32, "bf16-master": torch.bfloat16,
+}
+# Autocast dtype of the *-mixed policies (torch.amp); pure policies run in the param dtype.
+AUTOCAST: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridmem.harness import workload
 from hybridmem.spec import TrainingSpec
+from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 
 FAILED_EXIT = 3
 """Exit status of a rank whose result is not `ok`: torchrun then stops the other ranks, which
@@ -119,7 +120,7 @@ def ddp(model: nn.Module, spec: TrainingSpec, device) -> nn.Module:
 
 
 def _compute_dtype(spec: TrainingSpec) -> torch.dtype:
-    return workload.AUTOCAST.get(spec.precision, workload.PARAM_DTYPE[spec.precision])
+    return AUTOCAST.get(spec.precision, PARAM_DTYPE[spec.precision])
 
 
 def _wrap_classes(model: nn.Module) -> set[str]:

@@ -16,12 +16,9 @@ import torch
 from torch import nn
 
 from hybridmem.spec import TrainingSpec
-from hybridmem.torch_dtype import default_dtype
+from hybridmem.models.build import TRAINABLE_MODULES, part_of
+from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE, default_dtype
 
-PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-               "bf16-mixed": torch.float32, "fp16-mixed": torch.float32,
-               "bf16-master": torch.bfloat16}
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 LR = 1e-5  # any value; memory does not depend on it
 IGNORE_INDEX = -100  # HF / LLaVA label value left out of the loss
 
@@ -58,22 +55,11 @@ def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
     return model.to(device).train()
 
 
-def _part(name: str) -> str:
-    for fragment, part in (("vision_tower", "vision"), ("multi_modal_projector", "projector"),
-                           ("image_newline", "projector")):
-        if fragment in name:
-            return part
-    return "llm"
-
-
-TRAINS = {"full": {"vision", "projector", "llm"}, "llm+projector": {"projector", "llm"},
-          "projector": {"projector"}, "lora": set()}
-"""Parts that train per `spec.train` (LLaVA-1.5 stage 1 = projector, stage 2 = llm+projector)."""
-
-
 def freeze(model: nn.Module, spec: TrainingSpec) -> None:
     for name, p in model.named_parameters():
-        p.requires_grad_(_part(name) in TRAINS[spec.train])
+        # the same parts train as in the analytic and trace tiers (LLaVA-NeXT's image_newline
+        # trains with the LLM, not in projector-only stage 1)
+        p.requires_grad_(part_of(name) in TRAINABLE_MODULES[spec.train])
 
 
 def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:

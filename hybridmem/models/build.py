@@ -29,6 +29,21 @@ TRAINABLE_MODULES: dict[str, frozenset[str]] = {
     "projector": frozenset({"multi_modal_projector"}),
     "lora": frozenset(),
 }
+
+# Top-level part a real (HF) parameter / module name belongs to, by the first matching name
+# fragment; the same names as this graph's modules, so the trace tier and the CUDA harness
+# freeze exactly what the analytic tier prices.
+PARTS: tuple[str, ...] = ("vision_tower", "multi_modal_projector", "image_newline", "lm_head")
+
+
+def part_of(name: str) -> str:
+    """Top-level part of a dotted parameter/module name (`language_model` if none matches)."""
+    for part in PARTS:
+        if part in name:
+            return part
+    return "language_model"
+
+
 DECODER_TRAINS: tuple[str, ...] = ("full", "lora")
 LORA_FP32 = 4  # PEFT `autocast_adapter_dtype=True` (default) keeps adapters in float32
 # LoRA goes on language-model linears only, as LLaVA's `find_all_linear_names` does (it skips

@@ -17,28 +17,9 @@ import torch
 from torch import nn
 
 from hybridmem.errors import SpecError, UnsupportedModelError
-from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES
+from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
 from hybridmem.spec import TrainingSpec
-from hybridmem.torch_dtype import default_dtype
-
-# spec.precision -> dtype of the parameters as built (POLICIES.param_bytes in hybridmem.spec).
-PARAM_DTYPE = {
-    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-    "bf16-mixed": torch.float32, "fp16-mixed": torch.float32, "bf16-master": torch.bfloat16,
-}
-
-# Top-level parts a parameter / module belongs to, by the first matching name fragment; the
-# same names as the model graph's modules (`hybridmem.models.build`).
-PARTS: tuple[str, ...] = ("vision_tower", "multi_modal_projector", "image_newline", "lm_head")
-
-
-def part_of(name: str) -> str:
-    """Top-level part of a dotted parameter/module name (`language_model` if none matches)."""
-    for part in PARTS:
-        if part in name:
-            return part
-    return "language_model"
-
+from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
 
 def attn_for_cpu(attn: str) -> str:
     """FlashAttention-2 has no CPU kernel; its memory behaviour is SDPA's flash backend's."""

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridmem.categories import TENSOR_CATEGORIES
+from hybridmem.models.build import part_of
 from hybridmem.prediction import ModuleMemory
-from hybridmem.trace.model import part_of
 from hybridmem.trace.tracker import Storage, StorageTracker, round_size
 
 TIMELINE_POINTS = 2000  # max points kept in a timeline (max per bucket, so peaks survive)

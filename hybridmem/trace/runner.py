@@ -17,7 +17,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hybridmem.errors import SpecError, UnsupportedModelError
+from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec
+from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
 from hybridmem.trace.inputs import make_batch
@@ -26,7 +28,6 @@ from hybridmem.trace.tracker import StorageTracker
 
 ITERATIONS = 2  # optimizer state appears in the first step; the second shows the steady peak
 
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 LOSS_SCALE = 2.0**16  # torch.amp.GradScaler default init_scale
 
 
@@ -64,7 +65,7 @@ def prepare(spec: TrainingSpec, config) -> Job:
     params = [p for _, p in trainable]
     masters = _master_copies(params) if spec.precision == "bf16-master" else []
     optimizer = make_optimizer(spec.optimizer, masters or params)
-    pixel_dtype = build.PARAM_DTYPE[spec.precision]
+    pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
     return Job(model, optimizer, batch, trainable, masters, image_tokens)
 
@@ -105,7 +106,7 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
         for m, (name, p) in zip(job.masters, job.trainable):  # fp32 master grads (optimizer's)
             if p.grad is not None and m is not p:  # an fp32 param is its own master
                 m.grad = p.grad.float()
-                tracker.label(m.grad, "optimizer", build.part_of(name))
+                tracker.label(m.grad, "optimizer", part_of(name))
                 p.grad = None
     with _fake_item():
         job.optimizer.step()
@@ -116,7 +117,7 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
     for t in getattr(job.optimizer, "qmaps", ()):
         tracker.label(t, "optimizer")
     host = host_state_keys(job.optimizer)
-    parts = {id(p): build.part_of(n) for n, p in job.trainable}
+    parts = {id(p): part_of(n) for n, p in job.trainable}
     parts.update({id(m): parts[id(p)] for m, (_, p) in zip(job.masters, job.trainable)})
     for param, state in job.optimizer.state.items():
         for key, t in state.items():
@@ -149,7 +150,7 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
         del loss
         for name, p in job.trainable:
             if p.grad is not None:
-                tracker.label(p.grad, "grad", build.part_of(name))
+                tracker.label(p.grad, "grad", part_of(name))
                 job.grad_bytes[id(p)] = p.grad.untyped_storage().nbytes()
         tracker.mark("optimizer", it)
         _optimizer_step(job, spec, tracker)
@@ -200,11 +201,11 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
         with prepared(spec, config, backend) as job, tracker, \
                 tracker.watching(build.top_modules(job.model)):
             for name, p in job.model.named_parameters():
-                tracker.label(p, "param", build.part_of(name))
+                tracker.label(p, "param", part_of(name))
             for name, b in job.model.named_buffers():
-                tracker.label(b, "param", build.part_of(name))
+                tracker.label(b, "param", part_of(name))
             for m, (name, _) in zip(job.masters, job.trainable):
-                tracker.label(m, "optimizer", build.part_of(name))
+                tracker.label(m, "optimizer", part_of(name))
             for t in job.batch.values():
                 if isinstance(t, torch.Tensor):
                     tracker.label(t, "activation")
