@@ -77,6 +77,17 @@ def division_table(value: int | dict | None) -> tuple[int, ...]:
     return tuple(table)
 
 
+# Environment variables PyTorch reads its allocator options from, in its order: the newer
+# PYTORCH_ALLOC_CONF first, else PYTORCH_CUDA_ALLOC_CONF (`AcceleratorAllocatorConfig::instance`).
+ALLOC_CONF_VARS: tuple[str, ...] = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def alloc_conf_string(environ: Mapping[str, str] | None = None) -> str:
+    """The raw allocator option string this process's PyTorch would use ("" = defaults)."""
+    env = os.environ if environ is None else environ
+    return next((env[name] for name in ALLOC_CONF_VARS if name in env), "")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AllocatorConfig:
     """The allocator options that change memory (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF)."""
@@ -119,13 +130,8 @@ class AllocatorConfig:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> AllocatorConfig:
-        """The config this process's PyTorch would use: PYTORCH_ALLOC_CONF, else the older
-        PYTORCH_CUDA_ALLOC_CONF (the order of `AcceleratorAllocatorConfig::instance`)."""
-        env = os.environ if environ is None else environ
-        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-            if name in env:
-                return cls.from_env(env[name])
-        return cls()
+        """The config this process's PyTorch would use (`alloc_conf_string`)."""
+        return cls.from_env(alloc_conf_string(environ))
 
     def max_split_size(self) -> int:
         """Bytes; "unlimited" is infinity so that every comparison reads as in the source."""

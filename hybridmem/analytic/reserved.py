@@ -9,15 +9,13 @@ definition as the trace tier's `fragmentation` (`hybridmem.trace.estimate`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import lru_cache
 
-from hybridmem.allocator.config import AllocatorConfig
+from hybridmem.allocator.config import AllocatorConfig, alloc_conf_string
 from hybridmem.allocator.replay import replay
 from hybridmem.errors import SpecError
 
-_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # AllocatorConfig.from_environ reads
 # CARRY = 1 / CARRY_DIV: how much of a smaller micro-batch's device bytes carries over to a
 # larger one's, per byte of allocated growth. 1 would carry its whole fragmentation (always
 # conservative), 0 assumes the larger batch's new tensors fit in the smaller one's spare
@@ -52,7 +50,7 @@ def envelope(spec, allocated: int, measure: Callable) -> int:
     more device bytes (then about that, as find-max-batch needs). Cost: log2(b) + 1 replays,
     + 1 when b is not a power of two; each is cached.
     `measure(spec)` returns (closed-form allocated peak, event stream) of a spec."""
-    env = tuple(os.environ.get(k) for k in _ENV)
+    env = alloc_conf_string()  # the cache key: AllocatorConfig itself may not hash
     _config(env)  # a malformed PYTORCH_ALLOC_CONF raises its SpecError here
     b = spec.micro_batch
     q = 1 << (b.bit_length() - 1)
@@ -68,7 +66,7 @@ def envelope(spec, allocated: int, measure: Callable) -> int:
     return device - allocated
 
 
-def _at(spec, batch: int, measure: Callable, env: tuple, default: int = 0) -> tuple[int, int]:
+def _at(spec, batch: int, measure: Callable, env: str, default: int = 0) -> tuple[int, int]:
     """(allocated, F) at another micro-batch; a batch the spec rejects counts as (0, default)."""
     try:
         other = spec.with_(micro_batch=batch)
@@ -77,11 +75,11 @@ def _at(spec, batch: int, measure: Callable, env: tuple, default: int = 0) -> tu
     return _replayed(other, measure, env)
 
 
-def _config(env: tuple) -> AllocatorConfig:
-    return AllocatorConfig.from_environ({k: v for k, v in zip(_ENV, env) if v is not None})
+def _config(env: str) -> AllocatorConfig:
+    return AllocatorConfig.from_env(env)
 
 
 @lru_cache(maxsize=64)
-def _replayed(spec, measure: Callable, env: tuple) -> tuple[int, int]:
+def _replayed(spec, measure: Callable, env: str) -> tuple[int, int]:
     allocated, events = measure(spec)
     return allocated, fragmentation(events, _config(env))[0]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import platform
 import statistics
 import time
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridmem.allocator.config import alloc_conf_string
 from hybridmem.errors import SpecError
 from hybridmem.harness import runner, store, tiers
 from hybridmem.harness.schema import HARNESS_VERSION, OUTCOMES, SCHEMA_VERSION
@@ -53,21 +53,12 @@ class CollectReport:
                 "dropped_combinations": self.sweep.dropped}
 
 
-def _alloc_conf() -> str:
-    """The allocator setting the measured children's PyTorch uses: PYTORCH_ALLOC_CONF, else
-    PYTORCH_CUDA_ALLOC_CONF (the order of `hybridmem.allocator.AllocatorConfig.from_environ`)."""
-    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        if name in os.environ:
-            return os.environ[name]
-    return ""
-
-
 def software_environment() -> dict:
     import torch
     import transformers
 
     return {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
-            "alloc_conf": _alloc_conf(), "hostname": platform.node()}
+            "alloc_conf": alloc_conf_string(), "hostname": platform.node()}
 
 
 def _probe():
