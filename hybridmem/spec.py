@@ -15,13 +15,18 @@ from hybridmem.parallel.spec import ParallelSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
-Trainable = Literal["full", "llm+projector", "projector", "lora"]
+Trainable = Literal["full", "llm+projector", "projector", "lora", "peft"]
 Attention = Literal["eager", "sdpa", "flash_attention_2"]
+Loop = Literal["trainer", "custom"]
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 TRAINABLES: tuple[str, ...] = get_args(Trainable)
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
+LOOPS: tuple[str, ...] = get_args(Loop)
+"""`trainer`: only the loss outlives the forward (transformers `Trainer.training_step`);
+`custom`: `outputs = model(**batch); outputs.loss.backward()`, the output object (logits
+included) lives through backward (huggingface/peft method_comparison/MetaMathQA/run.py)."""
 
 # LoRA on every LLM linear layer except lm_head, as the LLaVA-1.5 finetune_lora recipe does
 # (haotian-liu/LLaVA `llava/train/train.py::find_all_linear_names`).
@@ -59,6 +64,13 @@ class LoraSpec:
     """Module-name suffixes that get adapters (PEFT `target_modules`)."""
     dropout: float = 0.0
     """LoRA dropout; > 0 saves a dropout mask and the dropped input per adapted layer."""
+    use_dora: bool = False
+    """DoRA (PEFT `use_dora`): a trainable magnitude vector per adapted layer and the weight
+    norm computed in every forward."""
+    use_rslora: bool = False
+    """rsLoRA scaling alpha / sqrt(r); changes no memory, kept for the record."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained in full next to the adapters (PEFT `modules_to_save`: a trainable copy)."""
 
     def __post_init__(self) -> None:
         _check_positive("lora.r", self.r)
@@ -99,6 +111,15 @@ class TrainingSpec:
     """Attention implementation (`attn_implementation` in transformers)."""
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     """Data parallelism; the default is one GPU."""
+    loop: Loop = "trainer"
+    """What outlives the forward: `trainer` (the loss only) or `custom` (the whole output)."""
+    max_grad_norm: float = 0.0
+    """`clip_grad_norm_(max_norm)` before the step (foreach norms); 0 = no clipping."""
+    grad_accum: int = 1
+    """Micro-steps whose gradients accumulate before one optimizer step."""
+    peft_config: str | None = None
+    """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
+    `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -126,19 +147,37 @@ class TrainingSpec:
             object.__setattr__(self, "lora", LoraSpec())
         if self.train != "lora" and self.lora is not None:
             raise SpecError("lora", "set", reason=f"LoRA settings need train='lora', not {self.train!r}")
+        _check_choice("loop", self.loop, LOOPS)
+        if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) \
+                or not self.max_grad_norm >= 0:
+            raise SpecError("max_grad_norm", self.max_grad_norm, reason="must be >= 0 (0 = off)")
+        _check_positive("grad_accum", self.grad_accum)
+        if self.train == "peft" and not self.peft_config:
+            raise SpecError("peft_config", self.peft_config,
+                            reason="train='peft' needs a PEFT adapter config (--peft-config FILE)")
+        if self.train != "peft" and self.peft_config is not None:
+            raise SpecError("peft_config", "set",
+                            reason=f"a non-LoRA PEFT config needs train='peft', not {self.train!r}")
 
     def with_(self, **changes: object) -> "TrainingSpec":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        """Plain, JSON-ready dict (nested specs as dicts, tuples as lists)."""
+        """Plain, JSON-ready dict (nested specs as dicts, tuples as lists).
+
+        Fields added after the dataset's first rows (`ADDED_DEFAULTS`) are left out while at
+        their default, so a spec that does not use them keeps its `spec_hash` and `--resume`
+        does not measure it again."""
         out: dict = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (LoraSpec, ParallelSpec)):
                 v = {g.name: (list(x) if isinstance(x := getattr(v, g.name), tuple) else x)
-                     for g in fields(v)}
+                     for g in fields(v)
+                     if not (g.name in ADDED_DEFAULTS and getattr(v, g.name) == ADDED_DEFAULTS[g.name])}
+            elif f.name in ADDED_DEFAULTS and v == ADDED_DEFAULTS[f.name]:
+                continue
             out[f.name] = v
         return out
 
@@ -152,12 +191,20 @@ class TrainingSpec:
         data = dict(data)
         if isinstance(data.get("lora"), dict):
             lora = dict(data["lora"])
-            if "targets" in lora:
-                lora["targets"] = tuple(lora["targets"])
+            for key in ("targets", "modules_to_save"):
+                if key in lora:
+                    lora[key] = tuple(lora[key])
             data["lora"] = LoraSpec(**lora)
         if isinstance(data.get("parallel"), dict):
             data["parallel"] = ParallelSpec(**data["parallel"])
         return cls(**data)
+
+
+# Spec and LoRA fields added after the first dataset rows, with their defaults (see `to_dict`).
+ADDED_DEFAULTS: dict[str, object] = {
+    "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1, "peft_config": None,
+    "use_dora": False, "use_rslora": False, "modules_to_save": (),
+}
 
 
 # dtype of parameters / grads / optimizer state per precision policy, in bytes.

@@ -49,6 +49,10 @@ def predict_command(
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 16)."),
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="Comma-separated module names (default: all LLM linear layers)."),
     attn: Optional[str] = typer.Option(None, "--attn", help="eager, sdpa (default), flash_attention_2."),
+    peft_config: Optional[str] = typer.Option(None, "--peft-config", help="PEFT adapter_config.json (LoRA/DoRA: analytic; any other method: trace)."),
+    loop: Optional[str] = typer.Option(None, "--loop", help="trainer (default: only the loss outlives the forward) or custom (outputs live through backward)."),
+    max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="clip_grad_norm_ before the step; 0 = off (default; Trainer files: 1.0)."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-steps accumulated per optimizer step (default 1)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="llava-1.5-pretrain, llava-1.5-finetune, llava-1.5-finetune-lora (official LLaVA-1.5 scripts)."),
     deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="DeepSpeed config JSON ('auto' resolved as transformers does)."),
     training_args: Optional[str] = typer.Option(None, "--training-args", help="HF TrainingArguments fields as JSON."),
@@ -78,7 +82,9 @@ def predict_command(
                          images_per_sample=images_per_sample, image_size=image_size,
                          precision=precision, optimizer=optimizer, grad_ckpt=grad_ckpt,
                          train=train, lora_r=lora_r, lora_alpha=lora_alpha,
-                         lora_targets=lora_targets, attn=attn, world_size=world_size,
+                         lora_targets=lora_targets, attn=attn, peft_config=peft_config,
+                         loop=loop, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
+                         world_size=world_size,
                          strategy=strategy, zero_stage=zero_stage,
                          offload_optimizer=offload_optimizer, offload_param=offload_param)
     target = resolve_gpu(gpu, gpu_mem)

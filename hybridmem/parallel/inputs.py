@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 
+from hybridmem.adapters import spec_fields
 from hybridmem.errors import SpecError
 from hybridmem.models.loader import read_json_object
 from hybridmem.parallel.recipes import RECIPES
@@ -52,7 +54,9 @@ FSDP_OPTIONS: dict[str, dict] = {
     "auto_wrap": {},
 }
 SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
-             "optimizer", "grad_ckpt", "train", "attn")
+             "optimizer", "grad_ckpt", "train", "attn", "loop", "max_grad_norm", "grad_accum")
+# TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
+HF_DEFAULT_MAX_GRAD_NORM = 1.0
 LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
 
 
@@ -68,6 +72,14 @@ def _count(field: str, value: object) -> int:
             or int(value) != value:
         raise SpecError(field, value, reason="must be a non-negative whole number")
     return int(value)
+
+
+def _norm(field: str, value: object) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise SpecError(field, value, reason="must be a number >= 0 (0 = no clipping)")
+    return float(value)
 
 
 def _flag(field: str, value: object) -> bool:
@@ -123,6 +135,14 @@ def from_training_args(source: str | os.PathLike | dict) -> dict:
         spec["optimizer"] = HF_OPTIMS[optim]
     if "model_max_length" in args:
         spec["seq_len"] = args["model_max_length"]
+    # a TrainingArguments file describes a Trainer run: only the loss outlives the forward,
+    # gradients clipped at max_grad_norm (0 = off, as Trainer reads it) and accumulated
+    spec["loop"] = "trainer"
+    spec["max_grad_norm"] = _norm("training_args.max_grad_norm",
+                                  args.get("max_grad_norm", HF_DEFAULT_MAX_GRAD_NORM))
+    if "gradient_accumulation_steps" in args:
+        spec["grad_accum"] = _count("training_args.gradient_accumulation_steps",
+                                    args["gradient_accumulation_steps"])
     if "attn_implementation" in args:
         spec["attn"] = args["attn_implementation"]
     if args.get("tune_mm_mlp_adapter"):
@@ -263,8 +283,18 @@ def _world_size_from_batch(cfg: dict, micro: int, hf: dict) -> int | None:
 def _layer_overrides(overrides: dict) -> dict:
     spec, parallel, lora = {}, {}, {}
     pfields = set(ParallelSpec.__dataclass_fields__)
+    if overrides.get("peft_config") is not None:  # first, so --lora-* flags refine it
+        adapter = spec_fields(overrides["peft_config"])
+        if overrides.get("train") not in (None, adapter["train"]):
+            raise SpecError("train", overrides["train"], [adapter["train"]],
+                            reason="--peft-config sets the trained parameters")
+        spec["train"] = adapter["train"]
+        if adapter["train"] == "lora":
+            lora.update({f.name: getattr(adapter["lora"], f.name) for f in fields(LoraSpec)})
+        else:
+            spec["peft_config"] = adapter["peft_config"]
     for key, value in overrides.items():
-        if value is None:
+        if value is None or key == "peft_config":
             continue
         if key in SPEC_KEYS:
             spec[key] = value
@@ -280,7 +310,8 @@ def _layer_overrides(overrides: dict) -> dict:
         elif key in pfields:
             parallel[key] = value
         else:
-            raise SpecError("overrides", key, sorted((*SPEC_KEYS, *LORA_KEYS, "zero_stage", *pfields)))
+            raise SpecError("overrides", key, sorted((*SPEC_KEYS, *LORA_KEYS, "zero_stage",
+                                                      "peft_config", *pfields)))
     return {"spec": spec, "parallel": parallel, "lora": lora}
 
 

@@ -1,0 +1,103 @@
+"""A PEFT `adapter_config.json` -> the spec fields that price it.
+
+LoRA and DoRA configs the analytic tier can price exactly become `train='lora'` with a
+`LoraSpec`; every other method (and LoRA with per-layer patterns the closed forms do not
+model) becomes `train='peft'` with the config kept whole, for the trace tier to build with
+`peft.get_peft_model`. Read at the boundary: a malformed file is a one-line `SpecError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hybridmem.errors import SpecError
+from hybridmem.spec import DEFAULT_LORA_TARGETS, LoraSpec
+
+# PEFT's `target_modules="all-linear"`: every Linear but the output layer
+# (peft/tuners/tuners_utils.py `_maybe_include_all_linear_layers`), which for the decoders we
+# price is exactly LLaVA's `find_all_linear_names` list.
+ALL_LINEAR = "all-linear"
+# LoRA config keys that change which layers get which rank: when set, the closed forms (one
+# r for every target) do not describe the model, so the trace tier prices it.
+PER_LAYER_KEYS = ("rank_pattern", "alpha_pattern", "layers_to_transform", "layer_replication",
+                  "exclude_modules")
+# LoRA keys with a memory effect the analytic tier does not model; set -> trace tier.
+UNMODELLED_LORA = {"use_qalora": True, "lora_bias": True, "bias": ("all", "lora_only")}
+
+
+def read_adapter_config(source: str | os.PathLike | dict) -> dict:
+    """The JSON object of an adapter_config.json (a file, its folder, or the dict itself)."""
+    if isinstance(source, dict):
+        cfg = source
+    else:
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            path = os.path.join(path, "adapter_config.json")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                cfg = json.load(fh)
+        except FileNotFoundError:
+            raise SpecError("peft_config", os.fspath(source), reason="no such file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise SpecError("peft_config", os.fspath(source),
+                            reason=f"is not valid JSON ({err})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("peft_type"), str):
+        raise SpecError("peft_config.peft_type", cfg.get("peft_type") if isinstance(cfg, dict)
+                        else cfg, reason="an adapter_config.json names its method in peft_type")
+    return cfg
+
+
+def canonical(cfg: dict) -> str:
+    """The config as one canonical JSON string (a frozen spec field, hashable, stable)."""
+    return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
+
+
+def _targets(value: object) -> tuple[str, ...] | None:
+    """LoRA target names as suffixes, or None when they need PEFT's own matching (a regex)."""
+    if value is None or value == ALL_LINEAR:
+        return DEFAULT_LORA_TARGETS
+    if isinstance(value, str):
+        return None  # a regex, matched with re.fullmatch by PEFT
+    if isinstance(value, (list, tuple)) and value and all(isinstance(t, str) for t in value):
+        return tuple(sorted(value))
+    raise SpecError("peft_config.target_modules", value,
+                    reason="must be a list of module names, 'all-linear' or a regex string")
+
+
+def _analytic_lora(cfg: dict) -> bool:
+    if any(cfg.get(k) for k in PER_LAYER_KEYS):
+        return False
+    for key, bad in UNMODELLED_LORA.items():
+        value = cfg.get(key)
+        if (value in bad) if isinstance(bad, tuple) else value == bad:
+            return False
+    return _targets(cfg.get("target_modules")) is not None
+
+
+def spec_fields(source: str | os.PathLike | dict) -> dict:
+    """TrainingSpec keyword arguments (`train` plus `lora` or `peft_config`) for an adapter."""
+    cfg = read_adapter_config(source)
+    if cfg["peft_type"].upper() == "LORA" and _analytic_lora(cfg):
+        try:
+            lora = LoraSpec(
+                r=cfg.get("r", 8), alpha=float(cfg.get("lora_alpha", 8)),
+                targets=_targets(cfg.get("target_modules")),
+                dropout=float(cfg.get("lora_dropout", 0.0)),
+                use_dora=bool(cfg.get("use_dora", False)),
+                use_rslora=bool(cfg.get("use_rslora", False)),
+                modules_to_save=tuple(cfg.get("modules_to_save") or ()))
+        except SpecError as err:
+            raise SpecError(f"peft_config.{err.field.removeprefix('lora.')}", err.value,
+                            err.choices, err.reason) from None
+        return {"train": "lora", "lora": lora}
+    return {"train": "peft", "peft_config": canonical(cfg)}
+
+
+def peft_type(spec) -> str | None:
+    """The PEFT method a spec trains (LORA, DORA, IA3, ...), None for no adapter."""
+    if spec.train == "lora":
+        return "DORA" if spec.lora.use_dora else "LORA"
+    if spec.train == "peft":
+        return str(json.loads(spec.peft_config)["peft_type"]).upper()
+    return None
