@@ -101,3 +101,16 @@ def peft_type(spec) -> str | None:
     if spec.train == "peft":
         return str(json.loads(spec.peft_config)["peft_type"]).upper()
     return None
+
+
+GROUPS: tuple[str, ...] = ("full", "lora", "dora", "other-peft", "partial")
+"""How accuracy is reported (issue 10): full fine-tuning, LoRA, DoRA, any other PEFT method,
+and partial training of a multimodal model (LLaVA's projector / llm+projector stages)."""
+
+
+def job_group(spec) -> str:
+    """The `GROUPS` entry a spec belongs to."""
+    kind = peft_type(spec)
+    if kind is None:
+        return "full" if spec.train == "full" else "partial"
+    return {"LORA": "lora", "DORA": "dora"}.get(kind, "other-peft")

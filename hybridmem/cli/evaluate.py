@@ -41,23 +41,82 @@ def print_notes(notes: list[str]) -> None:
         typer.echo(f"note: {note}")
 
 
+GROUP_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("n", "rows"), ("median_signed", "median err%"), ("median_ape", "med |err|%"),
+    ("p95_ape", "P95 |err|%"), ("max_ape", "max |err|%"), ("within_3pct", "<=3%"),
+    ("under_share", "under"),
+)
+FIGURE_TITLES = {"reserved": "reserved peak (caching allocator)", "device": "device peak",
+                 "after_step": "allocated right after optimizer.step()"}
+
+
+def group_tables(table):
+    """One rich Table per figure: tier x group rows, signed/absolute error columns."""
+    from rich.table import Table
+
+    out = []
+    for figure, part in table.groupby("figure", sort=False):
+        t = Table(title=f"{FIGURE_TITLES.get(figure, figure)}: error vs real GPUs",
+                  caption="err = (predicted - measured) / measured; under: share predicted "
+                          "below measured; hybrid is held out (grouped CV)")
+        t.add_column("tier")
+        t.add_column("group")
+        for _, header in GROUP_COLUMNS:
+            t.add_column(header, justify="right")
+        for rec in part.to_dict("records"):
+            cells = [f"{int(rec[k])}" if k == "n" else
+                     f"{rec[k]:.0%}" if k in ("within_3pct", "under_share") else f"{rec[k]:+.2f}"
+                     if k == "median_signed" else f"{rec[k]:.2f}" for k, _ in GROUP_COLUMNS]
+            t.add_row(rec["tier"], rec["group"], *cells)
+        out.append(t)
+    return out
+
+
 def evaluate_command(
-    data: str = typer.Option(..., "--data", help="Dataset (parquet file or folder) from `hybridmem collect`."),
+    data: str = typer.Option(..., "--data", help="Dataset (parquet file or folder) from `hybridmem collect` or `hybridmem import`."),
     model: Optional[list[str]] = typer.Option(None, "--model", help="Registry entry (folder) to score; repeat to compare A and B."),
-    target: str = typer.Option("device", "--target", help="device or reserved peak."),
-    folds: int = typer.Option(5, "--folds", help="GroupKFold splits (by model shape) without --model."),
+    target: Optional[str] = typer.Option(None, "--target", help="device or reserved peak (default: device if measured, else reserved)."),
+    folds: int = typer.Option(5, "--folds", help="GroupKFold splits (by model shape, or by configuration when all rows share one model) without --model."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Save the predicted-vs-measured plot to FILE (PNG/SVG/PDF)."),
     with_trace: bool = typer.Option(False, "--trace-features", help="Cross-validate with the trace-peak features (as train --trace-features)."),
+    tiers: str = typer.Option("analytic,trace", "--tiers", help="Tiers priced per row for the by-group table (trace answers are cached; '' = none)."),
+    errors_csv: Optional[str] = typer.Option(None, "--errors-csv", help="Write every row's signed error per tier and figure to FILE."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Re-price every row with the trace tier instead of reading the cache."),
 ) -> None:
-    """Errors on held-out model shapes: analytic vs trace vs hybrid, or model A vs model B."""
+    """Errors against measured rows: analytic vs trace vs hybrid by group and figure, or model A vs B."""
     from rich.console import Console
 
-    from hybridmem.learned.compare import compare
+    from hybridmem.errors import SpecError
+    from hybridmem.learned.compare import compare, default_target, tier_accuracy
 
-    result = compare(data, models=model or (), target=target, n_splits=folds, plot=plot,
-                     with_trace=with_trace)
-    Console().print(metrics_table(result.table, f"{target} peak, held-out model shapes"))
+    if target is not None and target not in ("device", "reserved"):
+        raise SpecError("target", target, ("device", "reserved"))
+    console = Console()
+    target = target or default_target(data)
+    if model:
+        result = compare(data, models=model, target=target, n_splits=folds, plot=plot,
+                         with_trace=with_trace)
+        console.print(metrics_table(result.table, f"{target} peak, held-out rows"))
+        print_notes(result.notes)
+        if plot:
+            typer.echo(f"plot: {plot}")
+        return
+    result = compare(data, target=target, n_splits=folds, plot=plot, with_trace=with_trace)
+    console.print(metrics_table(result.table, f"{target} peak, held-out groups"))
     print_notes(result.notes)
+    names = tuple(t.strip() for t in tiers.split(",") if t.strip())
+
+    def progress(tier: str, i: int, n: int, name: str) -> None:
+        typer.echo(f"  {tier}: pricing spec {i}/{n} ({name})", err=True)
+
+    acc = tier_accuracy(data, tiers=names, n_splits=folds, use_cache=not no_cache,
+                        progress=progress)
+    for t in group_tables(acc.table):
+        console.print(t)
+    print_notes(acc.notes)
+    if errors_csv:
+        acc.errors.to_csv(errors_csv, index=False)
+        typer.echo(f"errors: {errors_csv}")
     if plot:
         typer.echo(f"plot: {plot}")
 

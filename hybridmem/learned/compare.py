@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from hybridmem.errors import SpecError
@@ -18,7 +19,8 @@ from hybridmem.learned import dataset, registry
 from hybridmem.learned.evaluate import (METHODS, cross_validate, evaluate_fitted,
                                         plot_predictions)
 from hybridmem.learned.features import BaseFn
-from hybridmem.learned.train import build_oom_table, build_table_for, pick_sources
+from hybridmem.learned.train import (build_oom_table, build_table_for, is_calibrated,
+                                     pick_sources)
 
 
 @dataclass
@@ -67,8 +69,8 @@ def compare(data: str | Path, *, models: list[str] | tuple[str, ...] = (), targe
         with_trace |= bool(registry.read_metadata(name).get("trace_features"))
     df = dataset.load(data)
     sources = pick_sources(df)
-    table = build_table_for(df, sources, base_fn, with_trace)
-    notes = [] if sources == ("cuda",) else [
+    table = build_table_for(df, sources, base_fn, with_trace, (target,))
+    notes = [] if is_calibrated(sources) else [
         f"rows are {'/'.join(sources)} output, not real CUDA measurements: "
         "errors are against a simulation, not a GPU"]
     if models:
@@ -80,8 +82,78 @@ def compare(data: str | Path, *, models: list[str] | tuple[str, ...] = (), targe
         ev = cross_validate(table, df, target, n_splits, estimator_params,
                             build_oom_table(df, sources, base_fn, with_trace))
         result, pred, methods = ev.table, ev.predictions, METHODS
-        notes.append(f"{len(pred)} held-out rows, {pred['group'].nunique()} model shapes, "
-                     f"{pred['fold'].nunique()} folds (GroupKFold by model shape)")
+        kind = table.group_kind
+        notes.append(f"{len(pred)} held-out rows, {pred['group'].nunique()} {kind}s, "
+                     f"{pred['fold'].nunique()} folds (GroupKFold by {kind})")
     if plot:
         plot_predictions(pred, plot, f"{target} peak, held-out model shapes", methods)
     return Comparison(table=result, predictions=pred, target=target, notes=notes, plot_path=plot)
+
+
+def default_target(data: str | Path) -> str:
+    """The device peak when the dataset's target rows measured it, else the reserved peak."""
+    df = dataset.load(data)
+    measured = dataset.measured_targets(df[df["source"].isin(pick_sources(df))])
+    return "device" if "device" in measured or not measured else measured[0]
+
+
+def hybrid_held_out(rows: pd.DataFrame, df: pd.DataFrame, n_splits: int,
+                    base_fn: BaseFn | None = None) -> tuple[pd.DataFrame, list[str]]:
+    """The hybrid tier's held-out prediction of each row (`_row`-aligned with `rows`): for each
+    measured target, a residual cross-validated by group never sees the row it predicts."""
+    from hybridmem.learned.features import build_table
+    from hybridmem.learned.tier_rows import nan_rows
+
+    out = nan_rows(len(rows))
+    notes = []
+    for target in dataset.measured_targets(rows):
+        try:
+            table = build_table(dataset.usable_rows(rows, None, (target,)), base_fn)
+        except SpecError as err:
+            notes.append(f"hybrid {target}: {err}")
+            continue
+        if len(set(table.groups)) < 2:
+            notes.append(f"hybrid {target}: only one {table.group_kind}, nothing to hold out")
+            continue
+        ev = cross_validate(table, df, target, n_splits)
+        out.loc[ev.predictions["_row"].to_numpy(), target] = ev.predictions["hybrid"].to_numpy()
+        notes.append(f"hybrid {target}: {len(ev.predictions)} rows held out, GroupKFold by "
+                     f"{table.group_kind} ({ev.predictions['fold'].nunique()} folds); "
+                     f"{len(table.dropped)} spec(s) without an analytic base are not covered")
+    return out, notes
+
+
+def tier_accuracy(data: str | Path, *, tiers: tuple[str, ...] = ("analytic", "trace"),
+                  hybrid: bool = True, n_splits: int = 5, use_cache: bool = True,
+                  progress=None):
+    """`accuracy.Accuracy` of each tier (and the held-out hybrid) on the real-GPU rows of `data`
+    (the rows of the dataset's target source when it has none)."""
+    from hybridmem.learned.accuracy import accuracy
+    from hybridmem.learned.tier_rows import tier_rows
+    from hybridmem.predict import METHODS
+
+    for tier in tiers:
+        if tier not in METHODS or tier == "hybrid":
+            raise SpecError("tiers", tier, [m for m in METHODS if m != "hybrid"])
+    df = dataset.load(data)
+    sources = pick_sources(df)
+    rows = df[df["source"].isin(sources) & (df["outcome"] == "ok")].reset_index(drop=True)
+    if rows.empty:
+        raise SpecError("data", str(data), reason=f"no ok row among sources {list(sources)}")
+    rows = rows.assign(_row=np.arange(len(rows)))
+    preds = {t: tier_rows(rows, t, use_cache=use_cache,
+                          progress=(lambda i, n, m, t=t: progress(t, i, n, m)) if progress else None)
+             for t in tiers}
+    notes = [] if is_calibrated(sources) else [
+        f"rows are {'/'.join(sources)} output, not real GPU measurements"]
+    for t, p in preds.items():
+        failed = p["error"] != ""
+        if failed.any():
+            first = p.loc[failed, "error"].iloc[0]
+            notes.append(f"{t}: {int(failed.sum())} row(s) not priced, e.g. {first}")
+    if hybrid:
+        preds["hybrid"], more = hybrid_held_out(rows, df, n_splits)
+        notes += more
+    result = accuracy(rows, preds)
+    result.notes = notes + result.notes
+    return result

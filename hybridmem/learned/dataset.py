@@ -13,8 +13,12 @@ from pathlib import Path
 import pandas as pd
 
 from hybridmem.errors import SpecError
-# the contract's source/outcome values (owned by the harness); only "cuda" rows are GPU measurements
+# the contract's source/outcome values (owned by the harness)
 from hybridmem.harness.schema import OUTCOMES, SOURCES
+
+REAL_SOURCES: tuple[str, ...] = ("cuda", "published")
+"""Sources whose peaks come from a real GPU: our own `collect --backend cuda` runs and published
+real runs of other projects (`hybridmem import`). Tier rows (trace, analytic) never count."""
 
 # Kinds: "int" integer (nullable allowed), "num" int or float (targets: nullable int64 may come
 # back as float when a reader fills nulls), "str" text, "bool" boolean.
@@ -112,13 +116,27 @@ def validate(df: pd.DataFrame, name: str = "dataset") -> pd.DataFrame:
     return df
 
 
-def usable_rows(df: pd.DataFrame, sources: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """Rows with a measured peak (outcome ok, targets present), optionally of some sources.
+def measured_targets(df: pd.DataFrame) -> tuple[str, ...]:
+    """The targets (`TARGET_COLUMNS` keys) that some ok row of `df` measured.
+
+    A published row may carry only the reserved peak (the caching allocator's figure, no
+    nvidia-smi reading): a model trained on such rows has a reserved residual only."""
+    ok = df[df["outcome"] == "ok"]
+    return tuple(t for t, col in TARGET_COLUMNS.items()
+                 if col in ok and (pd.to_numeric(ok[col], errors="coerce") > 0).any())
+
+
+def usable_rows(df: pd.DataFrame, sources: tuple[str, ...] | None = None,
+                targets: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """Rows with a measured peak (outcome ok, `targets` present, default all), optionally of
+    some sources.
 
     OOM and error rows carry no peak; they are kept out of fitting (see `evaluate` for OOMs).
     """
-    keep = (df["outcome"] == "ok") & df[list(TARGET_COLUMNS.values()) + ["peak_allocated_bytes"]].notna().all(axis=1)
-    keep &= (df["peak_device_bytes"] > 0) & (df["peak_reserved_bytes"] > 0)
+    columns = [TARGET_COLUMNS[t] for t in (targets or TARGET_COLUMNS)]
+    keep = (df["outcome"] == "ok") & df[columns].notna().all(axis=1)
+    for col in columns:
+        keep &= pd.to_numeric(df[col], errors="coerce") > 0
     if sources is not None:
         keep &= df["source"].isin(sources)
     out = df[keep].reset_index(drop=True)
@@ -141,6 +159,36 @@ def dataset_hash(df: pd.DataFrame) -> str:
     digest.update(",".join(cols).encode())
     digest.update(pd.util.hash_pandas_object(ordered, index=False).values.tobytes())
     return digest.hexdigest()
+
+
+def config_groups(rows: pd.DataFrame) -> list[str]:
+    """One group per configuration for cross-validation, when every row has the same model.
+
+    Rows are joined when they share an `experiment` (a published experiment re-run on another
+    torch or date) or a `spec_hash` (the same job under two experiment names): the connected
+    components, so one config is never in the training and the test fold at once."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    experiments = rows["experiment"] if "experiment" in rows else pd.Series([""] * len(rows))
+    keys = []
+    for spec, exp in zip(rows["spec_hash"].astype(str), experiments.fillna("").astype(str)):
+        a = find("s:" + spec)
+        if exp:
+            b = find("e:" + exp)
+            parent[b] = a
+        keys.append("s:" + spec)
+    roots = {k: find(k) for k in keys}
+    # a component is named by its smallest spec hash: stable for the same rows in any order
+    names: dict[str, str] = {}
+    for k in keys:
+        names[roots[k]] = min(names.get(roots[k], k), k)
+    return ["config-" + names[roots[k]][2:14] for k in keys]
 
 
 def shape_group(model_config: str) -> str:

@@ -49,7 +49,8 @@ def held_out_predictions(table: FeatureTable, trace: np.ndarray, est, target: st
     measured peak, analytic base, trace baseline, `est`'s expected peak and its upper bound."""
     base = (table.base_device if target == "device" else table.base_reserved)[rows]
     X = table.X.iloc[rows]
-    return pd.DataFrame({
+    extra = {"_row": table.rows["_row"].to_numpy()[rows]} if "_row" in table.rows else {}
+    return pd.DataFrame({**extra,
         "fold": fold, "group": groups[rows], "model_name": table.rows["model_name"].to_numpy()[rows],
         "measured": table.rows[TARGET_COLUMNS[target]].to_numpy(float)[rows],
         "analytic": base, "trace": trace[rows],

@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from hybridmem.categories import CATEGORIES
-from hybridmem.learned.dataset import shape_group
+from hybridmem.learned.dataset import config_groups, shape_group
+from hybridmem.adapters import peft_type
 from hybridmem.errors import SpecError
 from hybridmem.prediction import Prediction
 from hybridmem.spec import TrainingSpec
@@ -25,12 +26,18 @@ from hybridmem.spec import TrainingSpec
 BaseFn = Callable[[TrainingSpec], Prediction]
 
 CATEGORICAL: tuple[str, ...] = ("precision", "optimizer", "train", "attn", "strategy",
-                                "base_phase", "gpu_name")
+                                "base_phase", "gpu_name", "loop", "peft_type")
 """Features encoded as categories (codes learned at fit time; unseen values become missing)."""
 
 RANGE_FEATURES: tuple[str, ...] = ("micro_batch", "seq_len", "image_tokens", "params_total",
                                    "params_trainable", "hidden_size", "num_layers", "base_device_gib")
 """Main features whose training ranges go into the registry metadata (predict warns outside)."""
+
+NEIGHBOUR_FEATURES: tuple[str, ...] = ("micro_batch", "seq_len", "image_tokens", "precision",
+                                       "optimizer", "train", "lora_r", "peft_type", "grad_ckpt",
+                                       "loop", "world_size", "strategy", "num_layers",
+                                       "hidden_size")
+"""What a user's spec is compared on with the training rows (`predictor.nearest`)."""
 
 
 def analytic_base(spec: TrainingSpec) -> Prediction:
@@ -104,6 +111,10 @@ def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
         "attn": spec.attn,
         "grad_ckpt": int(spec.grad_ckpt),
         "lora_r": spec.lora.r if spec.lora is not None else 0,
+        "peft_type": peft_type(spec) or "none",
+        "loop": spec.loop,
+        "max_grad_norm": spec.max_grad_norm,
+        "grad_accum": spec.grad_accum,
         "world_size": spec.parallel.world_size,
         "strategy": spec.parallel.strategy,
     }
@@ -195,8 +206,19 @@ class FeatureTable:
 
     @property
     def groups(self) -> np.ndarray:
-        """Model-shape group of each row (`dataset.shape_group`), the unit held out in evaluation."""
-        return self.rows["model_config"].map(shape_group).to_numpy()
+        """The unit held out in evaluation: each row's model shape (`dataset.shape_group`), or,
+        when every row has the same model (the published benchmarks), its configuration
+        (`dataset.config_groups`: experiment and spec joined)."""
+        shapes = self.rows["model_config"].map(shape_group)
+        if shapes.nunique() >= 2:
+            return shapes.to_numpy()
+        return np.array(config_groups(self.rows))
+
+    @property
+    def group_kind(self) -> str:
+        """What `groups` holds: "model shape" or "configuration"."""
+        return ("model shape" if self.rows["model_config"].map(shape_group).nunique() >= 2
+                else "configuration")
 
     def target(self, name: str) -> np.ndarray:
         """log(measured / base) for `name` in ("device", "reserved")."""

@@ -1,8 +1,10 @@
 """`hybridmem train`: dataset -> features -> held-out CV -> fit -> registry entry + MLflow run.
 
-Only real CUDA rows calibrate a model to GPUs. If the dataset has any "cuda" rows, only those
-are used (a model never mixes simulated and measured targets); otherwise the trace rows (else
-the analytic rows) are used and the entry says `calibrated_to_gpu: false`, which `predict` repeats loudly.
+Only real-GPU rows calibrate a model to GPUs: our own `cuda` measurements and `published` real
+runs of other projects (`dataset.REAL_SOURCES`). If the dataset has any, only those are used (a
+model never mixes simulated and measured targets); otherwise the trace rows (else the analytic
+rows) are used and the entry says `calibrated_to_gpu: false`, which `predict` repeats loudly.
+A target that no real row measured (published rows have no device figure) is not trained.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pandas as pd
 from hybridmem.errors import SpecError
 from hybridmem.learned import dataset, registry
 from hybridmem.learned.evaluate import Evaluation, cross_validate, plot_predictions
-from hybridmem.learned.features import RANGE_FEATURES, BaseFn, FeatureTable
+from hybridmem.learned.features import NEIGHBOUR_FEATURES, RANGE_FEATURES, BaseFn, FeatureTable
 from hybridmem.tracking import start_run
 
 TARGET_CHOICES: tuple[str, ...] = ("device", "reserved", "both")
@@ -36,12 +38,64 @@ class TrainResult:
 
 
 def pick_sources(df: pd.DataFrame) -> tuple[str, ...]:
-    """The one source whose rows are targets: "cuda" if any, else "trace", else "analytic".
+    """The sources whose rows are targets: the real-GPU ones present (cuda, published) if any,
+    else "trace", else "analytic".
 
-    Sources are never mixed: a simulated peak is not a noisy measurement of a real one.
+    Real and simulated sources are never mixed: a simulated peak is not a noisy measurement of
+    a real one.
     """
     present = set(df["source"])
+    real = tuple(s for s in dataset.REAL_SOURCES if s in present)
+    if real:
+        return real
     return next((s,) for s in dataset.SOURCES if s in present)
+
+
+def is_calibrated(sources: tuple[str, ...]) -> bool:
+    """True when every target row came from a real GPU."""
+    return bool(sources) and set(sources) <= set(dataset.REAL_SOURCES)
+
+
+def pick_targets(df: pd.DataFrame, sources: tuple[str, ...], wanted: tuple[str, ...]
+                 ) -> tuple[str, ...]:
+    """The wanted targets that the rows of `sources` measured (a clear error if none)."""
+    measured = dataset.measured_targets(df[df["source"].isin(sources)])
+    targets = tuple(t for t in wanted if t in measured)
+    if not targets:
+        raise SpecError("target", ",".join(wanted), measured or ("none",),
+                        reason=f"no {'/'.join(sources)} row measured it")
+    return targets
+
+
+# What a residual was trained on, beyond the numeric ranges: a spec outside it gets the
+# analytic estimate (the trees never saw that kind of job), with a note.
+DOMAIN_FIELDS: tuple[str, ...] = ("train", "precision", "optimizer", "strategy", "loop")
+
+
+def domain(table: FeatureTable) -> dict[str, list]:
+    """Distinct values of `DOMAIN_FIELDS` and model types over the training rows."""
+    out = {f: sorted({str(v) for v in table.X[f].dropna()}) for f in DOMAIN_FIELDS if f in table.X}
+    out["model_type"] = _distinct(table.rows["model_type"]) if "model_type" in table.rows else []
+    return out
+
+
+def neighbour_rows(table: FeatureTable) -> list[dict]:
+    """The training rows' main spec features (the user's spec is compared with them at
+    predict time: how far it is from what the model saw)."""
+    cols = [c for c in NEIGHBOUR_FEATURES if c in table.X]
+    names = table.rows["experiment"] if "experiment" in table.rows else table.rows["model_name"]
+    out = []
+    for label, (_, x) in zip(names.fillna("").astype(str), table.X[cols].iterrows()):
+        out.append({"label": label, **{c: (x[c].item() if hasattr(x[c], "item") else x[c])
+                                        for c in cols}})
+    unique = {json_key(r): r for r in out}
+    return list(unique.values())
+
+
+def json_key(row: dict) -> str:
+    import json
+
+    return json.dumps({k: v for k, v in row.items() if k != "label"}, sort_keys=True, default=str)
 
 
 def _version(pkg: str) -> str:
@@ -74,7 +128,7 @@ def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ..
         "dataset": {"path": str(data_path), "hash": dataset.dataset_hash(df), "rows": len(df),
                     "rows_used": len(rows), "specs_without_base": len(table.dropped)},
         "sources": list(sources),
-        "calibrated_to_gpu": sources == ("cuda",),
+        "calibrated_to_gpu": is_calibrated(sources),
         "gpu_names": _distinct(rows["gpu_name"]),
         "default_gpu": str(rows["gpu_name"].mode().iloc[0]),
         "gpu_memory_bytes": int(rows["gpu_memory_bytes"].mode().iloc[0]),
@@ -85,6 +139,10 @@ def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ..
         "transformers_versions": _distinct(rows["transformers_version"]),
         "model_names": _distinct(rows["model_name"]),
         "training_groups": sorted(set(table.groups)),
+        "group_kind": table.group_kind,
+        "training_specs": sorted(set(table.rows["spec_hash"].astype(str))),
+        "domain": domain(table),
+        "neighbours": neighbour_rows(table),
         "feature_ranges": _ranges(table.X),
         "metrics": {t: ev.table for t, ev in evaluations.items()},
         "hyperparameters": hyper,
@@ -113,7 +171,7 @@ def _log_run(run, meta: dict, evaluations: dict[str, Evaluation], importances: d
 
 
 def _notes(sources: tuple[str, ...], table: FeatureTable) -> list[str]:
-    notes = [] if sources == ("cuda",) else [
+    notes = [] if is_calibrated(sources) else [
         f"trained on {'/'.join(sources)} rows, not real CUDA measurements: NOT calibrated to GPUs"]
     if table.dropped:
         notes.append(f"{len(table.dropped)} spec(s) had no base estimate and were left out, e.g. "
@@ -147,22 +205,26 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
 
     if target not in TARGET_CHOICES:
         raise SpecError("target", target, TARGET_CHOICES)
-    targets = registry.TARGETS if target == "both" else (target,)
+    wanted = registry.TARGETS if target == "both" else (target,)
     registry.check_out_path(out, force)  # refuse before any work: nothing is overwritten
     df = dataset.load(data)
     sources = pick_sources(df)
-    table = build_table_for(df, sources, base_fn, with_trace)
+    targets = pick_targets(df, sources, wanted)
+    # one table per target: a row joins the targets it measured (published rows: reserved only)
+    tables = {t: build_table_for(df, sources, base_fn, with_trace, (t,)) for t in targets}
+    table = max(tables.values(), key=lambda tb: len(tb.rows))
     notes = _notes(sources, table)
-    groups = table.groups
+    notes += [f"no {'/'.join(sources)} row measured the {t} peak: that residual is not trained"
+              for t in wanted if t not in targets]
     evaluations: dict[str, Evaluation] = {}
-    if len(set(groups)) >= 2:
-        oom = build_oom_table(df, sources, base_fn, with_trace)
-        evaluations = {t: cross_validate(table, df, t, n_splits, estimator_params, oom)
-                       for t in targets}
-    else:
-        notes.append("only one model shape: no held-out evaluation is possible")
-    estimators = {t: ResidualRegressor(**(estimator_params or {})).fit(table.X, table.target(t), groups)
-                  for t in targets}
+    for t, tb in tables.items():
+        if len(set(tb.groups)) >= 2:
+            oom = build_oom_table(df, sources, base_fn, with_trace) if t == "device" else None
+            evaluations[t] = cross_validate(tb, df, t, n_splits, estimator_params, oom)
+        else:
+            notes.append(f"{t} peak: only one {tb.group_kind}; no held-out evaluation is possible")
+    estimators = {t: ResidualRegressor(**(estimator_params or {})).fit(tb.X, tb.target(t), tb.groups)
+                  for t, tb in tables.items()}
     meta = build_metadata(df, table, sources, targets, evaluations,
                           estimators[targets[0]].get_params(), str(data))
     meta.update(notes=notes, trace_features=with_trace)
@@ -183,11 +245,13 @@ def _with_trace(table: FeatureTable, df: pd.DataFrame) -> FeatureTable:
 
 
 def build_table_for(df: pd.DataFrame, sources: tuple[str, ...], base_fn: BaseFn | None,
-                    with_trace: bool = False) -> FeatureTable:
-    """Features of the usable rows of `sources` (plus the trace tier's peaks if asked)."""
+                    with_trace: bool = False, targets: tuple[str, ...] | None = None
+                    ) -> FeatureTable:
+    """Features of the rows of `sources` that measured `targets` (plus the trace tier's peaks
+    if asked)."""
     from hybridmem.learned.features import build_table
 
-    table = build_table(dataset.usable_rows(df, sources), base_fn)
+    table = build_table(dataset.usable_rows(df, sources, targets), base_fn)
     return _with_trace(table, df) if with_trace else table
 
 

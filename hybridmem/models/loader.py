@@ -100,11 +100,15 @@ def load_config(model: str):
     return _config_from_json(json.dumps(data, sort_keys=True))
 
 
+def cache_root() -> Path:
+    """hybridmem's cache folder: `$HYBRIDMEM_CACHE`, else `~/.cache/hybridmem` (safe to delete)."""
+    import os
+    return Path(os.environ.get("HYBRIDMEM_CACHE") or Path.home() / ".cache" / "hybridmem")
+
+
 def config_cache_dir() -> Path:
     """Folder for configs materialised from dataset rows (content-addressed, safe to delete)."""
-    import os
-    root = os.environ.get("HYBRIDMEM_CACHE") or Path.home() / ".cache" / "hybridmem"
-    return Path(root) / "configs"
+    return cache_root() / "configs"
 
 
 def materialize_config(config_json: str) -> str:

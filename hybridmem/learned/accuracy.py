@@ -1,0 +1,97 @@
+"""Accuracy of every tier against real-GPU rows, by job group and by figure.
+
+The report issue 10 asks for: per tier (analytic, trace, hybrid held out), per group (full,
+LoRA, DoRA, other PEFT, partial) and per measured figure (reserved peak, device peak, the
+allocated bytes right after the optimizer step), the error distribution and the share of
+under-predictions (the dangerous side: an under-prediction is an OOM we said would fit).
+Errors are signed, (predicted - measured) / measured, so a bias shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from hybridmem.adapters import GROUPS, job_group
+
+MEASURED: dict[str, str] = {"reserved": "peak_reserved_bytes", "device": "peak_device_bytes",
+                            "after_step": "after_step_allocated_bytes"}
+"""Figure -> dataset column holding its measurement (absent or null where not measured)."""
+TIERS: tuple[str, ...] = ("analytic", "trace")
+
+
+def row_groups(rows: pd.DataFrame) -> list[str]:
+    """`adapters.job_group` of each row's spec ("unreadable" where the spec cannot be rebuilt)."""
+    from hybridmem.errors import SpecError
+    from hybridmem.harness.schema import spec_from_row
+
+    out = []
+    for row in rows.to_dict("records"):
+        try:
+            out.append(job_group(spec_from_row(row)))
+        except (SpecError, ValueError, KeyError, TypeError):
+            out.append("unreadable")
+    return out
+
+
+def signed_errors(predicted, measured) -> np.ndarray:
+    """(predicted - measured) / measured in %, NaN where either is missing."""
+    p = np.asarray(predicted, float)
+    m = np.asarray(measured, float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where((m > 0) & np.isfinite(p), (p - m) / m * 100, np.nan)
+
+
+def summary(err: np.ndarray) -> dict[str, float]:
+    """n, median / P95 / max of |error|, median signed error, under-prediction share."""
+    e = err[np.isfinite(err)]
+    if not len(e):
+        return {"n": 0}
+    a = np.abs(e)
+    return {"n": float(len(e)), "median_ape": float(np.median(a)), "p95_ape": float(np.percentile(a, 95)),
+            "max_ape": float(a.max()), "median_signed": float(np.median(e)),
+            "within_3pct": float(np.mean(a <= 3.0)), "under_share": float(np.mean(e < 0))}
+
+
+@dataclass
+class Accuracy:
+    """Signed errors per row and the summary table."""
+
+    errors: pd.DataFrame
+    """One row per (dataset row, tier, figure): group, experiment, measured, predicted, error_pct."""
+    table: pd.DataFrame
+    """One row per (figure, tier, group) with `summary`'s columns; group "all" over every row."""
+    notes: list[str] = field(default_factory=list)
+
+
+def accuracy(rows: pd.DataFrame, predictions: dict[str, pd.DataFrame]) -> Accuracy:
+    """Errors of each tier's `predictions` (name -> a frame aligned with `rows`, one column per
+    figure as `tier_rows.FIGURES`) against the figures `rows` measured."""
+    groups = row_groups(rows)
+    label = rows["experiment"] if "experiment" in rows else rows["model_name"]
+    long = []
+    for figure, column in MEASURED.items():
+        if column not in rows or not pd.to_numeric(rows[column], errors="coerce").notna().any():
+            continue
+        measured = pd.to_numeric(rows[column], errors="coerce").to_numpy(float)
+        for tier, pred in predictions.items():
+            if figure not in pred:
+                continue
+            err = signed_errors(pred[figure], measured)
+            long.append(pd.DataFrame({
+                "figure": figure, "tier": tier, "group": groups, "experiment": label.to_numpy(),
+                "torch_version": rows["torch_version"].to_numpy(),
+                "measured": measured, "predicted": pred[figure].to_numpy(float), "error_pct": err}))
+    errors = pd.concat(long, ignore_index=True) if long else pd.DataFrame(
+        columns=["figure", "tier", "group", "experiment", "measured", "predicted", "error_pct"])
+    lines = []
+    order = [g for g in (*GROUPS, "unreadable") if g in set(groups)]
+    for (figure, tier), part in errors.groupby(["figure", "tier"], sort=False):
+        for group in ("all", *order):
+            sel = part if group == "all" else part[part["group"] == group]
+            stats = summary(sel["error_pct"].to_numpy(float))
+            if stats["n"]:
+                lines.append({"figure": figure, "tier": tier, "group": group, **stats})
+    return Accuracy(errors=errors, table=pd.DataFrame(lines))
