@@ -220,7 +220,7 @@ def test_hybrid_falls_back_to_analytic_when_no_model():
     spec = TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=64)
     pred = estimate(spec)
     assert pred.peak == toy_base(spec).peak and pred.extras["residual_model"] is None
-    assert any("no trained residual model fits" in n for n in pred.notes)
+    assert any("no trained residual model applies" in n for n in pred.notes)
 
 
 def test_hybrid_applies_model_and_warns(data_file, tmp_path):

@@ -64,7 +64,7 @@ def predict_command(
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU from the catalogue, e.g. h100-80gb, a100-40gb, h200."),
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB (instead of --gpu)."),
     find_max_batch: bool = typer.Option(False, "--find-max-batch", help="Search the largest micro-batch that fits the GPU."),
-    method: Optional[str] = typer.Option(None, "--method", help="analytic, trace or hybrid (default: hybrid when a GPU-calibrated model in models/ fits this environment, else analytic)."),
+    method: Optional[str] = typer.Option(None, "--method", help="analytic, trace or hybrid (default: hybrid when a GPU-calibrated model in models/ was trained on this torch, else analytic; trace for PEFT methods only it can price)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Save a stacked bar chart (PNG/SVG/PDF) to FILE."),
     timeline: Optional[str] = typer.Option(None, "--timeline", help="(trace) Save the memory timeline as JSON or PNG."),

@@ -188,7 +188,7 @@ def config_groups(rows: pd.DataFrame) -> list[str]:
     names: dict[str, str] = {}
     for k in keys:
         names[roots[k]] = min(names.get(roots[k], k), k)
-    return ["config-" + names[roots[k]][2:14] for k in keys]
+    return ["config-" + hashlib.sha256(names[roots[k]].encode()).hexdigest()[:12] for k in keys]
 
 
 def shape_group(model_config: str) -> str:

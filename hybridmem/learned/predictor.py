@@ -19,11 +19,12 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.learned import registry
+from hybridmem.learned.features import major_minor
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.spec import TrainingSpec
 
-_DEFAULT_NOTE = ("no trained residual model fits this environment: this is the analytic "
-                 "estimate with its default (sourced) overheads for the CUDA context, "
+_DEFAULT_NOTE = ("no trained residual model applies to this job and environment: this is the "
+                 "analytic estimate with its default (sourced) overheads for the CUDA context, "
                  "workspaces and fragmentation")
 
 
@@ -89,6 +90,51 @@ def out_of_range(features: dict, ranges: dict) -> list[str]:
     return out
 
 
+def outside_domain(row: dict, domain: dict) -> list[str]:
+    """'field=value (trained: a, b)' for each categorical field the model never saw."""
+    out = []
+    for name, seen in domain.items():
+        value = row.get(name)
+        if seen and value is not None and str(value) not in seen:
+            out.append(f"{name}={value} (trained: {', '.join(seen)})")
+    return out
+
+
+def _differences(row: dict, other: dict) -> list[str]:
+    out = []
+    for key, theirs in other.items():
+        if key == "label" or key not in row:
+            continue
+        mine = row[key]
+        if isinstance(theirs, (int, float)) and isinstance(mine, (int, float)) \
+                and not isinstance(theirs, bool):
+            if not math.isclose(float(mine), float(theirs), rel_tol=1e-9):
+                out.append(f"{key} {theirs:g}->{mine:g}")
+        elif str(mine) != str(theirs):
+            out.append(f"{key} {theirs}->{mine}")
+    return out
+
+
+def nearest(row: dict, neighbours: list[dict]) -> str | None:
+    """How far the user's spec is from the model's training rows: the closest one (fewest
+    differing spec fields, then smallest relative numeric change) and what differs."""
+    best = None
+    for other in neighbours:
+        diff = _differences(row, other)
+        size = sum(abs(math.log(max(float(row[k]), 1e-9) / max(float(v), 1e-9)))
+                   for k, v in other.items() if k in row and k != "label"
+                   and isinstance(v, (int, float)) and isinstance(row[k], (int, float))
+                   and not isinstance(v, bool) and float(v) > 0 and float(row[k]) > 0)
+        if best is None or (len(diff), size) < best[0]:
+            best = ((len(diff), size), other, diff)
+    if best is None:
+        return None
+    _, other, diff = best
+    where = f"nearest training row: {other.get('label') or '?'}"
+    return where + (": same spec fields" if not diff else f", {len(diff)} field(s) differ: "
+                    + ", ".join(diff))
+
+
 def trace_row(spec: TrainingSpec, base: Prediction, trace_fn=None) -> tuple[dict, list[str]]:
     """Trace-tier features for a model trained with them (seconds of CPU); NaN if it cannot run."""
     from hybridmem.learned.features import TRACE_FEATURES, trace_features
@@ -120,6 +166,10 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
         "gpu_name": gpu, "gpu_memory_bytes": memory or 0,
         "torch_version": env.get("torch") or (meta.get("torch_versions") or [""])[-1],
         "cuda_version": env.get("cuda") or (meta.get("cuda_versions") or [""])[-1]})
+    foreign = outside_domain(row, meta.get("domain") or {})
+    if foreign:
+        return fallback(base, [f"residual model {model.name} does not apply: it never saw "
+                               + "; ".join(foreign)])
     trace_notes: list[str] = []
     if meta.get("trace_features"):
         extra, trace_notes = trace_row(spec, base, trace_fn)
@@ -127,12 +177,18 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
     X = pd.DataFrame([row])
     ests = model.estimators
     # a model trained for one target only (`--target`) leaves the other peak as the base has it
-    r_dev, r_up = ((ests["device"].predict(X)[0], ests["device"].predict_upper(X)[0])
-                   if "device" in ests else (0.0, 0.0))
     r_res = ests["reserved"].predict(X)[0] if "reserved" in ests else 0.0
-    peak, bd = corrected(base, base.peak.device_bytes * math.exp(r_dev),
-                         base.peak.reserved_bytes * math.exp(r_res))
-    upper = max(int(round(base.peak.device_bytes * math.exp(r_up))), peak.device_bytes)
+    reserved = base.peak.reserved_bytes * math.exp(r_res)
+    if "device" in ests:
+        r_dev, r_up = ests["device"].predict(X)[0], ests["device"].predict_upper(X)[0]
+        device = base.peak.device_bytes * math.exp(r_dev)
+        upper_raw = base.peak.device_bytes * math.exp(r_up)
+    else:  # reserved-only model (published rows): memory outside the allocator stays the base's
+        outside = base.peak.device_bytes - base.peak.reserved_bytes
+        device = reserved + outside
+        upper_raw = base.peak.reserved_bytes * math.exp(ests["reserved"].predict_upper(X)[0]) + outside
+    peak, bd = corrected(base, device, reserved)
+    upper = max(int(round(upper_raw)), peak.device_bytes)
     notes = [f"residual model {model.name} ({meta.get('dataset', {}).get('rows_used', '?')} rows, "
              f"GPUs {', '.join(meta.get('gpu_names', []))}, torch {', '.join(meta.get('torch_versions', []))})",
              gpu_note,
@@ -142,10 +198,16 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
         notes.insert(0, f"WARNING: model {model.name} was trained on "
                         f"{'/'.join(meta.get('sources', ['?']))} rows, not real GPU measurements; "
                         "it is NOT calibrated to real GPUs")
+    if "device" not in ests:
+        notes.append(f"model {model.name} corrects the reserved peak only (its rows measured no "
+                     "device figure); CUDA context and workspaces are the analytic defaults")
     notes += trace_notes
     outside = out_of_range(row, meta.get("feature_ranges", {}))
     if outside:
         notes.append("spec outside the model's training range: " + "; ".join(outside))
+    near = nearest(row, meta.get("neighbours") or [])
+    if near:
+        notes.append(near)
     return dataclasses.replace(
         base, method="hybrid", peak=peak, breakdown=bd, notes=tuple(base.notes) + tuple(notes),
         extras={**base.extras, "residual_model": model.name, "upper_bound_bytes": upper,
@@ -163,7 +225,10 @@ def default_method(models_dir: str | Path | None = None) -> str:
     folder, _ = registry.select(root, env["torch"], env["cuda"])
     if folder is None:
         return "analytic"
-    return "hybrid" if registry.read_metadata(folder).get("calibrated_to_gpu") else "analytic"
+    meta = registry.read_metadata(folder)
+    # only on a torch it was trained on: kernel choices and workspaces change between releases
+    same_torch = major_minor(env["torch"]) in {major_minor(v) for v in meta.get("torch_versions", [])}
+    return "hybrid" if meta.get("calibrated_to_gpu") and same_torch else "analytic"
 
 
 def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
