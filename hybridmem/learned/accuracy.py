@@ -17,7 +17,7 @@ import pandas as pd
 from hybridmem.adapters import GROUPS, job_group
 
 MEASURED: dict[str, str] = {"reserved": "peak_reserved_bytes", "device": "peak_device_bytes",
-                            "after_step": "after_step_allocated_bytes"}
+                            "after_step": "steady_allocated_bytes"}
 """Figure -> dataset column holding its measurement (absent or null where not measured)."""
 TIERS: tuple[str, ...] = ("analytic", "trace")
 
