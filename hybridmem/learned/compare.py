@@ -18,7 +18,7 @@ from hybridmem.learned import dataset, registry
 from hybridmem.learned.evaluate import (METHODS, cross_validate, evaluate_fitted,
                                         plot_predictions)
 from hybridmem.learned.features import BaseFn
-from hybridmem.learned.train import build_oom_table, build_table_for, pick_sources
+from hybridmem.learned.train import build_oom_table, build_table_for, is_real, pick_sources
 
 
 @dataclass
@@ -67,8 +67,8 @@ def compare(data: str | Path, *, models: list[str] | tuple[str, ...] = (), targe
         with_trace |= bool(registry.read_metadata(name).get("trace_features"))
     df = dataset.load(data)
     sources = pick_sources(df)
-    table = build_table_for(df, sources, base_fn, with_trace)
-    notes = [] if sources == ("cuda",) else [
+    table = build_table_for(df, sources, base_fn, with_trace, (target,))
+    notes = [] if is_real(sources) else [
         f"rows are {'/'.join(sources)} output, not real CUDA measurements: "
         "errors are against a simulation, not a GPU"]
     if models:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pandas as pd
 
 from hybridmem.errors import SpecError
-# the contract's source/outcome values (owned by the harness); only "cuda" rows are GPU measurements
-from hybridmem.harness.schema import OUTCOMES, SOURCES
+# the contract's source/outcome values (owned by the harness); only REAL_SOURCES rows ("cuda":
+# collect's, "published": imported real-GPU runs) are GPU measurements
+from hybridmem.harness.schema import OUTCOMES, REAL_SOURCES, SOURCES
 
 # Kinds: "int" integer (nullable allowed), "num" int or float (targets: nullable int64 may come
 # back as float when a reader fills nulls), "str" text, "bool" boolean.
@@ -112,13 +113,22 @@ def validate(df: pd.DataFrame, name: str = "dataset") -> pd.DataFrame:
     return df
 
 
-def usable_rows(df: pd.DataFrame, sources: tuple[str, ...] | None = None) -> pd.DataFrame:
+def usable_rows(df: pd.DataFrame, sources: tuple[str, ...] | None = None,
+                targets: tuple[str, ...] | None = None) -> pd.DataFrame:
     """Rows with a measured peak (outcome ok, targets present), optionally of some sources.
 
-    OOM and error rows carry no peak; they are kept out of fitting (see `evaluate` for OOMs).
+    OOM, error and excluded rows carry no usable peak; they are kept out of fitting (see
+    `evaluate` for OOMs). `targets` (names of `TARGET_COLUMNS`) asks only for those peaks:
+    published rows have a reserved peak but no device or allocated one (null).
     """
-    keep = (df["outcome"] == "ok") & df[list(TARGET_COLUMNS.values()) + ["peak_allocated_bytes"]].notna().all(axis=1)
-    keep &= (df["peak_device_bytes"] > 0) & (df["peak_reserved_bytes"] > 0)
+    if targets is None:
+        need = list(TARGET_COLUMNS.values()) + ["peak_allocated_bytes"]
+        positive = list(TARGET_COLUMNS.values())
+    else:
+        need = positive = [TARGET_COLUMNS[t] for t in targets]
+    keep = (df["outcome"] == "ok") & df[need].notna().all(axis=1)
+    for column in positive:
+        keep &= df[column].fillna(0) > 0
     if sources is not None:
         keep &= df["source"].isin(sources)
     out = df[keep].reset_index(drop=True)

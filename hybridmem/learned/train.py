@@ -1,7 +1,7 @@
 """`hybridmem train`: dataset -> features -> held-out CV -> fit -> registry entry + MLflow run.
 
-Only real CUDA rows calibrate a model to GPUs. If the dataset has any "cuda" rows, only those
-are used (a model never mixes simulated and measured targets); otherwise the trace rows (else
+Only real-GPU rows (`REAL_SOURCES`: "cuda", and "published" imported measurements) calibrate
+a model to GPUs. If the dataset has any, only those are used (a model never mixes simulated and measured targets); otherwise the trace rows (else
 the analytic rows) are used and the entry says `calibrated_to_gpu: false`, which `predict` repeats loudly.
 """
 
@@ -36,12 +36,20 @@ class TrainResult:
 
 
 def pick_sources(df: pd.DataFrame) -> tuple[str, ...]:
-    """The one source whose rows are targets: "cuda" if any, else "trace", else "analytic".
+    """The sources whose rows are targets: the real-GPU ones present ("cuda", "published"), if
+    any, else "trace", else "analytic".
 
-    Sources are never mixed: a simulated peak is not a noisy measurement of a real one.
+    Simulated and measured rows are never mixed: a simulated peak is not a noisy measurement
+    of a real one.
     """
     present = set(df["source"])
-    return next((s,) for s in dataset.SOURCES if s in present)
+    real = tuple(s for s in dataset.REAL_SOURCES if s in present)
+    return real or next((s,) for s in dataset.SOURCES if s in present)
+
+
+def is_real(sources: tuple[str, ...]) -> bool:
+    """True when every target source is a real-GPU measurement."""
+    return bool(sources) and set(sources) <= set(dataset.REAL_SOURCES)
 
 
 def _version(pkg: str) -> str:
@@ -74,7 +82,7 @@ def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ..
         "dataset": {"path": str(data_path), "hash": dataset.dataset_hash(df), "rows": len(df),
                     "rows_used": len(rows), "specs_without_base": len(table.dropped)},
         "sources": list(sources),
-        "calibrated_to_gpu": sources == ("cuda",),
+        "calibrated_to_gpu": is_real(sources),
         "gpu_names": _distinct(rows["gpu_name"]),
         "default_gpu": str(rows["gpu_name"].mode().iloc[0]),
         "gpu_memory_bytes": int(rows["gpu_memory_bytes"].mode().iloc[0]),
@@ -113,7 +121,7 @@ def _log_run(run, meta: dict, evaluations: dict[str, Evaluation], importances: d
 
 
 def _notes(sources: tuple[str, ...], table: FeatureTable) -> list[str]:
-    notes = [] if sources == ("cuda",) else [
+    notes = [] if is_real(sources) else [
         f"trained on {'/'.join(sources)} rows, not real CUDA measurements: NOT calibrated to GPUs"]
     if table.dropped:
         notes.append(f"{len(table.dropped)} spec(s) had no base estimate and were left out, e.g. "
@@ -151,7 +159,7 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
     registry.check_out_path(out, force)  # refuse before any work: nothing is overwritten
     df = dataset.load(data)
     sources = pick_sources(df)
-    table = build_table_for(df, sources, base_fn, with_trace)
+    table = build_table_for(df, sources, base_fn, with_trace, targets)
     notes = _notes(sources, table)
     groups = table.groups
     evaluations: dict[str, Evaluation] = {}
@@ -183,11 +191,12 @@ def _with_trace(table: FeatureTable, df: pd.DataFrame) -> FeatureTable:
 
 
 def build_table_for(df: pd.DataFrame, sources: tuple[str, ...], base_fn: BaseFn | None,
-                    with_trace: bool = False) -> FeatureTable:
-    """Features of the usable rows of `sources` (plus the trace tier's peaks if asked)."""
+                    with_trace: bool = False, targets: tuple[str, ...] | None = None) -> FeatureTable:
+    """Features of the usable rows of `sources` (plus the trace tier's peaks if asked); with
+    `targets`, rows need only those peaks (`dataset.usable_rows`)."""
     from hybridmem.learned.features import build_table
 
-    table = build_table(dataset.usable_rows(df, sources), base_fn)
+    table = build_table(dataset.usable_rows(df, sources, targets), base_fn)
     return _with_trace(table, df) if with_trace else table
 
 
