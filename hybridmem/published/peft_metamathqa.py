@@ -212,7 +212,7 @@ def row(rec: dict) -> dict:
     if spec is None:
         out.update(spec_json="", model_config=json.dumps(rec["model_config"], sort_keys=True),
                    model_name=str(rec["model_config"].get("hf_id", "")),
-                   train="full" if adapter_cfg is None else "peft", lora_r=0)
+                   train=_train_kind(adapter_cfg), lora_r=0)
         return out
     label, cfg = _preset(rec["model_config"]["hf_id"])
     spec_dict = spec.to_dict()
@@ -221,6 +221,16 @@ def row(rec: dict) -> dict:
                model_type=cfg["model_type"], train=spec.train,
                lora_r=spec.lora.r if spec.lora else 0, optimizer=spec.optimizer)
     return out
+
+
+def _train_kind(adapter_cfg: dict | None) -> str:
+    """`train` of an excluded row: what its adapter config would map to."""
+    if adapter_cfg is None:
+        return "full"
+    try:
+        return spec_fields(adapter_cfg)["train"]
+    except SpecError:
+        return "peft"
 
 
 def _gpu_memory(device_name: str) -> int:
