@@ -163,3 +163,20 @@ def test_committed_dataset_holds_every_published_record_once():
         assert set(df["measurement_id"]) == set(_records())
     assert set(df["outcome"]) <= {"ok", "excluded"}
     assert (df["excluded_reason"] != "").sum() == (df["outcome"] == "excluded").sum()
+
+
+def test_parts_written_before_the_new_columns_still_read(jsonl, tmp_path, capsys):
+    from hybridmem.harness.schema import ADDED_COLUMNS
+
+    out = tmp_path / "data"
+    assert _import(jsonl, out, capsys)[0] == 0
+    new = [c for c in ADDED_COLUMNS if c not in ("strategy", "rank_peaks_json")]
+    old = store.load_dataset(out).drop(columns=new).assign(source="cuda", outcome="ok")
+    old_dir = tmp_path / "old"
+    old_dir.mkdir()
+    old.to_parquet(old_dir / "part-old.parquet", index=False)
+    df = store.load_dataset(old_dir)
+    assert set(df["measurement_id"]) == {""}  # old rows have no id: one row per old key
+    assert len(df) == len(old.drop_duplicates(list(store.KEY))) == len(old) - 1  # the re-run pair
+    assert df["published_value_bytes"].isna().all() and (df["seq_len_kind"] == "exact").all()
+    assert str(df["empty_cache_every_n_steps"].dtype) == "Int64"
