@@ -30,6 +30,8 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
         source="nvidia-smi on A100-SXM4-40GB: 40960MiB (NVIDIA A100 datasheet: 40 GB HBM2)"),
     GPU(name="a100-80gb", memory_bytes=81920 * MiB, arch="ampere",
         source="nvidia-smi on A100-SXM4-80GB: 81920MiB (NVIDIA A100 datasheet: 80 GB HBM2e)"),
+    GPU(name="a100-80gb-pcie", memory_bytes=81920 * MiB, arch="ampere",
+        source="nvidia-smi on NVIDIA A100 80GB PCIe: 81920MiB (NVIDIA A100 PCIe datasheet: 80 GB HBM2e)"),
     GPU(name="h100-80gb", memory_bytes=81559 * MiB, arch="hopper",
         source="nvidia-smi on H100 80GB HBM3: 81559MiB (NVIDIA H100 datasheet: 80 GB)"),
     GPU(name="h200", memory_bytes=143771 * MiB, arch="hopper",
@@ -38,6 +40,8 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
         source="nvidia-smi on L40S: 46068MiB (NVIDIA L40S datasheet: 48 GB GDDR6)"),
     GPU(name="rtx-4090", memory_bytes=24564 * MiB, arch="ada",
         source="nvidia-smi on GeForce RTX 4090: 24564MiB (NVIDIA spec: 24 GB GDDR6X)"),
+    GPU(name="rtx-4090-laptop", memory_bytes=16376 * MiB, arch="ada",
+        source="nvidia-smi on NVIDIA GeForce RTX 4090 Laptop GPU: 16376MiB (NVIDIA spec: 16 GB GDDR6)"),
     GPU(name="rtx-3090", memory_bytes=24576 * MiB, arch="ampere",
         source="nvidia-smi on GeForce RTX 3090: 24576MiB (NVIDIA spec: 24 GB GDDR6X)"),
     GPU(name="a10g", memory_bytes=23028 * MiB, arch="ampere",
@@ -49,6 +53,34 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
     GPU(name="t4", memory_bytes=15360 * MiB, arch="turing",
         source="nvidia-smi on Tesla T4: 15360MiB (NVIDIA T4 datasheet: 16 GB)"),
 )}
+
+
+# `torch.cuda.get_device_properties().name` (the dataset's `gpu_name`) -> catalogue entry, for
+# rows measured elsewhere (published figures name the device, not our catalogue key).
+DEVICE_NAMES: dict[str, str] = {
+    "NVIDIA A100-SXM4-40GB": "a100-40gb",
+    "NVIDIA A100-SXM4-80GB": "a100-80gb",
+    "NVIDIA A100 80GB PCIe": "a100-80gb-pcie",
+    "NVIDIA H100 80GB HBM3": "h100-80gb",
+    "NVIDIA H200": "h200",
+    "NVIDIA L40S": "l40s",
+    "NVIDIA GeForce RTX 4090": "rtx-4090",
+    "NVIDIA GeForce RTX 4090 Laptop GPU": "rtx-4090-laptop",
+    "NVIDIA GeForce RTX 3090": "rtx-3090",
+    "NVIDIA A10G": "a10g",
+    "NVIDIA L4": "l4",
+    "Tesla V100-SXM2-32GB": "v100-32gb",
+    "Tesla T4": "t4",
+}
+
+
+def gpu_by_device_name(device_name: str) -> GPU:
+    """Catalogue entry for a CUDA device name as torch reports it (e.g. "NVIDIA L40S")."""
+    key = DEVICE_NAMES.get(device_name.strip())
+    if key is None:
+        raise SpecError("gpu_name", device_name, sorted(DEVICE_NAMES),
+                        reason="not in the GPU catalogue (hybridmem/gpus.py)")
+    return GPUS[key]
 
 
 def gpu_by_name(name: str) -> GPU:

@@ -13,7 +13,7 @@ import typer
 
 from hybridmem.console import run_app
 
-SUBCOMMANDS: tuple[str, ...] = ("predict", "collect", "train", "evaluate")
+SUBCOMMANDS: tuple[str, ...] = ("predict", "collect", "train", "evaluate", "importer")
 
 app = typer.Typer(
     name="hybridmem",

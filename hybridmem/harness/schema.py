@@ -18,15 +18,32 @@ SCHEMA_VERSION = 1
 HARNESS_VERSION = "0.1.0"
 """Bump when the measurement protocol changes (what is run, how peaks are read)."""
 
-SOURCES: tuple[str, ...] = ("cuda", "trace", "analytic")
-OUTCOMES: tuple[str, ...] = ("ok", "oom", "error")
+SOURCES: tuple[str, ...] = ("cuda", "published", "trace", "analytic")
+"""`cuda`: measured by `hybridmem collect`; `published`: measured on a real GPU by someone else
+and imported (`hybridmem import`, hybridmem/published/); `trace`, `analytic`: tier predictions."""
+REAL_SOURCES: tuple[str, ...] = ("cuda", "published")
+"""Sources whose peaks were measured on a real GPU (ground truth); the others are predictions."""
+OUTCOMES: tuple[str, ...] = ("ok", "oom", "error", "excluded")
+"""`excluded`: an imported measurement whose job a `TrainingSpec` cannot represent yet
+(`excluded_reason` says why); kept for the record, never fitted or evaluated."""
 ENV_KEY: tuple[str, ...] = ("gpu_name", "torch_version", "source")
 """Columns that, with `spec_hash`, identify a measurement: `--resume` skips a spec measured
-under the same key, and the reader keeps the newest row per key."""
+under the same key, and the reader keeps the newest row per key (and `measurement_id`)."""
+IDENTITY: tuple[str, ...] = ("measurement_id",)
+"""Extra key of the reader's dedup: an imported row's own id (published re-runs of one spec on
+one torch are distinct measurements); empty in collect's rows, so their key is unchanged."""
 
 # Columns added after version 1 without a version bump (a reader of version 1 ignores them);
 # parts written before them read back with these values.
-ADDED_COLUMNS: dict[str, object] = {"strategy": "none", "rank_peaks_json": ""}
+ADDED_COLUMNS: dict[str, object] = {
+    "strategy": "none", "rank_peaks_json": "",
+    # imported (published) measurements, issue 10; empty / null in collect's rows
+    "measurement_id": "", "excluded_reason": "", "group": "", "experiment": "",
+    "seq_len_kind": "exact", "published_value_bytes": None, "published_metric": "",
+    "steady_allocated_bytes": None, "empty_cache_every_n_steps": None, "measured_at": "",
+    "peft_version": "", "source_repo": "", "source_path": "", "source_commit": "",
+    "source_url": "", "published_json": "",
+}
 
 # column -> pandas dtype ("Int64"/"boolean" are nullable: oom/error rows have no peaks)
 COLUMNS: dict[str, str] = {
@@ -90,6 +107,23 @@ COLUMNS: dict[str, str] = {
     "alloc_conf": "string",
     "hostname": "string",
     "history_path": "string",
+    # imported measurements (source "published"; see datasets/published/README.md)
+    "measurement_id": "string",
+    "excluded_reason": "string",
+    "group": "string",
+    "experiment": "string",
+    "seq_len_kind": "string",
+    "published_value_bytes": "Int64",
+    "published_metric": "string",
+    "steady_allocated_bytes": "float64",
+    "empty_cache_every_n_steps": "Int64",
+    "measured_at": "string",
+    "peft_version": "string",
+    "source_repo": "string",
+    "source_path": "string",
+    "source_commit": "string",
+    "source_url": "string",
+    "published_json": "string",
 }
 
 

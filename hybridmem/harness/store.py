@@ -18,10 +18,12 @@ from pathlib import Path
 import pandas as pd
 
 from hybridmem.errors import SpecError
-from hybridmem.harness.schema import ADDED_COLUMNS, COLUMNS, ENV_KEY, SCHEMA_VERSION
+from hybridmem.harness.schema import ADDED_COLUMNS, COLUMNS, ENV_KEY, IDENTITY, SCHEMA_VERSION
 
 PART_PREFIX = "part-"
 KEY: tuple[str, ...] = ("spec_hash",) + ENV_KEY
+DEDUP_KEY: tuple[str, ...] = KEY + IDENTITY
+"""What the reader keeps one (the newest) row of: `KEY` plus an imported row's own id."""
 
 
 def utc_now() -> str:
@@ -85,7 +87,9 @@ def _read(files: list[Path]) -> pd.DataFrame:
     for column, default in ADDED_COLUMNS.items():  # parts written before the column existed
         if column not in df:
             df[column] = default
-        df[column] = df[column].fillna(default).astype(COLUMNS[column])
+        if default is not None:
+            df[column] = df[column].fillna(default)
+        df[column] = df[column].astype(COLUMNS[column])
     newer = df["schema_version"] > SCHEMA_VERSION
     if newer.any():
         raise SpecError("schema_version", int(df.loc[newer, "schema_version"].max()),
@@ -95,13 +99,14 @@ def _read(files: list[Path]) -> pd.DataFrame:
 
 def _newest(df: pd.DataFrame) -> pd.DataFrame:
     df = df.sort_values("collected_at", kind="stable")
-    return df.drop_duplicates(list(KEY), keep="last").reset_index(drop=True)
+    return df.drop_duplicates(list(DEDUP_KEY), keep="last").reset_index(drop=True)
 
 
 def load_dataset(path: str | Path) -> pd.DataFrame:
     """All rows of a dataset (folder of parts or one parquet file), newest per key, in order.
 
-    Only `source == "cuda"` rows are measurements; the others are tier predictions.
+    Only `source` in `REAL_SOURCES` ("cuda", "published") rows are measurements; the others
+    are tier predictions.
     """
     p = Path(path)
     if not p.exists():

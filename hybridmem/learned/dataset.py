@@ -13,12 +13,9 @@ from pathlib import Path
 import pandas as pd
 
 from hybridmem.errors import SpecError
-# the contract's source/outcome values (owned by the harness)
-from hybridmem.harness.schema import OUTCOMES, SOURCES
-
-REAL_SOURCES: tuple[str, ...] = ("cuda", "published")
-"""Sources whose peaks come from a real GPU: our own `collect --backend cuda` runs and published
-real runs of other projects (`hybridmem import`). Tier rows (trace, analytic) never count."""
+# the contract's source/outcome values (owned by the harness); only REAL_SOURCES rows ("cuda":
+# collect's, "published": imported real-GPU runs) are GPU measurements
+from hybridmem.harness.schema import OUTCOMES, REAL_SOURCES, SOURCES
 
 # Kinds: "int" integer (nullable allowed), "num" int or float (targets: nullable int64 may come
 # back as float when a reader fills nulls), "str" text, "bool" boolean.
@@ -131,7 +128,9 @@ def usable_rows(df: pd.DataFrame, sources: tuple[str, ...] | None = None,
     """Rows with a measured peak (outcome ok, `targets` present, default all), optionally of
     some sources.
 
-    OOM and error rows carry no peak; they are kept out of fitting (see `evaluate` for OOMs).
+    OOM, error and excluded rows carry no usable peak; they are kept out of fitting (see
+    `evaluate` for OOMs). `targets` (names of `TARGET_COLUMNS`) asks only for those peaks:
+    published rows have a reserved peak but no device or allocated one (null).
     """
     columns = [TARGET_COLUMNS[t] for t in (targets or TARGET_COLUMNS)]
     keep = (df["outcome"] == "ok") & df[columns].notna().all(axis=1)

@@ -1,0 +1,182 @@
+"""`hybridmem import`: published measurements -> dataset rows (issue 10, part 1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from hybridmem.cli import main
+from hybridmem.harness import store
+from hybridmem.harness.schema import spec_from_row
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = Path("/work/shared/data/published/peft-metamathqa.jsonl")
+COMMITTED = ROOT / "datasets" / "published"
+MiB = 1024**2
+
+# Real records (ids of lines of PUBLISHED), copied into the tests' own file below.
+FULL = "peft-metamathqa-full-finetuning--llama-3.2-3B-lr_0.00001-2025-06-20T180243"
+LORAFA = "peft-metamathqa-lora--llama-3.2-3B-rank32-lorafa-2025-06-17T112817"
+ADALORA = "peft-metamathqa-adalora--llama-3.2-3B-rank32-2025-06-17T180254"
+RERUN = ("peft-metamathqa-lora--llama-3.2-3B-rank32-2025-06-17T133058",
+         "peft-metamathqa-lora--llama-3.2-3B-rank32-2025-06-19T191535")  # same spec, same torch
+
+
+def _records() -> dict[str, dict]:
+    if not PUBLISHED.exists():
+        pytest.skip(f"{PUBLISHED} not present")
+    recs = [json.loads(line) for line in PUBLISHED.read_text().splitlines() if line.strip()]
+    return {r["id"]: r for r in recs}
+
+
+@pytest.fixture
+def records() -> list[dict]:
+    by_id = _records()
+    return [by_id[FULL], by_id[LORAFA], by_id[ADALORA], *(by_id[i] for i in RERUN)]
+
+
+@pytest.fixture
+def jsonl(tmp_path, records) -> Path:
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _import(path, out, capsys, source="peft-metamathqa") -> tuple[int, str, str]:
+    rc = main(["import", "--from", source, str(path), "--out", str(out)])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_import_counts_reasons_and_is_idempotent(jsonl, records, tmp_path, capsys):
+    out = tmp_path / "data"
+    rc, text, _ = _import(jsonl, out, capsys)
+    assert rc == 0
+    assert "added 5 rows" in text and "(4 ok, 1 excluded)" in text
+    assert "excluded 1: optimizer 'lora-fa'" in text
+    rc, text, _ = _import(jsonl, out, capsys)  # the same file again: nothing new
+    assert rc == 0 and "added 0 rows" in text and "already present: 5" in text
+    assert len(store.part_files(out)) == 1
+    df = store.load_dataset(out)
+    assert sorted(df["measurement_id"]) == sorted(r["id"] for r in records)
+    # two published re-runs share a spec, a GPU and a torch but stay two measurements
+    rerun = df[df["measurement_id"].isin(RERUN)]
+    assert rerun["spec_hash"].nunique() == 1 and len(rerun) == 2
+
+
+def test_rows_keep_figures_provenance_and_spec(jsonl, records, tmp_path, capsys):
+    out = tmp_path / "data"
+    assert _import(jsonl, out, capsys)[0] == 0
+    df = store.load_dataset(out).set_index("measurement_id")
+    for rec in records:
+        row = df.loc[rec["id"]]
+        assert row["source"] == "published"
+        assert int(row["published_value_bytes"]) == rec["value"]  # exactly as published
+        assert int(row["peak_reserved_bytes"]) == rec["value"] + 2 * MiB  # + the init segment
+        assert pd.isna(row["peak_device_bytes"]) and pd.isna(row["peak_allocated_bytes"])
+        for col in ("source_repo", "source_commit", "source_url"):
+            assert row[col] == rec[col]
+        paths = rec["source_path"] if isinstance(rec["source_path"], list) else [rec["source_path"]]
+        assert json.loads(row["source_path"]) == paths
+        assert row["gpu_name"] == rec["gpu"] and row["torch_version"] == rec["torch_version"]
+        assert row["cuda_version"] == {"124": "12.4", "126": "12.6", "128": "12.8"}[
+            rec["torch_version"].split("+cu")[1]]
+        assert row["experiment"] == rec["experiment_name"] and row["seq_len_kind"] == "upper-bound"
+        assert row["steady_allocated_bytes"] == rec["extra_metrics"][
+            "mem_allocated_avg_over_run (mean of per-250-step window averages)"]
+        assert row["empty_cache_every_n_steps"] == rec["measurement_semantics"]["empty_cache_every_n_steps"]
+        assert row["gpu_memory_bytes"] > 0
+    full, lorafa = df.loc[FULL], df.loc[LORAFA]
+    assert full["group"] == "full" and full["outcome"] == "ok"
+    spec = spec_from_row(full)
+    assert (spec.train, spec.precision, spec.optimizer, spec.loop, spec.max_grad_norm,
+            spec.micro_batch, spec.seq_len, spec.attn) == ("full", "bf16", "adamw", "custom",
+                                                            1.0, 4, 768, "sdpa")
+    assert lorafa["outcome"] == "excluded" and "lora-fa" in lorafa["excluded_reason"]
+    assert lorafa["group"] == "lora" and lorafa["spec_json"] == ""
+    lora = df.loc[RERUN[0]]
+    assert lora["group"] == "lora" and spec_from_row(lora).lora.r == lora["lora_r"] == 32
+    ada = df.loc[ADALORA]
+    assert ada["group"] == "other-peft" and spec_from_row(ada).train == "peft"
+    assert json.loads(spec_from_row(ada).peft_config)["peft_type"] == "ADALORA"
+
+
+def test_learned_tier_reads_published_rows_as_real(jsonl, tmp_path, capsys):
+    from hybridmem.learned import dataset
+    from hybridmem.learned.train import is_real, pick_sources
+
+    out = tmp_path / "data"
+    assert _import(jsonl, out, capsys)[0] == 0
+    df = dataset.load(out)
+    assert pick_sources(df) == ("published",) and is_real(("published",))
+    usable = dataset.usable_rows(df, ("published",), ("reserved",))
+    assert set(usable["outcome"]) == {"ok"} and len(usable) == 4  # the excluded row is skipped
+    trace = df.assign(source="trace")
+    assert pick_sources(pd.concat([df, trace])) == ("published",)  # trace never counts
+    assert not is_real(("trace",))
+
+
+def test_killed_import_leaves_no_partial_rows(jsonl, tmp_path, capsys):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / ".part-x.parquet.123.tmp").write_bytes(b"half a file")  # a writer killed mid-write
+    rc, text, _ = _import(jsonl, out, capsys)
+    assert rc == 0 and "added 5 rows" in text
+    assert len(store.load_dataset(out)) == 5
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no such file"),
+    ("malformed", "malformed JSON line"),
+    ("unknown", "unknown source of published figures"),
+])
+def test_bad_input_exits_2_with_one_line(case, message, tmp_path, capsys):
+    path = tmp_path / "in.jsonl"
+    if case == "malformed":
+        path.write_text('{"id": "a"}\n{not json\n')
+    elif case == "unknown":
+        path.write_text('{"id": "a"}\n')
+    rc, text, err = _import(path, tmp_path / "data", capsys,
+                            source="nope" if case == "unknown" else "peft-metamathqa")
+    assert rc == 2 and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "data").exists()  # nothing written
+
+
+def test_not_a_record_of_the_source_is_bad_input(tmp_path, capsys):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a"}\n')
+    rc, _, err = _import(path, tmp_path / "data", capsys)
+    assert rc == 2 and "not a peft-metamathqa record" in err and "Traceback" not in err
+
+
+def test_committed_dataset_holds_every_published_record_once():
+    # 165 rows: datasets/published/README.md and /work/shared/data/published/README.md
+    df = store.load_dataset(COMMITTED)
+    raw = store._read(store.part_files(COMMITTED))
+    assert len(df) == len(raw) == 165
+    assert df["measurement_id"].is_unique and (df["source"] == "published").all()
+    if PUBLISHED.exists():
+        assert set(df["measurement_id"]) == set(_records())
+    assert set(df["outcome"]) <= {"ok", "excluded"}
+    assert (df["excluded_reason"] != "").sum() == (df["outcome"] == "excluded").sum()
+
+
+def test_parts_written_before_the_new_columns_still_read(jsonl, tmp_path, capsys):
+    from hybridmem.harness.schema import ADDED_COLUMNS
+
+    out = tmp_path / "data"
+    assert _import(jsonl, out, capsys)[0] == 0
+    new = [c for c in ADDED_COLUMNS if c not in ("strategy", "rank_peaks_json")]
+    old = store.load_dataset(out).drop(columns=new).assign(source="cuda", outcome="ok")
+    old_dir = tmp_path / "old"
+    old_dir.mkdir()
+    old.to_parquet(old_dir / "part-old.parquet", index=False)
+    df = store.load_dataset(old_dir)
+    assert set(df["measurement_id"]) == {""}  # old rows have no id: one row per old key
+    assert len(df) == len(old.drop_duplicates(list(store.KEY))) == len(old) - 1  # the re-run pair
+    assert df["published_value_bytes"].isna().all() and (df["seq_len_kind"] == "exact").all()
+    assert str(df["empty_cache_every_n_steps"].dtype) == "Int64"
