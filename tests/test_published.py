@@ -106,17 +106,17 @@ def test_rows_keep_figures_provenance_and_spec(jsonl, records, tmp_path, capsys)
 
 def test_learned_tier_reads_published_rows_as_real(jsonl, tmp_path, capsys):
     from hybridmem.learned import dataset
-    from hybridmem.learned.train import is_real, pick_sources
+    from hybridmem.learned.train import is_calibrated, pick_sources
 
     out = tmp_path / "data"
     assert _import(jsonl, out, capsys)[0] == 0
     df = dataset.load(out)
-    assert pick_sources(df) == ("published",) and is_real(("published",))
+    assert pick_sources(df) == ("published",) and is_calibrated(("published",))
     usable = dataset.usable_rows(df, ("published",), ("reserved",))
     assert set(usable["outcome"]) == {"ok"} and len(usable) == 4  # the excluded row is skipped
     trace = df.assign(source="trace")
     assert pick_sources(pd.concat([df, trace])) == ("published",)  # trace never counts
-    assert not is_real(("trace",))
+    assert not is_calibrated(("trace",))
 
 
 def test_killed_import_leaves_no_partial_rows(jsonl, tmp_path, capsys):
