@@ -28,6 +28,9 @@ TRAINABLE_MODULES: dict[str, frozenset[str]] = {
                                 "lm_head"}),
     "projector": frozenset({"multi_modal_projector"}),
     "lora": frozenset(),
+    # any other PEFT method (`adapters.spec_fields`): the base model is frozen, PEFT decides
+    # what trains; priced by the trace tier only
+    "peft": frozenset(),
 }
 
 # Top-level part a real (HF) parameter / module name belongs to, by the first matching name
@@ -44,7 +47,7 @@ def part_of(name: str) -> str:
     return "language_model"
 
 
-DECODER_TRAINS: tuple[str, ...] = ("full", "lora")
+DECODER_TRAINS: tuple[str, ...] = ("full", "lora", "peft")
 LORA_FP32 = 4  # PEFT `autocast_adapter_dtype=True` (default) keeps adapters in float32
 # LoRA goes on language-model linears only, as LLaVA's `find_all_linear_names` does (it skips
 # the vision tower and the projector); `lm_head` only when named explicitly.
