@@ -64,7 +64,7 @@ def predict_command(
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16, fp16, bf16-mixed (default), fp16-mixed, bf16-master."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw (default), adamw-fused, adamw-8bit, sgd, sgd-momentum, adafactor, lion."),
     grad_ckpt: Optional[bool] = typer.Option(None, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing (default off)."),
-    train: Optional[str] = typer.Option(None, "--train", help="full (default), llm+projector, projector, lora."),
+    train: Optional[str] = typer.Option(None, "--train", help="full (default), llm+projector, projector, lora; peft comes with --peft-config."),
     lora_r: Optional[int] = typer.Option(None, "--lora-r", help="LoRA rank (default 8)."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 16)."),
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="Comma-separated module names (default: all LLM linear layers)."),
