@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from hybridmem.errors import SpecError
 from hybridmem.spec import DEFAULT_LORA_TARGETS, LoraSpec
@@ -108,9 +109,85 @@ GROUPS: tuple[str, ...] = ("full", "lora", "dora", "other-peft", "partial")
 and partial training of a multimodal model (LLaVA's projector / llm+projector stages)."""
 
 
+def group_of(kind: str | None, train: str = "full") -> str:
+    """The `GROUPS` entry of a PEFT method (`peft_type`'s answer; None: no adapter)."""
+    if kind is None:
+        return "full" if train == "full" else "partial"
+    return {"LORA": "lora", "DORA": "dora"}.get(kind.upper(), "other-peft")
+
+
+def config_type(cfg: dict | None) -> str | None:
+    """`peft_type` of an adapter_config dict, DoRA told apart from LoRA (None: no adapter)."""
+    if cfg is None:
+        return None
+    kind = str(cfg.get("peft_type", "")).upper()
+    return "DORA" if kind == "LORA" and cfg.get("use_dora") else kind
+
+
 def job_group(spec) -> str:
     """The `GROUPS` entry a spec belongs to."""
-    kind = peft_type(spec)
-    if kind is None:
-        return "full" if spec.train == "full" else "partial"
-    return {"LORA": "lora", "DORA": "dora"}.get(kind, "other-peft")
+    return group_of(peft_type(spec), spec.train)
+
+
+# PEFT methods that prepend virtual tokens inside `PeftModelForCausalLM.forward` (peft_model.py:
+# prompt embeddings concatenated to `inputs_embeds`, labels padded with -100; prefix tuning
+# hands `past_key_values` instead). They need `task_type=CAUSAL_LM` to get that forward.
+PROMPT_LEARNING = frozenset({"PROMPT_TUNING", "PREFIX_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING",
+                             "ADAPTION_PROMPT", "CPT"})
+# Prompt-tuning initialisations that need a tokenizer download (peft PromptEmbedding `TEXT`):
+# the prompt embedding has the same shape and dtype whatever its values, so the trace tier and
+# the harness build it RANDOM (peft/tuners/prompt_tuning/model.py).
+TOKENIZER_INITS = {"prompt_tuning_init": ("TEXT",)}
+
+
+def lora_llm_pattern(targets: tuple[str, ...]) -> str:
+    """PEFT `target_modules` regex for LoRA on the named linears outside the vision tower (the
+    LLaVA finetune_lora recipe: CLIP's q/k/v_proj get no adapters)."""
+    return r"^(?!.*vision_tower).*\.(" + "|".join(map(re.escape, targets)) + r")$"
+
+
+def _method_config(spec) -> dict:
+    """The spec's non-LoRA adapter config as PEFT takes it (upper-case type, causal-LM task)."""
+    cfg = json.loads(spec.peft_config)
+    cfg["peft_type"] = str(cfg["peft_type"]).upper()
+    if cfg["peft_type"] in PROMPT_LEARNING and not cfg.get("task_type"):
+        cfg["task_type"] = "CAUSAL_LM"
+    for key, needs_download in TOKENIZER_INITS.items():
+        if cfg.get(key) in needs_download:
+            cfg[key] = "RANDOM"
+    return cfg
+
+
+def build_peft_config(spec):
+    """The `peft.PeftConfig` a spec trains with: a `LoraConfig` from `spec.lora` (DoRA, rsLoRA,
+    modules_to_save included), or the spec's adapter_config.json as PEFT reads it.
+
+    One builder for the trace tier and the CUDA harness, so both build the same adapters.
+    Unknown methods are a one-line `SpecError` naming the method."""
+    import peft
+
+    if spec.train == "lora":
+        lora = spec.lora
+        return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                               target_modules=lora_llm_pattern(lora.targets), bias="none",
+                               use_dora=lora.use_dora, use_rslora=lora.use_rslora,
+                               modules_to_save=list(lora.modules_to_save) or None)
+    cfg = _method_config(spec)
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    if cfg["peft_type"] not in PEFT_TYPE_TO_CONFIG_MAPPING:
+        raise SpecError("peft_config.peft_type", cfg["peft_type"],
+                        reason=f"peft {peft.__version__} has no such method")
+    try:
+        # `from_peft_type` drops keys this PEFT version does not know (files from newer PEFT)
+        return peft.PeftConfig.from_peft_type(**cfg)
+    except Exception as err:  # noqa: BLE001 - PEFT's own validation, any exception type
+        raise build_error(spec, err) from None
+
+
+def build_error(spec, err: BaseException) -> SpecError:
+    """A one-line `SpecError` for a method PEFT refuses to build on this model."""
+    text = " ".join(str(err).split())[:300]
+    return SpecError("peft_config", peft_type(spec),
+                     reason=f"peft cannot build this adapter on {spec.model} "
+                     f"({type(err).__name__}: {text})")

@@ -14,6 +14,7 @@ import itertools
 import pytest
 
 from hybridmem import TrainingSpec
+from hybridmem.spec import LoraSpec
 from hybridmem.analytic import estimate as analytic
 
 trace = pytest.importorskip("hybridmem.trace")
@@ -42,6 +43,16 @@ EXTRA = [
     dict(model="tiny-llava", precision="bf16", optimizer="adafactor"),
     dict(model="tiny-llama", precision="fp32", optimizer="lion", seq_len=200),
     dict(model="tiny-llama", precision="bf16", optimizer="sgd-momentum", micro_batch=3),
+    # PEFT adapter configs (issue 10): DoRA, modules_to_save (a trainable copy), both
+    dict(model="tiny-llama", precision="bf16", train="lora",
+         lora=LoraSpec(r=4, targets=("q_proj", "v_proj"), use_dora=True)),
+    dict(model="tiny-llava", precision="bf16-mixed", train="lora", lora=LoraSpec(r=4, use_dora=True)),
+    dict(model="tiny-llama", precision="fp32", train="lora",
+         lora=LoraSpec(r=4, targets=("q_proj",), modules_to_save=("lm_head",))),
+    dict(model="tiny-llava", precision="bf16", train="lora",
+         lora=LoraSpec(r=4, use_dora=True, modules_to_save=("embed_tokens",))),
+    dict(model="tiny-llava", precision="bf16", train="lora", grad_ckpt=True,
+         lora=LoraSpec(r=4, targets=("q_proj",), modules_to_save=("embed_tokens",))),
 ]
 FAST = GRID[::3] + GRID[1::9] + EXTRA  # 36 + 12 + 11 configs; every level of every factor
 SLOW = [g for g in GRID if g not in FAST]

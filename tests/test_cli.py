@@ -111,3 +111,67 @@ def test_console_script_exit_code():
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: model='no-such-model': unknown preset")
     assert "Traceback" not in proc.stderr
+
+
+# --- --peft-config (issue 10) --------------------------------------------------------------
+
+def _adapter(tmp_path, **cfg) -> str:
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("cfg, train, method", [
+    ({"peft_type": "LORA", "r": 16, "target_modules": ["q_proj", "v_proj"]}, "lora", None),
+    ({"peft_type": "LORA", "r": 16, "target_modules": ["q_proj"], "use_dora": True,
+      "modules_to_save": ["lm_head"]}, "lora", None),
+    ({"peft_type": "IA3", "target_modules": ["k_proj", "v_proj", "down_proj"],
+      "feedforward_modules": ["down_proj"]}, "peft", "trace"),
+])
+def test_peft_config_reaches_the_spec_and_picks_the_tier(cfg, train, method, tmp_path, capsys,
+                                                         monkeypatch):
+    picked = []
+    monkeypatch.setattr(predict_mod, "estimator", lambda m: picked.append(m) or _stub)
+    assert main(["predict", "--model", "tiny-llama", "--peft-config",
+                 _adapter(tmp_path, **cfg), "--json"]) == 0
+    spec, _ = CALLS[-1]
+    assert spec.train == train
+    out = json.loads(capsys.readouterr().out)
+    if train == "lora":
+        assert (spec.lora.r, spec.lora.use_dora) == (16, bool(cfg.get("use_dora")))
+        assert spec.lora.modules_to_save == tuple(cfg.get("modules_to_save", ()))
+        assert picked != ["trace"] or method == "trace"
+    else:
+        assert json.loads(spec.peft_config)["peft_type"] == "IA3"
+        assert picked == [method]
+        assert any("method: trace chosen because IA3" in n for n in out["notes"])
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "error: peft_config='{path}': no such file"),
+    ("{not json", "error: peft_config='{path}': is not valid JSON"),
+    ('{"r": 8}', "error: peft_config.peft_type=None: an adapter_config.json names its method"),
+])
+def test_bad_peft_config_one_line_exit_2(content, match, tmp_path, capsys):
+    path = tmp_path / "adapter_config.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["predict", "--model", "tiny-llama", "--peft-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(match.format(path=path))
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("cfg, argv, match", [
+    ({"peft_type": "NOPE_TUNING"}, [], "error: peft_config.peft_type='NOPE_TUNING': peft "),
+    ({"peft_type": "IA3", "target_modules": ["k_proj"], "feedforward_modules": []},
+     ["--method", "analytic"], "error: train='peft': IA3 adapters have no closed form"),
+])
+def test_peft_methods_the_tiers_refuse_exit_2(cfg, argv, match, tmp_path):
+    """Real tiers (a fresh process, no stub): one line naming the method, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "hybridmem.cli", "predict", "--model",
+                           "tiny-llama", "--seq-len", "32", "--peft-config",
+                           _adapter(tmp_path, **cfg), *argv], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(match)
+    assert proc.stderr.count("\n") == 1

@@ -14,6 +14,9 @@ weights sit in the autocast cache until autocast exits), while embeddings, resid
 (fp32 + bf16 promotes), norms and RoPE (fp32 cos/sin) keep the residual stream in fp32.
 LoRA (PEFT `lora.Linear.forward`): `_cast_input_dtype` casts the input to the fp32 adapter dtype
 (a saved copy when the model runs in bf16), lora_A's output is saved by lora_B.
+DoRA (peft/tuners/lora/dora.py `DoraLinearLayer.forward`, see `dora_saved` / `dora_forward`)
+also saves the base output and lora_B's output for the magnitude's grad, and builds the full
+weight W + scale B@A (fp32) in every forward to take its (detached) column norm.
 
 Tokens: B = micro_batch x seq (language model), N = crops x tokens per crop (vision tower).
 This module holds the shared pieces; the formulas are in `text_acts` (decoder LLM, loss) and
@@ -47,6 +50,7 @@ class Ctx:
     lora_r: int = 0
     lora_dropout: float = 0.0
     ckpt: bool = False
+    dora: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,69 @@ def adapters_on(layer: Layer, names: tuple[str, ...]) -> int:
                .split(".")[-1] in names)
 
 
+def lora_matrices(layer: Layer) -> tuple:
+    """lora_A / lora_B of the layer (not DoRA's magnitude vectors, which no matmul reads)."""
+    return tuple(p for p in layer.lora if "lora_magnitude_vector" not in p.name)
+
+
+def _linear_of(name: str) -> str:
+    """`self_attn.q_proj.lora_A.default.weight` -> `self_attn.q_proj` (`` for lm_head)."""
+    return name.rsplit("lora_", 1)[0].rstrip(".")
+
+
+def dora_linears(layer: Layer, names: tuple[str, ...] | None = None) -> list[tuple[int, int, int]]:
+    """(in, out, r) of the layer's DoRA linears (those with a magnitude vector), by name."""
+    a = {_linear_of(p.name): p.shape for p in layer.lora if "lora_A." in p.name}
+    out = []
+    for p in layer.lora:
+        lin = _linear_of(p.name)
+        if "lora_magnitude_vector" in p.name and (names is None or lin.split(".")[-1] in names):
+            r, n_in = a[lin]
+            out.append((n_in, p.shape[0], r))
+    return out
+
+
+def dora_saved(sv: Saved, c: Ctx, tokens: int, linears: list[tuple[int, int, int]],
+               need_in: bool) -> None:
+    """What autograd keeps of each DoRA linear beyond LoRA's (dora.py `forward`):
+    `(mag_norm_scale - 1) * base_result` saves base_result (B x out; the base layer's output,
+    or with dropout `F.linear(dropout(x), W.to(x.dtype))`, fp32 in a pure run) and, when
+    base_result needs a grad, `mag_norm_scale - 1`; `mag_norm_scale * lora_result` saves
+    lora_result (B x out, lora_B's output) and mag_norm_scale; `magnitude / weight_norm` saves
+    the detached weight_norm (out, fp32). With dropout, F.linear also saves the weight copy it
+    multiplies (fp32 `.to` copy; autocast's bf16 cast) when its input needs a grad."""
+    dropout = c.lora_dropout > 0
+    adapter = 2 if c.amp else FP32  # lora_B's output dtype (as in `lora_outputs`)
+    for n_in, n_out, _ in linears:
+        sv.add(tokens * n_out, adapter if dropout else c.e)   # base_result
+        sv.add(tokens * n_out, adapter)                         # lora_result
+        sv.add(n_out, FP32, times=2)                            # weight_norm, mag_norm_scale
+        sv.add(n_out, FP32, cond=need_in)                       # mag_norm_scale - 1
+        if dropout and need_in:
+            sv.add(n_out * n_in, 2 if c.amp else FP32, cond=c.amp or c.e != FP32)
+
+
+def dora_forward(c: Ctx, linears: list[tuple[int, int, int]]) -> tuple[int, ...]:
+    """Tensors alive at the top of one DoRA linear's forward, the largest linear's (dora.py):
+    `get_lora_weight` runs lora_B(lora_A(eye(in))) (fp32 eye; under autocast its bf16 cast
+    and a bf16 product cast back `.to(x.dtype)` = fp32), `weight.to(x.dtype)` an fp32 copy of
+    a bf16/fp16 weight, and `get_weight_norm` `weight + scaling * lora_weight`: two more
+    full-weight fp32 tensors. All die when the forward returns (the norm is detached, the
+    lora_weight graph unreferenced)."""
+    best: tuple[int, ...] = ()
+    for n_in, n_out, r in linears:
+        parts = [t(n_in * n_in, FP32), t(n_in * r, 2 if c.amp else FP32)]
+        if c.amp:
+            parts += [t(n_in * n_in, 2), t(n_in * n_out, 2)]
+        parts.append(t(n_in * n_out, FP32))                     # lora_weight in x's dtype
+        if not c.amp and c.e != FP32:
+            parts.append(t(n_in * n_out, FP32))                 # weight.to(fp32)
+        parts += [t(n_in * n_out, FP32)] * 2                    # scaling * lora_w, the sum
+        if sum(parts) > sum(best):
+            best = tuple(parts)
+    return best
+
+
 def linear_inputs(sv: Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, base_w: bool,
                    adapters: int, shared: bool) -> None:
     """Inputs saved by `n_base` linears reading one tensor of `numel` elements.
@@ -137,7 +204,7 @@ def amp_copies(layer: Layer, c: Ctx, active: bool, need_w: bool) -> tuple[int, i
     if not c.amp or not active:
         return 0, 0
     base = t(linear_weights(layer), 2) if layer.params else 0
-    lora = sum(t(p.numel, 2) for p in layer.lora)
+    lora = sum(t(p.numel, 2) for p in lora_matrices(layer))
     return base + lora, (base if need_w else 0) + lora
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hybridmem.adapters import peft_type
 from hybridmem.analytic import activations as A, text_acts as TA, vision_acts as VA
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.events import MLP_ALL, build as build_events
@@ -53,7 +54,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
                         reason="FlashAttention-2 runs only in fp16/bf16, not precision='fp32'")
     return A.Ctx(e=policy.compute_bytes, stream=4 if amp else policy.param_bytes, amp=amp,
                  attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0,
-                 lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt)
+                 lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt,
+                 dora=bool(spec.lora and spec.lora.use_dora))
 
 
 # layer kind -> activation formula (need_in, need_w); kinds not listed keep nothing for
@@ -101,7 +103,8 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
     out = []
     for mname, layer in graph.layers():
         st = layer_states(layer, policy, spec.optimizer)
-        need_w = layer.gets_grads
+        # a modules_to_save copy trains in place of the frozen original: its input is saved
+        need_w = layer.gets_grads or (bool(layer.copies) and layer.runs)
         lora = bool(layer.lora) and layer.runs
         if mname == "vision_tower":
             need_in = flow["vision"]
@@ -117,7 +120,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
             need_in = False
             flow["lm"] = need_w or input_grads or (flow["image"] and graph.image_tokens > 0)
         elif layer.kind == "rotary":
-            need_in = flow["lm"] or any(l.gets_grads or l.lora for l in lm_layers)
+            need_in = flow["lm"] or any(l.gets_grads or l.lora or l.copies for l in lm_layers)
         elif layer.kind == "lm_head":
             need_in = flow["lm"]
             need_w = need_w or tied_w
@@ -197,6 +200,13 @@ def _notes(graph: ModelGraph, spec: TrainingSpec) -> tuple[str, ...]:
     if spec.train == "lora":
         notes.append("LoRA adapters (fp32, PEFT default) on language-model linears only, as "
                      "LLaVA's finetune_lora recipe")
+        if spec.lora.use_dora:
+            notes.append("DoRA: fp32 magnitude vectors; per adapted linear the base and lora_B "
+                         "outputs are saved and the fp32 full weight W + scale B@A is built "
+                         "in every forward (peft/tuners/lora/dora.py)")
+        if spec.lora.modules_to_save:
+            notes.append(f"modules_to_save {', '.join(spec.lora.modules_to_save)}: a trainable "
+                         "copy in the base dtype, the original frozen")
     return tuple(notes)
 
 
@@ -216,6 +226,9 @@ def timeline(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], list[Point]]
 
 
 def _setup(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], Statics]:
+    if spec.train == "peft":
+        raise SpecError("train", "peft", reason=f"{peft_type(spec)} adapters have no closed "
+                        "form here; use --method trace")
     graph = build_graph(spec)
     priced = price(graph, spec)
     stepped = [s for p in priced for s in p.states.stepped]

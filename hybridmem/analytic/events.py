@@ -156,7 +156,7 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
     for p in priced:  # setup: parameters, buffers, adapters; fp32 masters
         layer = p.layer
         s.allocs(t(q.numel, q.itemsize or policy.param_bytes)
-                 for q in (*layer.params, *layer.buffers, *layer.lora))
+                 for q in (*layer.params, *layer.buffers, *layer.lora, *layer.copies))
     if policy.master_bytes:
         for p in priced:
             if p.layer.trainable:

@@ -122,7 +122,7 @@ def optimizer_temporary(optimizer: str, stepped: list[Stepped]) -> int:
 def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> LayerStates:
     """Param / grad / optimizer bytes of one layer (base params, buffers, LoRA adapters)."""
     base = [(p, _size(p, policy)) for p in layer.params]
-    lora = [(p, _size(p, policy)) for p in layer.lora]
+    lora = [(p, _size(p, policy)) for p in layer.lora + layer.copies]
     buffers = [t(b.numel, _size(b, policy)) for b in layer.buffers]
     params = [t(p.numel, sz) for p, sz in base + lora]
     with_grad = layer.grad_tensors
@@ -132,6 +132,9 @@ def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> Layer
     # (DeepSpeed flattens all requires_grad params into its fp32 groups)
     masters = [t(p.numel, policy.master_bytes) for p, _ in base
                if policy.master_bytes and layer.trainable]
+    # bf16-master: DeepSpeed's fp32 copies of trainable bf16 modules_to_save copies
+    masters += [t(p.numel, policy.master_bytes) for p in layer.copies
+                if policy.master_bytes and p.itemsize is None]
     for p in with_grad:
         state = FP32 if p.itemsize is not None else policy.state_bytes
         stepped.append(Stepped(p.numel, p.shape, state))

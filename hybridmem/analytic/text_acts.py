@@ -4,8 +4,8 @@ with the loss, token embedding, rotary tables (sources: `hybridmem.analytic.acti
 from __future__ import annotations
 
 from hybridmem.analytic.activations import (
-    FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, linear_inputs,
-    lora_outputs,
+    FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward,
+    dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs,
 )
 from hybridmem.analytic.alloc import t
 from hybridmem.models.graph import Layer
@@ -31,10 +31,12 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(B * h, sb, need_w)
     linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False)
     lora_outputs(sv, c, B, n_qkv)
+    dora_saved(sv, c, B, dora_linears(layer, ("q_proj", "k_proj", "v_proj")), need_in)
     probs = attention_core(sv, c, b, s, d["heads"], qd, kvd)
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager")
     lora_outputs(sv, c, B, n_o)
+    dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
     attn_part = sv.total
     # post-attention RMSNorm on the residual h1 (always on the grad path once active)
     sv.add(B * h, FP32)
@@ -42,13 +44,17 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(B * h, sb, need_w)
     linear_inputs(sv, c, B * h, sb, 2, need_w, n_gu, shared=False)
     lora_outputs(sv, c, B, n_gu)
+    dora_saved(sv, c, B, dora_linears(layer, ("gate_proj", "up_proj")), True)
     sv.add(B * f, e, times=3)  # gate output (SiLU input), SiLU output, up output (mul operands)
     linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
     lora_outputs(sv, c, B, n_down)
+    dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
     copies, cache = amp_copies(layer, c, active, need_w)
     # forward transients: RoPE's rotated q, k (fp32 under autocast), eager's two probs casts
     rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
     fwd_parts = (*rope_parts, *[t(probs, e)] * (2 if probs else 0))
+    dora = dora_forward(c, dora_linears(layer))
+    fwd_parts = dora if sum(dora) > sum(fwd_parts) else fwd_parts  # not alive together
     # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
     # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
     mlp_bwd = 2 * t(B * f, e)
@@ -106,16 +112,18 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         return Acts()
     e = c.e
     sv = Saved()
-    linear_inputs(sv, c, B * h, c.stream, 1, need_w, len(layer.lora) // 2, shared=False)
-    lora_outputs(sv, c, B, len(layer.lora) // 2)
+    n_lora = len(lora_matrices(layer)) // 2
+    linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False)
+    lora_outputs(sv, c, B, n_lora)
+    dora_saved(sv, c, B, dora_linears(layer), need_in)
     sv.add(B * V, FP32)  # log_softmax output
     sv.add(B, INT64)     # shift_labels (`labels[..., 1:].contiguous()`), nll_loss's target
     sv.add(1, FP32, times=2)  # nll_loss output and total_weight
     copies = cache = 0
     if c.amp:
         w = t(V * h, 2)
-        copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in layer.lora)
-        cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in layer.lora)
+        copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
+        cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
     fwd_parts = (t(B * V, e), *([t(B * V, FP32)] if e != FP32 else []))
     # the backward's three stages (docstring); the largest sets the transient
     bwd_parts = max(([t(B * V, FP32)] * 2,

@@ -24,15 +24,35 @@ def resolve_gpu(gpu: str | None, gpu_mem: float | None) -> GPU | None:
     return None
 
 
-def resolve_method(method: str | None) -> str:
-    """The tier to use: the user's, else hybrid only when a calibrated model fits (issue 5)."""
+# The tier `train='peft'` needs: no closed form prices an arbitrary PEFT method.
+PEFT_METHOD = "trace"
+
+
+def resolve_method(method: str | None, spec=None) -> str:
+    """The tier to use: the user's; else the trace tier for a non-LoRA PEFT adapter
+    (`train='peft'`); else hybrid only when a calibrated model fits (issue 5)."""
     if method is not None:
         return method
+    if spec is not None and spec.train == "peft":
+        return PEFT_METHOD
     try:
         from hybridmem.learned.predictor import default_method
     except ImportError:  # the `learned` extra is not installed
         return "analytic"
     return default_method()
+
+
+def _method_note(result, chosen: str, given: str | None, spec):
+    """Say so in the notes when the tier was picked for a PEFT method."""
+    import dataclasses
+
+    if given is None and spec.train == "peft" and chosen == PEFT_METHOD:
+        from hybridmem.adapters import peft_type
+
+        note = (f"method: {PEFT_METHOD} chosen because {peft_type(spec)} adapters have no "
+                "closed form (pass --method to override)")
+        return dataclasses.replace(result, notes=(*result.notes, note))
+    return result
 
 
 def predict_command(
@@ -44,7 +64,7 @@ def predict_command(
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16, fp16, bf16-mixed (default), fp16-mixed, bf16-master."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw (default), adamw-fused, adamw-8bit, sgd, sgd-momentum, adafactor, lion."),
     grad_ckpt: Optional[bool] = typer.Option(None, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing (default off)."),
-    train: Optional[str] = typer.Option(None, "--train", help="full (default), llm+projector, projector, lora."),
+    train: Optional[str] = typer.Option(None, "--train", help="full (default), llm+projector, projector, lora; peft comes with --peft-config."),
     lora_r: Optional[int] = typer.Option(None, "--lora-r", help="LoRA rank (default 8)."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 16)."),
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="Comma-separated module names (default: all LLM linear layers)."),
@@ -90,11 +110,12 @@ def predict_command(
     target = resolve_gpu(gpu, gpu_mem)
     options = {}
     if timeline is not None:
-        if method not in ("trace",):
+        if resolve_method(method, spec) != "trace":
             raise SpecError("timeline", timeline, reason="--timeline needs --method trace")
         options["timeline"] = timeline
-    method = resolve_method(method)
+    given, method = method, resolve_method(method, spec)
     result = predict(spec, method=method, gpu=target, find_max_batch=find_max_batch, **options)
+    result = _method_note(result, method, given, spec)
     advice = None
     if target is not None and (spec.parallel.strategy != "none" or not result.fits):
         advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=method))

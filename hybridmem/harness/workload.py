@@ -9,7 +9,6 @@ image tokens right after BOS and masked out of the labels, no attention mask (un
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -63,14 +62,20 @@ def freeze(model: nn.Module, spec: TrainingSpec) -> None:
 
 
 def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
-    """PEFT LoRA on the non-vision linears named in `spec.lora.targets` (adapters in fp32)."""
+    """The spec's PEFT adapters (adapters in fp32, PEFT's default): LoRA/DoRA on the non-vision
+    linears named in `spec.lora.targets`, or any method of `spec.peft_config`; the same config
+    the trace tier builds (`adapters.build_peft_config`)."""
     import peft
 
-    lora = spec.lora
-    pattern = r"^(?!.*vision_tower).*\.(" + "|".join(map(re.escape, lora.targets)) + r")$"
-    cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=pattern, bias="none")
-    return peft.get_peft_model(model, cfg)
+    from hybridmem.adapters import build_error, build_peft_config
+
+    cfg = build_peft_config(spec)
+    try:
+        return peft.get_peft_model(model, cfg)
+    except Exception as err:  # noqa: BLE001 - PEFT refused the user's adapter config
+        if spec.train == "lora":
+            raise
+        raise build_error(spec, err) from err
 
 
 def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -162,7 +167,7 @@ def build_trainable(spec: TrainingSpec, config, device,
     with build_context():
         model = build_model(spec, config, device)
     freeze(model, spec)
-    if spec.train == "lora":
+    if spec.train in ("lora", "peft"):
         model = add_lora(model, spec)
     if spec.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model

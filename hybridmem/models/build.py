@@ -16,7 +16,7 @@ from hybridmem.models.llava import ImageLayout, image_layout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
 from hybridmem.models.vision import tokens_per_crop, vision_layers
-from hybridmem.spec import TrainingSpec
+from hybridmem.spec import LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
 # the projector; stage 2 (`llm+projector`) everything but the vision tower
@@ -28,6 +28,9 @@ TRAINABLE_MODULES: dict[str, frozenset[str]] = {
                                 "lm_head"}),
     "projector": frozenset({"multi_modal_projector"}),
     "lora": frozenset(),
+    # any other PEFT method (`adapters.spec_fields`): the base model is frozen, PEFT decides
+    # what trains; priced by the trace tier only
+    "peft": frozenset(),
 }
 
 # Top-level part a real (HF) parameter / module name belongs to, by the first matching name
@@ -44,7 +47,7 @@ def part_of(name: str) -> str:
     return "language_model"
 
 
-DECODER_TRAINS: tuple[str, ...] = ("full", "lora")
+DECODER_TRAINS: tuple[str, ...] = ("full", "lora", "peft")
 LORA_FP32 = 4  # PEFT `autocast_adapter_dtype=True` (default) keeps adapters in float32
 # LoRA goes on language-model linears only, as LLaVA's `find_all_linear_names` does (it skips
 # the vision tower and the projector); `lm_head` only when named explicitly.
@@ -98,20 +101,48 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
     return modules
 
 
-def _lora_adapters(layer: Layer, module: str, targets: tuple[str, ...], r: int) -> Layer:
-    """PEFT `LoraLayer`: lora_A (r x in) and lora_B (out x r) on every matching Linear."""
+def _lora_adapters(layer: Layer, module: str, lora: LoraSpec) -> Layer:
+    """PEFT `LoraLayer`: lora_A (r x in) and lora_B (out x r) on every matching Linear; DoRA
+    adds `lora_magnitude_vector` (out,), the fp32 column norms of W + scale B@A at init
+    (peft/tuners/lora/dora.py `DoraLinearLayer.update_layer`)."""
     adapters = []
     for p in layer.params:
         if not p.name.endswith("weight") or len(p.shape) != 2 or layer.kind == "embedding":
             continue
         linear = p.name[: -len(".weight")] if p.name != "weight" else ""
         key = ".".join(x for x in (module, layer.scope, linear) if x)
-        if any(key == t or key.endswith("." + t) for t in targets):
+        if any(key == t or key.endswith("." + t) for t in lora.targets):
             n_out, n_in = p.shape
             prefix = f"{linear}." if linear else ""
-            adapters += [T(f"{prefix}lora_A.default.weight", (r, n_in), LORA_FP32),
-                         T(f"{prefix}lora_B.default.weight", (n_out, r), LORA_FP32)]
+            adapters += [T(f"{prefix}lora_A.default.weight", (lora.r, n_in), LORA_FP32),
+                         T(f"{prefix}lora_B.default.weight", (n_out, lora.r), LORA_FP32)]
+            if lora.use_dora:
+                adapters.append(T(f"{prefix}lora_magnitude_vector.default.weight", (n_out,),
+                                  LORA_FP32))
     return replace(layer, lora=tuple(adapters))
+
+
+def _own_weights(layer: Layer, vocab: int, hidden: int) -> tuple[T, ...]:
+    """The layer's parameters as its nn.Module holds them (a tied lm_head holds the
+    embedding's weight, which the graph counts at embed_tokens)."""
+    if layer.kind == "lm_head" and not layer.params:
+        return (T("weight", (vocab, hidden)),)
+    return layer.params
+
+
+def _saved_copies(layer: Layer, prefix: str, names: tuple[str, ...], vocab: int,
+                  hidden: int) -> Layer:
+    """PEFT `modules_to_save`: `ModulesToSaveWrapper` deep-copies every module whose name is
+    a target or ends with `.target` (peft/utils/other.py); the copy, in the base dtype (it is
+    no tuner layer, so `autocast_adapter_dtype` leaves it), trains, the original stays frozen.
+    A parameter is copied when any module above it matches."""
+    copies = []
+    for p in _own_weights(layer, vocab, hidden):
+        path = [x for x in (prefix, layer.scope) if x] + p.name.split(".")[:-1]
+        mods = [".".join(path[:i]) for i in range(1, len(path) + 1)]
+        if any(m == t or m.endswith("." + t) for m in mods for t in names):
+            copies.append(T(f"modules_to_save.default.{p.name}", p.shape, p.itemsize))
+    return replace(layer, copies=tuple(copies))
 
 
 def _lora_target_names(modules: list[Module]) -> list[str]:
@@ -125,18 +156,25 @@ def _lora_target_names(modules: list[Module]) -> list[str]:
     return sorted(names)
 
 
-def _apply_training(modules: list[Module], spec: TrainingSpec) -> list[Module]:
+def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
+                    hidden: int) -> list[Module]:
     trainable = TRAINABLE_MODULES[spec.train]
     out = []
     for m in modules:
         layers = tuple(replace(layer, trainable=m.name in trainable) for layer in m.layers)
         if spec.train == "lora" and m.name in LORA_MODULES:
-            layers = tuple(_lora_adapters(layer, m.name, spec.lora.targets, spec.lora.r)
-                           for layer in layers)
+            layers = tuple(_lora_adapters(layer, m.name, spec.lora) for layer in layers)
+        if spec.train == "lora" and spec.lora.modules_to_save:
+            layers = tuple(_saved_copies(layer, m.prefix, spec.lora.modules_to_save, vocab,
+                                         hidden) for layer in layers)
         out.append(replace(m, layers=layers))
     if spec.train == "lora" and not any(layer.lora for m in out for layer in m.layers):
         raise SpecError("lora.targets", ",".join(spec.lora.targets), _lora_target_names(out),
                         reason="matches no module")
+    if spec.train == "lora" and spec.lora.modules_to_save and not any(
+            layer.copies for m in out for layer in m.layers):
+        raise SpecError("lora.modules_to_save", ",".join(spec.lora.modules_to_save),
+                        reason="matches no module of the model")
     return out
 
 
@@ -162,9 +200,9 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         modules = _multimodal_modules(cfg, spec, images, layout)
         lm, head = _decoder_modules(cfg, spec, "model.language_model")
         modules = modules + [lm, head]
-    modules = _apply_training(modules, spec)
     vc = getattr(cfg, "vision_config", None)
     tc = getattr(cfg, "text_config", cfg)
+    modules = _apply_training(modules, spec, tc.vocab_size, tc.hidden_size)
     return ModelGraph(
         model=name, model_type=cfg.model_type, modules=tuple(modules),
         vocab_size=tc.vocab_size, text_hidden=tc.hidden_size, micro_batch=spec.micro_batch,

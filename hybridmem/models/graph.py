@@ -49,6 +49,8 @@ class Layer:
     """Registered buffers (rotary frequencies, position ids): memory, but not parameters."""
     lora: tuple[ParamTensor, ...] = ()
     """LoRA adapter tensors added by PEFT (fp32), when train='lora'."""
+    copies: tuple[ParamTensor, ...] = ()
+    """Trainable copies of frozen params (PEFT `modules_to_save`): params, grads, state."""
     trainable: bool = False
     """The base params have requires_grad=True under the spec's `train` mode."""
     on_grad_path: bool = True
@@ -70,8 +72,9 @@ class Layer:
     @property
     def grad_tensors(self) -> tuple[ParamTensor, ...]:
         """The tensors that get a .grad (and optimizer state): base params when `gets_grads`,
-        LoRA adapters whenever the layer runs."""
-        return (self.params if self.gets_grads else ()) + (self.lora if self.runs else ())
+        LoRA adapters and modules_to_save copies whenever the layer runs."""
+        return (self.params if self.gets_grads else ()) + (
+            self.lora + self.copies if self.runs else ())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,6 +93,11 @@ class Module:
     @property
     def num_lora_params(self) -> int:
         return sum(p.numel for layer in self.layers for p in layer.lora)
+
+    @property
+    def num_copy_params(self) -> int:
+        """Parameters of PEFT `modules_to_save` copies."""
+        return sum(p.numel for layer in self.layers for p in layer.copies)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

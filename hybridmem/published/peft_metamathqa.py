@@ -36,7 +36,7 @@ import json
 import re
 from functools import lru_cache
 
-from hybridmem.adapters import spec_fields
+from hybridmem.adapters import config_type, group_of, spec_fields
 from hybridmem.errors import SpecError
 from hybridmem.harness.schema import spec_hash
 from hybridmem.spec import TrainingSpec
@@ -123,12 +123,9 @@ def cuda_version(torch_version: str) -> str:
 
 
 def group(adapter_config: dict | None) -> str:
-    """Evaluation group: full, lora, dora or other-peft."""
-    if adapter_config is None:
-        return "full"
-    if str(adapter_config.get("peft_type", "")).upper() == "LORA":
-        return "dora" if adapter_config.get("use_dora") else "lora"
-    return "other-peft"
+    """Evaluation group (`adapters.GROUPS`): full, lora, dora or other-peft (from the config, so
+    excluded records are grouped too)."""
+    return group_of(config_type(adapter_config))
 
 
 def steady_allocated(extra: dict) -> float | None:

@@ -4,18 +4,21 @@ Traps handled here (DESIGN.md, "Facts measured or read"): fake `cuda` tensors do
 CPU-only build, so tensors are CPU fakes; `model.to(dtype)` fails on fake parameters, so the
 parameter dtype comes from `torch.set_default_dtype`; `peft.get_peft_model` moves adapters with
 `.to()`, which fails the same way, so that move is skipped (the adapters are already created on
-the base layer's device).
+the base layer's device), for every PEFT method.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import warnings
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
+from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
 from hybridmem.spec import TrainingSpec
@@ -63,23 +66,29 @@ def freeze(model: nn.Module, spec: TrainingSpec) -> None:
         p.requires_grad_(part_of(name) in trained)
 
 
-def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
-    """Wrap with PEFT LoRA on the language model's linear layers named in `spec.lora.targets`."""
-    import peft
-    from peft.tuners.lora import layer as lora_layer
+def _tuner_layers_with_own_move() -> list[type]:
+    """BaseTunerLayer and every PEFT tuner layer class overriding its adapter move."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    lora = spec.lora
-    # Only the LLM gets adapters (CLIP also has q/k/v_proj): the LLaVA finetune_lora recipe.
-    pattern = r"^(?!.*vision_tower).*\.(" + "|".join(map(re.escape, lora.targets)) + r")$"
-    cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=pattern, bias="none")
-    names = [n for n, _ in model.named_modules()]
-    if not any(re.match(pattern, n) for n in names):
-        raise SpecError("lora.targets", lora.targets,
-                        sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                                if isinstance(m, nn.Linear)}),
-                        reason="no language-model linear layer has these names")
-    move = lora_layer.LoraLayer._move_adapter_to_device_of_base_layer
+    out, todo = [], [BaseTunerLayer]
+    while todo:
+        cls = todo.pop()
+        if "_move_adapter_to_device_of_base_layer" in cls.__dict__:
+            out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+@contextlib.contextmanager
+def _no_device_moves():
+    """PEFT moves new adapters and replaced modules with `.to()`; on fake parameters that swap
+    fails, and everything is already on the (CPU) device, so device-only moves are skipped.
+
+    The skipped move would also cast adapters to the base dtype, which PEFT's
+    `autocast_adapter_dtype=True` (the default) casts back to fp32 right after: building them
+    in fp32 (`default_dtype`) ends in the same tensors."""
+    classes = _tuner_layers_with_own_move()
+    saved = {cls: cls.__dict__["_move_adapter_to_device_of_base_layer"] for cls in classes}
     module_to = nn.Module.to
 
     def to_device_only(self, *args, **kwargs):
@@ -87,19 +96,99 @@ def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
         _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         return self if dtype is None else module_to(self, *args, **kwargs)
 
-    # PEFT moves new adapters and replaced modules with `.to()`; on fake parameters that swap
-    # fails, and everything is already on the (CPU) device, so device-only moves are skipped.
-    lora_layer.LoraLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
+    for cls in classes:
+        cls._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
     nn.Module.to = to_device_only
     try:
-        # PEFT keeps adapter weights in fp32 (`autocast_adapter_dtype=True`): build them so.
-        with default_dtype(torch.float32), warnings.catch_warnings():
-            # peft calls transformers' deprecated `is_gradient_checkpointing`: not the user's concern
-            warnings.simplefilter("ignore", FutureWarning)
-            return peft.get_peft_model(model, cfg)
+        yield
     finally:
-        lora_layer.LoraLayer._move_adapter_to_device_of_base_layer = move
+        for cls, move in saved.items():
+            cls._move_adapter_to_device_of_base_layer = move
         nn.Module.to = module_to
+
+
+def _module_copy(obj, memo=None):
+    """`copy.deepcopy` whose tensors are cloned in the active tensor mode: deep-copying a
+    FakeTensor makes a new FakeTensorMode ("Mixing fake modes"); a clone is what a CUDA
+    deepcopy allocates (one new storage per parameter and buffer)."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, nn.Module):
+        for p in obj.parameters():
+            memo.setdefault(id(p), nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+        for b in obj.buffers():
+            memo.setdefault(id(b), b.clone())
+    return copy.deepcopy(obj, memo)
+
+
+@contextlib.contextmanager
+def _fake_safe_module_copies():
+    """PEFT `ModulesToSaveWrapper` (modules_to_save, trainable_token copies) deep-copies the
+    original module (peft/utils/other.py `copy.deepcopy(self.original_module)`)."""
+    import types
+
+    from peft.utils import other
+
+    saved = other.copy
+    other.copy = types.SimpleNamespace(deepcopy=_module_copy, copy=copy.copy)
+    try:
+        yield
+    finally:
+        other.copy = saved
+
+
+@contextlib.contextmanager
+def scalar_branches():
+    """`bool(t)` / `t.item()` of a one-element fake or meta tensor is True / 1.0.
+
+    PEFT LyCORIS layers (LoHa, LoKr) draw `torch.rand(1) > module_dropout` in every training
+    forward (peft/tuners/loha/layer.py): a host-side branch, no device memory, whose value a
+    fake tensor does not have. With module_dropout = 0 (the default) it is always True."""
+    item, as_bool = torch.Tensor.item, torch.Tensor.__bool__
+
+    def fake(self):
+        return isinstance(self, FakeTensor) or self.is_meta
+
+    torch.Tensor.item = lambda self: 1.0 if fake(self) else item(self)
+    torch.Tensor.__bool__ = lambda self: True if fake(self) else as_bool(self)
+    try:
+        yield
+    finally:
+        torch.Tensor.item, torch.Tensor.__bool__ = item, as_bool
+
+
+def _check_lora_targets(model: nn.Module, spec: TrainingSpec) -> None:
+    pattern = lora_llm_pattern(spec.lora.targets)
+    if not any(re.match(pattern, n) for n, _ in model.named_modules()):
+        raise SpecError("lora.targets", spec.lora.targets,
+                        sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                if isinstance(m, nn.Linear)}),
+                        reason="no language-model linear layer has these names")
+
+
+def add_adapters(model: nn.Module, spec: TrainingSpec) -> nn.Module:
+    """Wrap with the spec's PEFT adapters (`adapters.build_peft_config`: LoRA/DoRA on the
+    language model's linears in `spec.lora.targets`, or any method of `spec.peft_config`).
+
+    A method PEFT cannot build on this model is a one-line `SpecError` naming it."""
+    import peft
+
+    cfg = build_peft_config(spec)
+    if spec.train == "lora":
+        _check_lora_targets(model, spec)
+    # PEFT keeps adapter weights in fp32 (`autocast_adapter_dtype=True`): build them so.
+    with _no_device_moves(), _fake_safe_module_copies(), default_dtype(torch.float32), \
+            warnings.catch_warnings():
+        # peft calls transformers' deprecated `is_gradient_checkpointing`: not the user's concern
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return peft.get_peft_model(model, cfg)
+        except Exception as err:  # noqa: BLE001 - any refusal of PEFT's is the user's config
+            if spec.train == "lora":
+                raise
+            raise build_error(spec, err) from err
+
+
+add_lora = add_adapters  # the LoRA-only name callers used before train='peft'
 
 
 def enable_checkpointing(model: nn.Module) -> None:

@@ -57,8 +57,8 @@ def prepare(spec: TrainingSpec, config) -> Job:
     """Model, frozen parts, LoRA, checkpointing, optimizer and batch, as for a CUDA run."""
     model = build.build_model(spec, config)
     build.freeze(model, spec)
-    if spec.train == "lora":
-        model = build.add_lora(model, spec)
+    if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
+        model = build.add_adapters(model, spec)
     if spec.grad_ckpt:
         build.enable_checkpointing(model)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -199,7 +199,8 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
     tracker = StorageTracker()
     try:
         with prepared(spec, config, backend) as job, tracker, \
-                tracker.watching(build.top_modules(job.model)):
+                tracker.watching(build.top_modules(job.model)), \
+                (build.scalar_branches() if spec.train == "peft" else contextlib.nullcontext()):
             for name, p in job.model.named_parameters():
                 tracker.label(p, "param", part_of(name))
             for name, b in job.model.named_buffers():
