@@ -26,7 +26,8 @@ under the same key, and the reader keeps the newest row per key."""
 
 # Columns added after version 1 without a version bump (a reader of version 1 ignores them);
 # parts written before them read back with these values.
-ADDED_COLUMNS: dict[str, object] = {"strategy": "none", "rank_peaks_json": ""}
+ADDED_COLUMNS: dict[str, object] = {"strategy": "none", "rank_peaks_json": "", "loop": "trainer",
+                                     "max_grad_norm": 0.0, "grad_accum": 1}
 
 # column -> pandas dtype ("Int64"/"boolean" are nullable: oom/error rows have no peaks)
 COLUMNS: dict[str, str] = {
@@ -57,6 +58,9 @@ COLUMNS: dict[str, str] = {
     "lora_r": "int64",
     "world_size": "int64",
     "strategy": "string",
+    "loop": "string",
+    "max_grad_norm": "float64",
+    "grad_accum": "int64",
     "params_total": "Int64",
     "params_trainable": "Int64",
     "param_bytes": "Int64",
