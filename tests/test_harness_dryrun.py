@@ -55,3 +55,33 @@ def test_every_sampled_config_trains_on_the_cpu_stand_in(tmp_path, monkeypatch):
     for r in report.rows:
         assert len(json.loads(r["phase_peaks_json"])) == 1 + 3 * 3
         assert 0 < r["params_trainable"] <= r["params_total"]
+
+
+LOOP_SWEEP = """
+[sweep]
+name = "dryrun-loop"
+[[block]]
+model = ["tiny-llama"]
+micro_batch = [2]
+seq_len = [64]
+precision = ["fp16-mixed", "bf16-master"]
+loop = ["custom"]
+max_grad_norm = [1.0]
+grad_accum = [2]
+"""
+
+
+@pytest.mark.slow
+def test_loop_axes_train_on_the_cpu_stand_in(tmp_path, monkeypatch):
+    from hybridmem.harness import collect
+
+    monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(LOOP_SWEEP)
+    report = collect(sweep, out=tmp_path / "data", backend="cuda", mlflow=False)
+    assert [r["error"] for r in report.rows if r["outcome"] != "ok"] == []
+    assert len(report.rows) == 2
+    for r in report.rows:
+        assert (r["loop"], r["max_grad_norm"], r["grad_accum"]) == ("custom", 1.0, 2)
+        # setup + 3 iterations x (2 forward/backward micro-steps + the step)
+        assert len(json.loads(r["phase_peaks_json"])) == 1 + 3 * (2 * 2 + 1)

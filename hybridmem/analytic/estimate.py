@@ -23,6 +23,7 @@ from hybridmem.analytic.overheads import (
 )
 from hybridmem.analytic.states import (
     LayerStates,
+    clip_temporary,
     layer_states,
     optimizer_shared_bytes,
     optimizer_temporary,
@@ -88,6 +89,18 @@ def _mlp_grads(layer: Layer, policy) -> tuple[int, int]:
     return grads(MLP_OUT), grads(MLP_ALL)
 
 
+def _grad_max(layer: Layer, policy, tied: bool) -> tuple[int, int]:
+    """Largest grad tensor of (the MLP half, the rest) of a layer: what an accumulating
+    micro-step's backward makes before AccumulateGrad adds it in place. A tied embedding's
+    new grad is already its formula's `bwd_extra` (the second buffer), so it is left out."""
+    sizes = ([], [])
+    for p in layer.grad_tensors:
+        if tied and layer.kind == "embedding":
+            continue
+        sizes[not p.name.startswith(MLP_ALL)].append(t(p.numel, p.itemsize or policy.grad_bytes))
+    return max(sizes[0], default=0), max(sizes[1], default=0)
+
+
 def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
     """Every layer with its states, activations and flags, in forward order."""
     c = context(spec)
@@ -137,9 +150,13 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
         if tied_w and layer.kind == "lm_head":
             grad += tied_grad
         ckpt = spec.grad_ckpt and layer.kind in CHECKPOINTED
+        tie = (tied_grad if layer.kind == "lm_head" else -tied_grad) \
+            if tied_w and layer.kind in ("lm_head", "embedding") else 0
+        graded = layer.gets_grads or lora
         step = Step(acts=acts, ckpt=ckpt, grad=grad, grad_waste=waste,
-                    grad_mlp=_mlp_grads(layer, policy) if layer.gets_grads or lora else (0, 0),
-                    on_path=layer.on_grad_path)
+                    grad_mlp=_mlp_grads(layer, policy) if graded else (0, 0),
+                    on_path=layer.on_grad_path,
+                    grad_max=_grad_max(layer, policy, tied_w) if graded else (0, 0), tie=tie)
         out.append(Priced(mname, layer, st, step))
     return out
 
@@ -245,8 +262,20 @@ def _setup(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], Statics]:
         workspace_first=ws, workspace=CUBLAS_HANDLES_TRAINING * ws,
         waste_param=sum(p.states.waste_param for p in priced),
         waste_optimizer=sum(p.states.waste_optimizer for p in priced),
-        master_grads=_master_grads(priced, spec))
+        master_grads=_master_grads(priced, spec), **_loop(graph, spec, stepped))
     return graph, priced, st
+
+
+def _loop(graph: ModelGraph, spec: TrainingSpec, stepped) -> dict:
+    """The `Statics` of the training loop: what a custom loop's output object holds
+    (the logits as the lm_head returns them, in the compute dtype; the fp32 loss), the
+    accumulation steps, the clipping temporaries."""
+    custom = spec.loop == "custom"
+    head = next(l for m, l in graph.layers() if l.kind == "lm_head").dims
+    logits = t(head["b"] * head["s"] * head["vocab"], POLICIES[spec.precision].compute_bytes)
+    return {"custom": custom, "logits": logits if custom else 0,
+            "loss": t(1, A.FP32) if custom else 0, "grad_accum": spec.grad_accum,
+            "clip_temp": clip_temporary(stepped) if spec.max_grad_norm else 0}
 
 
 def _events(spec: TrainingSpec) -> list[tuple]:

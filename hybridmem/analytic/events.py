@@ -21,6 +21,10 @@ caching-allocator simulator the trace tier also uses (`hybridmem.allocator`):
   tensor per parameter of a (device, dtype) group, all alive until the group's update ends;
   adafactor one `row_var @ col_var` per >= 2-D parameter at a time; lion two clones per
   parameter at a time; fused/8-bit/SGD none; then zero_grad(set_to_none=True) frees the grads.
+- the loop (`timeline` docstring): `grad_accum` micro-steps, later ones making each grad as a
+  transient; `clip_grad_norm_`'s temporaries between the backward and the step; under the
+  custom loop the logits (taken out of the lm_head's forward transients), what layers hold
+  for the output object and the loss stay allocated until the next forward has returned.
 
 Approximations (documented, not hidden): what the formulas sum without listing (autocast
 weight copies, LoRA / flash-attention extras) is one or a few tensors; the order of ops inside
@@ -32,7 +36,7 @@ through the same simulator: experiments/analytic_vs_trace.py.
 from __future__ import annotations
 
 from hybridmem.analytic.alloc import t
-from hybridmem.analytic.states import state_bytes
+from hybridmem.analytic.states import foreach_norm_scratch, state_bytes
 from hybridmem.spec import POLICIES, TrainingSpec
 
 # parameters of a transformer layer's MLP half (its grads appear first in backward);
@@ -164,73 +168,31 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
     s.alloc(statics.inputs)
     stepped = [x for p in priced for x in p.states.stepped]
     grads: list[list[int]] = [[] for _ in priced]
+    output: list[int] = []  # the custom loop's output object (the previous micro-step's)
     for it in range(iterations):
-        mark("forward", it)
-        if it == 0:
-            s.alloc(statics.workspace_first)
-        kept: list[list[int]] = [[] for _ in priced]
-        saved: list[list[int]] = [[] for _ in priced]
-        drop_at_end: list[int] = []
-        for i, p in enumerate(priced):  # forward
-            a, st = p.step.acts, p.step
-            unit = a.ckpt_saved or max(a.parts, default=0)
-            extra = split(a.fwd_extra, a.fwd_parts, unit)
-            if st.on_path and st.ckpt:
-                # no_grad: intermediates die as soon as they are consumed; only the working
-                # set at the layer's high point and then its output are allocated
-                s.free(s.allocs(_no_grad_working_set(p.layer, a, amp) + extra))
-                kept[i] = s.allocs([a.ckpt_saved])
-                drop_at_end += s.allocs([a.cache])
+        for micro in range(statics.grad_accum):
+            mark("forward", it)
+            if it == 0 and micro == 0:
+                s.alloc(statics.workspace_first)
+            saved, kept, new_output = _forward(s, priced, statics, amp)
+            s.free(output)  # `outputs = model(**batch)`: the previous object dies here
+            output = new_output
+            mark("backward", it)
+            if it == 0 and micro == 0:
+                s.alloc(statics.workspace - statics.workspace_first)
+            if micro == 0:
+                _backward(s, priced, policy, saved, kept, grads)
             else:
-                saved[i] = _forward_with_grad(s, _parts(a), extra)
-                if not st.on_path:
-                    drop_at_end += saved[i]
-                    saved[i] = []
-            drop_at_end += s.allocs([a.held])
-        s.free(drop_at_end)
-        mark("backward", it)
-        tied = None
-        if it == 0:
-            s.alloc(statics.workspace - statics.workspace_first)
-        for i in reversed(range(len(priced))):  # backward
-            p = priced[i]
-            a, st = p.step.acts, p.step
-            mlp_g, rest_g, tie = _grad_sizes(p, policy)
-            if not st.on_path:
-                grads[i] = s.allocs(mlp_g + rest_g)
-                continue
-            unit = a.ckpt_saved or max(a.parts, default=0)
-            if st.ckpt:  # recompute
-                saved[i] = _forward_with_grad(s, _parts(a), split(a.fwd_extra, a.fwd_parts, unit))
-            if a.bwd_mlp:
-                tmp = s.allocs(split(a.bwd_mlp, a.bwd_mlp_parts, unit))
-                grads[i] = s.allocs(mlp_g)
-                s.free(tmp)
-                freed = 0  # the MLP's saved tensors: the last ones the forward made
-                while saved[i] and freed < a.mlp_saved:
-                    key = saved[i].pop()
-                    s.free([key])
-                    freed += s.sizes[key]
-            else:
-                rest_g = mlp_g + rest_g
-            tmp = s.allocs(split(a.bwd_extra, a.bwd_parts, unit))
-            grads[i] += s.allocs(rest_g)
-            if tie > 0:
-                tied = (i, len(grads[i]) - 1)
-            elif tie < 0 and tied is not None:  # the tied grad: old + new, then old freed
-                new = s.alloc(-tie)
-                s.free([grads[tied[0]][tied[1]]])
-                grads[tied[0]][tied[1]] = new
-            s.free(tmp)
-            s.free(saved[i])
-            s.free(kept[i])
-            saved[i], kept[i] = [], []
+                _accumulating_backward(s, priced, policy, saved, kept)
+            output += s.allocs([statics.loss])  # the loss outlives backward with the output
         mark("optimizer", it)
         if policy.master_bytes:  # master.grad = param.grad.float(), per layer
             for i, p in enumerate(priced):
                 new = s.allocs(t(x.numel, 4) for x in p.states.stepped)
                 s.free(grads[i])
                 grads[i] = new
+        if statics.clip_temp:
+            _clip_temporaries(s, stepped)
         if it == 0:
             for x in stepped:
                 s.allocs(state_bytes(x, spec.optimizer))
@@ -239,6 +201,136 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
             s.free(g)
         grads = [[] for _ in priced]
     return s.events
+
+
+def _forward(s: Stream, priced, statics, amp: bool):
+    """One forward: (saved keys, checkpointed inputs' keys, per layer; the keys the output
+    object keeps: the logits, what layers hold for it (`Step.held_by_output`), custom loop
+    only, else [])."""
+    kept: list[list[int]] = [[] for _ in priced]
+    saved: list[list[int]] = [[] for _ in priced]
+    drop_at_end: list[int] = []
+    output: list[int] = []
+    held = output if statics.custom else drop_at_end
+    for i, p in enumerate(priced):
+        a, st = p.step.acts, p.step
+        unit = a.ckpt_saved or max(a.parts, default=0)
+        extra = split(a.fwd_extra, a.fwd_parts, unit)
+        if p.layer.kind == "lm_head" and statics.logits and statics.logits in extra:
+            extra.remove(statics.logits)  # the logits outlive the forward with the output
+            output += s.allocs([statics.logits])
+        if st.on_path and st.ckpt:
+            # no_grad: intermediates die as soon as they are consumed; only the working
+            # set at the layer's high point and then its output are allocated
+            s.free(s.allocs(_no_grad_working_set(p.layer, a, amp) + extra))
+            kept[i] = s.allocs([a.ckpt_saved])
+            drop_at_end += s.allocs([a.cache])
+        else:
+            saved[i] = _forward_with_grad(s, _parts(a), extra)
+            if not st.on_path:
+                held += saved[i]
+                saved[i] = []
+        held += s.allocs([a.held])
+    s.free(drop_at_end)
+    return saved, kept, output
+
+
+def _backward(s: Stream, priced, policy, saved, kept, grads) -> None:
+    """The first micro-step's backward: grads allocated as they are produced."""
+    tied = None
+    for i in reversed(range(len(priced))):
+        p = priced[i]
+        a, st = p.step.acts, p.step
+        mlp_g, rest_g, tie = _grad_sizes(p, policy)
+        if not st.on_path:
+            grads[i] = s.allocs(mlp_g + rest_g)
+            continue
+        unit = a.ckpt_saved or max(a.parts, default=0)
+        if st.ckpt:  # recompute
+            saved[i] = _forward_with_grad(s, _parts(a), split(a.fwd_extra, a.fwd_parts, unit))
+        if a.bwd_mlp:
+            tmp = s.allocs(split(a.bwd_mlp, a.bwd_mlp_parts, unit))
+            grads[i] = s.allocs(mlp_g)
+            s.free(tmp)
+            _free_mlp_saved(s, saved[i], a.mlp_saved)
+        else:
+            rest_g = mlp_g + rest_g
+        tmp = s.allocs(split(a.bwd_extra, a.bwd_parts, unit))
+        grads[i] += s.allocs(rest_g)
+        if tie > 0:
+            tied = (i, len(grads[i]) - 1)
+        elif tie < 0 and tied is not None:  # the tied grad: old + new, then old freed
+            new = s.alloc(-tie)
+            s.free([grads[tied[0]][tied[1]]])
+            grads[tied[0]][tied[1]] = new
+        s.free(tmp)
+        s.free(saved[i])
+        s.free(kept[i])
+        saved[i], kept[i] = [], []
+
+
+def _accumulating_backward(s: Stream, priced, policy, saved, kept) -> None:
+    """A later micro-step's backward: each new grad is made, added in place into the live one
+    and freed (AccumulateGrad); a tied weight's lm_head grad waits in autograd's input buffer
+    until the embedding's backward."""
+    pending: list[int] = []
+    for i in reversed(range(len(priced))):
+        p = priced[i]
+        a, st = p.step.acts, p.step
+        if not st.on_path:
+            continue
+        mlp_g, rest_g, tie = _grad_sizes(p, policy)
+        if tie > 0:
+            rest_g = list(rest_g)
+            rest_g.remove(tie)
+            pending += s.allocs([tie])
+        unit = a.ckpt_saved or max(a.parts, default=0)
+        if st.ckpt:
+            saved[i] = _forward_with_grad(s, _parts(a), split(a.fwd_extra, a.fwd_parts, unit))
+        if a.bwd_mlp:
+            tmp = s.allocs(split(a.bwd_mlp, a.bwd_mlp_parts, unit))
+            for g in mlp_g:
+                s.free([s.alloc(g)])
+            s.free(tmp)
+            _free_mlp_saved(s, saved[i], a.mlp_saved)
+        else:
+            rest_g = mlp_g + rest_g
+        tmp = s.allocs(split(a.bwd_extra, a.bwd_parts, unit))  # a tied weight's new grad
+        for g in rest_g if tie >= 0 else ():
+            s.free([s.alloc(g)])
+        if tie < 0:
+            s.free(pending)
+            pending = []
+        s.free(tmp)
+        s.free(saved[i])
+        s.free(kept[i])
+        saved[i], kept[i] = [], []
+
+
+def _free_mlp_saved(s: Stream, keys: list[int], nbytes: int) -> None:
+    """Free the MLP's saved tensors (the last ones the forward made) before the attention's
+    backward."""
+    freed = 0
+    while keys and freed < nbytes:
+        key = keys.pop()
+        s.free([key])
+        freed += s.sizes[key]
+
+
+def _clip_temporaries(s: Stream, stepped) -> None:
+    """`clip_grad_norm_(foreach=True)`'s tensors in order (`states.clip_temporary`)."""
+    groups: dict[int, list] = {}
+    for x in stepped:
+        groups.setdefault(x.state, []).append(x)
+    norms: list[int] = []
+    for size, group in groups.items():
+        scratch = s.allocs(t(n, 4) for n in foreach_norm_scratch([x.numel for x in group]))
+        norms += s.allocs([t(1, size)] * len(group))
+        s.free(scratch + s.allocs([t(1, size)]))  # + the unused 0-dim global_norm
+    stacked = s.allocs([t(len(stepped), max(groups))])
+    total = s.allocs([t(1, max(groups))])
+    s.free(stacked + norms)
+    s.free(s.allocs([t(1, 4)] * 3) + total)  # clip coefficients, then the total norm
 
 
 def _optimizer_temporaries(s: Stream, optimizer: str, stepped) -> None:

@@ -33,6 +33,13 @@ BNB_MIN_8BIT = 4096   # bitsandbytes optim `min_8bit_size` default
 BNB_BLOCK = 256       # bitsandbytes blockwise optimizer state: absmax per 256 elements
 BNB_QMAP = 256       # one dynamic-quantisation map: 256 fp32 entries (F.create_dynamic_map)
 FP32 = 4
+# aten/src/ATen/native/cuda/MultiTensorApply.cuh `kChunkSize`: elements per chunk of a
+# multi-tensor kernel; `_foreach_norm`'s scratch holds one fp32 partial norm per chunk and tensor
+FOREACH_CHUNK = 65536
+# aten/src/ATen/native/cuda/ForeachReduceOp.cu `_foreach_tensor_norm_cuda_impl`:
+# `global_output = at::zeros({320}, opmath)`, allocated even for per-tensor norms
+FOREACH_GLOBAL_SLOTS = 320
+SCALAR = 1  # a 0-dim tensor: one element, one 512 B block whatever its dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +124,38 @@ def optimizer_temporary(optimizer: str, stepped: list[Stepped]) -> int:
     if optimizer == "lion":
         return 2 * max(t(s.numel, s.state) for s in stepped)
     return 0
+
+
+def foreach_norm_scratch(numels: list[int]) -> list[int]:
+    """Elements of the fp32 scratch tensors CUDA's `_foreach_norm` allocates and frees inside
+    the op (ForeachReduceOp.cu): `output_per_tensor` (n tensors x the largest tensor's chunk
+    count) and `global_output`. The CPU kernel allocates neither."""
+    chunks = max(-(-n // FOREACH_CHUNK) for n in numels) if numels else 0
+    return [len(numels) * chunks, FOREACH_GLOBAL_SLOTS]
+
+
+def clip_temporary(stepped: list[Stepped]) -> int:
+    """Peak of the short-lived tensors of `clip_grad_norm_(params, max_norm, foreach=True)`
+    (torch/nn/utils/clip_grad.py), over the grads of the stepped tensors (their dtype is the
+    state's: bf16-master clips the fp32 master grads).
+
+    `_get_total_norm`: per (device, dtype) group, in first-seen order, `torch._foreach_norm`
+    makes one 0-dim norm per tensor, with CUDA's scratch (`foreach_norm_scratch`) and an unused
+    0-dim `global_norm` alive inside the op; then `torch.stack(norms)` (n elements, the
+    promoted dtype) and its `vector_norm` (0-dim). `_clip_grads_with_norm_` scales in place
+    (`_foreach_mul_`) with 0-dim clip coefficients (at most three at once, < the above)."""
+    if not stepped:
+        return 0
+    groups: dict[int, list[Stepped]] = {}
+    for s in stepped:
+        groups.setdefault(s.state, []).append(s)
+    peak = outputs = 0
+    for size, group in groups.items():
+        outputs += len(group) * t(SCALAR, size)
+        inside = sum(t(n, FP32) for n in foreach_norm_scratch([s.numel for s in group]))
+        peak = max(peak, outputs + inside + t(SCALAR, size))
+    stacked = t(len(stepped), max(groups)) + t(SCALAR, max(groups))
+    return max(peak, outputs + stacked)
 
 
 def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> LayerStates:

@@ -1,13 +1,23 @@
 """The peak over a timeline of one training step, for the first and a later iteration.
 
-The loop priced is the standard one: `loss = model(**batch).loss; loss.backward();
-opt.step(); opt.zero_grad(set_to_none=True)`. So:
+The loop priced is transformers Trainer's: `loss = model(**batch).loss; loss.backward();
+[clip_grad_norm_]; opt.step(); opt.zero_grad(set_to_none=True)`, with the spec's loop
+(`Statics.custom`, `Statics.grad_accum`, `Statics.clip_temp`). So:
 - forward: activations accumulate layer by layer (checkpointed layers keep only their input;
   autocast's cached weight copies live until the forward ends);
 - backward, last layer first: a layer's grads appear, its saved tensors (recomputed first when
   checkpointed) and its backward transients are live, then its saved tensors are freed;
+- grad accumulation: `grad_accum` forward/backward micro-steps per step; from the second on
+  all grads are live through the backward and each new grad is a transient (AccumulateGrad
+  adds it in place, torch/csrc/autograd/functions/accumulate_grad.h); a tied weight's grad
+  from lm_head waits in autograd's input buffer until the embedding's backward;
+- clipping (`max_grad_norm`): all grads + `clip_temp` (the foreach norms), before the state
+  exists in iteration 0 (it is created inside the first `step`);
 - optimizer step: all grads + the state, created lazily in the first step (so iteration 0's
   forward/backward run without it) + the step's temporaries; then the grads are freed.
+- custom loop (`outputs = model(**batch)`, huggingface/peft MetaMathQA/run.py): the output
+  object (logits, loss; LLaVA's image features and the unused vision layer's graph they
+  reach, `Step.held_by_output`) lives until the next forward returns.
 The batch (ids, labels, pixels; no attention mask) lives for the whole iteration. Each point of the timeline
 carries its bytes per category, so the breakdown at the peak is exact, not a sum of maxima.
 """
@@ -33,6 +43,17 @@ class Step:
     backward runs MLP first, attention second; its grads appear stage by stage."""
     on_path: bool = True
     """Saved tensors are kept for backward (False: the layer's output is never used)."""
+    grad_max: tuple[int, int] = (0, 0)
+    """Largest grad tensor made by (the MLP half, the rest): the transient of an accumulating
+    micro-step's backward."""
+    tie: int = 0
+    """Tied embeddings: +bytes of the shared weight's grad at lm_head, - at the embedding."""
+
+    @property
+    def held_by_output(self) -> int:
+        """Bytes the model's output object keeps alive (`held`; an unused layer's saved
+        tensors, reachable through the graph of what it holds)."""
+        return self.acts.held + (0 if self.on_path else self.acts.saved)
 
     @property
     def kept(self) -> int:
@@ -82,6 +103,16 @@ class Statics:
     master_grads: int = 0
     """bf16-master: fp32 grads of the master copies, made from the bf16 grads (which are then
     dropped) right before the step; 0 when the optimizer steps the parameters themselves."""
+    custom: bool = False
+    """`loop="custom"`: the output object outlives the forward (module docstring)."""
+    logits: int = 0
+    """Bytes of the logits the output object holds (`loop="custom"`)."""
+    loss: int = 0
+    """Bytes of the loss the output object holds after backward (`loop="custom"`; the
+    lm_head's formula frees its nll_loss output at its backward)."""
+    grad_accum: int = 1
+    clip_temp: int = 0
+    """Peak of `clip_grad_norm_`'s temporaries (0: no clipping)."""
 
 
 @dataclass
@@ -91,9 +122,9 @@ class _Walk:
     points: list[Point] = field(default_factory=list)
 
     def point(self, phase: str, act: int, temp: int, grad: int, grad_waste: int,
-              extra_opt: int = 0) -> None:
+              extra_opt: int = 0, state: bool = True) -> None:
         # the state exists from the first optimizer step on (created lazily inside it)
-        later = self.iteration > 0 or phase == "optimizer"
+        later = self.iteration > 0 or (phase == "optimizer" and state)
         ws = self.st.workspace if (later or phase != "forward") else self.st.workspace_first
         opt = self.st.master + (self.st.state if later else 0) + extra_opt
         b = {"param": self.st.param, "grad": grad, "optimizer": opt, "activation": act,
@@ -105,34 +136,65 @@ class _Walk:
 def walk(steps: list[Step], st: Statics, iterations: int = 2) -> list[Point]:
     """All timeline points of `iterations` training iterations."""
     points: list[Point] = []
+    total = sum(s.grad for s in steps), sum(s.grad_waste for s in steps)
+    output = 0  # what the previous micro-step's output object holds (custom loop)
     for it in range(iterations):
         w = _Walk(st, it)
-        act = st.inputs
-        for s in steps:  # forward
-            w.point("forward", act + s.kept, s.acts.fwd_extra, 0, 0)
-            act += s.kept
-        act -= sum(s.released_at_forward_end for s in steps)
-        grad = grad_waste = 0
-        for s in reversed(steps):  # backward
-            grad += s.grad
-            grad_waste += s.grad_waste
-            if not s.on_path:
-                continue
-            recompute = s.acts.saved if s.ckpt else 0
-            before = grad - s.grad
-            if s.acts.bwd_mlp:  # MLP half, then attention half with the MLP's saved freed
-                w.point("backward", act + recompute, s.acts.bwd_mlp, before + s.grad_mlp[0],
-                        grad_waste)
-                w.point("backward", act + recompute - s.acts.mlp_saved, s.acts.bwd_extra,
-                        before + s.grad_mlp[1], grad_waste)
-            else:
-                w.point("backward", act + recompute, s.acts.bwd_extra, grad, grad_waste)
-            act -= s.kept - s.released_at_forward_end
+        for micro in range(st.grad_accum):
+            acc = total if (micro > 0) else None
+            output = _micro_step(w, steps, st, output, acc)
+        grad, grad_waste = total
+        if st.clip_temp:  # clip_grad_norm_: before the step creates the state
+            w.point("optimizer", st.inputs + output + st.loss, st.clip_temp,
+                    0 if st.master_grads else grad, grad_waste, extra_opt=st.master_grads,
+                    state=False)
         # optimizer step (bf16-master: the fp32 master grads replace the grads)
-        w.point("optimizer", st.inputs, st.opt_temp, 0 if st.master_grads else grad,
-                grad_waste, extra_opt=st.master_grads)
+        w.point("optimizer", st.inputs + output + st.loss, st.opt_temp,
+                0 if st.master_grads else grad, grad_waste, extra_opt=st.master_grads)
         points += w.points
     return points
+
+
+def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
+                acc: tuple[int, int] | None) -> int:
+    """Forward + backward of one micro-step; `acc` = (grads, their waste) already live when
+    accumulating, else None. Returns what its output object holds (0 for the trainer loop)."""
+    act = st.inputs + before_out + (st.loss if before_out else 0)
+    for s in steps:  # forward
+        w.point("forward", act + s.kept, s.acts.fwd_extra, *(acc or (0, 0)))
+        act += s.kept
+    act -= sum(s.released_at_forward_end for s in steps)
+    output = 0
+    if st.custom:  # the new output object keeps its tensors; the previous one dies now
+        output = st.logits + sum(s.held_by_output for s in steps)
+        act += output - before_out - (st.loss if before_out else 0)
+    grad, grad_waste = acc or (0, 0)
+    pending = 0  # a tied weight's lm_head grad in autograd's input buffer
+    for s in reversed(steps):  # backward
+        if acc is None:
+            grad += s.grad
+            grad_waste += s.grad_waste
+        if not s.on_path:
+            continue
+        recompute = s.acts.saved if s.ckpt else 0
+        if acc is not None:
+            pending += max(s.tie, 0)
+            new = s.grad_max
+            mlp_grad = rest_grad = grad + pending
+        else:
+            new = (0, 0)
+            mlp_grad, rest_grad = grad - s.grad + s.grad_mlp[0], grad - s.grad + s.grad_mlp[1]
+        if s.acts.bwd_mlp:  # MLP half, then attention half with the MLP's saved freed
+            w.point("backward", act + recompute, s.acts.bwd_mlp + new[0], mlp_grad, grad_waste)
+            w.point("backward", act + recompute - s.acts.mlp_saved, s.acts.bwd_extra + new[1],
+                    rest_grad, grad_waste)
+        else:
+            w.point("backward", act + recompute, s.acts.bwd_extra + max(new),
+                    grad + pending if acc is not None else grad, grad_waste)
+        if acc is not None and s.tie < 0:
+            pending = 0
+        act -= s.kept - s.released_at_forward_end
+    return output
 
 
 def peak(points: list[Point]) -> Point:

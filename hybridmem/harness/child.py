@@ -112,15 +112,17 @@ def measure(request: dict, probe) -> dict:
         times = []
         for iteration in range(request["iterations"]):
             start = time.perf_counter()
-            for phase in ("forward", "backward", "optimizer"):
+            # grad_accum micro-steps of forward + backward (one phase entry each), then the
+            # step (clipping included)
+            for phase in ("forward", "backward") * spec.grad_accum + ("optimizer",):
                 probe.phase_start(phase, iteration)
                 if phase == "forward":
                     loss = workload.forward(job, spec, device)
                 elif phase == "backward":
-                    workload.backward(job, loss)
+                    workload.backward(job, loss, spec)
                     del loss
                 else:
-                    workload.optimizer_step(job)
+                    workload.optimizer_step(job, spec)
                 phases.append({"phase": phase, "iteration": iteration,
                                **probe.phase_end(phase, iteration)})
             times.append(time.perf_counter() - start)

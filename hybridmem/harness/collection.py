@@ -92,7 +92,8 @@ def spec_columns(item: SweepItem) -> dict:
         "precision": spec.precision, "optimizer": spec.optimizer, "train": spec.train,
         "attn": spec.attn, "grad_ckpt": spec.grad_ckpt,
         "lora_r": spec.lora.r if spec.lora else 0, "world_size": spec.parallel.world_size,
-        "strategy": spec.parallel.strategy,
+        "strategy": spec.parallel.strategy, "loop": spec.loop,
+        "max_grad_norm": float(spec.max_grad_norm), "grad_accum": spec.grad_accum,
     }
 
 

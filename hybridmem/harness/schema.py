@@ -37,6 +37,8 @@ one torch are distinct measurements); empty in collect's rows, so their key is u
 # parts written before them read back with these values.
 ADDED_COLUMNS: dict[str, object] = {
     "strategy": "none", "rank_peaks_json": "",
+    # the training loop (issue 10): Trainer's by default
+    "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1,
     # imported (published) measurements, issue 10; empty / null in collect's rows
     "measurement_id": "", "excluded_reason": "", "group": "", "experiment": "",
     "seq_len_kind": "exact", "published_value_bytes": None, "published_metric": "",
@@ -74,6 +76,9 @@ COLUMNS: dict[str, str] = {
     "lora_r": "int64",
     "world_size": "int64",
     "strategy": "string",
+    "loop": "string",
+    "max_grad_norm": "float64",
+    "grad_accum": "int64",
     "params_total": "Int64",
     "params_trainable": "Int64",
     "param_bytes": "Int64",

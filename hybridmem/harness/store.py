@@ -31,12 +31,13 @@ def utc_now() -> str:
 
 
 def rows_frame(rows: Iterable[Mapping]) -> pd.DataFrame:
-    """Rows as a frame with exactly the schema's columns and dtypes (missing -> null)."""
+    """Rows as a frame with exactly the schema's columns and dtypes (missing -> null; a
+    column added later, `ADDED_COLUMNS`, missing from a row -> its default, as on reading)."""
     rows = list(rows)
     for row in rows:
         extra = set(row) - set(COLUMNS)
         assert not extra, f"columns outside the schema: {sorted(extra)}"
-    df = pd.DataFrame({c: [row.get(c) for row in rows] for c in COLUMNS})
+    df = pd.DataFrame({c: [row.get(c, ADDED_COLUMNS.get(c)) for row in rows] for c in COLUMNS})
     return df.astype(COLUMNS)
 
 

@@ -50,6 +50,9 @@ AXES: dict[str, list] = {
     "grad_ckpt": [False],
     "world_size": [1],  # ranks (GPUs); > 1 is launched through torchrun
     "strategy": ["none"],  # hybridmem.parallel.spec.STRATEGIES; > 1 rank needs one
+    "loop": ["trainer"],  # hybridmem.spec.LOOPS: what outlives the forward
+    "max_grad_norm": [0.0],  # clip_grad_norm_ before the step; 0 = off
+    "grad_accum": [1],  # micro-steps per optimizer step
 }
 BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority",
                                "parallel") + tuple(AXES)
@@ -58,7 +61,7 @@ PARALLEL_AXES = ("world_size", "strategy")
 SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
 SPEC_AXES = ("micro_batch", "seq_len", "images_per_sample", "precision", "optimizer", "train",
-             "attn", "grad_ckpt")
+             "attn", "grad_ckpt", "loop", "max_grad_norm", "grad_accum")
 """Axes that are `TrainingSpec` fields of the same name (validated by the spec itself)."""
 
 
@@ -184,7 +187,8 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         precision=combo["precision"], optimizer=combo["optimizer"], train=train,
         # LLaVA-1.5 finetune_lora uses alpha = 2 r (r 128, alpha 256)
         lora=LoraSpec(r=combo["lora_r"], alpha=2.0 * combo["lora_r"]) if train == "lora" else None,
-        attn=combo["attn"], grad_ckpt=combo["grad_ckpt"],
+        attn=combo["attn"], grad_ckpt=combo["grad_ckpt"], loop=combo["loop"],
+        max_grad_norm=float(combo["max_grad_norm"]), grad_accum=combo["grad_accum"],
         parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
     runnable = spec.with_(model=_materialize(cfg))

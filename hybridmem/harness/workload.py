@@ -2,7 +2,9 @@
 
 It follows the same conventions as the trace tier (`hybridmem.trace.runner`), so that a measured
 row and a traced row describe the same job: HF's own loss from `labels`, outputs dropped before
-backward, `zero_grad(set_to_none=True)`, LoRA adapters on the language model's linears only,
+backward (`loop="trainer"`) or held until the next forward returns (`loop="custom"`), the loss
+divided by `grad_accum`, `clip_grad_norm_(foreach=True)` before the step when `max_grad_norm`
+> 0, `zero_grad(set_to_none=True)`, LoRA adapters on the language model's linears only,
 image tokens right after BOS and masked out of the labels, no attention mask (unpadded batch).
 """
 
@@ -36,6 +38,8 @@ class Job:
     scaler: object | None = None
     engine: object | None = None
     """A DeepSpeed engine (ZeRO): it runs backward and the step itself."""
+    outputs: object | None = None
+    """The output object `loop="custom"` holds: the last forward's, until the next returns."""
 
 
 def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
@@ -200,22 +204,41 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
     return Job(model, optimizer, batch or {}, params, masters, scaler)
 
 
+def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
+    if spec.loop == "custom":  # `outputs = model(**batch)`: the previous object dies here
+        job.outputs = job.model(**job.batch)
+        return job.outputs.loss
+    return job.model(**job.batch).loss  # Trainer: the output (and its logits) is dropped here
+
+
 def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor:
     ctx = (torch.autocast(device.type, dtype=AUTOCAST[spec.precision])
            if spec.precision in AUTOCAST else contextlib.nullcontext())
     with ctx:
-        return job.model(**job.batch).loss  # the output (and its logits) is dropped here
+        return _call(job, spec)
 
 
-def backward(job: Job, loss: torch.Tensor) -> None:
+def backward(job: Job, loss: torch.Tensor, spec: TrainingSpec | None = None) -> None:
+    if spec is not None and spec.grad_accum > 1:  # Trainer.training_step: loss / steps
+        loss = loss / spec.grad_accum
     if job.engine is not None:
         job.engine.backward(loss)
         return
     (job.scaler.scale(loss) if job.scaler else loss).backward()
 
 
-def optimizer_step(job: Job) -> None:
-    if job.engine is not None:  # DeepSpeed: step, then zero the grads itself
+def clip(job: Job, spec: TrainingSpec) -> None:
+    """`clip_grad_norm_(foreach=True)` on what the optimizer steps (the fp32 masters under
+    bf16-master), after GradScaler's unscale_ (as Trainer / accelerate do); CUDA's default is
+    foreach, given explicitly so a CPU run takes the same path."""
+    if job.scaler:
+        job.scaler.unscale_(job.optimizer)
+    torch.nn.utils.clip_grad_norm_(job.masters or job.params, spec.max_grad_norm, foreach=True)
+
+
+def optimizer_step(job: Job, spec: TrainingSpec | None = None) -> None:
+    clipping = spec is not None and spec.max_grad_norm > 0
+    if job.engine is not None:  # DeepSpeed: step (clipping per its own config), zero grads
         job.engine.step()
         return
     if job.masters:
@@ -224,14 +247,20 @@ def optimizer_step(job: Job) -> None:
                 if p.grad is not None:
                     m.grad = p.grad.float()
                     p.grad = None
+        if clipping:
+            clip(job, spec)
         job.optimizer.step()
         with torch.no_grad():
             for m, p in zip(job.masters, job.params):
                 p.copy_(m)
     elif job.scaler:
+        if clipping:
+            clip(job, spec)
         job.scaler.step(job.optimizer)
         job.scaler.update()
     else:
+        if clipping:
+            clip(job, spec)
         job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     job.model.zero_grad(set_to_none=True)

@@ -1,7 +1,7 @@
 """Where the CPU trace differs from a CUDA run, and what is done about each difference.
 
 Corrected here: CUDA autocast's fp32 list for the norms HF models call (`cuda_autocast_rules`),
-AdamW/Adafactor `step` scalars on the host (`optimizers.host_state_keys`), cuBLAS workspaces
+CUDA's foreach gradient clipping (`cuda_foreach_norm`), AdamW/Adafactor `step` scalars on the host (`optimizers.host_state_keys`), cuBLAS workspaces
 (placed by `runner.train`). Everything else is listed, with its size, in `KNOWN_LIMITATIONS`
 (copied into every trace prediction's notes and into docs/trace.md).
 """
@@ -13,6 +13,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from hybridmem.analytic.states import foreach_norm_scratch
 
 KNOWN_LIMITATIONS: tuple[str, ...] = (
     "attention kernels: the trace runs CPU SDPA (flash-attention-for-CPU, saves output + fp32 "
@@ -126,3 +128,34 @@ def _as_cpu_flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
         return None
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def cuda_foreach_norm():
+    """`clip_grad_norm_(..., foreach=True)` as on CUDA, on any backend.
+
+    - `torch._foreach_norm` also allocates CUDA's scratch (`foreach_norm_scratch`) and its
+      unused 0-dim `global_norm`, freed when the op returns (ForeachReduceOp.cu);
+    - meta tensors pass clip_grad's foreach check (`_device_has_foreach_support` knows only
+      CUDA-like devices and CPU), so the meta backend takes the same path.
+    """
+    from torch.nn.utils import clip_grad
+
+    norm, has_foreach = torch._foreach_norm, clip_grad._device_has_foreach_support
+
+    def foreach_norm(tensors, ord=2, dtype=None):
+        like = tensors[0]
+        scratch = [torch.zeros(n, dtype=torch.float32, device=like.device)
+                   for n in foreach_norm_scratch([t.numel() for t in tensors])]
+        out = norm(tensors, ord, dtype=dtype)
+        global_norm = torch.empty((), dtype=dtype or like.dtype, device=like.device)
+        del scratch, global_norm
+        return out
+
+    torch._foreach_norm = foreach_norm
+    clip_grad._device_has_foreach_support = lambda device: device.type == "meta" or \
+        has_foreach(device)
+    try:
+        yield
+    finally:
+        torch._foreach_norm, clip_grad._device_has_foreach_support = norm, has_foreach

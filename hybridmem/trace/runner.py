@@ -1,7 +1,9 @@
 """Run the real training step of a spec on fake or meta tensors, watched by the storage tracker.
 
 Each iteration is what HF Trainer's `training_step` does on one GPU: forward with labels (HF's
-own loss), drop the outputs, backward, optimizer step, `zero_grad(set_to_none=True)`. Mixed
+own loss), drop the outputs, backward, optimizer step, `zero_grad(set_to_none=True)`; the
+spec's loop changes that (`train`): `loop="custom"` keeps the output object, `grad_accum` runs
+several forward/backward micro-steps per step, `max_grad_norm` clips before the step. Mixed
 precision is `torch.autocast` over the forward (CPU autocast on fake tensors, CUDA's lists
 emulated on meta tensors; see `corrections` and `autocast`). fp16-mixed scales the loss and
 unscales grads in place, as GradScaler does.
@@ -46,6 +48,8 @@ class Job:
     """Emulated CUDA autocast (meta backend with a *-mixed precision), else None."""
     grad_bytes: dict[int, int] = field(default_factory=dict)
     """id(param) -> bytes of its .grad storage, for params that received one."""
+    outputs: object | None = None
+    """The output object `loop="custom"` holds (the last forward's), else None."""
 
 
 def _master_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -70,14 +74,27 @@ def prepare(spec: TrainingSpec, config) -> Job:
     return Job(model, optimizer, batch, trainable, masters, image_tokens)
 
 
-def _forward(job: Job, spec: TrainingSpec) -> torch.Tensor:
+def _call(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
+    """(loss, the output object if the loop keeps it).
+
+    `trainer` (transformers `Trainer.compute_loss` returns the loss only): the output object,
+    logits included, dies before autocast's cache is cleared, as in a Trainer run. `custom`
+    (`outputs = model(**batch); loss = outputs.loss`, huggingface/peft
+    method_comparison/MetaMathQA/run.py): the caller holds it."""
+    if spec.loop == "custom":
+        out = job.model(**job.batch, use_cache=False)
+        return out.loss, out
+    return job.model(**job.batch, use_cache=False).loss, None
+
+
+def _forward(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
     if job.amp is not None:
         with job.amp.region(True):
-            return job.model(**job.batch, use_cache=False).loss
+            return _call(job, spec)
     ctx = (torch.autocast("cpu", dtype=AUTOCAST[spec.precision]) if spec.precision in AUTOCAST
            else contextlib.nullcontext())
     with ctx, corrections.cuda_autocast_rules(spec.precision in AUTOCAST):
-        return job.model(**job.batch, use_cache=False).loss
+        return _call(job, spec)
 
 
 @contextlib.contextmanager
@@ -108,6 +125,8 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
                 m.grad = p.grad.float()
                 tracker.label(m.grad, "optimizer", part_of(name))
                 p.grad = None
+    if spec.max_grad_norm:
+        clip(job.masters or [p for _, p in job.trainable], spec.max_grad_norm)
     with _fake_item():
         job.optimizer.step()
     with torch.no_grad():
@@ -128,32 +147,59 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
         m.grad = p.grad = None
 
 
+def clip(params: list[torch.Tensor], max_norm: float) -> None:
+    """`torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)`: CUDA's default path
+    (on CPU only an explicit `foreach=True` takes it), with CUDA's `_foreach_norm` scratch
+    (`corrections.cuda_foreach_norm`). The returned total norm is dropped (as the peft
+    benchmark does; Trainer keeps it, one 512 B block, through the step)."""
+    with corrections.cuda_foreach_norm():
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+
+def _micro_step(job: Job, spec: TrainingSpec, tracker: StorageTracker, it: int, micro: int,
+                workspace: int) -> None:
+    """One forward + backward. The output object the loop keeps (`custom`) replaces
+    `job.outputs` (the previous micro-step's) only once the new forward has returned."""
+    first = it == 0 and micro == 0
+    tracker.mark("forward", it)
+    if workspace and first:
+        tracker.add_external(workspace, "workspace")
+    start = len(tracker.events)
+    loss, outputs = _forward(job, spec)
+    job.outputs = outputs  # `outputs = model(**batch)`: the previous output object dies here
+    del outputs
+    # what the forward made and still holds is what autograd saved for backward
+    tracker.label_alive_since(start, "activation")
+    tracker.mark("backward", it)
+    if workspace and first:
+        tracker.add_external(workspace, "workspace")
+    if spec.grad_accum > 1:  # transformers Trainer.training_step: loss / accumulation steps
+        loss = loss / spec.grad_accum
+    (loss * LOSS_SCALE if spec.precision == "fp16-mixed" else loss).backward()
+    del loss
+    for name, p in job.trainable:
+        if p.grad is not None:
+            tracker.label(p.grad, "grad", part_of(name))
+            job.grad_bytes[id(p)] = p.grad.untyped_storage().nbytes()
+
+
 def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int,
           workspace: int = 0) -> None:
     """`iterations` full training iterations, phases marked on the tracker.
 
+    Each is `spec.grad_accum` micro-steps of forward + backward (later ones accumulate into
+    the grads the first made: AccumulateGrad adds in place), then clipping and the optimizer
+    step. Under `loop="custom"` each output object lives until the next forward returns (a
+    loop variable rebound by the next `outputs = model(**batch)`).
     `workspace` > 0 adds the two cuBLAS workspaces where CUDA creates them: the forward
     thread's at the first matmul, the autograd device thread's at the first backward matmul.
     """
     for it in range(iterations):
-        tracker.mark("forward", it)
-        if workspace and it == 0:
-            tracker.add_external(workspace, "workspace")
-        start = len(tracker.events)
-        loss = _forward(job, spec)
-        # what the forward made and still holds is what autograd saved for backward
-        tracker.label_alive_since(start, "activation")
-        tracker.mark("backward", it)
-        if workspace and it == 0:
-            tracker.add_external(workspace, "workspace")
-        (loss * LOSS_SCALE if spec.precision == "fp16-mixed" else loss).backward()
-        del loss
-        for name, p in job.trainable:
-            if p.grad is not None:
-                tracker.label(p.grad, "grad", part_of(name))
-                job.grad_bytes[id(p)] = p.grad.untyped_storage().nbytes()
+        for micro in range(spec.grad_accum):
+            _micro_step(job, spec, tracker, it, micro, workspace)
         tracker.mark("optimizer", it)
         _optimizer_step(job, spec, tracker)
+    job.outputs = None
 
 
 BACKENDS = ("fake", "meta", "real")
