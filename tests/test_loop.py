@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybridmem.analytic import estimate as analytic
+from hybridmem.analytic.overheads import CUBLAS_HANDLES_TRAINING, CUBLAS_WORKSPACE_BYTES
 from hybridmem.analytic.states import Stepped, clip_temporary
 from hybridmem.errors import SpecError
 from hybridmem.models import load_config
@@ -28,7 +29,7 @@ def tiny(**kw) -> TrainingSpec:
                            "precision": "bf16", **kw})
 
 
-def user_loop(spec: TrainingSpec) -> int:
+def user_loop(spec: TrainingSpec, after_step: list | None = None) -> int:
     """Peak bytes of two steps of the user's loop on real CPU tensors (`DataPtrCounter`).
 
     trainer: `loss = model(**batch).loss` (transformers Trainer.training_step);
@@ -60,6 +61,8 @@ def user_loop(spec: TrainingSpec) -> int:
                     with corrections.cuda_foreach_norm():
                         torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
                 opt.step()
+                if after_step is not None:  # what memory_allocated() reads right after the step
+                    after_step.append(counter.current)
                 opt.zero_grad(set_to_none=True)
             del outputs
     return counter.peak
@@ -82,6 +85,22 @@ def test_trace_equals_the_users_loop_on_real_tensors(kw):
         tracker, _ = runner.trace(spec, load_config(spec.model), backend=backend)
         # host scalars (AdamW `step`) are real CPU tensors in the user's loop too
         assert int(tracker.live_curve(device_only=False).max()) == user_loop(spec), backend
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(loop="custom", max_grad_norm=1.0),
+                                dict(model="tiny-llava", loop="custom", train="lora")], ids=_id)
+def test_after_step_allocated_equals_the_users_loop_and_the_analytic_tier(kw):
+    spec = tiny(**kw)
+    real: list[int] = []
+    user_loop(spec, real)
+    tracker, job = runner.trace(spec, load_config(spec.model))
+    assert int(tracker.live_curve(device_only=False)[job.after_step[-1]]) == real[-1]
+    # the Prediction's figure counts device bytes only (AdamW's `step` scalars live on the CPU)
+    # and the cuBLAS workspaces, which CUDA takes from the caching allocator (one per handle)
+    t = trace_estimate(spec).extras["after_step_allocated_bytes"]
+    assert t == int(tracker.live_curve()[job.after_step[-1]]) + CUBLAS_HANDLES_TRAINING * \
+        CUBLAS_WORKSPACE_BYTES
+    assert analytic(spec).extras["after_step_allocated_bytes"] == pytest.approx(t, rel=TOL)
 
 
 def _births(spec: TrainingSpec):

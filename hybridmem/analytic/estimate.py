@@ -323,4 +323,13 @@ def estimate(spec: TrainingSpec) -> Prediction:
             "tensor_peak_bytes": max(p.allocated - p.bytes["workspace"] for p in points),
             "fragmentation_lower_bound": lower,
             "phase_peaks": phases, "image_tokens": graph.image_tokens,
-            "vision_crops": graph.vision_batch}})
+            "vision_crops": graph.vision_batch},
+            # the last optimizer point without its step temporaries: weights, grads, state
+            # and what the loop holds right after `optimizer.step()` (timeline.walk)
+            "after_step_allocated_bytes": after_step(points)})
+
+
+def after_step(points) -> int:
+    """Allocated bytes right after the last `optimizer.step()` of the timeline."""
+    last = [p for p in points if p.phase == "optimizer"][-1]
+    return last.allocated - last.bytes["temporary"]

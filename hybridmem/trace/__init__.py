@@ -89,7 +89,8 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
         f"context: {CONTEXT_BYTES} bytes (hybridmem.analytic.overheads.CONTEXT_BYTES)"]
     notes += [f"known limitation: {x}" for x in KNOWN_LIMITATIONS]
     extras = {"trace": {"events": len(result.events), "peak_event": result.peak_index,
-                        "peak_by_phase": result.by_phase, "peak_by_module": result.by_part}}
+                        "peak_by_phase": result.by_phase, "peak_by_module": result.by_part},
+              "after_step_allocated_bytes": result.after_step_allocated}
     if timeline is not None:
         extras["timeline"] = str(save_timeline(result, timeline))
     return Prediction(

@@ -39,6 +39,9 @@ class TraceResult:
     params_trainable: int
     marks: list[tuple[int, str, int]]
     """(event index, phase, iteration) at each phase start."""
+    after_step_allocated: int | None = None
+    """Allocated bytes right after the last `optimizer.step()`, before `zero_grad`: weights,
+    grads, optimizer state and what the loop still holds (the published benchmarks' figure)."""
     peak_reserved: int | None = None
     """Simulated reserved peak (`hybridmem.allocator`), set by `run_trace` after `summarize`."""
     reserved_curve: np.ndarray | None = None
@@ -108,7 +111,8 @@ def _modules(job, tracker: StorageTracker, live: list[Storage]) -> list[ModuleMe
 def summarize(tracker: StorageTracker, job) -> TraceResult:
     """Peak, breakdown and per-module memory of a finished trace."""
     where = device_positions(tracker)
-    curve = tracker.live_curve()[where]  # host storages count 0 there
+    full = tracker.live_curve()
+    curve = full[where]  # host storages count 0 there
     peak_index = int(np.argmax(curve))
     at = int(where[peak_index])  # the peak's index in tracker.events
     live = [s for s in tracker.live_at(at) if s.category != "host"]
@@ -132,4 +136,6 @@ def summarize(tracker: StorageTracker, job) -> TraceResult:
         params_total=sum(p.numel() for p in params),
         params_trainable=sum(p.numel() for p in params if p.requires_grad),
         # phase marks re-indexed onto the device event stream
-        marks=[(int(np.searchsorted(where, m)), p, i) for m, p, i in tracker.marks])
+        marks=[(int(np.searchsorted(where, m)), p, i) for m, p, i in tracker.marks],
+        after_step_allocated=(int(full[job.after_step[-1]])
+                              if getattr(job, "after_step", None) else None))

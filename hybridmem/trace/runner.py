@@ -47,6 +47,8 @@ class Job:
     amp: CudaAutocast | None = None
     """Emulated CUDA autocast (meta backend with a *-mixed precision), else None."""
     grad_bytes: dict[int, int] = field(default_factory=dict)
+    after_step: list[int] = field(default_factory=list)
+    """Tracker event index right after each `optimizer.step()` (grads and state still live)."""
     """id(param) -> bytes of its .grad storage, for params that received one."""
     outputs: object | None = None
     """The output object `loop="custom"` holds (the last forward's), else None."""
@@ -133,6 +135,7 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
         for m, (_, p) in zip(job.masters, job.trainable):
             if m is not p:
                 p.copy_(m)
+    job.after_step.append(len(tracker.events) - 1)
     for t in getattr(job.optimizer, "qmaps", ()):
         tracker.label(t, "optimizer")
     host = host_state_keys(job.optimizer)
