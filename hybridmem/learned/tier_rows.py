@@ -25,6 +25,10 @@ FIGURES: tuple[str, ...] = ("allocated", "reserved", "device", "after_step")
 (`Prediction.extras["after_step_allocated_bytes"]`, the published benchmarks' steady state)."""
 
 
+FLUSH_EVERY = 5
+"""Specs priced between cache writes: a killed evaluation keeps what it already priced."""
+
+
 def fingerprint() -> str:
     """sha256 (12 hex digits) of the tier packages' source, plus the top-level modules they use."""
     root = Path(__file__).resolve().parents[1]
@@ -93,6 +97,8 @@ def tier_rows(rows: pd.DataFrame, method: str, *, use_cache: bool = True,
             seen[key] = {"key": key, **{f: priced.get(f) for f in FIGURES},
                          "error": priced["error"]}
             fresh.append(seen[key])
+            if use_cache and method != "analytic" and len(fresh) % FLUSH_EVERY == 0:
+                _write(cache, pd.concat([known, pd.DataFrame(fresh)], ignore_index=True))
     if fresh and use_cache and method != "analytic":
         _write(cache, pd.concat([known, pd.DataFrame(fresh)], ignore_index=True))
     for spec_hash in rows["spec_hash"].astype(str):
