@@ -11,7 +11,7 @@ def train_command(
     data: str = typer.Option(..., "--data", help="Dataset (parquet file or folder) from `hybridmem collect`."),
     out: str = typer.Option(..., "--out", help="Registry folder to write, e.g. models/h100-torch2.13."),
     target: str = typer.Option("both", "--target", help="device, reserved or both."),
-    folds: int = typer.Option(5, "--folds", help="GroupKFold splits (by model shape) for the held-out metrics."),
+    folds: int = typer.Option(5, "--folds", help="GroupKFold splits (by model shape, or by configuration when every row has one model) for the held-out metrics."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out folder."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Also save the predicted-vs-measured plot to FILE."),
     track: bool = typer.Option(True, "--track/--no-track", help="Log the run to MLflow (experiments/mlruns)."),
@@ -25,8 +25,9 @@ def train_command(
 
     result = train(data, out, force=force, target=target, n_splits=folds, plot=plot, track=track,
                    with_trace=with_trace)
+    kind = result.metadata.get("group_kind", "model shape")
     for name, ev in result.evaluations.items():
-        Console().print(metrics_table(ev.table, f"{name} peak, held-out model shapes (CV)"))
+        Console().print(metrics_table(ev.table, f"{name} peak, held-out {kind}s (CV)"))
     print_notes(result.notes)
     meta = result.metadata
     typer.echo(f"model: {result.path} ({meta['dataset']['rows_used']} rows, sources "

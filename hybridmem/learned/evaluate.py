@@ -2,7 +2,9 @@
 
 Groups are model shapes (a hash of the model config), so no architecture/size is ever in
 both the training and the test fold: the numbers say how the residual does on a model it
-never saw, which is what a user with a new model gets.
+never saw, which is what a user with a new model gets. When every row has the same model (the
+published benchmarks) the groups are configurations (`dataset.config_groups`): no job is in
+the training and the test fold at once.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "d
     n_groups = len(set(groups))
     if n_groups < 2:
         raise SpecError("data", f"{n_groups} model shape",
-                        reason="held-out evaluation needs rows of at least 2 model shapes")
+                        reason=f"held-out evaluation needs rows of at least 2 {table.group_kind}s")
     y = table.target(target)
     trace = trace_baseline(table.rows, all_rows, target)
     parts, per_fold, oom_parts = [], [], []
