@@ -40,14 +40,19 @@ grad_ckpt = [true, false]
 """
 
 
-@pytest.mark.slow
-def test_every_sampled_config_trains_on_the_cpu_stand_in(tmp_path, monkeypatch):
+def collect_on_cpu(text: str, tmp_path, monkeypatch):
+    """`collect --backend cuda` of sweep `text` through the CPU stand-in probe."""
     from hybridmem.harness import collect
 
     monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
     sweep = tmp_path / "s.toml"
-    sweep.write_text(SWEEP)
-    report = collect(sweep, out=tmp_path / "data", backend="cuda", mlflow=False)
+    sweep.write_text(text)
+    return collect(sweep, out=tmp_path / "data", backend="cuda", mlflow=False)
+
+
+@pytest.mark.slow
+def test_every_sampled_config_trains_on_the_cpu_stand_in(tmp_path, monkeypatch):
+    report = collect_on_cpu(SWEEP, tmp_path, monkeypatch)
     errors = [(r["model_name"], r["precision"], r["optimizer"], r["train"], r["error"])
               for r in report.rows if r["outcome"] != "ok"]
     assert len(report.rows) == 8  # `samples = 8`: every sampled config ran
@@ -73,12 +78,7 @@ grad_accum = [2]
 
 @pytest.mark.slow
 def test_loop_axes_train_on_the_cpu_stand_in(tmp_path, monkeypatch):
-    from hybridmem.harness import collect
-
-    monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
-    sweep = tmp_path / "s.toml"
-    sweep.write_text(LOOP_SWEEP)
-    report = collect(sweep, out=tmp_path / "data", backend="cuda", mlflow=False)
+    report = collect_on_cpu(LOOP_SWEEP, tmp_path, monkeypatch)
     assert [r["error"] for r in report.rows if r["outcome"] != "ok"] == []
     assert len(report.rows) == 2
     for r in report.rows:

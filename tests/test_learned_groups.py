@@ -17,17 +17,8 @@ from hybridmem.learned import dataset, predictor, registry
 from hybridmem.learned.accuracy import signed_errors, summary
 from hybridmem.learned.features import build_table
 from hybridmem.spec import TrainingSpec
+from test_learned import FAST, _toy_base_and_registry  # noqa: F401 (autouse fixture)
 from test_learned_support import make_rows, toy_base
-
-FAST = {"n_estimators": 60}
-
-
-@pytest.fixture(autouse=True)
-def _toy_base_and_registry(monkeypatch, tmp_path):
-    monkeypatch.setattr("hybridmem.learned.features.analytic_base", toy_base)
-    monkeypatch.setenv("HYBRIDMEM_MODELS", str(tmp_path / "registry"))
-    monkeypatch.setenv("HYBRIDMEM_TORCH_VERSION", "2.13.0")
-    monkeypatch.delenv("HYBRIDMEM_CUDA_VERSION", raising=False)
 
 
 def reserved_only_rows() -> pd.DataFrame:

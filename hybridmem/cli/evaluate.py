@@ -59,8 +59,8 @@ def group_tables(table):
         t = Table(title=f"{FIGURE_TITLES.get(figure, figure)}: error vs real GPUs",
                   caption="err = (predicted - measured) / measured; under: share predicted "
                           "below measured; hybrid is held out (grouped CV)")
-        t.add_column("tier")
-        t.add_column("group")
+        t.add_column("tier", no_wrap=True)
+        t.add_column("group", no_wrap=True)
         for _, header in GROUP_COLUMNS:
             t.add_column(header, justify="right")
         for rec in part.to_dict("records"):
