@@ -117,6 +117,9 @@ class TrainingSpec:
     """`clip_grad_norm_(max_norm)` before the step (foreach norms); 0 = no clipping."""
     grad_accum: int = 1
     """Micro-steps whose gradients accumulate before one optimizer step."""
+    empty_cache_steps: int = 0
+    """`torch.cuda.empty_cache()` every N optimizer steps, where the loop calls it
+    (`empty_cache_at`); 0 = never (Trainer's `torch_empty_cache_steps=None`)."""
     peft_config: str | None = None
     """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
     `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
@@ -152,6 +155,10 @@ class TrainingSpec:
                 or not self.max_grad_norm >= 0:
             raise SpecError("max_grad_norm", self.max_grad_norm, reason="must be >= 0 (0 = off)")
         _check_positive("grad_accum", self.grad_accum)
+        if isinstance(self.empty_cache_steps, bool) or not isinstance(self.empty_cache_steps, int) \
+                or self.empty_cache_steps < 0:
+            raise SpecError("empty_cache_steps", self.empty_cache_steps,
+                            reason="must be a non-negative integer (0 = never)")
         if self.train == "peft" and not self.peft_config:
             raise SpecError("peft_config", self.peft_config,
                             reason="train='peft' needs a PEFT adapter config (--peft-config FILE)")
@@ -203,8 +210,35 @@ class TrainingSpec:
 # Spec and LoRA fields added after the first dataset rows, with their defaults (see `to_dict`).
 ADDED_DEFAULTS: dict[str, object] = {
     "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1, "peft_config": None,
+    "empty_cache_steps": 0,
     "use_dora": False, "use_rslora": False, "modules_to_save": (),
 }
+
+
+EmptyCacheAt = Literal["after_forward", "after_step"]
+EMPTY_CACHE_PLACES: tuple[str, ...] = get_args(EmptyCacheAt)
+
+
+def empty_cache_at(spec: TrainingSpec, iteration: int) -> EmptyCacheAt | None:
+    """Where iteration `iteration` (0-based optimizer steps) calls `torch.cuda.empty_cache()`,
+    or None: the one rule the analytic stream, the trace runner and the CUDA harness follow.
+
+    `loop="trainer"`: transformers `Trainer.training_step` (trainer.py, 5.x) calls
+    `clear_device_cache()` right after `compute_loss` returns and before the loss is divided
+    and `accelerator.backward(loss)` runs, when `state.global_step % torch_empty_cache_steps
+    == 0`; `global_step` counts finished optimizer steps (from 0) and does not move within an
+    accumulation window, so "after_forward" applies to every micro-step of that iteration.
+    `loop="custom"`: huggingface/peft method_comparison/MetaMathQA/run.py calls
+    `empty_cache()` at the end of the loop body, `if step % N == 0` with `step` from 1, i.e.
+    after `optimizer.step()` and before the next iteration's `zero_grad()` (grads and the
+    output object still alive): "after_step" when `(iteration + 1) % N == 0`.
+    """
+    n = spec.empty_cache_steps
+    if not n:
+        return None
+    if spec.loop == "trainer":
+        return "after_forward" if iteration % n == 0 else None
+    return "after_step" if (iteration + 1) % n == 0 else None
 
 
 # dtype of parameters / grads / optimizer state per precision policy, in bytes.

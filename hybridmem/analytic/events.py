@@ -24,7 +24,9 @@ caching-allocator simulator the trace tier also uses (`hybridmem.allocator`):
 - the loop (`timeline` docstring): `grad_accum` micro-steps, later ones making each grad as a
   transient; `clip_grad_norm_`'s temporaries between the backward and the step; under the
   custom loop the logits (taken out of the lm_head's forward transients), what layers hold
-  for the output object and the loss stay allocated until the next forward has returned.
+  for the output object and the loss stay allocated until the next forward has returned;
+  `empty_cache_steps` > 0 adds ("empty_cache", 0, 0) where `spec.empty_cache_at` says (after
+  the forward under Trainer, after the step before zero_grad under the custom loop).
 
 Approximations (documented, not hidden): what the formulas sum without listing (autocast
 weight copies, LoRA / flash-attention extras) is one or a few tensors; the order of ops inside
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.states import foreach_norm_scratch, state_bytes
-from hybridmem.spec import POLICIES, TrainingSpec
+from hybridmem.spec import POLICIES, TrainingSpec, empty_cache_at
 
 # parameters of a transformer layer's MLP half (its grads appear first in backward);
 # estimate._mlp_grads uses the same split
@@ -64,6 +66,10 @@ class Stream:
 
     def free(self, keys) -> None:
         self.events += [("free", k, 0) for k in keys if k is not None]
+
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()` (`hybridmem.allocator.replay` reads this event)."""
+        self.events.append(("empty_cache", 0, 0))
 
 
 def chunks(total: int, unit: int) -> list[int]:
@@ -170,6 +176,7 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
     grads: list[list[int]] = [[] for _ in priced]
     output: list[int] = []  # the custom loop's output object (the previous micro-step's)
     for it in range(iterations):
+        where = empty_cache_at(spec, it)
         for micro in range(statics.grad_accum):
             mark("forward", it)
             if it == 0 and micro == 0:
@@ -178,6 +185,8 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
             s.free(output)  # `outputs = model(**batch)`: the previous object dies here
             output = new_output
             mark("backward", it)
+            if where == "after_forward":  # Trainer.training_step: after compute_loss
+                s.empty_cache()
             if it == 0 and micro == 0:
                 s.alloc(statics.workspace - statics.workspace_first)
             if micro == 0:
@@ -197,6 +206,8 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
             for x in stepped:
                 s.allocs(state_bytes(x, spec.optimizer))
         _optimizer_temporaries(s, spec.optimizer, stepped)
+        if where == "after_step":  # the peft benchmark: after the step, grads still alive
+            s.empty_cache()
         for g in grads:  # zero_grad(set_to_none=True)
             s.free(g)
         grads = [[] for _ in priced]

@@ -73,6 +73,7 @@ def predict_command(
     loop: Optional[str] = typer.Option(None, "--loop", help="trainer (default: only the loss outlives the forward) or custom (outputs live through backward)."),
     max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="clip_grad_norm_ before the step; 0 = off (default; Trainer files: 1.0)."),
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-steps accumulated per optimizer step (default 1)."),
+    empty_cache_steps: Optional[int] = typer.Option(None, "--empty-cache-steps", help="torch.cuda.empty_cache() every N steps where the loop calls it (Trainer: after the forward; custom: after the step); 0 = never (default)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="llava-1.5-pretrain, llava-1.5-finetune, llava-1.5-finetune-lora (official LLaVA-1.5 scripts)."),
     deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="DeepSpeed config JSON ('auto' resolved as transformers does)."),
     training_args: Optional[str] = typer.Option(None, "--training-args", help="HF TrainingArguments fields as JSON."),
@@ -104,7 +105,7 @@ def predict_command(
                          train=train, lora_r=lora_r, lora_alpha=lora_alpha,
                          lora_targets=lora_targets, attn=attn, peft_config=peft_config,
                          loop=loop, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
-                         world_size=world_size,
+                         empty_cache_steps=empty_cache_steps, world_size=world_size,
                          strategy=strategy, zero_stage=zero_stage,
                          offload_optimizer=offload_optimizer, offload_param=offload_param)
     target = resolve_gpu(gpu, gpu_mem)

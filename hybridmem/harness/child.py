@@ -100,6 +100,7 @@ def measure(request: dict, probe) -> dict:
             probe.start_history()
         from hybridmem.harness import workload
         from hybridmem.models.loader import load_config
+        from hybridmem.spec import empty_cache_at
 
         spec = TrainingSpec.from_dict(request["spec"])
         if ranked:  # the process group (NCCL's buffers) is part of what the job pays for
@@ -113,16 +114,20 @@ def measure(request: dict, probe) -> dict:
         for iteration in range(request["iterations"]):
             start = time.perf_counter()
             # grad_accum micro-steps of forward + backward (one phase entry each), then the
-            # step (clipping included)
+            # step (clipping included); torch.cuda.empty_cache() where the loop calls it
+            where = empty_cache_at(spec, iteration)
             for phase in ("forward", "backward") * spec.grad_accum + ("optimizer",):
                 probe.phase_start(phase, iteration)
                 if phase == "forward":
                     loss = workload.forward(job, spec, device)
+                    if where == "after_forward":  # Trainer.training_step, before backward
+                        workload.empty_cache(device)
                 elif phase == "backward":
                     workload.backward(job, loss, spec)
                     del loss
                 else:
-                    workload.optimizer_step(job, spec)
+                    workload.optimizer_step(
+                        job, spec, empty_cache_device=device if where == "after_step" else None)
                 phases.append({"phase": phase, "iteration": iteration,
                                **probe.phase_end(phase, iteration)})
             times.append(time.perf_counter() - start)

@@ -4,7 +4,8 @@ It follows the same conventions as the trace tier (`hybridmem.trace.runner`), so
 row and a traced row describe the same job: HF's own loss from `labels`, outputs dropped before
 backward (`loop="trainer"`) or held until the next forward returns (`loop="custom"`), the loss
 divided by `grad_accum`, `clip_grad_norm_(foreach=True)` before the step when `max_grad_norm`
-> 0, `zero_grad(set_to_none=True)`, LoRA adapters on the language model's linears only,
+> 0, `zero_grad(set_to_none=True)`, `torch.cuda.empty_cache()` where `spec.empty_cache_at` says
+(the child calls it; `empty_cache_steps` > 0), LoRA adapters on the language model's linears only,
 image tokens right after BOS and masked out of the labels, no attention mask (unpadded batch).
 """
 
@@ -236,10 +237,20 @@ def clip(job: Job, spec: TrainingSpec) -> None:
     torch.nn.utils.clip_grad_norm_(job.masters or job.params, spec.max_grad_norm, foreach=True)
 
 
-def optimizer_step(job: Job, spec: TrainingSpec | None = None) -> None:
+def empty_cache(device) -> None:
+    """`torch.cuda.empty_cache()` where `spec.empty_cache_at` places it (no-op off CUDA)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def optimizer_step(job: Job, spec: TrainingSpec | None = None, empty_cache_device=None) -> None:
+    """The step (clipping first), then `zero_grad(set_to_none=True)`; `empty_cache_device`
+    set: `torch.cuda.empty_cache()` between the two (the peft benchmark's place,
+    `spec.empty_cache_at` == "after_step")."""
     clipping = spec is not None and spec.max_grad_norm > 0
     if job.engine is not None:  # DeepSpeed: step (clipping per its own config), zero grads
         job.engine.step()
+        empty_cache(empty_cache_device)
         return
     if job.masters:
         with torch.no_grad():  # BF16_Optimizer: bf16 grads -> fp32 master grads, step, copy back
@@ -262,5 +273,6 @@ def optimizer_step(job: Job, spec: TrainingSpec | None = None) -> None:
         if clipping:
             clip(job, spec)
         job.optimizer.step()
+    empty_cache(empty_cache_device)
     job.optimizer.zero_grad(set_to_none=True)
     job.model.zero_grad(set_to_none=True)

@@ -54,7 +54,8 @@ FSDP_OPTIONS: dict[str, dict] = {
     "auto_wrap": {},
 }
 SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
-             "optimizer", "grad_ckpt", "train", "attn", "loop", "max_grad_norm", "grad_accum")
+             "optimizer", "grad_ckpt", "train", "attn", "loop", "max_grad_norm", "grad_accum",
+             "empty_cache_steps")
 # TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
 HF_DEFAULT_MAX_GRAD_NORM = 1.0
 LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
@@ -80,6 +81,17 @@ def _norm(field: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise SpecError(field, value, reason="must be a number >= 0 (0 = no clipping)")
     return float(value)
+
+
+def _empty_cache_steps(value: object) -> int:
+    """TrainingArguments `torch_empty_cache_steps`: None = never (our 0), else an int > 0
+    (`TrainingArguments.__post_init__` rejects anything else, training_args.py)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError("training_args.torch_empty_cache_steps", value,
+                        reason="must be null or an integer > 0")
+    return value
 
 
 def _flag(field: str, value: object) -> bool:
@@ -143,6 +155,8 @@ def from_training_args(source: str | os.PathLike | dict) -> dict:
     if "gradient_accumulation_steps" in args:
         spec["grad_accum"] = _count("training_args.gradient_accumulation_steps",
                                     args["gradient_accumulation_steps"])
+    if "torch_empty_cache_steps" in args:
+        spec["empty_cache_steps"] = _empty_cache_steps(args["torch_empty_cache_steps"])
     if "attn_implementation" in args:
         spec["attn"] = args["attn_implementation"]
     if args.get("tune_mm_mlp_adapter"):

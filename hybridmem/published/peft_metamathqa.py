@@ -157,7 +157,9 @@ def _spec(rec: dict) -> tuple[TrainingSpec | None, str]:
             model=label, micro_batch=rec["micro_batch_per_gpu"], seq_len=rec["seq_len"],
             images_per_sample=0, precision="bf16", optimizer=OPTIMIZERS[opt],
             grad_ckpt=bool(rec["gradient_checkpointing"]), attn="sdpa", loop="custom",
-            max_grad_norm=float(rec["grad_norm_clip"]), grad_accum=rec["grad_accum"], **train)
+            max_grad_norm=float(rec["grad_norm_clip"]), grad_accum=rec["grad_accum"],
+            # run.py's ACCELERATOR_EMPTY_CACHE_SCHEDULE at that commit (1 or 10), as recorded
+            empty_cache_steps=_empty_cache_steps(rec), **train)
         if spec.train != "peft":  # the model-dependent checks collect applies (LoRA targets)
             from hybridmem.models.build import build_graph
             from hybridmem.models.loader import materialize_config
@@ -166,6 +168,12 @@ def _spec(rec: dict) -> tuple[TrainingSpec | None, str]:
     except SpecError as err:
         return None, f"spec rejected: {err}"
     return spec, ""
+
+
+def _empty_cache_steps(rec: dict) -> int:
+    """The record's own `measurement_semantics.empty_cache_every_n_steps` (null = never)."""
+    n = rec["measurement_semantics"].get("empty_cache_every_n_steps")
+    return 0 if n is None else int(n)
 
 
 def row(rec: dict) -> dict:
@@ -204,6 +212,9 @@ def row(rec: dict) -> dict:
         "grad_ckpt": bool(rec["gradient_checkpointing"]), "attn": "sdpa",
         "precision": "bf16", "optimizer": OPTIMIZERS.get(rec["optimizer"], rec["optimizer"]),
         "model_type": "llama" if rec["model_config"].get("arch") == "LlamaForCausalLM" else "",
+        # the benchmark's loop (run.py), as `_spec` sets it; also on excluded rows
+        "loop": "custom", "max_grad_norm": float(rec["grad_norm_clip"] or 0.0),
+        "grad_accum": rec["grad_accum"], "empty_cache_steps": _empty_cache_steps(rec),
     }
     out["gpu_memory_bytes"] = gpu_memory
     if spec is None:

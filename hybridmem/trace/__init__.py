@@ -33,13 +33,19 @@ def _validate(spec: TrainingSpec):
 
 
 def _simulate_reserved(result: TraceResult) -> None:
-    """Reserved bytes from the caching-allocator simulator."""
+    """Reserved bytes from the caching-allocator simulator, on the stream with the loop's
+    `empty_cache()` calls (`TraceResult.replay_events`); the curve stays indexed on `events`
+    (an empty_cache entry only lowers reserved, so the running max skips it)."""
     config = AllocatorConfig.from_environ()  # PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF
-    sim = replay(result.events, config)
+    stream = result.replay_events()
+    sim = replay(stream, config)
     result.peak_reserved = sim.peak_reserved
     reserved = np.zeros(len(result.events), dtype=np.int64)
-    for index, _, res in sim.timeline:
-        reserved[index] = res
+    index = -1
+    for (action, _, _), (_, _, res) in zip(stream, sim.timeline):
+        if action != "empty_cache":
+            index += 1
+            reserved[index] = res
     result.reserved_curve = np.maximum.accumulate(reserved) if len(reserved) else reserved
 
 

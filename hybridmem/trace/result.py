@@ -46,7 +46,14 @@ class TraceResult:
     """Simulated reserved peak (`hybridmem.allocator`), set by `run_trace` after `summarize`."""
     reserved_curve: np.ndarray | None = None
     """Simulated reserved bytes after each event of `events` (set with `peak_reserved`)."""
+    empty_cache_at: list[int] = field(default_factory=list)
+    """Index in `events` before which `torch.cuda.empty_cache()` ran (`spec.empty_cache_at`)."""
     notes: list[str] = field(default_factory=list)
+
+    def replay_events(self) -> list[tuple[str, int, int]]:
+        """`events` with ("empty_cache", 0, 0) inserted at `empty_cache_at`: the stream the
+        allocator simulator replays (`events` itself stays aligned with `curve`)."""
+        return with_empty_cache(self.events, self.empty_cache_at)
 
     def timeline(self, points: int = TIMELINE_POINTS) -> dict:
         """Bytes over events, down-sampled to at most `points` (max of each bucket)."""
@@ -79,6 +86,17 @@ def device_events(tracker: StorageTracker, where: np.ndarray) -> list[tuple[str,
         e = tracker.events[j]
         out.append(("alloc", e, st[e].nbytes) if e >= 0 else ("free", ~e, 0))
     return out
+
+
+def with_empty_cache(events: list, at: list[int]) -> list:
+    """`events` with ("empty_cache", 0, 0) inserted before each index in `at` (ascending;
+    an index may repeat: two calls in a row)."""
+    out, prev = [], 0
+    for k in at:
+        out += events[prev:k]
+        out.append(("empty_cache", 0, 0))
+        prev = k
+    return out + events[prev:]
 
 
 def _modules(job, tracker: StorageTracker, live: list[Storage]) -> list[ModuleMemory]:
@@ -137,5 +155,6 @@ def summarize(tracker: StorageTracker, job) -> TraceResult:
         params_trainable=sum(p.numel() for p in params if p.requires_grad),
         # phase marks re-indexed onto the device event stream
         marks=[(int(np.searchsorted(where, m)), p, i) for m, p, i in tracker.marks],
+        empty_cache_at=[int(np.searchsorted(where, k)) for k in tracker.empty_caches],
         after_step_allocated=(int(full[job.after_step[-1]])
                               if getattr(job, "after_step", None) else None))

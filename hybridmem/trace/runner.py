@@ -3,7 +3,8 @@
 Each iteration is what HF Trainer's `training_step` does on one GPU: forward with labels (HF's
 own loss), drop the outputs, backward, optimizer step, `zero_grad(set_to_none=True)`; the
 spec's loop changes that (`train`): `loop="custom"` keeps the output object, `grad_accum` runs
-several forward/backward micro-steps per step, `max_grad_norm` clips before the step. Mixed
+several forward/backward micro-steps per step, `max_grad_norm` clips before the step,
+`empty_cache_steps` marks `torch.cuda.empty_cache()` on the tracker where the loop calls it. Mixed
 precision is `torch.autocast` over the forward (CPU autocast on fake tensors, CUDA's lists
 emulated on meta tensors; see `corrections` and `autocast`). fp16-mixed scales the loss and
 unscales grads in place, as GradScaler does.
@@ -20,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import part_of
-from hybridmem.spec import TrainingSpec
+from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
@@ -117,7 +118,11 @@ def _fake_item():
         torch.Tensor.item = item
 
 
-def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> None:
+def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker,
+                    empty_cache: bool = False) -> None:
+    """Unscale, master grads, clipping, `optimizer.step()`, then `zero_grad(set_to_none=True)`;
+    `empty_cache` marks `torch.cuda.empty_cache()` between the step and zero_grad (the peft
+    benchmark's place: its `zero_grad()` opens the next iteration)."""
     with torch.no_grad():
         if spec.precision == "fp16-mixed":  # GradScaler.unscale_: in place, no new memory
             torch._foreach_mul_([p.grad for _, p in job.trainable if p.grad is not None],
@@ -136,6 +141,8 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> No
             if m is not p:
                 p.copy_(m)
     job.after_step.append(len(tracker.events) - 1)
+    if empty_cache:
+        tracker.empty_cache()
     for t in getattr(job.optimizer, "qmaps", ()):
         tracker.label(t, "optimizer")
     host = host_state_keys(job.optimizer)
@@ -160,9 +167,11 @@ def clip(params: list[torch.Tensor], max_norm: float) -> None:
 
 
 def _micro_step(job: Job, spec: TrainingSpec, tracker: StorageTracker, it: int, micro: int,
-                workspace: int) -> None:
+                workspace: int, empty_cache: bool = False) -> None:
     """One forward + backward. The output object the loop keeps (`custom`) replaces
-    `job.outputs` (the previous micro-step's) only once the new forward has returned."""
+    `job.outputs` (the previous micro-step's) only once the new forward has returned.
+    `empty_cache` marks `torch.cuda.empty_cache()` between the forward and the backward
+    (`Trainer.training_step`: after `compute_loss`, before the loss is divided)."""
     first = it == 0 and micro == 0
     tracker.mark("forward", it)
     if workspace and first:
@@ -174,6 +183,8 @@ def _micro_step(job: Job, spec: TrainingSpec, tracker: StorageTracker, it: int, 
     # what the forward made and still holds is what autograd saved for backward
     tracker.label_alive_since(start, "activation")
     tracker.mark("backward", it)
+    if empty_cache:
+        tracker.empty_cache()
     if workspace and first:
         tracker.add_external(workspace, "workspace")
     if spec.grad_accum > 1:  # transformers Trainer.training_step: loss / accumulation steps
@@ -196,12 +207,15 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
     loop variable rebound by the next `outputs = model(**batch)`).
     `workspace` > 0 adds the two cuBLAS workspaces where CUDA creates them: the forward
     thread's at the first matmul, the autograd device thread's at the first backward matmul.
+    `spec.empty_cache_steps` > 0 marks `torch.cuda.empty_cache()` where `empty_cache_at`
+    places it (after each forward of the iteration, or after its optimizer step).
     """
     for it in range(iterations):
+        where = empty_cache_at(spec, it)
         for micro in range(spec.grad_accum):
-            _micro_step(job, spec, tracker, it, micro, workspace)
+            _micro_step(job, spec, tracker, it, micro, workspace, where == "after_forward")
         tracker.mark("optimizer", it)
-        _optimizer_step(job, spec, tracker)
+        _optimizer_step(job, spec, tracker, where == "after_step")
     job.outputs = None
 
 

@@ -58,6 +58,7 @@ class StorageTracker(TorchDispatchMode):
         self.storages: list[Storage] = []
         self.events: list[int] = []  # sid for a birth, ~sid for a death
         self.marks: list[tuple[int, str, int]] = []  # (event index, phase, iteration)
+        self.empty_caches: list[int] = []  # event index before which empty_cache() ran
         self.phase, self.iteration = "setup", 0  # births before the first mark: model, batch
         self.part_stack: list[str | None] = [None]
         self._sid = WeakIdKeyDictionary()
@@ -104,6 +105,11 @@ class StorageTracker(TorchDispatchMode):
         """Phase boundary: later births belong to `phase` of `iteration`."""
         self.phase, self.iteration = phase, iteration
         self.marks.append((len(self.events), phase, iteration))
+
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()` here: frees nothing a tensor holds (no event), but the
+        allocator simulator returns its free cached segments at this point."""
+        self.empty_caches.append(len(self.events))
 
     def add_external(self, nbytes: int, category: str) -> int:
         """An allocation no tensor stands for (e.g. a cuBLAS workspace), never freed."""
