@@ -2,7 +2,7 @@
 
 The cuBLAS workspace follows the GPU's compute capability when the tiers are given a GPU
 (`predict(spec, gpu=...)`); with none, the defaults are for the Hopper GPUs the project targets
-first. The learned tier replaces them with measured values (DESIGN.md, "Outside PyTorch tensors").
+first. The learned tier replaces them with measured values (docs/design.md, "Outside PyTorch tensors").
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hybridmem.gpus import GPU
 MiB = 1024**2
 
 CUDA_CONTEXT_DEFAULT = 512 * MiB
-"""CUDA context + kernel images with lazy module loading: DESIGN.md gives ~0.3-0.6 GiB depending on
+"""CUDA context + kernel images with lazy module loading: docs/design.md gives ~0.3-0.6 GiB depending on
 GPU, driver and CUDA (measured as NVML process usage minus reserved); 512 MiB is a default inside
 that range, not a measurement."""
 
@@ -57,7 +57,7 @@ def parse_workspace_config(value: str | None, default: int) -> int:
 
 CUBLAS_HANDLES_TRAINING = 2
 """One handle per (thread, device): the forward's thread and the autograd engine's backward thread
-(DESIGN.md, "cuBLAS workspace")."""
+(docs/design.md, "Outside PyTorch tensors")."""
 
 
 def cublas_workspace(gpu: GPU | None = None, environ: Mapping[str, str] = os.environ) -> int:
