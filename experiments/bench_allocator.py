@@ -1,6 +1,6 @@
 """Speed of the allocator simulator: replay 10^5 alloc/free events (goal: well under 1 s).
 
-A 7B training trace has ~10^5 alloc/free events (DESIGN.md, trace tier). The synthetic stream
+A 7B training trace has ~10^5 alloc/free events (docs/design.md, "Facts measured or read"). The synthetic stream
 mimics one: long-lived parameter-sized blocks, activations freed in reverse order (backward),
 short-lived temporaries, sizes from 512 B to 200 MiB. Run: `python experiments/bench_allocator.py`;
 `--trace-model llava-1.5-7b` replays the trace tier's own stream for that model instead

@@ -1,7 +1,7 @@
 """The one vocabulary of memory categories, phases and peaks.
 
 Every tier (analytic, trace, learned), the dataset columns and the CLI use these keys, so a
-number can be compared across tiers without translation (DESIGN.md, "Vocabulary").
+number can be compared across tiers without translation (docs/design.md, "Vocabulary").
 """
 
 from __future__ import annotations

@@ -19,38 +19,53 @@ class GPU:
     name: str
     memory_bytes: int
     arch: str
-    """Compute architecture (sets e.g. the cuBLAS workspace size)."""
+    """Compute architecture, named after NVIDIA's family for `compute_capability`."""
     source: str
+    compute_capability: tuple[int, int] | None = None
+    """`torch.cuda.get_device_capability()` (major, minor): PyTorch picks the cuBLAS workspace
+    size from it (`hybridmem.analytic.overheads.cublas_workspace`). None when unknown (a GPU
+    given only by its memory). Values: NVIDIA's CUDA GPU compute-capability table
+    (https://developer.nvidia.com/cuda-gpus; CUDA C++ Programming Guide, "Compute
+    Capabilities")."""
+
+
+# Compute capability -> NVIDIA architecture family (NVIDIA, https://developer.nvidia.com/cuda-gpus
+# and the CUDA C++ Programming Guide's compute-capability table): each catalogued GPU's `arch`
+# must be the family of its `compute_capability` (tests/test_gpus.py checks it).
+ARCH_BY_CAPABILITY: dict[tuple[int, int], str] = {
+    (7, 0): "volta", (7, 5): "turing", (8, 0): "ampere", (8, 6): "ampere", (8, 9): "ada",
+    (9, 0): "hopper", (10, 0): "blackwell", (12, 0): "blackwell",
+}
 
 
 # Totals as `nvidia-smi --query-gpu=memory.total` prints them (MiB), from NVIDIA datasheets and
 # nvidia-smi outputs quoted in the sources given.
 GPUS: dict[str, GPU] = {g.name: g for g in (
-    GPU(name="a100-40gb", memory_bytes=40960 * MiB, arch="ampere",
+    GPU(name="a100-40gb", memory_bytes=40960 * MiB, compute_capability=(8, 0), arch="ampere",
         source="nvidia-smi on A100-SXM4-40GB: 40960MiB (NVIDIA A100 datasheet: 40 GB HBM2)"),
-    GPU(name="a100-80gb", memory_bytes=81920 * MiB, arch="ampere",
+    GPU(name="a100-80gb", memory_bytes=81920 * MiB, compute_capability=(8, 0), arch="ampere",
         source="nvidia-smi on A100-SXM4-80GB: 81920MiB (NVIDIA A100 datasheet: 80 GB HBM2e)"),
-    GPU(name="a100-80gb-pcie", memory_bytes=81920 * MiB, arch="ampere",
+    GPU(name="a100-80gb-pcie", memory_bytes=81920 * MiB, compute_capability=(8, 0), arch="ampere",
         source="nvidia-smi on NVIDIA A100 80GB PCIe: 81920MiB (NVIDIA A100 PCIe datasheet: 80 GB HBM2e)"),
-    GPU(name="h100-80gb", memory_bytes=81559 * MiB, arch="hopper",
+    GPU(name="h100-80gb", memory_bytes=81559 * MiB, compute_capability=(9, 0), arch="hopper",
         source="nvidia-smi on H100 80GB HBM3: 81559MiB (NVIDIA H100 datasheet: 80 GB)"),
-    GPU(name="h200", memory_bytes=143771 * MiB, arch="hopper",
+    GPU(name="h200", memory_bytes=143771 * MiB, compute_capability=(9, 0), arch="hopper",
         source="nvidia-smi on H200: 143771MiB (NVIDIA H200 datasheet: 141 GB HBM3e)"),
-    GPU(name="l40s", memory_bytes=46068 * MiB, arch="ada",
+    GPU(name="l40s", memory_bytes=46068 * MiB, compute_capability=(8, 9), arch="ada",
         source="nvidia-smi on L40S: 46068MiB (NVIDIA L40S datasheet: 48 GB GDDR6)"),
-    GPU(name="rtx-4090", memory_bytes=24564 * MiB, arch="ada",
+    GPU(name="rtx-4090", memory_bytes=24564 * MiB, compute_capability=(8, 9), arch="ada",
         source="nvidia-smi on GeForce RTX 4090: 24564MiB (NVIDIA spec: 24 GB GDDR6X)"),
-    GPU(name="rtx-4090-laptop", memory_bytes=16376 * MiB, arch="ada",
+    GPU(name="rtx-4090-laptop", memory_bytes=16376 * MiB, compute_capability=(8, 9), arch="ada",
         source="nvidia-smi on NVIDIA GeForce RTX 4090 Laptop GPU: 16376MiB (NVIDIA spec: 16 GB GDDR6)"),
-    GPU(name="rtx-3090", memory_bytes=24576 * MiB, arch="ampere",
+    GPU(name="rtx-3090", memory_bytes=24576 * MiB, compute_capability=(8, 6), arch="ampere",
         source="nvidia-smi on GeForce RTX 3090: 24576MiB (NVIDIA spec: 24 GB GDDR6X)"),
-    GPU(name="a10g", memory_bytes=23028 * MiB, arch="ampere",
+    GPU(name="a10g", memory_bytes=23028 * MiB, compute_capability=(8, 6), arch="ampere",
         source="nvidia-smi on A10G (AWS g5): 23028MiB (NVIDIA A10 datasheet: 24 GB)"),
-    GPU(name="l4", memory_bytes=23034 * MiB, arch="ada",
+    GPU(name="l4", memory_bytes=23034 * MiB, compute_capability=(8, 9), arch="ada",
         source="nvidia-smi on L4: 23034MiB (NVIDIA L4 datasheet: 24 GB)"),
-    GPU(name="v100-32gb", memory_bytes=32768 * MiB, arch="volta",
+    GPU(name="v100-32gb", memory_bytes=32768 * MiB, compute_capability=(7, 0), arch="volta",
         source="nvidia-smi on V100-SXM2-32GB: 32768MiB (NVIDIA V100 datasheet: 32 GB)"),
-    GPU(name="t4", memory_bytes=15360 * MiB, arch="turing",
+    GPU(name="t4", memory_bytes=15360 * MiB, compute_capability=(7, 5), arch="turing",
         source="nvidia-smi on Tesla T4: 15360MiB (NVIDIA T4 datasheet: 16 GB)"),
 )}
 

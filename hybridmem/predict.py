@@ -27,6 +27,17 @@ METHODS: dict[str, str] = {
 MAX_SEARCH_BATCH = 1 << 16
 
 
+def gpu_options(method: str, gpu: GPU | None) -> dict[str, object]:
+    """What a tier is told about the target GPU: analytic and trace price its cuBLAS workspace
+    (the same GPU to both, so they stay comparable); the hybrid residual is chosen per GPU type.
+    """
+    if gpu is None:
+        return {}
+    if method == "hybrid":
+        return {"gpu_name": gpu.name}
+    return {"gpu": gpu}
+
+
 def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
     """The estimate function of a tier."""
     if method not in METHODS:
@@ -45,9 +56,10 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
     O(log B) estimates.
     """
     run = estimator(method)
+    options = {**gpu_options(method, gpu), **tier_options}
 
     def fits(batch: int) -> bool:
-        peak = run(spec.with_(micro_batch=batch), **tier_options).peak
+        peak = run(spec.with_(micro_batch=batch), **options).peak
         return peak.device_bytes <= gpu.memory_bytes
 
     if not fits(1):
@@ -74,9 +86,7 @@ def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None
     # unknown preset / bad config JSON / unsupported model_type fail here, the same for every
     # tier, without importing transformers (that alone costs seconds)
     light_config(spec.model)
-    if method == "hybrid" and gpu is not None:
-        tier_options.setdefault("gpu_name", gpu.name)  # the residual model is per GPU type
-    result = estimator(method)(spec, **tier_options)
+    result = estimator(method)(spec, **{**gpu_options(method, gpu), **tier_options})
     if gpu is None:
         return result
     # the timeline file belongs to the spec as asked, not to the search's probes

@@ -1,7 +1,7 @@
 """Building models in a dtype: shared by the trace runner and the CUDA harness.
 
 Both build the HF model under `torch.set_default_dtype` rather than `model.to(dtype)`:
-`.to()` fails on fake parameters (DESIGN.md) and would double the memory of a real build.
+`.to()` fails on fake parameters (docs/design.md) and would double the memory of a real build.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def test_foreach_adamw_temporary_is_one_state():
 
 
 def test_design_fact_pure_bf16_full_finetune_peaks_in_the_optimizer_step():
-    # DESIGN.md: pure-bf16 full fine-tune of LLaVA-1.5-7B shapes with foreach AdamW peaks in the
+    # docs/design.md: pure-bf16 full fine-tune of LLaVA-1.5-7B shapes with foreach AdamW peaks in the
     # optimizer step at 2*P_all + 8*P_trainable bytes (params 2, grads 2, states 4, sqrt temp 2).
     # P_trainable excludes the last CLIP layer and post_layernorm (no grads with feature layer -2).
     s = TrainingSpec(model="llava-1.5-7b", micro_batch=1, seq_len=1024, precision="bf16",
@@ -125,7 +125,7 @@ def test_design_fact_pure_bf16_full_finetune_peaks_in_the_optimizer_step():
     # last ViT-L/14 layer: q/k/v/out 4 x (1024^2 + 1024) + fc1 (4096 x 1024 + 4096)
     # + fc2 (1024 x 4096 + 1024) + 2 LayerNorms x 2048 = 12,596,224; post_layernorm 2048
     last_clip = 12_596_224 + 2 * 1024
-    # p_all: meta-device parameter count (DESIGN.md, "Parameter counts"; test_models.py)
+    # p_all: meta-device parameter count (docs/design.md, parameter counts; test_models.py)
     p_all, p_trained = 7_063_427_072, 7_063_427_072 - last_clip
     tensors = pred.peak.allocated_bytes - pred.breakdown["workspace"] - pred.breakdown["activation"]
     assert tensors == pytest.approx(2 * p_all + 8 * p_trained, rel=1e-3)
@@ -270,7 +270,7 @@ def test_modules_sum_to_totals():
     pred = estimate(TrainingSpec(model="llava-1.5-7b", micro_batch=2, seq_len=2048))
     assert [m.name for m in pred.modules] == ["vision_tower", "multi_modal_projector",
                                                "language_model", "lm_head"]
-    # meta-device parameter count (DESIGN.md, "Parameter counts"; test_models.py)
+    # meta-device parameter count (docs/design.md, parameter counts; test_models.py)
     assert sum(m.params for m in pred.modules) == pred.params_total == 7_063_427_072
 
 

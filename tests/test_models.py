@@ -1,7 +1,7 @@
 """The model graph against the real `transformers` models instantiated on the meta device.
 
 Expected numbers come from the models themselves (meta-device `named_parameters()`), from
-DESIGN.md's published counts, or from transformers' own LLaVA-NeXT packing code run on a tiny
+docs/design.md's published counts, or from transformers' own LLaVA-NeXT packing code run on a tiny
 real model — never from the code under test.
 """
 
@@ -53,7 +53,7 @@ def test_every_preset_matches_the_meta_device_model(preset):
 
 
 def test_llava_7b_published_counts():
-    # DESIGN.md, "Parameter counts (meta-device instantiation)"
+    # docs/design.md, "Facts measured or read": parameter counts (meta-device instantiation)
     g = build_graph(_spec("llava-1.5-7b"))
     assert g.num_params == 7_063_427_072
     assert g.module("vision_tower").num_params == 303_507_456
@@ -81,7 +81,7 @@ def test_vision_feature_layer_minus_two_cuts_the_grad_path():
 
 def test_llava_15_image_tokens_and_crops():
     g = build_graph(_spec("llava-1.5-7b", images_per_sample=2, micro_batch=3))
-    assert g.image_tokens == 2 * 576      # 24 x 24 patches, CLS dropped (DESIGN.md)
+    assert g.image_tokens == 2 * 576      # 24 x 24 patches, CLS dropped (docs/design.md)
     assert g.vision_batch == 3 * 2        # one crop per image
     assert g.vision_seq == 577
 

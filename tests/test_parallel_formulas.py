@@ -176,7 +176,7 @@ def test_lora_adapters_keep_fp32_outside_deepspeed():
 
 
 def test_model_tensors_count_matches_meta_count():
-    # LLaVA-1.5-7B parameter count from a meta-device instantiation (DESIGN.md): 7,063,427,072
+    # LLaVA-1.5-7B parameter count from a meta-device instantiation (docs/design.md): 7,063,427,072
     mt = model_tensors(TrainingSpec(model="llava-1.5-7b", train="llm+projector"))
     assert mt.params == 7_063_427_072
     # vision tower (303,507,456) frozen: everything else trains

@@ -16,7 +16,7 @@ from hybridmem.gpus import gpu_by_name
 from hybridmem.models import preset_names
 
 # Meta-device parameter counts (torch.device("meta") instantiation of the transformers model
-# from each preset config; also DESIGN.md for llava-1.5-7b/13b and llama-3.2-3b).
+# from each preset config; also docs/design.md for llava-1.5-7b/13b and llama-3.2-3b).
 META_PARAMS = {
     "llava-1.5-7b": 7_063_427_072,
     "llava-1.5-13b": 13_351_494_656,
@@ -63,7 +63,7 @@ def test_frozen_vision_tower_has_no_grads_or_state():
     vision = next(m for m in p.modules if m.name == "vision_tower")
     assert vision.trainable_params == 0 and vision.grad == 0 and vision.optimizer == 0
     stage1 = predict(TrainingSpec(model="llava-1.5-7b", train="projector", seq_len=1024))
-    # only the projector trains in LLaVA stage 1 (DESIGN.md): 20,979,712 params (meta device)
+    # only the projector trains in LLaVA stage 1 (docs/design.md): 20,979,712 params (meta device)
     assert stage1.params_trainable == 20_979_712
 
 
@@ -87,7 +87,7 @@ def test_issue_command_json(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is False and out["max_micro_batch"] == 0
-    # trainable = 7,063,427,072 total - 303,507,456 vision (meta-device counts, DESIGN.md)
+    # trainable = 7,063,427,072 total - 303,507,456 vision (meta-device counts, docs/design.md)
     assert out["params"]["trainable"] == 6_759_919_616
     assert out["peak"]["device_bytes"] > 6_759_919_616 * 14
     assert [m["name"] for m in out["modules"]][:2] == ["vision_tower", "multi_modal_projector"]

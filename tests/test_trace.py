@@ -245,7 +245,7 @@ def test_bf16_master_steps_every_trained_tensor():
 
 def test_tied_embeddings_stay_tied(tmp_path):
     # Llama-3.2-3B ties lm_head to embed_tokens: 3,212,749,824 params on the meta device
-    # (DESIGN.md); an untied build would have 128256 x 3072 more.
+    # (docs/design.md); an untied build would have 128256 x 3072 more.
     from hybridmem.trace.model import build_model
 
     for backend in ("meta", "fake"):

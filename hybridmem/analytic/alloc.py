@@ -1,6 +1,6 @@
 """CUDA caching-allocator rules the analytic tier applies to every tensor it counts.
 
-Source: PyTorch `c10/cuda/CUDACachingAllocator.cpp` (DESIGN.md, "PyTorch CUDA caching
+Source: PyTorch `c10/cuda/CUDACachingAllocator.cpp` (docs/design.md, "PyTorch CUDA caching
 allocator"), with the constants and `get_allocation_size` of the simulator
 (`hybridmem.allocator`): every request is rounded up to a multiple of 512 B (`kMinBlockSize`);
 a request of 10 MiB (`kMinLargeAlloc`) or more gets a segment of its size rounded up to 2 MiB

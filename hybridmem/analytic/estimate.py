@@ -9,7 +9,9 @@ the projector needs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from hybridmem.adapters import peft_type
 from hybridmem.analytic import activations as A, text_acts as TA, vision_acts as VA
@@ -18,8 +20,10 @@ from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.analytic.reserved import envelope
 from hybridmem.analytic.overheads import (
     CUBLAS_HANDLES_TRAINING,
+    CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_DEFAULT,
     cublas_workspace,
+    workspace_note,
 )
 from hybridmem.analytic.states import (
     LayerStates,
@@ -31,6 +35,7 @@ from hybridmem.analytic.states import (
 from hybridmem.analytic.timeline import Point, Statics, Step, peak, walk
 from hybridmem.categories import empty_breakdown
 from hybridmem.errors import SpecError
+from hybridmem.gpus import GPU
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -191,11 +196,12 @@ def _modules(graph: ModelGraph, priced: list[Priced]) -> tuple[ModuleMemory, ...
     return tuple(out)
 
 
-def _notes(graph: ModelGraph, spec: TrainingSpec) -> tuple[str, ...]:
+def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
+           ws: int = CUBLAS_WORKSPACE_BYTES) -> tuple[str, ...]:
     notes = [
-        f"context: {CUDA_CONTEXT_DEFAULT >> 20} MiB is a default (DESIGN.md: 0.3-0.6 GiB), not a "
-        "measurement",
-        "workspace: two cuBLAS workspaces of Hopper size (32 MiB each); other GPUs use less",
+        f"context: {CUDA_CONTEXT_DEFAULT >> 20} MiB is a default (docs/design.md: 0.3-0.6 GiB), "
+        "not a measurement",
+        workspace_note(gpu, ws),
         "fragmentation: reserved - allocated of an approximate alloc/free stream of two "
         "iterations replayed through the caching-allocator simulator (PYTORCH_ALLOC_CONF "
         "respected; allocated stays the closed form's), kept non-decreasing in the "
@@ -236,13 +242,16 @@ def _master_grads(priced: list[Priced], spec: TrainingSpec) -> int:
     return sum(t(s.numel, 4) for p in priced for s in p.states.stepped)
 
 
-def timeline(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], list[Point]]:
-    """The graph, every priced layer and every timeline point of two iterations."""
-    graph, priced, st = _setup(spec)
+def timeline(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
+             ) -> tuple[ModelGraph, list[Priced], list[Point]]:
+    """The graph, every priced layer and every timeline point of two iterations; `workspace`:
+    bytes of one cuBLAS workspace (`overheads.cublas_workspace`)."""
+    graph, priced, st = _setup(spec, workspace)
     return graph, priced, walk([p.step for p in priced], st)
 
 
-def _setup(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], Statics]:
+def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
+           ) -> tuple[ModelGraph, list[Priced], Statics]:
     if spec.train == "peft":
         raise SpecError("train", "peft", reason=f"{peft_type(spec)} adapters have no closed "
                         "form here; use --method trace")
@@ -254,7 +263,7 @@ def _setup(spec: TrainingSpec) -> tuple[ModelGraph, list[Priced], Statics]:
                         "(e.g. train='projector' with images_per_sample=0)")
     master = sum(p.states.master for p in priced)
     shared = optimizer_shared_bytes(spec.optimizer, stepped)
-    ws = cublas_workspace()
+    ws = workspace
     st = Statics(
         param=sum(p.states.param for p in priced), master=master,
         state=sum(p.states.optimizer for p in priced) - master + shared,
@@ -278,27 +287,38 @@ def _loop(graph: ModelGraph, spec: TrainingSpec, stepped) -> dict:
             "clip_temp": clip_temporary(stepped) if spec.max_grad_norm else 0}
 
 
-def _events(spec: TrainingSpec) -> list[tuple]:
+def _events(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> list[tuple]:
     """The approximate alloc/free stream of two iterations of `spec` (`events.py`)."""
-    _, priced, st = _setup(spec)
+    _, priced, st = _setup(spec, workspace)
     return build_events(priced, spec, st)
 
 
-def _measure(spec: TrainingSpec) -> tuple[int, list[tuple]]:
+def _measure(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> tuple[int, list[tuple]]:
     """(closed-form allocated peak, event stream) of `spec`, for `reserved.envelope`."""
-    _, priced, st = _setup(spec)
+    _, priced, st = _setup(spec, workspace)
     points = walk([p.step for p in priced], st)
     return peak(points).allocated, build_events(priced, spec, st)
 
 
-def estimate(spec: TrainingSpec) -> Prediction:
-    """Predict the per-GPU peak memory of `spec` in closed form."""
-    graph, priced, points = timeline(spec)
+@lru_cache(maxsize=None)
+def _measure_with(workspace: int) -> Callable[[TrainingSpec], tuple[int, list[tuple]]]:
+    """`_measure` for one workspace size, the same function object each time, so that
+    `reserved.envelope`'s cache (keyed by it) serves every micro-batch probe."""
+    if workspace == CUBLAS_WORKSPACE_BYTES:
+        return _measure
+    return lambda spec: _measure(spec, workspace)
+
+
+def estimate(spec: TrainingSpec, *, gpu: GPU | None = None) -> Prediction:
+    """Predict the per-GPU peak memory of `spec` in closed form; `gpu` sets the cuBLAS
+    workspace (PyTorch's size for its compute capability; Hopper's when None)."""
+    ws = cublas_workspace(gpu)
+    graph, priced, points = timeline(spec, ws)
     top = peak(points)
     allocated = top.allocated
     # reserved - allocated from replaying an approximate alloc/free stream through the
     # allocator simulator (`events.py`, `reserved.py`), non-decreasing in the micro-batch
-    waste = envelope(spec, allocated, _measure)
+    waste = envelope(spec, allocated, _measure_with(ws))
     # the former estimate: 2 MiB rounding of the > 10 MiB tensors alive (a lower bound)
     lower = max(p.allocated + p.waste for p in points) - allocated
     reserved = allocated + waste
@@ -318,7 +338,7 @@ def estimate(spec: TrainingSpec) -> Prediction:
         peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
                   device_bytes=reserved + CUDA_CONTEXT_DEFAULT, phase=top.phase,
                   iteration=top.iteration),
-        breakdown=breakdown, modules=modules, notes=_notes(graph, spec),
+        breakdown=breakdown, modules=modules, notes=_notes(graph, spec, gpu, ws),
         extras={"analytic": {
             "tensor_peak_bytes": max(p.allocated - p.bytes["workspace"] for p in points),
             "fragmentation_lower_bound": lower,

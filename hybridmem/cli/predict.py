@@ -119,7 +119,7 @@ def predict_command(
     result = _method_note(result, method, given, spec)
     advice = None
     if target is not None and (spec.parallel.strategy != "none" or not result.fits):
-        advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=method))
+        advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=method, gpu=target))
     if plot:
         save_plot(result, plot)
     if as_json:

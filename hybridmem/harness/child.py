@@ -1,7 +1,7 @@
 """The measuring subprocess: `python -m hybridmem.harness.child REQUEST.json RESULT.json`.
 
 One fresh process per config, because the CUDA context and the allocator's cache are part of
-what a user's job pays for. Protocol (DESIGN.md, "Ground truth"): read NVML before CUDA is
+what a user's job pays for. Protocol (docs/design.md, "Harness and importer"): read NVML before CUDA is
 initialised; build, train `iterations` steps, resetting the allocator's peak statistics at each
 phase boundary; report per-phase peaks, their maximum, counters and the device usage. An OOM
 is a result (`outcome="oom"`), not a crash. The result file is written once, atomically.

@@ -1,6 +1,6 @@
 """Device probes: every CUDA and NVML call of a measurement goes through one object.
 
-`CudaProbe` is the real thing (DESIGN.md, "Ground truth"). Tests and CPU dry runs swap it via
+`CudaProbe` is the real thing (docs/design.md, "Harness and importer"). Tests and CPU dry runs swap it via
 the environment variable `HYBRIDMEM_PROBE=module:Class`, so the whole subprocess path (build,
 train, OOM, crash) runs without a GPU. A probe is created in the child before CUDA is touched:
 `baseline()` must be read before `init()`.

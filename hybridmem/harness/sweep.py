@@ -350,7 +350,7 @@ def load_sweep(path: str | Path) -> Sweep:
             raise SpecError(f"sweep.{key}", v, reason="must be a non-negative integer")
     if opts["iterations"] < 3:
         raise SpecError("sweep.iterations", opts["iterations"],
-                        reason="at least 3 (optimizer state appears in step 1; DESIGN.md)")
+                        reason="at least 3 (optimizer state appears in step 1; docs/design.md)")
     for key in ("timeout_s", "max_minutes"):
         v = opts[key]
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):

@@ -20,7 +20,7 @@ from hybridmem.spec import LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
 # the projector; stage 2 (`llm+projector`) everything but the vision tower
-# (haotian-liu/LLaVA scripts/v1_5/pretrain.sh, finetune.sh; DESIGN.md).
+# (haotian-liu/LLaVA scripts/v1_5/pretrain.sh, finetune.sh; docs/design.md).
 TRAINABLE_MODULES: dict[str, frozenset[str]] = {
     "full": frozenset({"vision_tower", "multi_modal_projector", "image_newline",
                        "language_model", "lm_head"}),

@@ -19,7 +19,7 @@ STATES: dict[str, int] = {
 EIGHT_BIT = 1  # bitsandbytes blockwise-quantised state: 1 byte per element
 
 # Temporaries of one optimizer step, in state-sized tensors per element stepped at once.
-# torch foreach AdamW materialises `exp_avg_sq.sqrt()` (`_foreach_sqrt`, DESIGN.md: pure-bf16
+# torch foreach AdamW materialises `exp_avg_sq.sqrt()` (`_foreach_sqrt`, docs/design.md: pure-bf16
 # step peaks at 2*P_all + 8*P_trainable); fused AdamW, SGD and bitsandbytes kernels work in place.
 STEP_TEMPS: dict[str, int] = {
     "adamw": 1, "adamw-fused": 0, "adamw-8bit": 0, "sgd": 0, "sgd-momentum": 0, "lion": 1,

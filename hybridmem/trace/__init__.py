@@ -14,8 +14,9 @@ import time
 import numpy as np
 
 from hybridmem.allocator import AllocatorConfig, replay
-from hybridmem.analytic.overheads import CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES
+from hybridmem.analytic.overheads import CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES, cublas_workspace
 from hybridmem.categories import CATEGORIES
+from hybridmem.gpus import GPU
 from hybridmem.models import build_graph, load_config
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.spec import TrainingSpec
@@ -49,12 +50,14 @@ def _simulate_reserved(result: TraceResult) -> None:
     result.reserved_curve = np.maximum.accumulate(reserved) if len(reserved) else reserved
 
 
-def run_trace(spec: TrainingSpec, *, backend: str = "meta") -> TraceResult:
+def run_trace(spec: TrainingSpec, *, backend: str = "meta",
+              workspace: int = CUBLAS_WORKSPACE_BYTES) -> TraceResult:
     """Trace `spec`'s training step; allocated and simulated reserved bytes over time.
 
     `backend="meta"` (fast; CUDA autocast emulated) falls back to `"fake"` (FakeTensorMode,
     torch's own CPU autocast) if the model's code does not run on meta tensors; both give the
-    same bytes on every config tests compare (tests/test_trace_backends.py).
+    same bytes on every config tests compare (tests/test_trace_backends.py). `workspace`: bytes
+    of one cuBLAS workspace (`analytic.overheads.cublas_workspace`, the analytic tier's too).
     """
     from hybridmem.errors import UnsupportedModelError
     from hybridmem.trace import runner
@@ -65,15 +68,13 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta") -> TraceResult:
     start = time.perf_counter()
     notes = []
     try:
-        tracker, job = runner.trace(spec, config, backend=backend,
-                                    workspace=CUBLAS_WORKSPACE_BYTES)
+        tracker, job = runner.trace(spec, config, backend=backend, workspace=workspace)
     except UnsupportedModelError as err:
         if backend != "meta":
             raise
         notes.append(f"meta backend failed ({err.reason}); traced under FakeTensorMode")
         backend = "fake"
-        tracker, job = runner.trace(spec, config, backend=backend,
-                                    workspace=CUBLAS_WORKSPACE_BYTES)
+        tracker, job = runner.trace(spec, config, backend=backend, workspace=workspace)
     result = summarize(tracker, job)
     result.notes.extend(notes)
     _simulate_reserved(result)
@@ -83,9 +84,10 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta") -> TraceResult:
 
 
 def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
-             backend: str = "meta") -> Prediction:
-    """`Prediction` from a trace: allocated and reserved peak, breakdown at the peak."""
-    result = run_trace(spec, backend=backend)
+             backend: str = "meta", gpu: GPU | None = None) -> Prediction:
+    """`Prediction` from a trace: allocated and reserved peak, breakdown at the peak. `gpu` sets
+    the cuBLAS workspace as in the analytic tier (Hopper's when None)."""
+    result = run_trace(spec, backend=backend, workspace=cublas_workspace(gpu))
     allocated = result.peak_allocated
     reserved = max(result.peak_reserved, allocated)
     breakdown = {c: result.breakdown.get(c, 0) for c in CATEGORIES}

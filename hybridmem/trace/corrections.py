@@ -57,7 +57,7 @@ def patched_model_checks():
     """Take the code paths a real CUDA run takes where HF reads tensor values.
 
     - LLaVA's `n_image_tokens * hidden == numel` check calls `.item()` on a fake tensor
-      (DESIGN.md); the batch has exactly the right number of image tokens, so it is a no-op.
+      (docs/design.md); the batch has exactly the right number of image tokens, so it is a no-op.
     - `masking_utils.find_packed_sequence_indices` treats fake tensors as "tracing" and then
       keeps a packed-sequence mask, which makes HF build a (B, 1, S, S) attention mask that a
       real run of an unpadded batch never builds; it returns None on a real run of our batch.

@@ -1,6 +1,6 @@
 """Build the real `transformers` model for a spec under FakeTensorMode (no weights, no memory).
 
-Traps handled here (DESIGN.md, "Facts measured or read"): fake `cuda` tensors do not work on a
+Traps handled here (docs/design.md, "Facts measured or read"): fake `cuda` tensors do not work on a
 CPU-only build, so tensors are CPU fakes; `model.to(dtype)` fails on fake parameters, so the
 parameter dtype comes from `torch.set_default_dtype`; `peft.get_peft_model` moves adapters with
 `.to()`, which fails the same way, so that move is skipped (the adapters are already created on
