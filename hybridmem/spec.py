@@ -14,8 +14,8 @@ from hybridmem.errors import SpecError
 from hybridmem.parallel.spec import ParallelSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
-Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion",
-                    "lora-fa"]
+Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "sgd", "sgd-momentum", "adafactor",
+                    "lion", "lora-fa"]
 Trainable = Literal["full", "llm+projector", "projector", "lora", "peft"]
 Attention = Literal["eager", "sdpa", "flash_attention_2"]
 Loop = Literal["trainer", "custom"]
