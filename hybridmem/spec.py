@@ -14,7 +14,8 @@ from hybridmem.errors import SpecError
 from hybridmem.parallel.spec import ParallelSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
-Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
+Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "sgd", "sgd-momentum", "adafactor",
+                    "lion", "lora-fa"]
 Trainable = Literal["full", "llm+projector", "projector", "lora", "peft"]
 Attention = Literal["eager", "sdpa", "flash_attention_2"]
 Loop = Literal["trainer", "custom"]
@@ -39,7 +40,14 @@ DEFAULT_LORA_TARGETS: tuple[str, ...] = (
 # (transformers refuses `optim=adamw_bnb_8bit` together with a DeepSpeed optimizer).
 INVALID_PAIRS: dict[tuple[str, str], str] = {
     ("bf16-master", "adamw-8bit"): "8-bit optimizer state cannot sit under fp32 master weights",
+    # peft `create_lorafa_optimizer` steps the PeftModel's own named parameters (it pairs
+    # lora_A with lora_B by name), not a DeepSpeed group of flat fp32 master copies
+    ("bf16-master", "lora-fa"): "LoRA-FA steps the model's own named LoRA parameters",
 }
+
+# Optimizers that exist for one `train` mode only: LoRA-FA (peft/optimizers/lorafa.py) freezes
+# lora_A and projects lora_B's gradient, so it needs LoRA adapters.
+OPTIMIZER_TRAINS: dict[str, str] = {"lora-fa": "lora"}
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -100,7 +108,8 @@ class TrainingSpec:
     precision: Precision = "bf16-mixed"
     """Where params, grads and optimizer state live (pure, autocast-mixed, master-weights)."""
     optimizer: Optimizer = "adamw"
-    """Optimizer; `adamw` is torch's foreach AdamW, the CUDA default."""
+    """Optimizer; `adamw` is torch's foreach AdamW, the CUDA default; `lora-fa` is peft's
+    `create_lorafa_optimizer` (LoRA-FA: lora_A frozen, AdamW on lora_B), train='lora' only."""
     grad_ckpt: bool = False
     """Activation (gradient) checkpointing of every decoder / encoder layer."""
     train: Trainable = "full"
@@ -150,6 +159,17 @@ class TrainingSpec:
             object.__setattr__(self, "lora", LoraSpec())
         if self.train != "lora" and self.lora is not None:
             raise SpecError("lora", "set", reason=f"LoRA settings need train='lora', not {self.train!r}")
+        if self.optimizer in OPTIMIZER_TRAINS and self.train != OPTIMIZER_TRAINS[self.optimizer]:
+            raise SpecError("optimizer", self.optimizer,
+                            [o for o in OPTIMIZERS if o not in OPTIMIZER_TRAINS],
+                            reason=f"needs train={OPTIMIZER_TRAINS[self.optimizer]!r}, "
+                            f"not {self.train!r}")
+        if self.optimizer == "lora-fa" and self.lora.use_dora:
+            # lorafa.py pairs every name containing "lora" two by two (A, B): DoRA's
+            # lora_magnitude_vector would be paired with the next layer's lora_A
+            raise SpecError("optimizer", self.optimizer,
+                            [o for o in OPTIMIZERS if o not in OPTIMIZER_TRAINS],
+                            reason="LoRA-FA cannot step DoRA (peft pairs lora_* tensors A, B)")
         _check_choice("loop", self.loop, LOOPS)
         if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) \
                 or not self.max_grad_norm >= 0:

@@ -32,10 +32,17 @@ def _records() -> dict[str, dict]:
     return {r["id"]: r for r in recs}
 
 
+def _loraplus(rec: dict) -> dict:
+    """A record derived from a real one (not published): the LoRA-FA run relabelled as peft's
+    `lora+` optimizer, which has no spec optimizer - the importer's exclusion path."""
+    return {**rec, "id": rec["id"] + "-derived-loraplus", "optimizer": "lora+"}
+
+
 @pytest.fixture
 def records() -> list[dict]:
     by_id = _records()
-    return [by_id[FULL], by_id[LORAFA], by_id[ADALORA], *(by_id[i] for i in RERUN)]
+    return [by_id[FULL], by_id[LORAFA], by_id[ADALORA], *(by_id[i] for i in RERUN),
+            _loraplus(by_id[LORAFA])]
 
 
 @pytest.fixture
@@ -55,10 +62,10 @@ def test_import_counts_reasons_and_is_idempotent(jsonl, records, tmp_path, capsy
     out = tmp_path / "data"
     rc, text, _ = _import(jsonl, out, capsys)
     assert rc == 0
-    assert "added 5 rows" in text and "(4 ok, 1 excluded)" in text
-    assert "excluded 1: optimizer 'lora-fa'" in text
+    assert "added 6 rows" in text and "(5 ok, 1 excluded)" in text
+    assert "excluded 1: optimizer 'lora+'" in text
     rc, text, _ = _import(jsonl, out, capsys)  # the same file again: nothing new
-    assert rc == 0 and "added 0 rows" in text and "already present: 5" in text
+    assert rc == 0 and "added 0 rows" in text and "already present: 6" in text
     assert len(store.part_files(out)) == 1
     df = store.load_dataset(out)
     assert sorted(df["measurement_id"]) == sorted(r["id"] for r in records)
@@ -95,8 +102,14 @@ def test_rows_keep_figures_provenance_and_spec(jsonl, records, tmp_path, capsys)
     assert (spec.train, spec.precision, spec.optimizer, spec.loop, spec.max_grad_norm,
             spec.micro_batch, spec.seq_len, spec.attn) == ("full", "bf16", "adamw", "custom",
                                                             1.0, 4, 768, "sdpa")
-    assert lorafa["outcome"] == "excluded" and "lora-fa" in lorafa["excluded_reason"]
-    assert lorafa["group"] == "lora" and lorafa["spec_json"] == ""
+    # LoRA-FA (peft create_lorafa_optimizer) is the spec's optimizer `lora-fa` now
+    assert lorafa["outcome"] == "ok" and lorafa["excluded_reason"] == ""
+    spec = spec_from_row(lorafa)
+    assert lorafa["group"] == "lora" and lorafa["optimizer"] == spec.optimizer == "lora-fa"
+    assert (spec.lora.r, spec.lora.alpha, spec.lora.targets) == (32, 64.0, ("q_proj", "v_proj"))
+    plus = df.loc[LORAFA + "-derived-loraplus"]
+    assert plus["outcome"] == "excluded" and "lora+" in plus["excluded_reason"]
+    assert plus["group"] == "lora" and plus["spec_json"] == ""
     lora = df.loc[RERUN[0]]
     assert lora["group"] == "lora" and spec_from_row(lora).lora.r == lora["lora_r"] == 32
     ada = df.loc[ADALORA]
@@ -113,7 +126,7 @@ def test_learned_tier_reads_published_rows_as_real(jsonl, tmp_path, capsys):
     df = dataset.load(out)
     assert pick_sources(df) == ("published",) and is_calibrated(("published",))
     usable = dataset.usable_rows(df, ("published",), ("reserved",))
-    assert set(usable["outcome"]) == {"ok"} and len(usable) == 4  # the excluded row is skipped
+    assert set(usable["outcome"]) == {"ok"} and len(usable) == 5  # the excluded row is skipped
     trace = df.assign(source="trace")
     assert pick_sources(pd.concat([df, trace])) == ("published",)  # trace never counts
     assert not is_calibrated(("trace",))
@@ -124,8 +137,8 @@ def test_killed_import_leaves_no_partial_rows(jsonl, tmp_path, capsys):
     out.mkdir()
     (out / ".part-x.parquet.123.tmp").write_bytes(b"half a file")  # a writer killed mid-write
     rc, text, _ = _import(jsonl, out, capsys)
-    assert rc == 0 and "added 5 rows" in text
-    assert len(store.load_dataset(out)) == 5
+    assert rc == 0 and "added 6 rows" in text
+    assert len(store.load_dataset(out)) == 6
 
 
 @pytest.mark.parametrize("case, message", [

@@ -13,7 +13,9 @@ linears/SDPA run in bf16/fp16 on cast copies (autograd saves the copies; casts o
 weights sit in the autocast cache until autocast exits), while embeddings, residual adds
 (fp32 + bf16 promotes), norms and RoPE (fp32 cos/sin) keep the residual stream in fp32.
 LoRA (PEFT `lora.Linear.forward`): `_cast_input_dtype` casts the input to the fp32 adapter dtype
-(a saved copy when the model runs in bf16), lora_A's output is saved by lora_B.
+(a saved copy when the model runs in bf16), lora_A's output is saved by lora_B. LoRA-FA
+(peft `create_lorafa_optimizer`) freezes lora_A: its input (that copy, or the dropout output)
+is no longer saved, its dropout mask only while the input needs a grad.
 DoRA (peft/tuners/lora/dora.py `DoraLinearLayer.forward`, see `dora_saved` / `dora_forward`)
 also saves the base output and lora_B's output for the magnitude's grad, and builds the full
 weight W + scale B@A (fp32) in every forward to take its (detached) column norm.
@@ -51,6 +53,8 @@ class Ctx:
     lora_dropout: float = 0.0
     ckpt: bool = False
     dora: bool = False
+    frozen_a: bool = False
+    """lora_A has requires_grad=False (optimizer `lora-fa`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,16 +171,21 @@ def dora_forward(c: Ctx, linears: list[tuple[int, int, int]]) -> tuple[int, ...]
 
 
 def linear_inputs(sv: Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, base_w: bool,
-                   adapters: int, shared: bool) -> None:
+                   adapters: int, shared: bool, in_grad: bool = True) -> None:
     """Inputs saved by `n_base` linears reading one tensor of `numel` elements.
 
     `shared`: the tensor itself is already saved by another op (no new memory when saved again).
     Under autocast each linear casts an fp32 input separately (one saved copy per linear).
+    `in_grad`: the tensor needs a grad (decides what a frozen lora_A's branch saves).
     """
     dropout = c.lora_dropout > 0
     # LoRA dropout (nn.Dropout before lora_A) saves a bool mask per adapter and hands lora_A a
     # new tensor; without it PEFT uses nn.Identity
-    sv.add(numel, 1, times=adapters if dropout else 0)
+    sv.add(numel, 1, times=adapters if dropout and (in_grad or not c.frozen_a) else 0)
+    if c.frozen_a:
+        # frozen lora_A (derivatives.yaml mm: `self` is saved only for mat2's grad): its input
+        # is not saved; the base linear's input below is
+        adapters = 0
     if c.amp:
         cast = in_bytes != 2
         if base_w:
@@ -205,7 +214,10 @@ def amp_copies(layer: Layer, c: Ctx, active: bool, need_w: bool) -> tuple[int, i
         return 0, 0
     base = t(linear_weights(layer), 2) if layer.params else 0
     lora = sum(t(p.numel, 2) for p in lora_matrices(layer))
-    return base + lora, (base if need_w else 0) + lora
+    # autocast caches casts of leaf tensors that require grad only (`can_try_cache`): a frozen
+    # lora_A's copy is saved by its matmul like a frozen base weight's, not cached
+    frozen = sum(t(p.numel, 2) for p in lora_matrices(layer) if p.frozen)
+    return base + lora, (base if need_w else 0) + lora - frozen
 
 
 def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: int) -> int:

@@ -61,7 +61,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
     return A.Ctx(e=policy.compute_bytes, stream=4 if amp else policy.param_bytes, amp=amp,
                  attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0,
                  lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt,
-                 dora=bool(spec.lora and spec.lora.use_dora))
+                 dora=bool(spec.lora and spec.lora.use_dora),
+                 frozen_a=spec.optimizer == "lora-fa")
 
 
 # layer kind -> activation formula (need_in, need_w); kinds not listed keep nothing for
@@ -227,6 +228,10 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
             notes.append("DoRA: fp32 magnitude vectors; per adapted linear the base and lora_B "
                          "outputs are saved and the fp32 full weight W + scale B@A is built "
                          "in every forward (peft/tuners/lora/dora.py)")
+        if spec.optimizer == "lora-fa":
+            notes.append("lora-fa (peft create_lorafa_optimizer): lora_A frozen (no grad, no "
+                         "state, its input not saved); AdamW state on lora_B; the step's "
+                         "bf16 gradient projection assumes a bf16-capable GPU")
         if spec.lora.modules_to_save:
             notes.append(f"modules_to_save {', '.join(spec.lora.modules_to_save)}: a trainable "
                          "copy in the base dtype, the original frozen")

@@ -16,6 +16,10 @@ optimizer steps: the fp32 master copy under bf16-master, the parameter itself ot
 - adafactor (torch/optim/_adafactor.py): >= 2-D: row_var (shape[:-1]) + col_var
   (shape[:-2] + shape[-1:]); 1-D: variance (n); CPU `step`.
 - lion (lucidrains/lion-pytorch): exp_avg (n s).
+- lora-fa (peft/optimizers/lorafa.py `LoraFAOptimizer.step`, `zeros_like`): exp_avg_B +
+  exp_avg_sq_B per lora_B (2 n s; its lora_A is frozen by `create_lorafa_optimizer`: no grad,
+  no state), exp_avg + exp_avg_sq per other trained tensor (modules_to_save copies); `step` is
+  a Python int.
 - bf16-master adds the fp32 master copy (n x 4) of every trainable non-fp32 tensor, made at
   initialisation (DeepSpeed bf16_optimizer.py), counted as optimizer.
 """
@@ -33,6 +37,7 @@ BNB_MIN_8BIT = 4096   # bitsandbytes optim `min_8bit_size` default
 BNB_BLOCK = 256       # bitsandbytes blockwise optimizer state: absmax per 256 elements
 BNB_QMAP = 256       # one dynamic-quantisation map: 256 fp32 entries (F.create_dynamic_map)
 FP32 = 4
+BF16 = 2
 # aten/src/ATen/native/cuda/MultiTensorApply.cuh `kChunkSize`: elements per chunk of a
 # multi-tensor kernel; `_foreach_norm`'s scratch holds one fp32 partial norm per chunk and tensor
 FOREACH_CHUNK = 65536
@@ -50,6 +55,8 @@ class Stepped:
     shape: tuple[int, ...]
     state: int
     """State itemsize (dtype of the stepped tensor)."""
+    lora_b: bool = False
+    """A LoRA B matrix (out x r): LoRA-FA projects its gradient (`lorafa_temporary`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +82,7 @@ def _size(p: ParamTensor, policy: PrecisionPolicy) -> int:
 def state_bytes(s: Stepped, optimizer: str) -> list[int]:
     """Allocations of the optimizer state of one stepped tensor."""
     n = s.numel
-    if optimizer in ("adamw", "adamw-fused"):
+    if optimizer in ("adamw", "adamw-fused", "lora-fa"):
         out = [t(n, s.state), t(n, s.state)]
         return out + ([t(1, FP32)] if optimizer == "adamw-fused" else [])
     if optimizer == "adamw-8bit":
@@ -111,10 +118,13 @@ def optimizer_temporary(optimizer: str, stepped: list[Stepped]) -> int:
       clone, and is smaller); the largest group sets the peak.
     - lion (lion-pytorch `update_fn`, per tensor): `exp_avg.clone()...add(grad)` makes two
       tensors the size of the largest parameter.
+    - lora-fa: `lorafa_temporary`.
     - fused AdamW, bitsandbytes 8-bit, SGD: in place, none.
     """
     if not stepped:
         return 0
+    if optimizer == "lora-fa":
+        return lorafa_temporary(stepped)
     if optimizer == "adamw":
         return sum(t(s.numel, s.state) for s in stepped)
     if optimizer == "adafactor":
@@ -124,6 +134,42 @@ def optimizer_temporary(optimizer: str, stepped: list[Stepped]) -> int:
     if optimizer == "lion":
         return 2 * max(t(s.numel, s.state) for s in stepped)
     return 0
+
+
+def lorafa_temporary(stepped: list[Stepped]) -> int:
+    """Peak of the short-lived tensors of peft's `LoraFAOptimizer.step` (peft 0.21
+    peft/optimizers/lorafa.py), one tensor at a time in `named_parameters()` order.
+
+    Per lora_B (out x r, fp32 like its frozen lora_A): `AA_T = A @ A.T` (r x r);
+    `pinv(AA_T + delta * eye(r).to(device))`: the fp32 eye, `delta * eye`, their sum, pinv's
+    U, Vh and `Vh.mH * S` (r x r each; the SVD's solver workspace is left out) and the result
+    `AA_T_inv`; under `autocast(bf16)` (taken when `is_bf16_available()`: Ampere or newer)
+    `grad_B_orin @ AA_T_inv` casts both to bf16 and makes a bf16 (out x r) product, times a
+    Python scalar another; `.to(B.grad.dtype)` the fp32 `grad_B`; `exp_avg_sq_B.sqrt()` the
+    `denom_B`. Other tensors (AdamW branch): `denom = exp_avg_sq.sqrt()`. Each is a loop
+    local: the previous tensor's stays alive until its name is bound again."""
+    local: dict[str, int] = {}
+    peak = 0
+
+    def bind(name: str, size: int, *alongside: int) -> None:
+        # `name = <new tensor of size>`, made while `alongside` are alive; then the old dies
+        nonlocal peak
+        peak = max(peak, sum(local.values()) + size + sum(alongside))
+        local[name] = size
+
+    for s in stepped:
+        if not s.lora_b:
+            bind("denom", t(s.numel, s.state))
+            continue
+        out, r = s.shape
+        rr, half = t(r * r, FP32), t(out * r, BF16)
+        bind("AA_T", rr)
+        bind("AA_T_inv", rr, *[rr] * 4)          # sum, U, Vh, Vh.mH * S (eye freed by then)
+        bind("grad_B", half, half, t(r * r, BF16))  # the product, with the two bf16 casts
+        bind("grad_B", half, half)                  # scalar * product
+        bind("grad_B", t(out * r, s.state))         # .to(B.grad.dtype)
+        bind("denom_B", t(out * r, s.state))
+    return peak
 
 
 def foreach_norm_scratch(numels: list[int]) -> list[int]:
@@ -176,9 +222,10 @@ def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> Layer
                 if policy.master_bytes and p.itemsize is None]
     for p in with_grad:
         state = FP32 if p.itemsize is not None else policy.state_bytes
-        stepped.append(Stepped(p.numel, p.shape, state))
+        stepped.append(Stepped(p.numel, p.shape, state, lora_b="lora_B." in p.name))
     states = [b for s in stepped for b in state_bytes(s, optimizer)]
-    trainable = (layer.num_params if layer.trainable else 0) + sum(p.numel for p, _ in lora)
+    trainable = (layer.num_params if layer.trainable else 0) + sum(
+        p.numel for p, _ in lora if not p.frozen)
     return LayerStates(
         param=sum(params) + sum(buffers), grad=sum(grads), optimizer=sum(states) + sum(masters),
         master=sum(masters), param_count=layer.num_params + sum(p.numel for p, _ in lora),

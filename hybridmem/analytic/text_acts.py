@@ -29,12 +29,13 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(B * h, FP32, need_in)
     sv.add(B, FP32, need_in)
     sv.add(B * h, sb, need_w)
-    linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False)
+    linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False, in_grad=need_in)
     lora_outputs(sv, c, B, n_qkv)
     dora_saved(sv, c, B, dora_linears(layer, ("q_proj", "k_proj", "v_proj")), need_in)
     probs = attention_core(sv, c, b, s, d["heads"], qd, kvd)
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
-    linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager")
+    linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
+                  in_grad=need_in or n_qkv > 0)
     lora_outputs(sv, c, B, n_o)
     dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
     attn_part = sv.total
@@ -113,7 +114,7 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     e = c.e
     sv = Saved()
     n_lora = len(lora_matrices(layer)) // 2
-    linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False)
+    linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False, in_grad=need_in)
     lora_outputs(sv, c, B, n_lora)
     dora_saved(sv, c, B, dora_linears(layer), need_in)
     sv.add(B * V, FP32)  # log_softmax output

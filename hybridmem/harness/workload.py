@@ -83,8 +83,17 @@ def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
         raise build_error(spec, err) from err
 
 
-def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """The optimizer as users get it: torch's foreach implementations, bitsandbytes for 8-bit/Lion."""
+def make_optimizer(name: str, params: list[torch.Tensor], model: nn.Module | None = None,
+                   lora=None) -> torch.optim.Optimizer:
+    """The optimizer as users get it: torch's foreach implementations, bitsandbytes for 8-bit/Lion,
+    peft's `create_lorafa_optimizer(model, r, lora_alpha, lr, weight_decay)` for `lora-fa` (it
+    takes the PeftModel and freezes every lora_A, so build it before collecting `params`)."""
+    if name == "lora-fa":
+        from peft.optimizers import create_lorafa_optimizer
+
+        # weight_decay > 0 takes the peft MetaMathQA run's path (0.1); in place, no memory
+        return create_lorafa_optimizer(model, r=lora.r, lora_alpha=lora.alpha, lr=LR,
+                                       weight_decay=0.1)
     optim = torch.optim
     table = {
         "adamw": lambda: optim.AdamW(params, lr=LR, foreach=True),
@@ -196,11 +205,13 @@ def prepare(spec: TrainingSpec, config, device) -> Job:
 
 def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None = None) -> Job:
     """Optimizer (on fp32 masters under `bf16-master`) and loss scaler for `model`."""
+    lorafa = make_optimizer("lora-fa", [], model, spec.lora) if spec.optimizer == "lora-fa" \
+        else None  # freezes lora_A before the trainable params are taken
     params = [p for p in model.parameters() if p.requires_grad]
     # fp32 master copies of the trainable bf16 params; the optimizer steps on them
     masters = ([p.detach().float().requires_grad_(True) for p in params]
                if spec.precision == "bf16-master" else [])
-    optimizer = make_optimizer(spec.optimizer, masters or params)
+    optimizer = lorafa if lorafa is not None else make_optimizer(spec.optimizer, masters or params)
     scaler = torch.amp.GradScaler(device.type) if spec.precision == "fp16-mixed" else None
     return Job(model, optimizer, batch or {}, params, masters, scaler)
 

@@ -101,10 +101,12 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
     return modules
 
 
-def _lora_adapters(layer: Layer, module: str, lora: LoraSpec) -> Layer:
+def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = False) -> Layer:
     """PEFT `LoraLayer`: lora_A (r x in) and lora_B (out x r) on every matching Linear; DoRA
     adds `lora_magnitude_vector` (out,), the fp32 column norms of W + scale B@A at init
-    (peft/tuners/lora/dora.py `DoraLinearLayer.update_layer`)."""
+    (peft/tuners/lora/dora.py `DoraLinearLayer.update_layer`). `frozen_a`: LoRA-FA's
+    `create_lorafa_optimizer` sets `requires_grad_(False)` on every lora_A
+    (peft/optimizers/lorafa.py)."""
     adapters = []
     for p in layer.params:
         if not p.name.endswith("weight") or len(p.shape) != 2 or layer.kind == "embedding":
@@ -114,7 +116,8 @@ def _lora_adapters(layer: Layer, module: str, lora: LoraSpec) -> Layer:
         if any(key == t or key.endswith("." + t) for t in lora.targets):
             n_out, n_in = p.shape
             prefix = f"{linear}." if linear else ""
-            adapters += [T(f"{prefix}lora_A.default.weight", (lora.r, n_in), LORA_FP32),
+            adapters += [T(f"{prefix}lora_A.default.weight", (lora.r, n_in), LORA_FP32,
+                           frozen=frozen_a),
                          T(f"{prefix}lora_B.default.weight", (n_out, lora.r), LORA_FP32)]
             if lora.use_dora:
                 adapters.append(T(f"{prefix}lora_magnitude_vector.default.weight", (n_out,),
@@ -163,7 +166,8 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
     for m in modules:
         layers = tuple(replace(layer, trainable=m.name in trainable) for layer in m.layers)
         if spec.train == "lora" and m.name in LORA_MODULES:
-            layers = tuple(_lora_adapters(layer, m.name, spec.lora) for layer in layers)
+            layers = tuple(_lora_adapters(layer, m.name, spec.lora, spec.optimizer == "lora-fa")
+                           for layer in layers)
         if spec.train == "lora" and spec.lora.modules_to_save:
             layers = tuple(_saved_copies(layer, m.prefix, spec.lora.modules_to_save, vocab,
                                          hidden) for layer in layers)

@@ -22,6 +22,9 @@ class ParamTensor:
     shape: tuple[int, ...]
     itemsize: int | None = None
     """Fixed bytes per element (buffers, LoRA adapters); None = the precision policy's dtype."""
+    frozen: bool = False
+    """An adapter tensor with requires_grad=False (LoRA-FA's lora_A): memory, no grad, no state;
+    autograd saves nothing for its weight grad."""
 
     @property
     def numel(self) -> int:
@@ -72,9 +75,9 @@ class Layer:
     @property
     def grad_tensors(self) -> tuple[ParamTensor, ...]:
         """The tensors that get a .grad (and optimizer state): base params when `gets_grads`,
-        LoRA adapters and modules_to_save copies whenever the layer runs."""
+        LoRA adapters (but frozen ones) and modules_to_save copies whenever the layer runs."""
         return (self.params if self.gets_grads else ()) + (
-            self.lora + self.copies if self.runs else ())
+            tuple(p for p in self.lora if not p.frozen) + self.copies if self.runs else ())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -67,8 +67,9 @@ def model_tensors(spec: TrainingSpec) -> ModelTensors:
         for p in layer.params:
             tensors.append(Tensor(p.numel, p.shape[0], p.itemsize, base_trains, unit))
         for p in layer.lora:
-            # PEFT adapters train whenever their layer is on the gradient path
+            # PEFT adapters train whenever their layer is on the gradient path (LoRA-FA's
+            # frozen lora_A never)
             tensors.append(Tensor(p.numel, p.shape[0], p.itemsize,
-                                  layer.on_grad_path and layer.runs, unit))
+                                  layer.on_grad_path and layer.runs and not p.frozen, unit))
         buffers += sum(b.numel * (b.itemsize or 4) for b in layer.buffers)
     return ModelTensors(tuple(tensors), buffers)

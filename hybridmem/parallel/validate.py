@@ -21,6 +21,11 @@ def check_parallel(spec: TrainingSpec) -> None:
     if ps.offload_optimizer != "none" and spec.optimizer not in OFFLOAD_OPTIMIZERS:
         raise SpecError("optimizer", spec.optimizer, OFFLOAD_OPTIMIZERS,
                         reason="optimizer offload to the CPU needs DeepSpeedCPUAdam")
+    if ps.strategy != "none" and spec.optimizer == "lora-fa":
+        # peft/optimizers/lorafa.py pairs the model's own lora_A/lora_B by name and computes
+        # A @ A.T on them: only modelled on one GPU (ZeRO/FSDP would hand it flat shards)
+        raise SpecError("optimizer", spec.optimizer, reason="LoRA-FA is modelled on one GPU "
+                        f"only, not strategy={ps.strategy!r}")
     if ps.zero_stage and spec.optimizer == "adamw-8bit":
         # transformers refuses bitsandbytes optimizers under a DeepSpeed ZeRO optimizer wrapper
         raise SpecError("optimizer", spec.optimizer, reason="8-bit optimizers do not run under ZeRO")

@@ -8,7 +8,8 @@ does, from the benchmark's run.py / utils.py / default_training_params.json:
   (precision `bf16`); attention implementation None -> SDPA; PEFT adapters in fp32
   (`autocast_adapter_dtype=True`, as our LoRA does).
 - `torch.optim.AdamW(model.parameters(), **optimizer_kwargs)`: foreach on CUDA (`adamw`);
-  `optimizer_type` "lora-fa" (`peft.optimizers.create_lorafa_optimizer`) has no spec value.
+  `optimizer_type` "lora-fa": `peft.optimizers.create_lorafa_optimizer(model, r, lora_alpha,
+  lr, weight_decay)` (`lora-fa`; its r / lora_alpha must be the adapter's).
 - `outputs = model(**batch); loss = outputs.loss; loss.backward()`: the outputs (logits) live
   through backward (loop `custom`); `clip_grad_norm_(grad_norm_clip)`; no accumulation.
 - samples truncated at `max_seq_length` and padded to the longest of each batch: the record's
@@ -58,11 +59,10 @@ SHAPE_KEYS: dict[str, str] = {
     "tie_word_embeddings": "tie_word_embeddings", "vocab_size": "vocab_size",
 }
 
-OPTIMIZERS: dict[str, str] = {"AdamW": "adamw"}
-"""The benchmark's `optimizer_type` (a torch.optim class name) -> spec optimizer."""
+OPTIMIZERS: dict[str, str] = {"AdamW": "adamw", "lora-fa": "lora-fa"}
+"""The benchmark's `optimizer_type` (a torch.optim class name, or a peft optimizer factory)
+-> spec optimizer."""
 UNREPRESENTABLE_OPTIMIZERS: dict[str, str] = {
-    "lora-fa": "optimizer 'lora-fa' (peft create_lorafa_optimizer: LoRA-FA, lora_A frozen) "
-               "has no TrainingSpec optimizer",
     "lora+": "optimizer 'lora+' (peft create_loraplus_optimizer) has no TrainingSpec optimizer",
     "riemannian": "optimizer 'riemannian' (peft create_riemannian_optimizer) has no "
                   "TrainingSpec optimizer",
@@ -167,6 +167,11 @@ def _spec(rec: dict) -> tuple[TrainingSpec | None, str]:
             build_graph(spec.with_(model=materialize_config(_preset_text(rec["model_config"]["hf_id"])[1])))
     except SpecError as err:
         return None, f"spec rejected: {err}"
+    if spec.optimizer == "lora-fa":  # the factory's r / lora_alpha against the adapter's
+        kw = rec.get("optimizer_kwargs") or {}
+        if (kw.get("r"), kw.get("lora_alpha")) != (spec.lora.r, spec.lora.alpha):
+            return None, (f"lora-fa r={kw.get('r')} / lora_alpha={kw.get('lora_alpha')} differ "
+                          f"from the adapter's r={spec.lora.r} / alpha={spec.lora.alpha}")
     return spec, ""
 
 

@@ -2,12 +2,14 @@
 
 torch's AdamW/SGD/Adafactor run as they are; `fused=True` AdamW has a CPU kernel with the
 same in-place memory behaviour as the CUDA one. Lion and bitsandbytes' 8-bit AdamW have no
-torch implementation, so they are emulated by their state layout (see each class).
+torch implementation, so they are emulated by their state layout (see each class). LoRA-FA is
+peft's own optimizer, built from the PeftModel (`make_lorafa`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.optim import Optimizer
@@ -16,6 +18,9 @@ from hybridmem.errors import SpecError
 from hybridmem.spec import OPTIMIZERS
 
 LR = 1e-5  # any value; learning rates change no memory
+# any value > 0: LoRA-FA's decoupled decay `B.add_(B, alpha=...)` is in place (the peft
+# MetaMathQA lorafa experiment uses 0.1); > 0 runs the same code path as that run
+WEIGHT_DECAY = 0.1
 
 
 class Lion(Optimizer):
@@ -107,7 +112,61 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> Optimizer:
         return Lion(params)
     if name == "adamw-8bit":
         return AdamW8bitLayout(params)
+    if name == "lora-fa":
+        raise SpecError("optimizer", name, reason="built from the PeftModel: make_lorafa(model)")
     raise SpecError("optimizer", name, OPTIMIZERS)
+
+
+def make_lorafa(model, lora) -> Optimizer:
+    """peft's `create_lorafa_optimizer(model, r, lora_alpha, lr, weight_decay)` (peft
+    optimizers/lorafa.py), whose step runs as on a bf16-capable CUDA GPU (`lorafa_as_on_cuda`).
+
+    It sets `requires_grad_(False)` on every lora_A, so call it before collecting the trainable
+    parameters. Its one param group holds every named parameter (frozen ones are skipped in the
+    step: no grad); its state is keyed by name (`...q_proj.lora` for an A/B pair)."""
+    from peft.optimizers import create_lorafa_optimizer
+
+    opt = create_lorafa_optimizer(model, r=lora.r, lora_alpha=lora.alpha, lr=LR,
+                                  weight_decay=WEIGHT_DECAY)
+    step = opt.step
+
+    @functools.wraps(step)
+    def step_as_on_cuda(*args, **kwargs):
+        with lorafa_as_on_cuda(opt):
+            return step(*args, **kwargs)
+
+    opt.step = step_as_on_cuda
+    return opt
+
+
+@contextlib.contextmanager
+def lorafa_as_on_cuda(opt: Optimizer):
+    """LoRA-FA's gradient projection runs under `autocast(infer_device(), bfloat16)` when
+    `is_bf16_available()` (lorafa.py `step`): on a CUDA GPU (Ampere or newer) a bf16 product
+    of bf16 casts. Here: bf16 is available, the device is the CPU (CPU autocast casts the
+    fake / real CPU tensors the same way: `mm` is lower-precision on both), and on meta tensors,
+    which no autocast touches, CUDA's policy is emulated (`autocast.CudaAutocast`)."""
+    from peft.optimizers import lorafa
+
+    saved = lorafa.infer_device, lorafa.is_bf16_available, lorafa.autocast
+    meta = any(p.is_meta for g in opt.param_groups for p in g["params"])
+
+    @contextlib.contextmanager
+    def emulated(device_type=None, dtype=torch.bfloat16, **_):
+        from hybridmem.trace.autocast import CudaAutocast
+
+        mode = CudaAutocast(dtype)
+        with mode, mode.region(True):
+            yield
+
+    lorafa.infer_device = lambda: "cpu"
+    lorafa.is_bf16_available = lambda *a, **k: True
+    if meta:
+        lorafa.autocast = emulated
+    try:
+        yield
+    finally:
+        lorafa.infer_device, lorafa.is_bf16_available, lorafa.autocast = saved
 
 
 @contextlib.contextmanager

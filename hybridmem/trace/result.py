@@ -123,6 +123,11 @@ def _modules(job, tracker: StorageTracker, live: list[Storage]) -> list[ModuleMe
             for t in state_of.get(id(stepped), {}).values():
                 if hasattr(t, "untyped_storage") and tracker.category_of(t) == "optimizer":
                     row["optimizer"] += round_size(t.untyped_storage().nbytes())
+    for key, st in job.optimizer.state.items():
+        if isinstance(key, str) and part_of(key) in rows:  # LoRA-FA: state keyed by name
+            rows[part_of(key)]["optimizer"] += sum(
+                round_size(t.untyped_storage().nbytes()) for t in st.values()
+                if hasattr(t, "untyped_storage") and tracker.category_of(t) == "optimizer")
     return [ModuleMemory(name=part, **row) for part, row in rows.items()]
 
 

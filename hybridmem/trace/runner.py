@@ -26,7 +26,7 @@ from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
 from hybridmem.trace.inputs import make_batch
-from hybridmem.trace.optimizers import fused_on_meta, host_state_keys, make_optimizer
+from hybridmem.trace.optimizers import fused_on_meta, host_state_keys, make_lorafa, make_optimizer
 from hybridmem.trace.tracker import StorageTracker
 
 ITERATIONS = 2  # optimizer state appears in the first step; the second shows the steady peak
@@ -68,10 +68,12 @@ def prepare(spec: TrainingSpec, config) -> Job:
         model = build.add_adapters(model, spec)
     if spec.grad_ckpt:
         build.enable_checkpointing(model)
+    # peft's LoRA-FA factory freezes every lora_A: built before the trainable params are taken
+    lorafa = make_lorafa(model, spec.lora) if spec.optimizer == "lora-fa" else None
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in trainable]
     masters = _master_copies(params) if spec.precision == "bf16-master" else []
-    optimizer = make_optimizer(spec.optimizer, masters or params)
+    optimizer = lorafa if lorafa is not None else make_optimizer(spec.optimizer, masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
     return Job(model, optimizer, batch, trainable, masters, image_tokens)
@@ -151,7 +153,8 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker,
     for param, state in job.optimizer.state.items():
         for key, t in state.items():
             if isinstance(t, torch.Tensor):
-                tracker.label(t, "host" if key in host else "optimizer", parts.get(id(param)))
+                tracker.label(t, "host" if key in host else "optimizer",  # LoRA-FA: by name
+                              part_of(param) if isinstance(param, str) else parts.get(id(param)))
     job.optimizer.zero_grad(set_to_none=True)
     for m, (_, p) in zip(job.masters, job.trainable):
         m.grad = p.grad = None
