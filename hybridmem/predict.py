@@ -23,6 +23,12 @@ METHODS: dict[str, str] = {
     "hybrid": "hybridmem.learned.predictor:estimate",
 }
 
+PER_RANK_TIERS: frozenset[str] = frozenset({"hybrid"})
+"""Tiers that price a multi-GPU spec per rank themselves: the learned tier's base is already the
+per-rank analytic estimate (`learned.features.analytic_base`), and its residual was trained on
+that base with the strategy among the features, so sharding its answer again would serve a
+different path than `hybridmem evaluate` scores."""
+
 # Upper end of the micro-batch search; far beyond any GPU today for the smallest presets.
 MAX_SEARCH_BATCH = 1 << 16
 
@@ -43,9 +49,12 @@ def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
     if method not in METHODS:
         raise SpecError("method", method, METHODS)
     module, func = METHODS[method].split(":")
+    tier = getattr(import_module(module), func)
+    if method in PER_RANK_TIERS:
+        return tier
     # --- parallel hook (issue 6, hybridmem/parallel): data-parallel specs are priced per rank ---
     from hybridmem.parallel.estimate import per_rank_aware
-    return per_rank_aware(getattr(import_module(module), func))
+    return per_rank_aware(tier)
 
 
 def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",

@@ -86,16 +86,23 @@ def render(pred: Prediction, console=None) -> None:
         console.print(f"note: {note}", style="dim")
 
 
-def plot(pred: Prediction, path: str | Path) -> Path:
-    """Stacked bars: one bar per module (+ one for non-module terms), stacked by category."""
+BAR_HEIGHT_IN = 0.55
+"""Figure inches per module bar: horizontal bars put module names (vision_tower,
+multi_modal_projector, language_model, ...) on the y axis, one per line, so they never
+overlap however many or long they are (issue 11: the x-axis labels of vertical bars did)."""
+
+
+def figure(pred: Prediction):
+    """The matplotlib figure of `plot`: one horizontal stacked bar per module (+ "other" for the
+    non-module terms), stacked by category, the GPU's memory as a vertical line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [m.name for m in pred.modules] + ["other"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names)), 4.5))
-    bottoms = [0.0] * len(names)
+    fig, ax = plt.subplots(figsize=(8, 1.6 + BAR_HEIGHT_IN * len(names)))
+    lefts = [0.0] * len(names)
     for cat in CATEGORIES:
         if cat in MODULE_COLUMNS:
             vals = [getattr(m, cat) / GiB for m in pred.modules] + [0.0]
@@ -103,17 +110,28 @@ def plot(pred: Prediction, path: str | Path) -> Path:
             vals = [0.0] * len(pred.modules) + [pred.breakdown[cat] / GiB]
         if not any(vals):
             continue
-        ax.bar(names, vals, bottom=bottoms, label=cat)
-        bottoms = [b + v for b, v in zip(bottoms, vals)]
+        ax.barh(names, vals, left=lefts, label=cat)
+        lefts = [b + v for b, v in zip(lefts, vals)]
     if pred.gpu_memory_bytes:
-        ax.axhline(pred.gpu_memory_bytes / GiB, color="red", linestyle="--",
+        ax.axvline(pred.gpu_memory_bytes / GiB, color="red", linestyle="--",
                    label=f"{pred.gpu_name} memory")
-    ax.set_ylabel("GiB at the device peak")
+    # room for the longest bar and the GPU line (bars have no autoscale margin at their ends)
+    ax.set_xlim(0, 1.05 * max(lefts + [(pred.gpu_memory_bytes or 0) / GiB]))
+    ax.invert_yaxis()  # modules top-down in model order, "other" last
+    ax.set_xlabel("GiB at the device peak")
     ax.set_title(f"{pred.model}: {pred.peak.device_bytes / GiB:.2f} GiB peak "
-                 f"({pred.peak.phase}, {pred.method})")
-    ax.legend(fontsize=8)
+                 f"({pred.peak.phase}, {pred.method})", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
+    return fig
+
+
+def plot(pred: Prediction, path: str | Path) -> Path:
+    """Write `figure(pred)` as a PNG to `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(pred)
     out = Path(path)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out

@@ -89,8 +89,8 @@ def measure(request: dict, probe) -> dict:
     phases: list[dict] = []
     phase, iteration = SETUP, -1
     history = request.get("history_path")
-    if history:  # each rank its own snapshot: HISTORY.rank<R> (parallel.launch.rank_path)
-        from hybridmem.parallel.launch import rank_path
+    if history:  # each rank its own snapshot: HISTORY.rank<R>
+        from hybridmem.harness.ranks import rank_path
 
         history = str(rank_path(history))
     try:
@@ -106,7 +106,9 @@ def measure(request: dict, probe) -> dict:
         if ranked:  # the process group (NCCL's buffers) is part of what the job pays for
             distributed.init(device, spec)
         probe.phase_start(phase, iteration)
-        job = workload.prepare(spec, load_config(spec.model), device)
+        # a multi-rank spec is wrapped per its strategy; `workload` is the single-GPU job
+        build = distributed.prepare if spec.parallel.strategy != "none" else workload.prepare
+        job = build(spec, load_config(spec.model), device)
         phases.append({"phase": phase, "iteration": iteration, **probe.phase_end(phase, iteration)})
         result["params_total"] = sum(distributed.global_numel(p) for p in job.model.parameters())
         result["params_trainable"] = sum(distributed.global_numel(p) for p in job.params)
@@ -180,7 +182,7 @@ def main(argv: list[str]) -> int:
         _write(argv[1], environment(load_probe()))
         return 0
     from hybridmem.harness import distributed
-    from hybridmem.parallel.launch import rank_path
+    from hybridmem.harness.ranks import rank_path
 
     request_path, result_path = argv
     with open(request_path) as fh:

@@ -4,6 +4,9 @@ wrapped per strategy (DDP, FSDP2, DeepSpeed ZeRO) the way users' frameworks wrap
 The child runs this when torchrun launched it (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK). Each
 rank measures itself with its own probe and writes its own result; the parent merges them
 (`hybridmem.harness.ranks`). NCCL on CUDA; gloo for the CPU stand-in that tests use.
+
+It builds on `hybridmem.harness.workload` (the single-GPU job); workload does not import it back:
+the child picks `prepare` here for a multi-rank spec.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from hybridmem.harness import workload
+from hybridmem.harness.ranks import launched  # noqa: F401  (the child asks it here)
 from hybridmem.spec import TrainingSpec
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 
@@ -24,12 +28,6 @@ FAILED_EXIT = 3
 """Exit status of a rank whose result is not `ok`: torchrun then stops the other ranks, which
 would otherwise wait for it in a collective (until the NCCL timeout, 10 min by default)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def launched() -> bool:
-    """True inside a rank started by torchrun, which sets both variables (`parallel.launch.
-    rank_path`, which names the rank's result file, looks at LOCAL_RANK alone)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def rank() -> int:

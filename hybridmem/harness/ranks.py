@@ -1,19 +1,23 @@
-"""One result from the ranks of a multi-rank measurement: the job is as big as its worst rank.
+"""The harness's torchrun protocol: how ranks are launched, where each writes its result, and
+one result from them all (the job is as big as its worst rank).
 
-Every rank writes its own result (`RESULT.json.rank<R>`). A rank that ran out of memory makes
+The parent launches the child on N ranks with `torchrun_command`; every rank writes its own
+result (`RESULT.json.rank<R>`, `rank_path`). A rank that ran out of memory makes
 the job an `oom` (the other ranks' failures follow from it: a peer left the collective); any
 other failure, or a rank that wrote nothing, an `error` naming the rank. An `ok` job takes, per
-numeric field, the maximum over ranks (`hybridmem.parallel.launch.summarize_ranks`), the phase
+numeric field, the maximum over ranks (`worst_numbers`), the phase
 of its allocated peak from the rank that holds it, and keeps every rank's peaks (`rank_peaks`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 
-from hybridmem.parallel.launch import summarize_ranks
+from hybridmem.errors import SpecError
 
 RANK_FIELDS = ("outcome", "error", "peak_allocated_bytes", "peak_reserved_bytes",
                "peak_active_bytes", "peak_inactive_split_bytes", "peak_device_bytes",
@@ -28,11 +32,40 @@ NO_RESULT = "no-result"
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
+def torchrun_command(module: str, nproc: int, args: list[str] | tuple[str, ...] = (),
+                     *, python: str | None = None) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m module args...`.
+
+    `--standalone` starts a local rendezvous on a free port (torchrun docs, single-node), so
+    parallel launches do not collide on MASTER_PORT; multi-node launches are not supported.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise SpecError("nproc", nproc, reason="must be a positive integer")
+    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", module, *map(str, args)]
+
+
+def launched() -> bool:
+    """True inside a rank started by torchrun, which sets both variables."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank_file(path: str | os.PathLike, rank: int) -> Path:
+    """Rank `rank`'s own copy of a per-job path: `RESULT.json.rank3`."""
+    return Path(f"{path}.rank{rank}")
+
+
+def rank_path(path: str | os.PathLike) -> Path:
+    """This process's copy of a per-job path: its rank's when launched by torchrun, else the
+    path itself (ranks must not overwrite each other's results and snapshots)."""
+    return rank_file(path, int(os.environ.get("RANK", 0))) if launched() else Path(path)
+
+
 def read(result_path: Path, nproc: int) -> list[dict | None]:
     """Each rank's result, rank 0 first; None where a rank wrote nothing."""
     out = []
     for rank in range(nproc):
-        path = Path(f"{result_path}.rank{rank}")
+        path = rank_file(result_path, rank)
         out.append(json.loads(path.read_text()) if path.exists() else None)
     return out
 
@@ -49,14 +82,25 @@ def rank_peaks(results: list[dict | None]) -> list[dict]:
             for k, r in enumerate(results)]
 
 
+def worst_numbers(results: list[dict]) -> dict:
+    """Per field that every rank reports as a number, the maximum over ranks (the rank that
+    runs out first decides the job)."""
+    shared = set.intersection(*(set(r) for r in results)) if results else set()
+    out = {}
+    for key in sorted(shared):
+        values = [r[key] for r in results]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = max(values)
+    return out
+
+
 def _first_failure(failed: list[tuple[int, dict]]) -> tuple[int, dict]:
     return min(failed, key=lambda kr: kr[1].get("ended_at") or float("inf"))
 
 
 def _ok(results: list[dict]) -> dict:
     worst = max(results, key=lambda r: r.get("peak_allocated_bytes") or 0)
-    out = {**worst, **summarize_ranks(results)}
-    del out["per_rank"]
+    out = {**worst, **worst_numbers(results), "world_size": len(results)}
     # the slowest rank sets the pace of a synchronous step
     times = [r.get("iteration_seconds") or [] for r in results]
     out["iteration_seconds"] = [max(t) for t in zip(*times)]

@@ -5,8 +5,8 @@ exit without a result, a timeout) becomes an `error` result naming what happened
 goes on. The child runs in its own session so that a timeout kills its whole process group.
 
 A multi-rank spec (a data-parallel strategy) runs the same child on every rank through torchrun
-(`hybridmem.parallel.launch.torchrun_command`); the ranks' results are merged into one
-(`hybridmem.harness.ranks`), with the same timeout and failure handling.
+(`hybridmem.harness.ranks.torchrun_command`); the ranks' results are merged into one
+(`hybridmem.harness.ranks.merge`), with the same timeout and failure handling.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 from hybridmem.harness import ranks
-from hybridmem.parallel.launch import torchrun_command
 
 ENV_TIMEOUT_S = 300.0  # environment query: imports torch and initialises CUDA once
 CHILD = "hybridmem.harness.child"
@@ -96,7 +95,7 @@ def run_child(args: list[str], result_path: Path, log_path: Path, timeout_s: flo
     """Run the child with `args` (on `nproc` ranks through torchrun if given); its JSON result,
     or an `error` result saying why there is none."""
     cmd = (_child_cmd(*args) if nproc is None
-           else torchrun_command(CHILD, nproc, args, module=True))
+           else ranks.torchrun_command(CHILD, nproc, args))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)

@@ -192,11 +192,7 @@ def build_trainable(spec: TrainingSpec, config, device,
 def prepare(spec: TrainingSpec, config, device) -> Job:
     """Everything on `device`; `bf16-master` emulates DeepSpeed's BF16_Optimizer (see README).
 
-    A multi-rank spec is wrapped per its strategy (`hybridmem.harness.distributed`)."""
-    if spec.parallel.strategy != "none":
-        from hybridmem.harness import distributed
-
-        return distributed.prepare(spec, config, device)
+    One GPU; a multi-rank spec goes to `hybridmem.harness.distributed.prepare` (the child)."""
     model = build_trainable(spec, config, device)
     job = finish_job(model, spec, device)
     job.batch = make_batch(spec, config, model, device)

@@ -41,10 +41,16 @@ NEIGHBOUR_FEATURES: tuple[str, ...] = ("micro_batch", "seq_len", "image_tokens",
 
 
 def analytic_base(spec: TrainingSpec) -> Prediction:
-    """The default base estimate: the analytic tier (imported lazily)."""
-    from hybridmem.analytic import estimate
+    """The default base estimate: what `predict --method analytic` serves for `spec`, i.e. the
+    analytic tier priced per rank for a multi-GPU spec (`hybridmem.parallel.estimate`).
 
-    return estimate(spec)
+    The one base of the learned tier: `build_table` (training and `evaluate` rows) and
+    `predictor.estimate` (a user's spec) both call it, so a residual is learned and applied on
+    the same per-rank figure, and the strategy features say what the sharding left to correct.
+    """
+    from hybridmem.predict import estimator
+
+    return estimator("analytic")(spec)
 
 
 def resolve_base(base_fn: BaseFn | None) -> BaseFn:

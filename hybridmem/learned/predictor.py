@@ -140,8 +140,9 @@ def trace_row(spec: TrainingSpec, base: Prediction, trace_fn=None) -> tuple[dict
     from hybridmem.learned.features import TRACE_FEATURES, trace_features
 
     try:
-        if trace_fn is None:
-            from hybridmem.trace import estimate as trace_fn
+        if trace_fn is None:  # per rank, as `tier_rows` priced the dataset's trace figures
+            from hybridmem.predict import estimator
+            trace_fn = estimator("trace")
         t = trace_fn(spec)
     except (SpecError, ImportError) as err:
         return ({k: float("nan") for k in TRACE_FEATURES},
@@ -233,7 +234,11 @@ def default_method(models_dir: str | Path | None = None) -> str:
 
 def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
              gpu_name: str | None = None, base_fn=None, trace_fn=None) -> Prediction:
-    """Hybrid estimate of `spec`: analytic base + the newest matching residual model."""
+    """Hybrid estimate of `spec`: analytic base + the newest matching residual model.
+
+    The base is `features.analytic_base` (per rank for a multi-GPU spec), the very function the
+    training rows were featurised with; `predict.estimator` therefore does not shard this tier's
+    answer again (`predict.PER_RANK_TIERS`)."""
     from hybridmem.learned.features import resolve_base
 
     base = resolve_base(base_fn)(spec)

@@ -11,8 +11,7 @@ _EXPORTS = {
     "estimate_per_rank": "estimate", "smallest_fitting_setup": "fit",
     "from_deepspeed_json": "inputs", "from_training_args": "inputs", "merge_inputs": "inputs",
     "spec_from_inputs": "inputs", "RECIPES": "recipes", "ParallelSpec": "spec",
-    "STRATEGIES": "spec", "check_parallel": "validate", "torchrun_command": "launch",
-    "launch_ranks": "launch",
+    "STRATEGIES": "spec", "check_parallel": "validate",
 }
 __all__ = sorted(_EXPORTS)
 

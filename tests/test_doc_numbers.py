@@ -1,0 +1,121 @@
+"""Every number README.md and docs/*.md quote from the code is recomputed here and compared with
+the text, parsed out of the doc: editing either the code or the doc without the other fails.
+
+Numbers that are measurements (timings, published benchmark values, tier-vs-tier runs) are not
+recomputed; the doc names the experiments/ script that produced them. The accuracy section
+between the README's `accuracy:published` markers is checked by tests/test_accuracy_docs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from hybridmem.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+MiB = 2**20
+RECIPE = ["predict", "--recipe", "llava-1.5-finetune", "--model", "llava-1.5-7b",
+          "--gpu", "a100-40gb", "--json"]
+"""The README's and docs/parallel.md's multi-GPU example, as the docs write it (plus --json)."""
+
+
+def text(name: str) -> str:
+    return (ROOT / name).read_text()
+
+
+def quoted(doc: str, pattern: str) -> tuple[str, ...]:
+    """The groups of `pattern` in `doc` (one match required: a missing sentence fails too)."""
+    found = re.findall(pattern, text(doc), flags=re.S)
+    assert len(found) == 1, f"{doc}: expected one match of {pattern!r}, got {found}"
+    return found[0] if isinstance(found[0], tuple) else (found[0],)
+
+
+def gib(value: float, decimals: int) -> str:
+    return f"{value / GiB:.{decimals}f}"
+
+
+@pytest.fixture(scope="module")
+def recipe() -> dict:
+    """`hybridmem predict ... --json` of the example (analytic tier, ~9 s with the fit advice)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(RECIPE) in (0, None)
+    return json.loads(out.getvalue())
+
+
+def test_readme_multi_gpu_example(recipe):
+    device, world, over = quoted("README.md", r"The first answers ([\d.]+) GiB per GPU on (\d+) "
+                                              r"GPUs.*?A100-40GB, ([\d.]+) GiB over")
+    assert device == gib(recipe["peak"]["device_bytes"], 1)
+    assert int(world) == recipe["world_size"]
+    assert recipe["fit"]["fits_as_is"] is False
+    assert over == gib(-recipe["fit"]["current"]["headroom_bytes"], 1)
+    gpus, per_gpu, batch, per_gpu_batch = quoted(
+        "README.md", r"here (\d+) GPUs \(([\d.]+) GiB per GPU\) or micro-batch (\d+) \(([\d.]+) GiB")
+    fit = recipe["fit"]
+    assert (int(gpus), per_gpu) == (fit["world_size"]["world_size"],
+                                    gib(fit["world_size"]["peak_bytes"], 1))
+    assert (int(batch), per_gpu_batch) == (fit["micro_batch"]["micro_batch"],
+                                           gib(fit["micro_batch"]["peak_bytes"], 1))
+
+
+ROWS = {"param": "param", "grad": "grad", "optimizer": "optimizer", "activation": "activation",
+        "temporary": "temporary"}
+
+
+def test_parallel_md_breakdown_table(recipe):
+    bd = recipe["breakdown"]
+    for label in ROWS:
+        (value,) = quoted("docs/parallel.md", rf"\n\| {label}[^|]*\| ([\d.]+) \|")
+        assert value == gib(bd[ROWS[label]], 2), label
+    triple = quoted("docs/parallel.md", r"\| workspace / context \(\+ NCCL\) / fragmentation \| "
+                                        r"([\d.]+) / ([\d.]+) / ([\d.]+) \|")
+    assert triple == tuple(gib(bd[c], 2) for c in ("workspace", "context", "fragmentation"))
+    phase, iteration, device, capacity, verdict, headroom = quoted(
+        "docs/parallel.md", r"\*\*device peak\*\* \((\w+), iteration (\d+)\) \| \*\*([\d.]+)\*\* "
+                            r"of ([\d.]+) → (fits|does not fit), ([+-][\d.]+) GiB")
+    peak = recipe["peak"]
+    assert (phase, int(iteration), device) == (peak["phase"], peak["iteration"],
+                                               gib(peak["device_bytes"], 2))
+    assert capacity == gib(recipe["fit"]["gpu_memory_bytes"], 1)
+    assert verdict == ("fits" if recipe["fit"]["fits_as_is"] else "does not fit")
+    assert headroom == f"{recipe['fit']['current']['headroom_bytes'] / GiB:+.1f}"
+    (single,) = quoted("docs/parallel.md", r"One GPU would need ([\d.]+) GiB")
+    assert single == gib(recipe["single_gpu_device_bytes"], 1)
+    gpus, per_gpu, batch, per_batch = quoted(
+        "docs/parallel.md", r"smallest world size, (\d+) GPUs \(([\d.]+) GiB per GPU\), or the "
+                            r"largest\s+micro-batch, (\d+) \(([\d.]+) GiB")
+    fit = recipe["fit"]
+    assert (int(gpus), per_gpu, int(batch), per_batch) == (
+        fit["world_size"]["world_size"], gib(fit["world_size"]["peak_bytes"], 1),
+        fit["micro_batch"]["micro_batch"], gib(fit["micro_batch"]["peak_bytes"], 1))
+
+
+def test_quoted_default_overheads_are_the_code_constants():
+    from hybridmem.analytic.overheads import (CUBLAS_HANDLES_TRAINING, CUBLAS_WORKSPACE,
+                                              CUDA_CONTEXT_DEFAULT)
+    from hybridmem.parallel import estimate as par
+
+    context, handles, workspace, nccl = quoted(
+        "README.md", r"CUDA context \((\d+) MiB\) and cuBLAS workspaces \((\d+) × (\d+) MiB, "
+                     r"Hopper\).*?NCCL buffers are a nominal (\d+) MiB")
+    assert int(context) * MiB == CUDA_CONTEXT_DEFAULT
+    assert int(handles) == CUBLAS_HANDLES_TRAINING
+    assert int(workspace) * MiB == CUBLAS_WORKSPACE["hopper"]
+    assert int(nccl) * MiB == par.NCCL_BYTES
+    buff, channels, peers, total = quoted(
+        "docs/parallel.md", r"nominal (\d+) MiB × (\d+) channels × (\d+) ring peers = (\d+) MiB")
+    assert (int(buff) * MiB, int(channels), int(peers), int(total) * MiB) == (
+        par.NCCL_BUFFSIZE, par.NCCL_CHANNELS, par.NCCL_RING_PEERS, par.NCCL_BYTES)
+    (trace_ws,) = quoted("docs/trace.md", r"cuBLAS workspaces \((\d+) MiB each on Hopper")
+    assert int(trace_ws) * MiB == CUBLAS_WORKSPACE["hopper"]
+    (trace_context,) = quoted("docs/trace.md", r"CONTEXT_BYTES`,\s+(\d+) MiB, the same default")
+    assert int(trace_context) * MiB == CUDA_CONTEXT_DEFAULT

@@ -1,0 +1,35 @@
+"""`--plot`: module names must be readable (issue 11: vision_tower / multi_modal_projector /
+language_model overlapped on the x axis of vertical bars)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hybridmem.analytic import estimate
+from hybridmem.report import figure, plot
+from hybridmem.spec import TrainingSpec
+
+
+@pytest.mark.parametrize("model", ["llava-1.5-7b", "tiny-llama"])
+def test_module_labels_do_not_overlap_and_stay_inside_the_figure(model, tmp_path):
+    import matplotlib.pyplot as plt
+
+    pred = estimate(TrainingSpec(model=model, micro_batch=2, seq_len=1024))
+    fig = figure(pred)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    labels = [t for t in ax.get_yticklabels() if t.get_text()]
+    assert [t.get_text() for t in labels] == [m.name for m in pred.modules] + ["other"]
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    assert not [(a, b) for a, b in itertools.combinations(boxes, 2) if a.overlaps(b)]
+    page = fig.bbox
+    assert all(b.x0 >= page.x0 and b.x1 <= page.x1 for b in boxes)  # no name cut off
+    longest = max(sum(getattr(m, c) for c in ("param", "grad", "optimizer", "activation"))
+                  for m in pred.modules) / 2**30
+    assert ax.get_xlim()[1] >= longest  # no bar runs off the axes
+    plt.close(fig)
+    out = plot(pred, tmp_path / "p.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
