@@ -84,7 +84,13 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
 
 
 def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
-    """Final RMSNorm: fp32 input, rsqrt; normalised input for the weight grad."""
+    """Final RMSNorm: fp32 input, rsqrt; normalised input for the weight grad.
+
+    Forward transients (transformers LlamaRMSNorm.forward: `hidden * rsqrt(var + eps)` in fp32,
+    then `.to(input_dtype)`): the fp32 normalised tensor and its cast are alive together; the
+    cast is the weight grad's saved input when the weight trains, else it dies after the
+    weight multiply. They are freed before the lm_head runs, which decides which cached block
+    the lm_head's and the loss's tensors reuse (the allocator simulator's order)."""
     d = layer.dims
     B, h = d["b"] * d["s"], d["h"]
     if not (need_in or need_w):
@@ -93,8 +99,10 @@ def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(B * h, FP32, need_in)
     sv.add(B, FP32, need_in)
     sv.add(B * h, c.stream, need_w)
-    return Acts(saved=sv.total, parts=tuple(sv.sizes),
-                bwd_extra=2 * t(B * h, c.stream))
+    fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
+        (t(B * h, c.stream),) if not need_w else ())
+    return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd_parts),
+                fwd_parts=fwd_parts, bwd_extra=2 * t(B * h, c.stream))
 
 
 def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
