@@ -73,3 +73,15 @@ def test_evaluate_cli_reports_tiers_by_group_and_figure(tmp_path):
     # every ok row of the committed dataset (165, datasets/published/README.md) per figure
     assert (errors.groupby(["figure", "tier"]).size() == 165).all()
     assert set(errors["tier"]) == {"analytic", "hybrid"}
+
+
+def test_models_readme_describes_the_committed_model():
+    meta = json.loads((ROOT / "models" / "published-peft-metamathqa" / "metadata.json").read_text())
+    text = (ROOT / "models" / "README.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `published-peft-metamathqa`"))
+    assert f"the {meta['dataset']['rows_used']} " in row
+    assert meta["calibrated_to_gpu"] is True and meta["targets"] == ["reserved"]
+    for torch_version in meta["torch_versions"]:
+        assert torch_version.split("+")[0] in row
+    for optimizer in meta["domain"]["optimizer"]:
+        assert optimizer in row

@@ -100,8 +100,8 @@ def test_parallel_md_breakdown_table(recipe):
 
 
 def test_quoted_default_overheads_are_the_code_constants():
-    from hybridmem.analytic.overheads import (CUBLAS_HANDLES_TRAINING, CUBLAS_WORKSPACE,
-                                              CUDA_CONTEXT_DEFAULT)
+    from hybridmem.analytic.overheads import (CUBLAS_HANDLES_TRAINING, CUDA_CONTEXT_DEFAULT,
+                                              WORKSPACE_32MIB)
     from hybridmem.parallel import estimate as par
 
     context, handles, workspace, nccl = quoted(
@@ -109,13 +109,13 @@ def test_quoted_default_overheads_are_the_code_constants():
                      r"Hopper\).*?NCCL buffers are a nominal (\d+) MiB")
     assert int(context) * MiB == CUDA_CONTEXT_DEFAULT
     assert int(handles) == CUBLAS_HANDLES_TRAINING
-    assert int(workspace) * MiB == CUBLAS_WORKSPACE["hopper"]
+    assert int(workspace) * MiB == WORKSPACE_32MIB
     assert int(nccl) * MiB == par.NCCL_BYTES
     buff, channels, peers, total = quoted(
         "docs/parallel.md", r"nominal (\d+) MiB × (\d+) channels × (\d+) ring peers = (\d+) MiB")
     assert (int(buff) * MiB, int(channels), int(peers), int(total) * MiB) == (
         par.NCCL_BUFFSIZE, par.NCCL_CHANNELS, par.NCCL_RING_PEERS, par.NCCL_BYTES)
     (trace_ws,) = quoted("docs/trace.md", r"cuBLAS workspaces \((\d+) MiB each on Hopper")
-    assert int(trace_ws) * MiB == CUBLAS_WORKSPACE["hopper"]
+    assert int(trace_ws) * MiB == WORKSPACE_32MIB
     (trace_context,) = quoted("docs/trace.md", r"CONTEXT_BYTES`,\s+(\d+) MiB, the same default")
     assert int(trace_context) * MiB == CUDA_CONTEXT_DEFAULT
