@@ -85,3 +85,5 @@ def test_models_readme_describes_the_committed_model():
         assert torch_version.split("+")[0] in row
     for optimizer in meta["domain"]["optimizer"]:
         assert optimizer in row
+    cv = meta["metrics"]["reserved"]
+    assert f"MAPE {cv['hybrid']['mape']:.1f} % held out vs {cv['analytic']['mape']:.1f} %" in row
