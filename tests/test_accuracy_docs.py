@@ -65,8 +65,8 @@ def test_evaluate_cli_reports_tiers_by_group_and_figure(tmp_path):
     out = CliRunner().invoke(app, ["evaluate", "--data", str(DATA), "--tiers", "analytic",
                                    "--errors-csv", str(csv)])
     assert out.exit_code == 0, out.output
-    assert "reserved peak (caching allocator)" in out.output
-    assert "allocated right after optimizer.step()" in out.output
+    assert "reserved peak: error vs real GPUs" in out.output
+    assert "allocated after the step: error vs real GPUs" in out.output
     for group in ("full", "lora", "dora"):
         assert group in out.output
     errors = pd.read_csv(csv)

@@ -41,33 +41,23 @@ def print_notes(notes: list[str]) -> None:
         typer.echo(f"note: {note}")
 
 
-GROUP_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("n", "rows"), ("median_signed", "median err%"), ("median_ape", "med |err|%"),
-    ("p95_ape", "P95 |err|%"), ("max_ape", "max |err|%"), ("within_3pct", "<=3%"),
-    ("under_share", "under"),
-)
-FIGURE_TITLES = {"reserved": "reserved peak (caching allocator)", "device": "device peak",
-                 "after_step": "allocated right after optimizer.step()"}
-
-
 def group_tables(table):
     """One rich Table per figure: tier x group rows, signed/absolute error columns."""
     from rich.table import Table
 
+    from hybridmem.learned.accuracy import COLUMNS, FIGURE_NAMES, cell
+
     out = []
     for figure, part in table.groupby("figure", sort=False):
-        t = Table(title=f"{FIGURE_TITLES.get(figure, figure)}: error vs real GPUs",
-                  caption="err = (predicted - measured) / measured; under: share predicted "
-                          "below measured; hybrid is held out (grouped CV)")
+        t = Table(title=f"{FIGURE_NAMES.get(figure, figure)}: error vs real GPUs",
+                  caption="error = (predicted - measured) / measured; under-predicted: share "
+                          "below the measurement; hybrid is held out (grouped CV)")
         t.add_column("tier", no_wrap=True)
         t.add_column("group", no_wrap=True)
-        for _, header in GROUP_COLUMNS:
+        for _, header in COLUMNS:
             t.add_column(header, justify="right")
         for rec in part.to_dict("records"):
-            cells = [f"{int(rec[k])}" if k == "n" else
-                     f"{rec[k]:.0%}" if k in ("within_3pct", "under_share") else f"{rec[k]:+.2f}"
-                     if k == "median_signed" else f"{rec[k]:.2f}" for k, _ in GROUP_COLUMNS]
-            t.add_row(rec["tier"], rec["group"], *cells)
+            t.add_row(rec["tier"], rec["group"], *(cell(k, rec[k]) for k, _ in COLUMNS))
         out.append(t)
     return out
 

@@ -97,25 +97,31 @@ def accuracy(rows: pd.DataFrame, predictions: dict[str, pd.DataFrame]) -> Accura
     return Accuracy(errors=errors, table=pd.DataFrame(lines))
 
 
-MARKDOWN_COLUMNS: tuple[tuple[str, str], ...] = (
+COLUMNS: tuple[tuple[str, str], ...] = (
     ("n", "rows"), ("median_signed", "median error"), ("median_ape", "median abs"),
     ("p95_ape", "P95 abs"), ("max_ape", "max abs"), ("within_3pct", "within 3 %"),
     ("under_share", "under-predicted"),
 )
+"""`summary`'s statistics as the tables show them (terminal and markdown)."""
 FIGURE_NAMES = {"reserved": "reserved peak", "device": "device peak",
                 "after_step": "allocated after the step"}
 
 
+def cell(key: str, value: float) -> str:
+    """One statistic as text: counts whole, shares in %, errors in % with one decimal."""
+    if key == "n":
+        return f"{int(value)}"
+    if key in ("within_3pct", "under_share"):
+        return f"{value:.0%}"
+    return f"{value:+.1f} %" if key == "median_signed" else f"{value:.1f} %"
+
+
 def markdown(table: pd.DataFrame) -> str:
     """The summary table as GitHub markdown (what README's accuracy section shows)."""
-    head = ["figure", "tier", "group", *(h for _, h in MARKDOWN_COLUMNS)]
+    head = ["figure", "tier", "group", *(h for _, h in COLUMNS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rec in table.to_dict("records"):
-        cells = [FIGURE_NAMES.get(rec["figure"], rec["figure"]), rec["tier"], rec["group"]]
-        for key, _ in MARKDOWN_COLUMNS:
-            v = rec[key]
-            cells.append(f"{int(v)}" if key == "n" else f"{v:.0%}" if key in (
-                "within_3pct", "under_share") else f"{v:+.1f} %" if key == "median_signed"
-                else f"{v:.1f} %")
+        cells = [FIGURE_NAMES.get(rec["figure"], rec["figure"]), rec["tier"], rec["group"],
+                 *(cell(key, rec[key]) for key, _ in COLUMNS)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
