@@ -54,10 +54,11 @@ def group_tables(table):
                           "below the measurement; hybrid is held out (grouped CV)")
         t.add_column("tier", no_wrap=True)
         t.add_column("group", no_wrap=True)
-        for _, header in COLUMNS:
-            t.add_column(header, justify="right")
+        for key, header in COLUMNS:
+            unit = "" if key in ("n", "within_3pct", "under_share") else " %"
+            t.add_column(header.replace(" abs", " |err|") + unit, justify="right")
         for rec in part.to_dict("records"):
-            t.add_row(rec["tier"], rec["group"], *(cell(k, rec[k]) for k, _ in COLUMNS))
+            t.add_row(rec["tier"], rec["group"], *(cell(k, rec[k], "") for k, _ in COLUMNS))
         out.append(t)
     return out
 

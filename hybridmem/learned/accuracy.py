@@ -100,20 +100,21 @@ def accuracy(rows: pd.DataFrame, predictions: dict[str, pd.DataFrame]) -> Accura
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("n", "rows"), ("median_signed", "median error"), ("median_ape", "median abs"),
     ("p95_ape", "P95 abs"), ("max_ape", "max abs"), ("within_3pct", "within 3 %"),
-    ("under_share", "under-predicted"),
+    ("under_share", "under"),
 )
 """`summary`'s statistics as the tables show them (terminal and markdown)."""
 FIGURE_NAMES = {"reserved": "reserved peak", "device": "device peak",
                 "after_step": "allocated after the step"}
 
 
-def cell(key: str, value: float) -> str:
-    """One statistic as text: counts whole, shares in %, errors in % with one decimal."""
+def cell(key: str, value: float, unit: str = " %") -> str:
+    """One statistic as text: counts whole, shares in %, errors in % with one decimal (`unit`
+    after them; the terminal table puts it in the header instead)."""
     if key == "n":
         return f"{int(value)}"
     if key in ("within_3pct", "under_share"):
         return f"{value:.0%}"
-    return f"{value:+.1f} %" if key == "median_signed" else f"{value:.1f} %"
+    return (f"{value:+.1f}" if key == "median_signed" else f"{value:.1f}") + unit
 
 
 def markdown(table: pd.DataFrame) -> str:
