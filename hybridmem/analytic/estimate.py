@@ -17,7 +17,9 @@ from hybridmem.adapters import peft_type
 from hybridmem.analytic import activations as A, text_acts as TA, vision_acts as VA
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.events import MLP_ALL, build as build_events
-from hybridmem.analytic.reserved import envelope
+from hybridmem.analytic.reserved import (
+    FROM_GPU, allocator_extras, bounded, capacity_notes, capacity_source, gpu_capacity,
+)
 from hybridmem.analytic.overheads import (
     CUBLAS_HANDLES_TRAINING,
     CUBLAS_WORKSPACE_BYTES,
@@ -314,16 +316,22 @@ def _measure_with(workspace: int) -> Callable[[TrainingSpec], tuple[int, list[tu
     return lambda spec: _measure(spec, workspace)
 
 
-def estimate(spec: TrainingSpec, *, gpu: GPU | None = None) -> Prediction:
+def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
+             capacity: int | str | None = FROM_GPU) -> Prediction:
     """Predict the per-GPU peak memory of `spec` in closed form; `gpu` sets the cuBLAS
-    workspace (PyTorch's size for its compute capability; Hopper's when None)."""
+    workspace (PyTorch's size for its compute capability; Hopper's when None) and, unless
+    `capacity` says otherwise (bytes, or None: unlimited), the allocator's capacity the stream
+    is replayed within (`reserved.bounded`): at a GPU's limit the allocator releases its cache
+    instead of reserving more, so whether a job fits depends on it."""
     ws = cublas_workspace(gpu)
+    limit = gpu_capacity(gpu, capacity)
     graph, priced, points = timeline(spec, ws)
     top = peak(points)
     allocated = top.allocated
     # reserved - allocated from replaying an approximate alloc/free stream through the
     # allocator simulator (`events.py`, `reserved.py`), non-decreasing in the micro-batch
-    waste = envelope(spec, allocated, _measure_with(ws))
+    fit = bounded(spec, allocated, _measure_with(ws), limit)
+    waste = fit.fragmentation
     # the former estimate: 2 MiB rounding of the > 10 MiB tensors alive (a lower bound)
     lower = max(p.allocated + p.waste for p in points) - allocated
     reserved = allocated + waste
@@ -343,7 +351,10 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None) -> Prediction:
         peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
                   device_bytes=reserved + CUDA_CONTEXT_DEFAULT, phase=top.phase,
                   iteration=top.iteration),
-        breakdown=breakdown, modules=modules, notes=_notes(graph, spec, gpu, ws),
+        breakdown=breakdown, modules=modules,
+        notes=_notes(graph, spec, gpu, ws) + tuple(
+            capacity_notes(fit, allocated, capacity_source(gpu) if capacity == FROM_GPU
+                           else "as given")),
         extras={"analytic": {
             "tensor_peak_bytes": max(p.allocated - p.bytes["workspace"] for p in points),
             "fragmentation_lower_bound": lower,
@@ -351,7 +362,8 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None) -> Prediction:
             "vision_crops": graph.vision_batch},
             # the last optimizer point without its step temporaries: weights, grads, state
             # and what the loop holds right after `optimizer.step()` (timeline.walk)
-            "after_step_allocated_bytes": after_step(points)})
+            "after_step_allocated_bytes": after_step(points),
+            **allocator_extras(fit)})
 
 
 def after_step(points) -> int:

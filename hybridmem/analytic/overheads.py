@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 
+from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 
 MiB = 1024**2
@@ -79,6 +80,26 @@ def workspace_note(gpu: GPU | None, workspace: int) -> str:
     major, minor = gpu.compute_capability
     return (f"workspace: two cuBLAS workspaces of {workspace} bytes each ({gpu.name}, "
             f"sm_{major}{minor}: PyTorch CublasHandlePool.cpp default, or CUBLAS_WORKSPACE_CONFIG)")
+
+
+def allocator_capacity(gpu: GPU, outside: int = CUDA_CONTEXT_DEFAULT) -> int:
+    """Bytes PyTorch's caching allocator can reserve on `gpu` before cudaMalloc fails: the
+    GPU's total (`GPU.memory_bytes`, cudaMemGetInfo's total) minus what the process holds
+    outside the allocator, `outside`:
+    - the CUDA context and kernel images, `CUDA_CONTEXT_DEFAULT` (single GPU and every rank);
+    - per rank of a multi-GPU job also NCCL's buffers, `hybridmem.parallel.estimate.NCCL_BYTES`
+      (NCCL allocates them with cudaMalloc itself, not through PyTorch).
+    The cuBLAS workspaces are NOT subtracted: PyTorch allocates them through the caching
+    allocator (CublasHandlePool.cpp `getNewWorkspace`), so they are part of what it reserves.
+    Why a capacity at all: when cudaMalloc fails, `DeviceCachingAllocator::malloc`
+    (c10/cuda/CUDACachingAllocator.cpp) frees its cached blocks (`release_cached_blocks`) and
+    retries before raising OOM, so a job's reserved bytes never exceed this figure unless it
+    OOMs; the simulator replays exactly that path given this capacity."""
+    capacity = gpu.memory_bytes - outside
+    if capacity <= 0:
+        raise SpecError("gpu", gpu.name, reason=f"{gpu.memory_bytes} bytes leave nothing for "
+                        f"PyTorch after {outside} bytes outside its allocator (CUDA context)")
+    return capacity
 
 
 # Names the trace tier reads (hybridmem.trace), so every tier prices the same defaults.

@@ -5,16 +5,28 @@ Only the difference is taken from the replay: the allocated peak stays the close
 (the simulator's allocated peak differs slightly, e.g. it keeps <= 1 MiB remainders of split
 blocks unsplit). The difference is `peak_reserved - peak_allocated` of the replay, the same
 definition as the trace tier's `fragmentation` (`hybridmem.trace.estimate`).
+
+With a `capacity` (bytes the allocator may reserve on the target GPU,
+`overheads.allocator_capacity`) the stream is replayed as PyTorch runs it at the GPU's limit:
+a failed cudaMalloc makes the allocator free its cached blocks and retry
+(`DeviceCachingAllocator::malloc`, counted in `num_alloc_retries`) before it raises OOM. A
+replay that completes then never reserves more than the capacity; one that OOMs is replayed
+again without a limit (its reserved peak then exceeds the capacity: a stream whose unlimited
+peak fits never reaches the limit), so "does not fit" keeps the size of the shortfall.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 
 from hybridmem.allocator.config import AllocatorConfig, alloc_conf_string
-from hybridmem.allocator.replay import replay
+from hybridmem.allocator.replay import ReplayResult, replay
+from hybridmem.allocator.sim import SimulatedOOM
+from hybridmem.analytic.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
 from hybridmem.errors import SpecError
+from hybridmem.gpus import GPU
 
 # CARRY = 1 / CARRY_DIV: how much of a smaller micro-batch's device bytes carries over to a
 # larger one's, per byte of allocated growth. 1 would carry its whole fragmentation (always
@@ -34,7 +46,38 @@ def fragmentation(events, config=None) -> tuple[int, int, int]:
             result.peak_allocated)
 
 
+def capped_replay(events, config: AllocatorConfig, capacity: int | None
+                  ) -> tuple[ReplayResult, bool]:
+    """(replay, ran out of memory): the stream replayed within `capacity` (None: unlimited).
+    On a simulated OOM the unlimited replay is returned, flagged, so that its peak (above
+    the capacity) says by how much the job misses."""
+    if capacity is not None:
+        try:
+            return replay(events, config, capacity=capacity), False
+        except SimulatedOOM:
+            pass
+    return replay(events, config), capacity is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Bounded:
+    """What `bounded` found: the fragmentation to report and how the allocator got there."""
+
+    fragmentation: int
+    retries: int = 0
+    """Largest `num_alloc_retries` among the replays the estimate rests on: > 0 means the job
+    fits only because the allocator released its cache at the GPU's limit (slower)."""
+    oom_batches: tuple[int, ...] = ()
+    """Micro-batches whose replay ran out of memory within the capacity."""
+    capacity: int | None = None
+
+
 def envelope(spec, allocated: int, measure: Callable) -> int:
+    """`bounded(...).fragmentation` without a capacity (the GPU-less answer)."""
+    return bounded(spec, allocated, measure).fragmentation
+
+
+def bounded(spec, allocated: int, measure: Callable, capacity: int | None = None) -> Bounded:
     """Fragmentation for `spec`, such that device bytes never shrink as the micro-batch grows.
 
     The replayed fragmentation F(b) is not monotone in the micro-batch b, and neither is the
@@ -49,30 +92,53 @@ def envelope(spec, allocated: int, measure: Callable) -> int:
     bounds every earlier second term. At a power of two it is D(b) unless a smaller power had
     more device bytes (then about that, as find-max-batch needs). Cost: log2(b) + 1 replays,
     + 1 when b is not a power of two; each is cached.
-    `measure(spec)` returns (closed-form allocated peak, event stream) of a spec."""
+    `measure(spec)` returns (closed-form allocated peak, event stream) of a spec.
+
+    With a `capacity` every replay runs within it (`capped_replay`: F of a replay that fits
+    is at most capacity - its allocated; one that OOMs keeps its unlimited F). The formula
+    above is non-decreasing for any F, so it stays monotone. When no replay ran out of
+    memory, reserved is then also capped at the capacity (at least `allocated`): the carry
+    term may exceed it, but an allocator that completes the stream never holds more than
+    it may reserve, its cache having been released instead. Still monotone: the replayed
+    micro-batches ({1, 2, .., q}, plus 2q when b is not a power of two) only gain members as b
+    grows, so once one OOMs every larger b keeps the uncapped (larger) figure."""
     env = alloc_conf_string()  # the cache key: AllocatorConfig itself may not hash
     _config(env)  # a malformed PYTORCH_ALLOC_CONF raises its SpecError here
     b = spec.micro_batch
     q = 1 << (b.bit_length() - 1)
     device = allocated
+    retries, ooms = 0, []
+
+    def at(batch: int, default: int = 0) -> tuple[int, int]:
+        nonlocal retries
+        a, f, r, oom = _at(spec, batch, measure, env, capacity, default)
+        retries = max(retries, r)
+        if oom:
+            ooms.append(batch)
+        return a, f
+
     for j in range(q.bit_length()):
-        a, f = _at(spec, 1 << j, measure, env)
+        a, f = at(1 << j)
         if a:
             device = max(device, a + f + (allocated - a) // CARRY_DIV)
     if b != q:
-        f_q = _at(spec, q, measure, env)[1]
-        f_2q = _at(spec, 2 * q, measure, env, default=f_q)[1]
+        f_q = at(q)[1]
+        f_2q = at(2 * q, default=f_q)[1]
         device = max(device, allocated + min(f_q, f_2q))
-    return device - allocated
+    if capacity is not None and not ooms:
+        device = max(allocated, min(device, capacity))
+    return Bounded(device - allocated, retries, tuple(ooms), capacity)
 
 
-def _at(spec, batch: int, measure: Callable, env: str, default: int = 0) -> tuple[int, int]:
-    """(allocated, F) at another micro-batch; a batch the spec rejects counts as (0, default)."""
+def _at(spec, batch: int, measure: Callable, env: str, capacity: int | None = None,
+        default: int = 0) -> tuple[int, int, int, bool]:
+    """(allocated, F, retries, OOM) at another micro-batch; a batch the spec rejects counts as
+    (0, default, 0, False)."""
     try:
         other = spec.with_(micro_batch=batch)
     except SpecError:
-        return 0, default
-    return _replayed(other, measure, env)
+        return 0, default, 0, False
+    return _replayed(other, measure, env, capacity)
 
 
 def _config(env: str) -> AllocatorConfig:
@@ -80,6 +146,62 @@ def _config(env: str) -> AllocatorConfig:
 
 
 @lru_cache(maxsize=64)
-def _replayed(spec, measure: Callable, env: str) -> tuple[int, int]:
+def _replayed(spec, measure: Callable, env: str, capacity: int | None = None
+              ) -> tuple[int, int, int, bool]:
+    """(allocated, F, num_alloc_retries, ran out of memory) of `spec`'s replayed stream."""
     allocated, events = measure(spec)
-    return allocated, fragmentation(events, _config(env))[0]
+    result, oom = capped_replay(events, _config(env), capacity)
+    return (allocated, result.peak_reserved - result.peak_allocated, result.num_alloc_retries,
+            oom)
+
+
+def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:
+    """The `notes` lines of a replay within a GPU's capacity (`outside`: what was subtracted
+    from the GPU's memory to get it, in words)."""
+    if fit.capacity is None:
+        return []
+    notes = [f"allocator capacity: {fit.capacity} bytes = {outside}; the stream is replayed "
+             "within it, as PyTorch's allocator frees its cache and retries when cudaMalloc "
+             "fails (CUDACachingAllocator.cpp malloc)"]
+    if fit.oom_batches:
+        tensors = ("the tensors alone (allocated) exceed it" if allocated > fit.capacity else
+                   "the tensors alone (allocated) would fit: fragmentation is what misses")
+        notes.append("does not fit: the simulated allocator runs out of memory even after "
+                     "releasing its cached blocks (micro-batch "
+                     f"{', '.join(map(str, fit.oom_batches))}); {tensors}; reserved is the "
+                     "unlimited replay's")
+    elif fit.retries:
+        notes.append(f"fits only after the allocator released its cache: {fit.retries} "
+                     "cudaMalloc retr" + ("y" if fit.retries == 1 else "ies") +
+                     " (num_alloc_retries) over the replayed iterations, each freeing every "
+                     "cached segment (cudaFree synchronizes the device): it fits, with allocator "
+                     "retries that cost time")
+    return notes
+
+
+FROM_GPU = "gpu"
+"""`capacity=` default: the allocator's capacity on `gpu` (`overheads.allocator_capacity`)."""
+
+
+def gpu_capacity(gpu: GPU | None, capacity: int | str | None) -> int | None:
+    """The capacity a tier replays with: `capacity` as given, or with `FROM_GPU` the GPU's
+    memory minus the CUDA context (None without a GPU: unlimited, the GPU-less answer)."""
+    if capacity != FROM_GPU:
+        return capacity
+    return allocator_capacity(gpu) if gpu is not None else None
+
+
+def capacity_source(gpu: GPU | None, outside: int = CUDA_CONTEXT_DEFAULT) -> str:
+    """How a capacity was obtained, for the notes."""
+    name = gpu.name if gpu is not None else "the GPU"
+    return (f"{name}'s memory minus {outside >> 20} MiB outside PyTorch's allocator (CUDA "
+            "context, overheads.CUDA_CONTEXT_DEFAULT)")
+
+
+def allocator_extras(fit) -> dict:
+    """The JSON `allocator` object of a replay within a capacity (none without one, so the
+    GPU-less answer is unchanged)."""
+    if fit.capacity is None:
+        return {}
+    return {"allocator": {"capacity_bytes": fit.capacity, "num_alloc_retries": fit.retries,
+                          "oom": bool(fit.oom_batches)}}

@@ -15,6 +15,12 @@ only its peak's breakdown; if that peak is in the optimizer step it holds no act
 the activation side comes from a second estimate with plain SGD (and, under bf16-master, the
 pure-bf16 twin), whose peak is then in forward/backward: activations do not depend on the
 optimizer.
+
+Fragmentation (reserved - allocated) is priced per rank too: the single-GPU job's analytic
+stream is rewritten with the rank's sharded states and buffers (`hybridmem.parallel.stream`)
+and replayed through the allocator simulator, within the rank's allocator capacity when a GPU
+is given (its memory minus the CUDA context and NCCL's buffers). Where the analytic tier has no
+stream (`train='peft'`), the single-GPU tier's figure is kept, and a note says so.
 """
 
 from __future__ import annotations
@@ -22,7 +28,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from hybridmem.analytic.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity, cublas_workspace
+from hybridmem.analytic.reserved import Bounded, _at, bounded, capacity_notes
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
+from hybridmem.errors import SpecError
+from hybridmem.gpus import GPU
 from hybridmem.parallel.sharding import RankStates, rank_states, replicated
 from hybridmem.parallel.spec import ParallelSpec
 from hybridmem.parallel.states import model_tensors
@@ -140,10 +150,41 @@ def _scaled_modules(base: Prediction, rank: RankStates, single: RankStates) -> t
         optimizer=f(m.optimizer, rank.optimizer, single.optimizer)) for m in base.modules)
 
 
+def rank_capacity(spec: TrainingSpec, gpu: GPU | None) -> int | None:
+    """Bytes one rank's caching allocator may reserve on `gpu`: its memory minus the CUDA
+    context (`overheads.CUDA_CONTEXT_DEFAULT`) and NCCL's buffers (`NCCL_BYTES`, cudaMalloc'd
+    by NCCL itself, outside PyTorch's allocator); None without a GPU (unlimited)."""
+    if gpu is None:
+        return None
+    nccl = NCCL_BYTES if spec.parallel.world_size > 1 else 0
+    return allocator_capacity(gpu, CUDA_CONTEXT_DEFAULT + nccl)
+
+
+def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None) -> Bounded | None:
+    """Fragmentation of one rank: its stream (`parallel.stream.rank_events`) replayed within
+    `rank_capacity`, kept non-decreasing in the micro-batch as the analytic tier's
+    (`analytic.reserved.bounded`, in the stream's own allocated units). None where the
+    analytic tier has no stream for the spec."""
+    from hybridmem.allocator.config import alloc_conf_string
+    from hybridmem.parallel.stream import measure_with
+
+    measure = measure_with(cublas_workspace(gpu))
+    capacity = rank_capacity(spec, gpu)
+    try:
+        allocated = _at(spec, spec.micro_batch, measure, alloc_conf_string(), capacity)[0]
+        return bounded(spec, allocated, measure, capacity)
+    except SpecError:
+        return None
+
+
 def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
-                      points: Callable[[TrainingSpec], list[ActPoint]] | None = None) -> Prediction:
+                      points: Callable[[TrainingSpec], list[ActPoint]] | None = None,
+                      gpu: GPU | None = None) -> Prediction:
     """Peak memory of one rank of `spec` (per GPU), given any single-GPU tier's estimate;
-    `points` (e.g. `analytic_points`) gives the whole forward/backward timeline when known."""
+    `points` (e.g. `analytic_points`) gives the whole forward/backward timeline when known;
+    `gpu` sets the cuBLAS workspace of the rank's stream and the capacity it is replayed within
+    (`rank_fragmentation`); `single_gpu_estimate` should then replay without a capacity, as its
+    own fragmentation is not used unless the rank has no stream."""
     check_parallel(spec)
     ps = spec.parallel
     base, fwd = _activation_side(spec, single_gpu_estimate)
@@ -151,9 +192,11 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     states = rank_states(spec, mt)
     single_states = replicated(spec, mt)
     nccl = NCCL_BYTES if ps.world_size > 1 else 0
+    fit = rank_fragmentation(spec, gpu)
     extra = {"workspace": base.breakdown["workspace"],
              "context": base.breakdown["context"] + nccl,
-             "fragmentation": base.breakdown["fragmentation"]}
+             "fragmentation": base.breakdown["fragmentation"] if fit is None
+             else fit.fragmentation}
     acts = points(spec) if points is not None else [_prediction_point(fwd, single_states)]
     fwd_phase, fwd_best = max(((p.phase, _fwd_bwd(states, p, extra)) for p in acts),
                               key=lambda pb: sum(pb[1].values()))
@@ -163,6 +206,12 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     # it is at iteration 1; the step's own peak is already there at iteration 0
     iteration = 0 if phase == "optimizer" or states.optimizer == 0 else 1
     breakdown = phases[phase]
+    if fit is not None and fit.capacity is not None and not fit.oom_batches:
+        # the rank's replay completed within its capacity: reserved stays within it, as the
+        # allocator frees its cache before reserving more (`analytic.reserved.bounded`)
+        tensors = sum(breakdown[c] for c in TENSOR_CATEGORIES)
+        breakdown["fragmentation"] = min(breakdown["fragmentation"],
+                                         max(0, fit.capacity - tensors))
     # single-GPU caveats this module answers (ZeRO's fp32 grad partition is priced in the step)
     answered = ("DeepSpeed's extra fp32 gradient buffers",) if ps.zero_stage else ()
     notes = [n for n in base.notes if not any(a in n for a in answered)] + [
@@ -171,6 +220,17 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     ]
     if nccl:
         notes.append(f"NCCL buffers outside PyTorch: nominal {nccl / 2**20:.0f} MiB in context")
+    if fit is None:
+        notes.append("fragmentation: the single-GPU tier's (the analytic tier has no stream "
+                     "for this spec to replay per rank)")
+    else:
+        notes.append("fragmentation per rank: the analytic stream with this rank's sharded "
+                     "states and buffers, replayed through the allocator simulator "
+                     "(hybridmem.parallel.stream)")
+        tensors = sum(breakdown[c] for c in TENSOR_CATEGORIES)
+        notes += capacity_notes(fit, tensors, f"{gpu.name if gpu else 'the GPU'}'s memory "
+                                f"minus {(CUDA_CONTEXT_DEFAULT + nccl) >> 20} MiB outside "
+                                "PyTorch's allocator (CUDA context, NCCL buffers)")
     if ps.strategy == "zero1":
         notes.append("ZeRO-1 keeps full gradients (ZeRO paper P_os); DeepSpeed may free the other "
                      "ranks' grads at the accumulation boundary, making this an upper bound")
@@ -184,6 +244,9 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
                               "optimizer": single_states.optimizer},
         "single_gpu_device_bytes": base.peak.device_bytes,
     })
+    if fit is not None and fit.capacity is not None:
+        extras["allocator"] = {"capacity_bytes": fit.capacity, "num_alloc_retries": fit.retries,
+                               "oom": bool(fit.oom_batches)}
     return dataclasses.replace(
         base, method=f"{base.method}+{ps.strategy}", breakdown=breakdown,
         modules=_scaled_modules(base, states, single_states),
@@ -202,5 +265,9 @@ def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[.
     def run(spec: TrainingSpec, **options: object) -> Prediction:
         if spec.parallel.strategy == "none":
             return single_gpu_estimate(spec, **options)
-        return estimate_per_rank(spec, lambda s: single_gpu_estimate(s, **options), points)
+        # the single-GPU job replays unlimited: its reserved bytes are not the rank's, which
+        # `estimate_per_rank` replays within the rank's own capacity
+        single = {**options, "capacity": None}
+        return estimate_per_rank(spec, lambda s: single_gpu_estimate(s, **single), points,
+                                 gpu=options.get("gpu"))
     return run

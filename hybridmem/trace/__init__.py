@@ -13,8 +13,12 @@ import time
 
 import numpy as np
 
-from hybridmem.allocator import AllocatorConfig, replay
+from hybridmem.allocator import AllocatorConfig
 from hybridmem.analytic.overheads import CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES, cublas_workspace
+from hybridmem.analytic.reserved import (
+    FROM_GPU, Bounded, allocator_extras, capacity_notes, capacity_source, capped_replay,
+    gpu_capacity,
+)
 from hybridmem.categories import CATEGORIES
 from hybridmem.gpus import GPU
 from hybridmem.models import build_graph, load_config
@@ -33,13 +37,18 @@ def _validate(spec: TrainingSpec):
     return load_config(spec.model)
 
 
-def _simulate_reserved(result: TraceResult) -> None:
+def _simulate_reserved(result: TraceResult, capacity: int | None = None, batch: int = 1
+                       ) -> Bounded:
     """Reserved bytes from the caching-allocator simulator, on the stream with the loop's
     `empty_cache()` calls (`TraceResult.replay_events`); the curve stays indexed on `events`
-    (an empty_cache entry only lowers reserved, so the running max skips it)."""
+    (an empty_cache entry only lowers reserved, so the running max skips it). With a
+    `capacity` (the GPU's, `overheads.allocator_capacity`) the replay frees cached blocks and
+    retries at the limit as PyTorch does; a replay that runs out of memory there is redone
+    unlimited (`analytic.reserved.capped_replay`). Returns what the allocator went through
+    (`batch`: the traced micro-batch, named in an OOM note)."""
     config = AllocatorConfig.from_environ()  # PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF
     stream = result.replay_events()
-    sim = replay(stream, config)
+    sim, oom = capped_replay(stream, config, capacity)
     result.peak_reserved = sim.peak_reserved
     reserved = np.zeros(len(result.events), dtype=np.int64)
     index = -1
@@ -48,16 +57,20 @@ def _simulate_reserved(result: TraceResult) -> None:
             index += 1
             reserved[index] = res
     result.reserved_curve = np.maximum.accumulate(reserved) if len(reserved) else reserved
+    return Bounded(sim.peak_reserved - sim.peak_allocated, sim.num_alloc_retries,
+                   (batch,) if oom else (), capacity)
 
 
 def run_trace(spec: TrainingSpec, *, backend: str = "meta",
-              workspace: int = CUBLAS_WORKSPACE_BYTES) -> TraceResult:
+              workspace: int = CUBLAS_WORKSPACE_BYTES, capacity: int | None = None
+              ) -> TraceResult:
     """Trace `spec`'s training step; allocated and simulated reserved bytes over time.
 
     `backend="meta"` (fast; CUDA autocast emulated) falls back to `"fake"` (FakeTensorMode,
     torch's own CPU autocast) if the model's code does not run on meta tensors; both give the
     same bytes on every config tests compare (tests/test_trace_backends.py). `workspace`: bytes
-    of one cuBLAS workspace (`analytic.overheads.cublas_workspace`, the analytic tier's too).
+    of one cuBLAS workspace (`analytic.overheads.cublas_workspace`, the analytic tier's too);
+    `capacity`: bytes the allocator may reserve (None: unlimited), `_simulate_reserved`.
     """
     from hybridmem.errors import UnsupportedModelError
     from hybridmem.trace import runner
@@ -77,17 +90,21 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta",
         tracker, job = runner.trace(spec, config, backend=backend, workspace=workspace)
     result = summarize(tracker, job)
     result.notes.extend(notes)
-    _simulate_reserved(result)
+    result.allocator = _simulate_reserved(result, capacity, spec.micro_batch)
     result.notes.append(f"trace: {runner.ITERATIONS} iterations on {backend} tensors in "
                         f"{time.perf_counter() - start:.1f} s")
     return result
 
 
 def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
-             backend: str = "meta", gpu: GPU | None = None) -> Prediction:
+             backend: str = "meta", gpu: GPU | None = None,
+             capacity: int | str | None = FROM_GPU) -> Prediction:
     """`Prediction` from a trace: allocated and reserved peak, breakdown at the peak. `gpu` sets
-    the cuBLAS workspace as in the analytic tier (Hopper's when None)."""
-    result = run_trace(spec, backend=backend, workspace=cublas_workspace(gpu))
+    the cuBLAS workspace as in the analytic tier (Hopper's when None) and, unless `capacity`
+    says otherwise, the allocator capacity the recorded stream is replayed within
+    (`analytic.estimate.gpu_capacity`: the GPU's memory minus the CUDA context)."""
+    limit = gpu_capacity(gpu, capacity)
+    result = run_trace(spec, backend=backend, workspace=cublas_workspace(gpu), capacity=limit)
     allocated = result.peak_allocated
     reserved = max(result.peak_reserved, allocated)
     breakdown = {c: result.breakdown.get(c, 0) for c in CATEGORIES}
@@ -96,9 +113,12 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
     notes = list(result.notes) + [
         f"context: {CONTEXT_BYTES} bytes (hybridmem.analytic.overheads.CONTEXT_BYTES)"]
     notes += [f"known limitation: {x}" for x in KNOWN_LIMITATIONS]
+    notes += capacity_notes(result.allocator, allocated, capacity_source(gpu)
+                            if capacity == FROM_GPU else "as given")
     extras = {"trace": {"events": len(result.events), "peak_event": result.peak_index,
                         "peak_by_phase": result.by_phase, "peak_by_module": result.by_part},
-              "after_step_allocated_bytes": result.after_step_allocated}
+              "after_step_allocated_bytes": result.after_step_allocated,
+              **allocator_extras(result.allocator)}
     if timeline is not None:
         extras["timeline"] = str(save_timeline(result, timeline))
     return Prediction(

@@ -46,6 +46,9 @@ class TraceResult:
     """Simulated reserved peak (`hybridmem.allocator`), set by `run_trace` after `summarize`."""
     reserved_curve: np.ndarray | None = None
     """Simulated reserved bytes after each event of `events` (set with `peak_reserved`)."""
+    allocator: object = None
+    """What the simulated allocator went through (`analytic.reserved.Bounded`: retries, OOM,
+    capacity), set with `peak_reserved`."""
     empty_cache_at: list[int] = field(default_factory=list)
     """Index in `events` before which `torch.cuda.empty_cache()` ran (`spec.empty_cache_at`)."""
     notes: list[str] = field(default_factory=list)
