@@ -21,6 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
+from hybridmem.models.loader import auto_class, is_analytic
+from hybridmem.spec import DEFAULT_LORA_TARGETS
 from hybridmem.spec import TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
 
@@ -31,10 +33,10 @@ def attn_for_cpu(attn: str) -> str:
 
 def build_model(spec: TrainingSpec, config) -> nn.Module:
     """The HF model for `config`, its parameters fake, in the spec's parameter dtype."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    import transformers
     from transformers.initialization import no_init_weights
 
-    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    auto = getattr(transformers, auto_class(config.model_type))
     dtype = PARAM_DTYPE[spec.precision]
     # from_config writes `dtype` into the config (and would use the preset's `torch_dtype`
     # without it): work on a copy, with the spec's dtype given explicitly.
@@ -56,14 +58,45 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
 
 
 def freeze(model: nn.Module, spec: TrainingSpec) -> None:
-    """requires_grad per `spec.train` (LoRA: everything frozen, adapters added later)."""
-    has_vision = any("vision_tower" in n for n, _ in model.named_parameters())
-    if spec.train == "projector" and not has_vision:
+    """requires_grad per `spec.train` (LoRA: everything frozen, adapters added later).
+
+    Parts come from the parameter names (`models.build.part_of`), so a VLM family without
+    closed forms freezes its vision tower / projector / language model as LLaVA does; the
+    analytic tier's own checks (`build_graph`) refuse the same modes for its families first."""
+    parts = {part_of(n) for n, _ in model.named_parameters()}
+    if spec.train not in DECODER_TRAINS and "vision_tower" not in parts:
         raise SpecError("train", spec.train, DECODER_TRAINS,
-                        reason="a decoder-only model has no projector")
+                        reason="a decoder-only model has no vision tower or projector")
+    if spec.train == "projector" and "multi_modal_projector" not in parts:
+        raise SpecError("train", spec.train, ("full", "llm+projector", "lora", "peft"),
+                        reason=f"no projector module found in {type(model).__name__}")
     trained = TRAINABLE_MODULES[spec.train]  # the model graph's table (LLaVA recipes)
     for name, p in model.named_parameters():
         p.requires_grad_(part_of(name) in trained)
+
+
+def llm_linear_names(model: nn.Module) -> tuple[str, ...]:
+    """Leaf names of the language model's linear layers (`nn.Linear`, and GPT-2-style
+    `Conv1D`, which PEFT's LoRA also wraps), lm_head excluded: PEFT's `all-linear`
+    (peft/tuners/tuners_utils.py `_maybe_include_all_linear_layers` skips the output layer)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return tuple(sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, (nn.Linear, Conv1D)) and part_of(n) == "language_model"}))
+
+
+def lora_targets_for(model: nn.Module, spec: TrainingSpec, config) -> TrainingSpec:
+    """The spec with the LoRA targets the default means for this model. The default (Llama's
+    seven projections) is "all LLM linear layers" (`--lora-targets` help); for a family
+    without closed forms (Phi-3's `qkv_proj`, GPT-2's `c_attn`, ...) that is its own linear
+    names, `llm_linear_names`. Explicit targets, and the analytic families, stay as given."""
+    import dataclasses
+
+    if (spec.train != "lora" or is_analytic(config.model_type)
+            or spec.lora.targets != DEFAULT_LORA_TARGETS):
+        return spec
+    names = llm_linear_names(model)
+    return spec.with_(lora=dataclasses.replace(spec.lora, targets=names)) if names else spec
 
 
 def _tuner_layers_with_own_move() -> list[type]:
@@ -198,11 +231,16 @@ def enable_checkpointing(model: nn.Module) -> None:
 
 
 def top_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Top-level part name -> module (vision tower, projector, language model, lm_head)."""
+    """Top-level part name -> module (vision tower, projector, language model, lm_head).
+
+    The vision tower and projector are the outermost modules whose names map to them
+    (`part_of`), found in the model's own module tree: LLaVA's `model.vision_tower`,
+    Qwen2-VL's `model.visual` (its `merger` nested inside, the projector: the tracker's part
+    stack attributes the merger's births to it), Idefics3's `model.vision_model`/`connector`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     out = {"language_model": base.get_decoder(), "lm_head": base.get_output_embeddings()}
-    inner = getattr(base, "model", None)
-    for part in ("vision_tower", "multi_modal_projector"):
-        if inner is not None and hasattr(inner, part):
-            out[part] = getattr(inner, part)
-    return out
+    for name, module in base.named_modules():  # pre-order: a parent comes before its children
+        part = part_of(name)
+        if name and part in ("vision_tower", "multi_modal_projector") and part not in out:
+            out[part] = module
+    return {part: m for part, m in out.items() if m is not None}
