@@ -31,6 +31,17 @@ def attn_for_cpu(attn: str) -> str:
     return "sdpa" if attn == "flash_attention_2" else attn
 
 
+def unsupported(spec: TrainingSpec, model_type: str, what: str,
+                err: BaseException) -> UnsupportedModelError:
+    """The one line for a model the trace tier cannot run: the model's own error, whitespace
+    folded and cut to 300 characters (transformers' messages span lines and URLs), and the
+    analytic tier as the way out only for the families it prices."""
+    text = " ".join(str(err).split())[:300]
+    advice = "; use --method analytic" if is_analytic(model_type) else ""
+    return UnsupportedModelError("model", spec.model,
+                                 reason=f"{what} ({type(err).__name__}: {text}){advice}")
+
+
 def build_model(spec: TrainingSpec, config) -> nn.Module:
     """The HF model for `config`, its parameters fake, in the spec's parameter dtype."""
     import transformers
@@ -46,10 +57,14 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
             model = auto.from_config(config, dtype=dtype,
                                      attn_implementation=attn_for_cpu(spec.attn))
         except Exception as err:  # the model's own code refused to build under fake tensors
-            raise UnsupportedModelError(
-                "model", spec.model,
-                reason=f"its code cannot be built under fake tensors ({type(err).__name__}: "
-                f"{err}); use --method analytic") from err
+            if "does not support an attention implementation" in str(err):
+                # transformers' `_check_and_adjust_attn_implementation` (Gemma 2 and others
+                # have no SDPA path): the user's choice, eager is always there
+                raise SpecError("attn", spec.attn, ("eager",),
+                                reason=f"{type(err).__name__}: transformers' {config.model_type} "
+                                "code does not support it") from err
+            raise unsupported(spec, config.model_type, "its code cannot be built under fake "
+                              "tensors", err) from err
     # `no_init_weights` also skips tying: tie as `from_pretrained`/`post_init` would (Llama-3.2
     # ties lm_head to embed_tokens; untied it would count 394M parameters twice)
     model.tie_weights()

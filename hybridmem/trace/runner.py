@@ -234,6 +234,21 @@ BACKENDS = ("fake", "meta", "real")
 
 
 @contextlib.contextmanager
+def _quiet_fake_log():
+    """FakeTensorMode logs a full traceback (`log.exception`, ~160 lines on stderr) before it
+    re-raises a meta kernel's refusal; the refusal itself becomes the trace tier's one-line
+    `UnsupportedModelError`, so the log is only noise in front of it."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    saved, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = saved
+
+
+@contextlib.contextmanager
 def _tensors(backend: str, spec: TrainingSpec):
     """Where tensors live: CPU fakes (FakeTensorMode), meta tensors, or real CPU tensors.
 
@@ -244,7 +259,7 @@ def _tensors(backend: str, spec: TrainingSpec):
     if backend not in BACKENDS:
         raise SpecError("backend", backend, BACKENDS)
     if backend == "fake":
-        with FakeTensorMode():
+        with FakeTensorMode(), _quiet_fake_log():
             yield None
     elif backend == "meta":
         amp = CudaAutocast(AUTOCAST[spec.precision]) if spec.precision in AUTOCAST else None
@@ -288,8 +303,7 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
     except SpecError:
         raise
     except Exception as err:
-        raise UnsupportedModelError(
-            "model", spec.model,
-            reason=f"its training step cannot run under {backend} tensors ({type(err).__name__}: "
-            f"{str(err)[:300]}); use --method analytic") from err
+        raise build.unsupported(spec, config.model_type,
+                                f"its training step cannot run under {backend} tensors",
+                                err) from err
     return tracker, job
