@@ -128,12 +128,12 @@ def test_lora_counts_equal_peft_all_linear_on_the_meta_model(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", sorted(VLM_PARTS))
-@pytest.mark.parametrize("train", ["llm+projector", "projector", "lora"])
+@pytest.mark.parametrize("train", ["llm+projector", "lora"])
 def test_vlm_parts_freeze_by_train_mode(family, train, tmp_path):
     path = write_config(tmp_path, family)
     parts = part_counts(meta_model(path), family)
     trains = {"llm+projector": {"multi_modal_projector", "language_model", "lm_head"},
-              "projector": {"multi_modal_projector"}, "lora": set()}[train]
+              "lora": set()}[train]
     pred = estimate(spec_of(path, family, train=train))
     rows = {m.name: m for m in pred.modules}
     for part, n in parts.items():
@@ -161,6 +161,13 @@ def test_vlm_without_image_rule_refuses_images(tmp_path):
     with pytest.raises(SpecError, match=r"images_per_sample=1: no image-token rule for "
                                         r"model_type='paligemma'"):
         estimate(spec_of(path, "paligemma", images_per_sample=1))
+
+
+def test_text_only_vlm_refuses_projector_only_training(tmp_path):
+    """On a text-only batch the projector never runs: nothing would reach its grads."""
+    path = write_config(tmp_path, "qwen2_vl")
+    with pytest.raises(SpecError, match=r"train='projector': the projector runs no forward"):
+        estimate(spec_of(path, "qwen2_vl", train="projector"))
 
 
 def test_decoder_refuses_vlm_train_modes(tmp_path):

@@ -38,6 +38,10 @@ def images_per_sample(spec: TrainingSpec, config) -> int:
             raise SpecError("images_per_sample", spec.images_per_sample, (0,),
                             reason=f"no image-token rule for model_type={config.model_type!r} "
                             "yet: the trace tier prices it on text-only batches")
+        if spec.train == "projector":  # the loss would not reach the only trained part
+            raise SpecError("train", spec.train, ("full", "llm+projector", "lora", "peft"),
+                            reason="the projector runs no forward on text-only batches (no "
+                            f"image-token rule for model_type={config.model_type!r} yet)")
         return 0
     return 1 if spec.images_per_sample is None else spec.images_per_sample
 

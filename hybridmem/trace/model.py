@@ -96,8 +96,25 @@ def llm_linear_names(model: nn.Module) -> tuple[str, ...]:
     (peft/tuners/tuners_utils.py `_maybe_include_all_linear_layers` skips the output layer)."""
     from transformers.pytorch_utils import Conv1D
 
-    return tuple(sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                         if isinstance(m, (nn.Linear, Conv1D)) and part_of(n) == "language_model"}))
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+             if isinstance(m, (nn.Linear, Conv1D)) and part_of(n) == "language_model"}
+    return tuple(sorted(names | _moe_expert_names(model)))
+
+
+def _moe_expert_names(model: nn.Module) -> set[str]:
+    """The transformers-4 names of fused MoE experts and routers (Mixtral's w1/w2/w3, gate),
+    which PEFT's `all-linear` adds and maps onto the fused v5 parameters (`target_parameters`;
+    peft/utils/transformers_weight_conversion.py `_MOE_TARGET_MODULE_MAPPING`, private: absent
+    in another PEFT version, the experts simply get no adapters)."""
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            _MODEL_TO_CONVERSION_PATTERN,
+            _MOE_TARGET_MODULE_MAPPING,
+        )
+    except ImportError:
+        return set()
+    base = _MODEL_TO_CONVERSION_PATTERN.get(getattr(model.config, "model_type", None))
+    return set(_MOE_TARGET_MODULE_MAPPING.get(base, {}))
 
 
 def lora_targets_for(model: nn.Module, spec: TrainingSpec, config) -> TrainingSpec:
