@@ -22,8 +22,7 @@ from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
 from hybridmem.models.loader import auto_class, is_analytic
-from hybridmem.spec import DEFAULT_LORA_TARGETS
-from hybridmem.spec import TrainingSpec
+from hybridmem.spec import DEFAULT_LORA_TARGETS, TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
 
 def attn_for_cpu(attn: str) -> str:

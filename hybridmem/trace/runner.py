@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from hybridmem.errors import SpecError, UnsupportedModelError
+from hybridmem.errors import SpecError
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
