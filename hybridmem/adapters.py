@@ -141,9 +141,13 @@ TOKENIZER_INITS = {"prompt_tuning_init": ("TEXT",)}
 
 
 def lora_llm_pattern(targets: tuple[str, ...]) -> str:
-    """PEFT `target_modules` regex for LoRA on the named linears outside the vision tower (the
-    LLaVA finetune_lora recipe: CLIP's q/k/v_proj get no adapters)."""
-    return r"^(?!.*vision_tower).*\.(" + "|".join(map(re.escape, targets)) + r")$"
+    """PEFT `target_modules` regex for LoRA on the named linears outside the vision tower and
+    the projector (the LLaVA finetune_lora recipe: CLIP's q/k/v_proj get no adapters; the same
+    parts of other VLMs, `models.build.NON_LM_FRAGMENTS`)."""
+    from hybridmem.models.build import NON_LM_FRAGMENTS
+
+    skip = "|".join(map(re.escape, NON_LM_FRAGMENTS))
+    return rf"^(?!.*({skip})).*\.(" + "|".join(map(re.escape, targets)) + r")$"
 
 
 def _method_config(spec) -> dict:

@@ -13,6 +13,7 @@ from importlib import import_module
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.models.light import light_config
+from hybridmem.models.loader import is_analytic, model_type_of
 from hybridmem.prediction import Prediction
 from hybridmem.spec import TrainingSpec
 
@@ -92,9 +93,11 @@ def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None
     """
     if find_max_batch and gpu is None:
         raise SpecError("find_max_batch", True, reason="needs a GPU (--gpu or --gpu-mem)")
-    # unknown preset / bad config JSON / unsupported model_type fail here, the same for every
-    # tier, without importing transformers (that alone costs seconds)
-    light_config(spec.model)
+    # unknown preset / bad config JSON / unknown model_type fail here, the same for every
+    # tier, without importing transformers for the analytic families (that alone costs
+    # seconds); a family only the trace tier prices is refused by the analytic tier itself
+    if is_analytic(model_type_of(spec.model)):
+        light_config(spec.model)
     result = estimator(method)(spec, **{**gpu_options(method, gpu), **tier_options})
     if gpu is None:
         return result

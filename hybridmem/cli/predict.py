@@ -24,17 +24,37 @@ def resolve_gpu(gpu: str | None, gpu_mem: float | None) -> GPU | None:
     return None
 
 
-# The tier `train='peft'` needs: no closed form prices an arbitrary PEFT method.
-PEFT_METHOD = "trace"
+# The tier a spec only it can price gets: no closed form prices an arbitrary PEFT method
+# (`train='peft'`) or a transformers family outside the analytic tier's (issue 11).
+TRACE_ONLY_METHOD = "trace"
+PEFT_METHOD = TRACE_ONLY_METHOD  # the name from when PEFT methods were the only such case
+
+
+def trace_only_reason(spec) -> str | None:
+    """Why only the trace tier can price `spec` (a clause for the notes), None if others can.
+
+    One mechanism for every such case: `resolve_method` picks the trace tier when there is a
+    reason and `_method_note` says which."""
+    if spec.train == "peft":
+        from hybridmem.adapters import peft_type
+
+        return f"{peft_type(spec)} adapters have no closed form"
+    from hybridmem.models.loader import is_analytic, model_type_of
+
+    model_type = model_type_of(spec.model)
+    if not is_analytic(model_type):
+        return f"model_type={model_type!r} has no closed form in the analytic tier"
+    return None
 
 
 def resolve_method(method: str | None, spec=None) -> str:
-    """The tier to use: the user's; else the trace tier for a non-LoRA PEFT adapter
-    (`train='peft'`); else hybrid only when a calibrated model fits (issue 5)."""
+    """The tier to use: the user's; else the trace tier for what only it prices (a non-LoRA
+    PEFT adapter, a family without closed forms); else hybrid only when a calibrated model
+    fits (issue 5)."""
     if method is not None:
         return method
-    if spec is not None and spec.train == "peft":
-        return PEFT_METHOD
+    if spec is not None and trace_only_reason(spec) is not None:
+        return TRACE_ONLY_METHOD
     try:
         from hybridmem.learned.predictor import default_method
     except ImportError:  # the `learned` extra is not installed
@@ -43,20 +63,18 @@ def resolve_method(method: str | None, spec=None) -> str:
 
 
 def _method_note(result, chosen: str, given: str | None, spec):
-    """Say so in the notes when the tier was picked for a PEFT method."""
+    """Say so in the notes when the tier was picked because only it prices the spec."""
     import dataclasses
 
-    if given is None and spec.train == "peft" and chosen == PEFT_METHOD:
-        from hybridmem.adapters import peft_type
-
-        note = (f"method: {PEFT_METHOD} chosen because {peft_type(spec)} adapters have no "
-                "closed form (pass --method to override)")
+    reason = trace_only_reason(spec) if given is None and chosen == TRACE_ONLY_METHOD else None
+    if reason is not None:
+        note = f"method: {TRACE_ONLY_METHOD} chosen because {reason} (pass --method to override)"
         return dataclasses.replace(result, notes=(*result.notes, note))
     return result
 
 
 def predict_command(
-    model: str = typer.Option(..., "--model", help="Preset name or path to a HF config.json (or its folder)."),
+    model: str = typer.Option(..., "--model", help="Preset name or path to a HF config.json (or its folder); families without closed forms: trace tier."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per GPU per step (default 1)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample, image tokens included (default 2048)."),
     images_per_sample: Optional[int] = typer.Option(None, "--images-per-sample", help="Default: 1 for multimodal models, 0 for LLMs."),
@@ -85,7 +103,7 @@ def predict_command(
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU from the catalogue, e.g. h100-80gb, a100-40gb, h200."),
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB (instead of --gpu)."),
     find_max_batch: bool = typer.Option(False, "--find-max-batch", help="Search the largest micro-batch that fits the GPU."),
-    method: Optional[str] = typer.Option(None, "--method", help="analytic, trace or hybrid (default: hybrid when a GPU-calibrated model in models/ was trained on this torch, else analytic; trace for PEFT methods only it can price)."),
+    method: Optional[str] = typer.Option(None, "--method", help="analytic, trace or hybrid (default: hybrid when a GPU-calibrated model in models/ was trained on this torch, else analytic; trace for PEFT methods and model families only it can price)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Save a stacked bar chart (PNG/SVG/PDF) to FILE."),
     timeline: Optional[str] = typer.Option(None, "--timeline", help="(trace) Save the memory timeline as JSON or PNG."),

@@ -14,7 +14,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from hybridmem.errors import SpecError
-from hybridmem.models.loader import load_config_dict, validate_types
+from hybridmem.models.loader import analytic_refusal, is_analytic, load_config_dict, validate_types
 
 # defaults of the transformers 5.x config classes, for the fields the parser reads
 VISION_DEFAULTS: dict[str, dict] = {
@@ -94,6 +94,8 @@ def _vision(data: dict | None) -> SimpleNamespace:
 def config_from_dict(data: dict) -> SimpleNamespace:
     """The fields the graph parser reads, with transformers' defaults, as attributes."""
     model_type = validate_types(data)
+    if not is_analytic(model_type):  # a transformers family the trace tier alone prices
+        raise analytic_refusal(model_type)
     if model_type not in ("llava", "llava_next"):
         return _text(data)
     cfg = SimpleNamespace(**{**MULTIMODAL_DEFAULTS,

@@ -18,6 +18,55 @@ MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next")
 DECODER_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
 SUPPORTED_TYPES: tuple[str, ...] = MULTIMODAL_TYPES + DECODER_TYPES
+"""The families the analytic tier has closed forms for (and the hybrid tier, built on it)."""
+TRACE_ONLY_CHOICE = "any transformers causal-LM / image-text-to-text model_type with --method trace"
+"""The rest of the valid choices, as the one-line error names them (issue 11)."""
+CAUSAL_LM = "AutoModelForCausalLM"
+IMAGE_TEXT_TO_TEXT = "AutoModelForImageTextToText"
+
+
+@lru_cache(maxsize=1)
+def transformers_types() -> dict[str, str]:
+    """model_type -> the transformers Auto class that builds it, for every family the installed
+    transformers can build as a causal LM or an image-text-to-text model
+    (`transformers.models.auto.modeling_auto` `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`,
+    `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`). A family in both (gemma3, mllama, ...) is
+    built as image-text-to-text, as LLaVA is: its causal-LM entry names the same
+    `...ForConditionalGeneration` class. Imported only when a config is not an analytic family
+    (the import costs ~2 s)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    out = dict.fromkeys(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, CAUSAL_LM)
+    out.update(dict.fromkeys(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, IMAGE_TEXT_TO_TEXT))
+    return out
+
+
+def is_analytic(model_type: str) -> bool:
+    """Whether the analytic tier has closed forms for this family (else: trace tier only)."""
+    return model_type in SUPPORTED_TYPES
+
+
+def auto_class(model_type: str) -> str:
+    """Name of the transformers Auto class that builds `model_type` (`transformers_types`);
+    the analytic families keep the split they always had (LLaVA: image-text-to-text)."""
+    if is_analytic(model_type):
+        return IMAGE_TEXT_TO_TEXT if model_type in MULTIMODAL_TYPES else CAUSAL_LM
+    return transformers_types()[model_type]
+
+
+def is_multimodal(model_type: str) -> bool:
+    """Whether the family takes images (built as image-text-to-text)."""
+    return auto_class(model_type) == IMAGE_TEXT_TO_TEXT
+
+
+def analytic_refusal(model_type: str) -> SpecError:
+    """The analytic tier's one line for a family only the trace tier prices."""
+    return SpecError("model_type", model_type,
+                     reason="the analytic tier has no closed forms for this family; "
+                     "it needs --method trace")
 
 
 def preset_names() -> tuple[str, ...]:
@@ -69,7 +118,9 @@ def validate_types(data: dict) -> str:
     """The config's model_type, after checking it and its sub-configs' types are supported."""
     model_type = data.get("model_type")
     if model_type not in SUPPORTED_TYPES:
-        raise SpecError("model_type", model_type, SUPPORTED_TYPES)
+        if isinstance(model_type, str) and model_type in transformers_types():
+            return model_type  # the trace tier builds it with its own Auto class, sub-configs too
+        raise SpecError("model_type", model_type, SUPPORTED_TYPES + (TRACE_ONLY_CHOICE,))
     for key in ("vision_config",):
         sub = data.get(key)
         if isinstance(sub, dict) and sub.get("model_type", "clip_vision_model") not in VISION_TYPES:
@@ -92,6 +143,13 @@ def _config_from_json(text: str):
         return AutoConfig.for_model(model_type, **clean)
     except (TypeError, ValueError, KeyError) as err:
         raise SpecError("model", model_type, reason=f"config rejected by transformers: {err}") from None
+
+
+def model_type_of(model: str) -> str:
+    """The validated model_type of a preset or config path (no transformers import for the
+    analytic families): the one check every tier shares at the boundary."""
+    _, data = load_config_dict(model)
+    return validate_types(data)
 
 
 def load_config(model: str):

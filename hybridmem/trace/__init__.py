@@ -32,8 +32,12 @@ __all__ = ["KNOWN_LIMITATIONS", "TraceResult", "estimate", "run_trace", "save_ti
 
 
 def _validate(spec: TrainingSpec):
-    """Same boundary checks and errors as the analytic tier; returns the HF config."""
-    build_graph(spec)
+    """Same boundary checks and errors as the analytic tier; returns the HF config. A family
+    without closed forms has no model graph: the runner checks it on the built model."""
+    from hybridmem.models.loader import is_analytic, model_type_of
+
+    if is_analytic(model_type_of(spec.model)):
+        build_graph(spec)
     return load_config(spec.model)
 
 

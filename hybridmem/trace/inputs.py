@@ -13,18 +13,46 @@ import torch
 from torch import nn
 
 from hybridmem.errors import SpecError
+from hybridmem.models.loader import MULTIMODAL_TYPES, is_multimodal
 from hybridmem.spec import TrainingSpec
 
 IGNORE_INDEX = -100  # HF/LLaVA label value excluded from the loss
 
 
+def has_image_rule(config) -> bool:
+    """Whether the batch builder knows where this family's image tokens go (LLaVA's rule,
+    `make_batch`); other image-text-to-text families are priced on text-only batches."""
+    return config.model_type in MULTIMODAL_TYPES
+
+
 def images_per_sample(spec: TrainingSpec, config) -> int:
-    if not hasattr(config, "vision_config"):
+    if not is_multimodal(config.model_type):
         if spec.images_per_sample:
             raise SpecError("images_per_sample", spec.images_per_sample, (0,),
                             reason="a decoder-only model takes no images")
+        if spec.image_size is not None:
+            raise SpecError("image_size", spec.image_size, reason=f"{spec.model} takes no images")
+        return 0
+    if not has_image_rule(config):
+        if spec.images_per_sample:
+            raise SpecError("images_per_sample", spec.images_per_sample, (0,),
+                            reason=f"no image-token rule for model_type={config.model_type!r} "
+                            "yet: the trace tier prices it on text-only batches")
+        if spec.train == "projector":  # the loss would not reach the only trained part
+            raise SpecError("train", spec.train, ("full", "llm+projector", "lora", "peft"),
+                            reason="the projector runs no forward on text-only batches (no "
+                            f"image-token rule for model_type={config.model_type!r} yet)")
         return 0
     return 1 if spec.images_per_sample is None else spec.images_per_sample
+
+
+def batch_notes(spec: TrainingSpec, config) -> list[str]:
+    """The notes a batch needs: a VLM priced without images says so."""
+    if is_multimodal(config.model_type) and not has_image_rule(config):
+        return [f"images: text-only batches (images_per_sample 0): no image-token rule for "
+                f"model_type={config.model_type!r} yet; vision tower and projector hold weights "
+                "(and grads, states) but run no forward"]
+    return []
 
 
 def image_side(spec: TrainingSpec, config) -> int:

@@ -21,7 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
-from hybridmem.spec import TrainingSpec
+from hybridmem.models.loader import auto_class, is_analytic
+from hybridmem.spec import DEFAULT_LORA_TARGETS, TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
 
 def attn_for_cpu(attn: str) -> str:
@@ -29,12 +30,23 @@ def attn_for_cpu(attn: str) -> str:
     return "sdpa" if attn == "flash_attention_2" else attn
 
 
+def unsupported(spec: TrainingSpec, model_type: str, what: str,
+                err: BaseException) -> UnsupportedModelError:
+    """The one line for a model the trace tier cannot run: the model's own error, whitespace
+    folded and cut to 300 characters (transformers' messages span lines and URLs), and the
+    analytic tier as the way out only for the families it prices."""
+    text = " ".join(str(err).split())[:300]
+    advice = "; use --method analytic" if is_analytic(model_type) else ""
+    return UnsupportedModelError("model", spec.model,
+                                 reason=f"{what} ({type(err).__name__}: {text}){advice}")
+
+
 def build_model(spec: TrainingSpec, config) -> nn.Module:
     """The HF model for `config`, its parameters fake, in the spec's parameter dtype."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    import transformers
     from transformers.initialization import no_init_weights
 
-    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    auto = getattr(transformers, auto_class(config.model_type))
     dtype = PARAM_DTYPE[spec.precision]
     # from_config writes `dtype` into the config (and would use the preset's `torch_dtype`
     # without it): work on a copy, with the spec's dtype given explicitly.
@@ -44,10 +56,14 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
             model = auto.from_config(config, dtype=dtype,
                                      attn_implementation=attn_for_cpu(spec.attn))
         except Exception as err:  # the model's own code refused to build under fake tensors
-            raise UnsupportedModelError(
-                "model", spec.model,
-                reason=f"its code cannot be built under fake tensors ({type(err).__name__}: "
-                f"{err}); use --method analytic") from err
+            if "does not support an attention implementation" in str(err):
+                # transformers' `_check_and_adjust_attn_implementation` (Gemma 2 and others
+                # have no SDPA path): the user's choice, eager is always there
+                raise SpecError("attn", spec.attn, ("eager",),
+                                reason=f"{type(err).__name__}: transformers' {config.model_type} "
+                                "code does not support it") from err
+            raise unsupported(spec, config.model_type, "its code cannot be built under fake "
+                              "tensors", err) from err
     # `no_init_weights` also skips tying: tie as `from_pretrained`/`post_init` would (Llama-3.2
     # ties lm_head to embed_tokens; untied it would count 394M parameters twice)
     model.tie_weights()
@@ -56,14 +72,62 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
 
 
 def freeze(model: nn.Module, spec: TrainingSpec) -> None:
-    """requires_grad per `spec.train` (LoRA: everything frozen, adapters added later)."""
-    has_vision = any("vision_tower" in n for n, _ in model.named_parameters())
-    if spec.train == "projector" and not has_vision:
+    """requires_grad per `spec.train` (LoRA: everything frozen, adapters added later).
+
+    Parts come from the parameter names (`models.build.part_of`), so a VLM family without
+    closed forms freezes its vision tower / projector / language model as LLaVA does; the
+    analytic tier's own checks (`build_graph`) refuse the same modes for its families first."""
+    parts = {part_of(n) for n, _ in model.named_parameters()}
+    if spec.train not in DECODER_TRAINS and "vision_tower" not in parts:
         raise SpecError("train", spec.train, DECODER_TRAINS,
-                        reason="a decoder-only model has no projector")
+                        reason="a decoder-only model has no vision tower or projector")
+    if spec.train == "projector" and "multi_modal_projector" not in parts:
+        raise SpecError("train", spec.train, ("full", "llm+projector", "lora", "peft"),
+                        reason=f"no projector module found in {type(model).__name__}")
     trained = TRAINABLE_MODULES[spec.train]  # the model graph's table (LLaVA recipes)
     for name, p in model.named_parameters():
         p.requires_grad_(part_of(name) in trained)
+
+
+def llm_linear_names(model: nn.Module) -> tuple[str, ...]:
+    """Leaf names of the language model's linear layers (`nn.Linear`, and GPT-2-style
+    `Conv1D`, which PEFT's LoRA also wraps), lm_head excluded: PEFT's `all-linear`
+    (peft/tuners/tuners_utils.py `_maybe_include_all_linear_layers` skips the output layer)."""
+    from transformers.pytorch_utils import Conv1D
+
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+             if isinstance(m, (nn.Linear, Conv1D)) and part_of(n) == "language_model"}
+    return tuple(sorted(names | _moe_expert_names(model)))
+
+
+def _moe_expert_names(model: nn.Module) -> set[str]:
+    """The transformers-4 names of fused MoE experts and routers (Mixtral's w1/w2/w3, gate),
+    which PEFT's `all-linear` adds and maps onto the fused v5 parameters (`target_parameters`;
+    peft/utils/transformers_weight_conversion.py `_MOE_TARGET_MODULE_MAPPING`, private: absent
+    in another PEFT version, the experts simply get no adapters)."""
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            _MODEL_TO_CONVERSION_PATTERN,
+            _MOE_TARGET_MODULE_MAPPING,
+        )
+    except ImportError:
+        return set()
+    base = _MODEL_TO_CONVERSION_PATTERN.get(getattr(model.config, "model_type", None))
+    return set(_MOE_TARGET_MODULE_MAPPING.get(base, {}))
+
+
+def lora_targets_for(model: nn.Module, spec: TrainingSpec, config) -> TrainingSpec:
+    """The spec with the LoRA targets the default means for this model. The default (Llama's
+    seven projections) is "all LLM linear layers" (`--lora-targets` help); for a family
+    without closed forms (Phi-3's `qkv_proj`, GPT-2's `c_attn`, ...) that is its own linear
+    names, `llm_linear_names`. Explicit targets, and the analytic families, stay as given."""
+    import dataclasses
+
+    if (spec.train != "lora" or is_analytic(config.model_type)
+            or spec.lora.targets != DEFAULT_LORA_TARGETS):
+        return spec
+    names = llm_linear_names(model)
+    return spec.with_(lora=dataclasses.replace(spec.lora, targets=names)) if names else spec
 
 
 def _tuner_layers_with_own_move() -> list[type]:
@@ -198,11 +262,16 @@ def enable_checkpointing(model: nn.Module) -> None:
 
 
 def top_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Top-level part name -> module (vision tower, projector, language model, lm_head)."""
+    """Top-level part name -> module (vision tower, projector, language model, lm_head).
+
+    The vision tower and projector are the outermost modules whose names map to them
+    (`part_of`), found in the model's own module tree: LLaVA's `model.vision_tower`,
+    Qwen2-VL's `model.visual` (its `merger` nested inside, the projector: the tracker's part
+    stack attributes the merger's births to it), Idefics3's `model.vision_model`/`connector`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     out = {"language_model": base.get_decoder(), "lm_head": base.get_output_embeddings()}
-    inner = getattr(base, "model", None)
-    for part in ("vision_tower", "multi_modal_projector"):
-        if inner is not None and hasattr(inner, part):
-            out[part] = getattr(inner, part)
-    return out
+    for name, module in base.named_modules():  # pre-order: a parent comes before its children
+        part = part_of(name)
+        if name and part in ("vision_tower", "multi_modal_projector") and part not in out:
+            out[part] = module
+    return {part: m for part, m in out.items() if m is not None}

@@ -165,4 +165,5 @@ def summarize(tracker: StorageTracker, job) -> TraceResult:
         marks=[(int(np.searchsorted(where, m)), p, i) for m, p, i in tracker.marks],
         empty_cache_at=[int(np.searchsorted(where, k)) for k in tracker.empty_caches],
         after_step_allocated=(int(full[job.after_step[-1]])
-                              if getattr(job, "after_step", None) else None))
+                              if getattr(job, "after_step", None) else None),
+        notes=list(getattr(job, "notes", ())))

@@ -19,13 +19,14 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from hybridmem.errors import SpecError, UnsupportedModelError
+from hybridmem.errors import SpecError
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
-from hybridmem.trace.inputs import make_batch
+from hybridmem.models.loader import is_analytic
+from hybridmem.trace.inputs import batch_notes, make_batch
 from hybridmem.trace.optimizers import fused_on_meta, host_state_keys, make_lorafa, make_optimizer
 from hybridmem.trace.tracker import StorageTracker
 
@@ -53,6 +54,8 @@ class Job:
     """id(param) -> bytes of its .grad storage, for params that received one."""
     outputs: object | None = None
     """The output object `loop="custom"` holds (the last forward's), else None."""
+    notes: list[str] = field(default_factory=list)
+    """What the build decided that the user should read (text-only batch, LoRA targets)."""
 
 
 def _master_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -64,6 +67,7 @@ def prepare(spec: TrainingSpec, config) -> Job:
     """Model, frozen parts, LoRA, checkpointing, optimizer and batch, as for a CUDA run."""
     model = build.build_model(spec, config)
     build.freeze(model, spec)
+    spec = build.lora_targets_for(model, spec, config)  # the default's meaning for this family
     if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
         model = build.add_adapters(model, spec)
     if spec.grad_ckpt:
@@ -76,7 +80,11 @@ def prepare(spec: TrainingSpec, config) -> Job:
     optimizer = lorafa if lorafa is not None else make_optimizer(spec.optimizer, masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
-    return Job(model, optimizer, batch, trainable, masters, image_tokens)
+    job = Job(model, optimizer, batch, trainable, masters, image_tokens)
+    job.notes.extend(batch_notes(spec, config))
+    if spec.train == "lora" and not is_analytic(config.model_type):
+        job.notes.append(f"lora: adapters on {', '.join(spec.lora.targets)}")
+    return job
 
 
 def _call(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
@@ -226,6 +234,21 @@ BACKENDS = ("fake", "meta", "real")
 
 
 @contextlib.contextmanager
+def _quiet_fake_log():
+    """FakeTensorMode logs a full traceback (`log.exception`, ~160 lines on stderr) before it
+    re-raises a meta kernel's refusal; the refusal itself becomes the trace tier's one-line
+    `UnsupportedModelError`, so the log is only noise in front of it."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    saved, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = saved
+
+
+@contextlib.contextmanager
 def _tensors(backend: str, spec: TrainingSpec):
     """Where tensors live: CPU fakes (FakeTensorMode), meta tensors, or real CPU tensors.
 
@@ -236,7 +259,7 @@ def _tensors(backend: str, spec: TrainingSpec):
     if backend not in BACKENDS:
         raise SpecError("backend", backend, BACKENDS)
     if backend == "fake":
-        with FakeTensorMode():
+        with FakeTensorMode(), _quiet_fake_log():
             yield None
     elif backend == "meta":
         amp = CudaAutocast(AUTOCAST[spec.precision]) if spec.precision in AUTOCAST else None
@@ -280,8 +303,7 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
     except SpecError:
         raise
     except Exception as err:
-        raise UnsupportedModelError(
-            "model", spec.model,
-            reason=f"its training step cannot run under {backend} tensors ({type(err).__name__}: "
-            f"{str(err)[:300]}); use --method analytic") from err
+        raise build.unsupported(spec, config.model_type,
+                                f"its training step cannot run under {backend} tensors",
+                                err) from err
     return tracker, job
