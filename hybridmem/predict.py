@@ -30,18 +30,42 @@ per-rank analytic estimate (`learned.features.analytic_base`), and its residual 
 that base with the strategy among the features, so sharding its answer again would serve a
 different path than `hybridmem evaluate` scores."""
 
+# The tier a spec only it can price gets: no closed form prices an arbitrary PEFT method
+# (`train='peft'`) or a transformers family outside the analytic tier's (issue 11).
+TRACE_ONLY_METHOD = "trace"
+
+
+def trace_only_reason(spec) -> str | None:
+    """Why only the trace tier can price `spec` (a clause for the notes), None if others can.
+
+    One mechanism for every such case: the CLI's `resolve_method` picks the trace tier when
+    there is a reason and says which; the hybrid tier answers with the trace tier then (its
+    residuals correct the analytic tier)."""
+    if spec.train == "peft":
+        from hybridmem.adapters import peft_type
+
+        return f"{peft_type(spec)} adapters have no closed form"
+    from hybridmem.models.loader import is_analytic, model_type_of
+
+    model_type = model_type_of(spec.model)
+    if not is_analytic(model_type):
+        return f"model_type={model_type!r} has no closed form in the analytic tier"
+    return None
+
+
 # Upper end of the micro-batch search; far beyond any GPU today for the smallest presets.
 MAX_SEARCH_BATCH = 1 << 16
 
 
 def gpu_options(method: str, gpu: GPU | None) -> dict[str, object]:
     """What a tier is told about the target GPU: analytic and trace price its cuBLAS workspace
-    (the same GPU to both, so they stay comparable); the hybrid residual is chosen per GPU type.
-    """
+    (the same GPU to both, so they stay comparable); the hybrid residual is chosen per GPU type
+    (its analytic base stays GPU-free, as its training rows were), and a job only the trace
+    tier prices gets the GPU there."""
     if gpu is None:
         return {}
     if method == "hybrid":
-        return {"gpu_name": gpu.name}
+        return {"gpu_name": gpu.name, "gpu": gpu}
     return {"gpu": gpu}
 
 

@@ -214,8 +214,6 @@ def _cli(*argv) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("family, argv, message", [
     ("qwen3", ["--method", "analytic"], "error: model_type='qwen3': the analytic tier has no "
      "closed forms for this family; it needs --method trace"),
-    ("qwen3", ["--method", "hybrid"], "error: model_type='qwen3': the analytic tier has no "
-     "closed forms"),
     ("gemma2", ["--attn", "sdpa"], "error: attn='sdpa': ValueError: transformers' gemma2 code "
      "does not support it (valid: eager)"),
     ("mixtral", ["--precision", "fp32"], "error: model='{path}': its training step cannot run "
@@ -235,3 +233,16 @@ def test_cli_one_line_exit_2(family, argv, message, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith(message.format(path=path)), proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1
+
+
+def test_hybrid_answers_with_the_trace_tier_where_no_analytic_base_exists(tmp_path):
+    """The residual models correct the analytic tier; without one the trace tier answers."""
+    path = write_config(tmp_path, "qwen3")
+    proc = _cli("--model", path, "--seq-len", "32", "--method", "hybrid", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["method"] == "hybrid" and out["fallback"] == "trace"
+    assert any(n.startswith("hybrid: model_type='qwen3' has no closed form") for n in out["notes"])
+    trace = json.loads(_cli("--model", path, "--seq-len", "32", "--method", "trace",
+                            "--json").stdout)
+    assert out["peak"] == trace["peak"]

@@ -12,6 +12,7 @@ import typer
 
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU, custom_gpu, gpu_by_name
+from hybridmem.predict import TRACE_ONLY_METHOD, trace_only_reason
 
 
 def resolve_gpu(gpu: str | None, gpu_mem: float | None) -> GPU | None:
@@ -21,29 +22,6 @@ def resolve_gpu(gpu: str | None, gpu_mem: float | None) -> GPU | None:
         return gpu_by_name(gpu)
     if gpu_mem is not None:
         return custom_gpu(gpu_mem)
-    return None
-
-
-# The tier a spec only it can price gets: no closed form prices an arbitrary PEFT method
-# (`train='peft'`) or a transformers family outside the analytic tier's (issue 11).
-TRACE_ONLY_METHOD = "trace"
-PEFT_METHOD = TRACE_ONLY_METHOD  # the name from when PEFT methods were the only such case
-
-
-def trace_only_reason(spec) -> str | None:
-    """Why only the trace tier can price `spec` (a clause for the notes), None if others can.
-
-    One mechanism for every such case: `resolve_method` picks the trace tier when there is a
-    reason and `_method_note` says which."""
-    if spec.train == "peft":
-        from hybridmem.adapters import peft_type
-
-        return f"{peft_type(spec)} adapters have no closed form"
-    from hybridmem.models.loader import is_analytic, model_type_of
-
-    model_type = model_type_of(spec.model)
-    if not is_analytic(model_type):
-        return f"model_type={model_type!r} has no closed form in the analytic tier"
     return None
 
 

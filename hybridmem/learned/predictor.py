@@ -233,14 +233,23 @@ def default_method(models_dir: str | Path | None = None) -> str:
 
 
 def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
-             gpu_name: str | None = None, base_fn=None, trace_fn=None) -> Prediction:
+             gpu_name: str | None = None, base_fn=None, trace_fn=None,
+             gpu=None) -> Prediction:
     """Hybrid estimate of `spec`: analytic base + the newest matching residual model.
 
     The base is `features.analytic_base` (per rank for a multi-GPU spec), the very function the
     training rows were featurised with; `predict.estimator` therefore does not shard this tier's
     answer again (`predict.PER_RANK_TIERS`)."""
     from hybridmem.learned.features import resolve_base
+    from hybridmem.predict import TRACE_ONLY_METHOD, estimator, trace_only_reason
 
+    reason = trace_only_reason(spec) if base_fn is None else None
+    if reason is not None:  # no analytic base to correct: the trace tier's answer, said so
+        pred = estimator(TRACE_ONLY_METHOD)(spec, **({"gpu": gpu} if gpu is not None else {}))
+        return dataclasses.replace(pred, method="hybrid", notes=pred.notes + (
+            f"hybrid: {reason}, so there is no analytic estimate for a residual model to "
+            f"correct; this is the {TRACE_ONLY_METHOD} tier's answer",),
+            extras={**pred.extras, "residual_model": None, "fallback": TRACE_ONLY_METHOD})
     base = resolve_base(base_fn)(spec)
     env = registry.user_env()
     root = Path(models_dir) if models_dir is not None else registry.models_root()
