@@ -60,6 +60,37 @@ def _check_positive(name: str, value: object) -> None:
         raise SpecError(name, value, reason="must be a positive integer")
 
 
+# Layer-level selective activation checkpointing. `every:N` follows transformers 5.x
+# `PreTrainedModel._set_gradient_checkpointing(every_n_layers=N)` (modeling_utils.py): a running
+# `layer_index` over the GradientCheckpointingLayer modules of `model.modules()` (vision encoder
+# layers, then decoder layers, one count), each checkpointed iff `layer_index % N == 0`.
+# (torchtitan's `selective_ac_option="N"`, torchtitan/distributed/activation_checkpoint.py
+# `_apply_layer_sac`, counts from 1 and so checkpoints blocks N-1, 2N-1, ...; not followed.)
+CKPT_POLICIES: tuple[str, ...] = ("full", "every:N")
+
+
+def ckpt_every(policy: object) -> int:
+    """N of a `grad_ckpt_policy` (`full` = 1); anything else is a SpecError."""
+    if policy == "full":
+        return 1
+    if policy == "ops":
+        raise SpecError("grad_ckpt_policy", policy, CKPT_POLICIES,
+                        reason="op-level selective checkpointing is not priced yet")
+    if isinstance(policy, str) and policy.startswith("every:"):
+        n = policy[len("every:"):]
+        if n.isascii() and n.isdigit() and int(n) > 0:
+            return int(n)
+    raise SpecError("grad_ckpt_policy", policy, CKPT_POLICIES,
+                    reason="give full or every:N with N a positive integer")
+
+
+def ckpt_layer(spec: "TrainingSpec", index: int) -> bool:
+    """Whether the `index`-th checkpointable layer (0-based, over the whole model in module
+    order: GradientCheckpointingLayer subclasses, the analytic graph's decoder / encoder layers)
+    is checkpointed: the one rule of the analytic graph, the trace tier and the CUDA harness."""
+    return spec.grad_ckpt and index % ckpt_every(spec.grad_ckpt_policy) == 0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoraSpec:
     """LoRA adapters as PEFT builds them (adapter weights in fp32 by default)."""
@@ -111,7 +142,10 @@ class TrainingSpec:
     """Optimizer; `adamw` is torch's foreach AdamW, the CUDA default; `lora-fa` is peft's
     `create_lorafa_optimizer` (LoRA-FA: lora_A frozen, AdamW on lora_B), train='lora' only."""
     grad_ckpt: bool = False
-    """Activation (gradient) checkpointing of every decoder / encoder layer."""
+    """Activation (gradient) checkpointing of the decoder / encoder layers (`grad_ckpt_policy`)."""
+    grad_ckpt_policy: str = "full"
+    """Which layers `grad_ckpt` checkpoints: `full` (every one) or `every:N` (layers 0, N, 2N,
+    ... counted over all checkpointable layers in module order; `ckpt_layer`)."""
     train: Trainable = "full"
     """Which parameters are trained."""
     lora: LoraSpec | None = None
@@ -171,6 +205,10 @@ class TrainingSpec:
                             [o for o in OPTIMIZERS if o not in OPTIMIZER_TRAINS],
                             reason="LoRA-FA cannot step DoRA (peft pairs lora_* tensors A, B)")
         _check_choice("loop", self.loop, LOOPS)
+        ckpt_every(self.grad_ckpt_policy)  # the syntax
+        if self.grad_ckpt_policy != "full" and not self.grad_ckpt:
+            raise SpecError("grad_ckpt_policy", self.grad_ckpt_policy, CKPT_POLICIES,
+                            reason="needs grad_ckpt (--grad-ckpt)")
         if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) \
                 or not self.max_grad_norm >= 0:
             raise SpecError("max_grad_norm", self.max_grad_norm, reason="must be >= 0 (0 = off)")
@@ -230,7 +268,7 @@ class TrainingSpec:
 # Spec and LoRA fields added after the first dataset rows, with their defaults (see `to_dict`).
 ADDED_DEFAULTS: dict[str, object] = {
     "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1, "peft_config": None,
-    "empty_cache_steps": 0,
+    "empty_cache_steps": 0, "grad_ckpt_policy": "full",
     "use_dora": False, "use_rslora": False, "modules_to_save": (),
 }
 

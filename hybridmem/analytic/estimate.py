@@ -41,7 +41,7 @@ from hybridmem.gpus import GPU
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
-from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec
+from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
 CHECKPOINTED = ("decoder_layer", "encoder_layer")  # GradientCheckpointingLayer subclasses
 
@@ -122,6 +122,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
     input_grads = spec.grad_ckpt
     flow = {"vision": False, "image": False, "lm": False}
     out = []
+    ordinal = 0  # running count of checkpointable layers, as transformers counts them
     for mname, layer in graph.layers():
         st = layer_states(layer, policy, spec.optimizer)
         # a modules_to_save copy trains in place of the frozen original: its input is saved
@@ -157,7 +158,10 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
             grad, waste = grad - tied_grad, 0      # the tied weight's grad appears at lm_head
         if tied_w and layer.kind == "lm_head":
             grad += tied_grad
-        ckpt = spec.grad_ckpt and layer.kind in CHECKPOINTED
+        ckpt = False
+        if layer.kind in CHECKPOINTED:
+            ckpt = ckpt_layer(spec, ordinal)  # --grad-ckpt-policy: full or every:N
+            ordinal += 1
         tie = (tied_grad if layer.kind == "lm_head" else -tied_grad) \
             if tied_w and layer.kind in ("lm_head", "embedding") else 0
         graded = layer.gets_grads or lora

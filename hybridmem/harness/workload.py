@@ -186,6 +186,9 @@ def build_trainable(spec: TrainingSpec, config, device,
     if spec.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # --grad-ckpt-policy every:N: the same layers as the trace tier (`ckpt_layer`)
+        from hybridmem.trace.model import select_checkpointed
+        select_checkpointed(base, spec)
     return model
 
 

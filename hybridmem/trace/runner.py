@@ -71,7 +71,7 @@ def prepare(spec: TrainingSpec, config) -> Job:
     if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
         model = build.add_adapters(model, spec)
     if spec.grad_ckpt:
-        build.enable_checkpointing(model)
+        build.enable_checkpointing(model, spec)
     # peft's LoRA-FA factory freezes every lora_A: built before the trainable params are taken
     lorafa = make_lorafa(model, spec.lora) if spec.optimizer == "lora-fa" else None
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
