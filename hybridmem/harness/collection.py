@@ -94,7 +94,7 @@ def spec_columns(item: SweepItem) -> dict:
         "lora_r": spec.lora.r if spec.lora else 0, "world_size": spec.parallel.world_size,
         "strategy": spec.parallel.strategy, "loop": spec.loop,
         "max_grad_norm": float(spec.max_grad_norm), "grad_accum": spec.grad_accum,
-        "empty_cache_steps": spec.empty_cache_steps,
+        "empty_cache_steps": spec.empty_cache_steps, "grad_ckpt_policy": spec.grad_ckpt_policy,
     }
 
 

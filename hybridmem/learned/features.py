@@ -21,7 +21,7 @@ from hybridmem.learned.dataset import config_groups, shape_group
 from hybridmem.adapters import peft_type
 from hybridmem.errors import SpecError
 from hybridmem.prediction import Prediction
-from hybridmem.spec import TrainingSpec
+from hybridmem.spec import TrainingSpec, ckpt_every
 
 BaseFn = Callable[[TrainingSpec], Prediction]
 
@@ -116,6 +116,9 @@ def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
         "train": spec.train,
         "attn": spec.attn,
         "grad_ckpt": int(spec.grad_ckpt),
+        # share of layers checkpointed: 1 for `full`, 1/N for `every:N`, 0 without --grad-ckpt
+        "ckpt_share": (1.0 / ckpt_every(spec.grad_ckpt_policy)) if spec.grad_ckpt else 0.0,
+        "empty_cache_steps": spec.empty_cache_steps,
         "lora_r": spec.lora.r if spec.lora is not None else 0,
         "peft_type": peft_type(spec) or "none",
         "loop": spec.loop,
