@@ -169,3 +169,38 @@ def test_bad_policy_exits_2_with_one_line(argv, match):
                           capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == match + "\n"
+
+
+@pytest.mark.parametrize("args, expected", [
+    # transformers 5.x names; the deprecated gradient_checkpointing* aliases read the same
+    ({"activation_checkpointing": True,
+      "activation_checkpointing_kwargs": {"every_n_layers": 2, "use_reentrant": False}},
+     (True, "every:2")),
+    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": '{"every_n_layers": 1}'},
+     (True, "full")),
+    ({"activation_checkpointing": False, "gradient_checkpointing": True}, (False, "full")),
+])
+def test_training_args_checkpointing_gives_the_flags_answer(args, expected):
+    from hybridmem.parallel.inputs import spec_from_inputs
+
+    spec = spec_from_inputs(training_args=args, overrides={"model": "tiny-llama"})
+    assert (spec.grad_ckpt, spec.grad_ckpt_policy) == expected
+    if expected[0]:
+        flags = spec_from_inputs(training_args={}, overrides={
+            "model": "tiny-llama", "grad_ckpt": True, "grad_ckpt_policy": expected[1]})
+        assert spec == flags
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"offload": True}, "training_args.activation_checkpointing_kwargs.offload"),
+    ({"every_n_layers": 0}, "training_args.activation_checkpointing_kwargs.every_n_layers"),
+])
+def test_training_args_checkpointing_bad_kwargs_name_the_field(kwargs, field):
+    from hybridmem.errors import SpecError
+    from hybridmem.parallel.inputs import spec_from_inputs
+
+    with pytest.raises(SpecError) as err:
+        spec_from_inputs(training_args={"activation_checkpointing": True,
+                                        "activation_checkpointing_kwargs": kwargs},
+                         overrides={"model": "tiny-llama"})
+    assert err.value.field == field

@@ -94,6 +94,42 @@ def _empty_cache_steps(value: object) -> int:
     return value
 
 
+def _checkpointing(args: dict) -> dict:
+    """`grad_ckpt` / `grad_ckpt_policy` from TrainingArguments' checkpointing fields.
+
+    transformers 5.x: `activation_checkpointing` (+ `_kwargs`), with `gradient_checkpointing*`
+    as deprecated aliases used only when the new name is unset (training_args.py
+    `__post_init__`); Trainer pops `every_n_layers` (default 1) and `offload` from the kwargs and
+    calls `activation_checkpointing_enable(every_n_layers=...)` (trainer.py)."""
+    out: dict = {}
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if args.get(name) is not None:
+            out["grad_ckpt"] = _flag(f"training_args.{name}", args[name])
+            break
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        kwargs = args.get(name)
+        if kwargs is None:
+            continue
+        if isinstance(kwargs, str):
+            try:
+                kwargs = json.loads(kwargs)
+            except json.JSONDecodeError:
+                raise SpecError(f"training_args.{name}", kwargs, reason="is not a JSON object") from None
+        if not isinstance(kwargs, dict):
+            raise SpecError(f"training_args.{name}", kwargs, reason="must be an object")
+        if kwargs.get("offload"):
+            raise SpecError(f"training_args.{name}.offload", kwargs["offload"], [False],
+                            reason="offloading checkpointed activations is not priced yet")
+        every = kwargs.get("every_n_layers", 1)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise SpecError(f"training_args.{name}.every_n_layers", every,
+                            reason="must be a positive integer")
+        if out.get("grad_ckpt"):
+            out["grad_ckpt_policy"] = "full" if every == 1 else f"every:{every}"
+        break
+    return out
+
+
 def _flag(field: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise SpecError(field, value, [True, False])
@@ -132,9 +168,7 @@ def from_training_args(source: str | os.PathLike | dict) -> dict:
     lora: dict = {}
     if "per_device_train_batch_size" in args:
         spec["micro_batch"] = args["per_device_train_batch_size"]
-    if "gradient_checkpointing" in args:
-        spec["grad_ckpt"] = _flag("training_args.gradient_checkpointing",
-                                  args["gradient_checkpointing"])
+    spec.update(_checkpointing(args))
     bf16, fp16 = bool(args.get("bf16")), bool(args.get("fp16"))
     if bf16 and fp16:
         raise SpecError("training_args.fp16", True, reason="bf16 and fp16 cannot both be set")
