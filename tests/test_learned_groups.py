@@ -26,6 +26,7 @@ def reserved_only_rows() -> pd.DataFrame:
     rows = make_rows(shapes=((64, 2),))
     rows = pd.concat([rows, rows], ignore_index=True)
     rows["experiment"] = [f"exp-{i % 8}" for i in range(len(rows))]
+    rows["model_type"] = "llava"  # the tiny-llava configs the rows are built on
     rows["peak_device_bytes"] = pd.array([None] * len(rows), dtype="Int64")
     return rows
 
@@ -134,3 +135,17 @@ def test_signed_error_summary_by_hand():
     assert s["n"] == 3 and s["median_ape"] == 10 and s["median_signed"] == 3
     assert s["under_share"] == pytest.approx(1 / 3) and s["within_3pct"] == pytest.approx(1 / 3)
     assert s["max_ape"] == 10
+
+
+def test_a_model_family_the_residual_never_saw_is_outside_its_domain(tmp_path):
+    from hybridmem.learned.train import train
+
+    rows = reserved_only_rows()  # tiny-llava configs: model_type llava
+    path = tmp_path / "rows.parquet"
+    rows.to_parquet(path)
+    train(str(path), str(tmp_path / "registry" / "m"), estimator_params=FAST, track=False)
+    spec = TrainingSpec(model="tiny-llama", micro_batch=1, seq_len=128)  # model_type llama
+    pred = predictor.estimate(spec, models_dir=tmp_path / "registry")
+    assert pred.peak == toy_base(spec).peak
+    assert any("does not apply" in n and "model_type=llama (trained: llava)" in n
+               for n in pred.notes)

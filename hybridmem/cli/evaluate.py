@@ -101,7 +101,7 @@ def evaluate_command(
         typer.echo(f"  {tier}: pricing spec {i}/{n} ({name})", err=True)
 
     acc = tier_accuracy(data, tiers=names, n_splits=folds, use_cache=not no_cache,
-                        progress=progress)
+                        progress=progress, held_out={target: result.predictions})
     for t in group_tables(acc.table):
         console.print(t)
     print_notes(acc.notes)

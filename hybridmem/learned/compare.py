@@ -67,7 +67,7 @@ def compare(data: str | Path, *, models: list[str] | tuple[str, ...] = (), targe
         raise SpecError("target", target, registry.TARGETS)
     for name in models:  # fail on a bad model before the (slower) featurisation
         with_trace |= bool(registry.read_metadata(name).get("trace_features"))
-    df = dataset.load(data)
+    df = load_with_ids(data)
     sources = pick_sources(df)
     table = build_table_for(df, sources, base_fn, with_trace, (target,))
     notes = [] if is_calibrated(sources) else [
@@ -97,37 +97,46 @@ def default_target(data: str | Path) -> str:
     return "device" if "device" in measured or not measured else measured[0]
 
 
-def hybrid_held_out(rows: pd.DataFrame, df: pd.DataFrame, n_splits: int,
-                    base_fn: BaseFn | None = None) -> tuple[pd.DataFrame, list[str]]:
-    """The hybrid tier's held-out prediction of each row (`_row`-aligned with `rows`): for each
-    measured target, a residual cross-validated by group never sees the row it predicts."""
-    from hybridmem.learned.features import build_table
+def load_with_ids(data: str | Path) -> pd.DataFrame:
+    """The dataset with `_row`, each row's position: held-out predictions carry it back to the
+    row they predict (`evaluate.held_out_predictions`)."""
+    df = dataset.load(data)
+    return df.assign(_row=np.arange(len(df)))
+
+
+def hybrid_held_out(data: str | Path, rows: pd.DataFrame, n_splits: int,
+                    given: dict[str, pd.DataFrame] | None = None) -> tuple[pd.DataFrame, list[str]]:
+    """The hybrid tier's held-out prediction of each of `rows` (rows of `load_with_ids(data)`)
+    for each target they measured: `compare`'s cross-validated predictions, or `given` ones
+    already made for a target."""
     from hybridmem.learned.tier_rows import nan_rows
 
     out = nan_rows(len(rows))
     notes = []
+    position = {int(r): i for i, r in enumerate(rows["_row"])}
     for target in dataset.measured_targets(rows):
-        try:
-            table = build_table(dataset.usable_rows(rows, None, (target,)), base_fn)
-        except SpecError as err:
-            notes.append(f"hybrid {target}: {err}")
-            continue
-        if len(set(table.groups)) < 2:
-            notes.append(f"hybrid {target}: only one {table.group_kind}, nothing to hold out")
-            continue
-        ev = cross_validate(table, df, target, n_splits)
-        out.loc[ev.predictions["_row"].to_numpy(), target] = ev.predictions["hybrid"].to_numpy()
-        notes.append(f"hybrid {target}: {len(ev.predictions)} rows held out, GroupKFold by "
-                     f"{table.group_kind} ({ev.predictions['fold'].nunique()} folds); "
-                     f"{len(table.dropped)} spec(s) without an analytic base are not covered")
+        pred = (given or {}).get(target)
+        if pred is None:
+            try:
+                pred = compare(data, target=target, n_splits=n_splits).predictions
+            except SpecError as err:
+                notes.append(f"hybrid {target}: {err}")
+                continue
+        out.loc[[position[int(r)] for r in pred["_row"]], target] = pred["hybrid"].to_numpy()
+        measured = int(pd.to_numeric(rows[dataset.TARGET_COLUMNS[target]], errors="coerce")
+                       .gt(0).sum())
+        notes.append(f"hybrid {target}: {len(pred)} rows held out ({pred['fold'].nunique()} "
+                     f"folds); {measured - len(pred)} measured row(s) without an analytic base "
+                     "are not covered")
     return out, notes
 
 
 def tier_accuracy(data: str | Path, *, tiers: tuple[str, ...] = ("analytic", "trace"),
                   hybrid: bool = True, n_splits: int = 5, use_cache: bool = True,
-                  progress=None):
+                  progress=None, held_out: dict[str, pd.DataFrame] | None = None):
     """`accuracy.Accuracy` of each tier (and the held-out hybrid) on the real-GPU rows of `data`
-    (the rows of the dataset's target source when it has none)."""
+    (the rows of the dataset's target source when it has none). `held_out`: `compare`'s
+    predictions for a target, when the caller already cross-validated it."""
     from hybridmem.learned.accuracy import accuracy
     from hybridmem.learned.tier_rows import tier_rows
     from hybridmem.predict import METHODS
@@ -135,12 +144,11 @@ def tier_accuracy(data: str | Path, *, tiers: tuple[str, ...] = ("analytic", "tr
     for tier in tiers:
         if tier not in METHODS or tier == "hybrid":
             raise SpecError("tiers", tier, [m for m in METHODS if m != "hybrid"])
-    df = dataset.load(data)
+    df = load_with_ids(data)
     sources = pick_sources(df)
     rows = df[df["source"].isin(sources) & (df["outcome"] == "ok")].reset_index(drop=True)
     if rows.empty:
         raise SpecError("data", str(data), reason=f"no ok row among sources {list(sources)}")
-    rows = rows.assign(_row=np.arange(len(rows)))
     preds = {t: tier_rows(rows, t, use_cache=use_cache,
                           progress=(lambda i, n, m, t=t: progress(t, i, n, m)) if progress else None)
              for t in tiers}
@@ -152,7 +160,7 @@ def tier_accuracy(data: str | Path, *, tiers: tuple[str, ...] = ("analytic", "tr
             first = p.loc[failed, "error"].iloc[0]
             notes.append(f"{t}: {int(failed.sum())} row(s) not priced, e.g. {first}")
     if hybrid:
-        preds["hybrid"], more = hybrid_held_out(rows, df, n_splits)
+        preds["hybrid"], more = hybrid_held_out(data, rows, n_splits, held_out)
         notes += more
     result = accuracy(rows, preds)
     result.notes = notes + result.notes

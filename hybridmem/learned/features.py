@@ -214,20 +214,19 @@ class FeatureTable:
     """spec_hash -> why the base estimate failed for it (those rows are left out)."""
 
     @property
-    def groups(self) -> np.ndarray:
-        """The unit held out in evaluation: each row's model shape (`dataset.shape_group`), or,
-        when every row has the same model (the published benchmarks), its configuration
-        (`dataset.config_groups`: experiment and spec joined)."""
-        shapes = self.rows["model_config"].map(shape_group)
-        if shapes.nunique() >= 2:
-            return shapes.to_numpy()
-        return np.array(config_groups(self.rows))
+    def group_kind(self) -> str:
+        """The unit held out in evaluation: "model shape" (`dataset.shape_group`), or
+        "configuration" when every row has the same model (the published benchmarks;
+        `dataset.config_groups`: experiment and spec joined)."""
+        shapes = self.rows["model_config"].map(shape_group).nunique()
+        return "model shape" if shapes >= 2 else "configuration"
 
     @property
-    def group_kind(self) -> str:
-        """What `groups` holds: "model shape" or "configuration"."""
-        return ("model shape" if self.rows["model_config"].map(shape_group).nunique() >= 2
-                else "configuration")
+    def groups(self) -> np.ndarray:
+        """Each row's `group_kind` group."""
+        if self.group_kind == "model shape":
+            return self.rows["model_config"].map(shape_group).to_numpy()
+        return np.array(config_groups(self.rows))
 
     def target(self, name: str) -> np.ndarray:
         """log(measured / base) for `name` in ("device", "reserved")."""

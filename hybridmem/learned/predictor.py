@@ -100,39 +100,34 @@ def outside_domain(row: dict, domain: dict) -> list[str]:
     return out
 
 
-def _differences(row: dict, other: dict) -> list[str]:
-    out = []
+def _distance(row: dict, other: dict) -> tuple[list[str], float]:
+    """The fields of training row `other` that the user's `row` changes ('name old->new'), and
+    the sum of |log(new / old)| over the numeric ones (how far the numbers moved)."""
+    diffs, size = [], 0.0
     for key, theirs in other.items():
         if key == "label" or key not in row:
             continue
         mine = row[key]
-        if isinstance(theirs, (int, float)) and isinstance(mine, (int, float)) \
-                and not isinstance(theirs, bool):
-            if not math.isclose(float(mine), float(theirs), rel_tol=1e-9):
-                out.append(f"{key} {theirs:g}->{mine:g}")
-        elif str(mine) != str(theirs):
-            out.append(f"{key} {theirs}->{mine}")
-    return out
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (mine, theirs))
+        if numeric and not math.isclose(float(mine), float(theirs), rel_tol=1e-9):
+            diffs.append(f"{key} {theirs:g}->{mine:g}")
+            if float(mine) > 0 and float(theirs) > 0:
+                size += abs(math.log(float(mine) / float(theirs)))
+        elif not numeric and str(mine) != str(theirs):
+            diffs.append(f"{key} {theirs}->{mine}")
+    return diffs, size
 
 
 def nearest(row: dict, neighbours: list[dict]) -> str | None:
     """How far the user's spec is from the model's training rows: the closest one (fewest
     differing spec fields, then smallest relative numeric change) and what differs."""
-    best = None
-    for other in neighbours:
-        diff = _differences(row, other)
-        size = sum(abs(math.log(max(float(row[k]), 1e-9) / max(float(v), 1e-9)))
-                   for k, v in other.items() if k in row and k != "label"
-                   and isinstance(v, (int, float)) and isinstance(row[k], (int, float))
-                   and not isinstance(v, bool) and float(v) > 0 and float(row[k]) > 0)
-        if best is None or (len(diff), size) < best[0]:
-            best = ((len(diff), size), other, diff)
-    if best is None:
+    if not neighbours:
         return None
-    _, other, diff = best
+    scored = [(_distance(row, other), other) for other in neighbours]
+    (diffs, _), other = min(scored, key=lambda x: (len(x[0][0]), x[0][1]))
     where = f"nearest training row: {other.get('label') or '?'}"
-    return where + (": same spec fields" if not diff else f", {len(diff)} field(s) differ: "
-                    + ", ".join(diff))
+    return where + (": same spec fields" if not diffs else f", {len(diffs)} field(s) differ: "
+                    + ", ".join(diffs))
 
 
 def trace_row(spec: TrainingSpec, base: Prediction, trace_fn=None) -> tuple[dict, list[str]]:
@@ -167,7 +162,8 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
         "gpu_name": gpu, "gpu_memory_bytes": memory or 0,
         "torch_version": env.get("torch") or (meta.get("torch_versions") or [""])[-1],
         "cuda_version": env.get("cuda") or (meta.get("cuda_versions") or [""])[-1]})
-    foreign = outside_domain(row, meta.get("domain") or {})
+    foreign = outside_domain({**row, "model_type": config.get("model_type")},
+                             meta.get("domain") or {})
     if foreign:
         return fallback(base, [f"residual model {model.name} does not apply: it never saw "
                                + "; ".join(foreign)])

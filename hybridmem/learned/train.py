@@ -10,6 +10,7 @@ A target that no real row measured (published rows have no device figure) is not
 from __future__ import annotations
 
 import datetime as dt
+import json
 import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
@@ -88,14 +89,12 @@ def neighbour_rows(table: FeatureTable) -> list[dict]:
     for label, (_, x) in zip(names.fillna("").astype(str), table.X[cols].iterrows()):
         out.append({"label": label, **{c: (x[c].item() if hasattr(x[c], "item") else x[c])
                                         for c in cols}})
-    unique = {json_key(r): r for r in out}
+    # one entry per distinct spec (re-runs share it; the first label is kept)
+    unique: dict[str, dict] = {}
+    for r in out:
+        key = json.dumps({k: v for k, v in r.items() if k != "label"}, sort_keys=True, default=str)
+        unique.setdefault(key, r)
     return list(unique.values())
-
-
-def json_key(row: dict) -> str:
-    import json
-
-    return json.dumps({k: v for k, v in row.items() if k != "label"}, sort_keys=True, default=str)
 
 
 def _version(pkg: str) -> str:
@@ -140,7 +139,6 @@ def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ..
         "model_names": _distinct(rows["model_name"]),
         "training_groups": sorted(set(table.groups)),
         "group_kind": table.group_kind,
-        "training_specs": sorted(set(table.rows["spec_hash"].astype(str))),
         "domain": domain(table),
         "neighbours": neighbour_rows(table),
         "feature_ranges": _ranges(table.X),
