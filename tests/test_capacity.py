@@ -19,20 +19,14 @@ from hybridmem.analytic.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacit
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.predict import find_max_micro_batch, predict
+from test_analytic_reserved import _default_allocator  # noqa: F401 (autouse: default allocator)
 
 MiB = 2**20
-ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 # a tiny config whose approximate stream has cached segments to release at the limit (found by
 # a grid search over tiny configs: unlimited reserved 124 MiB, fits within 123 MiB)
 SPEC = TrainingSpec(model="tiny-llama", micro_batch=4, seq_len=2048, precision="bf16")
 RETRY = "fits only after the allocator released its cache"
 OOM = "does not fit: the simulated allocator runs out of memory"
-
-
-@pytest.fixture(autouse=True)
-def _default_allocator(monkeypatch):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
 
 
 def gpu_with(capacity: int) -> GPU:

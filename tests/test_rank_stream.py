@@ -12,14 +12,7 @@ from hybridmem.parallel.sharding import RankStates
 from hybridmem.parallel.spec import ParallelSpec
 from hybridmem.parallel.stream import GRAD, KEEP, OPT, PARAM, TEMP, classify, rank_events, rewrite
 from hybridmem.predict import predict
-
-ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-
-
-@pytest.fixture(autouse=True)
-def _default_allocator(monkeypatch):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
+from test_analytic_reserved import _default_allocator  # noqa: F401 (autouse: default allocator)
 
 
 # a hand-made stream of one iteration: two params, one master, the batch (setup); a forward
