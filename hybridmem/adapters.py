@@ -100,7 +100,7 @@ def peft_type(spec) -> str | None:
     if spec.train == "lora":
         return "DORA" if spec.lora.use_dora else "LORA"
     if spec.train == "peft":
-        return str(json.loads(spec.peft_config)["peft_type"]).upper()
+        return config_type(json.loads(spec.peft_config))
     return None
 
 

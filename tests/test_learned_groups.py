@@ -149,3 +149,13 @@ def test_a_model_family_the_residual_never_saw_is_outside_its_domain(tmp_path):
     assert pred.peak == toy_base(spec).peak
     assert any("does not apply" in n and "model_type=llama (trained: llava)" in n
                for n in pred.notes)
+
+
+def test_a_dora_config_the_trace_tier_prices_is_still_grouped_as_dora():
+    from hybridmem.adapters import job_group, spec_fields
+
+    # rank_pattern: no closed form, so train='peft'; the method is still DoRA
+    fields = spec_fields({"peft_type": "LORA", "use_dora": True, "target_modules": ["q_proj"],
+                          "rank_pattern": {"q_proj": 4}})
+    spec = TrainingSpec(model="tiny-llama", **fields)
+    assert spec.train == "peft" and job_group(spec) == "dora"
