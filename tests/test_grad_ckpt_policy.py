@@ -23,7 +23,7 @@ from hybridmem.spec import ckpt_every, ckpt_layer
 
 trace = pytest.importorskip("hybridmem.trace")
 from hybridmem.trace import corrections, runner  # noqa: E402
-from hybridmem.trace.model import select_checkpointed  # noqa: E402
+from hybridmem.job.checkpointing import select_checkpointed  # noqa: E402
 
 from test_analytic_vs_trace import _check  # noqa: E402
 from test_trace import real_cpu_peak  # noqa: E402

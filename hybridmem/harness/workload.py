@@ -184,11 +184,8 @@ def build_trainable(spec: TrainingSpec, config, device,
     if spec.train in ("lora", "peft"):
         model = add_lora(model, spec)
     if spec.grad_ckpt:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # --grad-ckpt-policy every:N: the same layers as the trace tier (`ckpt_layer`)
-        from hybridmem.trace.model import select_checkpointed
-        select_checkpointed(base, spec)
+        from hybridmem.job.checkpointing import enable_checkpointing
+        enable_checkpointing(model, spec)  # the trace tier's call, incl. --grad-ckpt-policy
     return model
 
 

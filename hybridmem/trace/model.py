@@ -22,7 +22,7 @@ from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
 from hybridmem.models.loader import auto_class, is_analytic
-from hybridmem.spec import DEFAULT_LORA_TARGETS, TrainingSpec, ckpt_layer
+from hybridmem.spec import DEFAULT_LORA_TARGETS, TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
 
 def attn_for_cpu(attn: str) -> str:
@@ -253,33 +253,6 @@ def add_adapters(model: nn.Module, spec: TrainingSpec) -> nn.Module:
 
 
 add_lora = add_adapters  # the LoRA-only name callers used before train='peft'
-
-
-def enable_checkpointing(model: nn.Module, spec: TrainingSpec) -> list[str]:
-    """The model's own activation checkpointing (non-reentrant, transformers' default), on the
-    layers `spec.grad_ckpt_policy` picks; returns the checkpointed layers' names.
-
-    `activation_checkpointing_enable()` turns on every GradientCheckpointingLayer
-    (modeling_utils.py `_set_gradient_checkpointing`, which also hands each its
-    `_gradient_checkpointing_func`); each layer then checks its own `gradient_checkpointing`
-    attribute in `__call__` (transformers/modeling_layers.py `GradientCheckpointingLayer`), so
-    switching that attribute off leaves the layer to run and save as without checkpointing.
-    The layers are counted in `modules()` order, as `_set_gradient_checkpointing` counts them
-    for its own `every_n_layers`, by `spec.ckpt_layer`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.activation_checkpointing_enable()
-    return select_checkpointed(base, spec)
-
-
-def select_checkpointed(model: nn.Module, spec: TrainingSpec) -> list[str]:
-    """Leave checkpointing on only in the layers `ckpt_layer` picks (after transformers'
-    enable turned it on in all); the names of those kept on. Also the CUDA harness's."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
-    for i, (_, layer) in enumerate(layers):
-        layer.gradient_checkpointing = ckpt_layer(spec, i)
-    return [n for n, layer in layers if layer.gradient_checkpointing]
 
 
 def top_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -20,6 +20,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hybridmem.errors import SpecError
+from hybridmem.job.checkpointing import enable_checkpointing
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
@@ -71,7 +72,7 @@ def prepare(spec: TrainingSpec, config) -> Job:
     if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
         model = build.add_adapters(model, spec)
     if spec.grad_ckpt:
-        build.enable_checkpointing(model, spec)
+        enable_checkpointing(model, spec)
     # peft's LoRA-FA factory freezes every lora_A: built before the trainable params are taken
     lorafa = make_lorafa(model, spec.lora) if spec.optimizer == "lora-fa" else None
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

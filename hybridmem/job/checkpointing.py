@@ -1,0 +1,40 @@
+"""Activation checkpointing switched on the one way the trace tier and the CUDA harness share.
+
+Both used to enable it differently (the trace tier `activation_checkpointing_enable()`, the harness
+the deprecated `gradient_checkpointing_enable(use_reentrant=False)`); transformers 5.x makes
+both the same call (modeling_utils.py `_activation_checkpointing_enable`: kwargs default
+`{"use_reentrant": False}`), but one function keeps them from drifting again.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybridmem.spec import TrainingSpec, ckpt_layer
+
+
+def enable_checkpointing(model: nn.Module, spec: TrainingSpec) -> list[str]:
+    """The model's own activation checkpointing (non-reentrant, transformers' default), on the
+    layers `spec.grad_ckpt_policy` picks; returns the checkpointed layers' names.
+
+    `activation_checkpointing_enable()` turns on every GradientCheckpointingLayer
+    (modeling_utils.py `_set_gradient_checkpointing`, which also hands each its
+    `_gradient_checkpointing_func`); each layer then checks its own `gradient_checkpointing`
+    attribute in `__call__` (transformers/modeling_layers.py `GradientCheckpointingLayer`), so
+    switching that attribute off leaves the layer to run and save as without checkpointing.
+    The layers are counted in `modules()` order, as `_set_gradient_checkpointing` counts them
+    for its own `every_n_layers`, by `spec.ckpt_layer`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.activation_checkpointing_enable()
+    return select_checkpointed(base, spec)
+
+
+def select_checkpointed(model: nn.Module, spec: TrainingSpec) -> list[str]:
+    """Leave checkpointing on only in the layers `ckpt_layer` picks (after transformers'
+    enable turned it on in all); the names of those kept on. Also the CUDA harness's."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    for i, (_, layer) in enumerate(layers):
+        layer.gradient_checkpointing = ckpt_layer(spec, i)
+    return [n for n, layer in layers if layer.gradient_checkpointing]
