@@ -218,3 +218,16 @@ def test_world_size_without_strategy_is_ddp_but_spec_refuses_none():
     assert merge_inputs(overrides={"model": "llama-3.2-3b", "world_size": 4})["parallel"].strategy == "ddp"
     with pytest.raises(SpecError, match="world_size=4 needs a data-parallel strategy"):
         ParallelSpec(world_size=4, strategy="none")
+
+
+def test_sft_config_max_length_is_the_sequence_length():
+    # TRL SFTConfig's `max_length` (older `max_seq_length`) truncates every sample, so the
+    # longest batch has that many tokens; `max_length: null` truncates nothing (not read)
+    base = {"per_device_train_batch_size": 2, "bf16": True}
+    for key in ("max_length", "max_seq_length"):
+        spec = spec_from_inputs(training_args={**base, key: 1536}, overrides={"model": "tiny-llama"})
+        assert spec.seq_len == 1536
+    assert spec_from_inputs(training_args={**base, "max_length": None}, overrides={"model": "tiny-llama"}).seq_len \
+        == TrainingSpec(model="tiny-llama").seq_len
+    with pytest.raises(SpecError, match="max_length"):
+        spec_from_inputs(training_args={**base, "max_length": -4}, overrides={"model": "tiny-llama"})

@@ -157,7 +157,8 @@ def hidden_size_of(model: str) -> int:
 def from_training_args(source: str | os.PathLike | dict) -> dict:
     """HF TrainingArguments fields (a JSON object, e.g. `args.to_json_string()`) -> layered kwargs.
 
-    Also reads LLaVA's TrainingArguments extensions (`model_max_length`, `lora_enable`,
+    Also reads TRL SFTConfig's `max_length` (`max_seq_length`), LLaVA's TrainingArguments
+    extensions (`model_max_length`, `lora_enable`,
     `lora_r`, `lora_alpha`, `tune_mm_mlp_adapter`) and `attn_implementation`. The world size is
     not a TrainingArguments field: a `world_size` key, else $WORLD_SIZE, else unset.
     Returns {"spec": ..., "parallel": ..., "lora": ..., "deepspeed": dict | None, "hf": ...}.
@@ -181,6 +182,12 @@ def from_training_args(source: str | os.PathLike | dict) -> dict:
         spec["optimizer"] = HF_OPTIMS[optim]
     if "model_max_length" in args:
         spec["seq_len"] = args["model_max_length"]
+    # TRL's SFTConfig (a TrainingArguments subclass): `max_length` (trl/trainer/sft_config.py,
+    # TRL >= 0.20; `max_seq_length` before) truncates each sample, so it is the sequence length
+    # a worst-case batch has; None there means no truncation (nothing to read)
+    for key in ("max_seq_length", "max_length"):
+        if args.get(key) is not None:
+            spec["seq_len"] = _count(f"training_args.{key}", args[key])
     # a TrainingArguments file describes a Trainer run: only the loss outlives the forward,
     # gradients clipped at max_grad_norm (0 = off, as Trainer reads it) and accumulated
     spec["loop"] = "trainer"
