@@ -257,3 +257,34 @@ def test_cli_bad_optimizer_exits_2(argv, match, tmp_path, capsys):
     assert main(["predict", "--model", "tiny-llama", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(match) and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_harness_cpu_stand_in_builds_the_emulation_and_steps(name):
+    import torch
+
+    from hybridmem.harness.workload import make_optimizer
+
+    w = torch.nn.Parameter(torch.randn(1024, 128))  # >= 1e5 elements: paged where paged
+    opt = make_optimizer(name, [w], device=torch.device("cpu"))
+    w.grad = torch.randn_like(w)
+    opt.step()
+    r = rule(name)
+    state = sum(t.numel() * t.element_size() for st in opt.state.values()
+                for k, t in st.items() if isinstance(t, torch.Tensor) and k not in r.host_keys)
+    s = Stepped(w.numel(), tuple(w.shape), 4)
+    hand = sum(n * i for n, i in r.state(s) + r.paged_state(s))
+    assert state == hand, name
+
+
+def test_harness_on_cuda_without_bitsandbytes_is_an_error_row(monkeypatch):
+    import sys
+
+    import torch
+
+    from hybridmem.harness.workload import Unavailable, make_optimizer
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails
+    with pytest.raises(Unavailable, match=r"^optimizer 'paged-adamw-8bit' needs bitsandbytes"):
+        make_optimizer("paged-adamw-8bit", [torch.nn.Parameter(torch.zeros(4))],
+                       device=torch.device("cuda"))

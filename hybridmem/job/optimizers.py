@@ -319,9 +319,9 @@ class Bnb(Rule):
             return BnbLayout(params, self.n_states, self.bits, self.paged)
         try:
             import bitsandbytes as bnb
-        except ImportError as err:
-            raise ImportError(f"optimizer {self.name!r} needs bitsandbytes "
-                              f"(pip install bitsandbytes): {err}") from err
+        except Exception as err:  # noqa: BLE001 - missing, or broken (e.g. its triton import)
+            raise ImportError(f"optimizer {self.name!r} needs bitsandbytes, which does not "
+                              f"import here ({type(err).__name__}: {err})") from err
         cls = bnb.optim.AdamW if self.algo == "adam" else bnb.optim.Lion
         return cls(params, lr=LR, optim_bits=self.bits, is_paged=self.paged)
 
