@@ -93,8 +93,7 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
     options = {**gpu_options(method, gpu), **tier_options}
 
     def fits(batch: int) -> bool:
-        peak = run(spec.with_(micro_batch=batch), **options).peak
-        return peak.device_bytes <= gpu.memory_bytes
+        return run(spec.with_(micro_batch=batch), **options).fits_within(gpu.memory_bytes)
 
     if not fits(1):
         return 0

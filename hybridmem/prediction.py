@@ -61,6 +61,11 @@ class Prediction:
     """Caveats a user should read: fallbacks, known limitations, which model was used."""
     extras: dict = field(default_factory=dict)
     """Tier-specific extras (e.g. per-rank info, upper bound, timeline path)."""
+    paged_bytes: int = 0
+    """Optimizer state in CUDA unified memory (bitsandbytes paged optimizers, cudaMallocManaged):
+    outside PyTorch's allocator (not in allocated / reserved), in `device_bytes` and
+    `breakdown["context"]` while resident. The driver pages it out to host memory under pressure
+    instead of failing, so `fits` does not count it (docs/design.md, "Optimizers")."""
 
     def __post_init__(self) -> None:
         assert tuple(self.breakdown) == CATEGORIES, tuple(self.breakdown)
@@ -71,7 +76,12 @@ class Prediction:
     def fits(self) -> bool | None:
         if self.gpu_memory_bytes is None:
             return None
-        return self.peak.device_bytes <= self.gpu_memory_bytes
+        return self.fits_within(self.gpu_memory_bytes)
+
+    def fits_within(self, memory_bytes: int) -> bool:
+        """Whether the job runs in `memory_bytes` of GPU memory: the device peak without the
+        paged optimizer state, which is evicted to the host rather than causing an OOM."""
+        return self.peak.device_bytes - self.paged_bytes <= memory_bytes
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -94,6 +104,7 @@ class Prediction:
             "headroom_bytes": self.headroom_bytes,
             "max_micro_batch": self.max_micro_batch,
             "notes": list(self.notes),
+            "paged_bytes": self.paged_bytes,
         }
         out.update({k: v for k, v in self.extras.items() if k not in out})
         return out

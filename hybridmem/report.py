@@ -39,8 +39,11 @@ def verdict(pred: Prediction) -> str:
     word = "FITS" if pred.fits else "DOES NOT FIT"
     head = pred.headroom_bytes
     rel = head / pred.gpu_memory_bytes * 100
-    return (f"{word} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
+    line = (f"{word} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
             f"headroom {gib(head)} GiB ({rel:+.1f}%)")
+    if pred.fits and head < 0:  # only the paged optimizer state does not fit (Prediction.fits)
+        line += " - the paged optimizer state is partly evicted to host memory (slower steps)"
+    return line
 
 
 def render(pred: Prediction, console=None) -> None:

@@ -14,8 +14,10 @@ from hybridmem.errors import SpecError
 from hybridmem.parallel.spec import ParallelSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
-Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "sgd", "sgd-momentum", "adafactor",
-                    "lion", "lora-fa"]
+# one entry per rule of `hybridmem.job.optimizers.OPTIMIZERS` (tests/test_optimizers.py checks)
+Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "paged-adamw",
+                    "sgd", "sgd-momentum", "adafactor", "hf-adafactor", "lion", "lion-32bit",
+                    "lion-8bit", "paged-lion", "paged-lion-8bit", "lora-fa"]
 Trainable = Literal["full", "llm+projector", "projector", "lora", "peft"]
 Attention = Literal["eager", "sdpa", "flash_attention_2"]
 Loop = Literal["trainer", "custom"]
@@ -39,7 +41,8 @@ DEFAULT_LORA_TARGETS: tuple[str, ...] = (
 # own quantised state and are not wrapped by DeepSpeed's fp32-master-weight optimizer
 # (transformers refuses `optim=adamw_bnb_8bit` together with a DeepSpeed optimizer).
 INVALID_PAIRS: dict[tuple[str, str], str] = {
-    ("bf16-master", "adamw-8bit"): "8-bit optimizer state cannot sit under fp32 master weights",
+    **{("bf16-master", o): "8-bit optimizer state cannot sit under fp32 master weights"
+       for o in ("adamw-8bit", "paged-adamw-8bit", "lion-8bit", "paged-lion-8bit")},
     # peft `create_lorafa_optimizer` steps the PeftModel's own named parameters (it pairs
     # lora_A with lora_B by name), not a DeepSpeed group of flat fp32 master copies
     ("bf16-master", "lora-fa"): "LoRA-FA steps the model's own named LoRA parameters",

@@ -35,7 +35,7 @@ def test_bad_fields(field, value, match):
 
 def test_impossible_pair_names_valid_optimizers():
     with pytest.raises(SpecError, match=r"optimizer='adamw-8bit': not available with "
-                       r"precision='bf16-master'.*\(valid: adamw, adamw-fused, sgd"):
+                       r"precision='bf16-master'.*\(valid: adamw, adamw-fused, paged-adamw, sgd"):
         TrainingSpec(model="tiny-llava", precision="bf16-master", optimizer="adamw-8bit")
 
 

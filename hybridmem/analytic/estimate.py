@@ -36,6 +36,7 @@ from hybridmem.analytic.states import (
 )
 from hybridmem.analytic.timeline import Point, Statics, Step, peak, walk
 from hybridmem.categories import empty_breakdown
+from hybridmem.job.optimizers import paged_notes
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.models import ModelGraph, build_graph
@@ -342,7 +343,10 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     breakdown = empty_breakdown()
     breakdown.update(top.bytes)
     breakdown["fragmentation"] = waste
-    breakdown["context"] = CUDA_CONTEXT_DEFAULT
+    # paged optimizer state: unified memory outside the allocator, resident on the device
+    # until the driver pages it out (job.optimizers.Bnb; Prediction.paged_bytes)
+    paged = sum(p.states.paged for p in priced)
+    breakdown["context"] = CUDA_CONTEXT_DEFAULT + paged
     modules = _modules(graph, priced)
     phases = {}
     for p in points:
@@ -353,10 +357,10 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
         params_total=sum(m.params for m in modules),
         params_trainable=sum(m.trainable_params for m in modules),
         peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
-                  device_bytes=reserved + CUDA_CONTEXT_DEFAULT, phase=top.phase,
+                  device_bytes=reserved + CUDA_CONTEXT_DEFAULT + paged, phase=top.phase,
                   iteration=top.iteration),
-        breakdown=breakdown, modules=modules,
-        notes=_notes(graph, spec, gpu, ws) + tuple(
+        breakdown=breakdown, modules=modules, paged_bytes=paged,
+        notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + tuple(
             capacity_notes(fit, allocated, capacity_source(gpu) if capacity == FROM_GPU
                            else "as given")),
         extras={"analytic": {

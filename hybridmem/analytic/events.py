@@ -38,7 +38,8 @@ through the same simulator: experiments/analytic_vs_trace.py.
 from __future__ import annotations
 
 from hybridmem.analytic.alloc import t
-from hybridmem.analytic.states import foreach_norm_scratch, optimizer_temporary, state_bytes
+from hybridmem.analytic.states import foreach_norm_scratch, state_bytes
+from hybridmem.job.optimizers import rule
 from hybridmem.spec import POLICIES, TrainingSpec, empty_cache_at
 
 # parameters of a transformer layer's MLP half (its grads appear first in backward);
@@ -345,18 +346,7 @@ def _clip_temporaries(s: Stream, stepped) -> None:
 
 
 def _optimizer_temporaries(s: Stream, optimizer: str, stepped) -> None:
-    if optimizer == "lora-fa":  # r x r and out x r tensors: one block at their peak
-        s.free(s.allocs([optimizer_temporary(optimizer, stepped)]))
-    elif optimizer == "adamw":
-        groups: dict[int, list] = {}
-        for x in stepped:  # _group_tensors_by_device_and_dtype: first-seen dtype order
-            groups.setdefault(x.state, []).append(x)
-        for group in groups.values():
-            s.free(s.allocs(t(x.numel, x.state) for x in group))
-    elif optimizer == "adafactor":
-        for x in stepped:
-            if len(x.shape) >= 2:
-                s.free(s.allocs([t(x.numel, x.state)]))
-    elif optimizer == "lion":
-        for x in stepped:
-            s.free(s.allocs([t(x.numel, x.state)] * 2))
+    """The step's temporaries in the optimizer rule's order (`job.optimizers`,
+    `Rule.temporary_stream`): each group allocated, then freed before the next."""
+    for group in rule(optimizer).temporary_stream(stepped):
+        s.free(s.allocs(t(*a) for a in group))

@@ -4,40 +4,25 @@ Each tensor is its own allocation (512 B-rounded, `alloc.t`). Dtypes follow the 
 policy (`hybridmem.spec.POLICIES`); tensors with a fixed itemsize (buffers, LoRA adapters in
 fp32 as PEFT keeps them by default) keep it.
 
-Optimizer state per stepped tensor of n elements (state dtype s = the dtype of the tensor the
-optimizer steps: the fp32 master copy under bf16-master, the parameter itself otherwise):
-- adamw / adamw-fused: exp_avg + exp_avg_sq, 2 n s (torch/optim/adam.py `_init_group`,
-  `zeros_like(p)`); `step` is a CPU scalar unless fused/capturable; fused keeps a 4-byte device
-  scalar (one 512 B block) per tensor.
-- adamw-8bit (bitsandbytes `Optimizer8bit.init_state`): n >= 4096 (`min_8bit_size`): state1 +
-  state2 uint8 (2 n), absmax1 + absmax2 fp32 per 256-element block, and two 256-entry fp32 qmaps
-  shared by all tensors; smaller tensors keep two fp32 states.
-- sgd: none; sgd-momentum: momentum_buffer (n s) (torch/optim/sgd.py).
-- adafactor (torch/optim/_adafactor.py): >= 2-D: row_var (shape[:-1]) + col_var
-  (shape[:-2] + shape[-1:]); 1-D: variance (n); CPU `step`.
-- lion (lucidrains/lion-pytorch): exp_avg (n s).
-- lora-fa (peft/optimizers/lorafa.py `LoraFAOptimizer.step`, `zeros_like`): exp_avg_B +
-  exp_avg_sq_B per lora_B (2 n s; its lora_A is frozen by `create_lorafa_optimizer`: no grad,
-  no state), exp_avg + exp_avg_sq per other trained tensor (modules_to_save copies); `step` is
-  a Python int.
-- bf16-master adds the fp32 master copy (n x 4) of every trainable non-fp32 tensor, made at
+Optimizer state, shared state and step temporaries come from the one optimizer registry
+(`hybridmem.job.optimizers`, each rule citing its library source); here they are priced as
+CUDA allocations (512 B-rounded). Paged state (bitsandbytes `paged_*`) lives in unified memory
+outside the allocator: `LayerStates.paged`, never in `optimizer`.
+
+bf16-master adds the fp32 master copy (n x 4) of every trainable non-fp32 tensor, made at
   initialisation (DeepSpeed bf16_optimizer.py), counted as optimizer.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from hybridmem.analytic.alloc import segment_waste, t
+from hybridmem.job.optimizers import Stepped, raw, rule
 from hybridmem.models.graph import Layer, ParamTensor
 from hybridmem.spec import PrecisionPolicy
 
-BNB_MIN_8BIT = 4096   # bitsandbytes optim `min_8bit_size` default
-BNB_BLOCK = 256       # bitsandbytes blockwise optimizer state: absmax per 256 elements
-BNB_QMAP = 256       # one dynamic-quantisation map: 256 fp32 entries (F.create_dynamic_map)
 FP32 = 4
-BF16 = 2
 # aten/src/ATen/native/cuda/MultiTensorApply.cuh `kChunkSize`: elements per chunk of a
 # multi-tensor kernel; `_foreach_norm`'s scratch holds one fp32 partial norm per chunk and tensor
 FOREACH_CHUNK = 65536
@@ -45,18 +30,6 @@ FOREACH_CHUNK = 65536
 # `global_output = at::zeros({320}, opmath)`, allocated even for per-tensor norms
 FOREACH_GLOBAL_SLOTS = 320
 SCALAR = 1  # a 0-dim tensor: one element, one 512 B block whatever its dtype
-
-
-@dataclass(frozen=True, slots=True)
-class Stepped:
-    """One tensor the optimizer steps."""
-
-    numel: int
-    shape: tuple[int, ...]
-    state: int
-    """State itemsize (dtype of the stepped tensor)."""
-    lora_b: bool = False
-    """A LoRA B matrix (out x r): LoRA-FA projects its gradient (`lorafa_temporary`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +46,8 @@ class LayerStates:
     waste_param: int
     waste_grad: int
     waste_optimizer: int
+    paged: int = 0
+    """Optimizer state in CUDA unified memory (bitsandbytes paged), outside the allocator."""
 
 
 def _size(p: ParamTensor, policy: PrecisionPolicy) -> int:
@@ -80,96 +55,28 @@ def _size(p: ParamTensor, policy: PrecisionPolicy) -> int:
 
 
 def state_bytes(s: Stepped, optimizer: str) -> list[int]:
-    """Allocations of the optimizer state of one stepped tensor."""
-    n = s.numel
-    if optimizer in ("adamw", "adamw-fused", "lora-fa"):
-        out = [t(n, s.state), t(n, s.state)]
-        return out + ([t(1, FP32)] if optimizer == "adamw-fused" else [])
-    if optimizer == "adamw-8bit":
-        if n < BNB_MIN_8BIT:
-            return [t(n, FP32), t(n, FP32)]
-        blocks = -(-n // BNB_BLOCK)
-        return [t(n, 1), t(n, 1), t(blocks, FP32), t(blocks, FP32)]
-    if optimizer in ("sgd-momentum", "lion"):
-        return [t(n, s.state)]
-    if optimizer == "adafactor":
-        if len(s.shape) >= 2:
-            row = math.prod(s.shape[:-1])
-            col = math.prod(s.shape[:-2]) * s.shape[-1]
-            return [t(row, s.state), t(col, s.state)]
-        return [t(n, s.state)]
-    return []  # sgd
+    """Allocations of the optimizer state of one stepped tensor (through the allocator)."""
+    return [t(*a) for a in rule(optimizer).state(s)]
+
+
+def paged_bytes(s: Stepped, optimizer: str) -> int:
+    """Bytes of the state of one stepped tensor in unified memory (raw: cudaMallocManaged)."""
+    return sum(raw(*a) for a in rule(optimizer).paged_state(s))
 
 
 def optimizer_shared_bytes(optimizer: str, stepped: list[Stepped]) -> int:
-    """State shared by all tensors: bitsandbytes' two qmaps (only if some tensor is 8-bit)."""
-    if optimizer == "adamw-8bit" and any(s.numel >= BNB_MIN_8BIT for s in stepped):
-        return 2 * t(BNB_QMAP, FP32)
-    return 0
+    """State shared by all tensors (bitsandbytes' qmaps, only if some tensor is 8-bit)."""
+    return sum(t(*a) for a in rule(optimizer).shared(stepped))
 
 
 def optimizer_temporary(optimizer: str, stepped: list[Stepped]) -> int:
-    """Peak of the short-lived tensors of one optimizer step.
-
-    - adamw (foreach, torch/optim/adam.py `_multi_tensor_adam`): `exp_avg_sq_sqrt =
-      torch._foreach_sqrt(exp_avg_sqs)` is a new list sized like all states (one state's worth).
-    - adafactor (foreach `_multi_tensor_adafactor`): `var_estimates = row_var @ col_var` is a
-      full-size tensor per >= 2-D parameter (the 1-D group's `grads_squared` is freed before its
-      clone, and is smaller); the largest group sets the peak.
-    - lion (lion-pytorch `update_fn`, per tensor): `exp_avg.clone()...add(grad)` makes two
-      tensors the size of the largest parameter.
-    - lora-fa: `lorafa_temporary`.
-    - fused AdamW, bitsandbytes 8-bit, SGD: in place, none.
-    """
-    if not stepped:
-        return 0
-    if optimizer == "lora-fa":
-        return lorafa_temporary(stepped)
-    if optimizer == "adamw":
-        return sum(t(s.numel, s.state) for s in stepped)
-    if optimizer == "adafactor":
-        multi = sum(t(s.numel, s.state) for s in stepped if len(s.shape) >= 2)
-        single = sum(t(s.numel, s.state) for s in stepped if len(s.shape) < 2)
-        return max(multi, single)
-    if optimizer == "lion":
-        return 2 * max(t(s.numel, s.state) for s in stepped)
-    return 0
+    """Peak of the short-lived tensors of one optimizer step (the rule's `temporary`)."""
+    return rule(optimizer).temporary(stepped, t) if stepped else 0
 
 
 def lorafa_temporary(stepped: list[Stepped]) -> int:
-    """Peak of the short-lived tensors of peft's `LoraFAOptimizer.step` (peft 0.21
-    peft/optimizers/lorafa.py), one tensor at a time in `named_parameters()` order.
-
-    Per lora_B (out x r, fp32 like its frozen lora_A): `AA_T = A @ A.T` (r x r);
-    `pinv(AA_T + delta * eye(r).to(device))`: the fp32 eye, `delta * eye`, their sum, pinv's
-    U, Vh and `Vh.mH * S` (r x r each; the SVD's solver workspace is left out) and the result
-    `AA_T_inv`; under `autocast(bf16)` (taken when `is_bf16_available()`: Ampere or newer)
-    `grad_B_orin @ AA_T_inv` casts both to bf16 and makes a bf16 (out x r) product, times a
-    Python scalar another; `.to(B.grad.dtype)` the fp32 `grad_B`; `exp_avg_sq_B.sqrt()` the
-    `denom_B`. Other tensors (AdamW branch): `denom = exp_avg_sq.sqrt()`. Each is a loop
-    local: the previous tensor's stays alive until its name is bound again."""
-    local: dict[str, int] = {}
-    peak = 0
-
-    def bind(name: str, size: int, *alongside: int) -> None:
-        # `name = <new tensor of size>`, made while `alongside` are alive; then the old dies
-        nonlocal peak
-        peak = max(peak, sum(local.values()) + size + sum(alongside))
-        local[name] = size
-
-    for s in stepped:
-        if not s.lora_b:
-            bind("denom", t(s.numel, s.state))
-            continue
-        out, r = s.shape
-        rr, half = t(r * r, FP32), t(out * r, BF16)
-        bind("AA_T", rr)
-        bind("AA_T_inv", rr, *[rr] * 4)          # sum, U, Vh, Vh.mH * S (eye freed by then)
-        bind("grad_B", half, half, t(r * r, BF16))  # the product, with the two bf16 casts
-        bind("grad_B", half, half)                  # scalar * product
-        bind("grad_B", t(out * r, s.state))         # .to(B.grad.dtype)
-        bind("denom_B", t(out * r, s.state))
-    return peak
+    """LoRA-FA's step temporaries as allocations (`job.optimizers.lorafa_temporary`)."""
+    return rule("lora-fa").temporary(stepped, t)
 
 
 def foreach_norm_scratch(numels: list[int]) -> list[int]:
@@ -232,4 +139,5 @@ def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> Layer
         trainable_count=trainable, stepped=tuple(stepped),
         waste_param=sum(map(segment_waste, params + buffers)),
         waste_grad=sum(map(segment_waste, grads)),
-        waste_optimizer=sum(map(segment_waste, states + masters)))
+        waste_optimizer=sum(map(segment_waste, states + masters)),
+        paged=sum(paged_bytes(x, optimizer) for x in stepped))

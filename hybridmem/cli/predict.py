@@ -12,7 +12,11 @@ import typer
 
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU, custom_gpu, gpu_by_name
+from hybridmem.job.optimizers import OPTIMIZERS
 from hybridmem.predict import TRACE_ONLY_METHOD, trace_only_reason
+
+# `--optimizer` help: every registry entry with its one-line summary (hybridmem/job/optimizers.py)
+OPTIMIZER_HELP = "; ".join(f"{n} ({r.summary})" for n, r in OPTIMIZERS.items() if n != "adamw")
 
 
 def resolve_gpu(gpu: str | None, gpu_mem: float | None) -> GPU | None:
@@ -58,7 +62,7 @@ def predict_command(
     images_per_sample: Optional[int] = typer.Option(None, "--images-per-sample", help="Default: 1 for multimodal models, 0 for LLMs."),
     image_size: Optional[int] = typer.Option(None, "--image-size", help="Image side in pixels; default: the vision tower's."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16, fp16, bf16-mixed (default), fp16-mixed, bf16-master."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw (default), adamw-fused, adamw-8bit, sgd, sgd-momentum, adafactor, lion."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw (default: torch foreach AdamW); " + OPTIMIZER_HELP + "."),
     grad_ckpt: Optional[bool] = typer.Option(None, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing (default off)."),
     grad_ckpt_policy: Optional[str] = typer.Option(None, "--grad-ckpt-policy", help="With --grad-ckpt: full (default, every layer) or every:N (layers 0, N, 2N, ...)."),
     train: Optional[str] = typer.Option(None, "--train", help="full (default), llm+projector, projector, lora; peft comes with --peft-config."),

@@ -225,7 +225,7 @@ def deepspeed_job(spec: TrainingSpec, config, device) -> workload.Job:
 
         optimizer = DeepSpeedCPUAdam(params, lr=workload.LR, adamw_mode=True)
     else:
-        optimizer = workload.make_optimizer(spec.optimizer, params)
+        optimizer = workload.make_optimizer(spec.optimizer, params, device=device)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=ds_config)
     return workload.Job(engine, optimizer, batch, params, engine=engine)

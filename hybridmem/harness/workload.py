@@ -84,31 +84,25 @@ def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], model: nn.Module | None = None,
-                   lora=None) -> torch.optim.Optimizer:
-    """The optimizer as users get it: torch's foreach implementations, bitsandbytes for 8-bit/Lion,
-    peft's `create_lorafa_optimizer(model, r, lora_alpha, lr, weight_decay)` for `lora-fa` (it
-    takes the PeftModel and freezes every lora_A, so build it before collecting `params`)."""
+                   lora=None, device: torch.device | None = None) -> torch.optim.Optimizer:
+    """The optimizer as users get it, from the registry (`hybridmem.job.optimizers`): on CUDA
+    the real library (torch; transformers' Adafactor; bitsandbytes for 8-bit / paged / bnb Lion,
+    imported lazily), on the CPU stand-in the rule's layout emulation; peft's
+    `create_lorafa_optimizer(model, r, lora_alpha, lr, weight_decay)` for `lora-fa` (it takes
+    the PeftModel and freezes every lora_A, so build it before collecting `params`)."""
+    from hybridmem.job.optimizers import rule
+
     if name == "lora-fa":
         from peft.optimizers import create_lorafa_optimizer
 
         # weight_decay > 0 takes the peft MetaMathQA run's path (0.1); in place, no memory
         return create_lorafa_optimizer(model, r=lora.r, lora_alpha=lora.alpha, lr=LR,
                                        weight_decay=0.1)
-    optim = torch.optim
-    table = {
-        "adamw": lambda: optim.AdamW(params, lr=LR, foreach=True),
-        "adamw-fused": lambda: optim.AdamW(params, lr=LR, fused=True),
-        "sgd": lambda: optim.SGD(params, lr=LR, foreach=True),
-        "sgd-momentum": lambda: optim.SGD(params, lr=LR, momentum=0.9, foreach=True),
-        "adafactor": lambda: optim.Adafactor(params, lr=1e-2, foreach=True),
-    }
-    if name in table:
-        return table[name]()
+    cuda = device is None or torch.device(device).type == "cuda"
     try:
-        import bitsandbytes as bnb
-    except ImportError as err:
-        raise Unavailable(f"optimizer {name!r} needs bitsandbytes, which is not installed") from err
-    return {"lion": bnb.optim.Lion, "adamw-8bit": bnb.optim.AdamW8bit}[name](params, lr=LR)
+        return rule(name).build(params, cuda=cuda)
+    except ImportError as err:  # bitsandbytes missing on the GPU machine: an `error` row
+        raise Unavailable(str(err).splitlines()[0]) from err
 
 
 def _image_token_id(config) -> int:
@@ -207,7 +201,8 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
     # fp32 master copies of the trainable bf16 params; the optimizer steps on them
     masters = ([p.detach().float().requires_grad_(True) for p in params]
                if spec.precision == "bf16-master" else [])
-    optimizer = lorafa if lorafa is not None else make_optimizer(spec.optimizer, masters or params)
+    optimizer = lorafa if lorafa is not None else make_optimizer(spec.optimizer, masters or params,
+                                                                 device=device)
     scaler = torch.amp.GradScaler(device.type) if spec.precision == "fp16-mixed" else None
     return Job(model, optimizer, batch or {}, params, masters, scaler)
 

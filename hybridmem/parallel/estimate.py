@@ -194,7 +194,9 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     nccl = NCCL_BYTES if ps.world_size > 1 else 0
     fit = rank_fragmentation(spec, gpu)
     extra = {"workspace": base.breakdown["workspace"],
-             "context": base.breakdown["context"] + nccl,
+             # the single GPU's paged optimizer state replaced by this rank's (outside the
+             # allocator, like the context; Prediction.paged_bytes)
+             "context": base.breakdown["context"] - base.paged_bytes + states.paged + nccl,
              "fragmentation": base.breakdown["fragmentation"] if fit is None
              else fit.fragmentation}
     acts = points(spec) if points is not None else [_prediction_point(fwd, single_states)]
@@ -251,7 +253,7 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
         base, method=f"{base.method}+{ps.strategy}", breakdown=breakdown,
         modules=_scaled_modules(base, states, single_states),
         peak=_peak(breakdown, base, phase, iteration), notes=tuple(notes), extras=extras,
-        max_micro_batch=None)
+        max_micro_batch=None, paged_bytes=states.paged)
 
 
 def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[..., Prediction]:

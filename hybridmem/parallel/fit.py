@@ -37,7 +37,7 @@ def _fits(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> Prediction | None
         pred = estimate(spec)
     except SpecError:
         return None
-    return pred if pred.peak.device_bytes <= gpu.memory_bytes else None
+    return pred if pred.fits_within(gpu.memory_bytes) else None
 
 
 def _smallest_world_size(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
@@ -86,7 +86,7 @@ def smallest_fitting_setup(spec: TrainingSpec, gpu: GPU,
     specs (e.g. `predict`). Options that do not fit are None."""
     current = estimate(spec)
     out: dict = {"gpu": gpu.name, "gpu_memory_bytes": gpu.memory_bytes,
-                 "fits_as_is": current.peak.device_bytes <= gpu.memory_bytes,
+                 "fits_as_is": current.fits_within(gpu.memory_bytes),
                  "current": _option(spec, current, gpu),
                  "world_size": None, "zero_stage": None, "grad_ckpt": None, "micro_batch": None}
     if out["fits_as_is"]:

@@ -18,28 +18,23 @@ from dataclasses import fields
 
 from hybridmem.adapters import spec_fields
 from hybridmem.errors import SpecError
+from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
 from hybridmem.models.loader import read_json_object
 from hybridmem.parallel.recipes import RECIPES
 from hybridmem.parallel.spec import ParallelSpec
 from hybridmem.parallel.validate import check_parallel
 from hybridmem.spec import LoraSpec, TrainingSpec
 
-# transformers `OptimizerNames` -> our optimizer names (None: not modelled)
-HF_OPTIMS: dict[str, str] = {
-    "adamw_torch": "adamw", "adamw_hf": "adamw", "paged_adamw_32bit": "adamw",
-    "adamw_torch_fused": "adamw-fused", "adamw_apex_fused": "adamw-fused",
-    "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "paged_adamw_8bit": "adamw-8bit",
-    "sgd": "sgd", "adafactor": "adafactor", "lion_32bit": "lion", "paged_lion_32bit": "lion",
-}
-# transformers 5.x default `optim` (training_args.py: adamw_torch_fused for torch >= 2.8)
-HF_DEFAULT_OPTIM = "adamw_torch_fused"
+# transformers `OptimizerNames` -> our optimizer names: the registry's (`job.optimizers`)
 HF_DEFAULT_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
 # TrainingArguments defaults of the fields that resolve DeepSpeed "auto" values
 HF_DEFAULTS: dict = {"per_device_train_batch_size": HF_DEFAULT_BATCH, "bf16": False,
                      "fp16": False, "gradient_accumulation_steps": 1}
 # DeepSpeed "optimizer.type" -> ours: Adam/AdamW build DeepSpeed's FusedAdam (no foreach
 # temporaries; engine `_configure_basic_optimizer`), Lion its FusedLion.
-DS_OPTIMS: dict[str, str] = {"adam": "adamw-fused", "adamw": "adamw-fused", "lion": "lion"}
+# FusedLion (deepspeed/ops/lion/fused_lion.py) keeps `exp_avg` (zeros_like the fp32 partition)
+# and updates in place, as bitsandbytes' 32-bit Lion does: our `lion-32bit`.
+DS_OPTIMS: dict[str, str] = {"adam": "adamw-fused", "adamw": "adamw-fused", "lion": "lion-32bit"}
 DS_ZERO_KEYS: tuple[str, ...] = (
     "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "overlap_comm",
     "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
@@ -176,10 +171,13 @@ def from_training_args(source: str | os.PathLike | dict) -> dict:
     if "bf16" in args or "fp16" in args:
         spec["precision"] = "bf16-mixed" if bf16 else "fp16-mixed" if fp16 else "fp32"
     optim = str(args.get("optim", HF_DEFAULT_OPTIM))
-    if optim not in HF_OPTIMS:
-        raise SpecError("training_args.optim", optim, sorted(HF_OPTIMS))
+    optim_args = args.get("optim_args")
+    if optim_args is not None and not isinstance(optim_args, str):
+        raise SpecError("training_args.optim_args", optim_args,
+                        reason='a string "key=value,key=value" as TrainingArguments takes it')
+    name = from_hf(optim, optim_args)
     if "optim" in args:
-        spec["optimizer"] = HF_OPTIMS[optim]
+        spec["optimizer"] = name
     if "model_max_length" in args:
         spec["seq_len"] = args["model_max_length"]
     # TRL's SFTConfig (a TrainingArguments subclass): `max_length` (trl/trainer/sft_config.py,

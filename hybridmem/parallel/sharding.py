@@ -17,9 +17,10 @@ the code that allocates it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from hybridmem.parallel.optimizers import state_bytes, step_temporary_bytes
+from hybridmem.job.optimizers import Stepped, blocks, flat, raw, rule
 from hybridmem.parallel.spec import DTYPE_BYTES, ParallelSpec
 from hybridmem.parallel.states import ModelTensors, Tensor
 from hybridmem.spec import POLICIES, TrainingSpec
@@ -48,6 +49,8 @@ class RankStates:
     """Gradient reduction buffers alive only during backward."""
     step_temporary: int = 0
     """Transient tensors of the optimizer step (fp32 grad partition, foreach temporaries)."""
+    paged: int = 0
+    """Optimizer state in CUDA unified memory (bitsandbytes paged), outside the allocator."""
     detail: dict[str, int] = field(default_factory=dict)
     """Named buffers, for the JSON output and the docs."""
 
@@ -62,20 +65,46 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _shape(t: Tensor) -> tuple[int, ...]:
+    """`t`'s shape; a Tensor given without one is (dim0, rest) (1-D when numel == dim0)."""
+    if t.shape:
+        return t.shape
+    return (t.numel,) if t.numel == t.dim0 else (t.dim0, t.numel // t.dim0)
+
+
+def _stepped(spec: TrainingSpec, t: Tensor, shape: tuple[int, ...] | None = None) -> Stepped:
+    """What the optimizer steps for tensor `t` (or its shard of `shape`): state in the param's
+    dtype when it is fixed (fp32 LoRA adapters), else the policy's (as `analytic.states`)."""
+    shape = shape if shape is not None else _shape(t)
+    state = 4 if t.itemsize is not None else POLICIES[spec.precision].state_bytes
+    return Stepped(math.prod(shape), shape, state)
+
+
+def _optimizer(spec: TrainingSpec, stepped: list[Stepped]) -> tuple[int, int, int]:
+    """(allocator state + shared, paged state, step temporary) of the spec's optimizer over
+    `stepped` (`job.optimizers`): states in raw bytes as the ZeRO formulas count them; the step
+    temporary as allocations (512 B-rounded), so a replica's equals the single-GPU tier's."""
+    r = rule(spec.optimizer)
+    state = sum(raw(*a) for s in stepped for a in r.state(s)) + sum(
+        raw(*a) for a in r.shared(stepped))
+    paged = sum(raw(*a) for s in stepped for a in r.paged_state(s))
+    return state, paged, r.temporary(stepped, blocks) if stepped else 0
+
+
 def replicated(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     """One GPU (or any replica): every tensor whole. Grads and state in the param's dtype when it
     is fixed (fp32 LoRA adapters), else the policy's."""
     policy = POLICIES[spec.precision]
     param = sum(t.numel * _pbytes(spec, t) for t in mt.tensors)
-    grad = opt = temp = 0
+    grad = opt = 0
     for t in mt.tensors:
         if not t.trainable:
             continue
         grad += t.numel * (t.itemsize or policy.grad_bytes)
         opt += t.numel * policy.master_bytes
-        opt += state_bytes(spec.optimizer, policy, t.numel, t.dim0, flat=False)
-        temp += step_temporary_bytes(spec.optimizer, policy, t.numel)
-    return RankStates(param=param, grad=grad, optimizer=opt, step_temporary=temp)
+    state, paged, temp = _optimizer(spec, [_stepped(spec, t) for t in mt.tensors if t.trainable])
+    return RankStates(param=param, grad=grad, optimizer=opt + state, step_temporary=temp,
+                      paged=paged)
 
 
 def ddp(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
@@ -92,7 +121,7 @@ def ddp(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     n_buckets = max(1, _ceil_div(base.grad, int(ps.bucket_cap_mb * 2**20)))
     return RankStates(param=base.param, grad=base.grad + buckets, optimizer=base.optimizer,
                       grad_fixed=buckets,
-                      step_temporary=base.step_temporary,
+                      step_temporary=base.step_temporary, paged=base.paged,
                       detail={"ddp_bucket_bytes": buckets, "ddp_buckets": n_buckets})
 
 
@@ -120,8 +149,10 @@ def zero(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     shard_t = _ceil_div(psi_t, n)  # flat partitions, padded to equal size
     offload_opt = ps.offload_optimizer != "none"
     # K per element of the fp32 partition: master copy + state on the flat 1-D partition
-    k_opt = DS_MASTER_BYTES * shard_t + state_bytes(spec.optimizer, policy, shard_t, shard_t, flat=True)
-    optimizer = 0 if offload_opt else k_opt
+    # (DeepSpeed hands the wrapped optimizer one flat fp32 tensor per group)
+    state, paged, _ = _optimizer(spec, [flat(shard_t)])
+    optimizer = 0 if offload_opt else DS_MASTER_BYTES * shard_t + state
+    paged = 0 if offload_opt else paged
     ipg = _ipg_buffers(ps, p, stage)
     detail = {"ipg_bucket_bytes": ipg}
     gathered = 0
@@ -149,14 +180,14 @@ def zero(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     # step: the flat grad partition is upcast to fp32 (`single_grad_partition ... .to(fp32)`,
     # stage3 `_prepare_fp32_grad_for_sub_group`), then the wrapped optimizer runs on it
     step = 0 if offload_opt else (DS_MASTER_BYTES * stepped
-                                  + step_temporary_bytes(spec.optimizer, policy, stepped))
+                                  + _optimizer(spec, [flat(stepped)])[2])
     detail.update(grad_partition_bytes=grad_store, fp32_partition_bytes=0 if offload_opt
                   else DS_MASTER_BYTES * shard_t)
     # ZeRO-1 grads are ordinary .grad tensors; stage 2/3 partition buffers exist from the first
     # reduction (stage 2) or from initialisation (stage 3): counted for the whole backward
     fixed = ipg + (0 if stage == 1 else grad_store)
     return RankStates(param=param, grad=grad_store + ipg, optimizer=optimizer, gathered=gathered,
-                      grad_fixed=fixed,
+                      grad_fixed=fixed, paged=paged,
                       step_temporary=step, detail=detail)
 
 
@@ -191,7 +222,8 @@ def fsdp(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     policy = POLICIES[spec.precision]
     m = policy.compute_bytes if ps.mp_param_dtype == "auto" else DTYPE_BYTES[ps.mp_param_dtype]
     r = m if ps.mp_reduce_dtype == "auto" else DTYPE_BYTES[ps.mp_reduce_dtype]
-    param = grad = opt = stepped = 0
+    param = grad = opt = 0
+    shards: list[Stepped] = []
     for t in mt.tensors:
         s = _pbytes(spec, t)
         k = fsdp_shard(t, n)
@@ -199,8 +231,8 @@ def fsdp(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
         if t.trainable:
             grad += s * k  # reduce output is cast back to the param's dtype (`_to_dtype_if_needed`)
             opt += policy.master_bytes * k
-            opt += state_bytes(spec.optimizer, policy, k, _ceil_div(t.dim0, n), flat=False)
-            stepped += k
+            # the optimizer steps the local shard (a DTensor's local tensor: dim 0 chunked)
+            shards.append(_stepped(spec, t, (_ceil_div(t.dim0, n), *_shape(t)[1:])))
     units = mt.units()
     root, _ = units.pop("root", (0, 0))
     largest, largest_t = max(units.values(), default=(0, 0))
@@ -214,9 +246,9 @@ def fsdp(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     # backward of one unit: unsharded grads (m) copied into the reduce-scatter input (r), whose
     # output shard (r / N) is then viewed as the sharded grads
     comm = largest_t * (m + r) + r * _ceil_div(largest_t, n)
-    temp = step_temporary_bytes(spec.optimizer, policy, stepped)
-    return RankStates(param=param, grad=grad, optimizer=opt, gathered=gathered, comm=comm,
-                      step_temporary=temp,
+    state, paged, temp = _optimizer(spec, shards)
+    return RankStates(param=param, grad=grad, optimizer=opt + state, gathered=gathered, comm=comm,
+                      step_temporary=temp, paged=paged,
                       detail={"unsharded_param_bytes": m * unsharded, "reduce_scatter_bytes": comm})
 
 

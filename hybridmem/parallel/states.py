@@ -31,6 +31,9 @@ class Tensor:
     """Gets a .grad and optimizer state."""
     unit: str
     """FSDP unit / ZeRO-3 fetch unit: the layer's name for repeated layers, else 'root'."""
+    shape: tuple[int, ...] = ()
+    """Full shape (the optimizer rules' layouts depend on it, e.g. Adafactor's factoring);
+    () = 1-D of `numel`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +68,13 @@ def model_tensors(spec: TrainingSpec) -> ModelTensors:
         unit = f"{module}.{layer.name}" if layer.kind in UNIT_KINDS else "root"
         base_trains = layer.gets_grads
         for p in layer.params:
-            tensors.append(Tensor(p.numel, p.shape[0], p.itemsize, base_trains, unit))
+            tensors.append(Tensor(p.numel, p.shape[0], p.itemsize, base_trains, unit,
+                                  tuple(p.shape)))
         for p in layer.lora:
             # PEFT adapters train whenever their layer is on the gradient path (LoRA-FA's
             # frozen lora_A never)
             tensors.append(Tensor(p.numel, p.shape[0], p.itemsize,
-                                  layer.on_grad_path and layer.runs and not p.frozen, unit))
+                                  layer.on_grad_path and layer.runs and not p.frozen, unit,
+                                  tuple(p.shape)))
         buffers += sum(b.numel * (b.itemsize or 4) for b in layer.buffers)
     return ModelTensors(tuple(tensors), buffers)

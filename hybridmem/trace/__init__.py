@@ -21,6 +21,7 @@ from hybridmem.analytic.reserved import (
 )
 from hybridmem.categories import CATEGORIES
 from hybridmem.gpus import GPU
+from hybridmem.job.optimizers import paged_notes
 from hybridmem.models import build_graph, load_config
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.spec import TrainingSpec
@@ -113,8 +114,8 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
     reserved = max(result.peak_reserved, allocated)
     breakdown = {c: result.breakdown.get(c, 0) for c in CATEGORIES}
     breakdown["fragmentation"] = reserved - allocated
-    breakdown["context"] = CONTEXT_BYTES
-    notes = list(result.notes) + [
+    breakdown["context"] = CONTEXT_BYTES + result.paged  # paged state: Prediction.paged_bytes
+    notes = list(result.notes) + list(paged_notes(result.paged)) + [
         f"context: {CONTEXT_BYTES} bytes (hybridmem.analytic.overheads.CONTEXT_BYTES)"]
     notes += [f"known limitation: {x}" for x in KNOWN_LIMITATIONS]
     notes += capacity_notes(result.allocator, allocated, capacity_source(gpu)
@@ -129,8 +130,8 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
         model=spec.model, method="trace", params_total=result.params_total,
         params_trainable=result.params_trainable,
         peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
-                  device_bytes=reserved + CONTEXT_BYTES, phase=result.peak_phase,
+                  device_bytes=reserved + CONTEXT_BYTES + result.paged, phase=result.peak_phase,
                   iteration=result.peak_iteration),
-        breakdown=breakdown,
+        breakdown=breakdown, paged_bytes=result.paged,
         modules=tuple(result.modules),
         notes=tuple(notes), extras=extras)

@@ -9,7 +9,7 @@ import numpy as np
 from hybridmem.categories import TENSOR_CATEGORIES
 from hybridmem.models.build import part_of
 from hybridmem.prediction import ModuleMemory
-from hybridmem.trace.tracker import Storage, StorageTracker, round_size
+from hybridmem.trace.tracker import OFF_ALLOCATOR, Storage, StorageTracker, round_size
 
 TIMELINE_POINTS = 2000  # max points kept in a timeline (max per bucket, so peaks survive)
 
@@ -52,6 +52,8 @@ class TraceResult:
     empty_cache_at: list[int] = field(default_factory=list)
     """Index in `events` before which `torch.cuda.empty_cache()` ran (`spec.empty_cache_at`)."""
     notes: list[str] = field(default_factory=list)
+    paged: int = 0
+    """Optimizer state in unified memory (bitsandbytes paged), raw bytes, off the allocator."""
 
     def replay_events(self) -> list[tuple[str, int, int]]:
         """`events` with ("empty_cache", 0, 0) inserted at `empty_cache_at`: the stream the
@@ -78,7 +80,8 @@ def device_positions(tracker: StorageTracker) -> np.ndarray:
     """Index in `tracker.events` of each event a CUDA device would see (host storages dropped)."""
     st = tracker.storages
     return np.array([j for j, e in enumerate(tracker.events)
-                     if st[e if e >= 0 else ~e].category != "host"], dtype=np.int64)
+                     if st[e if e >= 0 else ~e].category not in OFF_ALLOCATOR],
+                    dtype=np.int64)
 
 
 def device_events(tracker: StorageTracker, where: np.ndarray) -> list[tuple[str, int, int]]:
@@ -141,7 +144,7 @@ def summarize(tracker: StorageTracker, job) -> TraceResult:
     curve = full[where]  # host storages count 0 there
     peak_index = int(np.argmax(curve))
     at = int(where[peak_index])  # the peak's index in tracker.events
-    live = [s for s in tracker.live_at(at) if s.category != "host"]
+    live = [s for s in tracker.live_at(at) if s.category not in OFF_ALLOCATOR]
     breakdown = {c: 0 for c in (*TENSOR_CATEGORIES, "workspace")}
     by_phase: dict[str, int] = {}
     by_part: dict[str, int] = {}
@@ -164,6 +167,8 @@ def summarize(tracker: StorageTracker, job) -> TraceResult:
         # phase marks re-indexed onto the device event stream
         marks=[(int(np.searchsorted(where, m)), p, i) for m, p, i in tracker.marks],
         empty_cache_at=[int(np.searchsorted(where, k)) for k in tracker.empty_caches],
+        # unified-memory state, raw bytes (made in the first step, alive to the end)
+        paged=sum(s.nbytes for s in tracker.storages if s.category == "paged"),
         after_step_allocated=(int(full[job.after_step[-1]])
                               if getattr(job, "after_step", None) else None),
         notes=list(getattr(job, "notes", ())))

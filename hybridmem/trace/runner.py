@@ -28,7 +28,13 @@ from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
 from hybridmem.models.loader import is_analytic
 from hybridmem.trace.inputs import batch_notes, make_batch
-from hybridmem.trace.optimizers import fused_on_meta, host_state_keys, make_lorafa, make_optimizer
+from hybridmem.trace.optimizers import (
+    fused_on_meta,
+    host_state_keys,
+    make_lorafa,
+    make_optimizer,
+    paged_tensors,
+)
 from hybridmem.trace.tracker import StorageTracker
 
 ITERATIONS = 2  # optimizer state appears in the first step; the second shows the steady peak
@@ -156,13 +162,15 @@ def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker,
         tracker.empty_cache()
     for t in getattr(job.optimizer, "qmaps", ()):
         tracker.label(t, "optimizer")
-    host = host_state_keys(job.optimizer)
+    host = host_state_keys(spec.optimizer)
+    paged = {id(t) for t in paged_tensors(job.optimizer)}  # unified memory, off the allocator
     parts = {id(p): part_of(n) for n, p in job.trainable}
     parts.update({id(m): parts[id(p)] for m, (_, p) in zip(job.masters, job.trainable)})
     for param, state in job.optimizer.state.items():
         for key, t in state.items():
             if isinstance(t, torch.Tensor):
-                tracker.label(t, "host" if key in host else "optimizer",  # LoRA-FA: by name
+                kind = "host" if key in host else "paged" if id(t) in paged else "optimizer"
+                tracker.label(t, kind,  # LoRA-FA: by name
                               part_of(param) if isinstance(param, str) else parts.get(id(param)))
     job.optimizer.zero_grad(set_to_none=True)
     for m, (_, p) in zip(job.masters, job.trainable):

@@ -23,8 +23,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hybridmem.allocator.config import K_MIN_BLOCK_SIZE
 
 # Label precedence: a storage that is both saved for backward and a parameter is a parameter.
-RANK = {"param": 5, "workspace": 5, "host": 6, "grad": 4, "optimizer": 3, "activation": 2,
+RANK = {"param": 5, "workspace": 5, "host": 6, "paged": 6, "grad": 4, "optimizer": 3,
+        "activation": 2,
         "temporary": 0}
+
+
+# Labels of storages that CUDA would not place through PyTorch's caching allocator: host-side
+# scalars, and bitsandbytes' paged state (cudaMallocManaged, `job.optimizers.Bnb`)
+OFF_ALLOCATOR: frozenset[str] = frozenset({"host", "paged"})
 
 
 def round_size(nbytes: int) -> int:
@@ -156,9 +162,9 @@ class StorageTracker(TorchDispatchMode):
 
     # -- results ---------------------------------------------------------------------------
     def live_curve(self, device_only: bool = True, rounded: bool = True) -> np.ndarray:
-        """Allocated bytes (512-rounded; host-only storages excluded) after each event."""
+        """Allocated bytes (512-rounded; storages off the allocator excluded) after each event."""
         size = round_size if rounded else int
-        sizes = np.array([0 if device_only and s.category == "host" else size(s.nbytes)
+        sizes = np.array([0 if device_only and s.category in OFF_ALLOCATOR else size(s.nbytes)
                           for s in self.storages], dtype=np.int64)
         ev = np.asarray(self.events, dtype=np.int64)
         born = ev >= 0
