@@ -193,7 +193,10 @@ def host_state_keys(opt: Optimizer) -> tuple[str, ...]:
     torch/optim/adam(w).py `_init_group`: `step` is a CPU scalar unless `capturable` or
     `fused` (`torch.tensor(0.0, dtype=_get_scalar_dtype())` with no device). Adafactor
     likewise keeps `step` on the host (torch/optim/_adafactor.py `_init_group`).
+    Optimizer-in-backward's per-parameter optimizers (`job.optim_in_backward.InBackward`) share
+    one class and settings: the first answers for all.
     """
+    opt = getattr(opt, "first", opt)
     if isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
         group = opt.param_groups[0]
         return () if (group.get("fused") or group.get("capturable")) else ("step",)
