@@ -226,20 +226,25 @@ def _backward_stepping(w: _Walk, steps: list[Step], act: int) -> None:
         if not s.on_path:  # no backward runs through it: its params get no grad, no step
             continue
         state += s.state
+        before = pending  # the lm_head's own tied grad appears at the end of its backward
         pending += max(s.tie, 0)
         recompute = s.acts.saved if s.ckpt else 0
         extra = state if w.iteration == 0 else 0
         flowing = s.acts.ckpt_saved  # the hidden-state grad passed on (decoder/encoder layer)
         after = act - (s.kept - s.released_at_forward_end)
+        # a tied lm_head's weight grad is not stepped here: it is the `pending` buffer
+        tied_head = s.tie > 0 and sum(s.grad_max) <= s.tie
         stages = ([(s.acts.bwd_mlp, s.grad_max[0], act + recompute,
                     act + recompute - s.acts.mlp_saved),
                    (s.acts.bwd_extra, s.grad_max[1], act + recompute - s.acts.mlp_saved, after)]
                   if s.acts.bwd_mlp else
-                  [(s.acts.bwd_extra, max(s.grad_max), act + recompute, after)])
+                  [(s.acts.bwd_extra, 0 if tied_head else max(s.grad_max), act + recompute,
+                    after)])
         for transient, grad, during, done in stages:
-            w.point("backward", during, transient, grad + pending, 0, extra_opt=extra,
+            w.point("backward", during, transient, grad + before, 0, extra_opt=extra,
                     state=False)
-            if grad:
+            before = pending
+            if grad or s.tie > 0:
                 w.point("backward", done, flowing + s.step_temp, grad + pending, 0,
                         extra_opt=extra, state=False)
         if s.tie < 0:
