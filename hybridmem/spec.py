@@ -166,6 +166,9 @@ class TrainingSpec:
     empty_cache_steps: int = 0
     """`torch.cuda.empty_cache()` every N optimizer steps, where the loop calls it
     (`empty_cache_at`); 0 = never (Trainer's `torch_empty_cache_steps=None`)."""
+    optimizer_in_backward: bool = False
+    """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
+    `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
     peft_config: str | None = None
     """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
     `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
@@ -220,6 +223,10 @@ class TrainingSpec:
                 or self.empty_cache_steps < 0:
             raise SpecError("empty_cache_steps", self.empty_cache_steps,
                             reason="must be a non-negative integer (0 = never)")
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise SpecError("optimizer_in_backward", self.optimizer_in_backward, [True, False])
+        from hybridmem.job import optim_in_backward  # its clashes, stated once there
+        optim_in_backward.check(self)
         if self.train == "peft" and not self.peft_config:
             raise SpecError("peft_config", self.peft_config,
                             reason="train='peft' needs a PEFT adapter config (--peft-config FILE)")
@@ -272,6 +279,7 @@ class TrainingSpec:
 ADDED_DEFAULTS: dict[str, object] = {
     "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1, "peft_config": None,
     "empty_cache_steps": 0, "grad_ckpt_policy": "full",
+    "optimizer_in_backward": False,
     "use_dora": False, "use_rslora": False, "modules_to_save": (),
 }
 

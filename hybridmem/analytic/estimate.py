@@ -169,7 +169,10 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
         step = Step(acts=acts, ckpt=ckpt, grad=grad, grad_waste=waste,
                     grad_mlp=_mlp_grads(layer, policy) if graded else (0, 0),
                     on_path=layer.on_grad_path,
-                    grad_max=_grad_max(layer, policy, tied_w) if graded else (0, 0), tie=tie)
+                    grad_max=_grad_max(layer, policy, tied_w) if graded else (0, 0), tie=tie,
+                    state=st.optimizer - st.master,
+                    step_temp=max((optimizer_temporary(spec.optimizer, [x]) for x in st.stepped),
+                                  default=0))
         out.append(Priced(mname, layer, st, step))
     return out
 
@@ -283,7 +286,8 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
         workspace_first=ws, workspace=CUBLAS_HANDLES_TRAINING * ws,
         waste_param=sum(p.states.waste_param for p in priced),
         waste_optimizer=sum(p.states.waste_optimizer for p in priced),
-        master_grads=_master_grads(priced, spec), **_loop(graph, spec, stepped))
+        master_grads=_master_grads(priced, spec), in_backward=spec.optimizer_in_backward,
+        **_loop(graph, spec, stepped))
     return graph, priced, st
 
 

@@ -38,7 +38,7 @@ through the same simulator: experiments/analytic_vs_trace.py.
 from __future__ import annotations
 
 from hybridmem.analytic.alloc import t
-from hybridmem.analytic.states import foreach_norm_scratch, state_bytes
+from hybridmem.analytic.states import foreach_norm_scratch, optimizer_temporary, state_bytes
 from hybridmem.job.optimizers import rule
 from hybridmem.spec import POLICIES, TrainingSpec, empty_cache_at
 
@@ -191,7 +191,8 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
             if it == 0 and micro == 0:
                 s.alloc(statics.workspace - statics.workspace_first)
             if micro == 0:
-                _backward(s, priced, policy, saved, kept, grads)
+                step = _stepper(s, priced, spec.optimizer, it) if statics.in_backward else None
+                _backward(s, priced, policy, saved, kept, grads, step)
             else:
                 _accumulating_backward(s, priced, policy, saved, kept)
             output += s.allocs([statics.loss])  # the loss outlives backward with the output
@@ -203,14 +204,15 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
                 grads[i] = new
         if statics.clip_temp:
             _clip_temporaries(s, stepped)
-        if it == 0:
+        if it == 0 and not statics.in_backward:
             for x in stepped:
                 s.allocs(state_bytes(x, spec.optimizer))
-        _optimizer_temporaries(s, spec.optimizer, stepped)
+        if not statics.in_backward:  # optimizer-in-backward: the hooks stepped already
+            _optimizer_temporaries(s, spec.optimizer, stepped)
         if where == "after_step":  # the peft benchmark: after the step, grads still alive
             s.empty_cache()
         for g in grads:  # zero_grad(set_to_none=True)
-            s.free(g)
+            s.free([k for k in g if k is not None])
         grads = [[] for _ in priced]
     return s.events
 
@@ -247,8 +249,29 @@ def _forward(s: Stream, priced, statics, amp: bool):
     return saved, kept, output
 
 
-def _backward(s: Stream, priced, policy, saved, kept, grads) -> None:
-    """The first micro-step's backward: grads allocated as they are produced."""
+def _stepper(s: Stream, priced, optimizer: str, iteration: int):
+    """Optimizer-in-backward (`hybridmem.job.optim_in_backward`): `step(i, keys)` steps the
+    layer's parameters whose grads `keys` were just made, one at a time: its state (iteration 0,
+    made by the first step), one parameter's temporaries, then `zero_grad` frees the grad."""
+    made: set[int] = set()
+
+    def step(i: int, keys: list[int]) -> None:
+        stepped = priced[i].states.stepped
+        if iteration == 0 and i not in made:
+            made.add(i)
+            for x in stepped:
+                s.allocs(state_bytes(x, optimizer))
+        for k in keys:
+            s.free(s.allocs([max((optimizer_temporary(optimizer, [x]) for x in stepped),
+                                 default=0)]))
+            s.free([k])
+
+    return step
+
+
+def _backward(s: Stream, priced, policy, saved, kept, grads, step=None) -> None:
+    """The first micro-step's backward: grads allocated as they are produced; `step`
+    (optimizer-in-backward, `_stepper`) steps and frees them as they are made."""
     tied = None
     for i in reversed(range(len(priced))):
         p = priced[i]
@@ -263,18 +286,28 @@ def _backward(s: Stream, priced, policy, saved, kept, grads) -> None:
         if a.bwd_mlp:
             tmp = s.allocs(split(a.bwd_mlp, a.bwd_mlp_parts, unit))
             grads[i] = s.allocs(mlp_g)
+            if step is not None:
+                step(i, grads[i])
+                grads[i] = []
             s.free(tmp)
             _free_mlp_saved(s, saved[i], a.mlp_saved)
         else:
             rest_g = mlp_g + rest_g
         tmp = s.allocs(split(a.bwd_extra, a.bwd_parts, unit))
-        grads[i] += s.allocs(rest_g)
+        new_g = s.allocs(rest_g)
+        grads[i] += new_g
         if tie > 0:
             tied = (i, len(grads[i]) - 1)
         elif tie < 0 and tied is not None:  # the tied grad: old + new, then old freed
             new = s.alloc(-tie)
             s.free([grads[tied[0]][tied[1]]])
             grads[tied[0]][tied[1]] = new
+            if step is not None:  # the tied weight is stepped once, here
+                step(i, [new])
+                grads[tied[0]][tied[1]] = None
+        if step is not None:  # a tied lm_head grad waits in autograd's buffer (not stepped)
+            step(i, new_g[:-1] if tie > 0 else new_g)
+            grads[i] = grads[i][-1:] if tie > 0 else []
         s.free(tmp)
         s.free(saved[i])
         s.free(kept[i])

@@ -48,6 +48,10 @@ class Step:
     micro-step's backward."""
     tie: int = 0
     """Tied embeddings: +bytes of the shared weight's grad at lm_head, - at the embedding."""
+    state: int = 0
+    """Optimizer state of this layer's parameters (created lazily by their first step)."""
+    step_temp: int = 0
+    """Largest temporary of one parameter's step (optimizer-in-backward steps one at a time)."""
 
     @property
     def held_by_output(self) -> int:
@@ -113,6 +117,9 @@ class Statics:
     grad_accum: int = 1
     clip_temp: int = 0
     """Peak of `clip_grad_norm_`'s temporaries (0: no clipping)."""
+    in_backward: bool = False
+    """Optimizer-in-backward (`hybridmem.job.optim_in_backward`): each parameter is stepped
+    and its grad freed inside backward; the optimizer phase steps nothing."""
 
 
 @dataclass
@@ -144,6 +151,10 @@ def walk(steps: list[Step], st: Statics, iterations: int = 2) -> list[Point]:
             acc = total if (micro > 0) else None
             output = _micro_step(w, steps, st, output, acc)
         grad, grad_waste = total
+        if st.in_backward:  # the hooks stepped every parameter and freed its grad already
+            w.point("optimizer", st.inputs + output + st.loss, 0, 0, 0)
+            points += w.points
+            continue
         if st.clip_temp:  # clip_grad_norm_: before the step creates the state
             w.point("optimizer", st.inputs + output + st.loss, st.clip_temp,
                     0 if st.master_grads else grad, grad_waste, extra_opt=st.master_grads,
@@ -168,6 +179,9 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
     if st.custom:  # the new output object keeps its tensors; the previous one dies now
         output = st.logits + sum(s.held_by_output for s in steps)
         act += output - before_out - (st.loss if before_out else 0)
+    if st.in_backward:
+        _backward_stepping(w, steps, act)
+        return output
     grad, grad_waste = acc or (0, 0)
     pending = 0  # a tied weight's lm_head grad in autograd's input buffer
     for s in reversed(steps):  # backward
@@ -195,6 +209,47 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
             pending = 0
         act -= s.kept - s.released_at_forward_end
     return output
+
+
+def _backward_stepping(w: _Walk, steps: list[Step], act: int) -> None:
+    """Backward under optimizer-in-backward. Per stage of a layer: its backward transients
+    with the grad in flight (the stage's largest), then that parameter's step: autograd runs
+    a parameter's AccumulateGrad node (and so its post-accumulate-grad hook) after the node
+    that made the grad, which has released its saved tensors by then (the stage's saved
+    tensors are gone; the grad flowing on, one hidden-state tensor, is alive) with one
+    parameter's step temporaries. Iteration 0 creates the state layer by layer (last layer
+    first), later iterations hold all of it. A tied weight's lm_head grad waits in autograd's
+    input buffer until the embedding's backward."""
+    state = 0  # state created so far in iteration 0 (the `later` flag covers iteration > 0)
+    pending = 0
+    for s in reversed(steps):
+        if not s.on_path:  # no backward runs through it: its params get no grad, no step
+            continue
+        state += s.state
+        before = pending  # the lm_head's own tied grad appears at the end of its backward
+        pending += max(s.tie, 0)
+        recompute = s.acts.saved if s.ckpt else 0
+        extra = state if w.iteration == 0 else 0
+        flowing = s.acts.ckpt_saved  # the hidden-state grad passed on (decoder/encoder layer)
+        after = act - (s.kept - s.released_at_forward_end)
+        # a tied lm_head's weight grad is not stepped here: it is the `pending` buffer
+        tied_head = s.tie > 0 and sum(s.grad_max) <= s.tie
+        stages = ([(s.acts.bwd_mlp, s.grad_max[0], act + recompute,
+                    act + recompute - s.acts.mlp_saved),
+                   (s.acts.bwd_extra, s.grad_max[1], act + recompute - s.acts.mlp_saved, after)]
+                  if s.acts.bwd_mlp else
+                  [(s.acts.bwd_extra, 0 if tied_head else max(s.grad_max), act + recompute,
+                    after)])
+        for transient, grad, during, done in stages:
+            w.point("backward", during, transient, grad + before, 0, extra_opt=extra,
+                    state=False)
+            before = pending
+            if grad or s.tie > 0:
+                w.point("backward", done, flowing + s.step_temp, grad + pending, 0,
+                        extra_opt=extra, state=False)
+        if s.tie < 0:
+            pending = 0
+        act = after
 
 
 def peak(points: list[Point]) -> Point:

@@ -95,6 +95,7 @@ def spec_columns(item: SweepItem) -> dict:
         "strategy": spec.parallel.strategy, "loop": spec.loop,
         "max_grad_norm": float(spec.max_grad_norm), "grad_accum": spec.grad_accum,
         "empty_cache_steps": spec.empty_cache_steps, "grad_ckpt_policy": spec.grad_ckpt_policy,
+        "optimizer_in_backward": spec.optimizer_in_backward,
     }
 
 

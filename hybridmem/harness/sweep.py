@@ -54,6 +54,7 @@ AXES: dict[str, list] = {
     "max_grad_norm": [0.0],  # clip_grad_norm_ before the step; 0 = off
     "grad_accum": [1],  # micro-steps per optimizer step
     "empty_cache_steps": [0],  # torch.cuda.empty_cache() every N steps (spec.empty_cache_at); 0 = never
+    "optimizer_in_backward": [False],  # step per parameter in backward (job.optim_in_backward)
 }
 BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority",
                                "parallel") + tuple(AXES)
@@ -62,7 +63,8 @@ PARALLEL_AXES = ("world_size", "strategy")
 SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
 SPEC_AXES = ("micro_batch", "seq_len", "images_per_sample", "precision", "optimizer", "train",
-             "attn", "grad_ckpt", "loop", "max_grad_norm", "grad_accum", "empty_cache_steps")
+             "attn", "grad_ckpt", "loop", "max_grad_norm", "grad_accum", "empty_cache_steps",
+             "optimizer_in_backward")
 """Axes that are `TrainingSpec` fields of the same name (validated by the spec itself)."""
 
 
@@ -190,7 +192,8 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         lora=LoraSpec(r=combo["lora_r"], alpha=2.0 * combo["lora_r"]) if train == "lora" else None,
         attn=combo["attn"], grad_ckpt=combo["grad_ckpt"], loop=combo["loop"],
         max_grad_norm=float(combo["max_grad_norm"]), grad_accum=combo["grad_accum"],
-        empty_cache_steps=combo["empty_cache_steps"], parallel=_parallel(combo, knobs or {}, where))
+        empty_cache_steps=combo["empty_cache_steps"],
+        optimizer_in_backward=combo["optimizer_in_backward"], parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
     runnable = spec.with_(model=_materialize(cfg))
     tokens = _image_tokens(runnable)

@@ -50,7 +50,7 @@ FSDP_OPTIONS: dict[str, dict] = {
 }
 SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
              "optimizer", "grad_ckpt", "grad_ckpt_policy", "train", "attn", "loop", "max_grad_norm", "grad_accum",
-             "empty_cache_steps")
+             "empty_cache_steps", "optimizer_in_backward")
 # TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
 HF_DEFAULT_MAX_GRAD_NORM = 1.0
 LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}

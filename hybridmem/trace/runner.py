@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hybridmem.errors import SpecError
 from hybridmem.job.checkpointing import enable_checkpointing
+from hybridmem.job import optim_in_backward
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
@@ -84,7 +85,13 @@ def prepare(spec: TrainingSpec, config) -> Job:
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in trainable]
     masters = _master_copies(params) if spec.precision == "bf16-master" else []
-    optimizer = lorafa if lorafa is not None else make_optimizer(spec.optimizer, masters or params)
+    if spec.optimizer_in_backward:  # one optimizer per parameter, stepped in its grad hook
+        optimizer = optim_in_backward.make(masters or params,
+                                           lambda ps: make_optimizer(spec.optimizer, ps),
+                                           step=_stepped_as_on_cuda)
+    else:
+        optimizer = lorafa if lorafa is not None else make_optimizer(spec.optimizer,
+                                                                     masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
     job = Job(model, optimizer, batch, trainable, masters, image_tokens)
@@ -133,6 +140,33 @@ def _fake_item():
         yield
     finally:
         torch.Tensor.item = item
+
+
+def _stepped_as_on_cuda(optimizer) -> None:
+    """`optimizer.step()` with `.item()` answered as on a device (`_fake_item`)."""
+    with _fake_item():
+        optimizer.step()
+
+
+def _label_in_backward(job: Job, spec: TrainingSpec, tracker: StorageTracker) -> None:
+    """Optimizer-in-backward: the hooks step and free each grad inside backward, so the grad
+    and the state it creates are labelled there (the loop's labels after backward and after
+    the step would find no grad and the state already made)."""
+    parts = {id(p): part_of(n) for n, p in job.trainable}
+    host = host_state_keys(spec.optimizer)
+
+    def before(param) -> None:
+        tracker.label(param.grad, "grad", parts.get(id(param)))
+        job.grad_bytes[id(param)] = param.grad.untyped_storage().nbytes()
+
+    def after(param, opt) -> None:
+        paged = {id(t) for t in paged_tensors(opt)}  # unified memory, off the allocator
+        for key, t in opt.state[param].items():
+            if isinstance(t, torch.Tensor):
+                kind = "host" if key in host else "paged" if id(t) in paged else "optimizer"
+                tracker.label(t, kind, parts.get(id(param)))
+
+    job.optimizer.before_step, job.optimizer.on_step = before, after
 
 
 def _optimizer_step(job: Job, spec: TrainingSpec, tracker: StorageTracker,
@@ -230,6 +264,8 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
     `spec.empty_cache_steps` > 0 marks `torch.cuda.empty_cache()` where `empty_cache_at`
     places it (after each forward of the iteration, or after its optimizer step).
     """
+    if isinstance(job.optimizer, optim_in_backward.InBackward):
+        _label_in_backward(job, spec, tracker)
     for it in range(iterations):
         where = empty_cache_at(spec, it)
         for micro in range(spec.grad_accum):
