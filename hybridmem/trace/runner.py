@@ -28,6 +28,7 @@ from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
 from hybridmem.models.loader import is_analytic
 from hybridmem.trace.inputs import batch_notes, make_batch
 from hybridmem.trace.optimizers import fused_on_meta, host_state_keys, make_lorafa, make_optimizer
+from hybridmem.trace.quantized import quant_state_tensors
 from hybridmem.trace.tracker import StorageTracker
 
 ITERATIONS = 2  # optimizer state appears in the first step; the second shows the steady peak
@@ -67,6 +68,7 @@ def prepare(spec: TrainingSpec, config) -> Job:
     """Model, frozen parts, LoRA, checkpointing, optimizer and batch, as for a CUDA run."""
     model = build.build_model(spec, config)
     build.freeze(model, spec)
+    build.quantize(model, spec)  # --quantize: bitsandbytes Linears, peft's kbit-training casts
     spec = build.lora_targets_for(model, spec, config)  # the default's meaning for this family
     if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
         model = build.add_adapters(model, spec)
@@ -294,6 +296,8 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
                 tracker.label(p, "param", part_of(name))
             for name, b in job.model.named_buffers():
                 tracker.label(b, "param", part_of(name))
+            for name, q in quant_state_tensors(job.model):  # real bnb layers' QuantState
+                tracker.label(q, "param", part_of(name))
             for m, (name, _) in zip(job.masters, job.trainable):
                 tracker.label(m, "optimizer", part_of(name))
             for t in job.batch.values():
