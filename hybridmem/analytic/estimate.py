@@ -248,6 +248,12 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
     if spec.precision == "bf16-master":
         notes.append("bf16-master: fp32 master weights + fp32 state; DeepSpeed's extra fp32 "
                      "gradient buffers are not counted")
+    quant = quant_of(spec)
+    if quant is not None:
+        notes.append(f"quantize {quant.method}: bitsandbytes weights on every Linear but "
+                     f"{', '.join(quant.skip) or 'none'} (docs/quantize.md); dequantised "
+                     "weight as a forward/backward temporary"
+                     + ("; kbit prep: unquantised params fp32" if quant.kbit_prep else ""))
     if spec.train == "lora":
         notes.append("LoRA adapters (fp32, PEFT default) on language-model linears only, as "
                      "LLaVA's finetune_lora recipe")

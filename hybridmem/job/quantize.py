@@ -195,3 +195,70 @@ def check(spec) -> None:
         raise SpecError("quantize", spec.quantize, ["none"],
                         reason=f"sharding quantised weights (strategy={spec.parallel.strategy!r}) "
                         "is not priced yet")
+
+
+def from_bnb_config(source, field: str = "quantization_config") -> dict:
+    """TrainingSpec fields from a BitsAndBytesConfig (a dict, or a JSON file / folder holding
+    config.json with a `quantization_config`), parsed by transformers' own
+    `BitsAndBytesConfig.from_dict` (its defaults: fp4, no double quant, float32 compute, uint8
+    storage; its type checks). Anything but bitsandbytes, or a file it refuses, is one line."""
+    import json
+    import os
+
+    if not isinstance(source, dict):
+        from hybridmem.models.loader import read_json_object
+
+        path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+        source = read_json_object(path, field)
+        if "quantization_config" in source and "load_in_4bit" not in source \
+                and "_load_in_4bit" not in source:
+            source = source["quantization_config"]  # a model config.json
+    data = json.loads(json.dumps(source))
+    method = str(data.get("quant_method", "bitsandbytes"))
+    if method != "bitsandbytes":
+        raise SpecError(f"{field}.quant_method", method, ["bitsandbytes"],
+                        reason="only bitsandbytes quantisation is priced")
+    for key in ("load_in_4bit", "load_in_8bit"):  # to_dict() writes both spellings
+        if f"_{key}" in data:
+            data.setdefault(key, data.pop(f"_{key}"))
+    if data.get("load_in_4bit") and data.get("load_in_8bit"):
+        raise SpecError(f"{field}.load_in_8bit", True,
+                        reason="load_in_4bit and load_in_8bit cannot both be true "
+                        "(BitsAndBytesConfig refuses it)")
+    from transformers import BitsAndBytesConfig
+
+    try:
+        cfg = BitsAndBytesConfig.from_dict(data)
+    except (TypeError, ValueError) as err:
+        raise SpecError(field, source if isinstance(source, str) else "{...}",
+                        reason=" ".join(str(err).split())[:200]) from None
+    if not (cfg.load_in_4bit or cfg.load_in_8bit):
+        raise SpecError(f"{field}.load_in_4bit", False, reason="neither load_in_4bit nor "
+                        "load_in_8bit is set: nothing is quantised")
+    if cfg.load_in_8bit:
+        out = {"quantize": "int8"}
+    else:
+        if cfg.bnb_4bit_quant_type not in FOUR_BIT:
+            raise SpecError(f"{field}.bnb_4bit_quant_type", cfg.bnb_4bit_quant_type, FOUR_BIT)
+        out = {"quantize": cfg.bnb_4bit_quant_type,
+               "quant_double_quant": bool(cfg.bnb_4bit_use_double_quant),
+               "quant_compute_dtype": str(cfg.bnb_4bit_compute_dtype).removeprefix("torch."),
+               "quant_storage": str(cfg.bnb_4bit_quant_storage).removeprefix("torch.")}
+    if cfg.llm_int8_skip_modules is not None:
+        out["quant_skip"] = tuple(cfg.llm_int8_skip_modules)
+    return out
+
+
+def bnb_kwargs(spec) -> dict:
+    """BitsAndBytesConfig keyword arguments that build the spec's quantisation for real (the
+    CUDA harness): the same knobs the tiers price."""
+    quant = quant_of(spec)
+    if quant is None:
+        return {}
+    skip = {} if spec.quant_skip is None else {"llm_int8_skip_modules": list(spec.quant_skip)}
+    if not quant.four_bit:
+        return {"load_in_8bit": True, **skip}
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": quant.method,
+            "bnb_4bit_use_double_quant": quant.double_quant,
+            "bnb_4bit_compute_dtype": quant.compute_dtype,
+            "bnb_4bit_quant_storage": spec.quant_storage, **skip}
