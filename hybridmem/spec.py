@@ -172,6 +172,22 @@ class TrainingSpec:
     peft_config: str | None = None
     """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
     `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
+    quantize: str = "none"
+    """Frozen base weights quantised with bitsandbytes: `none`, `nf4`, `fp4` (4-bit, QLoRA) or
+    `int8` (LLM.int8); rules in `hybridmem.job.quantize`. Needs train lora or peft."""
+    quant_double_quant: bool = True
+    """4-bit: `bnb_4bit_use_double_quant` (uint8 absmax + nested state; the QLoRA recipe's
+    choice; a BitsAndBytesConfig file without the key gets transformers' default False)."""
+    quant_compute_dtype: str | None = None
+    """4-bit `bnb_4bit_compute_dtype` (float32, bfloat16, float16); None: the precision's."""
+    quant_storage: str = "uint8"
+    """4-bit `bnb_4bit_quant_storage`: dtype of the packed weight tensor."""
+    quant_skip: tuple[str, ...] | None = None
+    """`llm_int8_skip_modules`: modules left unquantised; None: transformers' default
+    (lm_head). Given, it replaces the default (lm_head is then quantised unless listed)."""
+    kbit_prep: bool = True
+    """peft `prepare_model_for_kbit_training` applied (fp16/bf16 non-quantised params cast to
+    fp32); only read with `quantize`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -233,6 +249,11 @@ class TrainingSpec:
         if self.train != "peft" and self.peft_config is not None:
             raise SpecError("peft_config", "set",
                             reason=f"a non-LoRA PEFT config needs train='peft', not {self.train!r}")
+        if isinstance(self.quant_skip, list):
+            object.__setattr__(self, "quant_skip", tuple(self.quant_skip))
+        from hybridmem.job.quantize import check as check_quantize
+
+        check_quantize(self)
 
     def with_(self, **changes: object) -> "TrainingSpec":
         """A copy with some fields changed (validated again)."""
@@ -280,6 +301,8 @@ ADDED_DEFAULTS: dict[str, object] = {
     "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1, "peft_config": None,
     "empty_cache_steps": 0, "grad_ckpt_policy": "full",
     "optimizer_in_backward": False,
+    "quantize": "none", "quant_double_quant": True, "quant_compute_dtype": None,
+    "quant_storage": "uint8", "quant_skip": None, "kbit_prep": True,
     "use_dora": False, "use_rslora": False, "modules_to_save": (),
 }
 

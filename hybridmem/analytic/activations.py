@@ -55,6 +55,8 @@ class Ctx:
     dora: bool = False
     frozen_a: bool = False
     """lora_A has requires_grad=False (optimizer `lora-fa`)."""
+    quant: object = None
+    """`hybridmem.job.quantize.Quant` of a quantised base (`--quantize`), else None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,10 +211,12 @@ def linear_weights(layer: Layer) -> int:
 
 
 def amp_copies(layer: Layer, c: Ctx, active: bool, need_w: bool) -> tuple[int, int]:
-    """(saved, cached) bytes of bf16 weight copies under autocast."""
+    """(saved, cached) bytes of bf16 weight copies under autocast. A quantised weight has
+    none: bitsandbytes dequantises it inside its autograd.Function (`quant_transients`)."""
     if not c.amp or not active:
         return 0, 0
-    base = t(linear_weights(layer), 2) if layer.params else 0
+    quantized = sum(p.numel for p in layer.params if p.name in layer.quantized)
+    base = t(linear_weights(layer) - quantized, 2) if layer.params else 0
     lora = sum(t(p.numel, 2) for p in lora_matrices(layer))
     # autocast caches casts of leaf tensors that require grad only (`can_try_cache`): a frozen
     # lora_A's copy is saved by its matmul like a frozen base weight's, not cached
@@ -242,3 +246,46 @@ def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: 
         rows = -(-s // LSE_ALIGN_EFFICIENT) * LSE_ALIGN_EFFICIENT
     sv.add(b * heads * rows, FP32)  # logsumexp
     return 0
+
+
+def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int],
+                     lora: bool = False) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Tensors alive at the top of the largest quantised linear's (forward, MLP backward,
+    attention backward), from bitsandbytes `Linear4bit.forward` / `MatMul4Bit`
+    (`hybridmem.job.quantize`): forward `x.to(compute)` (when the input differs), the dequantised
+    weight (`Quant.dequant`), the matmul output in the compute dtype and its cast back to the
+    input dtype (PEFT's LoRA wrapper then clones it: peft/tuners/lora/bnb.py "defensively
+    clone"); backward the grad cast to the compute dtype, the weight dequantised again, grad_A
+    and its cast back. `in_bytes`: linear name -> itemsize of its input (= of its output)."""
+    q = c.quant
+    if q is None or not layer.quantized:
+        return (), (), ()
+    best = {"fwd": (), "mlp": (), "attn": ()}
+
+    def keep(key: str, parts: list[int]) -> None:
+        if sum(parts) > sum(best[key]):
+            best[key] = tuple(parts)
+
+    for p in layer.params:
+        if p.name not in layer.quantized:
+            continue
+        n_out, n_in = p.shape
+        linear = p.name[: -len(".weight")].split(".")[-1]
+        ib = in_bytes.get(linear, c.stream)
+        cb = q.compute_bytes if q.four_bit else ib
+        if c.amp:
+            cb = c.e  # autocast runs F.linear / matmul in its dtype whatever compute_dtype says
+        deq = q.dequant(n_out, n_in, cb)
+        x_cast = [t(tokens * n_in, cb)] if cb != ib else []
+        out_cast = [t(tokens * n_out, ib)] if cb != ib else []
+        top = max((deq[i:i + 2] for i in range(len(deq))), key=sum)
+        fwd = x_cast + max([top, [deq[-1], t(tokens * n_out, cb)],
+                            [t(tokens * n_out, cb)] + out_cast
+                            + ([t(tokens * n_out, ib)] if lora else [])], key=sum)
+        keep("fwd", fwd)
+        g_cast = [t(tokens * n_out, cb)] if cb != ib else []
+        bwd = g_cast + max([top, [deq[-1], t(tokens * n_in, cb)],
+                            [t(tokens * n_in, cb)] + ([t(tokens * n_in, ib)] if cb != ib else [])],
+                           key=sum)
+        keep("mlp" if p.name.startswith("mlp.") else "attn", bwd)
+    return best["fwd"], best["mlp"], best["attn"]

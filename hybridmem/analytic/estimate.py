@@ -39,6 +39,7 @@ from hybridmem.categories import empty_breakdown
 from hybridmem.job.optimizers import paged_notes
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
+from hybridmem.job.quantize import quant_of
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -58,6 +59,12 @@ class Priced:
 def context(spec: TrainingSpec) -> A.Ctx:
     policy = POLICIES[spec.precision]
     amp = spec.precision.endswith("-mixed")
+    quant = quant_of(spec)
+    if quant is not None and quant.kbit_prep and policy.compute_bytes == 2 and not amp:
+        # prepare_model_for_kbit_training casts every unquantised param to fp32 and no autocast
+        # runs: embeddings, norms, attention and the adapters run in fp32; only the 4-bit
+        # matmuls run in their compute dtype (`quant_transients`)
+        policy = POLICIES["fp32"]
     if spec.attn == "flash_attention_2" and policy.compute_bytes == 4:
         raise SpecError("attn", spec.attn, [a for a in ATTENTIONS if a != spec.attn],
                         reason="FlashAttention-2 runs only in fp16/bf16, not precision='fp32'")
@@ -65,7 +72,7 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0,
                  lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt,
                  dora=bool(spec.lora and spec.lora.use_dora),
-                 frozen_a=spec.optimizer == "lora-fa")
+                 frozen_a=spec.optimizer == "lora-fa", quant=quant)
 
 
 # layer kind -> activation formula (need_in, need_w); kinds not listed keep nothing for
@@ -79,6 +86,19 @@ FORMULAS = {
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
+    acts = _formula_acts(layer, c, need_in, need_w, tied_grad, merged)
+    if layer.quantized and layer.kind != "decoder_layer" and layer.runs:
+        # vision tower / projector linears: the dequantised weight in their forward
+        d = layer.dims
+        tokens = d.get("n", d.get("b", 1)) * d.get("t", d.get("s", 1))
+        q_fwd, _, _ = A.quant_transients(layer, c, tokens, {})
+        if sum(q_fwd) > acts.fwd_extra:
+            acts = replace(acts, fwd_extra=sum(q_fwd), fwd_parts=q_fwd)
+    return acts
+
+
+def _formula_acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
+                  merged: bool) -> A.Acts:
     if layer.kind == "embedding":
         return TA.embedding(layer, c, need_in, need_w, tied_grad, merged)
     if layer.kind == "rotary":
@@ -114,6 +134,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
     """Every layer with its states, activations and flags, in forward order."""
     c = context(spec)
     policy = POLICIES[spec.precision]
+    quant = quant_of(spec)
     embed = next(l for m, l in graph.layers() if l.kind == "embedding")
     tied_w = graph.tied_embeddings and embed.gets_grads
     tied_grad = t(embed.num_params, policy.grad_bytes) if tied_w else 0
@@ -125,7 +146,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
     out = []
     ordinal = 0  # running count of checkpointable layers, as transformers counts them
     for mname, layer in graph.layers():
-        st = layer_states(layer, policy, spec.optimizer)
+        st = layer_states(layer, policy, spec.optimizer, quant)
         # a modules_to_save copy trains in place of the frozen original: its input is saved
         need_w = layer.gets_grads or (bool(layer.copies) and layer.runs)
         lora = bool(layer.lora) and layer.runs
@@ -231,6 +252,12 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
     if spec.precision == "bf16-master":
         notes.append("bf16-master: fp32 master weights + fp32 state; DeepSpeed's extra fp32 "
                      "gradient buffers are not counted")
+    quant = quant_of(spec)
+    if quant is not None:
+        notes.append(f"quantize {quant.method}: bitsandbytes weights on every Linear but "
+                     f"{', '.join(quant.skip) or 'none'} (docs/quantize.md); dequantised "
+                     "weight as a forward/backward temporary"
+                     + ("; kbit prep: unquantised params fp32" if quant.kbit_prep else ""))
     if spec.train == "lora":
         notes.append("LoRA adapters (fp32, PEFT default) on language-model linears only, as "
                      "LLaVA's finetune_lora recipe")

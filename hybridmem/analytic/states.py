@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from hybridmem.analytic.alloc import segment_waste, t
 from hybridmem.job.optimizers import Stepped, raw, rule
+from hybridmem.job.quantize import Quant
 from hybridmem.models.graph import Layer, ParamTensor
 from hybridmem.spec import PrecisionPolicy
 
@@ -111,12 +112,19 @@ def clip_temporary(stepped: list[Stepped]) -> int:
     return max(peak, outputs + stacked)
 
 
-def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str) -> LayerStates:
-    """Param / grad / optimizer bytes of one layer (base params, buffers, LoRA adapters)."""
+def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str,
+                 quant: Quant | None = None) -> LayerStates:
+    """Param / grad / optimizer bytes of one layer (base params, buffers, LoRA adapters);
+    `quant`: the layer's `quantized` weights are the tensors bitsandbytes keeps
+    (`hybridmem.job.quantize.Quant.weight_allocs`), each its own allocation."""
     base = [(p, _size(p, policy)) for p in layer.params]
     lora = [(p, _size(p, policy)) for p in layer.lora + layer.copies]
     buffers = [t(b.numel, _size(b, policy)) for b in layer.buffers]
-    params = [t(p.numel, sz) for p, sz in base + lora]
+    params = [t(p.numel, sz) for p, sz in base if p.name not in layer.quantized]
+    if layer.quantized:
+        params += [t(a.numel, a.itemsize) for p, _ in base if p.name in layer.quantized
+                   for a in quant.weight_allocs(*p.shape)]
+    params += [t(p.numel, sz) for p, sz in lora]
     with_grad = layer.grad_tensors
     grads = [t(p.numel, p.itemsize or policy.grad_bytes) for p in with_grad]
     stepped = []

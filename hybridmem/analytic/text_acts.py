@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybridmem.analytic.activations import (
     FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward,
-    dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs,
+    dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs, quant_transients,
 )
 from hybridmem.analytic.alloc import t
 from hybridmem.models.graph import Layer
@@ -46,7 +46,10 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     linear_inputs(sv, c, B * h, sb, 2, need_w, n_gu, shared=False)
     lora_outputs(sv, c, B, n_gu)
     dora_saved(sv, c, B, dora_linears(layer, ("gate_proj", "up_proj")), True)
-    sv.add(B * f, e, times=3)  # gate output (SiLU input), SiLU output, up output (mul operands)
+    # a quantised gate/up returns its input's dtype (bnb Linear4bit `.to(inp_dtype)`): the
+    # stream's, fp32 under autocast
+    mlp_e = sb if "mlp.gate_proj.weight" in layer.quantized else e
+    sv.add(B * f, mlp_e, times=3)  # gate output (SiLU input), SiLU output, up output (mul operands)
     linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
     lora_outputs(sv, c, B, n_down)
     dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
@@ -74,13 +77,17 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
     probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
+    q_fwd, q_mlp, q_attn = quant_transients(
+        layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora)
+    fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
-                bwd_extra=2 * t(B * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
-                bwd_mlp=t(B * h, sb) + mlp_bwd,
+                bwd_extra=2 * t(B * h, sb) + attn_bwd + sum(q_attn),
+                mlp_saved=sv.total - attn_part,
+                bwd_mlp=t(B * h, sb) + mlp_bwd + sum(q_mlp),
                 fwd_parts=fwd_parts,
-                bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts),
-                bwd_mlp_parts=(t(B * h, sb), t(B * f, e), t(B * f, e)))
+                bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts, *q_attn),
+                bwd_mlp_parts=(t(B * h, sb), t(B * f, e), t(B * f, e), *q_mlp))
 
 
 def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:

@@ -168,6 +168,56 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
     return batch
 
 
+def quantize_bnb(model: nn.Module, spec: TrainingSpec, device) -> int:
+    """Quantise the base weights for real with bitsandbytes, as transformers'
+    `replace_with_bnb_linear` + loading does (no hub download: the random weights in place):
+    every nn.Linear the rules convert (`hybridmem.job.quantize.Quant.converts`) becomes a
+    `bnb.nn.Linear4bit` / `Linear8bitLt` whose weight is quantised when moved to `device`
+    (`Params4bit.to` / `Int8Params.to` call `_quantize`); then peft's
+    `prepare_model_for_kbit_training(use_gradient_checkpointing=False)` when `kbit_prep`
+    (checkpointing is switched on by the caller, as for any spec). Returns the count."""
+    from hybridmem.job.quantize import quant_of
+
+    quant = quant_of(spec)
+    if quant is None:
+        return 0
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise Unavailable(f"quantize={spec.quantize!r} needs bitsandbytes, which is not "
+                          "installed") from err
+    compute = getattr(torch, quant.compute_dtype)
+    storage = getattr(torch, spec.quant_storage)
+    todo = [(n, m) for n, m in model.named_modules()
+            if type(m) is nn.Linear and quant.converts(n)]
+    for name, m in todo:
+        if quant.four_bit:
+            new = bnb.nn.Linear4bit(m.in_features, m.out_features, m.bias is not None, compute,
+                                    compress_statistics=quant.double_quant,
+                                    quant_type=quant.method, quant_storage=storage,
+                                    device="meta")
+            new.weight = bnb.nn.Params4bit(m.weight.data, requires_grad=False,
+                                           compress_statistics=quant.double_quant,
+                                           quant_type=quant.method, quant_storage=storage)
+        else:
+            # BitsAndBytesConfig defaults: llm_int8_threshold 6.0, has_fp16_weights False
+            new = bnb.nn.Linear8bitLt(m.in_features, m.out_features, m.bias is not None,
+                                      has_fp16_weights=False, threshold=6.0, device="meta")
+            new.weight = bnb.nn.Int8Params(m.weight.data, requires_grad=False,
+                                           has_fp16_weights=False)
+        new.bias = m.bias
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, new.to(device))
+        m.weight = None  # the unquantised weight is freed
+    model.is_loaded_in_4bit, model.is_loaded_in_8bit = quant.four_bit, not quant.four_bit
+    if quant.kbit_prep:
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return len(todo)
+
+
 def build_trainable(spec: TrainingSpec, config, device,
                     build_context=contextlib.nullcontext) -> nn.Module:
     """The model as it trains on one GPU: built (inside `build_context()`, e.g. DeepSpeed's
@@ -175,6 +225,7 @@ def build_trainable(spec: TrainingSpec, config, device,
     with build_context():
         model = build_model(spec, config, device)
     freeze(model, spec)
+    quantize_bnb(model, spec, device)  # --quantize: bitsandbytes for real (QLoRA)
     if spec.train in ("lora", "peft"):
         model = add_lora(model, spec)
     if spec.grad_ckpt:

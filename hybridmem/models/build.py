@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridmem.errors import SpecError
+from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.models.llava import ImageLayout, image_layout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
 from hybridmem.models.vision import tokens_per_crop, vision_layers
-from hybridmem.spec import LoraSpec, TrainingSpec
+from hybridmem.spec import POLICIES, LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
 # the projector; stage 2 (`llm+projector`) everything but the vision tower
@@ -200,6 +201,39 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
     return out
 
 
+# layer kinds whose 2-D `.weight`s are nn.Linear modules (embeddings, patch/position
+# embeddings are not: transformers' `replace_with_bnb_linear` converts nn.Linear only)
+LINEAR_KINDS = ("decoder_layer", "encoder_layer", "projector", "lm_head")
+
+
+def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
+    """Mark the Linear weights bitsandbytes quantises (`hybridmem.job.quantize`)."""
+    quant = quant_of(spec)
+    if quant is None:
+        return modules
+    out = []
+    for m in modules:
+        layers = []
+        for layer in m.layers:
+            names = tuple(
+                p.name for p in layer.params
+                if layer.kind in LINEAR_KINDS and p.name.endswith("weight") and len(p.shape) == 2
+                and quant.converts(".".join(x for x in (m.prefix, layer.scope,
+                                                        p.name[: -len(".weight")]
+                                                        if p.name != "weight" else "") if x)))
+            layer = replace(layer, quantized=names)
+            if quant.kbit_prep and POLICIES[spec.precision].param_bytes == 2:
+                # peft prepare_model_for_kbit_training: every fp16/bf16 parameter that is not
+                # quantised becomes fp32 (buffers stay); modules_to_save copies are made after
+                layer = replace(layer, params=tuple(
+                    p if p.name in names or p.itemsize is not None else replace(p, itemsize=4)
+                    for p in layer.params), copies=tuple(
+                    p if p.itemsize is not None else replace(p, itemsize=4) for p in layer.copies))
+            layers.append(layer)
+        out.append(replace(m, layers=tuple(layers)))
+    return out
+
+
 def build_graph(spec: TrainingSpec) -> ModelGraph:
     """Parse the spec's model config into modules -> layers with the spec's shapes."""
     name, cfg = light_config(spec.model)
@@ -224,7 +258,7 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)
     tc = getattr(cfg, "text_config", cfg)
-    modules = _apply_training(modules, spec, tc.vocab_size, tc.hidden_size)
+    modules = _quantize(_apply_training(modules, spec, tc.vocab_size, tc.hidden_size), spec)
     return ModelGraph(
         model=name, model_type=cfg.model_type, modules=tuple(modules),
         vocab_size=tc.vocab_size, text_hidden=tc.hidden_size, micro_batch=spec.micro_batch,

@@ -50,7 +50,7 @@ FSDP_OPTIONS: dict[str, dict] = {
 }
 SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
              "optimizer", "grad_ckpt", "grad_ckpt_policy", "train", "attn", "loop", "max_grad_norm", "grad_accum",
-             "empty_cache_steps", "optimizer_in_backward")
+             "empty_cache_steps", "optimizer_in_backward", "quantize", "kbit_prep")
 # TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
 HF_DEFAULT_MAX_GRAD_NORM = 1.0
 LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
@@ -346,8 +346,9 @@ def _layer_overrides(overrides: dict) -> dict:
             lora.update({f.name: getattr(adapter["lora"], f.name) for f in fields(LoraSpec)})
         else:
             spec["peft_config"] = adapter["peft_config"]
+    spec.update(_quantization(overrides))
     for key, value in overrides.items():
-        if value is None or key == "peft_config":
+        if value is None or key in ("peft_config", "quantization_config"):
             continue
         if key in SPEC_KEYS:
             spec[key] = value
@@ -366,6 +367,36 @@ def _layer_overrides(overrides: dict) -> dict:
             raise SpecError("overrides", key, sorted((*SPEC_KEYS, *LORA_KEYS, "zero_stage",
                                                       "peft_config", *pfields)))
     return {"spec": spec, "parallel": parallel, "lora": lora}
+
+
+def _quantization(overrides: dict) -> dict:
+    """Quantisation fields from `--quantization-config FILE` (a BitsAndBytesConfig JSON), else
+    from the `quantization_config` inside the model's config.json (a pre-quantised
+    checkpoint's); `--quantize` given alone keeps the spec's defaults (QLoRA: nf4 + double
+    quant). A `--quantize` that contradicts the file is an error naming both."""
+    from hybridmem.job.quantize import from_bnb_config
+
+    out: dict = {}
+    if overrides.get("quantization_config") is not None:
+        out = from_bnb_config(overrides["quantization_config"])
+    elif overrides.get("model"):
+        from hybridmem.models import load_config
+
+        try:
+            qc = getattr(load_config(overrides["model"]), "quantization_config", None)
+        except SpecError:
+            qc = None  # the model's own error comes where the model is built
+        if qc:
+            out = from_bnb_config(qc if isinstance(qc, dict) else qc.to_dict(),
+                                  "model.quantization_config")
+    given = overrides.get("quantize")
+    if out and given is not None and given != out["quantize"]:
+        if given == "none":
+            return {}
+        raise SpecError("quantize", given, [out["quantize"], "none"],
+                        reason="--quantization-config / the model's quantization_config says "
+                        f"{out['quantize']!r}")
+    return out
 
 
 def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,

@@ -51,6 +51,8 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
     # from_config writes `dtype` into the config (and would use the preset's `torch_dtype`
     # without it): work on a copy, with the spec's dtype given explicitly.
     config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):  # a pre-quantised checkpoint's: `quantize()`
+        del config.quantization_config
     with default_dtype(dtype), no_init_weights():
         try:
             model = auto.from_config(config, dtype=dtype,
@@ -69,6 +71,21 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
     model.tie_weights()
     model.train()
     return model
+
+
+def quantize(model: nn.Module, spec: TrainingSpec) -> None:
+    """Quantised base weights (`--quantize`): bitsandbytes' Linears emulated
+    (`trace.quantized`), then peft's `prepare_model_for_kbit_training` casts when the spec
+    says so. Call after `freeze` (the casts keep requires_grad=False)."""
+    from hybridmem.job.quantize import quant_of
+    from hybridmem.trace import quantized
+
+    quant = quant_of(spec)
+    if quant is None:
+        return
+    quantized.replace_linears(model, quant, PARAM_DTYPE[spec.precision])
+    if quant.kbit_prep:
+        quantized.prepare_kbit(model)
 
 
 def freeze(model: nn.Module, spec: TrainingSpec) -> None:
@@ -239,6 +256,11 @@ def add_adapters(model: nn.Module, spec: TrainingSpec) -> nn.Module:
     cfg = build_peft_config(spec)
     if spec.train == "lora":
         _check_lora_targets(model, spec)
+    if spec.quantize != "none" and hasattr(cfg, "_register_custom_module"):
+        from hybridmem.trace import quantized
+
+        layer = quantized.lora_layer_class()  # peft's bnb LoRA forward on the emulated layers
+        cfg._register_custom_module({quantized.Linear4bit: layer, quantized.Linear8bitLt: layer})
     # PEFT keeps adapter weights in fp32 (`autocast_adapter_dtype=True`): build them so.
     with _no_device_moves(), _fake_safe_module_copies(), default_dtype(torch.float32), \
             warnings.catch_warnings():

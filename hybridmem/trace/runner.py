@@ -36,6 +36,7 @@ from hybridmem.trace.optimizers import (
     make_optimizer,
     paged_tensors,
 )
+from hybridmem.trace.quantized import quant_state_tensors
 from hybridmem.trace.tracker import StorageTracker
 
 ITERATIONS = 2  # optimizer state appears in the first step; the second shows the steady peak
@@ -75,6 +76,7 @@ def prepare(spec: TrainingSpec, config) -> Job:
     """Model, frozen parts, LoRA, checkpointing, optimizer and batch, as for a CUDA run."""
     model = build.build_model(spec, config)
     build.freeze(model, spec)
+    build.quantize(model, spec)  # --quantize: bitsandbytes Linears, peft's kbit-training casts
     spec = build.lora_targets_for(model, spec, config)  # the default's meaning for this family
     if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
         model = build.add_adapters(model, spec)
@@ -339,6 +341,8 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
                 tracker.label(p, "param", part_of(name))
             for name, b in job.model.named_buffers():
                 tracker.label(b, "param", part_of(name))
+            for name, q in quant_state_tensors(job.model):  # real bnb layers' QuantState
+                tracker.label(q, "param", part_of(name))
             for m, (name, _) in zip(job.masters, job.trainable):
                 tracker.label(m, "optimizer", part_of(name))
             for t in job.batch.values():
