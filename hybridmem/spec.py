@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal, get_args
 
 from hybridmem.errors import SpecError
+from hybridmem.job.loss import check_loss_spec
 from hybridmem.parallel.spec import ParallelSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
@@ -163,6 +164,12 @@ class TrainingSpec:
     empty_cache_steps: int = 0
     """`torch.cuda.empty_cache()` every N optimizer steps, where the loop calls it
     (`empty_cache_at`); 0 = never (Trainer's `torch_empty_cache_steps=None`)."""
+    liger: bool = False
+    """Liger kernels as transformers' `use_liger_kernel=True` applies them (fused linear
+    cross-entropy, RMSNorm, SwiGLU, RoPE; `hybridmem.job.loss`)."""
+    chunked_ce: int = 0
+    """Chunked cross-entropy (torchtune `CEWithChunkedOutputLoss`): the logits in N chunks,
+    each upcast to fp32 inside the loss; 0 = off (HF's `ForCausalLMLoss`)."""
     peft_config: str | None = None
     """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
     `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
@@ -224,6 +231,8 @@ class TrainingSpec:
             raise SpecError("peft_config", "set",
                             reason=f"a non-LoRA PEFT config needs train='peft', not {self.train!r}")
 
+        check_loss_spec(self)
+
     def with_(self, **changes: object) -> "TrainingSpec":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
@@ -268,7 +277,7 @@ class TrainingSpec:
 # Spec and LoRA fields added after the first dataset rows, with their defaults (see `to_dict`).
 ADDED_DEFAULTS: dict[str, object] = {
     "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1, "peft_config": None,
-    "empty_cache_steps": 0, "grad_ckpt_policy": "full",
+    "empty_cache_steps": 0, "grad_ckpt_policy": "full", "liger": False, "chunked_ce": 0,
     "use_dora": False, "use_rslora": False, "modules_to_save": (),
 }
 
