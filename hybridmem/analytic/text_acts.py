@@ -55,6 +55,15 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
         rope_parts = []
     fwd_parts = (*rope_parts, *[t(probs, e)] * (2 if probs else 0))
+    if c.liger and c.amp:
+        # without RoPE's fp32 copies the MLP's high point (down_proj's forward) is the larger:
+        # the post-attention norm's fp32 output (read by the linears through their bf16 casts,
+        # so not saved), SiLUMul's output when down_proj's frozen weight does not save it,
+        # and with an adapter PEFT lora.Linear.forward's base result, fp32 `_cast_input_dtype`
+        # copy of the input, lora_B's output and its scaled copy
+        mlp_parts = (t(B * h, FP32), *([t(B * f, e)] if not need_w else ()),
+                     *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
+        fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
     dora = dora_forward(c, dora_linears(layer))
     fwd_parts = dora if sum(dora) > sum(fwd_parts) else fwd_parts  # not alive together
     # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
