@@ -177,9 +177,6 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
         if not s.on_path:
             continue
         recompute = s.acts.saved if s.ckpt else 0
-        if s.ckpt:  # the recompute is a forward: its transients on top of what it re-saves
-            w.point("backward", act + recompute, s.acts.fwd_extra,
-                    grad - s.grad if acc is None else grad + pending, grad_waste)
         if acc is not None:
             pending += max(s.tie, 0)
             new = s.grad_max
