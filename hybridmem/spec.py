@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal, get_args
 
 from hybridmem.errors import SpecError
+from hybridmem.job.loss import check_loss_spec
 from hybridmem.parallel.spec import ParallelSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
@@ -169,6 +170,12 @@ class TrainingSpec:
     optimizer_in_backward: bool = False
     """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
     `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
+    liger: bool = False
+    """Liger kernels as transformers' `use_liger_kernel=True` applies them (fused linear
+    cross-entropy, RMSNorm, SwiGLU, RoPE; `hybridmem.job.loss`)."""
+    chunked_ce: int = 0
+    """Chunked cross-entropy (torchtune `CEWithChunkedOutputLoss`): the logits in N chunks,
+    each upcast to fp32 inside the loss; 0 = off (HF's `ForCausalLMLoss`)."""
     peft_config: str | None = None
     """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
     `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
@@ -255,6 +262,8 @@ class TrainingSpec:
 
         check_quantize(self)
 
+        check_loss_spec(self)
+
     def with_(self, **changes: object) -> "TrainingSpec":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
@@ -303,6 +312,7 @@ ADDED_DEFAULTS: dict[str, object] = {
     "optimizer_in_backward": False,
     "quantize": "none", "quant_double_quant": True, "quant_compute_dtype": None,
     "quant_storage": "uint8", "quant_skip": None, "kbit_prep": True,
+    "liger": False, "chunked_ce": 0,
     "use_dora": False, "use_rslora": False, "modules_to_save": (),
 }
 

@@ -57,6 +57,13 @@ class Ctx:
     """lora_A has requires_grad=False (optimizer `lora-fa`)."""
     quant: object = None
     """`hybridmem.job.quantize.Quant` of a quantised base (`--quantize`), else None."""
+    liger: bool = False
+    """Liger's kernels replace RMSNorm, SwiGLU, RoPE and the lm_head + loss (`--liger`, on a
+    model type Liger patches; `hybridmem.job.loss`)."""
+    ce_chunks: int = 0
+    """torchtune's chunked cross-entropy in N chunks (`--chunked-ce N`); 0 = HF's loss."""
+    param: int = 4
+    """Bytes per element of the parameters (Liger's FLCE weight grad has the weight's dtype)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +96,9 @@ class Acts:
     """... `bwd_extra`,"""
     bwd_mlp_parts: tuple[int, ...] = ()
     """... `bwd_mlp`."""
+    grad_in_saved: int = 0
+    """Bytes of `saved` that become this layer's weight grad at its backward (Liger's FLCE
+    computes grad_weight in the forward and returns the saved tensor): not a second copy."""
 
 
 class Saved:

@@ -40,6 +40,7 @@ from hybridmem.job.optimizers import paged_notes
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
+from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -56,7 +57,19 @@ class Priced:
     step: Step
 
 
-def context(spec: TrainingSpec) -> A.Ctx:
+def liger_applies(spec: TrainingSpec, graph: ModelGraph | None = None) -> bool:
+    """`--liger` on a model Liger patches (`job.loss.liger_text_type`; a type it skips trains
+    unchanged, one it patches with kernels not emulated here is a SpecError)."""
+    if not spec.liger:
+        return False
+    from hybridmem.models import load_config
+
+    cfg = load_config(spec.model)
+    text = getattr(cfg, "text_config", None)
+    return liger_text_type(cfg.model_type, getattr(text, "model_type", None)) is not None
+
+
+def context(spec: TrainingSpec, liger: bool | None = None) -> A.Ctx:
     policy = POLICIES[spec.precision]
     amp = spec.precision.endswith("-mixed")
     quant = quant_of(spec)
@@ -72,7 +85,9 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0,
                  lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt,
                  dora=bool(spec.lora and spec.lora.use_dora),
-                 frozen_a=spec.optimizer == "lora-fa", quant=quant)
+                 frozen_a=spec.optimizer == "lora-fa", quant=quant,
+                 liger=liger_applies(spec) if liger is None else liger,
+                 ce_chunks=spec.chunked_ce, param=policy.param_bytes)
 
 
 # layer kind -> activation formula (need_in, need_w); kinds not listed keep nothing for
@@ -246,6 +261,16 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
                      f"tokens; the vision tower encodes {graph.vision_batch} crop(s) per step")
     if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
         notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
+    if spec.liger and not liger_applies(spec):
+        notes.append(liger_note(graph.model_type))
+    elif spec.liger:
+        notes.append("liger: fused linear cross-entropy (no logits; grad_input and grad_weight "
+                     "made in the forward), RMSNorm, SwiGLU, RoPE as liger-kernel 0.8.5's "
+                     "kernels allocate (docs/loss.md); RMSNorm's (sm_count x H) dW partials "
+                     "are not counted")
+    if spec.chunked_ce:
+        notes.append(f"chunked_ce: the logits in {spec.chunked_ce} chunks, each upcast to fp32 "
+                     "inside the loss (torchtune CEWithChunkedOutputLoss)")
     if spec.attn == "flash_attention_2":
         notes.append("flash_attention_2: saved tensors as flash-attn's (q, k, v, out, lse); "
                      "its backward's fp32 dq_accum is counted, softmax_d is not")
@@ -325,6 +350,12 @@ def _loop(graph: ModelGraph, spec: TrainingSpec, stepped) -> dict:
     custom = spec.loop == "custom"
     head = next(l for m, l in graph.layers() if l.kind == "lm_head").dims
     logits = t(head["b"] * head["s"] * head["vocab"], POLICIES[spec.precision].compute_bytes)
+    if spec.chunked_ce:  # the output keeps the list of chunks (job.loss.chunked_loss_forward)
+        e = POLICIES[spec.precision].compute_bytes
+        logits = sum(t(head["b"] * n * head["vocab"], e)
+                     for n in torch_chunks(head["s"], spec.chunked_ce))
+    if liger_applies(spec):  # Liger's lce_forward returns no logits in training
+        logits = 0
     return {"custom": custom, "logits": logits if custom else 0,
             "loss": t(1, A.FP32) if custom else 0, "grad_accum": spec.grad_accum,
             "clip_temp": clip_temporary(stepped) if spec.max_grad_norm else 0}

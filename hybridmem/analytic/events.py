@@ -230,9 +230,11 @@ def _forward(s: Stream, priced, statics, amp: bool):
         a, st = p.step.acts, p.step
         unit = a.ckpt_saved or max(a.parts, default=0)
         extra = split(a.fwd_extra, a.fwd_parts, unit)
-        if p.layer.kind == "lm_head" and statics.logits and statics.logits in extra:
-            extra.remove(statics.logits)  # the logits outlive the forward with the output
-            output += s.allocs([statics.logits])
+        if p.layer.kind == "lm_head" and statics.logits:
+            held_logits = _logit_parts(extra, statics.logits)
+            for x in held_logits:  # the logits outlive the forward with the output
+                extra.remove(x)
+            output += s.allocs(held_logits)
         if st.on_path and st.ckpt:
             # no_grad: intermediates die as soon as they are consumed; only the working
             # set at the layer's high point and then its output are allocated
@@ -247,6 +249,21 @@ def _forward(s: Stream, priced, statics, amp: bool):
         held += s.allocs([a.held])
     s.free(drop_at_end)
     return saved, kept, output
+
+
+def _logit_parts(extra: list[int], logits: int) -> list[int]:
+    """The lm_head's forward tensors that are the logits (`logits` bytes): one tensor, or the
+    leading N chunks of `--chunked-ce` (text_acts.chunked_head lists them first)."""
+    if logits in extra:
+        return [logits]
+    total = 0
+    for n, x in enumerate(extra):
+        total += x
+        if total == logits:
+            return extra[:n + 1]
+        if total > logits:
+            break
+    return []
 
 
 def _stepper(s: Stream, priced, optimizer: str, iteration: int):
@@ -294,7 +311,8 @@ def _backward(s: Stream, priced, policy, saved, kept, grads, step=None) -> None:
         else:
             rest_g = mlp_g + rest_g
         tmp = s.allocs(split(a.bwd_extra, a.bwd_parts, unit))
-        new_g = s.allocs(rest_g)
+        early = _take_saved(s, saved[i], a.grad_in_saved, rest_g)
+        new_g = s.allocs(rest_g) + early
         grads[i] += new_g
         if tie > 0:
             tied = (i, len(grads[i]) - 1)
@@ -325,8 +343,11 @@ def _accumulating_backward(s: Stream, priced, policy, saved, kept) -> None:
         if not st.on_path:
             continue
         mlp_g, rest_g, tie = _grad_sizes(p, policy)
-        if tie > 0:
-            rest_g = list(rest_g)
+        rest_g = list(rest_g)
+        early = _take_saved(s, saved[i], a.grad_in_saved, rest_g)  # freed with `saved` below
+        if tie > 0 and early:
+            pending += early
+        elif tie > 0:
             rest_g.remove(tie)
             pending += s.allocs([tie])
         unit = a.ckpt_saved or max(a.parts, default=0)
@@ -343,6 +364,8 @@ def _accumulating_backward(s: Stream, priced, policy, saved, kept) -> None:
         tmp = s.allocs(split(a.bwd_extra, a.bwd_parts, unit))  # a tied weight's new grad
         for g in rest_g if tie >= 0 else ():
             s.free([s.alloc(g)])
+        if early and tie <= 0:  # added into the live grad, then dropped
+            s.free(early)
         if tie < 0:
             s.free(pending)
             pending = []
@@ -350,6 +373,19 @@ def _accumulating_backward(s: Stream, priced, policy, saved, kept) -> None:
         s.free(saved[i])
         s.free(kept[i])
         saved[i], kept[i] = [], []
+
+
+def _take_saved(s: Stream, keys: list[int], nbytes: int, grads: list[int]) -> list[int]:
+    """A weight grad made in the forward (`Acts.grad_in_saved`, Liger's FLCE): its saved
+    tensor's key, moved out of `keys`, and its size out of `grads` (it is not allocated again)."""
+    if nbytes <= 0:
+        return []
+    key = next((k for k in keys if s.sizes[k] == nbytes), None)
+    if key is None or nbytes not in grads:
+        return []
+    keys.remove(key)
+    grads.remove(nbytes)
+    return [key]
 
 
 def _free_mlp_saved(s: Stream, keys: list[int], nbytes: int) -> None:

@@ -8,6 +8,7 @@ from hybridmem.analytic.activations import (
     dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs, quant_transients,
 )
 from hybridmem.analytic.alloc import t
+from hybridmem.job.loss import LIGER_SM_COUNT, flce_chunks, torch_chunks
 from hybridmem.models.graph import Layer
 
 
@@ -26,9 +27,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, ("gate_proj", "up_proj"))
     n_down = adapters_on(layer, ("down_proj",))
     # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
-    sv.add(B * h, FP32, need_in)
-    sv.add(B, FP32, need_in)
-    sv.add(B * h, sb, need_w)
+    _norm_saved(sv, c, B, h, need_in, need_w)
     linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False, in_grad=need_in)
     lora_outputs(sv, c, B, n_qkv)
     dora_saved(sv, c, B, dora_linears(layer, ("q_proj", "k_proj", "v_proj")), need_in)
@@ -40,28 +39,41 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
     attn_part = sv.total
     # post-attention RMSNorm on the residual h1 (always on the grad path once active)
-    sv.add(B * h, FP32)
-    sv.add(B, FP32)
-    sv.add(B * h, sb, need_w)
+    _norm_saved(sv, c, B, h, True, need_w, hf_in=FP32)
     linear_inputs(sv, c, B * h, sb, 2, need_w, n_gu, shared=False)
     lora_outputs(sv, c, B, n_gu)
     dora_saved(sv, c, B, dora_linears(layer, ("gate_proj", "up_proj")), True)
     # a quantised gate/up returns its input's dtype (bnb Linear4bit `.to(inp_dtype)`): the
     # stream's, fp32 under autocast
     mlp_e = sb if "mlp.gate_proj.weight" in layer.quantized else e
-    sv.add(B * f, mlp_e, times=3)  # gate output (SiLU input), SiLU output, up output (mul operands)
+    # gate output (SiLU input), SiLU output, up output (mul operands); Liger's SiLUMul saves
+    # a and b only and recomputes silu in backward (liger_kernel/ops/swiglu.py)
+    sv.add(B * f, mlp_e, times=2 if c.liger else 3)
     linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
     lora_outputs(sv, c, B, n_down)
     dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
     copies, cache = amp_copies(layer, c, active, need_w)
     # forward transients: RoPE's rotated q, k (fp32 under autocast), eager's two probs casts
     rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
+    if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
+        rope_parts = []
     fwd_parts = (*rope_parts, *[t(probs, e)] * (2 if probs else 0))
+    if c.liger and c.amp:
+        # without RoPE's fp32 copies the MLP's high point (down_proj's forward) is the larger:
+        # the post-attention norm's fp32 output (read by the linears through their bf16 casts,
+        # so not saved), SiLUMul's output when down_proj's frozen weight does not save it,
+        # and with an adapter PEFT lora.Linear.forward's base result, fp32 `_cast_input_dtype`
+        # copy of the input, lora_B's output and its scaled copy
+        mlp_parts = (t(B * h, FP32), *([t(B * f, e)] if not need_w else ()),
+                     *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
+        fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
     dora = dora_forward(c, dora_linears(layer))
     fwd_parts = dora if sum(dora) > sum(fwd_parts) else fwd_parts  # not alive together
     # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
     # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
     mlp_bwd = 2 * t(B * f, e)
+    if c.liger:  # SiLUMul backward writes da, db into a's and b's storage: grad(c) only
+        mlp_bwd = t(B * f, e)
     attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
     if not c.amp and e != FP32:
         # the fp32 adapter branch: its output grad is cast to fp32 (B x out) and lora_A returns
@@ -87,7 +99,22 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 bwd_mlp=t(B * h, sb) + mlp_bwd + sum(q_mlp),
                 fwd_parts=fwd_parts,
                 bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts, *q_attn),
-                bwd_mlp_parts=(t(B * h, sb), t(B * f, e), t(B * f, e), *q_mlp))
+                bwd_mlp_parts=(t(B * h, sb), *[t(B * f, e)] * (1 if c.liger else 2), *q_mlp))
+
+
+def _norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
+                hf_in: int | None = None) -> None:
+    """What an RMSNorm saves. transformers LlamaRMSNorm: the fp32 input (`hf_in`; an upcast
+    copy in a pure half run, else the stream tensor) and rsqrt when the input needs a grad, the
+    normalised input for the weight grad. LigerRMSNormFunction (liger_kernel/ops/rms_norm.py):
+    X itself (stream dtype) and RSTD (rows, fp32) whenever it is on the grad path."""
+    if c.liger:
+        sv.add(B * h, c.stream, need_in or need_w)
+        sv.add(B, FP32, need_in or need_w)
+        return
+    sv.add(B * h, hf_in or FP32, need_in)
+    sv.add(B, FP32, need_in)
+    sv.add(B * h, c.stream, need_w)
 
 
 def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
@@ -103,9 +130,14 @@ def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not (need_in or need_w):
         return Acts()
     sv = Saved()
-    sv.add(B * h, FP32, need_in)
-    sv.add(B, FP32, need_in)
-    sv.add(B * h, c.stream, need_w)
+    _norm_saved(sv, c, B, h, need_in, need_w)
+    if c.liger:
+        # Liger: Y is the only new forward tensor (counted by the lm_head, its one reader);
+        # backward: dX written into dY (in place), `_dW` partials (sm_count, H) fp32
+        dw = (t(LIGER_SM_COUNT * h, FP32),) if need_w else ()
+        return Acts(saved=sv.total, parts=tuple(sv.sizes),
+                    bwd_extra=t(B * h, c.stream) + sum(dw),
+                    bwd_parts=(t(B * h, c.stream), *dw))
     fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
         (t(B * h, c.stream),) if not need_w else ())
     return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd_parts),
@@ -127,6 +159,8 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not active:
         return Acts()
     e = c.e
+    if c.liger:
+        return liger_head(d, c, need_in, need_w)
     sv = Saved()
     n_lora = len(lora_matrices(layer)) // 2
     linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False, in_grad=need_in)
@@ -140,6 +174,8 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         w = t(V * h, 2)
         copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
         cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
+    if c.ce_chunks:
+        return chunked_head(d, c, sv, copies, cache, need_in, need_w)
     fwd_parts = (t(B * V, e), *([t(B * V, FP32)] if e != FP32 else []))
     # the backward's three stages (docstring); the largest sets the transient
     bwd_parts = max(([t(B * V, FP32)] * 2,
@@ -149,6 +185,75 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 cache=cache, fwd_extra=sum(fwd_parts), bwd_extra=sum(bwd_parts),
                 fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
+
+
+def chunked_head(d: dict, c: Ctx, sv: Saved, copies: int, cache: int, need_in: bool,
+                 need_w: bool) -> Acts:
+    """lm_head + torchtune's `CEWithChunkedOutputLoss` over `c.ce_chunks` chunks of the
+    sequence (`h.chunk(N, dim=1)`, sizes `torch_chunks`; hybridmem.job.loss).
+
+    `sv` holds the head's saved input (per chunk, the same bytes as one projection); the
+    chunks' log_softmax outputs (fp32) are saved in place of the single (B x V) one, and each
+    chunk's `.float()` copy dies after its log_softmax. Forward high point: all N logits chunks
+    (compute dtype, alive until the loss returns) + the last chunk's fp32 upcast. Backward:
+    every chunk's loss backward runs before any projection's (autograd runs the higher sequence
+    numbers first), the first of them (the last chunk) with nll_loss's and log_softmax's fp32
+    grads, then its cast to the compute dtype (a projection's grad input, freed in its turn).
+    """
+    b, s, h, V = d["b"], d["s"], d["h"], d["vocab"]
+    e = c.e
+    rows = [b * n for n in torch_chunks(s, c.ce_chunks)]
+    parts = list(sv.sizes)
+    ls = [t(r * V, FP32) for r in rows]
+    idx = parts.index(t(b * s * V, FP32))  # HF's single log_softmax output -> one per chunk
+    parts[idx:idx + 1] = ls
+    if c.amp and need_in and not need_w:
+        # a frozen weight's autocast cast is not cached: each chunk's projection saves its own
+        copies += (len(rows) - 1) * t(V * h, 2)
+    saved = sum(parts) + copies
+    logits = [t(r * V, e) for r in rows]
+    last = rows[-1]
+    fwd_parts = (*logits, *([t(last * V, FP32)] if e != FP32 else []))
+    bwd_parts = max(([t(last * V, FP32)] * 2,
+                     [t(last * V, FP32)] + ([t(last * V, e)] if e != FP32 else [])), key=sum)
+    return Acts(saved=saved, parts=(copies, *parts), cache=cache, fwd_extra=sum(fwd_parts),
+                bwd_extra=sum(bwd_parts), fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
+
+
+def liger_head(d: dict, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """lm_head + loss under Liger (`lce_forward` -> `LigerForCausalLMLoss` ->
+    `LigerFusedLinearCrossEntropyFunction`; the rules are `hybridmem.job.liger`'s docstring).
+
+    Saved: grad_input (B x H, the input's = the stream dtype) and, when both the input and the
+    weight need grads, grad_weight (V x H, the weight's dtype; it becomes the weight's .grad at
+    backward: `grad_in_saved`). Forward transients: the final norm's output (read only here),
+    the padded and shifted labels (int64), loss_1d (fp32), the target mask and its count, then
+    per chunk (`flce_chunk_size`, the first is the largest): under autocast the cached bf16
+    copy of a trainable weight (`grad_logits @ weight`), the input chunk's cast, the
+    transposed weight's cast (a view: not cached) and the chunk's logits; without autocast one
+    persistent (chunk x V) logits buffer, and in fp32 the `mm(grad_logits.t(), input)` weight
+    product. Backward: a 0-dim tensor (`torch.tensor(1.0)` for the comparison)."""
+    b, s, h, V = d["b"], d["s"], d["h"], d["vocab"]
+    B = b * s
+    e = c.e
+    rows = flce_chunks(B, h, V)[0]
+    sv = Saved()
+    sv.add(B * h, c.stream)                          # grad_input
+    grad_w = t(V * h, c.param) if need_in and need_w else 0
+    sv.add(V * h, c.param, cond=grad_w > 0)          # grad_weight
+    fwd = [t(B * h, c.stream), t(b * (s + 1), INT64), t(B, INT64), t(B, FP32), t(B, 1),
+           t(1, INT64)]
+    if c.amp:
+        if need_w:
+            fwd.append(t(V * h, 2))                      # autocast cache of the weight cast
+        fwd += [t(rows * h, 2), t(V * h, 2), t(rows * V, 2)]
+    else:
+        fwd.append(t(rows * V, e))                       # logits_storage
+        if grad_w and e == FP32:
+            fwd.append(t(V * h, FP32))                   # legacy dW product
+    return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd),
+                fwd_parts=tuple(fwd), bwd_extra=t(1, FP32), bwd_parts=(t(1, FP32),),
+                grad_in_saved=grad_w)
 
 
 def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0,

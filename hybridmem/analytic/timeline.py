@@ -202,8 +202,9 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
             w.point("backward", act + recompute, s.acts.bwd_mlp + new[0], mlp_grad, grad_waste)
             w.point("backward", act + recompute - s.acts.mlp_saved, s.acts.bwd_extra + new[1],
                     rest_grad, grad_waste)
-        else:
-            w.point("backward", act + recompute, s.acts.bwd_extra + max(new),
+        else:  # a weight grad made in the forward is counted once: as the grad (Liger FLCE)
+            w.point("backward", act + recompute - s.acts.grad_in_saved,
+                    s.acts.bwd_extra + max(new),
                     grad + pending if acc is not None else grad, grad_waste)
         if acc is not None and s.tie < 0:
             pending = 0

@@ -79,6 +79,8 @@ def predict_command(
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-steps accumulated per optimizer step (default 1)."),
     optimizer_in_backward: Optional[bool] = typer.Option(None, "--optimizer-in-backward/--no-optimizer-in-backward", help="Step each parameter inside backward as its gradient is ready (torchtune optimizer_in_bwd); no grad accumulation or clipping, one GPU."),
     empty_cache_steps: Optional[int] = typer.Option(None, "--empty-cache-steps", help="torch.cuda.empty_cache() every N steps where the loop calls it (Trainer: after the forward; custom: after the step); 0 = never (default)."),
+    liger: Optional[bool] = typer.Option(None, "--liger/--no-liger", help="Liger kernels as use_liger_kernel=True applies them: fused linear cross-entropy, RMSNorm, SwiGLU, RoPE (default off)."),
+    chunked_ce: Optional[int] = typer.Option(None, "--chunked-ce", help="Chunked cross-entropy (torchtune): the logits in N chunks, each upcast to fp32 in the loss; 0 = off (default)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="llava-1.5-pretrain, llava-1.5-finetune, llava-1.5-finetune-lora (official LLaVA-1.5 scripts)."),
     deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="DeepSpeed config JSON ('auto' resolved as transformers does)."),
     training_args: Optional[str] = typer.Option(None, "--training-args", help="HF TrainingArguments fields as JSON."),
@@ -111,8 +113,8 @@ def predict_command(
                          lora_targets=lora_targets, attn=attn, peft_config=peft_config,
                          quantize=quantize, quantization_config=quantization_config,
                          kbit_prep=kbit_prep, loop=loop, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
-                         empty_cache_steps=empty_cache_steps, world_size=world_size,
-                         optimizer_in_backward=optimizer_in_backward,
+                         empty_cache_steps=empty_cache_steps, liger=liger, chunked_ce=chunked_ce,
+                         world_size=world_size, optimizer_in_backward=optimizer_in_backward,
                          strategy=strategy, zero_stage=zero_stage,
                          offload_optimizer=offload_optimizer, offload_param=offload_param)
     target = resolve_gpu(gpu, gpu_mem)

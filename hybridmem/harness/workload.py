@@ -228,10 +228,35 @@ def build_trainable(spec: TrainingSpec, config, device,
     quantize_bnb(model, spec, device)  # --quantize: bitsandbytes for real (QLoRA)
     if spec.train in ("lora", "peft"):
         model = add_lora(model, spec)
+    apply_loss(model, spec, config, device)  # Trainer: after PEFT, before checkpointing
     if spec.grad_ckpt:
         from hybridmem.job.checkpointing import enable_checkpointing
         enable_checkpointing(model, spec)  # the trace tier's call, incl. --grad-ckpt-policy
     return model
+
+
+def apply_loss(model: nn.Module, spec: TrainingSpec, config, device) -> None:
+    """`--chunked-ce N`: torchtune's chunked loss (`job.loss.apply_chunked_ce`, plain torch).
+    `--liger`: on CUDA liger-kernel itself as Trainer applies it (`job.liger.apply_real`; a
+    missing package is an `Unavailable` row); on the CPU stand-in the emulated kernels, RoPE
+    patched for the rest of this (one-job) process as Liger's own patch is."""
+    from hybridmem.job import liger, loss
+
+    if spec.chunked_ce:
+        loss.apply_chunked_ce(model, spec.chunked_ce)
+    if not spec.liger:
+        return
+    if device.type == "cuda":
+        try:
+            liger.apply_real(model)
+        except ImportError as err:
+            raise Unavailable(str(err)) from err
+        return
+    text_cfg = getattr(config, "text_config", None)
+    text = loss.liger_text_type(config.model_type, getattr(text_cfg, "model_type", None))
+    if text is not None:
+        liger.patch_instance(model)
+        liger.rope_patched(text).__enter__()  # noqa: SIM115 - process-wide, as Liger's
 
 
 def prepare(spec: TrainingSpec, config, device) -> Job:

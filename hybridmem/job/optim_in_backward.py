@@ -59,6 +59,12 @@ def check(spec) -> None:
     if spec.precision in REFUSED_PRECISIONS:
         raise SpecError("precision", spec.precision, reason="not with optimizer_in_backward: "
                         + REFUSED_PRECISIONS[spec.precision])
+    if spec.liger:
+        # Liger's fused linear cross-entropy makes lm_head's weight grad inside the forward
+        # (liger_kernel/ops/fused_linear_cross_entropy.py) and hands it over in backward: when
+        # the post-accumulate hook would step it is not priced in either tier yet
+        raise SpecError("liger", spec.liger, (False,), reason="not priced together with "
+                        "optimizer_in_backward yet")
     ps = spec.parallel
     if ps.strategy != "none" or ps.world_size > 1:
         raise SpecError("parallel.strategy", ps.strategy, ("none",), reason="optimizer_in_"

@@ -19,6 +19,7 @@ from dataclasses import fields
 from hybridmem.adapters import spec_fields
 from hybridmem.errors import SpecError
 from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
+from hybridmem.job.loss import check_liger_config
 from hybridmem.models.loader import read_json_object
 from hybridmem.parallel.recipes import RECIPES
 from hybridmem.parallel.spec import ParallelSpec
@@ -50,7 +51,8 @@ FSDP_OPTIONS: dict[str, dict] = {
 }
 SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
              "optimizer", "grad_ckpt", "grad_ckpt_policy", "train", "attn", "loop", "max_grad_norm", "grad_accum",
-             "empty_cache_steps", "optimizer_in_backward", "quantize", "kbit_prep")
+             "empty_cache_steps", "optimizer_in_backward", "quantize", "kbit_prep", "liger",
+             "chunked_ce")
 # TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
 HF_DEFAULT_MAX_GRAD_NORM = 1.0
 LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
@@ -123,6 +125,21 @@ def _checkpointing(args: dict) -> dict:
             out["grad_ckpt_policy"] = "full" if every == 1 else f"every:{every}"
         break
     return out
+
+
+def _liger(args: dict) -> dict:
+    """`use_liger_kernel` (+ `liger_kernel_config`): TrainingArguments fields that TRL's
+    SFTConfig inherits; Trainer applies Liger with them (transformers `integrations/liger.py`).
+    Only Liger's default kernel set is priced (`job.loss.check_liger_config`)."""
+    if args.get("use_liger_kernel") is None:
+        if args.get("liger_kernel_config"):
+            raise SpecError("training_args.liger_kernel_config", args["liger_kernel_config"],
+                            reason="needs use_liger_kernel: true")
+        return {}
+    on = _flag("training_args.use_liger_kernel", args["use_liger_kernel"])
+    if on:
+        check_liger_config(args.get("liger_kernel_config"))
+    return {"liger": on}
 
 
 def _flag(field: str, value: object) -> bool:
@@ -198,6 +215,7 @@ def from_training_args(source: str | os.PathLike | dict) -> dict:
         spec["empty_cache_steps"] = _empty_cache_steps(args["torch_empty_cache_steps"])
     if "attn_implementation" in args:
         spec["attn"] = args["attn_implementation"]
+    spec.update(_liger(args))
     if args.get("tune_mm_mlp_adapter"):
         spec["train"] = "projector"
     if args.get("lora_enable"):

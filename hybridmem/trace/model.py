@@ -277,6 +277,24 @@ def add_adapters(model: nn.Module, spec: TrainingSpec) -> nn.Module:
 add_lora = add_adapters  # the LoRA-only name callers used before train='peft'
 
 
+def apply_loss(model: nn.Module, spec: TrainingSpec, config) -> str | None:
+    """`--liger`: the emulated Liger kernels patched into the instance as Trainer's
+    `apply_liger_kernel` does (`hybridmem.job.liger`; returns the text model type, whose RoPE
+    the run patches, or None where Liger skips the model); `--chunked-ce N`: torchtune's
+    chunked loss (`hybridmem.job.loss.apply_chunked_ce`)."""
+    from hybridmem.job import liger, loss
+
+    if spec.chunked_ce:
+        loss.apply_chunked_ce(model, spec.chunked_ce)
+    if not spec.liger:
+        return None
+    text_cfg = getattr(config, "text_config", None)
+    text = loss.liger_text_type(config.model_type, getattr(text_cfg, "model_type", None))
+    if text is not None:
+        liger.patch_instance(model)
+    return text
+
+
 def top_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Top-level part name -> module (vision tower, projector, language model, lm_head).
 

@@ -22,6 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from hybridmem.errors import SpecError
 from hybridmem.job.checkpointing import enable_checkpointing
 from hybridmem.job import optim_in_backward
+from hybridmem.job.liger import rope_patched
+from hybridmem.job.loss import liger_note
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
@@ -65,6 +67,8 @@ class Job:
     """The output object `loop="custom"` holds (the last forward's), else None."""
     notes: list[str] = field(default_factory=list)
     """What the build decided that the user should read (text-only batch, LoRA targets)."""
+    liger: str | None = None
+    """The text model type whose Liger kernels are patched in (`--liger`), else None."""
 
 
 def _master_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -80,6 +84,7 @@ def prepare(spec: TrainingSpec, config) -> Job:
     spec = build.lora_targets_for(model, spec, config)  # the default's meaning for this family
     if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
         model = build.add_adapters(model, spec)
+    liger = build.apply_loss(model, spec, config)  # Trainer: after PEFT, before checkpointing
     if spec.grad_ckpt:
         enable_checkpointing(model, spec)
     # peft's LoRA-FA factory freezes every lora_A: built before the trainable params are taken
@@ -97,7 +102,10 @@ def prepare(spec: TrainingSpec, config) -> Job:
     pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
     job = Job(model, optimizer, batch, trainable, masters, image_tokens)
+    job.liger = liger
     job.notes.extend(batch_notes(spec, config))
+    if spec.liger and liger is None:
+        job.notes.append(liger_note(config.model_type))
     if spec.train == "lora" and not is_analytic(config.model_type):
         job.notes.append(f"lora: adapters on {', '.join(spec.lora.targets)}")
     return job
@@ -326,7 +334,8 @@ def prepared(spec: TrainingSpec, config, backend: str = "fake"):
         job.amp = amp
         if backend == "meta":
             wrap_checkpointing(job.model, amp, corrections.CpuSdpaOnMeta)
-        yield job
+        with rope_patched(job.liger) if job.liger else contextlib.nullcontext():
+            yield job
 
 
 def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str = "fake",
