@@ -27,6 +27,7 @@ from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
 from hybridmem.models.loader import is_analytic
 from hybridmem.trace.inputs import batch_notes, make_batch
+from hybridmem.trace.repeat import NotRepeatable
 from hybridmem.trace.optimizers import fused_on_meta, host_state_keys, make_lorafa, make_optimizer
 from hybridmem.trace.tracker import StorageTracker
 
@@ -283,12 +284,14 @@ def prepared(spec: TrainingSpec, config, backend: str = "fake"):
 
 
 def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str = "fake",
-          workspace: int = 0) -> tuple[StorageTracker, Job]:
-    """Build and run `spec` without real memory; the tracker holds every allocation."""
-    tracker = StorageTracker()
+          workspace: int = 0, tracker: StorageTracker | None = None
+          ) -> tuple[StorageTracker, Job]:
+    """Build and run `spec` without real memory; the tracker holds every allocation.
+    `tracker`: a fresh one to record into (`repeat.LayeredTracker` for the fast path)."""
+    tracker = StorageTracker() if tracker is None else tracker
     try:
         with prepared(spec, config, backend) as job, tracker, \
-                tracker.watching(build.top_modules(job.model)), \
+                tracker.watching(build.top_modules(job.model)), tracker.attached(job), \
                 (build.scalar_branches() if spec.train == "peft" else contextlib.nullcontext()):
             for name, p in job.model.named_parameters():
                 tracker.label(p, "param", part_of(name))
@@ -300,7 +303,7 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
                 if isinstance(t, torch.Tensor):
                     tracker.label(t, "activation")
             train(job, spec, tracker, iterations, workspace)
-    except SpecError:
+    except (SpecError, NotRepeatable):
         raise
     except Exception as err:
         raise build.unsupported(spec, config.model_type,
