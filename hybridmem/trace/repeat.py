@@ -48,8 +48,9 @@ embeddings; the last feeds the final norm, and LLaVA's `vision_feature_layer=-2`
 two CLIP layers differ (the feature layer's output goes to the projector, the last one's
 nowhere)."""
 
-PAD = 1
-"""Regular blocks on each side of the template, so a template copy's neighbours look like it."""
+BEFORE, AFTER = 1, 1
+"""Regular blocks kept before / after the template, so that a template copy's neighbours look
+like it (a first layer that frees the embeddings' tensors numbers its storages differently)."""
 
 # model_types whose layers are the same module with the same config (checked by tests against
 # the full trace); anything else is traced in full
@@ -109,10 +110,10 @@ def plan(spec: TrainingSpec, config) -> list[Stack]:
         for key, value in cfg.to_dict().items():
             if isinstance(value, (list, tuple)) and len(value) == n and len(set(map(str, value))) > 1:
                 raise NotRepeatable(f"{kind}.{key} differs between layers")
-        traced = FIRST + (2 * PAD + 1) * period + LAST
+        traced = FIRST + (BEFORE + 1 + AFTER) * period + LAST
         traced += (n - traced) % period  # same layer phase as the full model mod the period
         if n >= traced + period:
-            stacks.append(Stack(sub, n, traced, FIRST + PAD * period, period))
+            stacks.append(Stack(sub, n, traced, FIRST + BEFORE * period, period))
     if not stacks:
         raise NotRepeatable("too few layers to gain from repeating them")
     return stacks
@@ -282,7 +283,7 @@ class LayeredTracker(StorageTracker):
         first = args[0] if args else None
         paired = (isinstance(first, (list, tuple)) and len(first) == len(outs)
                   and all(isinstance(t, torch.Tensor) for t in first))
-        if not paired:
+        if not paired and inside is None and outs:
             first = next((t for t in tree_iter((args, kwargs)) if isinstance(t, torch.Tensor)),
                          None)
         for i, t in enumerate(outs):
