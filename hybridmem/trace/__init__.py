@@ -78,13 +78,28 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta",
     `capacity`: bytes the allocator may reserve (None: unlimited), `_simulate_reserved`.
     """
     from hybridmem.errors import UnsupportedModelError
-    from hybridmem.trace import runner
+    from hybridmem.trace import repeat, runner
 
     config = _validate(spec)
     # the runner places one workspace per cuBLAS handle a training step holds (forward thread,
     # autograd device thread): analytic.overheads.CUBLAS_HANDLES_TRAINING = 2
     start = time.perf_counter()
     notes = []
+    if backend == "meta":
+        try:
+            tracker, job, weight, after, category_of, note = repeat.trace(spec, config, workspace)
+        except repeat.NotRepeatable as why:
+            notes.append(f"trace: every layer traced ({why})")
+        except UnsupportedModelError:
+            pass  # the full trace below says it (or falls back to FakeTensorMode)
+        else:
+            result = summarize(tracker, job, weight=weight, after_step=after,
+                               category_of=category_of)
+            result.notes.append(note)
+            result.allocator = _simulate_reserved(result, capacity, spec.micro_batch)
+            result.notes.append(f"trace: {runner.ITERATIONS} iterations on meta tensors in "
+                                f"{time.perf_counter() - start:.1f} s")
+            return result
     try:
         tracker, job = runner.trace(spec, config, backend=backend, workspace=workspace)
     except UnsupportedModelError as err:

@@ -105,8 +105,10 @@ def with_empty_cache(events: list, at: list[int]) -> list:
     return out + events[prev:]
 
 
-def _modules(job, tracker: StorageTracker, live: list[Storage]) -> list[ModuleMemory]:
-    """Per part: params (whole run) and activation bytes live at the peak."""
+def _modules(job, category_of, live: list[Storage], weight: dict[str, int]
+             ) -> list[ModuleMemory]:
+    """Per part: params (whole run) and activation bytes live at the peak. `weight`: how many
+    parameters of the full model a traced one stands for (the fast path's repeated layers)."""
     acts: dict[str, int] = {}
     for s in live:
         if s.category == "activation" and s.part is not None:
@@ -115,30 +117,37 @@ def _modules(job, tracker: StorageTracker, live: list[Storage]) -> list[ModuleMe
     state_of = {id(p): st for p, st in job.optimizer.state.items()}
     masters = dict(zip((id(p) for _, p in job.trainable), job.masters))
     for name, p in job.model.named_parameters():
-        part = part_of(name)
+        part, w = part_of(name), weight.get(name, 1)
         row = rows.setdefault(part, {"params": 0, "trainable_params": 0, "param": 0, "grad": 0,
                                     "optimizer": 0, "activation": acts.get(part, 0)})
-        row["params"] += p.numel()
-        row["param"] += round_size(p.untyped_storage().nbytes())
+        row["params"] += w * p.numel()
+        row["param"] += w * round_size(p.untyped_storage().nbytes())
         if p.requires_grad:
-            row["trainable_params"] += p.numel()
-            row["grad"] += round_size(job.grad_bytes.get(id(p), 0))
+            row["trainable_params"] += w * p.numel()
+            row["grad"] += w * round_size(job.grad_bytes.get(id(p), 0))
             stepped = masters.get(id(p), p)
             if stepped is not p:
-                row["optimizer"] += round_size(stepped.untyped_storage().nbytes())
+                row["optimizer"] += w * round_size(stepped.untyped_storage().nbytes())
             for t in state_of.get(id(stepped), {}).values():
-                if hasattr(t, "untyped_storage") and tracker.category_of(t) == "optimizer":
-                    row["optimizer"] += round_size(t.untyped_storage().nbytes())
+                if hasattr(t, "untyped_storage") and category_of(t) == "optimizer":
+                    row["optimizer"] += w * round_size(t.untyped_storage().nbytes())
     for key, st in job.optimizer.state.items():
         if isinstance(key, str) and part_of(key) in rows:  # LoRA-FA: state keyed by name
-            rows[part_of(key)]["optimizer"] += sum(
+            rows[part_of(key)]["optimizer"] += weight.get(key, 1) * sum(
                 round_size(t.untyped_storage().nbytes()) for t in st.values()
-                if hasattr(t, "untyped_storage") and tracker.category_of(t) == "optimizer")
+                if hasattr(t, "untyped_storage") and category_of(t) == "optimizer")
     return [ModuleMemory(name=part, **row) for part, row in rows.items()]
 
 
-def summarize(tracker: StorageTracker, job) -> TraceResult:
-    """Peak, breakdown and per-module memory of a finished trace."""
+def summarize(tracker: StorageTracker, job, *, weight: dict[str, int] | None = None,
+              after_step: list[int] | None = None, category_of=None) -> TraceResult:
+    """Peak, breakdown and per-module memory of a finished trace. The fast path
+    (`repeat.trace`) passes the full stream as `tracker` with the short model's `job`:
+    `weight` (parameter name -> how many it stands for), `after_step` (indices on the full
+    stream), `category_of` (the short trace's labels of `job`'s tensors)."""
+    weight = {} if weight is None else weight
+    after_step = getattr(job, "after_step", None) if after_step is None else after_step
+    category_of = tracker.category_of if category_of is None else category_of
     where = device_positions(tracker)
     full = tracker.live_curve()
     curve = full[where]  # host storages count 0 there
@@ -155,20 +164,19 @@ def summarize(tracker: StorageTracker, job) -> TraceResult:
         by_phase[key] = by_phase.get(key, 0) + size
         by_part[s.part or "other"] = by_part.get(s.part or "other", 0) + size
     phase, iteration = tracker.phase_at(at)
-    params = list(job.model.parameters())
+    params = list(job.model.named_parameters())
     return TraceResult(
         events=device_events(tracker, where), curve=curve,
         peak_allocated=int(curve[peak_index]),
         peak_index=peak_index, peak_phase=phase, peak_iteration=iteration,
         breakdown=breakdown, by_phase=by_phase, by_part=by_part,
-        modules=_modules(job, tracker, live),
-        params_total=sum(p.numel() for p in params),
-        params_trainable=sum(p.numel() for p in params if p.requires_grad),
+        modules=_modules(job, category_of, live, weight),
+        params_total=sum(weight.get(n, 1) * p.numel() for n, p in params),
+        params_trainable=sum(weight.get(n, 1) * p.numel() for n, p in params if p.requires_grad),
         # phase marks re-indexed onto the device event stream
         marks=[(int(np.searchsorted(where, m)), p, i) for m, p, i in tracker.marks],
         empty_cache_at=[int(np.searchsorted(where, k)) for k in tracker.empty_caches],
         # unified-memory state, raw bytes (made in the first step, alive to the end)
         paged=sum(s.nbytes for s in tracker.storages if s.category == "paged"),
-        after_step_allocated=(int(full[job.after_step[-1]])
-                              if getattr(job, "after_step", None) else None),
+        after_step_allocated=int(full[after_step[-1]]) if after_step else None,
         notes=list(getattr(job, "notes", ())))

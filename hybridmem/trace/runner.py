@@ -39,6 +39,7 @@ from hybridmem.trace.optimizers import (
     paged_tensors,
 )
 from hybridmem.trace.quantized import quant_state_tensors
+from hybridmem.trace.repeat import NotRepeatable
 from hybridmem.trace.tracker import StorageTracker
 
 ITERATIONS = 2  # optimizer state appears in the first step; the second shows the steady peak
@@ -339,12 +340,14 @@ def prepared(spec: TrainingSpec, config, backend: str = "fake"):
 
 
 def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str = "fake",
-          workspace: int = 0) -> tuple[StorageTracker, Job]:
-    """Build and run `spec` without real memory; the tracker holds every allocation."""
-    tracker = StorageTracker()
+          workspace: int = 0, tracker: StorageTracker | None = None
+          ) -> tuple[StorageTracker, Job]:
+    """Build and run `spec` without real memory; the tracker holds every allocation.
+    `tracker`: a fresh one to record into (`repeat.LayeredTracker` for the fast path)."""
+    tracker = StorageTracker() if tracker is None else tracker
     try:
         with prepared(spec, config, backend) as job, tracker, \
-                tracker.watching(build.top_modules(job.model)), \
+                tracker.watching(build.top_modules(job.model)), tracker.attached(job), \
                 (build.scalar_branches() if spec.train == "peft" else contextlib.nullcontext()):
             for name, p in job.model.named_parameters():
                 tracker.label(p, "param", part_of(name))
@@ -358,7 +361,7 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
                 if isinstance(t, torch.Tensor):
                     tracker.label(t, "activation")
             train(job, spec, tracker, iterations, workspace)
-    except SpecError:
+    except (SpecError, NotRepeatable):
         raise
     except Exception as err:
         raise build.unsupported(spec, config.model_type,

@@ -148,6 +148,11 @@ class StorageTracker(TorchDispatchMode):
             for h in handles:
                 h.remove()
 
+    @contextlib.contextmanager
+    def attached(self, job):
+        """Called with the prepared job before anything is labelled (a subclass hooks layers)."""
+        yield
+
     def _pop_part(self) -> None:  # returns None: a forward hook's return replaces the output
         self.part_stack.pop()
 

@@ -1,0 +1,472 @@
+"""Trace a few transformer layers and repeat their alloc/free pattern for the rest (the fast path).
+
+Why: the trace costs time per dispatched op, and a 7B-70B step is mostly the same layer run
+32-80 times. Here the model is built with `b` layers per stack (a `ModuleList` of transformers
+`GradientCheckpointingLayer`s: the decoder layers, the vision encoder layers), every event is
+tagged with the layer it belongs to, and the full stream is rebuilt by repeating a template
+block of `p` layers (p = the checkpointing period: `every:N` alternates layers, so its pattern
+repeats every N layers). Results are meant to be identical to the full trace's, byte for byte.
+
+Contexts (which layer an event belongs to):
+- forward and checkpoint recompute: forward pre/post hooks on each layer;
+- backward: `torch._C._current_autograd_node()` (the node the engine is running), mapped to the
+  layer whose forward created it (walk of the autograd graph in the layer's forward hook);
+  AccumulateGrad to its parameter's layer;
+- anything else (optimizer, zero_grad, setup): a birth takes the layer of its op's first tensor
+  input (foreach ops: the input at the same list position), else the previous event's; a free
+  takes the layer of the freed storage.
+
+The rebuilt stream is checked before it is trusted: the same rule applied to the `b`-layer
+trace must reproduce a real trace with `b + p` layers exactly (events, sizes, labels, phases).
+Where it does not (a size that depends on the layer count, e.g. clipping's stacked norms), or
+where layers are known to differ (Gemma-2's alternating sliding/global attention, MoE routers,
+per-layer config lists, absolute vision feature layers), the full trace runs instead and the
+notes say why. `HYBRIDMEM_TRACE_FULL=1` forces the full trace (tests compare both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_iter
+
+from hybridmem.models.build import part_of
+from hybridmem.spec import TrainingSpec, ckpt_every
+from hybridmem.trace.tracker import Storage, StorageTracker
+
+FULL_ENV = "HYBRIDMEM_TRACE_FULL"
+"""Set to 1 to force the full trace (every layer traced)."""
+
+FIRST, LAST = 1, 2
+"""Layers kept as they are at the start / end of each stack: the first layer reads the
+embeddings; the last feeds the final norm, and LLaVA's `vision_feature_layer=-2` makes the last
+two CLIP layers differ (the feature layer's output goes to the projector, the last one's
+nowhere)."""
+
+BEFORE, AFTER = 1, 1
+"""Regular blocks kept before / after the template, so that a template copy's neighbours look
+like it (a first layer that frees the embeddings' tensors numbers its storages differently)."""
+
+# model_types whose layers are the same module with the same config (checked by tests against
+# the full trace); anything else is traced in full
+TEXT_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+VISION_TYPES = frozenset({"clip_vision_model"})
+# config keys that make layers differ (MoE routers/experts, per-layer dense/sparse choices)
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+_BIG = 1 << 20  # context code = stack * _BIG + layer; -1 = no layer
+_UINT64_MAX = (1 << 64) - 1  # AccumulateGrad's sequence number (autograd function.h)
+
+
+class NotRepeatable(Exception):
+    """The fast path cannot be exact here; the message says why (put in the notes)."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One repeated stack: its sub-config, layers in the model (`full`) and traced (`traced`)."""
+
+    sub: str  # "" (decoder config), "text_config", "vision_config"
+    full: int
+    traced: int
+    start: int  # first layer of the template block
+    period: int
+
+    @property
+    def copies(self) -> int:
+        return (self.full - self.traced) // self.period + 1
+
+
+def _sub_configs(config) -> dict[str, object]:
+    if getattr(config, "model_type", None) in ("llava", "llava_next"):
+        return {"text_config": config.text_config, "vision_config": config.vision_config}
+    return {"": config}
+
+
+def plan(spec: TrainingSpec, config) -> list[Stack]:
+    """The stacks to shorten, or NotRepeatable with the reason the full trace is needed."""
+    if os.environ.get(FULL_ENV, "") not in ("", "0"):
+        raise NotRepeatable(f"{FULL_ENV} is set")
+    if spec.train == "peft":  # e.g. AdaLoRA's per-layer ranks, layers_to_transform
+        raise NotRepeatable("train='peft' adapters may differ per layer")
+    period = ckpt_every(spec.grad_ckpt_policy) if spec.grad_ckpt else 1
+    if getattr(config, "model_type", None) in ("llava", "llava_next"):
+        feature = config.vision_feature_layer
+        for f in feature if isinstance(feature, (list, tuple)) else [feature]:
+            if f >= 0:
+                raise NotRepeatable(f"vision_feature_layer={feature} counts layers from the start")
+    stacks = []
+    for sub, cfg in _sub_configs(config).items():
+        kind = cfg.model_type
+        if kind not in (VISION_TYPES if sub == "vision_config" else TEXT_TYPES):
+            raise NotRepeatable(f"model_type={kind!r}: layers not known to repeat exactly")
+        if any(getattr(cfg, k, None) for k in MOE_KEYS):
+            raise NotRepeatable(f"{kind}: mixture-of-experts layers")
+        n = cfg.num_hidden_layers
+        for key, value in cfg.to_dict().items():
+            if isinstance(value, (list, tuple)) and len(value) == n and len(set(map(str, value))) > 1:
+                raise NotRepeatable(f"{kind}.{key} differs between layers")
+        traced = FIRST + (BEFORE + 1 + AFTER) * period + LAST
+        traced += (n - traced) % period  # same layer phase as the full model mod the period
+        if n >= traced + period:
+            stacks.append(Stack(sub, n, traced, FIRST + BEFORE * period, period))
+    if not stacks:
+        raise NotRepeatable("too few layers to gain from repeating them")
+    return stacks
+
+
+def shortened(config, stacks: list[Stack], extra: int = 0):
+    """A copy of `config` with each stack's layer count set to its traced count (+ extra)."""
+    config = copy.deepcopy(config)
+    subs = _sub_configs(config)
+    for s in stacks:
+        cfg = subs[s.sub]
+        n = s.traced + extra
+        cfg.num_hidden_layers = n
+        if isinstance(getattr(cfg, "layer_types", None), (list, tuple)):
+            cfg.layer_types = list(cfg.layer_types[:1]) * n
+    return config
+
+
+def layer_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """(name, ModuleList) of every list of transformers' checkpointable layers, module order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.ModuleList) and len(m)
+            and all(isinstance(x, GradientCheckpointingLayer) for x in m)]
+
+
+def match_stacks(model, stacks: list[Stack], extra: int = 0) -> list[tuple[str, torch.nn.ModuleList, int]]:
+    """(name, layers, stack index) for the model's layer lists; each stack found exactly once."""
+    found = []
+    for name, layers in layer_lists(model):
+        part = part_of(name + ".0")
+        sub = "vision_config" if part == "vision_tower" else (
+            "text_config" if any(s.sub == "text_config" for s in stacks) else "")
+        for i, s in enumerate(stacks):
+            if s.sub == sub:
+                if len(layers) != s.traced + extra:
+                    raise NotRepeatable(f"{name} has {len(layers)} layers, expected "
+                                        f"{s.traced + extra}")
+                found.append((name, layers, i))
+    if sorted(i for *_, i in found) != list(range(len(stacks))):
+        raise NotRepeatable("layer stacks not found in the built model")
+    return found
+
+
+class LayeredTracker(StorageTracker):
+    """`StorageTracker` that also records the layer context of every event (module docstring)."""
+
+    def __init__(self, stacks: list[Stack], extra: int = 0) -> None:
+        super().__init__()
+        self.stacks, self.extra = stacks, extra
+        self.found: list = []
+        self.ctx: list[int] = []  # per event
+        self.tag: list[int] = []  # per storage: context of its birth
+        self.codes: dict[int, int] = {}  # id(tensor) -> context, for tensors labelled at setup
+        self._layer: list[int] = [-1]
+        self._starts: list[int] = []
+        self._nodes: dict[int, int] = {}  # autograd sequence number -> context
+        self._pending: int | None = None
+        self._last = -1
+
+    @contextlib.contextmanager
+    def attached(self, job):
+        """Find the layer stacks of the built model, give its parameters, buffers and fp32
+        masters their layer, and hook every layer's forward."""
+        self.found = match_stacks(job.model, self.stacks, self.extra)
+        names = param_codes(job.model, self.found)
+        for name, t in [*job.model.named_parameters(), *job.model.named_buffers()]:
+            if name in names:
+                self.codes[id(t)] = names[name]
+        for m, (_, p) in zip(job.masters, job.trainable):
+            if id(p) in self.codes:
+                self.codes[id(m)] = self.codes[id(p)]
+        handles = self.watch_layers(self.found)
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def watch_layers(self, found) -> list:
+        handles = []
+        for name, layers, stack in found:
+            for i, layer in enumerate(layers):
+                code = stack * _BIG + i
+                handles.append(layer.register_forward_pre_hook(
+                    lambda m, a, k, code=code: self._enter(code, a, k), with_kwargs=True))
+                handles.append(layer.register_forward_hook(
+                    lambda m, a, k, out, code=code: self._leave(code, out), with_kwargs=True))
+        return handles
+
+    def _enter(self, code: int, args, kwargs) -> None:
+        self._layer.append(code)
+        start = -1
+        for t in tree_iter((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                start = max(start, t.grad_fn._sequence_nr())
+        self._starts.append(start)
+
+    def _leave(self, code: int, out) -> None:
+        start = self._starts.pop()
+        self._layer.pop()
+        todo = [t.grad_fn for t in tree_iter(out)
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None:
+                continue
+            seq = node._sequence_nr()
+            if seq <= start or seq == _UINT64_MAX or seq in self._nodes:
+                continue
+            self._nodes[seq] = code
+            todo.extend(f for f, _ in node.next_functions)
+
+    def _current(self) -> int | None:
+        if self._layer[-1] >= 0:
+            return self._layer[-1]
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        seq = node._sequence_nr()
+        if seq == _UINT64_MAX:  # AccumulateGrad: its parameter's layer
+            var = getattr(node, "variable", None)
+            sid = None if var is None else self._sid.get(var.untyped_storage())
+            return None if sid is None else self.tag[sid]
+        return self._nodes.get(seq, -1)
+
+    # -- recording -------------------------------------------------------------------------
+    def track(self, storage, category="temporary"):
+        known = self._sid.get(storage)
+        before = len(self.storages)
+        sid = super().track(storage, category)
+        if sid is not None and known is None and len(self.storages) > before:
+            self._born(self._pending)
+        return sid
+
+    def _born(self, code: int | None) -> None:
+        if code is None:
+            code = self._current()
+        if code is None:
+            code = self._last
+        self.tag.append(code)
+        self.ctx.append(code)
+        self._last = code
+
+    def _free(self, sid: int) -> None:
+        super()._free(sid)
+        code = self._current()
+        self.ctx.append(self.tag[sid] if code is None else code)
+
+    def add_external(self, nbytes: int, category: str) -> int:
+        sid = super().add_external(nbytes, category)
+        self._born(None)
+        return sid
+
+    def label(self, tensor, category, part=None):
+        self._pending = self.codes.get(id(tensor))
+        try:
+            super().label(tensor, category, part)
+        finally:
+            self._pending = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = [t for t in tree_iter(out) if isinstance(t, torch.Tensor)]
+        inside = self._current()
+        first = args[0] if args else None
+        paired = (isinstance(first, (list, tuple)) and len(first) == len(outs)
+                  and all(isinstance(t, torch.Tensor) for t in first))
+        if not paired and inside is None and outs:
+            first = next((t for t in tree_iter((args, kwargs)) if isinstance(t, torch.Tensor)),
+                         None)
+        for i, t in enumerate(outs):
+            if inside is None:
+                src = first[i] if paired else first
+                sid = None if src is None else self._sid.get(src.untyped_storage())
+                self._pending = None if sid is None else self.tag[sid]
+            else:
+                self._pending = inside
+            sid = self.track(t.untyped_storage())
+            if sid is not None and self.storages[sid].op is None:
+                self.storages[sid].op = func
+        self._pending = None
+        return out
+
+
+def _code(stack: int, layer: int) -> int:
+    return stack * _BIG + layer
+
+
+def extrapolate(tr: LayeredTracker, stacks: list[Stack], full: list[int] | None = None,
+                after: list[int] = ()) -> tuple[StorageTracker, list[int]]:
+    """The event stream of the model with `full[s]` layers in stack s (default: the real
+    counts), from the trace `tr` of `stacks[s].traced` layers; and `after` (event indices)
+    moved onto it. Raises NotRepeatable where the rule does not apply."""
+    full = [s.full for s in stacks] if full is None else full
+    copies = [(n - s.traced) // s.period + 1 for s, n in zip(stacks, full)]
+    events, ctx, tag, storages = tr.events, tr.ctx, tr.tag, tr.storages
+    if len(ctx) != len(events) or len(tag) != len(storages):
+        raise NotRepeatable("layer contexts incomplete")
+    role, seen = [0] * len(storages), {}
+    for sid, c in enumerate(tag):
+        role[sid] = seen.get(c, 0)
+        seen[c] = role[sid] + 1
+
+    def split(code):
+        return (-1, -1) if code < 0 else divmod(code, _BIG)
+
+    def template(code):
+        s, layer = split(code)
+        return s >= 0 and stacks[s].start <= layer < stacks[s].start + stacks[s].period
+
+    def outside(s, layer):
+        st = stacks[s]
+        if layer < st.start:
+            return layer
+        if layer >= st.start + st.period:
+            return layer + (copies[s] - 1) * st.period
+        raise NotRepeatable("a template layer is referenced from outside its stack")
+
+    out: list[int] = []
+    new: list[Storage] = []
+    keys: dict = {}
+    pos = [0] * (len(events) + 1)
+
+    def emit(e: int, shift: int | None) -> None:
+        ev = events[e]
+        sid = ev if ev >= 0 else ~ev
+        s_t, l_t = split(tag[sid])
+        if s_t < 0:
+            if shift:
+                raise NotRepeatable("a repeated layer frees a storage outside the layers")
+            key = ("n", sid)
+        elif ev >= 0:
+            key = (s_t, l_t + shift if shift is not None else outside(s_t, l_t), role[sid])
+        else:
+            s_e, l_e = split(ctx[e])
+            if s_e == s_t:
+                at = l_e + shift if shift is not None else outside(s_e, l_e)
+                key = (s_t, at + l_t - l_e, role[sid])
+            else:
+                key = (s_t, outside(s_t, l_t), role[sid])
+        if ev >= 0:
+            st = storages[sid]
+            keys[key] = len(new)
+            out.append(len(new))
+            new.append(Storage(st.nbytes, st.category, st.part, st.phase, st.iteration,
+                               len(out) - 1, -1, st.op))
+        else:
+            if key not in keys:
+                raise NotRepeatable(f"free of {key} has no matching allocation")
+            k = keys.pop(key)
+            new[k].death = len(out)
+            out.append(~k)
+
+    n, i = len(events), 0
+    while i < n:
+        pos[i] = len(out)
+        c = ctx[i]
+        if not template(c):
+            emit(i, None)
+            i += 1
+            continue
+        s = split(c)[0]
+        j = i
+        while j < n and template(ctx[j]) and split(ctx[j])[0] == s:
+            j += 1
+        st = stacks[s]
+        order = []
+        for k in (i - 1, j):
+            if 0 <= k < n and split(ctx[k])[0] == s:
+                layer = split(ctx[k])[1]
+                before = layer < st.start
+                order.append(before if k == i - 1 else not before)
+        if not order or len(set(order)) > 1:
+            raise NotRepeatable("direction of a repeated block is ambiguous")
+        shifts = [k * st.period for k in range(copies[s])]
+        for shift in (shifts if order[0] else shifts[::-1]):
+            for e in range(i, j):
+                emit(e, shift)
+        for e in range(i + 1, j):
+            pos[e] = -1  # inside a repeated block: no mark may point here
+        i = j
+    pos[n] = len(out)
+
+    def moved(index: int) -> int:
+        if pos[index] < 0:
+            raise NotRepeatable("a phase mark falls inside a repeated block")
+        return pos[index]
+
+    result = StorageTracker()
+    result.storages, result.events = new, out
+    result.marks = [(moved(m), p, it) for m, p, it in tr.marks]
+    result.empty_caches = [moved(k) for k in tr.empty_caches]
+    return result, [moved(k + 1) - 1 for k in after]
+
+
+def same_stream(a: StorageTracker, b: StorageTracker) -> str | None:
+    """None if `a` and `b` record the same stream; else where they first differ."""
+    if a.events != b.events:
+        k = next((i for i, (x, y) in enumerate(zip(a.events, b.events)) if x != y),
+                 min(len(a.events), len(b.events)))
+        return f"event {k} of {len(a.events)} / {len(b.events)}"
+    for x, y in zip(a.storages, b.storages):
+        if (x.nbytes, x.category, x.part, x.phase, x.iteration) != \
+                (y.nbytes, y.category, y.part, y.phase, y.iteration):
+            return f"storage {x} vs {y}"
+    if a.marks != b.marks or a.empty_caches != b.empty_caches:
+        return "phase marks"
+    return None
+
+
+def weights(job, found, stacks: list[Stack]):
+    """name -> how many times a parameter of the traced model stands in the full model."""
+    out = {}
+    for name, layers, s in found:
+        st = stacks[s]
+        for i in range(st.start, st.start + st.period):
+            for pname, _ in layers[i].named_parameters():
+                out[f"{name}.{i}.{pname}"] = st.copies
+    return out
+
+
+def param_codes(model, found) -> dict[str, int]:
+    """Parameter / buffer name -> layer context (absent: not in a layer)."""
+    codes = {}
+    for name, layers, s in found:
+        for i, layer in enumerate(layers):
+            for pname, _ in [*layer.named_parameters(), *layer.named_buffers()]:
+                codes[f"{name}.{i}.{pname}"] = _code(s, i)
+    return codes
+
+
+def trace(spec: TrainingSpec, config, workspace: int = 0):
+    """The fast path: (tracker of the full stream, job of the short model, parameter weights,
+    `after_step` indices on the full stream, category lookup, note); NotRepeatable if it cannot
+    be exact here (the caller traces in full)."""
+    from hybridmem.trace import runner
+
+    start = time.perf_counter()
+    stacks = plan(spec, config)
+    period = stacks[0].period
+    short, job = runner.trace(spec, shortened(config, stacks), backend="meta",
+                              workspace=workspace, tracker=LayeredTracker(stacks))
+    check, job2 = runner.trace(spec, shortened(config, stacks, period), backend="meta",
+                               workspace=workspace, tracker=LayeredTracker(stacks, period))
+    made, after = extrapolate(short, stacks, [s.traced + period for s in stacks], job.after_step)
+    differ = same_stream(made, check) or (None if after == job2.after_step else "after_step")
+    if differ:
+        raise NotRepeatable(f"the repeated pattern does not reproduce a {period}-layer longer "
+                            f"trace ({differ})")
+    full, after = extrapolate(short, stacks, None, job.after_step)
+    layers = ", ".join(f"{s.traced} + {s.traced + period} of {s.full}" for s in stacks)
+    note = (f"trace: layers traced {layers} (the rest repeat the pattern, checked on the "
+            f"longer trace) in {time.perf_counter() - start:.1f} s")
+    return full, job, weights(job, short.found, stacks), after, short.category_of, note
