@@ -61,6 +61,13 @@ CASES = {  # id: (preset, text layers, vision layers, spec fields)
     "llava": ("tiny-llava", 8, 9, {}),
     "llava-ckpt-projector": ("tiny-llava", 9, 8, {"grad_ckpt": True,
                                                   "train": "llm+projector"}),
+    # the memory savers (issue 12) on the fast path: each is a per-layer pattern too
+    "llama-qlora-ckpt": ("tiny-llama", 9, None, {"train": "lora", "quantize": "nf4",
+                                                 "grad_ckpt": True, "precision": "bf16"}),
+    "llama-liger": ("tiny-llama", 9, None, {"liger": True}),
+    "llama-chunked-ce": ("tiny-llama", 9, None, {"chunked_ce": 4}),
+    "llama-paged-8bit": ("tiny-llama", 9, None, {"optimizer": "paged-adamw-8bit"}),
+    "llama-in-backward": ("tiny-llama", 9, None, {"optimizer_in_backward": True}),
 }
 
 
