@@ -12,7 +12,8 @@ from dataclasses import replace
 from hybridmem.errors import SpecError
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
-from hybridmem.models.llava import ImageLayout, image_layout, num_feature_layers
+from hybridmem.job.images import check_seq_len, image_plan
+from hybridmem.models.llava import ImageLayout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
 from hybridmem.models.vision import tokens_per_crop, vision_layers
@@ -214,11 +215,9 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         modules = list(_decoder_modules(cfg, spec, "model"))
         layout = ImageLayout(crops=0, features_per_crop=0, tokens=0)
     else:
-        layout = image_layout(cfg, spec.image_size)
-        if images * layout.tokens > spec.seq_len:
-            raise SpecError("seq_len", spec.seq_len,
-                            reason=f"{images} image(s) take {images * layout.tokens} tokens; "
-                            "seq_len counts text and image tokens")
+        plan = image_plan(cfg, spec.image_size)  # the one rule (hybridmem/job/images.py)
+        check_seq_len(spec.seq_len, images, plan)
+        layout = plan.layout
         modules = _multimodal_modules(cfg, spec, images, layout)
         lm, head = _decoder_modules(cfg, spec, "model.language_model")
         modules = modules + [lm, head]
