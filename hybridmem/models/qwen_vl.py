@@ -81,7 +81,7 @@ def vision_layers(vc, plan: ImagePlan, n_images: int) -> tuple[Layer, ...]:
               params=(T("patch_embed.proj.weight",
                         (e, vc.in_channels, vc.temporal_patch_size, vc.patch_size,
                          vc.patch_size)),),
-              dims=dict(n=n, row=row, h=e)),
+              dims=dict(n=n, row=row, h=e, images=n_images)),
         Layer(name="rotary_pos_emb", kind="qwen_vision_rotary",
               buffers=(T("rotary_pos_emb.inv_freq", (rot,), FP32),
                        T("rotary_pos_emb.original_inv_freq", (rot,), FP32)),
