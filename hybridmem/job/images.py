@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
 
-IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
-"""model_types whose image tokens this module knows how to place (else: text-only batches)."""
+IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+"""model_types whose batches carry images (else: text-only); `gemma3` has a rule below but its
+batch inputs are not checked yet (docs/vlm-families.md)."""
 GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
 
