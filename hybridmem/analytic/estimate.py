@@ -227,9 +227,12 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
         "batch: unpadded (no attention mask), loss over every position with fp32 logits "
         "(transformers ForCausalLMLoss)",
     ]
+    patches = next((l.dims["n"] for m, l in graph.layers() if l.kind == "qwen_patch_embed"), 0)
     if graph.image_tokens:
+        seen = (f"{patches} patches in one packed sequence" if patches
+                else f"{graph.vision_batch} crop(s)")
         notes.append(f"{graph.image_tokens} of the {graph.seq_len} tokens per sample are image "
-                     f"tokens; the vision tower encodes {graph.vision_batch} crop(s) per step")
+                     f"tokens; the vision tower encodes {seen} per step")
     if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
         notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
     if spec.attn == "flash_attention_2":
