@@ -12,6 +12,7 @@ from typing import Literal, get_args
 
 from hybridmem.errors import SpecError
 from hybridmem.job.loss import check_loss_spec
+from hybridmem.job.images import normalize_image_size
 from hybridmem.parallel.spec import ParallelSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
@@ -138,8 +139,9 @@ class TrainingSpec:
     """Tokens per sample incl. image tokens (LLaVA's `model_max_length` counts both)."""
     images_per_sample: int | None = None
     """Images per sample; None means 1 for a multimodal model and 0 for a decoder LLM."""
-    image_size: int | None = None
-    """Input image side in pixels; None means the vision tower's native size."""
+    image_size: int | str | None = None
+    """Input image side in pixels, or "HxW" (Qwen2-VL / Qwen2.5-VL: native dynamic
+    resolution); None means the vision tower's native size. A square is stored as an int."""
     precision: Precision = "bf16-mixed"
     """Where params, grads and optimizer state live (pure, autocast-mixed, master-weights)."""
     optimizer: Optimizer = "adamw"
@@ -207,8 +209,8 @@ class TrainingSpec:
         ):
             raise SpecError("images_per_sample", self.images_per_sample,
                             reason="must be a non-negative integer")
-        if self.image_size is not None:
-            _check_positive("image_size", self.image_size)
+        if self.image_size is not None:  # "HxW" / int, stored as an int for a square
+            object.__setattr__(self, "image_size", normalize_image_size(self.image_size))
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("train", self.train, TRAINABLES)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hybridmem.adapters import peft_type
-from hybridmem.analytic import activations as A, text_acts as TA, vision_acts as VA
+from hybridmem.analytic import activations as A, qwen_vl_acts as QA, text_acts as TA
+from hybridmem.analytic import vision_acts as VA
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.analytic.reserved import (
@@ -46,7 +47,8 @@ from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
 from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
-CHECKPOINTED = ("decoder_layer", "encoder_layer")  # GradientCheckpointingLayer subclasses
+# GradientCheckpointingLayer subclasses (Qwen2VLVisionBlock / Qwen2_5_VLVisionBlock too)
+CHECKPOINTED = ("decoder_layer", "encoder_layer", "qwen_vision_block")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,8 @@ FORMULAS = {
     "decoder_layer": TA.decoder_layer, "encoder_layer": VA.encoder_layer,
     "layernorm": VA.layernorm, "rmsnorm": TA.rmsnorm, "lm_head": TA.lm_head,
     "projector": VA.projector, "vision_embeddings": VA.vision_embeddings,
+    "qwen_vision_block": QA.vision_block, "qwen_patch_embed": QA.patch_embed,
+    "qwen_vision_rotary": QA.vision_rotary, "patch_merger": QA.patch_merger,
 }
 
 
@@ -224,6 +228,13 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
         emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
         pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
         out += t(graph.vision_batch * emb["channels"] * emb["side"] ** 2, pix)
+    patches = next((l.dims for m, l in graph.layers() if l.kind == "qwen_patch_embed"), None)
+    if patches and graph.image_tokens:
+        # Qwen-VL (job.images.pixel_inputs): pixel patches in the model dtype, image_grid_thw
+        # (images, 3) and mm_token_type_ids (b, s) int64
+        pix = POLICIES[spec.precision].param_bytes
+        out += t(patches["n"] * patches["row"], pix) + tokens
+        out += t(3 * patches["images"], A.INT64)
     return out
 
 
@@ -256,9 +267,12 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
         "batch: unpadded (no attention mask), loss over every position with fp32 logits "
         "(transformers ForCausalLMLoss)",
     ]
+    patches = next((l.dims["n"] for m, l in graph.layers() if l.kind == "qwen_patch_embed"), 0)
     if graph.image_tokens:
+        seen = (f"{patches} patches in one packed sequence" if patches
+                else f"{graph.vision_batch} crop(s)")
         notes.append(f"{graph.image_tokens} of the {graph.seq_len} tokens per sample are image "
-                     f"tokens; the vision tower encodes {graph.vision_batch} crop(s) per step")
+                     f"tokens; the vision tower encodes {seen} per step")
     if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
         notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
     if spec.liger and not liger_applies(spec):

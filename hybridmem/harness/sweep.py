@@ -159,10 +159,11 @@ def _image_tokens(spec: TrainingSpec) -> int:
     """Image tokens per sample, as the model graph counts them (0 for a decoder)."""
     if not spec.images_per_sample:
         return 0
-    from hybridmem.models.llava import image_layout
+    from hybridmem.job.images import check_seq_len, image_plan
     from hybridmem.models.loader import load_config
 
-    return image_layout(load_config(spec.model), spec.image_size).tokens * spec.images_per_sample
+    plan = image_plan(load_config(spec.model), spec.image_size)
+    return check_seq_len(spec.seq_len, spec.images_per_sample, plan)
 
 
 def _parallel_knobs(block: dict, where: str) -> dict:
@@ -196,10 +197,7 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         optimizer_in_backward=combo["optimizer_in_backward"], parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
     runnable = spec.with_(model=_materialize(cfg))
-    tokens = _image_tokens(runnable)
-    if tokens + 1 > spec.seq_len:
-        raise SpecError("seq_len", spec.seq_len,
-                        reason=f"too short for {tokens} image tokens plus one text token")
+    tokens = _image_tokens(runnable)  # SpecError unless a text token fits beside them
     build_graph(runnable)  # SpecError for what the model graph refuses (dropped as impossible)
     axes = tuple(combo[a] for a in AXES)
     if train != "lora":  # the rank means nothing then: do not let it count as a new axis value

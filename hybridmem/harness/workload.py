@@ -22,7 +22,6 @@ from hybridmem.models.build import TRAINABLE_MODULES, part_of
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE, default_dtype
 
 LR = 1e-5  # any value; memory does not depend on it
-IGNORE_INDEX = -100  # HF / LLaVA label value left out of the loss
 
 
 class Unavailable(RuntimeError):
@@ -105,66 +104,25 @@ def make_optimizer(name: str, params: list[torch.Tensor], model: nn.Module | Non
         raise Unavailable(str(err).splitlines()[0]) from err
 
 
-def _image_token_id(config) -> int:
-    return getattr(config, "image_token_id", None) or config.image_token_index
-
-
-def _pixels(spec: TrainingSpec, config, n_images: int, dtype, device) -> dict:
-    side = spec.image_size or config.vision_config.image_size
-    if config.model_type == "llava_next":
-        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
-
-        native = config.vision_config.image_size
-        patches = image_size_to_num_patches((side, side), config.image_grid_pinpoints, native)
-        return {"pixel_values": torch.zeros(n_images, patches, 3, native, native, dtype=dtype,
-                                            device=device),
-                "image_sizes": torch.tensor([[side, side]] * n_images, device=device)}
-    return {"pixel_values": torch.zeros(n_images, 3, side, side, dtype=dtype, device=device)}
-
-
-def _tokens_per_image(model: nn.Module, config, pixels: dict) -> int:
-    if config.model_type == "llava":  # one token per patch; CLS dropped under "default"
-        vc = config.vision_config
-        n = (vc.image_size // vc.patch_size) ** 2
-        return n + (config.vision_feature_select_strategy == "full"
-                    and vc.model_type == "clip_vision_model")
-    one = {k: v[:1] for k, v in pixels.items()}  # LLaVA-NeXT anyres: ask the model
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with torch.no_grad():
-        out = base.model.get_image_features(**one)
-    feats = out.pooler_output if hasattr(out, "pooler_output") else out
-    feats = feats[0] if isinstance(feats, (list, tuple)) else feats
-    return feats.shape[0]
-
-
 def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> dict:
-    """input_ids / labels of shape (micro_batch, seq_len), plus pixel inputs for LLaVA.
+    """input_ids / labels of shape (micro_batch, seq_len), plus the family's pixel inputs
+    (LLaVA pixel_values, LLaVA-NeXT image_sizes, Qwen-VL pixel patches + image_grid_thw +
+    mm_token_type_ids), all on `device`: the same builder and the same image-token rule as the
+    trace tier and the analytic graph (`hybridmem.job.images`). `model` is not read (a ZeRO-3
+    model cannot run outside its engine; the rule needs none)."""
+    from hybridmem.job.images import (
+        check_seq_len, image_plan, images_in_batch, pixel_inputs, text_inputs,
+    )
 
-    `model=None`: image tokens per image from the model graph instead of the model (a ZeRO-3
-    model cannot run outside its engine)."""
     b, s = spec.micro_batch, spec.seq_len
-    n_img = 0
-    if hasattr(config, "vision_config"):  # TrainingSpec: None means one image per sample
-        n_img = 1 if spec.images_per_sample is None else spec.images_per_sample
+    n_img = images_in_batch(spec, hasattr(config, "vision_config"))
     batch: dict = {}
     n_tok = 0
     if n_img:
-        dtype = PARAM_DTYPE[spec.precision]
-        batch = _pixels(spec, config, b * n_img, dtype, device)
-        if model is None:
-            from hybridmem.models.llava import image_layout
-
-            n_tok = n_img * image_layout(config, spec.image_size).tokens
-        else:
-            n_tok = n_img * _tokens_per_image(model, config, batch)
-        if n_tok + 1 > s:
-            raise ValueError(f"seq_len={s} too short for {n_tok} image tokens")
-    ids = torch.ones(b, s, dtype=torch.long, device=device)  # token 1 = BOS in Llama vocabularies
-    labels = ids.clone()
-    if n_tok:
-        ids[:, 1:1 + n_tok] = _image_token_id(config)
-        labels[:, 1:1 + n_tok] = IGNORE_INDEX
-    batch.update(input_ids=ids, labels=labels)
+        plan = image_plan(config, spec.image_size)
+        n_tok = check_seq_len(s, n_img, plan)
+        batch = pixel_inputs(config, plan, b * n_img, PARAM_DTYPE[spec.precision], device)
+    batch.update(text_inputs(config, b, s, n_tok, device))
     return batch
 
 

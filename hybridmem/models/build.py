@@ -13,7 +13,9 @@ from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
-from hybridmem.models.llava import ImageLayout, image_layout, num_feature_layers
+from hybridmem.job.images import ImagePlan, check_seq_len, image_plan
+from hybridmem.models import qwen_vl
+from hybridmem.models.llava import ImageLayout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
 from hybridmem.models.vision import tokens_per_crop, vision_layers
@@ -118,6 +120,17 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
             Layer(name="image_newline", kind="image_newline", params=(T("image_newline", (th,)),),
                   runs=runs, dims=dict(n=spec.micro_batch * images * layout.newlines, h=th)),)))
     return modules
+
+
+def _qwen_vl_modules(cfg, spec: TrainingSpec, images: int, plan: ImagePlan) -> list[Module]:
+    """Qwen2-VL / Qwen2.5-VL: `model.visual` (patch embed, rotary, blocks) and its merger."""
+    n_images = spec.micro_batch * images
+    runs = images > 0
+    vision = tuple(replace(layer, runs=runs)
+                   for layer in qwen_vl.vision_layers(cfg.vision_config, plan, n_images))
+    merger = replace(qwen_vl.merger_layer(cfg.vision_config, plan, n_images), runs=runs)
+    return [Module(name="vision_tower", prefix="model.visual", layers=vision),
+            Module(name="multi_modal_projector", prefix="model.visual.merger", layers=(merger,))]
 
 
 def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = False) -> Layer:
@@ -247,13 +260,14 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
             raise SpecError("image_size", spec.image_size, reason=f"{name} takes no images")
         modules = list(_decoder_modules(cfg, spec, "model"))
         layout = ImageLayout(crops=0, features_per_crop=0, tokens=0)
+        plan_grid = False
     else:
-        layout = image_layout(cfg, spec.image_size)
-        if images * layout.tokens > spec.seq_len:
-            raise SpecError("seq_len", spec.seq_len,
-                            reason=f"{images} image(s) take {images * layout.tokens} tokens; "
-                            "seq_len counts text and image tokens")
-        modules = _multimodal_modules(cfg, spec, images, layout)
+        plan = image_plan(cfg, spec.image_size)  # the one rule (hybridmem/job/images.py)
+        check_seq_len(spec.seq_len, images, plan)
+        plan_grid = bool(plan.grid[0])
+        layout = plan.layout or ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)
+        modules = (_qwen_vl_modules(cfg, spec, images, plan) if plan.grid[0]
+                   else _multimodal_modules(cfg, spec, images, layout))
         lm, head = _decoder_modules(cfg, spec, "model.language_model")
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)
@@ -264,5 +278,5 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         vocab_size=tc.vocab_size, text_hidden=tc.hidden_size, micro_batch=spec.micro_batch,
         seq_len=spec.seq_len, image_tokens=images * layout.tokens,
         vision_batch=spec.micro_batch * images * layout.crops,
-        vision_seq=tokens_per_crop(vc) if vc is not None else 0,
+        vision_seq=tokens_per_crop(vc) if vc is not None and not plan_grid else 0,
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))

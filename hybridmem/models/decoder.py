@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from hybridmem.models.graph import Layer, ParamTensor as T, linear as _linear
 
-FP32 = 4  # rotary `inv_freq` buffers are built in float32 (LlamaRotaryEmbedding)
+FP32 = 4
+# Qwen2 and the Qwen2-VL / Qwen2.5-VL text models (Qwen2VLAttention: the same q/k/v biases)
+QWEN2_TEXT = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # rotary `inv_freq` buffers are built in float32 (LlamaRotaryEmbedding)
 
 
 def head_dim(tc) -> int:
@@ -24,7 +26,7 @@ def kv_heads(tc) -> int:
 
 def _biases(tc) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o_proj bias, mlp bias) per family."""
-    if tc.model_type == "qwen2":
+    if tc.model_type in QWEN2_TEXT:
         return True, False, False  # modeling_qwen2.Qwen2Attention: bias=True on q/k/v only
     attn = bool(getattr(tc, "attention_bias", False))
     return attn, attn, bool(getattr(tc, "mlp_bias", False))

@@ -14,7 +14,10 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 
 # model_type values the estimators understand; anything else is refused at the boundary.
-MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next")
+MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+LLAVA_TYPES: tuple[str, ...] = ("llava", "llava_next")
+"""CLIP/SigLIP tower + projector + a DECODER_TYPES LM (sub-configs checked below); the Qwen-VL
+families carry their own tower and LM (docs/vlm-families.md)."""
 DECODER_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
 SUPPORTED_TYPES: tuple[str, ...] = MULTIMODAL_TYPES + DECODER_TYPES
@@ -121,6 +124,8 @@ def validate_types(data: dict) -> str:
         if isinstance(model_type, str) and model_type in transformers_types():
             return model_type  # the trace tier builds it with its own Auto class, sub-configs too
         raise SpecError("model_type", model_type, SUPPORTED_TYPES + (TRACE_ONLY_CHOICE,))
+    if model_type not in LLAVA_TYPES:
+        return model_type
     for key in ("vision_config",):
         sub = data.get(key)
         if isinstance(sub, dict) and sub.get("model_type", "clip_vision_model") not in VISION_TYPES:
@@ -155,6 +160,11 @@ def model_type_of(model: str) -> str:
 def load_config(model: str):
     """A `transformers.PretrainedConfig` for a preset name or a config path."""
     _, data = load_config_dict(model)
+    return load_config_data(data)
+
+
+def load_config_data(data: dict):
+    """A `transformers.PretrainedConfig` for a config dict (cached by content)."""
     return _config_from_json(json.dumps(data, sort_keys=True))
 
 

@@ -1,8 +1,8 @@
 """Synthetic batches of exactly the configured shape, image tokens where the model expects them.
 
-LLaVA (and LLaVA-NeXT) replace each `<image>` token of `input_ids` by one projected image
-feature (`masked_scatter` in `get_placeholder_mask`); the collator puts the image first, after
-BOS, and masks image positions out of the labels (-100, haotian-liu/LLaVA `preprocess`).
+VLMs replace each image token of `input_ids` by one projected image feature (`masked_scatter`
+in `get_placeholder_mask`); how many there are per image and what pixel inputs go with them is
+the family's one rule (`hybridmem.job.images`), shared with the analytic graph and the harness.
 No attention mask is passed: an unpadded batch, the common training case, for which HF uses
 the causal kernel path instead of materialising a (B, 1, S, S) mask.
 """
@@ -13,16 +13,17 @@ import torch
 from torch import nn
 
 from hybridmem.errors import SpecError
-from hybridmem.models.loader import MULTIMODAL_TYPES, is_multimodal
+from hybridmem.job.images import (
+    IMAGE_FAMILIES, check_seq_len, image_plan, pixel_inputs, text_inputs,
+)
+from hybridmem.models.loader import is_multimodal
 from hybridmem.spec import TrainingSpec
-
-IGNORE_INDEX = -100  # HF/LLaVA label value excluded from the loss
 
 
 def has_image_rule(config) -> bool:
-    """Whether the batch builder knows where this family's image tokens go (LLaVA's rule,
-    `make_batch`); other image-text-to-text families are priced on text-only batches."""
-    return config.model_type in MULTIMODAL_TYPES
+    """Whether the one image-token rule (`hybridmem.job.images`) knows this family; other
+    image-text-to-text families are priced on text-only batches."""
+    return config.model_type in IMAGE_FAMILIES
 
 
 def images_per_sample(spec: TrainingSpec, config) -> int:
@@ -55,61 +56,19 @@ def batch_notes(spec: TrainingSpec, config) -> list[str]:
     return []
 
 
-def image_side(spec: TrainingSpec, config) -> int:
-    return spec.image_size or config.vision_config.image_size
-
-
-def pixel_inputs(spec: TrainingSpec, config, n_images: int, dtype: torch.dtype) -> dict:
-    """pixel_values (and LLaVA-NeXT's image_sizes / anyres patches) for `n_images` images."""
-    side = image_side(spec, config)
-    native = config.vision_config.image_size
-    if config.model_type == "llava_next":
-        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
-
-        patches = image_size_to_num_patches((side, side), config.image_grid_pinpoints, native)
-        return {"pixel_values": torch.zeros(n_images, patches, 3, native, native, dtype=dtype),
-                "image_sizes": [[side, side]] * n_images}
-    if side != native:
-        raise SpecError("image_size", spec.image_size, (native,),
-                        reason="LLaVA-1.5's CLIP tower takes only its native size")
-    return {"pixel_values": torch.zeros(n_images, 3, side, side, dtype=dtype)}
-
-
-def tokens_per_image(model: nn.Module, config, pixels: dict) -> int:
-    """Image tokens one image becomes, asked of the model itself (one image, no grad).
-
-    The model knows its CLS handling (CLIP vs SigLIP), feature selection and LLaVA-NeXT's
-    anyres packing; the batch then has exactly as many `<image>` tokens as features.
-    """
-    one = {k: v[:1] for k, v in pixels.items()}
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with torch.no_grad():
-        out = base.model.get_image_features(**one)
-    feats = out.pooler_output if hasattr(out, "pooler_output") else out
-    if isinstance(feats, (list, tuple)):
-        return sum(f.numel() for f in feats) // config.get_text_config().hidden_size
-    return feats.numel() // config.get_text_config().hidden_size
-
-
-def make_batch(spec: TrainingSpec, config, model: nn.Module,
+def make_batch(spec: TrainingSpec, config, model: nn.Module | None,
                dtype: torch.dtype) -> tuple[dict, int]:
-    """input_ids, labels (and pixel inputs) of shape (micro_batch, seq_len); image tokens."""
+    """input_ids, labels (and pixel inputs) of shape (micro_batch, seq_len); image tokens per
+    sample, by the family's one rule (`job.images.image_plan`). `model` is not read: the
+    count no longer asks the model (tests check the rule against `get_image_features`)."""
     b, s = spec.micro_batch, spec.seq_len
     n_img = images_per_sample(spec, config)
     batch: dict = {}
     n_tok = 0
     if n_img:
-        batch = pixel_inputs(spec, config, b * n_img, dtype)
-        n_tok = n_img * tokens_per_image(model, config, batch)
-        if n_tok + 1 > s:
-            raise SpecError("seq_len", s, reason=f"too short for {n_img} image(s) of {n_tok} "
-                            "image tokens plus at least one text token")
-    ids = torch.ones(b, s, dtype=torch.long)  # token 1: BOS in Llama/Mistral vocabularies
-    labels = torch.ones(b, s, dtype=torch.long)
-    if n_tok:
-        image_id = getattr(config, "image_token_id", None)
-        image_id = config.image_token_index if image_id is None else image_id
-        ids[:, 1:1 + n_tok] = image_id
-        labels[:, 1:1 + n_tok] = IGNORE_INDEX
-    batch.update(input_ids=ids, labels=labels)
+        plan = image_plan(config, spec.image_size)
+        n_tok = check_seq_len(s, n_img, plan)
+        # grid_thw / image_sizes stay readable: the model code reads their values
+        batch = pixel_inputs(config, plan, b * n_img, dtype, host_shapes=True)
+    batch.update(text_inputs(config, b, s, n_tok))
     return batch, n_tok

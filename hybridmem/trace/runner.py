@@ -24,6 +24,7 @@ from hybridmem.job.checkpointing import enable_checkpointing
 from hybridmem.job import optim_in_backward
 from hybridmem.job.liger import rope_patched
 from hybridmem.job.loss import liger_note
+from hybridmem.job.images import GRID_FAMILIES
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
@@ -305,7 +306,7 @@ def _quiet_fake_log():
 
 
 @contextlib.contextmanager
-def _tensors(backend: str, spec: TrainingSpec):
+def _tensors(backend: str, spec: TrainingSpec, model_type: str = ""):
     """Where tensors live: CPU fakes (FakeTensorMode), meta tensors, or real CPU tensors.
 
     `meta` is the fast path: meta kernels run in C++ where FakeTensorMode runs Python per op
@@ -319,7 +320,9 @@ def _tensors(backend: str, spec: TrainingSpec):
             yield None
     elif backend == "meta":
         amp = CudaAutocast(AUTOCAST[spec.precision]) if spec.precision in AUTOCAST else None
-        with torch.device("meta"), corrections.CpuSdpaOnMeta(), fused_on_meta(), \
+        grid = (corrections.grid_helpers_on_meta() if model_type in GRID_FAMILIES
+                else contextlib.nullcontext())  # Qwen-VL reads image_grid_thw values
+        with torch.device("meta"), corrections.CpuSdpaOnMeta(), fused_on_meta(), grid, \
                 (emulated(amp) if amp else contextlib.nullcontext()):
             yield amp
     else:
@@ -330,7 +333,7 @@ def _tensors(backend: str, spec: TrainingSpec):
 def prepared(spec: TrainingSpec, config, backend: str = "fake"):
     """`prepare(spec, config)` on `backend`'s tensors, model checks patched; the job stays usable
     (tensors, emulated autocast) until the block exits."""
-    with _tensors(backend, spec) as amp, corrections.patched_model_checks():
+    with _tensors(backend, spec, config.model_type) as amp, corrections.patched_model_checks():
         job = prepare(spec, config)
         job.amp = amp
         if backend == "meta":
