@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+from doc_block import replace_block  # noqa: E402
+
 START, END = "<!-- accuracy:published:start -->", "<!-- accuracy:published:end -->"
-
-
-def replace_block(path: Path, block: str) -> None:
-    text = path.read_text()
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"{path}: no {START} ... {END} markers")
-    path.write_text(pattern.sub(lambda _: f"{START}\n{block}\n{END}", text))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             "data": "datasets/published", "tier_fingerprint": fingerprint(),
             "table": acc.table.to_dict("records"), "notes": acc.notes}, indent=1) + "\n")
         for path in (ROOT / "README.md", ROOT / "docs" / "accuracy.md"):
-            replace_block(path, table)
+            replace_block(path, table, START, END)
     return 0
 
 

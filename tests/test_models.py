@@ -20,13 +20,16 @@ from hybridmem.spec import LoraSpec
 
 
 def _meta_model(config):
-    from transformers import (AutoModelForCausalLM, LlavaForConditionalGeneration,
-                              LlavaNextForConditionalGeneration)
+    import transformers
+    from transformers import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
+
+    from hybridmem.models.loader import auto_class
 
     cls = {"llava": LlavaForConditionalGeneration,
            "llava_next": LlavaNextForConditionalGeneration}.get(config.model_type)
-    with torch.device("meta"):
-        return cls(config) if cls else AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # other families: the Auto class transformers maps them to
+        return cls(config) if cls else getattr(transformers, auto_class(config.model_type)) \
+            .from_config(config)
 
 
 def _spec(model: str, **kw) -> TrainingSpec:
