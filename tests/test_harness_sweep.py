@@ -109,7 +109,7 @@ def test_malformed_sweeps_name_the_field(tmp_path, text, match):
         load_sweep(_write(tmp_path, text))
 
 
-@pytest.mark.parametrize("name", ["ci-tiny.toml", "h200-first.toml", "multi-gpu-example.toml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in SWEEPS.glob("*.toml")))
 def test_shipped_sweeps_load(name):
     sweep = load_sweep(SWEEPS / name)
     assert sweep.items and sweep.iterations >= 3
@@ -144,3 +144,17 @@ seq_len = [4096]
     assert v15.config["vision_config"]["image_size"] == 672 and v15.image_tokens == 48 * 48
     # LLaVA-NeXT tiles a 672 px image onto its 336 px tower (anyres)
     assert nxt.config["vision_config"]["image_size"] == 336 and nxt.spec.image_size == 672
+
+
+def test_memory_savers_sweep_covers_every_technique():
+    """Issue 12: each saver on its own and the README's QLoRA stack, ready for a GPU."""
+    sweep = load_sweep(SWEEPS / "memory-savers.toml")
+    specs = [i.spec for i in sweep.items]
+    assert {s.quantize for s in specs} >= {"none", "nf4", "int8"}
+    assert any(s.liger for s in specs) and any(s.chunked_ce for s in specs)
+    assert any(s.optimizer_in_backward for s in specs)
+    assert {s.grad_ckpt_policy for s in specs} >= {"full", "every:2"}
+    assert {s.optimizer for s in specs} >= {"paged-adamw-8bit", "adamw-8bit", "hf-adafactor"}
+    stack = [s for s in specs if s.quantize == "nf4" and s.liger and s.grad_ckpt
+             and s.optimizer == "paged-adamw-8bit" and s.images_per_sample]
+    assert stack  # QLoRA + checkpointing + paged 8-bit AdamW + Liger on LLaVA shapes

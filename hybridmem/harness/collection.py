@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridmem.job.recorded import recorded_values
 from hybridmem.allocator.config import alloc_conf_string
 from hybridmem.errors import SpecError
 from hybridmem.harness import runner, store, tiers
@@ -92,10 +93,7 @@ def spec_columns(item: SweepItem) -> dict:
         "precision": spec.precision, "optimizer": spec.optimizer, "train": spec.train,
         "attn": spec.attn, "grad_ckpt": spec.grad_ckpt,
         "lora_r": spec.lora.r if spec.lora else 0, "world_size": spec.parallel.world_size,
-        "strategy": spec.parallel.strategy, "loop": spec.loop,
-        "max_grad_norm": float(spec.max_grad_norm), "grad_accum": spec.grad_accum,
-        "empty_cache_steps": spec.empty_cache_steps, "grad_ckpt_policy": spec.grad_ckpt_policy,
-        "optimizer_in_backward": spec.optimizer_in_backward,
+        "strategy": spec.parallel.strategy, **recorded_values(spec),
     }
 
 

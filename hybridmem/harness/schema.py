@@ -10,6 +10,8 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
+from hybridmem.job.recorded import RECORDED
+
 if TYPE_CHECKING:
     from hybridmem.spec import TrainingSpec
 
@@ -37,11 +39,8 @@ one torch are distinct measurements); empty in collect's rows, so their key is u
 # parts written before them read back with these values.
 ADDED_COLUMNS: dict[str, object] = {
     "strategy": "none", "rank_peaks_json": "",
-    # the training loop (issue 10): Trainer's by default
-    "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1,
-    "empty_cache_steps": 0,  # torch.cuda.empty_cache() cadence (spec.empty_cache_steps)
-    "grad_ckpt_policy": "full",  # which layers --grad-ckpt checkpoints (spec.grad_ckpt_policy)
-    "optimizer_in_backward": False,  # spec.optimizer_in_backward (docs/savers.md)
+    # the loop and the techniques (hybridmem/job/recorded.py): at the spec's defaults
+    **{name: default for name, (_, default) in RECORDED.items()},
     # imported (published) measurements, issue 10; empty / null in collect's rows
     "measurement_id": "", "excluded_reason": "", "group": "", "experiment": "",
     "seq_len_kind": "exact", "published_value_bytes": None, "published_metric": "",
@@ -79,12 +78,7 @@ COLUMNS: dict[str, str] = {
     "lora_r": "int64",
     "world_size": "int64",
     "strategy": "string",
-    "loop": "string",
-    "max_grad_norm": "float64",
-    "grad_accum": "int64",
-    "empty_cache_steps": "int64",
-    "grad_ckpt_policy": "string",
-    "optimizer_in_backward": "bool",
+    **{name: dtype for name, (dtype, _) in RECORDED.items()},
     "params_total": "Int64",
     "params_trainable": "Int64",
     "param_bytes": "Int64",

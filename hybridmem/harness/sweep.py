@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridmem.job.recorded import RECORDED, recorded_fields
 from hybridmem.errors import SpecError
 from hybridmem.harness import shapes
 from hybridmem.harness.order import estimate_seconds, space_filling_order
@@ -50,21 +51,19 @@ AXES: dict[str, list] = {
     "grad_ckpt": [False],
     "world_size": [1],  # ranks (GPUs); > 1 is launched through torchrun
     "strategy": ["none"],  # hybridmem.parallel.spec.STRATEGIES; > 1 rank needs one
-    "loop": ["trainer"],  # hybridmem.spec.LOOPS: what outlives the forward
-    "max_grad_norm": [0.0],  # clip_grad_norm_ before the step; 0 = off
-    "grad_accum": [1],  # micro-steps per optimizer step
-    "empty_cache_steps": [0],  # torch.cuda.empty_cache() every N steps (spec.empty_cache_at); 0 = never
-    "optimizer_in_backward": [False],  # step per parameter in backward (job.optim_in_backward)
+    # the loop and the techniques: one axis per recorded spec field (hybridmem/job/recorded.py)
+    **{name: [default] for name, (_, default) in RECORDED.items()},
 }
 BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority",
                                "parallel") + tuple(AXES)
 PARALLEL_AXES = ("world_size", "strategy")
 """Axes that go into the spec's `ParallelSpec`; a block's `parallel` table sets its other knobs."""
+VALUE_PARTNERS: dict[str, object] = {"train": "lora", "grad_ckpt": True}
+"""Fields set beside one axis value when it is checked on its own (`_check_value`)."""
 SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
 SPEC_AXES = ("micro_batch", "seq_len", "images_per_sample", "precision", "optimizer", "train",
-             "attn", "grad_ckpt", "loop", "max_grad_norm", "grad_accum", "empty_cache_steps",
-             "optimizer_in_backward")
+             "attn", "grad_ckpt", *RECORDED)
 """Axes that are `TrainingSpec` fields of the same name (validated by the spec itself)."""
 
 
@@ -124,7 +123,11 @@ def _check_value(where: str, axis: str, value: object) -> None:
         if axis in ("gqa", "grad_ckpt") and not isinstance(value, bool):
             raise SpecError(axis, value, (True, False), reason="must be true or false")
         if axis in SPEC_AXES or (axis == "image_size" and value != 0):  # 0 = native size
-            TrainingSpec(model="x", **{axis: value})
+            # next to the partners some values need (quantize, lora-fa: train='lora'; a
+            # grad_ckpt_policy: grad_ckpt), so a value is refused only for itself; what a whole
+            # combination cannot be is dropped later (`make_item`)
+            partners = {k: v for k, v in VALUE_PARTNERS.items() if k != axis}
+            TrainingSpec(model="x", **partners, **{axis: value})
         elif axis == "lora_r":
             LoraSpec(r=value)
         elif axis == "world_size":
@@ -191,10 +194,8 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         precision=combo["precision"], optimizer=combo["optimizer"], train=train,
         # LLaVA-1.5 finetune_lora uses alpha = 2 r (r 128, alpha 256)
         lora=LoraSpec(r=combo["lora_r"], alpha=2.0 * combo["lora_r"]) if train == "lora" else None,
-        attn=combo["attn"], grad_ckpt=combo["grad_ckpt"], loop=combo["loop"],
-        max_grad_norm=float(combo["max_grad_norm"]), grad_accum=combo["grad_accum"],
-        empty_cache_steps=combo["empty_cache_steps"],
-        optimizer_in_backward=combo["optimizer_in_backward"], parallel=_parallel(combo, knobs or {}, where))
+        attn=combo["attn"], grad_ckpt=combo["grad_ckpt"],
+        **recorded_fields(combo), parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
     runnable = spec.with_(model=_materialize(cfg))
     tokens = _image_tokens(runnable)  # SpecError unless a text token fits beside them

@@ -124,6 +124,12 @@ def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
         "loop": spec.loop,
         "max_grad_norm": spec.max_grad_norm,
         "grad_accum": spec.grad_accum,
+        # the memory savers (hybridmem/job/): bits of a quantised base weight (0 = not quantised;
+        # bitsandbytes nf4 / fp4 = 4, LLM.int8 = 8), fused / chunked loss, step in backward
+        "quant_bits": {"nf4": 4, "fp4": 4, "int8": 8}.get(spec.quantize, 0),
+        "liger": int(spec.liger),
+        "chunked_ce": spec.chunked_ce,
+        "optimizer_in_backward": int(spec.optimizer_in_backward),
         "world_size": spec.parallel.world_size,
         "strategy": spec.parallel.strategy,
     }
