@@ -64,7 +64,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import hybridmem, transformers, peft, pandas; print('hybridmem from', hybridmem.__file__, \
 '| transformers', transformers.__version__, '| peft', peft.__version__, '| pandas', pandas.__version__)" \
   || { log "hybridmem does not import"; exit 4; }
-$PY -c "import bitsandbytes" 2>/dev/null || log "bitsandbytes absent: lion / adamw-8bit rows will be 'error'"
+$PY -c "import bitsandbytes" 2>/dev/null \
+  || log "bitsandbytes absent: quantize / 8-bit / paged / lion-32bit rows will be 'error'"
+$PY -c "import liger_kernel" 2>/dev/null || log "liger-kernel absent: liger rows will be 'error'"
 
 # 3. Collect (TERM 3 minutes past the budget, which also kills the config in flight, then KILL:
 #    the call always ends with files)
