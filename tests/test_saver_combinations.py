@@ -27,7 +27,7 @@ def test_stack_analytic_within_3pct_of_trace(model, batch, seq, precision):
     # both agree on what is paged (bitsandbytes pages states of >= 1e5 elements only: none of
     # these LoRA r=8 tensors) and on the trainable count (no grads of the quantised base)
     assert a.paged_bytes == t.paged_bytes
-    assert a.params_trainable == t.params_trainable < a.params_total / 50
+    assert (a.params_trainable, a.params_total) == (t.params_trainable, t.params_total)
 
 
 def test_stack_less_than_each_step_before_it():

@@ -64,6 +64,9 @@ class Linear4bit(nn.Linear):
         storage = ITEM_DTYPE[quant.storage_bytes] if quant.storage_bytes != 1 else torch.uint8
         self.weight = Params4bit(torch.empty((allocs[0].numel, 1), dtype=storage),
                                  requires_grad=False)
+        # the weight's own element count: the packed data holds two 4-bit values per byte
+        # (transformers `num_parameters` likewise doubles a Params4bit's numel)
+        self.weight.logical_numel = self.out_features * self.in_features
         for a in allocs[1:]:
             shape = () if a.name == "offset" else (a.numel,)
             self.register_buffer(a.name.replace(".", "_"),

@@ -139,6 +139,12 @@ def _modules(job, category_of, live: list[Storage], weight: dict[str, int]
     return [ModuleMemory(name=part, **row) for part, row in rows.items()]
 
 
+def _numel(p) -> int:
+    """Elements of a parameter as the model counts them (a packed 4-bit weight: its logical
+    shape's, `hybridmem.trace.quantized.Linear4bit`)."""
+    return getattr(p, "logical_numel", None) or p.numel()
+
+
 def summarize(tracker: StorageTracker, job, *, weight: dict[str, int] | None = None,
               after_step: list[int] | None = None, category_of=None) -> TraceResult:
     """Peak, breakdown and per-module memory of a finished trace. The fast path
@@ -171,8 +177,8 @@ def summarize(tracker: StorageTracker, job, *, weight: dict[str, int] | None = N
         peak_index=peak_index, peak_phase=phase, peak_iteration=iteration,
         breakdown=breakdown, by_phase=by_phase, by_part=by_part,
         modules=_modules(job, category_of, live, weight),
-        params_total=sum(weight.get(n, 1) * p.numel() for n, p in params),
-        params_trainable=sum(weight.get(n, 1) * p.numel() for n, p in params if p.requires_grad),
+        params_total=sum(weight.get(n, 1) * _numel(p) for n, p in params),
+        params_trainable=sum(weight.get(n, 1) * _numel(p) for n, p in params if p.requires_grad),
         # phase marks re-indexed onto the device event stream
         marks=[(int(np.searchsorted(where, m)), p, i) for m, p, i in tracker.marks],
         empty_cache_at=[int(np.searchsorted(where, k)) for k in tracker.empty_caches],
