@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
 
-IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
-"""model_types whose batches carry images (else: text-only); `gemma3` has a rule below but its
-batch inputs are not checked yet (docs/vlm-families.md)."""
+IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
+"""model_types whose batches carry images (else: text-only)."""
 GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
 
@@ -222,4 +221,11 @@ def text_inputs(config, batch: int, seq_len: int, image_tokens: int, device=None
             tt = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
             tt[:, 1:1 + image_tokens] = 1
             out["mm_token_type_ids"] = tt
+        if config.model_type == "gemma3":
+            # processing_gemma3 returns `token_type_ids` (1 at image tokens) for training:
+            # Gemma3Model builds the bidirectional-over-images masks from it
+            # (`create_masks_for_vision_model`)
+            tt = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+            tt[:, 1:1 + image_tokens] = 1
+            out["token_type_ids"] = tt
     return {**out, "input_ids": ids, "labels": labels}

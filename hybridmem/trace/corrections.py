@@ -65,10 +65,12 @@ def patched_model_checks():
     """
     from transformers import masking_utils, modeling_utils
     from transformers.models.llava import modeling_llava
+    from transformers.models.gemma3 import modeling_gemma3
     from transformers.models.llava_next import modeling_llava_next
 
     patches = [(modeling_llava, "torch_compilable_check", lambda *a, **k: None),
                (modeling_llava_next, "torch_compilable_check", lambda *a, **k: None),
+               (modeling_gemma3, "torch_compilable_check", lambda *a, **k: None),
                (masking_utils, "find_packed_sequence_indices", _no_packed_sequences),
                (modeling_utils.PreTrainedModel, "warn_if_padding_and_no_attention_mask",
                 lambda *a, **k: None)]
@@ -126,6 +128,12 @@ def _as_cpu_flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
                   scale=None, enable_gqa=False):
     if dropout_p or query.dim() != 4 or not query.is_meta:
         return None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # attention.cpp `convert_boolean_attn_mask` (every backend, before the kernel choice):
+        # an additive mask in the query dtype, `at::where(mask, 0.0, scalar_tensor(-inf))`,
+        # materialised over the mask's broadcast shape (Gemma 3's sliding / image masks)
+        attn_mask = torch.where(attn_mask, 0.0, torch.scalar_tensor(
+            float("-inf"), dtype=query.dtype, device=attn_mask.device))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
