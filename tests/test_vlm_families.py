@@ -176,3 +176,139 @@ def test_qwen_real_sized_analytic_within_3_percent(kw):
     spec = TrainingSpec(**kw)
     a, t = analytic(spec), trace_estimate(spec)
     assert abs(a.peak.allocated_bytes - t.peak.allocated_bytes) / t.peak.allocated_bytes <= 0.03
+
+
+# --- Gemma 3: trace tier with images; closed forms of the vision side -----------------------
+
+def _gemma3_vision_real(config, n: int, dtype, tower_trains: bool) -> int:
+    """Bytes a real CPU forward of `get_image_features` leaves alive (saved for backward +
+    `last_hidden_state` + `pooler_output`), counted by storage address (`DataPtrCounter`)."""
+    import transformers
+    from test_trace import DataPtrCounter
+
+    torch.manual_seed(0)
+    m = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    m.requires_grad_(False)
+    m.model.multi_modal_projector.requires_grad_(True)
+    if tower_trains:
+        m.model.vision_tower.requires_grad_(True)
+    side = config.vision_config.image_size
+    px = torch.zeros(n, 3, side, side, dtype=dtype)
+    counter = DataPtrCounter([*m.parameters(), *m.buffers(), px])
+    base = counter.current
+    with counter:
+        out = m.model.get_image_features(pixel_values=px)  # noqa: F841 - kept alive
+    return counter.current - base
+
+
+def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool) -> int:
+    from hybridmem.analytic.activations import Ctx
+    from hybridmem.analytic.estimate import FORMULAS
+    from hybridmem.models.gemma3 import vision_modules
+
+    c = Ctx(e=e, stream=e, amp=False, attn="sdpa")
+    total = 0
+    for module in vision_modules(config, n):
+        need_w = tower_trains or module.name == "multi_modal_projector"
+        for layer in module.layers:
+            if layer.kind in FORMULAS:
+                acts = FORMULAS[layer.kind](layer, c, tower_trains, need_w)
+                total += acts.saved + acts.held
+    return total
+
+
+@pytest.mark.parametrize("model", ["tiny-gemma3", "gemma-3-4b-it"])
+def test_gemma3_vision_params_equal_the_meta_model_per_tensor(model):
+    from hybridmem.models.gemma3 import vision_modules
+
+    ref = {k: p.numel() for k, p in _meta_model(model).named_parameters()
+           if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
+    ours = {f"{m.prefix}.{layer.scope + '.' if layer.scope else ''}{p.name}": p.numel
+            for m in vision_modules(load_config(model), 1) for layer in m.layers
+            for p in layer.params}
+    assert ours == ref
+
+
+def test_gemma3_preset_total():
+    """HF model page of google/gemma-3-4b-it: 4.3B params (safetensors); the meta model's
+    count is 4,300,079,472 (vision 416,866,032 + projector 2,950,272, the rest the LM)."""
+    m = _meta_model("gemma-3-4b-it")
+    assert sum(p.numel() for p in m.parameters()) == 4_300_079_472
+    from hybridmem.models.gemma3 import vision_modules
+    got = [sum(p.numel for layer in mod.layers for p in layer.params)
+           for mod in vision_modules(load_config("gemma-3-4b-it"), 1)]
+    assert got == [sum(p.numel() for n, p in m.named_parameters() if n.startswith(pre))
+                   for pre in ("model.vision_tower.", "model.multi_modal_projector.")]
+
+
+@pytest.mark.parametrize("kw", [dict(precision="fp32"),
+                                dict(precision="bf16-mixed", train="llm+projector"),
+                                dict(precision="bf16", grad_ckpt=True),
+                                dict(precision="bf16-mixed", train="lora")])
+def test_gemma3_trace_equals_a_real_cpu_run_with_images(kw):
+    spec = TrainingSpec(model="tiny-gemma3", micro_batch=2, seq_len=64, **kw)
+    tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert job.image_tokens == 4  # mm_tokens_per_image of the preset: the vision path ran
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
+def test_gemma3_is_trace_only_with_a_note():
+    from hybridmem.predict import trace_only_reason
+
+    spec = TrainingSpec(model="tiny-gemma3", micro_batch=1, seq_len=64)
+    assert "Gemma 3 text LM" in trace_only_reason(spec)
+    with pytest.raises(SpecError, match="model_type='gemma3'"):
+        analytic(spec)
+    with pytest.raises(SpecError, match=r"image_size=448"):
+        image_plan(load_config("tiny-gemma3"), 448)
+
+
+def _mid_gemma3():
+    """gemma-3-4b-it's vision side at 448 px (32 x 32 patches pooled 2 x 2 to 256 tokens),
+    2 SigLIP layers, a 1-layer LM: real-sized widths, CPU-sized depth."""
+    import json
+    from importlib import resources
+    from hybridmem.models.loader import load_config_data
+
+    path = resources.files("hybridmem.models") / "presets" / "gemma-3-4b-it.json"
+    d = json.loads(path.read_text())
+    d["vision_config"].update(num_hidden_layers=2, image_size=448)
+    d["text_config"].update(num_hidden_layers=1, vocab_size=1024)
+    d.update(image_token_index=1000, boi_token_index=1001, eoi_token_index=1002)
+    return load_config_data(d)
+
+
+@pytest.mark.parametrize("config, dtype, e, tower", [
+    ("tiny-gemma3", torch.bfloat16, 2, True), ("tiny-gemma3", torch.bfloat16, 2, False),
+    ("tiny-gemma3", torch.float32, 4, False), ("mid", torch.float32, 4, True),
+    ("mid", torch.float32, 4, False), ("mid", torch.bfloat16, 2, False)])
+def test_gemma3_vision_activations_equal_a_real_cpu_forward(config, dtype, e, tower):
+    """The closed forms of the tower + projector (saved for backward and what image_outputs
+    holds) against a real CPU forward; exact on these (tiny fp32 with the tower training is
+    +1024 B, 0.8 %: the SigLIP encoder layer's formula; mid bf16 with the tower +0.03 %)."""
+    cfg = _mid_gemma3() if config == "mid" else load_config(config)
+    assert _gemma3_vision_analytic(cfg, 2, e, tower) == _gemma3_vision_real(cfg, 2, dtype, tower)
+
+
+def test_gemma3_every_tier_counts_the_same_image_tokens():
+    """The trace batch, the CUDA-harness batch, the vision graph (the projector's pooled
+    tokens) and a real tiny model's `get_image_features` agree with the rule (the analytic
+    graph of the whole model waits for the gemma3_text LM)."""
+    import transformers
+    from hybridmem.harness.workload import make_batch as harness_batch
+    from hybridmem.models.gemma3 import vision_modules
+
+    spec = TrainingSpec(model="tiny-gemma3", micro_batch=2, seq_len=64)
+    config = load_config(spec.model)
+    rule = image_plan(config).tokens
+    _, traced = runner.make_batch(spec, config, None, torch.float32)
+    harness = harness_batch(spec, config, None, torch.device("cpu"))
+    placed = int((harness["input_ids"][0] == config.image_token_id).sum())
+    typed = int(harness["token_type_ids"][0].sum())
+    graph = vision_modules(config, 1)[1].layers[0].dims["k"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        feats = model.model.get_image_features(harness["pixel_values"][:1]).pooler_output
+    by_model = feats.numel() // config.text_config.hidden_size
+    assert rule == traced == placed == typed == graph == by_model == 4

@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from hybridmem.adapters import peft_type
 from hybridmem.analytic import activations as A, qwen_vl_acts as QA, text_acts as TA
+from hybridmem.analytic import gemma3_acts as GA
 from hybridmem.analytic import vision_acts as VA
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.events import MLP_ALL, build as build_events
@@ -100,6 +101,7 @@ FORMULAS = {
     "projector": VA.projector, "vision_embeddings": VA.vision_embeddings,
     "qwen_vision_block": QA.vision_block, "qwen_patch_embed": QA.patch_embed,
     "qwen_vision_rotary": QA.vision_rotary, "patch_merger": QA.patch_merger,
+    "gemma3_projector": GA.mm_projector,
 }
 
 
