@@ -9,6 +9,8 @@ counting list outputs two different ways, or a closed form) and to check them ag
 Per family (transformers 5.24 modeling / image-processing code):
 - `llava`, `llava_next`: `hybridmem.models.llava.image_layout` (CLS dropped under `default`,
   anyres tiles + base crop, unpadding, one newline per row);
+- `llava_onevision`: LLaVA-NeXT's rule, then the anyres_max_N downsampling of the tile grid
+  (`hybridmem.models.llava.onevision_layout`);
 - `qwen2_vl`, `qwen2_5_vl` (native dynamic resolution): the image is resized by
   `image_processing_qwen2_vl.smart_resize` to multiples of patch_size x merge_size within
   [min_pixels, max_pixels]; grid_thw = (1, H/14, W/14) (one temporal patch: the image is
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
 
-IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
+IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
+                                   "qwen2_5_vl", "gemma3")
 """model_types whose batches carry images (else: text-only)."""
 GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
@@ -130,7 +133,7 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
         raise SpecError("image_size", image_size, reason=f"HxW needs a native-resolution family "
                         f"({', '.join(GRID_FAMILIES)}); {mt} takes a square side")
     side = None if hw is None else hw[0]
-    if mt in ("llava", "llava_next"):
+    if mt in ("llava", "llava_next", "llava_onevision"):
         from hybridmem.models.llava import image_layout
 
         layout = image_layout(cfg, side)
@@ -191,7 +194,7 @@ def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
                 "image_grid_thw": torch.tensor([list(plan.grid)] * n_images, dtype=torch.long,
                                                device="cpu" if host_shapes else device)}
     side = plan.size[0]
-    if mt == "llava_next":
+    if mt in ("llava_next", "llava_onevision"):  # (images, crops, C, H, W) + image_sizes
         native = config.vision_config.image_size
         return {"pixel_values": torch.zeros(n_images, plan.layout.crops, 3, native, native,
                                             dtype=dtype, device=device),

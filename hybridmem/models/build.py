@@ -68,6 +68,9 @@ def part_of(name: str) -> str:
     return "language_model"
 
 
+ANYRES_TYPES: tuple[str, ...] = ("llava_next", "llava_onevision")
+"""Tiles + base crop concatenated into one pixel tensor, packed features, `image_newline`."""
+
 DECODER_TRAINS: tuple[str, ...] = ("full", "lora", "peft")
 LORA_FP32 = 4  # PEFT `autocast_adapter_dtype=True` (default) keeps adapters in float32
 # LoRA goes on language-model linears only, as LLaVA's `find_all_linear_names` does (it skips
@@ -101,7 +104,7 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
     runs = images > 0
     vision = tuple(replace(layer, runs=runs)
                    for layer in vision_layers(vc, cfg.vision_feature_layer, n_crops))
-    if cfg.model_type == "llava_next":  # crops are concatenated into a new pixel tensor
+    if cfg.model_type in ANYRES_TYPES:  # crops are concatenated into a new pixel tensor
         vision = (replace(vision[0], dims={**vision[0].dims, "anyres": True}),) + vision[1:]
     d_in = vc.hidden_size * num_feature_layers(cfg)
     bias = bool(getattr(cfg, "multimodal_projector_bias", True))
@@ -110,12 +113,12 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
                       dims=dict(n=n_crops, t=layout.features_per_crop, d_in=d_in, h=th,
                                 act=cfg.projector_hidden_act,
                                 packed=(spec.micro_batch * images * layout.tokens
-                                        if cfg.model_type == "llava_next" else 0)))
+                                        if cfg.model_type in ANYRES_TYPES else 0)))
     modules = [Module(name="vision_tower", prefix="model.vision_tower", layers=vision),
                Module(name="multi_modal_projector", prefix="model.multi_modal_projector",
                       layers=(projector,))]
-    if cfg.model_type == "llava_next":
-        # modeling_llava_next.LlavaNextModel: `self.image_newline = nn.Parameter(hidden)`
+    if cfg.model_type in ANYRES_TYPES:
+        # modeling_llava_next.LlavaNextModel, LlavaOnevisionModel:
         modules.append(Module(name="image_newline", prefix="model", layers=(
             Layer(name="image_newline", kind="image_newline", params=(T("image_newline", (th,)),),
                   runs=runs, dims=dict(n=spec.micro_batch * images * layout.newlines, h=th)),)))
