@@ -16,6 +16,11 @@ Per family (transformers 5.24 modeling / image-processing code):
   [min_pixels, max_pixels]; grid_thw = (1, H/14, W/14) (one temporal patch: the image is
   repeated to `temporal_patch_size` frames); the PatchMerger turns every merge_size^2
   patches into one LM token;
+- `idefics3`, `smolvlm`: the processor resizes the longest edge to `size.longest_edge` (here:
+  `image_size`; default 4 x the vision tile, the processors' `size`), rounds it up to whole
+  tiles of `vision_config.image_size`, splits them and adds the global image (one image if
+  it is one tile); each tile becomes (tile / patch)² / scale_factor² tokens after the pixel
+  shuffle (`processing_idefics3` `image_seq_len`);
 - `gemma3`: `Gemma3MultiModalProjector` pools every image to `mm_tokens_per_image` soft tokens
   (the SigLIP tower always sees `vision_config.image_size`; the processor resizes to it).
 
@@ -31,8 +36,10 @@ from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
 
+SPLIT_FAMILIES: tuple[str, ...] = ("idefics3", "smolvlm")
+"""Image splitting into vision-size tiles + a global image, pixel shuffle (trace tier only)."""
 IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                   "qwen2_5_vl", "gemma3")
+                                   "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES
 """model_types whose batches carry images (else: text-only)."""
 GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
@@ -94,6 +101,11 @@ class ImagePlan:
         """Qwen-VL: patches of one image in the vision tower's packed sequence."""
         return math.prod(self.grid)
 
+    @property
+    def crops(self) -> int:
+        """Idefics3 / SmolVLM: tiles + global image per image (`grid[1]`; grid[0] stays 0)."""
+        return self.grid[1]
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int = QWEN_MIN_PIXELS,
                  max_pixels: int = QWEN_MAX_PIXELS) -> tuple[int, int]:
@@ -123,6 +135,22 @@ def _qwen_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
     return ImagePlan(cfg.model_type, tokens=grid[1] * grid[2] // (m * m), size=(h, w), grid=grid)
 
 
+SPLIT_DEFAULT_TILES = 4
+"""Idefics3ImageProcessor `size = {"longest_edge": 4 * 364}` with `max_image_size` 364 (the
+vision tile); SmolVLM's processors likewise use 4 x their tile."""
+
+
+def _split_plan(cfg, side: int | None) -> ImagePlan:
+    vc = cfg.vision_config
+    tile = vc.image_size
+    side = side or SPLIT_DEFAULT_TILES * tile
+    per_side = -(-side // tile)  # resize_for_vision_encoder: ceil to whole tiles
+    crops = per_side * per_side + (1 if per_side > 1 else 0)  # + the global image
+    per_tile = (tile // vc.patch_size) ** 2 // cfg.scale_factor ** 2
+    return ImagePlan(cfg.model_type, tokens=crops * per_tile, size=(side, side),
+                     grid=(0, crops, per_tile))
+
+
 def image_plan(cfg, image_size: object = None) -> ImagePlan:
     """The family's rule: tokens per image (and what the tower sees) at `image_size`."""
     mt = cfg.model_type
@@ -140,6 +168,8 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
         native = cfg.vision_config.image_size
         s = side or native
         return ImagePlan(mt, tokens=layout.tokens, size=(s, s), layout=layout)
+    if mt in SPLIT_FAMILIES:
+        return _split_plan(cfg, side)
     if mt == "gemma3":
         native = cfg.vision_config.image_size
         if side is not None and side != native:
@@ -194,6 +224,14 @@ def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
                 "image_grid_thw": torch.tensor([list(plan.grid)] * n_images, dtype=torch.long,
                                                device="cpu" if host_shapes else device)}
     side = plan.size[0]
+    if mt in SPLIT_FAMILIES:
+        # Idefics3ImageProcessor: (images, tiles + global, C, tile, tile) and the bool
+        # pixel_attention_mask; ones, not zeros: the model drops all-zero (padding) images
+        tile = config.vision_config.image_size
+        return {"pixel_values": torch.ones(n_images, plan.crops, 3, tile, tile, dtype=dtype,
+                                           device=device),
+                "pixel_attention_mask": torch.ones(n_images, plan.crops, tile, tile,
+                                                   dtype=torch.bool, device=device)}
     if mt in ("llava_next", "llava_onevision"):  # (images, crops, C, H, W) + image_sizes
         native = config.vision_config.image_size
         return {"pixel_values": torch.zeros(n_images, plan.layout.crops, 3, native, native,
