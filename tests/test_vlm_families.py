@@ -445,3 +445,41 @@ def test_idefics3_trace_equals_a_real_cpu_run_with_images(kw, request):
     tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
     assert job.image_tokens == 20  # 2 x 2 tiles + global, 4 tokens each (hand count above)
     assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
+@pytest.mark.parametrize("model", [ID3, "idefics3-8b-llama3"])
+def test_idefics3_params_equal_the_meta_model_per_tensor(model):
+    ref = {k: p.numel() for k, p in _meta_model(model).named_parameters()}
+    assert build_graph(TrainingSpec(model=model, seq_len=4096)).param_names() == ref
+
+
+def test_idefics3_preset_total():
+    """HF model page of HuggingFaceM4/Idefics3-8B-Llama3: 8.46B params (safetensors)."""
+    total = build_graph(TrainingSpec(model="idefics3-8b-llama3", seq_len=4096)).num_params
+    assert total == sum(p.numel() for p in _meta_model("idefics3-8b-llama3").parameters())
+    assert round(total / 1e7) == 846
+
+
+def test_idefics3_parts_equal_the_meta_model():
+    parts = {"model.connector.": "multi_modal_projector", "model.vision_model.": "vision_tower",
+             "lm_head": "lm_head"}
+    ref: dict[str, int] = {}
+    for name, p in _meta_model(ID3).named_parameters():
+        part = next((v for k, v in parts.items() if name.startswith(k)), "language_model")
+        ref[part] = ref.get(part, 0) + p.numel()
+    for tier in (analytic, trace_estimate):
+        pred = tier(TrainingSpec(model=ID3, micro_batch=1, seq_len=64, image_size=56))
+        assert {m.name: m.params for m in pred.modules} == ref
+
+
+@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16"),
+                                dict(precision="bf16-mixed", train="llm+projector"),
+                                dict(precision="bf16", grad_ckpt=True),
+                                dict(precision="bf16-mixed", train="lora")])
+def test_idefics3_analytic_within_3_percent_of_trace(kw):
+    spec = TrainingSpec(model=ID3, micro_batch=2, seq_len=128, image_size=112, **kw)
+    a, t = analytic(spec), trace_estimate(spec)
+    assert a.params_total == t.params_total and a.params_trainable == t.params_trainable
+    ta = a.peak.allocated_bytes - a.breakdown["workspace"]
+    tt = t.peak.allocated_bytes - t.breakdown["workspace"]
+    assert abs(ta - tt) / tt <= 0.03, (ta, tt)

@@ -14,7 +14,8 @@ from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.job.images import ImagePlan, check_seq_len, image_plan
-from hybridmem.models import qwen_vl
+from hybridmem.job.images import SPLIT_FAMILIES
+from hybridmem.models import idefics3, qwen_vl
 from hybridmem.models.llava import ImageLayout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
@@ -269,9 +270,16 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         check_seq_len(spec.seq_len, images, plan)
         plan_grid = bool(plan.grid[0])
         layout = plan.layout or ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)
-        modules = (_qwen_vl_modules(cfg, spec, images, plan) if plan.grid[0]
-                   else _multimodal_modules(cfg, spec, images, layout))
-        lm, head = _decoder_modules(cfg, spec, "model.language_model")
+        if plan.grid[0]:
+            modules = _qwen_vl_modules(cfg, spec, images, plan)
+        elif cfg.model_type in SPLIT_FAMILIES:  # tiles + global image, pixel shuffle
+            modules = idefics3.vision_modules(cfg, spec.micro_batch * images * plan.crops,
+                                              runs=images > 0)
+            layout = ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
+        else:
+            modules = _multimodal_modules(cfg, spec, images, layout)
+        lm, head = _decoder_modules(cfg, spec, "model.text_model" if cfg.model_type
+                                    in SPLIT_FAMILIES else "model.language_model")
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)
     tc = getattr(cfg, "text_config", cfg)

@@ -230,10 +230,9 @@ def grid_helpers_on_meta():
             setattr(obj, name, old)
 
 
-# Idefics3 / SmolVLM modules whose `get_image_features` drops all-zero padding images by
-# boolean indexing and splits the features by `.tolist()` counts (data-dependent on meta)
-SPLIT_IMAGE_MODULES = ("transformers.models.idefics3.modeling_idefics3",
-                       "transformers.models.smolvlm.modeling_smolvlm")
+# Idefics3 modules whose `get_image_features` drops all-zero padding images by boolean
+# indexing and splits the features by `.tolist()` counts (data-dependent on meta)
+SPLIT_IMAGE_MODULES = ("transformers.models.idefics3.modeling_idefics3",)
 
 
 class _AllImagesReal(TorchFunctionMode):
@@ -259,7 +258,7 @@ class _AllImagesReal(TorchFunctionMode):
 
 @contextlib.contextmanager
 def split_images_on_meta():
-    """Run Idefics3 / SmolVLM's image path on meta tensors with the shapes a CUDA run has:
+    """Run Idefics3's image path on meta tensors with the shapes a CUDA run has:
     every image of the batch is real (the one rule's pixel inputs are ones, never a padding
     image), so the boolean selection keeps all rows (as a copy) and each sample keeps its
     images; the placeholder count check is a no-op (the batch has the rule's image tokens)."""
