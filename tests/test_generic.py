@@ -49,7 +49,8 @@ FAMILIES: dict[str, dict] = {
 # CUDA's check in aten/src/ATen/native/cuda/Blas.cpp).
 RUNS: dict[str, dict] = {"gemma2": dict(attn="eager"), "mixtral": dict(precision="bf16"),
                          # has an image rule now (tests/test_vlm_families.py): text-only here
-                         "qwen2_vl": dict(images_per_sample=0)}
+                         "qwen2_vl": dict(images_per_sample=0),
+                         "idefics3": dict(images_per_sample=0)}
 # Module-name prefixes of each VLM part, read off the families' transformers module trees
 # (written out here, not derived from `part_of`, so a wrong fragment table fails).
 VLM_PARTS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -144,7 +145,7 @@ def test_vlm_parts_freeze_by_train_mode(family, train, tmp_path):
         else:
             assert (rows[part].params, rows[part].trainable_params) == (
                 n, n if part in trains else 0)
-    if family != "qwen2_vl":  # qwen2_vl has an image rule: text-only by choice here
+    if family == "paligemma":  # qwen2_vl, idefics3 have an image rule: text-only by choice
         assert any("text-only batches" in n for n in pred.notes)
 
 
@@ -168,9 +169,9 @@ def test_vlm_without_image_rule_refuses_images(tmp_path):
 
 def test_text_only_vlm_refuses_projector_only_training(tmp_path):
     """On a text-only batch the projector never runs: nothing would reach its grads."""
-    path = write_config(tmp_path, "idefics3")
+    path = write_config(tmp_path, "paligemma")
     with pytest.raises(SpecError, match=r"train='projector': the projector runs no forward"):
-        estimate(spec_of(path, "idefics3", train="projector"))
+        estimate(spec_of(path, "paligemma", train="projector"))
 
 
 def test_decoder_refuses_vlm_train_modes(tmp_path):
@@ -194,8 +195,9 @@ def test_unknown_model_type_names_the_choices(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "no_such_family"}))
     with pytest.raises(SpecError, match=re.escape(
-            "model_type='no_such_family' is not valid (valid: llava, llava_next, qwen2_vl, "
-            "qwen2_5_vl, llama, mistral, qwen2, any transformers causal-LM / image-text-to-text model_type with --method "
+            "model_type='no_such_family' is not valid (valid: llava, llava_next, llava_onevision, "
+            "qwen2_vl, "
+            "qwen2_5_vl, idefics3, llama, mistral, qwen2, any transformers causal-LM / image-text-to-text model_type with --method "
             "trace)")):
         load_config(str(path))
 
@@ -221,8 +223,8 @@ def _cli(*argv) -> subprocess.CompletedProcess:
      "does not support it (valid: eager)"),
     ("mixtral", ["--precision", "fp32"], "error: model='{path}': its training step cannot run "
      "under fake tensors (RuntimeError: Expected inputs of BF16 type"),
-    (None, [], "error: model_type='no_such_family' is not valid (valid: llava, llava_next, "
-     "qwen2_vl, qwen2_5_vl, llama, mistral, qwen2, any transformers causal-LM"),
+    (None, [], "error: model_type='no_such_family' is not valid (valid: llava, llava_next, llava_onevision, "
+     "qwen2_vl, qwen2_5_vl, idefics3, llama, mistral, qwen2, any transformers causal-LM"),
 ])
 def test_cli_one_line_exit_2(family, argv, message, tmp_path):
     """A fresh process, real tiers: exit 2 and exactly one line on stderr (no torch log)."""

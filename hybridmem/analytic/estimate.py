@@ -15,8 +15,10 @@ from functools import lru_cache
 
 from hybridmem.adapters import peft_type
 from hybridmem.analytic import activations as A, qwen_vl_acts as QA, text_acts as TA
+from hybridmem.analytic import gemma3_acts as GA
 from hybridmem.analytic import vision_acts as VA
 from hybridmem.analytic.alloc import t
+from hybridmem.job.images import SPLIT_FAMILIES
 from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.analytic.reserved import (
     FROM_GPU, allocator_extras, bounded, capacity_notes, capacity_source, gpu_capacity,
@@ -100,6 +102,7 @@ FORMULAS = {
     "projector": VA.projector, "vision_embeddings": VA.vision_embeddings,
     "qwen_vision_block": QA.vision_block, "qwen_patch_embed": QA.patch_embed,
     "qwen_vision_rotary": QA.vision_rotary, "patch_merger": QA.patch_merger,
+    "gemma3_projector": GA.mm_projector, "pixel_shuffle_projector": GA.pixel_shuffle_projector,
 }
 
 
@@ -228,6 +231,9 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
         emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
         pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
         out += t(graph.vision_batch * emb["channels"] * emb["side"] ** 2, pix)
+    if graph.vision_batch and graph.model_type in SPLIT_FAMILIES:
+        # Idefics3's bool pixel_attention_mask (crops, tile, tile), `job.images.pixel_inputs`
+        out += t(graph.vision_batch * emb["side"] ** 2, 1)
     patches = next((l.dims for m, l in graph.layers() if l.kind == "qwen_patch_embed"), None)
     if patches and graph.image_tokens:
         # Qwen-VL (job.images.pixel_inputs): pixel patches in the model dtype, image_grid_thw

@@ -52,6 +52,14 @@ def layernorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     forward returns (the LayerNorm's saved input is a view of that same last hidden state)."""
     d = layer.dims
     N = d["n"] * d["t"]
+    if layer.name == "post_layernorm" and d.get("feeds") and layer.runs:
+        # Gemma 3: a LayerNorm on the path, its output (`last_hidden_state`) held by
+        # `image_outputs` until the forward returns
+        held = t(N * d["h"], c.stream)
+        if not (need_in or need_w):
+            return Acts(held=held)
+        return Acts(saved=t(N * d["h"], c.stream) + 2 * t(N, FP32), held=held,
+                    bwd_extra=2 * t(N * d["h"], c.stream))
     if layer.name == "post_layernorm":
         if not layer.runs:
             return Acts()

@@ -9,11 +9,18 @@ counting list outputs two different ways, or a closed form) and to check them ag
 Per family (transformers 5.24 modeling / image-processing code):
 - `llava`, `llava_next`: `hybridmem.models.llava.image_layout` (CLS dropped under `default`,
   anyres tiles + base crop, unpadding, one newline per row);
+- `llava_onevision`: LLaVA-NeXT's rule, then the anyres_max_N downsampling of the tile grid
+  (`hybridmem.models.llava.onevision_layout`);
 - `qwen2_vl`, `qwen2_5_vl` (native dynamic resolution): the image is resized by
   `image_processing_qwen2_vl.smart_resize` to multiples of patch_size x merge_size within
   [min_pixels, max_pixels]; grid_thw = (1, H/14, W/14) (one temporal patch: the image is
   repeated to `temporal_patch_size` frames); the PatchMerger turns every merge_size^2
   patches into one LM token;
+- `idefics3`: the processor resizes the longest edge to `size.longest_edge` (here:
+  `image_size`; default 4 x the vision tile, the processors' `size`), rounds it up to whole
+  tiles of `vision_config.image_size`, splits them and adds the global image (one image if
+  it is one tile); each tile becomes (tile / patch)² / scale_factor² tokens after the pixel
+  shuffle (`processing_idefics3` `image_seq_len`);
 - `gemma3`: `Gemma3MultiModalProjector` pools every image to `mm_tokens_per_image` soft tokens
   (the SigLIP tower always sees `vision_config.image_size`; the processor resizes to it).
 
@@ -29,9 +36,13 @@ from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
 
-IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
-"""model_types whose batches carry images (else: text-only); `gemma3` has a rule below but its
-batch inputs are not checked yet (docs/vlm-families.md)."""
+SPLIT_FAMILIES: tuple[str, ...] = ("idefics3",)
+"""Image splitting into vision-size tiles + a global image, pixel shuffle. SmolVLM shares the
+rule but not yet the trace (its meta trace with images stops in a `nonzero`, not located yet):
+it stays on text-only batches (docs/vlm-families.md)."""
+IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
+                                   "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES
+"""model_types whose batches carry images (else: text-only)."""
 GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
 
@@ -92,6 +103,11 @@ class ImagePlan:
         """Qwen-VL: patches of one image in the vision tower's packed sequence."""
         return math.prod(self.grid)
 
+    @property
+    def crops(self) -> int:
+        """Idefics3 / SmolVLM: tiles + global image per image (`grid[1]`; grid[0] stays 0)."""
+        return self.grid[1]
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int = QWEN_MIN_PIXELS,
                  max_pixels: int = QWEN_MAX_PIXELS) -> tuple[int, int]:
@@ -121,6 +137,22 @@ def _qwen_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
     return ImagePlan(cfg.model_type, tokens=grid[1] * grid[2] // (m * m), size=(h, w), grid=grid)
 
 
+SPLIT_DEFAULT_TILES = 4
+"""Idefics3ImageProcessor `size = {"longest_edge": 4 * 364}` with `max_image_size` 364 (the
+vision tile); SmolVLM's processors likewise use 4 x their tile."""
+
+
+def _split_plan(cfg, side: int | None) -> ImagePlan:
+    vc = cfg.vision_config
+    tile = vc.image_size
+    side = side or SPLIT_DEFAULT_TILES * tile
+    per_side = -(-side // tile)  # resize_for_vision_encoder: ceil to whole tiles
+    crops = per_side * per_side + (1 if per_side > 1 else 0)  # + the global image
+    per_tile = (tile // vc.patch_size) ** 2 // cfg.scale_factor ** 2
+    return ImagePlan(cfg.model_type, tokens=crops * per_tile, size=(side, side),
+                     grid=(0, crops, per_tile))
+
+
 def image_plan(cfg, image_size: object = None) -> ImagePlan:
     """The family's rule: tokens per image (and what the tower sees) at `image_size`."""
     mt = cfg.model_type
@@ -131,13 +163,15 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
         raise SpecError("image_size", image_size, reason=f"HxW needs a native-resolution family "
                         f"({', '.join(GRID_FAMILIES)}); {mt} takes a square side")
     side = None if hw is None else hw[0]
-    if mt in ("llava", "llava_next"):
+    if mt in ("llava", "llava_next", "llava_onevision"):
         from hybridmem.models.llava import image_layout
 
         layout = image_layout(cfg, side)
         native = cfg.vision_config.image_size
         s = side or native
         return ImagePlan(mt, tokens=layout.tokens, size=(s, s), layout=layout)
+    if mt in SPLIT_FAMILIES:
+        return _split_plan(cfg, side)
     if mt == "gemma3":
         native = cfg.vision_config.image_size
         if side is not None and side != native:
@@ -192,7 +226,15 @@ def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
                 "image_grid_thw": torch.tensor([list(plan.grid)] * n_images, dtype=torch.long,
                                                device="cpu" if host_shapes else device)}
     side = plan.size[0]
-    if mt == "llava_next":
+    if mt in SPLIT_FAMILIES:
+        # Idefics3ImageProcessor: (images, tiles + global, C, tile, tile) and the bool
+        # pixel_attention_mask; ones, not zeros: the model drops all-zero (padding) images
+        tile = config.vision_config.image_size
+        return {"pixel_values": torch.ones(n_images, plan.crops, 3, tile, tile, dtype=dtype,
+                                           device=device),
+                "pixel_attention_mask": torch.ones(n_images, plan.crops, tile, tile,
+                                                   dtype=torch.bool, device=device)}
+    if mt in ("llava_next", "llava_onevision"):  # (images, crops, C, H, W) + image_sizes
         native = config.vision_config.image_size
         return {"pixel_values": torch.zeros(n_images, plan.layout.crops, 3, native, native,
                                             dtype=dtype, device=device),
@@ -222,4 +264,11 @@ def text_inputs(config, batch: int, seq_len: int, image_tokens: int, device=None
             tt = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
             tt[:, 1:1 + image_tokens] = 1
             out["mm_token_type_ids"] = tt
+        if config.model_type == "gemma3":
+            # processing_gemma3 returns `token_type_ids` (1 at image tokens) for training:
+            # Gemma3Model builds the bidirectional-over-images masks from it
+            # (`create_masks_for_vision_model`)
+            tt = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+            tt[:, 1:1 + image_tokens] = 1
+            out["token_type_ids"] = tt
     return {**out, "input_ids": ids, "labels": labels}

@@ -14,7 +14,8 @@ from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.job.images import ImagePlan, check_seq_len, image_plan
-from hybridmem.models import qwen_vl
+from hybridmem.job.images import SPLIT_FAMILIES
+from hybridmem.models import idefics3, qwen_vl
 from hybridmem.models.llava import ImageLayout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
@@ -68,6 +69,9 @@ def part_of(name: str) -> str:
     return "language_model"
 
 
+ANYRES_TYPES: tuple[str, ...] = ("llava_next", "llava_onevision")
+"""Tiles + base crop concatenated into one pixel tensor, packed features, `image_newline`."""
+
 DECODER_TRAINS: tuple[str, ...] = ("full", "lora", "peft")
 LORA_FP32 = 4  # PEFT `autocast_adapter_dtype=True` (default) keeps adapters in float32
 # LoRA goes on language-model linears only, as LLaVA's `find_all_linear_names` does (it skips
@@ -101,7 +105,7 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
     runs = images > 0
     vision = tuple(replace(layer, runs=runs)
                    for layer in vision_layers(vc, cfg.vision_feature_layer, n_crops))
-    if cfg.model_type == "llava_next":  # crops are concatenated into a new pixel tensor
+    if cfg.model_type in ANYRES_TYPES:  # crops are concatenated into a new pixel tensor
         vision = (replace(vision[0], dims={**vision[0].dims, "anyres": True}),) + vision[1:]
     d_in = vc.hidden_size * num_feature_layers(cfg)
     bias = bool(getattr(cfg, "multimodal_projector_bias", True))
@@ -110,12 +114,12 @@ def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayou
                       dims=dict(n=n_crops, t=layout.features_per_crop, d_in=d_in, h=th,
                                 act=cfg.projector_hidden_act,
                                 packed=(spec.micro_batch * images * layout.tokens
-                                        if cfg.model_type == "llava_next" else 0)))
+                                        if cfg.model_type in ANYRES_TYPES else 0)))
     modules = [Module(name="vision_tower", prefix="model.vision_tower", layers=vision),
                Module(name="multi_modal_projector", prefix="model.multi_modal_projector",
                       layers=(projector,))]
-    if cfg.model_type == "llava_next":
-        # modeling_llava_next.LlavaNextModel: `self.image_newline = nn.Parameter(hidden)`
+    if cfg.model_type in ANYRES_TYPES:
+        # modeling_llava_next.LlavaNextModel, LlavaOnevisionModel:
         modules.append(Module(name="image_newline", prefix="model", layers=(
             Layer(name="image_newline", kind="image_newline", params=(T("image_newline", (th,)),),
                   runs=runs, dims=dict(n=spec.micro_batch * images * layout.newlines, h=th)),)))
@@ -266,9 +270,16 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         check_seq_len(spec.seq_len, images, plan)
         plan_grid = bool(plan.grid[0])
         layout = plan.layout or ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)
-        modules = (_qwen_vl_modules(cfg, spec, images, plan) if plan.grid[0]
-                   else _multimodal_modules(cfg, spec, images, layout))
-        lm, head = _decoder_modules(cfg, spec, "model.language_model")
+        if plan.grid[0]:
+            modules = _qwen_vl_modules(cfg, spec, images, plan)
+        elif cfg.model_type in SPLIT_FAMILIES:  # tiles + global image, pixel shuffle
+            modules = idefics3.vision_modules(cfg, spec.micro_batch * images * plan.crops,
+                                              runs=images > 0)
+            layout = ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
+        else:
+            modules = _multimodal_modules(cfg, spec, images, layout)
+        lm, head = _decoder_modules(cfg, spec, "model.text_model" if cfg.model_type
+                                    in SPLIT_FAMILIES else "model.language_model")
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)
     tc = getattr(cfg, "text_config", cfg)

@@ -90,8 +90,40 @@ def llava_next_layout(cfg, image_size: int) -> ImageLayout:
                        newlines=rows)
 
 
+def anyres_max(cfg) -> int | None:
+    """OneVision's `vision_aspect_ratio` "anyres_max_N": at most ~N crops' worth of tile features
+    (`int(vision_aspect_ratio.strip("anyres_max_"))`, modeling_llava_onevision.py)."""
+    ratio = getattr(cfg, "vision_aspect_ratio", None)
+    if not ratio:
+        return None
+    if not ratio.startswith("anyres_max_") or not ratio[len("anyres_max_"):].isdigit():
+        raise SpecError("vision_aspect_ratio", ratio, ("anyres_max_<N>",))
+    return int(ratio[len("anyres_max_"):])
+
+
+def onevision_layout(cfg, image_size: int) -> ImageLayout:
+    """LLaVA-OneVision (`LlavaOnevisionModel.pack_image_features`): LLaVA-NeXT's anyres tiles,
+    unpadded; if the unpadded grid exceeds 1.1 x sqrt(N) crops' worth (anyres_max_N), it is
+    bilinearly downsampled to `int(rows // ratio) x int(cols // ratio)`; one newline per row;
+    the base crop's features first. The processor counts the same
+    (`processing_llava_onevision._get_unpadded_features`)."""
+    import math
+
+    vc = cfg.vision_config
+    side = patches_per_side(vc, vc.image_size)
+    nxt = llava_next_layout(cfg, image_size)
+    rows, cols = nxt.newlines, (nxt.tokens - nxt.features_per_crop) // nxt.newlines - 1
+    ratio = math.sqrt(rows * cols / (anyres_max(cfg) * side ** 2))
+    if ratio > 1.1:
+        rows, cols = int(rows // ratio), int(cols // ratio)
+    return ImageLayout(crops=nxt.crops, features_per_crop=nxt.features_per_crop,
+                       tokens=nxt.features_per_crop + rows * (cols + 1), newlines=rows)
+
+
 def image_layout(cfg, image_size: int | None) -> ImageLayout:
     size = cfg.vision_config.image_size if image_size is None else image_size
+    if cfg.model_type == "llava_onevision":
+        return onevision_layout(cfg, size)
     if cfg.model_type == "llava_next":
         return llava_next_layout(cfg, size)
     return llava_layout(cfg, size)

@@ -51,8 +51,11 @@ def last_used_hidden_state(feature_layer: int | list[int], num_layers: int) -> i
     return max(k if k >= 0 else num_layers + 1 + k for k in layers)
 
 
-def vision_layers(vc, feature_layer: int | list[int], n_crops: int) -> tuple[Layer, ...]:
-    """The tower's layers, with which of them reach the LLaVA feature (on_grad_path)."""
+def vision_layers(vc, feature_layer: int | list[int], n_crops: int,
+                  post_norm_feeds: bool = False) -> tuple[Layer, ...]:
+    """The tower's layers, with which of them reach the LLaVA feature (on_grad_path).
+    `post_norm_feeds`: the model reads `last_hidden_state` (after `post_layernorm`), as
+    Gemma 3's projector does (`Gemma3Model.get_image_features`), not a hidden state."""
     h, heads, f = vc.hidden_size, vc.num_attention_heads, vc.intermediate_size
     side = patches_per_side(vc, vc.image_size)
     t = tokens_per_crop(vc)
@@ -79,7 +82,7 @@ def vision_layers(vc, feature_layer: int | list[int], n_crops: int) -> tuple[Lay
                             dims=dict(base, heads=heads, head_dim=h // heads, ffn=f,
                                       act=vc.hidden_act)))
     layers.append(Layer(name="post_layernorm", kind="layernorm", params=_ln("post_layernorm", h),
-                        on_grad_path=False, dims=base))
+                        on_grad_path=post_norm_feeds, dims=dict(base, feeds=post_norm_feeds)))
     if not clip and getattr(vc, "vision_use_head", True):
         head = ((T("head.probe", (1, 1, h)), T("head.attention.in_proj_weight", (3 * h, h)),
                  T("head.attention.in_proj_bias", (3 * h,)))

@@ -65,10 +65,14 @@ def patched_model_checks():
     """
     from transformers import masking_utils, modeling_utils
     from transformers.models.llava import modeling_llava
+    from transformers.models.gemma3 import modeling_gemma3
     from transformers.models.llava_next import modeling_llava_next
+    from transformers.models.llava_onevision import modeling_llava_onevision
 
     patches = [(modeling_llava, "torch_compilable_check", lambda *a, **k: None),
                (modeling_llava_next, "torch_compilable_check", lambda *a, **k: None),
+               (modeling_gemma3, "torch_compilable_check", lambda *a, **k: None),
+               (modeling_llava_onevision, "torch_compilable_check", lambda *a, **k: None),
                (masking_utils, "find_packed_sequence_indices", _no_packed_sequences),
                (modeling_utils.PreTrainedModel, "warn_if_padding_and_no_attention_mask",
                 lambda *a, **k: None)]
@@ -126,6 +130,12 @@ def _as_cpu_flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
                   scale=None, enable_gqa=False):
     if dropout_p or query.dim() != 4 or not query.is_meta:
         return None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # attention.cpp `convert_boolean_attn_mask` (every backend, before the kernel choice):
+        # an additive mask in the query dtype, `at::where(mask, 0.0, scalar_tensor(-inf))`,
+        # materialised over the mask's broadcast shape (Gemma 3's sliding / image masks)
+        attn_mask = torch.where(attn_mask, 0.0, torch.scalar_tensor(
+            float("-inf"), dtype=query.dtype, device=attn_mask.device))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
@@ -213,6 +223,77 @@ def grid_helpers_on_meta():
                     self.rope_deltas = torch.empty(b, 1, dtype=torch.long, device="meta")
                     return torch.empty(3, b, s, dtype=torch.long, device="meta")
                 patch(cls, "compute_3d_position_ids", positions)
+    try:
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            setattr(obj, name, old)
+
+
+# Idefics3 modules whose `get_image_features` drops all-zero padding images by boolean
+# indexing and splits the features by `.tolist()` counts (data-dependent on meta)
+SPLIT_IMAGE_MODULES = ("transformers.models.idefics3.modeling_idefics3",)
+
+
+class _AllImagesReal(TorchFunctionMode):
+    """`x[real_images_inds]` with a bool row index on meta -> a copy of every row (the index
+    op's new tensor: the batch has no padding images, `job.images.pixel_inputs`);
+    `.tolist()` of the per-sample real-image counts -> `images` each."""
+
+    def __init__(self, images: int):
+        super().__init__()
+        self.images = images
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            x, idx = args
+            if (isinstance(idx, torch.Tensor) and idx.dtype == torch.bool and idx.is_meta
+                    and idx.dim() == 1 and idx.shape[0] == x.shape[0]):
+                return x.clone()
+        if func is torch.Tensor.tolist and args[0].is_meta and args[0].dim() == 1:
+            return [self.images] * args[0].shape[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def split_images_on_meta():
+    """Run Idefics3's image path on meta tensors with the shapes a CUDA run has:
+    every image of the batch is real (the one rule's pixel inputs are ones, never a padding
+    image), so the boolean selection keeps all rows (as a copy) and each sample keeps its
+    images; the placeholder count check is a no-op (the batch has the rule's image tokens)."""
+    import functools
+    import importlib
+
+    saved = []
+    for mod_name in SPLIT_IMAGE_MODULES:
+        mod = importlib.import_module(mod_name)
+        for cls in vars(mod).values():
+            if isinstance(cls, type) and "get_image_features" in vars(cls) and \
+                    "inputs_merger" in vars(cls):
+                orig = cls.get_image_features
+
+                @functools.wraps(orig)
+                def features(self, pixel_values, *a, _f=orig, **k):
+                    with _AllImagesReal(pixel_values.shape[1]):
+                        return _f(self, pixel_values, *a, **k)
+                saved.append((cls, "get_image_features", orig))
+                cls.get_image_features = features
+        if hasattr(mod, "torch_compilable_check"):
+            saved.append((mod, "torch_compilable_check", mod.torch_compilable_check))
+            mod.torch_compilable_check = lambda *a, **k: None
+    # the vision encoder's `create_bidirectional_mask` skips the mask when the patch mask is
+    # all True (`_ignore_bidirectional_mask_sdpa`: `padding_mask.all()`), as it is for whole
+    # tiles: answer that without reading a meta tensor's values
+    from transformers import masking_utils
+
+    skip = masking_utils._ignore_bidirectional_mask_sdpa
+
+    def ignore(padding_mask, *a, _f=skip, **k):
+        meta = isinstance(padding_mask, torch.Tensor) and padding_mask.is_meta
+        return _f(None if meta else padding_mask, *a, **k)
+    saved.append((masking_utils, "_ignore_bidirectional_mask_sdpa", skip))
+    masking_utils._ignore_bidirectional_mask_sdpa = ignore
     try:
         yield
     finally:
