@@ -169,6 +169,10 @@ class TrainingSpec:
     optimizer_in_backward: bool = False
     """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
     `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
+    offload_activations: str = "none"
+    """Saved activations kept in host memory (`hybridmem.job.offload`): `all` (TRL
+    `activation_offloading`, the whole step) or `ckpt-inputs` (transformers' checkpointing
+    `offload=True`: the checkpointed layers' inputs); `none` keeps them on the GPU."""
     peft_config: str | None = None
     """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
     `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
@@ -227,6 +231,8 @@ class TrainingSpec:
             raise SpecError("optimizer_in_backward", self.optimizer_in_backward, [True, False])
         from hybridmem.job import optim_in_backward  # its clashes, stated once there
         optim_in_backward.check(self)
+        from hybridmem.job import offload  # likewise
+        offload.check(self)
         if self.train == "peft" and not self.peft_config:
             raise SpecError("peft_config", self.peft_config,
                             reason="train='peft' needs a PEFT adapter config (--peft-config FILE)")
@@ -279,7 +285,7 @@ class TrainingSpec:
 ADDED_DEFAULTS: dict[str, object] = {
     "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1, "peft_config": None,
     "empty_cache_steps": 0, "grad_ckpt_policy": "full",
-    "optimizer_in_backward": False,
+    "optimizer_in_backward": False, "offload_activations": "none",
     "use_dora": False, "use_rslora": False, "modules_to_save": (),
 }
 

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hybridmem.errors import SpecError
 from hybridmem.job.checkpointing import enable_checkpointing
-from hybridmem.job import optim_in_backward
+from hybridmem.job import offload, optim_in_backward
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
@@ -64,6 +64,10 @@ class Job:
     """The output object `loop="custom"` holds (the last forward's), else None."""
     notes: list[str] = field(default_factory=list)
     """What the build decided that the user should read (text-only batch, LoRA targets)."""
+    copies: offload.Copies | None = None
+    """Host / device copies of offloaded activations (`spec.offload_activations`), else None."""
+    offloader: offload.Offload | None = None
+    """TRL's offloading hooks around each forward + backward (`offload_activations="all"`)."""
 
 
 def _master_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -80,6 +84,10 @@ def prepare(spec: TrainingSpec, config) -> Job:
         model = build.add_adapters(model, spec)
     if spec.grad_ckpt:
         enable_checkpointing(model, spec)
+    copies = offload.Copies() if spec.offload_activations != "none" else None
+    if spec.offload_activations == "ckpt-inputs":  # save_on_cpu around each checkpoint call
+        offload.enable_ckpt_offload(model, lambda: offload.SaveOnHost(copies.to_host,
+                                                                      copies.to_device))
     # peft's LoRA-FA factory freezes every lora_A: built before the trainable params are taken
     lorafa = make_lorafa(model, spec.lora) if spec.optimizer == "lora-fa" else None
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -94,7 +102,11 @@ def prepare(spec: TrainingSpec, config) -> Job:
                                                                      masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
-    job = Job(model, optimizer, batch, trainable, masters, image_tokens)
+    job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
+    if spec.offload_activations == "all":  # TRL get_act_offloading_ctx_manager(model)
+        job.offloader = offload.Offload(copies.to_host, copies.to_device,
+                                        params=[*model.parameters(), *model.buffers()])
+        offload.keep_head(model).__enter__()  # hooks stay for the model's life, as in TRL
     job.notes.extend(batch_notes(spec, config))
     if spec.train == "lora" and not is_analytic(config.model_type):
         job.notes.append(f"lora: adapters on {', '.join(spec.lora.targets)}")
@@ -226,6 +238,14 @@ def _micro_step(job: Job, spec: TrainingSpec, tracker: StorageTracker, it: int, 
     `job.outputs` (the previous micro-step's) only once the new forward has returned.
     `empty_cache` marks `torch.cuda.empty_cache()` between the forward and the backward
     (`Trainer.training_step`: after `compute_loss`, before the loss is divided)."""
+    with job.offloader if job.offloader is not None else contextlib.nullcontext():
+        _forward_backward(job, spec, tracker, it, micro, workspace, empty_cache)
+
+
+def _forward_backward(job: Job, spec: TrainingSpec, tracker: StorageTracker, it: int,
+                      micro: int, workspace: int, empty_cache: bool) -> None:
+    """`_micro_step`'s body (inside TRL's offloading context when it is on: SFTTrainer wraps
+    the whole `training_step`, forward and backward)."""
     first = it == 0 and micro == 0
     tracker.mark("forward", it)
     if workspace and first:
@@ -266,6 +286,8 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
     """
     if isinstance(job.optimizer, optim_in_backward.InBackward):
         _label_in_backward(job, spec, tracker)
+    if job.copies is not None:  # a tensor brought back from the host is an activation
+        job.copies.label = lambda t: tracker.label(t, "activation")
     for it in range(iterations):
         where = empty_cache_at(spec, it)
         for micro in range(spec.grad_accum):
