@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hybridmem.adapters import peft_type
-from hybridmem.analytic import activations as A, text_acts as TA, vision_acts as VA
+from hybridmem.analytic import activations as A, offloaded, text_acts as TA, vision_acts as VA
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.analytic.reserved import (
@@ -271,7 +271,7 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
         raise SpecError("train", "peft", reason=f"{peft_type(spec)} adapters have no closed "
                         "form here; use --method trace")
     graph = build_graph(spec)
-    priced = price(graph, spec)
+    priced = offloaded.apply(price(graph, spec), spec)  # activation offloading (job.offload)
     stepped = [s for p in priced for s in p.states.stepped]
     if not stepped:
         raise SpecError("train", spec.train, reason="no parameter receives a gradient "

@@ -76,6 +76,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
+                shared=t(B * h, FP32) * (int(need_in) + 1),  # both norms' fp32 inputs
                 bwd_extra=2 * t(B * h, sb) + attn_bwd, mlp_saved=sv.total - attn_part,
                 bwd_mlp=t(B * h, sb) + mlp_bwd,
                 fwd_parts=fwd_parts,
