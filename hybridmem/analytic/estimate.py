@@ -364,7 +364,8 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
                   device_bytes=reserved + CUDA_CONTEXT_DEFAULT + paged, phase=top.phase,
                   iteration=top.iteration),
         breakdown=breakdown, modules=modules, paged_bytes=paged,
-        notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + tuple(
+        notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + offloaded.notes(priced, spec)
+        + tuple(
             capacity_notes(fit, allocated, capacity_source(gpu) if capacity == FROM_GPU
                            else "as given")),
         extras={"analytic": {

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.timeline import Step
-from hybridmem.job.offload import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE
+from hybridmem.job.offload import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, STUCK
 
 # One backward node saves up to 5 tensors (SDPA: q, k, v, out, logsumexp; derivatives.yaml);
 # two nodes' worth are on the GPU at once (trl activation_offloading.py: `prev_node_ids` are
@@ -67,14 +67,17 @@ def _step(s: Step, mode: str, norm_input: int = 0) -> Step:
         if a.ckpt_saved < MIN_OFFLOAD_SIZE and mode == "all":
             return s
         back = a.ckpt_saved
-        return replace(s, acts=replace(a, ckpt_saved=0, bwd_extra=a.bwd_extra + back,
-                                       bwd_mlp=a.bwd_mlp + back if a.bwd_mlp else 0))
+        return replace(s, acts=replace(
+            a, ckpt_saved=0, bwd_extra=a.bwd_extra + back, bwd_parts=(*a.bwd_parts, back),
+            bwd_mlp=a.bwd_mlp + back if a.bwd_mlp else 0,
+            bwd_mlp_parts=(*a.bwd_mlp_parts, back) if a.bwd_mlp else a.bwd_mlp_parts))
     if mode != "all":
         return s
     parts = list(a.parts) or [a.saved]
     rest = a.saved - sum(parts)  # bytes not listed: one tensor
     if rest:
         parts.append(rest)
+    kept = list(parts)
     for _ in range(a.shared // norm_input if norm_input else 0):  # kept by TRL's dedup
         if norm_input in parts:
             parts.remove(norm_input)
@@ -83,7 +86,24 @@ def _step(s: Step, mode: str, norm_input: int = 0) -> Step:
     cache = min(a.cache, sum(off))  # autocast's cached copies: on the GPU until forward end
     fwd = _window(off, MAX_FWD_STASH_SIZE)
     bwd = _window(off, BWD_IN_FLIGHT)
-    acts = replace(a, saved=stay, mlp_saved=min(a.mlp_saved, stay),
-                   fwd_extra=a.fwd_extra + fwd, bwd_extra=a.bwd_extra + bwd,
-                   bwd_mlp=a.bwd_mlp + bwd if a.bwd_mlp else 0)
+    for x in off:  # in place, as 0: events.py reads parts[0] as the weight copies
+        kept[kept.index(x)] = 0
+    # the allocator replay (events.py) sees the kept parts, the in-flight runs as one tensor each
+    acts = replace(a, saved=stay, mlp_saved=min(a.mlp_saved, stay), parts=tuple(kept),
+                   fwd_extra=a.fwd_extra + fwd, fwd_parts=(*a.fwd_parts, fwd),
+                   bwd_extra=a.bwd_extra + bwd, bwd_parts=(*a.bwd_parts, bwd),
+                   bwd_mlp=a.bwd_mlp + bwd if a.bwd_mlp else 0,
+                   bwd_mlp_parts=(*a.bwd_mlp_parts, bwd) if a.bwd_mlp else a.bwd_mlp_parts)
     return replace(s, acts=acts, fwd_only=cache)
+
+
+def notes(priced: list, spec) -> tuple[str, ...]:
+    """What the user should read about offloading in this spec."""
+    if spec.offload_activations == "none":
+        return ()
+    out = [f"offload {spec.offload_activations}: saved activations in pinned host memory "
+           "(not counted here; hybridmem.job.offload)"]
+    if spec.offload_activations == "all" and any(
+            not p.step.on_path and p.step.acts.saved for p in priced):
+        out.append(STUCK + "not priced by the analytic tier: use --method trace")
+    return tuple(out)

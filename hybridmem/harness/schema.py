@@ -42,6 +42,7 @@ ADDED_COLUMNS: dict[str, object] = {
     "empty_cache_steps": 0,  # torch.cuda.empty_cache() cadence (spec.empty_cache_steps)
     "grad_ckpt_policy": "full",  # which layers --grad-ckpt checkpoints (spec.grad_ckpt_policy)
     "optimizer_in_backward": False,  # spec.optimizer_in_backward (docs/savers.md)
+    "offload_activations": "none",  # spec.offload_activations (docs/savers.md)
     # imported (published) measurements, issue 10; empty / null in collect's rows
     "measurement_id": "", "excluded_reason": "", "group": "", "experiment": "",
     "seq_len_kind": "exact", "published_value_bytes": None, "published_metric": "",
@@ -85,6 +86,7 @@ COLUMNS: dict[str, str] = {
     "empty_cache_steps": "int64",
     "grad_ckpt_policy": "string",
     "optimizer_in_backward": "bool",
+    "offload_activations": "string",
     "params_total": "Int64",
     "params_trainable": "Int64",
     "param_bytes": "Int64",

@@ -55,6 +55,7 @@ AXES: dict[str, list] = {
     "grad_accum": [1],  # micro-steps per optimizer step
     "empty_cache_steps": [0],  # torch.cuda.empty_cache() every N steps (spec.empty_cache_at); 0 = never
     "optimizer_in_backward": [False],  # step per parameter in backward (job.optim_in_backward)
+    "offload_activations": ["none"],  # saved activations on the host (job.offload.MODES)
 }
 BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority",
                                "parallel") + tuple(AXES)
@@ -64,7 +65,7 @@ SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
 SPEC_AXES = ("micro_batch", "seq_len", "images_per_sample", "precision", "optimizer", "train",
              "attn", "grad_ckpt", "loop", "max_grad_norm", "grad_accum", "empty_cache_steps",
-             "optimizer_in_backward")
+             "optimizer_in_backward", "offload_activations")
 """Axes that are `TrainingSpec` fields of the same name (validated by the spec itself)."""
 
 
@@ -124,7 +125,10 @@ def _check_value(where: str, axis: str, value: object) -> None:
         if axis in ("gqa", "grad_ckpt") and not isinstance(value, bool):
             raise SpecError(axis, value, (True, False), reason="must be true or false")
         if axis in SPEC_AXES or (axis == "image_size" and value != 0):  # 0 = native size
-            TrainingSpec(model="x", **{axis: value})
+            # ckpt-inputs needs checkpointing: the value alone is checked with it on (the
+            # combination is checked when the spec is built)
+            TrainingSpec(model="x", **{axis: value},
+                         **({"grad_ckpt": True} if axis == "offload_activations" else {}))
         elif axis == "lora_r":
             LoraSpec(r=value)
         elif axis == "world_size":
@@ -193,7 +197,8 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         attn=combo["attn"], grad_ckpt=combo["grad_ckpt"], loop=combo["loop"],
         max_grad_norm=float(combo["max_grad_norm"]), grad_accum=combo["grad_accum"],
         empty_cache_steps=combo["empty_cache_steps"],
-        optimizer_in_backward=combo["optimizer_in_backward"], parallel=_parallel(combo, knobs or {}, where))
+        optimizer_in_backward=combo["optimizer_in_backward"],
+        offload_activations=combo["offload_activations"], parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
     runnable = spec.with_(model=_materialize(cfg))
     tokens = _image_tokens(runnable)

@@ -41,6 +41,8 @@ class Job:
     """A DeepSpeed engine (ZeRO): it runs backward and the step itself."""
     outputs: object | None = None
     """The output object `loop="custom"` holds: the last forward's, until the next returns."""
+    offload: object | None = None
+    """TRL's activation-offloading context (`spec.offload_activations == "all"`), else None."""
 
 
 def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
@@ -180,6 +182,13 @@ def build_trainable(spec: TrainingSpec, config, device,
     if spec.grad_ckpt:
         from hybridmem.job.checkpointing import enable_checkpointing
         enable_checkpointing(model, spec)  # the trace tier's call, incl. --grad-ckpt-policy
+        if spec.offload_activations == "ckpt-inputs" and torch.device(device).type != "cuda":
+            # transformers' save_on_cpu(pin_memory=True) raises without an accelerator (torch
+            # CPU build): the CPU stand-in runs the trace tier's port instead
+            from hybridmem.job import offload
+
+            c = offload.Copies()
+            offload.enable_ckpt_offload(model, lambda: offload.SaveOnHost(c.to_host, c.to_device))
     return model
 
 
@@ -210,7 +219,12 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
         optimizer = lorafa if lorafa is not None else make_optimizer(
             spec.optimizer, masters or params, device=device)
     scaler = torch.amp.GradScaler(device.type) if spec.precision == "fp16-mixed" else None
-    return Job(model, optimizer, batch or {}, params, masters, scaler)
+    job = Job(model, optimizer, batch or {}, params, masters, scaler)
+    if spec.offload_activations == "all":  # SFTTrainer's get_act_offloading_ctx_manager
+        from hybridmem.job import offload
+
+        job.offload = offload.offload_context(model, device)
+    return job
 
 
 def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
@@ -223,7 +237,7 @@ def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
 def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor:
     ctx = (torch.autocast(device.type, dtype=AUTOCAST[spec.precision])
            if spec.precision in AUTOCAST else contextlib.nullcontext())
-    with ctx:
+    with ctx, job.offload if job.offload is not None else contextlib.nullcontext():
         return _call(job, spec)
 
 

@@ -48,6 +48,11 @@ MODES: tuple[str, ...] = ("none", "all", "ckpt-inputs")
 MIN_OFFLOAD_SIZE = 1024  # bytes: `min_offload_size`, element_size() * nelement()
 MAX_FWD_STASH_SIZE = 5  # `max_fwd_stash_size`: ids a device copy outlives its offload by
 
+STUCK = ("offload all: saved tensors of a layer whose output is never used (LLaVA's vision "
+         "layers past vision_feature_layer) are packed but never unpacked, so TRL's tracker never "
+         "empties and from the second step on its backward stash is never freed "
+         "(trl/models/activation_offloading.py: is_first_forward_call needs an empty tracker); ")
+
 
 def check(spec) -> None:
     """One-line SpecErrors for the field's value and its clashes."""
@@ -267,3 +272,33 @@ class Copies:
         if self.label is not None:
             self.label(out)
         return out
+
+
+def cuda_copies(device) -> tuple[Callable, Callable]:
+    """TRL's copies on a GPU: pinned host tensor filled non-blocking; back with `.to`."""
+    def to_host(t):
+        h = torch.empty_like(t, pin_memory=True, device="cpu")
+        h.copy_(t, non_blocking=True)
+        return h
+
+    return to_host, lambda h: h.to(device, non_blocking=True)
+
+
+def offload_context(model: nn.Module, device) -> saved_tensors_hooks:
+    """The `all` context the CUDA harness enters around each forward (the packs happen there;
+    each unpack runs the hooks captured at pack time): TRL's own
+    `get_act_offloading_ctx_manager(model)` when `trl` is installed and the device is CUDA,
+    else the port above (CUDA copies, or `Copies` on the CPU stand-in) with the head kept."""
+    if torch.device(device).type == "cuda":
+        try:
+            from trl.models.activation_offloading import get_act_offloading_ctx_manager
+        except ImportError:
+            pass
+        else:
+            return get_act_offloading_ctx_manager(model)
+        to_host, to_device = cuda_copies(device)
+    else:
+        c = Copies()
+        to_host, to_device = c.to_host, c.to_device
+    keep_head(model).__enter__()  # as TRL: the head's hooks stay for the model's life
+    return Offload(to_host, to_device, params=[*model.parameters(), *model.buffers()])

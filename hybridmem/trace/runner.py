@@ -295,6 +295,9 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
         tracker.mark("optimizer", it)
         _optimizer_step(job, spec, tracker, where == "after_step")
     job.outputs = None
+    if job.offloader is not None and job.offloader.tracker:
+        job.notes.append(offload.STUCK + f"{len(job.offloader.tracker)} packed tensors left, "
+                         "priced as TRL runs them")
 
 
 BACKENDS = ("fake", "meta", "real")
