@@ -192,7 +192,7 @@ def test_training_args_checkpointing_gives_the_flags_answer(args, expected):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"offload": True}, "training_args.activation_checkpointing_kwargs.offload"),
+    ({"offload": "yes"}, "training_args.activation_checkpointing_kwargs.offload"),
     ({"every_n_layers": 0}, "training_args.activation_checkpointing_kwargs.every_n_layers"),
 ])
 def test_training_args_checkpointing_bad_kwargs_name_the_field(kwargs, field):
