@@ -173,6 +173,9 @@ class TrainingSpec:
     """Saved activations kept in host memory (`hybridmem.job.offload`): `all` (TRL
     `activation_offloading`, the whole step) or `ckpt-inputs` (transformers' checkpointing
     `offload=True`: the checkpointed layers' inputs); `none` keeps them on the GPU."""
+    packing: bool = False
+    """Padding-free packed batches (TRL `padding_free` / `packing`; `hybridmem.job.packing`):
+    the micro-batch's sequences in one row with restarting position ids, no padding."""
     peft_config: str | None = None
     """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
     `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
@@ -233,6 +236,8 @@ class TrainingSpec:
         optim_in_backward.check(self)
         from hybridmem.job import offload  # likewise
         offload.check(self)
+        from hybridmem.job import packing
+        packing.check(self)
         if self.train == "peft" and not self.peft_config:
             raise SpecError("peft_config", self.peft_config,
                             reason="train='peft' needs a PEFT adapter config (--peft-config FILE)")
@@ -286,6 +291,7 @@ ADDED_DEFAULTS: dict[str, object] = {
     "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1, "peft_config": None,
     "empty_cache_steps": 0, "grad_ckpt_policy": "full",
     "optimizer_in_backward": False, "offload_activations": "none",
+    "packing": False,
     "use_dora": False, "use_rslora": False, "modules_to_save": (),
 }
 

@@ -14,7 +14,10 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hybridmem.adapters import peft_type
-from hybridmem.analytic import activations as A, offloaded, text_acts as TA, vision_acts as VA
+from hybridmem.analytic import (
+    activations as A, offloaded, packed, text_acts as TA, vision_acts as VA,
+)
+from hybridmem.job import packing
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.analytic.reserved import (
@@ -270,8 +273,10 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     if spec.train == "peft":
         raise SpecError("train", "peft", reason=f"{peft_type(spec)} adapters have no closed "
                         "form here; use --method trace")
-    graph = build_graph(spec)
-    priced = offloaded.apply(price(graph, spec), spec)  # activation offloading (job.offload)
+    packing.check_model(spec, spec.images_per_sample or 0)
+    graph = build_graph(packing.one_row(spec) if spec.packing else spec)  # job.packing
+    priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
+    priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)
     stepped = [s for p in priced for s in p.states.stepped]
     if not stepped:
         raise SpecError("train", spec.train, reason="no parameter receives a gradient "
@@ -282,7 +287,8 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     st = Statics(
         param=sum(p.states.param for p in priced), master=master,
         state=sum(p.states.optimizer for p in priced) - master + shared,
-        opt_temp=optimizer_temporary(spec.optimizer, stepped), inputs=batch_bytes(graph, spec),
+        opt_temp=optimizer_temporary(spec.optimizer, stepped),
+        inputs=batch_bytes(graph, spec) + packed.position_ids_bytes(spec),
         workspace_first=ws, workspace=CUBLAS_HANDLES_TRAINING * ws,
         waste_param=sum(p.states.waste_param for p in priced),
         waste_optimizer=sum(p.states.waste_optimizer for p in priced),
@@ -365,6 +371,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
                   iteration=top.iteration),
         breakdown=breakdown, modules=modules, paged_bytes=paged,
         notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + offloaded.notes(priced, spec)
+        + ((packing.note(spec),) if spec.packing else ())
         + tuple(
             capacity_notes(fit, allocated, capacity_source(gpu) if capacity == FROM_GPU
                            else "as given")),

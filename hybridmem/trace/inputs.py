@@ -94,8 +94,11 @@ def tokens_per_image(model: nn.Module, config, pixels: dict) -> int:
 def make_batch(spec: TrainingSpec, config, model: nn.Module,
                dtype: torch.dtype) -> tuple[dict, int]:
     """input_ids, labels (and pixel inputs) of shape (micro_batch, seq_len); image tokens."""
-    b, s = spec.micro_batch, spec.seq_len
+    from hybridmem.job import packing
+
+    b, s = packing.row(spec)  # packed: one row of all the tokens (job.packing)
     n_img = images_per_sample(spec, config)
+    packing.check_model(spec, n_img)
     batch: dict = {}
     n_tok = 0
     if n_img:
@@ -112,4 +115,6 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module,
         ids[:, 1:1 + n_tok] = image_id
         labels[:, 1:1 + n_tok] = IGNORE_INDEX
     batch.update(input_ids=ids, labels=labels)
+    if spec.packing:  # TRL's padding-free collator: position ids restart per sequence
+        batch["position_ids"] = packing.position_ids(spec)
     return batch, n_tok

@@ -344,7 +344,7 @@ def _tensors(backend: str, spec: TrainingSpec):
 def prepared(spec: TrainingSpec, config, backend: str = "fake"):
     """`prepare(spec, config)` on `backend`'s tensors, model checks patched; the job stays usable
     (tensors, emulated autocast) until the block exits."""
-    with _tensors(backend, spec) as amp, corrections.patched_model_checks():
+    with _tensors(backend, spec) as amp, corrections.patched_model_checks(spec.packing):
         job = prepare(spec, config)
         job.amp = amp
         if backend == "meta":
