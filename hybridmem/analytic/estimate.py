@@ -273,8 +273,8 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     if spec.train == "peft":
         raise SpecError("train", "peft", reason=f"{peft_type(spec)} adapters have no closed "
                         "form here; use --method trace")
-    packing.check_model(spec, spec.images_per_sample or 0)
     graph = build_graph(packing.one_row(spec) if spec.packing else spec)  # job.packing
+    packing.check_model(spec, graph.vision_batch)
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
     priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)
     stepped = [s for p in priced for s in p.states.stepped]

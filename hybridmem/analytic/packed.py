@@ -11,6 +11,9 @@ formulas. On top (transformers 5.x masking_utils.py `sdpa_mask` with a packed-se
   0, -inf)`) and saves that for backward: L x L x compute-dtype bytes per layer (measured so
   on CPU, trace == real run; on CUDA the mem-efficient kernel takes the same converted bias —
   not checked on a GPU);
+- sdpa with a mask and GQA: transformers' `use_gqa_in_sdpa` (integrations/sdpa_attention.py)
+  needs `attention_mask is None` on CUDA, so `repeat_kv` expands k and v to all query heads
+  and SDPA saves those copies: per layer 2 x L x (heads - kv_heads) x head_dim more bytes;
 - eager: the float mask the unpacked one-row graph already has (eager always materialises it);
 - flash_attention_2: nothing (varlen over cu_seqlens).
 """
@@ -38,12 +41,15 @@ def apply(priced: list, spec, compute_bytes: int) -> list:
     for p in priced:
         s = p.step
         if p.layer.kind == "decoder_layer" and s.on_path and s.acts.saved:
+            d = p.layer.dims
+            extra = bias + 2 * (t(L * d["heads"] * d["head_dim"], compute_bytes)
+                                - t(L * d["kv_heads"] * d["head_dim"], compute_bytes))
             a = s.acts
             if s.ckpt:  # saved only inside the recompute
-                a = replace(a, bwd_extra=a.bwd_extra + bias, bwd_parts=(*a.bwd_parts, bias),
-                            bwd_mlp=a.bwd_mlp + bias if a.bwd_mlp else 0)
+                a = replace(a, bwd_extra=a.bwd_extra + extra, bwd_parts=(*a.bwd_parts, extra),
+                            bwd_mlp=a.bwd_mlp + extra if a.bwd_mlp else 0)
             else:
-                a = replace(a, saved=a.saved + bias, parts=(*a.parts, bias))
+                a = replace(a, saved=a.saved + extra, parts=(*a.parts, extra))
             s = replace(s, acts=a)
         elif p.layer.kind == "rotary":  # the bool mask, made next to the rotary embedding
             s = replace(s, fwd_only=s.fwd_only + t(L * L, 1))

@@ -76,6 +76,7 @@ def predict_command(
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-steps accumulated per optimizer step (default 1)."),
     optimizer_in_backward: Optional[bool] = typer.Option(None, "--optimizer-in-backward/--no-optimizer-in-backward", help="Step each parameter inside backward as its gradient is ready (torchtune optimizer_in_bwd); no grad accumulation or clipping, one GPU."),
     offload_activations: Optional[str] = typer.Option(None, "--offload-activations", help="Saved activations in host memory: all (TRL SFTConfig activation_offloading: every saved tensor >= 1 KiB but the lm_head's), ckpt-inputs (transformers checkpointing offload=True: the checkpointed layers' inputs; needs --grad-ckpt), none (default)."),
+    packing: Optional[bool] = typer.Option(None, "--packing/--no-packing", help="Padding-free packed batches (TRL padding_free / packing): the micro-batch in one row with restarting position ids, no padding; text-only."),
     empty_cache_steps: Optional[int] = typer.Option(None, "--empty-cache-steps", help="torch.cuda.empty_cache() every N steps where the loop calls it (Trainer: after the forward; custom: after the step); 0 = never (default)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="llava-1.5-pretrain, llava-1.5-finetune, llava-1.5-finetune-lora (official LLaVA-1.5 scripts)."),
     deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="DeepSpeed config JSON ('auto' resolved as transformers does)."),
@@ -110,7 +111,7 @@ def predict_command(
                          loop=loop, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
                          empty_cache_steps=empty_cache_steps, world_size=world_size,
                          optimizer_in_backward=optimizer_in_backward,
-                         offload_activations=offload_activations,
+                         offload_activations=offload_activations, packing=packing,
                          strategy=strategy, zero_stage=zero_stage,
                          offload_optimizer=offload_optimizer, offload_param=offload_param)
     target = resolve_gpu(gpu, gpu_mem)

@@ -96,7 +96,7 @@ def spec_columns(item: SweepItem) -> dict:
         "max_grad_norm": float(spec.max_grad_norm), "grad_accum": spec.grad_accum,
         "empty_cache_steps": spec.empty_cache_steps, "grad_ckpt_policy": spec.grad_ckpt_policy,
         "optimizer_in_backward": spec.optimizer_in_backward,
-        "offload_activations": spec.offload_activations,
+        "offload_activations": spec.offload_activations, "packing": spec.packing,
     }
 
 

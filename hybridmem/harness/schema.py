@@ -43,6 +43,7 @@ ADDED_COLUMNS: dict[str, object] = {
     "grad_ckpt_policy": "full",  # which layers --grad-ckpt checkpoints (spec.grad_ckpt_policy)
     "optimizer_in_backward": False,  # spec.optimizer_in_backward (docs/savers.md)
     "offload_activations": "none",  # spec.offload_activations (docs/savers.md)
+    "packing": False,  # spec.packing: padding-free packed batches (docs/savers.md)
     # imported (published) measurements, issue 10; empty / null in collect's rows
     "measurement_id": "", "excluded_reason": "", "group": "", "experiment": "",
     "seq_len_kind": "exact", "published_value_bytes": None, "published_metric": "",
@@ -87,6 +88,7 @@ COLUMNS: dict[str, str] = {
     "grad_ckpt_policy": "string",
     "optimizer_in_backward": "bool",
     "offload_activations": "string",
+    "packing": "bool",
     "params_total": "Int64",
     "params_trainable": "Int64",
     "param_bytes": "Int64",

@@ -56,6 +56,7 @@ AXES: dict[str, list] = {
     "empty_cache_steps": [0],  # torch.cuda.empty_cache() every N steps (spec.empty_cache_at); 0 = never
     "optimizer_in_backward": [False],  # step per parameter in backward (job.optim_in_backward)
     "offload_activations": ["none"],  # saved activations on the host (job.offload.MODES)
+    "packing": [False],  # padding-free packed batches (job.packing)
 }
 BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority",
                                "parallel") + tuple(AXES)
@@ -65,7 +66,7 @@ SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
 SPEC_AXES = ("micro_batch", "seq_len", "images_per_sample", "precision", "optimizer", "train",
              "attn", "grad_ckpt", "loop", "max_grad_norm", "grad_accum", "empty_cache_steps",
-             "optimizer_in_backward", "offload_activations")
+             "optimizer_in_backward", "offload_activations", "packing")
 """Axes that are `TrainingSpec` fields of the same name (validated by the spec itself)."""
 
 
@@ -198,7 +199,7 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         max_grad_norm=float(combo["max_grad_norm"]), grad_accum=combo["grad_accum"],
         empty_cache_steps=combo["empty_cache_steps"],
         optimizer_in_backward=combo["optimizer_in_backward"],
-        offload_activations=combo["offload_activations"], parallel=_parallel(combo, knobs or {}, where))
+        offload_activations=combo["offload_activations"], packing=combo["packing"], parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
     runnable = spec.with_(model=_materialize(cfg))
     tokens = _image_tokens(runnable)

@@ -144,10 +144,13 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
 
     `model=None`: image tokens per image from the model graph instead of the model (a ZeRO-3
     model cannot run outside its engine)."""
-    b, s = spec.micro_batch, spec.seq_len
+    from hybridmem.job import packing
+
+    b, s = packing.row(spec)  # packed: one row of all the tokens
     n_img = 0
     if hasattr(config, "vision_config"):  # TrainingSpec: None means one image per sample
         n_img = 1 if spec.images_per_sample is None else spec.images_per_sample
+    packing.check_model(spec, n_img)
     batch: dict = {}
     n_tok = 0
     if n_img:
@@ -167,6 +170,8 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
         ids[:, 1:1 + n_tok] = _image_token_id(config)
         labels[:, 1:1 + n_tok] = IGNORE_INDEX
     batch.update(input_ids=ids, labels=labels)
+    if spec.packing:  # TRL's padding-free collator: position ids restart per sequence
+        batch["position_ids"] = packing.position_ids(spec, device)
     return batch
 
 

@@ -50,7 +50,7 @@ FSDP_OPTIONS: dict[str, dict] = {
 }
 SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
              "optimizer", "grad_ckpt", "grad_ckpt_policy", "train", "attn", "loop", "max_grad_norm", "grad_accum",
-             "empty_cache_steps", "optimizer_in_backward", "offload_activations")
+             "empty_cache_steps", "optimizer_in_backward", "offload_activations", "packing")
 # TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
 HF_DEFAULT_MAX_GRAD_NORM = 1.0
 LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
@@ -171,6 +171,11 @@ def from_training_args(source: str | os.PathLike | dict) -> dict:
     if args.get("activation_offloading") is not None and _flag(
             "training_args.activation_offloading", args["activation_offloading"]):
         spec["offload_activations"] = "all"
+    # TRL SFTConfig `padding_free` / `packing` (sft_trainer.py: packing, or padding_free, makes
+    # the collator `DataCollatorForLanguageModeling(padding_free=True)`; hybridmem.job.packing)
+    for key in ("padding_free", "packing"):
+        if args.get(key) is not None and _flag(f"training_args.{key}", args[key]):
+            spec["packing"] = True
     bf16, fp16 = bool(args.get("bf16")), bool(args.get("fp16"))
     if bf16 and fp16:
         raise SpecError("training_args.fp16", True, reason="bf16 and fp16 cannot both be set")
