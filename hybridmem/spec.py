@@ -69,16 +69,15 @@ def _check_positive(name: str, value: object) -> None:
 # layers, then decoder layers, one count), each checkpointed iff `layer_index % N == 0`.
 # (torchtitan's `selective_ac_option="N"`, torchtitan/distributed/activation_checkpoint.py
 # `_apply_layer_sac`, counts from 1 and so checkpoints blocks N-1, 2N-1, ...; not followed.)
-CKPT_POLICIES: tuple[str, ...] = ("full", "every:N")
+# `ops`: every layer, op-level selective checkpointing as torchtitan's `_apply_op_sac`
+# (hybridmem.job.sac: matmul / SDPA outputs saved, except every second mm, the rest recomputed).
+CKPT_POLICIES: tuple[str, ...] = ("full", "every:N", "ops")
 
 
 def ckpt_every(policy: object) -> int:
     """N of a `grad_ckpt_policy` (`full` = 1); anything else is a SpecError."""
-    if policy == "full":
+    if policy in ("full", "ops"):
         return 1
-    if policy == "ops":
-        raise SpecError("grad_ckpt_policy", policy, CKPT_POLICIES,
-                        reason="op-level selective checkpointing is not priced yet")
     if isinstance(policy, str) and policy.startswith("every:"):
         n = policy[len("every:"):]
         if n.isascii() and n.isdigit() and int(n) > 0:

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from hybridmem.adapters import peft_type
 from hybridmem.analytic import (
-    activations as A, offloaded, packed, text_acts as TA, vision_acts as VA,
+    activations as A, offloaded, packed, sac, text_acts as TA, vision_acts as VA,
 )
 from hybridmem.job import packing
 from hybridmem.analytic.alloc import t
@@ -276,6 +276,7 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     graph = build_graph(packing.one_row(spec) if spec.packing else spec)  # job.packing
     packing.check_model(spec, graph.vision_batch)
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
+    priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
     priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)
     stepped = [s for p in priced for s in p.states.stepped]
     if not stepped:
