@@ -117,3 +117,17 @@ def test_harness_builds_it_on_cpu():
     loss = workload.forward(job, s, dev)
     workload.backward(job, loss, s)
     workload.optimizer_step(job, s)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(offload_activations="all", packing=True),
+    dict(offload_activations="ckpt-inputs", packing=True, optimizer_in_backward=True),
+    dict(offload_activations="all", optimizer_in_backward=True, attn="eager"),
+])
+def test_combinations_trace_equals_real_cpu_run_and_analytic_within_3pct(kw):
+    """The savers together (ops checkpointing + offloading + packing + optimizer-in-backward)."""
+    s = spec(micro_batch=4, **kw)
+    tracker, _ = runner.trace(s, load_config(s.model))
+    assert int(tracker.live_curve().max()) == real_cpu_peak(s)
+    a, t = analytic(s), trace.estimate(s)
+    assert abs(a.peak.allocated_bytes - t.peak.allocated_bytes) / t.peak.allocated_bytes <= TOL
