@@ -134,3 +134,11 @@ packing = [false, true]
     df = load_dataset(out)
     assert set(df["outcome"]) == {"ok"}, df["error"].tolist()
     assert sorted(df["packing"]) == [False, True]
+
+
+def test_meta_backend_equals_real_cpu_run():
+    """The default backend (meta: SDPA redirected to the CPU flash kernel) converts the packed
+    bool mask as aten's SDPA entry does, so it equals the real run too (fp32: no autocast)."""
+    s = spec()
+    tracker, _ = runner.trace(s, load_config(s.model), backend="meta")
+    assert int(tracker.live_curve().max()) == real_cpu_peak(s)

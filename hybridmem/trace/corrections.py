@@ -144,6 +144,12 @@ def _as_cpu_flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
                   scale=None, enable_gqa=False):
     if dropout_p or query.dim() != 4 or not query.is_meta:
         return None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # aten's SDPA entry converts a bool mask to an additive one in the query dtype before
+        # any kernel (attention.cpp `convert_boolean_attn_mask`: where(mask, 0, -inf)), which
+        # the kernel then saves; the direct kernel call here must do the same (packed batches)
+        attn_mask = torch.where(attn_mask, torch.zeros((), dtype=query.dtype),
+                                torch.full((), float("-inf"), dtype=query.dtype))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
