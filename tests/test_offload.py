@@ -191,11 +191,11 @@ decoder = ["llama-tiny"]
 seq_len = [16]
 precision = ["fp32"]
 grad_ckpt = [true]
-offload_activations = ["none", "all", "ckpt-inputs"]
+offload_activations = ["all", "ckpt-inputs"]
 """)
     monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
     out = tmp_path / "data"
     collect(sweep, out=out, backend="cuda", mlflow=False)
     df = load_dataset(out)
     assert set(df["outcome"]) == {"ok"}, df["error"].tolist()
-    assert sorted(df["offload_activations"]) == ["all", "ckpt-inputs", "none"]
+    assert sorted(df["offload_activations"]) == ["all", "ckpt-inputs"]
