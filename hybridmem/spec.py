@@ -71,16 +71,15 @@ def _check_positive(name: str, value: object) -> None:
 # layers, then decoder layers, one count), each checkpointed iff `layer_index % N == 0`.
 # (torchtitan's `selective_ac_option="N"`, torchtitan/distributed/activation_checkpoint.py
 # `_apply_layer_sac`, counts from 1 and so checkpoints blocks N-1, 2N-1, ...; not followed.)
-CKPT_POLICIES: tuple[str, ...] = ("full", "every:N")
+# `ops`: every layer, op-level selective checkpointing as torchtitan's `_apply_op_sac`
+# (hybridmem.job.sac: matmul / SDPA outputs saved, except every second mm, the rest recomputed).
+CKPT_POLICIES: tuple[str, ...] = ("full", "every:N", "ops")
 
 
 def ckpt_every(policy: object) -> int:
     """N of a `grad_ckpt_policy` (`full` = 1); anything else is a SpecError."""
-    if policy == "full":
+    if policy in ("full", "ops"):
         return 1
-    if policy == "ops":
-        raise SpecError("grad_ckpt_policy", policy, CKPT_POLICIES,
-                        reason="op-level selective checkpointing is not priced yet")
     if isinstance(policy, str) and policy.startswith("every:"):
         n = policy[len("every:"):]
         if n.isascii() and n.isdigit() and int(n) > 0:
@@ -178,6 +177,13 @@ class TrainingSpec:
     chunked_ce: int = 0
     """Chunked cross-entropy (torchtune `CEWithChunkedOutputLoss`): the logits in N chunks,
     each upcast to fp32 inside the loss; 0 = off (HF's `ForCausalLMLoss`)."""
+    offload_activations: str = "none"
+    """Saved activations kept in host memory (`hybridmem.job.offload`): `all` (TRL
+    `activation_offloading`, the whole step) or `ckpt-inputs` (transformers' checkpointing
+    `offload=True`: the checkpointed layers' inputs); `none` keeps them on the GPU."""
+    packing: bool = False
+    """Padding-free packed batches (TRL `padding_free` / `packing`; `hybridmem.job.packing`):
+    the micro-batch's sequences in one row with restarting position ids, no padding."""
     peft_config: str | None = None
     """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
     `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
@@ -252,6 +258,10 @@ class TrainingSpec:
             raise SpecError("optimizer_in_backward", self.optimizer_in_backward, [True, False])
         from hybridmem.job import optim_in_backward  # its clashes, stated once there
         optim_in_backward.check(self)
+        from hybridmem.job import offload  # likewise
+        offload.check(self)
+        from hybridmem.job import packing
+        packing.check(self)
         if self.train == "peft" and not self.peft_config:
             raise SpecError("peft_config", self.peft_config,
                             reason="train='peft' needs a PEFT adapter config (--peft-config FILE)")
@@ -314,7 +324,7 @@ ADDED_DEFAULTS: dict[str, object] = {
     "optimizer_in_backward": False,
     "quantize": "none", "quant_double_quant": True, "quant_compute_dtype": None,
     "quant_storage": "uint8", "quant_skip": None, "kbit_prep": True,
-    "liger": False, "chunked_ce": 0,
+    "liger": False, "chunked_ce": 0, "offload_activations": "none", "packing": False,
     "use_dora": False, "use_rslora": False, "modules_to_save": (),
 }
 

@@ -43,10 +43,9 @@ def test_policy_syntax():
     assert ckpt_every("every:12") == 12
     for bad in ("every:0", "every:-2", "every:x", "every:", "every:1.5", "every:２", "half", 2,
                 None):
-        with pytest.raises(SpecError, match=r"^grad_ckpt_policy=.*\(valid: full, every:N\)$"):
+        with pytest.raises(SpecError, match=r"^grad_ckpt_policy=.*\(valid: full, every:N, ops\)$"):
             ckpt_every(bad)
-    with pytest.raises(SpecError, match="op-level selective checkpointing is not priced yet"):
-        spec(policy="ops")
+    assert ckpt_every("ops") == 1  # every layer, op-level (job.sac)
 
 
 def test_policy_needs_grad_ckpt():
@@ -156,12 +155,9 @@ def test_peak_between_none_and_full(model):
 @pytest.mark.parametrize("argv, match", [
     (["--grad-ckpt", "--grad-ckpt-policy", "every:0"],
      "error: grad_ckpt_policy='every:0': give full or every:N with N a positive integer "
-     "(valid: full, every:N)"),
-    (["--grad-ckpt", "--grad-ckpt-policy", "ops"],
-     "error: grad_ckpt_policy='ops': op-level selective checkpointing is not priced yet "
-     "(valid: full, every:N)"),
+     "(valid: full, every:N, ops)"),
     (["--grad-ckpt-policy", "every:2"],
-     "error: grad_ckpt_policy='every:2': needs grad_ckpt (--grad-ckpt) (valid: full, every:N)"),
+     "error: grad_ckpt_policy='every:2': needs grad_ckpt (--grad-ckpt) (valid: full, every:N, ops)"),
 ])
 def test_bad_policy_exits_2_with_one_line(argv, match):
     proc = subprocess.run([sys.executable, "-m", "hybridmem.cli", "predict", "--model",
@@ -192,7 +188,7 @@ def test_training_args_checkpointing_gives_the_flags_answer(args, expected):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"offload": True}, "training_args.activation_checkpointing_kwargs.offload"),
+    ({"offload": "yes"}, "training_args.activation_checkpointing_kwargs.offload"),
     ({"every_n_layers": 0}, "training_args.activation_checkpointing_kwargs.every_n_layers"),
 ])
 def test_training_args_checkpointing_bad_kwargs_name_the_field(kwargs, field):

@@ -85,6 +85,10 @@ class Acts:
     bwd_mlp: int = 0
     """Transient of the MLP's backward (the first half of a transformer layer's backward);
     0: the layer's backward is one stage with `bwd_extra`."""
+    shared: int = 0
+    """Part of `saved` on storages that two ops save (RMSNorm's fp32 input: `pow` and `mul`
+    both save self, tools/autograd/derivatives.yaml): TRL's activation offloading offloads a
+    storage once and keeps the second save's device reference (`analytic.offloaded`)."""
     held: int = 0
     """Outputs the model's return value holds (`image_outputs`) until the forward returns."""
     parts: tuple[int, ...] = ()

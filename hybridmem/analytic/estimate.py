@@ -14,9 +14,11 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hybridmem.adapters import peft_type
-from hybridmem.analytic import activations as A, qwen_vl_acts as QA, text_acts as TA
-from hybridmem.analytic import gemma3_acts as GA
-from hybridmem.analytic import vision_acts as VA
+from hybridmem.analytic import (
+    activations as A, gemma3_acts as GA, offloaded, packed, qwen_vl_acts as QA, sac,
+    text_acts as TA, vision_acts as VA,
+)
+from hybridmem.job import packing
 from hybridmem.analytic.alloc import t
 from hybridmem.job.images import SPLIT_FAMILIES
 from hybridmem.analytic.events import MLP_ALL, build as build_events
@@ -342,8 +344,11 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     if spec.train == "peft":
         raise SpecError("train", "peft", reason=f"{peft_type(spec)} adapters have no closed "
                         "form here; use --method trace")
-    graph = build_graph(spec)
-    priced = price(graph, spec)
+    graph = build_graph(packing.one_row(spec) if spec.packing else spec)  # job.packing
+    packing.check_model(spec, graph.vision_batch)
+    priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
+    priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
+    priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)
     stepped = [s for p in priced for s in p.states.stepped]
     if not stepped:
         raise SpecError("train", spec.train, reason="no parameter receives a gradient "
@@ -354,7 +359,8 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     st = Statics(
         param=sum(p.states.param for p in priced), master=master,
         state=sum(p.states.optimizer for p in priced) - master + shared,
-        opt_temp=optimizer_temporary(spec.optimizer, stepped), inputs=batch_bytes(graph, spec),
+        opt_temp=optimizer_temporary(spec.optimizer, stepped),
+        inputs=batch_bytes(graph, spec) + packed.position_ids_bytes(spec),
         workspace_first=ws, workspace=CUBLAS_HANDLES_TRAINING * ws,
         waste_param=sum(p.states.waste_param for p in priced),
         waste_optimizer=sum(p.states.waste_optimizer for p in priced),
@@ -442,7 +448,9 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
                   device_bytes=reserved + CUDA_CONTEXT_DEFAULT + paged, phase=top.phase,
                   iteration=top.iteration),
         breakdown=breakdown, modules=modules, paged_bytes=paged,
-        notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + tuple(
+        notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + offloaded.notes(priced, spec)
+        + ((packing.note(spec),) if spec.packing else ())
+        + tuple(
             capacity_notes(fit, allocated, capacity_source(gpu) if capacity == FROM_GPU
                            else "as given")),
         extras={"analytic": {

@@ -94,6 +94,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
+                # both norms' fp32 inputs, saved twice each (TRL's offloader keeps the second
+                # copy on the GPU); Liger's RMSNorm saves its input once
+                shared=0 if c.liger else t(B * h, FP32) * (int(need_in) + 1),
                 bwd_extra=2 * t(B * h, sb) + attn_bwd + sum(q_attn),
                 mlp_saved=sv.total - attn_part,
                 bwd_mlp=t(B * h, sb) + mlp_bwd + sum(q_mlp),

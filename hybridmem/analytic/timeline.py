@@ -52,6 +52,9 @@ class Step:
     """Optimizer state of this layer's parameters (created lazily by their first step)."""
     step_temp: int = 0
     """Largest temporary of one parameter's step (optimizer-in-backward steps one at a time)."""
+    fwd_only: int = 0
+    """Bytes kept on the GPU only until the forward ends (activation offloading: autocast's
+    cache holds the device copy of an offloaded weight cast; `analytic.offloaded`)."""
 
     @property
     def held_by_output(self) -> int:
@@ -67,13 +70,13 @@ class Step:
             # its autograd graph until the forward returns
             return self.acts.saved + self.acts.held
         kept = (self.acts.ckpt_saved + self.acts.cache) if self.ckpt else self.acts.saved
-        return kept + self.acts.held
+        return kept + self.acts.held + self.fwd_only
 
     @property
     def released_at_forward_end(self) -> int:
         if not self.on_path:
             return self.acts.saved + self.acts.held
-        return (self.acts.cache if self.ckpt else 0) + self.acts.held
+        return (self.acts.cache if self.ckpt else 0) + self.acts.held + self.fwd_only
 
 
 @dataclass(frozen=True, slots=True)

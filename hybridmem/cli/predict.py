@@ -78,6 +78,8 @@ def predict_command(
     max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="clip_grad_norm_ before the step; 0 = off (default; Trainer files: 1.0)."),
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-steps accumulated per optimizer step (default 1)."),
     optimizer_in_backward: Optional[bool] = typer.Option(None, "--optimizer-in-backward/--no-optimizer-in-backward", help="Step each parameter inside backward as its gradient is ready (torchtune optimizer_in_bwd); no grad accumulation or clipping, one GPU."),
+    offload_activations: Optional[str] = typer.Option(None, "--offload-activations", help="Saved activations in host memory: all (TRL SFTConfig activation_offloading: every saved tensor >= 1 KiB but the lm_head's), ckpt-inputs (transformers checkpointing offload=True: the checkpointed layers' inputs; needs --grad-ckpt), none (default)."),
+    packing: Optional[bool] = typer.Option(None, "--packing/--no-packing", help="Padding-free packed batches (TRL padding_free / packing): the micro-batch in one row with restarting position ids, no padding; text-only."),
     empty_cache_steps: Optional[int] = typer.Option(None, "--empty-cache-steps", help="torch.cuda.empty_cache() every N steps where the loop calls it (Trainer: after the forward; custom: after the step); 0 = never (default)."),
     liger: Optional[bool] = typer.Option(None, "--liger/--no-liger", help="Liger kernels as use_liger_kernel=True applies them: fused linear cross-entropy, RMSNorm, SwiGLU, RoPE (default off)."),
     chunked_ce: Optional[int] = typer.Option(None, "--chunked-ce", help="Chunked cross-entropy (torchtune): the logits in N chunks, each upcast to fp32 in the loss; 0 = off (default)."),
@@ -115,6 +117,7 @@ def predict_command(
                          kbit_prep=kbit_prep, loop=loop, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
                          empty_cache_steps=empty_cache_steps, liger=liger, chunked_ce=chunked_ce,
                          world_size=world_size, optimizer_in_backward=optimizer_in_backward,
+                         offload_activations=offload_activations, packing=packing,
                          strategy=strategy, zero_stage=zero_stage,
                          offload_optimizer=offload_optimizer, offload_param=offload_param)
     target = resolve_gpu(gpu, gpu_mem)

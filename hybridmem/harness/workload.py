@@ -40,6 +40,8 @@ class Job:
     """A DeepSpeed engine (ZeRO): it runs backward and the step itself."""
     outputs: object | None = None
     """The output object `loop="custom"` holds: the last forward's, until the next returns."""
+    offload: object | None = None
+    """TRL's activation-offloading context (`spec.offload_activations == "all"`), else None."""
 
 
 def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
@@ -114,8 +116,11 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
         check_seq_len, image_plan, images_in_batch, pixel_inputs, text_inputs,
     )
 
-    b, s = spec.micro_batch, spec.seq_len
+    from hybridmem.job import packing
+
+    b, s = packing.row(spec)  # packed: one row of all the tokens (job.packing)
     n_img = images_in_batch(spec, hasattr(config, "vision_config"))
+    packing.check_model(spec, n_img)
     batch: dict = {}
     n_tok = 0
     if n_img:
@@ -123,6 +128,8 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
         n_tok = check_seq_len(s, n_img, plan)
         batch = pixel_inputs(config, plan, b * n_img, PARAM_DTYPE[spec.precision], device)
     batch.update(text_inputs(config, b, s, n_tok, device))
+    if spec.packing:  # TRL's padding-free collator: position ids restart per sequence
+        batch["position_ids"] = packing.position_ids(spec, device)
     return batch
 
 
@@ -190,6 +197,13 @@ def build_trainable(spec: TrainingSpec, config, device,
     if spec.grad_ckpt:
         from hybridmem.job.checkpointing import enable_checkpointing
         enable_checkpointing(model, spec)  # the trace tier's call, incl. --grad-ckpt-policy
+        if spec.offload_activations == "ckpt-inputs" and torch.device(device).type != "cuda":
+            # transformers' save_on_cpu(pin_memory=True) raises without an accelerator (torch
+            # CPU build): the CPU stand-in runs the trace tier's port instead
+            from hybridmem.job import offload
+
+            c = offload.Copies()
+            offload.enable_ckpt_offload(model, lambda: offload.SaveOnHost(c.to_host, c.to_device))
     return model
 
 
@@ -244,7 +258,12 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
         optimizer = lorafa if lorafa is not None else make_optimizer(
             spec.optimizer, masters or params, device=device)
     scaler = torch.amp.GradScaler(device.type) if spec.precision == "fp16-mixed" else None
-    return Job(model, optimizer, batch or {}, params, masters, scaler)
+    job = Job(model, optimizer, batch or {}, params, masters, scaler)
+    if spec.offload_activations == "all":  # SFTTrainer's get_act_offloading_ctx_manager
+        from hybridmem.job import offload
+
+        job.offload = offload.offload_context(model, device)
+    return job
 
 
 def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
@@ -257,7 +276,7 @@ def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
 def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor:
     ctx = (torch.autocast(device.type, dtype=AUTOCAST[spec.precision])
            if spec.precision in AUTOCAST else contextlib.nullcontext())
-    with ctx:
+    with ctx, job.offload if job.offload is not None else contextlib.nullcontext():
         return _call(job, spec)
 
 

@@ -25,7 +25,16 @@ def enable_checkpointing(model: nn.Module, spec: TrainingSpec) -> list[str]:
     The layers are counted in `modules()` order, as `_set_gradient_checkpointing` counts them
     for its own `every_n_layers`, by `spec.ckpt_layer`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.activation_checkpointing_enable()
+    # `--training-args` activation_checkpointing_kwargs.offload: transformers' own
+    # save_on_cpu(pin_memory=True) around each checkpoint (job.offload "ckpt-inputs"; the trace
+    # tier replaces it by a port that works on meta tensors, job.offload.enable_ckpt_offload)
+    kwargs = None
+    if spec.grad_ckpt_policy == "ops":  # torchtitan's op-level policy (job.sac)
+        from hybridmem.job import sac
+
+        kwargs = {"use_reentrant": False, "context_fn": sac.context_fn}
+    base.activation_checkpointing_enable(kwargs,
+                                         offload=spec.offload_activations == "ckpt-inputs")
     return select_checkpointed(base, spec)
 
 

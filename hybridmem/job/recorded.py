@@ -19,6 +19,8 @@ RECORDED: dict[str, tuple[str, object]] = {
     "quantize": ("string", "none"),  # bitsandbytes base weights (docs/quantize.md)
     "liger": ("bool", False),  # Liger kernels (docs/loss.md)
     "chunked_ce": ("int64", 0),  # torchtune chunked cross-entropy chunks; 0 = off
+    "offload_activations": ("string", "none"),  # saved activations on the host (docs/savers.md)
+    "packing": ("bool", False),  # padding-free packed batches (docs/savers.md)
 }
 
 _CAST = {"string": str, "float64": float, "int64": int, "bool": bool}

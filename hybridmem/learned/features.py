@@ -26,7 +26,7 @@ from hybridmem.spec import TrainingSpec, ckpt_every
 BaseFn = Callable[[TrainingSpec], Prediction]
 
 CATEGORICAL: tuple[str, ...] = ("precision", "optimizer", "train", "attn", "strategy",
-                                "base_phase", "gpu_name", "loop", "peft_type")
+                                "base_phase", "gpu_name", "loop", "peft_type", "offload_activations")
 """Features encoded as categories (codes learned at fit time; unseen values become missing)."""
 
 RANGE_FEATURES: tuple[str, ...] = ("micro_batch", "seq_len", "image_tokens", "params_total",
@@ -130,6 +130,8 @@ def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
         "liger": int(spec.liger),
         "chunked_ce": spec.chunked_ce,
         "optimizer_in_backward": int(spec.optimizer_in_backward),
+        "offload_activations": spec.offload_activations,
+        "packing": int(spec.packing),
         "world_size": spec.parallel.world_size,
         "strategy": spec.parallel.strategy,
     }

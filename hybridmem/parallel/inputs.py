@@ -52,7 +52,7 @@ FSDP_OPTIONS: dict[str, dict] = {
 SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
              "optimizer", "grad_ckpt", "grad_ckpt_policy", "train", "attn", "loop", "max_grad_norm", "grad_accum",
              "empty_cache_steps", "optimizer_in_backward", "quantize", "kbit_prep", "liger",
-             "chunked_ce")
+             "chunked_ce", "offload_activations", "packing")
 # TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
 HF_DEFAULT_MAX_GRAD_NORM = 1.0
 LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
@@ -114,9 +114,9 @@ def _checkpointing(args: dict) -> dict:
                 raise SpecError(f"training_args.{name}", kwargs, reason="is not a JSON object") from None
         if not isinstance(kwargs, dict):
             raise SpecError(f"training_args.{name}", kwargs, reason="must be an object")
-        if kwargs.get("offload"):
-            raise SpecError(f"training_args.{name}.offload", kwargs["offload"], [False],
-                            reason="offloading checkpointed activations is not priced yet")
+        if kwargs.get("offload") is not None:  # save_on_cpu around each checkpoint call
+            if _flag(f"training_args.{name}.offload", kwargs["offload"]) and out.get("grad_ckpt"):
+                out["offload_activations"] = "ckpt-inputs"
         every = kwargs.get("every_n_layers", 1)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise SpecError(f"training_args.{name}.every_n_layers", every,
@@ -182,6 +182,17 @@ def from_training_args(source: str | os.PathLike | dict) -> dict:
     if "per_device_train_batch_size" in args:
         spec["micro_batch"] = args["per_device_train_batch_size"]
     spec.update(_checkpointing(args))
+    # TRL SFTConfig `activation_offloading` (trl/trainer/sft_config.py): SFTTrainer wraps each
+    # training_step in get_act_offloading_ctx_manager(model) (hybridmem.job.offload "all");
+    # it takes precedence over the checkpoint-inputs-only variant, whose inputs it offloads too
+    if args.get("activation_offloading") is not None and _flag(
+            "training_args.activation_offloading", args["activation_offloading"]):
+        spec["offload_activations"] = "all"
+    # TRL SFTConfig `padding_free` / `packing` (sft_trainer.py: packing, or padding_free, makes
+    # the collator `DataCollatorForLanguageModeling(padding_free=True)`; hybridmem.job.packing)
+    for key in ("padding_free", "packing"):
+        if args.get(key) is not None and _flag(f"training_args.{key}", args[key]):
+            spec["packing"] = True
     bf16, fp16 = bool(args.get("bf16")), bool(args.get("fp16"))
     if bf16 and fp16:
         raise SpecError("training_args.fp16", True, reason="bf16 and fp16 cannot both be set")

@@ -47,13 +47,28 @@ KNOWN_LIMITATIONS: tuple[str, ...] = (
 )
 
 
-def _no_packed_sequences(position_ids):
-    """What `find_packed_sequence_indices` returns for one sequence per row (our batches)."""
-    return None
+def _packed_sequences(original):
+    """`find_packed_sequence_indices` as a real run of our batches computes it: on real tensors
+    the original; on meta / fake ones (no values) None for one sequence per row, and for a
+    packed batch (`position_ids` given by the batch, `hybridmem.job.packing`) the original's
+    `(diff != 1).cumsum(-1)` without its value check (which would need the values)."""
+    def find(position_ids):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not (position_ids.is_meta or isinstance(position_ids, FakeTensor)):
+            return original(position_ids)
+        if not _PACKED[0]:
+            return None
+        first = position_ids[:, :1] - 1
+        return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    return find
+
+
+_PACKED = [False]  # whether the traced batch is packed (set by `patched_model_checks`)
 
 
 @contextlib.contextmanager
-def patched_model_checks():
+def patched_model_checks(packed: bool = False):
     """Take the code paths a real CUDA run takes where HF reads tensor values.
 
     - LLaVA's `n_image_tokens * hidden == numel` check calls `.item()` on a fake tensor
@@ -73,15 +88,18 @@ def patched_model_checks():
                (modeling_llava_next, "torch_compilable_check", lambda *a, **k: None),
                (modeling_gemma3, "torch_compilable_check", lambda *a, **k: None),
                (modeling_llava_onevision, "torch_compilable_check", lambda *a, **k: None),
-               (masking_utils, "find_packed_sequence_indices", _no_packed_sequences),
+               (masking_utils, "find_packed_sequence_indices",
+                _packed_sequences(masking_utils.find_packed_sequence_indices)),
                (modeling_utils.PreTrainedModel, "warn_if_padding_and_no_attention_mask",
                 lambda *a, **k: None)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, new in patches:
         setattr(obj, name, new)
+    was, _PACKED[0] = _PACKED[0], packed
     try:
         yield
     finally:
+        _PACKED[0] = was
         for obj, name, old in saved:
             setattr(obj, name, old)
 

@@ -60,9 +60,13 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None,
                dtype: torch.dtype) -> tuple[dict, int]:
     """input_ids, labels (and pixel inputs) of shape (micro_batch, seq_len); image tokens per
     sample, by the family's one rule (`job.images.image_plan`). `model` is not read: the
-    count no longer asks the model (tests check the rule against `get_image_features`)."""
-    b, s = spec.micro_batch, spec.seq_len
+    count no longer asks the model (tests check the rule against `get_image_features`).
+    A packed batch (`job.packing`) is one row of all the tokens."""
+    from hybridmem.job import packing
+
+    b, s = packing.row(spec)
     n_img = images_per_sample(spec, config)
+    packing.check_model(spec, n_img)
     batch: dict = {}
     n_tok = 0
     if n_img:
@@ -71,4 +75,6 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None,
         # grid_thw / image_sizes stay readable: the model code reads their values
         batch = pixel_inputs(config, plan, b * n_img, dtype, host_shapes=True)
     batch.update(text_inputs(config, b, s, n_tok))
+    if spec.packing:  # TRL's padding-free collator: position ids restart per sequence
+        batch["position_ids"] = packing.position_ids(spec)
     return batch, n_tok

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hybridmem.errors import SpecError
 from hybridmem.job.checkpointing import enable_checkpointing
-from hybridmem.job import optim_in_backward
+from hybridmem.job import offload, optim_in_backward
 from hybridmem.job.liger import rope_patched
 from hybridmem.job.loss import liger_note
 from hybridmem.job.images import GRID_FAMILIES, SPLIT_FAMILIES
@@ -71,6 +71,10 @@ class Job:
     """What the build decided that the user should read (text-only batch, LoRA targets)."""
     liger: str | None = None
     """The text model type whose Liger kernels are patched in (`--liger`), else None."""
+    copies: offload.Copies | None = None
+    """Host / device copies of offloaded activations (`spec.offload_activations`), else None."""
+    offloader: offload.Offload | None = None
+    """TRL's offloading hooks around each forward + backward (`offload_activations="all"`)."""
 
 
 def _master_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -89,6 +93,10 @@ def prepare(spec: TrainingSpec, config) -> Job:
     liger = build.apply_loss(model, spec, config)  # Trainer: after PEFT, before checkpointing
     if spec.grad_ckpt:
         enable_checkpointing(model, spec)
+    copies = offload.Copies() if spec.offload_activations != "none" else None
+    if spec.offload_activations == "ckpt-inputs":  # save_on_cpu around each checkpoint call
+        offload.enable_ckpt_offload(model, lambda: offload.SaveOnHost(copies.to_host,
+                                                                      copies.to_device))
     # peft's LoRA-FA factory freezes every lora_A: built before the trainable params are taken
     lorafa = make_lorafa(model, spec.lora) if spec.optimizer == "lora-fa" else None
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -103,8 +111,12 @@ def prepare(spec: TrainingSpec, config) -> Job:
                                                                      masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
-    job = Job(model, optimizer, batch, trainable, masters, image_tokens)
+    job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
     job.liger = liger
+    if spec.offload_activations == "all":  # TRL get_act_offloading_ctx_manager(model)
+        job.offloader = offload.Offload(copies.to_host, copies.to_device,
+                                        params=[*model.parameters(), *model.buffers()])
+        offload.keep_head(model).__enter__()  # hooks stay for the model's life, as in TRL
     job.notes.extend(batch_notes(spec, config))
     if spec.liger and liger is None:
         job.notes.append(liger_note(config.model_type))
@@ -238,6 +250,14 @@ def _micro_step(job: Job, spec: TrainingSpec, tracker: StorageTracker, it: int, 
     `job.outputs` (the previous micro-step's) only once the new forward has returned.
     `empty_cache` marks `torch.cuda.empty_cache()` between the forward and the backward
     (`Trainer.training_step`: after `compute_loss`, before the loss is divided)."""
+    with job.offloader if job.offloader is not None else contextlib.nullcontext():
+        _forward_backward(job, spec, tracker, it, micro, workspace, empty_cache)
+
+
+def _forward_backward(job: Job, spec: TrainingSpec, tracker: StorageTracker, it: int,
+                      micro: int, workspace: int, empty_cache: bool) -> None:
+    """`_micro_step`'s body (inside TRL's offloading context when it is on: SFTTrainer wraps
+    the whole `training_step`, forward and backward)."""
     first = it == 0 and micro == 0
     tracker.mark("forward", it)
     if workspace and first:
@@ -278,6 +298,8 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
     """
     if isinstance(job.optimizer, optim_in_backward.InBackward):
         _label_in_backward(job, spec, tracker)
+    if job.copies is not None:  # a tensor brought back from the host is an activation
+        job.copies.label = lambda t: tracker.label(t, "activation")
     for it in range(iterations):
         where = empty_cache_at(spec, it)
         for micro in range(spec.grad_accum):
@@ -285,6 +307,9 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
         tracker.mark("optimizer", it)
         _optimizer_step(job, spec, tracker, where == "after_step")
     job.outputs = None
+    if job.offloader is not None and job.offloader.tracker:
+        job.notes.append(offload.STUCK + f"{len(job.offloader.tracker)} packed tensors left, "
+                         "priced as TRL runs them")
 
 
 BACKENDS = ("fake", "meta", "real")
@@ -334,7 +359,8 @@ def _tensors(backend: str, spec: TrainingSpec, model_type: str = ""):
 def prepared(spec: TrainingSpec, config, backend: str = "fake"):
     """`prepare(spec, config)` on `backend`'s tensors, model checks patched; the job stays usable
     (tensors, emulated autocast) until the block exits."""
-    with _tensors(backend, spec, config.model_type) as amp, corrections.patched_model_checks():
+    with _tensors(backend, spec, config.model_type) as amp, \
+            corrections.patched_model_checks(spec.packing):
         job = prepare(spec, config)
         job.amp = amp
         if backend == "meta":
