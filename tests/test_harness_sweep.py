@@ -153,7 +153,9 @@ def test_memory_savers_sweep_covers_every_technique():
     assert {s.quantize for s in specs} >= {"none", "nf4", "int8"}
     assert any(s.liger for s in specs) and any(s.chunked_ce for s in specs)
     assert any(s.optimizer_in_backward for s in specs)
-    assert {s.grad_ckpt_policy for s in specs} >= {"full", "every:2"}
+    assert {s.grad_ckpt_policy for s in specs} >= {"full", "every:2", "ops"}
+    assert {s.offload_activations for s in specs} >= {"none", "all", "ckpt-inputs"}
+    assert any(s.packing for s in specs)
     assert {s.optimizer for s in specs} >= {"paged-adamw-8bit", "adamw-8bit", "hf-adafactor"}
     stack = [s for s in specs if s.quantize == "nf4" and s.liger and s.grad_ckpt
              and s.optimizer == "paged-adamw-8bit" and s.images_per_sample]
