@@ -154,6 +154,21 @@ def test_qwen_trace_equals_a_real_cpu_run(model, kw, request):
     assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
 
 
+TINY_KW = [dict(precision="fp32"), dict(precision="bf16"),
+           dict(precision="bf16-mixed", train="llm+projector"),
+           dict(precision="bf16", grad_ckpt=True), dict(precision="bf16-mixed", train="lora")]
+"""Tiny-config settings the analytic-vs-trace checks of OneVision and Idefics3 run."""
+
+
+def _analytic_within_3_percent(spec: TrainingSpec) -> None:
+    """Same parameter counts; tensor peaks (allocated minus the cuBLAS workspaces) within 3 %."""
+    a, t = analytic(spec), trace_estimate(spec)
+    assert a.params_total == t.params_total and a.params_trainable == t.params_trainable
+    ta = a.peak.allocated_bytes - a.breakdown["workspace"]
+    tt = t.peak.allocated_bytes - t.breakdown["workspace"]
+    assert abs(ta - tt) / tt <= 0.03, (ta, tt)
+
+
 @pytest.mark.parametrize("model", QWEN)
 @pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16"),
                                 dict(precision="bf16-mixed"),
@@ -161,11 +176,7 @@ def test_qwen_trace_equals_a_real_cpu_run(model, kw, request):
                                 dict(precision="bf16-mixed", train="lora")])
 def test_qwen_analytic_within_3_percent_of_trace(model, kw):
     spec = TrainingSpec(model=model, micro_batch=2, seq_len=64, image_size="112x168", **kw)
-    a, t = analytic(spec), trace_estimate(spec)
-    assert a.params_total == t.params_total and a.params_trainable == t.params_trainable
-    ta = a.peak.allocated_bytes - a.breakdown["workspace"]
-    tt = t.peak.allocated_bytes - t.breakdown["workspace"]
-    assert abs(ta - tt) / tt <= 0.03, (ta, tt)
+    _analytic_within_3_percent(spec)
 
 
 @pytest.mark.slow
@@ -376,17 +387,10 @@ def test_onevision_trace_equals_a_real_cpu_run(kw):
     assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
 
 
-@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16"),
-                                dict(precision="bf16-mixed", train="llm+projector"),
-                                dict(precision="bf16", grad_ckpt=True),
-                                dict(precision="bf16-mixed", train="lora")])
+@pytest.mark.parametrize("kw", TINY_KW)
 def test_onevision_analytic_within_3_percent_of_trace(kw):
     spec = TrainingSpec(model=OV, micro_batch=2, seq_len=64, image_size=84, **kw)
-    a, t = analytic(spec), trace_estimate(spec)
-    assert a.params_total == t.params_total and a.params_trainable == t.params_trainable
-    ta = a.peak.allocated_bytes - a.breakdown["workspace"]
-    tt = t.peak.allocated_bytes - t.breakdown["workspace"]
-    assert abs(ta - tt) / tt <= 0.03, (ta, tt)
+    _analytic_within_3_percent(spec)
 
 
 @pytest.mark.slow
@@ -471,17 +475,10 @@ def test_idefics3_parts_equal_the_meta_model():
         assert {m.name: m.params for m in pred.modules} == ref
 
 
-@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16"),
-                                dict(precision="bf16-mixed", train="llm+projector"),
-                                dict(precision="bf16", grad_ckpt=True),
-                                dict(precision="bf16-mixed", train="lora")])
+@pytest.mark.parametrize("kw", TINY_KW)
 def test_idefics3_analytic_within_3_percent_of_trace(kw):
     spec = TrainingSpec(model=ID3, micro_batch=2, seq_len=128, image_size=112, **kw)
-    a, t = analytic(spec), trace_estimate(spec)
-    assert a.params_total == t.params_total and a.params_trainable == t.params_trainable
-    ta = a.peak.allocated_bytes - a.breakdown["workspace"]
-    tt = t.peak.allocated_bytes - t.breakdown["workspace"]
-    assert abs(ta - tt) / tt <= 0.03, (ta, tt)
+    _analytic_within_3_percent(spec)
 
 
 @pytest.mark.slow
