@@ -56,6 +56,29 @@ def blocks(numel: int, itemsize: int) -> int:
     return -(-numel * itemsize // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
 
 
+
+class LoopLocals:
+    """The loop locals of an optimizer's per-tensor `step` (Python names bound one tensor at a
+    time): a tensor lives until its name is bound again, so the previous tensor's stays alive
+    while the next one is made; `peak` is the most bytes alive at once."""
+
+    def __init__(self) -> None:
+        self.local: dict[str, int] = {}
+        self.peak = 0
+
+    def touch(self, nbytes: int, *alongside: int) -> None:
+        """A temporary of `nbytes` made (and dropped) while the locals and `alongside` live."""
+        self.peak = max(self.peak, sum(self.local.values()) + nbytes + sum(alongside))
+
+    def bind(self, name: str, nbytes: int, *alongside: int) -> None:
+        """`name = <new tensor of nbytes>`, made while `alongside` are alive; then the old dies."""
+        self.touch(nbytes, *alongside)
+        self.local[name] = nbytes
+
+    def drop(self, name: str) -> None:
+        """`name` rebound to a tensor that is not new (e.g. `grad = p.grad`)."""
+        self.local[name] = 0
+
 @dataclass(frozen=True, slots=True)
 class Stepped:
     """One tensor the optimizer steps (a parameter, its fp32 master copy, or a flat partition)."""
@@ -215,31 +238,24 @@ class HFAdafactor(Rule):
         factored: `update = torch.mul(r_factor, c_factor)` with the row / col factors, else
         `update = exp_avg_sq.rsqrt()`, and `p_data_fp32.add_(-update)` (`-update` a new one).
         0-dim norms (`_rms`) are left out."""
-        local = {"grad": 0, "p32": 0, "update": 0}
-        peak = 0
-
-        def bind(name: str, nbytes: int, *alongside: int) -> None:
-            nonlocal peak
-            peak = max(peak, sum(local.values()) + nbytes + sum(alongside))
-            local[name] = nbytes
-
+        loop = LoopLocals()
         for s in stepped:
             n4 = size(s.numel, FP32)
             low = s.state < FP32
-            local["grad"] = 0  # `grad = p.grad` drops the previous fp32 copy
+            loop.drop("grad")  # `grad = p.grad` drops the previous fp32 copy
             if low:
-                bind("grad", n4)
-            local["p32"] = 0
+                loop.bind("grad", n4)
+            loop.drop("p32")
             if low:
-                bind("p32", n4)
-            bind("update", n4, n4)
+                loop.bind("p32", n4)
+            loop.bind("update", n4, n4)
             if len(s.shape) >= 2:
                 rows, cols = math.prod(s.shape[:-1]), math.prod(s.shape[:-2]) * s.shape[-1]
-                bind("update", n4, size(rows, FP32), size(cols, FP32))
+                loop.bind("update", n4, size(rows, FP32), size(cols, FP32))
             else:
-                bind("update", n4)
-            peak = max(peak, sum(local.values()) + n4)  # -update
-        return peak
+                loop.bind("update", n4)
+            loop.touch(n4)  # -update
+        return loop.peak
 
     def temporary_stream(self, stepped):
         return [[(self.temporary(stepped, blocks), 1)]] if stepped else []
@@ -361,28 +377,20 @@ def lorafa_temporary(stepped: Sequence[Stepped], size: Size = raw) -> int:
     Python scalar another; `.to(B.grad.dtype)` the fp32 `grad_B`; `exp_avg_sq_B.sqrt()` the
     `denom_B`. Other tensors (AdamW branch): `denom = exp_avg_sq.sqrt()`. Each is a loop
     local: the previous tensor's stays alive until its name is bound again."""
-    local: dict[str, int] = {}
-    peak = 0
-
-    def bind(name: str, nbytes: int, *alongside: int) -> None:
-        # `name = <new tensor of nbytes>`, made while `alongside` are alive; then the old dies
-        nonlocal peak
-        peak = max(peak, sum(local.values()) + nbytes + sum(alongside))
-        local[name] = nbytes
-
+    loop = LoopLocals()
     for s in stepped:
         if not s.lora_b:
-            bind("denom", size(s.numel, s.state))
+            loop.bind("denom", size(s.numel, s.state))
             continue
         out, r = s.shape
         rr, half = size(r * r, FP32), size(out * r, BF16)
-        bind("AA_T", rr)
-        bind("AA_T_inv", rr, *[rr] * 4)          # sum, U, Vh, Vh.mH * S (eye freed by then)
-        bind("grad_B", half, half, size(r * r, BF16))  # the product, with the two bf16 casts
-        bind("grad_B", half, half)                  # scalar * product
-        bind("grad_B", size(out * r, s.state))      # .to(B.grad.dtype)
-        bind("denom_B", size(out * r, s.state))
-    return peak
+        loop.bind("AA_T", rr)
+        loop.bind("AA_T_inv", rr, *[rr] * 4)          # sum, U, Vh, Vh.mH * S (eye freed by then)
+        loop.bind("grad_B", half, half, size(r * r, BF16))  # the product, with the two bf16 casts
+        loop.bind("grad_B", half, half)                  # scalar * product
+        loop.bind("grad_B", size(out * r, s.state))      # .to(B.grad.dtype)
+        loop.bind("denom_B", size(out * r, s.state))
+    return loop.peak
 
 
 # --- layout emulations (CPU / meta tensors: trace tier, harness CPU stand-in) -----------------

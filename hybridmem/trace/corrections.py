@@ -51,16 +51,20 @@ def _packed_sequences(original):
     """`find_packed_sequence_indices` as a real run of our batches computes it: on real tensors
     the original; on meta / fake ones (no values) None for one sequence per row, and for a
     packed batch (`position_ids` given by the batch, `hybridmem.job.packing`) the original's
-    `(diff != 1).cumsum(-1)` without its value check (which would need the values)."""
+    `(diff != 1).cumsum(-1)`; the value check, which needs the values, answered from the batch."""
     def find(position_ids):
         from torch._subclasses.fake_tensor import FakeTensor
 
         if not (position_ids.is_meta or isinstance(position_ids, FakeTensor)):
             return original(position_ids)
-        if not _PACKED[0]:
-            return None
-        first = position_ids[:, :1] - 1
-        return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+        # the original's tensors, made and dropped as a real run makes them (its value check
+        # too: `(mask[:, -1] == 0).all()`), then its answer for our batch
+        first = position_ids[:, :1] - 1  # locals alive until the return, as the original's
+        diff = torch.diff(position_ids, prepend=first, dim=-1)
+        mask = (diff != 1).cumsum(-1)
+        (mask[:, -1] == 0).all()
+        del first, diff
+        return mask if _PACKED[0] else None
     return find
 
 
