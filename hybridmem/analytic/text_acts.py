@@ -32,6 +32,10 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False, in_grad=need_in)
     lora_outputs(sv, c, B, n_qkv)
     dora_saved(sv, c, B, dora_linears(layer, ("q_proj", "k_proj", "v_proj")), need_in)
+    if d.get("qk_norm"):
+        for proj, width, rows in (("q_proj", qd, d["heads"]), ("k_proj", kvd, d["kv_heads"])):
+            grad = need_in or need_w or adapters_on(layer, (proj,)) > 0
+            head_norm(sv, c, B, width, rows, grad, need_w)
     probs = attention_core(sv, c, b, s, d["heads"], qd, kvd)
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
@@ -81,6 +85,18 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 fwd_parts=fwd_parts,
                 bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts),
                 bwd_mlp_parts=(t(B * h, sb), t(B * f, e), t(B * f, e)))
+
+
+def head_norm(sv: Saved, c: Ctx, tokens: int, width: int, rows: int, grad: bool,
+              need_w: bool) -> None:
+    """Qwen3's q_norm / k_norm (`Qwen3RMSNorm(head_dim)` on the projection's output viewed as
+    tokens x heads x head_dim; modeling_qwen3.Qwen3RMSNorm.forward): `.to(float32)` (a copy in
+    bf16, the projection's output itself in fp32) saved by `pow` and the rsqrt mul, the rsqrt
+    (one fp32 per head row), and the normalised tensor cast back to the projection's dtype,
+    saved by `weight * x` for the weight's grad. `grad`: the projection's output requires grad."""
+    sv.add(tokens * width, FP32, grad)
+    sv.add(tokens * rows, FP32, grad)
+    sv.add(tokens * width, c.e, grad and need_w)
 
 
 def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
@@ -134,13 +150,16 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
         cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
     fwd_parts = (t(B * V, e), *([t(B * V, FP32)] if e != FP32 else []))
-    # the backward's three stages (docstring); the largest sets the transient
-    bwd_parts = max(([t(B * V, FP32)] * 2,
-                     [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else []),
-                     [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])),
-                    key=sum)
+    # the backward's three stages (docstring): the loss's two (the larger sets the transient)
+    # run before the head's weight grad exists, so they are the first stage of a two-stage
+    # backward (`bwd_mlp`; estimate.price gives lm_head grad_mlp = (0, grad)), the head's
+    # matmuls, which make that grad, the second
+    loss_parts = max(([t(B * V, FP32)] * 2,
+                      [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else [])), key=sum)
+    bwd_parts = [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 cache=cache, fwd_extra=sum(fwd_parts), bwd_extra=sum(bwd_parts),
+                bwd_mlp=sum(loss_parts), bwd_mlp_parts=tuple(loss_parts),
                 fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
 
 

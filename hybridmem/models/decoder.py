@@ -1,9 +1,11 @@
-"""Decoder LLMs (Llama, Mistral, Qwen2) as layers, following transformers 5.x
-`modeling_llama.py`, `modeling_mistral.py` and `modeling_qwen2.py` parameter by parameter.
+"""Decoder LLMs (Llama, Mistral, Qwen2, Qwen3, ...) as layers, following transformers 5.x
+`modeling_<family>.py` parameter by parameter; one code path, per-family switches read from the
+config (`qk_norm`, ...; docs/families.md).
 
 Differences that change memory: grouped-query attention (`num_key_value_heads`), an explicit
 `head_dim` (may differ from hidden/heads), Qwen2's q/k/v biases (hard-coded `bias=True`, o_proj
-without), Llama's optional `attention_bias` / `mlp_bias`, tied input/output embeddings.
+without), Llama's optional `attention_bias` / `mlp_bias`, tied input/output embeddings, Qwen3's
+RMSNorm over head_dim on q and k (`Qwen3Attention.q_norm` / `k_norm`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ def kv_heads(tc) -> int:
     return getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
 
 
+# families whose attention RMS-normalises q and k over head_dim before RoPE
+# (modeling_qwen3.Qwen3Attention.q_norm / k_norm)
+QK_NORM_TYPES = ("qwen3",)
+
+
+def qk_norm(tc) -> bool:
+    """Whether the attention has `q_norm` / `k_norm` (RMSNorm(head_dim)) weights."""
+    return tc.model_type in QK_NORM_TYPES
+
+
 def _biases(tc) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o_proj bias, mlp bias) per family."""
     if tc.model_type == "qwen2":
@@ -38,6 +50,8 @@ def decoder_layer_params(tc) -> tuple[T, ...]:
             + _linear("self_attn.v_proj", kv, h, qkv_b) + _linear("self_attn.o_proj", h, q, o_b)
             + _linear("mlp.gate_proj", f, h, mlp_b) + _linear("mlp.up_proj", f, h, mlp_b)
             + _linear("mlp.down_proj", h, f, mlp_b)
+            + ((T("self_attn.q_norm.weight", (d,)), T("self_attn.k_norm.weight", (d,)))
+               if qk_norm(tc) else ())
             + (T("input_layernorm.weight", (h,)), T("post_attention_layernorm.weight", (h,))))
 
 
@@ -45,7 +59,8 @@ def decoder_dims(tc, batch: int, seq: int) -> dict:
     return dict(b=batch, s=seq, h=tc.hidden_size, heads=tc.num_attention_heads,
                 kv_heads=kv_heads(tc), head_dim=head_dim(tc), ffn=tc.intermediate_size,
                 vocab=tc.vocab_size, act=tc.hidden_act,
-                attn_dropout=float(getattr(tc, "attention_dropout", 0.0) or 0.0))
+                attn_dropout=float(getattr(tc, "attention_dropout", 0.0) or 0.0),
+                qk_norm=qk_norm(tc))
 
 
 def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
