@@ -23,11 +23,13 @@ from test_trace import real_cpu_peak
 TOL = 0.03  # the issue's bound on analytic vs trace (peak allocated)
 TENSOR_TOL = 0.05  # test_analytic_vs_trace.TOL: tiny tensors are 512 B-rounded, few per layer
 # tiny preset -> the runs the family supports (its transformers code refuses the others)
-TINY = {"tiny-qwen3": {}}
+TINY = {"tiny-qwen3": {}, "tiny-phi3": {}}
 GRID = [dict(precision=p, train=tr, grad_ckpt=c)
         for p in ("fp32", "bf16", "bf16-mixed") for tr in ("full", "lora") for c in (False, True)]
 # one real-sized config per family: bf16 full fine-tuning with a backward peak
-REAL = [dict(model="qwen3-0.6b", precision="bf16", micro_batch=1, seq_len=1024)]
+REAL = [dict(model="qwen3-0.6b", precision="bf16", micro_batch=1, seq_len=1024),
+        dict(model="phi-3-mini-4k-instruct", precision="bf16", train="lora", lora=LoraSpec(r=16),
+             micro_batch=1, seq_len=2048)]
 
 
 def _spec(model: str, **kw) -> TrainingSpec:
@@ -74,6 +76,23 @@ def test_analytic_matches_trace_on_tiny(model, kw):
 @pytest.mark.parametrize("kw", REAL, ids=lambda kw: kw["model"])
 def test_analytic_matches_trace_real_sized(kw):
     _close(TrainingSpec(**kw), None)
+
+
+@pytest.mark.parametrize("model", sorted(TINY))
+def test_default_lora_targets_are_peft_all_linear(model):
+    """The default targets mean all LLM linear layers: PEFT's own `all-linear` on the model
+    built on the meta device is the reference (Phi-3's fused qkv_proj / gate_up_proj)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(load_config(model))
+    ref = peft.get_peft_model(ref, peft.LoraConfig(r=4, target_modules="all-linear"))
+    pred = analytic(_spec(model, train="lora"))
+    assert (pred.params_total, pred.params_trainable) == (
+        sum(p.numel() for p in ref.parameters()),
+        sum(p.numel() for p in ref.parameters() if p.requires_grad))
 
 
 @pytest.mark.parametrize("model", sorted(TINY))

@@ -196,7 +196,7 @@ def test_unknown_model_type_names_the_choices(tmp_path):
     path.write_text(json.dumps({"model_type": "no_such_family"}))
     with pytest.raises(SpecError, match=re.escape(
             "model_type='no_such_family' is not valid (valid: llava, llava_next, llama, mistral, "
-            "qwen2, qwen3, any transformers causal-LM / image-text-to-text model_type with --method "
+            "qwen2, qwen3, phi3, any transformers causal-LM / image-text-to-text model_type with --method "
             "trace)")):
         load_config(str(path))
 
@@ -223,7 +223,7 @@ def _cli(*argv) -> subprocess.CompletedProcess:
     ("mixtral", ["--precision", "fp32"], "error: model='{path}': its training step cannot run "
      "under fake tensors (RuntimeError: Expected inputs of BF16 type"),
     (None, [], "error: model_type='no_such_family' is not valid (valid: llava, llava_next, "
-     "llama, mistral, qwen2, qwen3, any transformers causal-LM"),
+     "llama, mistral, qwen2, qwen3, phi3, any transformers causal-LM"),
 ])
 def test_cli_one_line_exit_2(family, argv, message, tmp_path):
     """A fresh process, real tiers: exit 2 and exactly one line on stderr (no torch log)."""

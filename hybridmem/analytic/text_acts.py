@@ -22,21 +22,25 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         return Acts()
     e, sb = c.e, c.stream
     sv = Saved()
-    n_qkv = adapters_on(layer, ("q_proj", "k_proj", "v_proj"))
-    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, ("gate_proj", "up_proj"))
+    fused = bool(d.get("fused"))  # Phi-3: one qkv_proj, one gate_up_proj (decoder.FUSED_TYPES)
+    QKV, GU = ("q_proj", "k_proj", "v_proj", "qkv_proj"), ("gate_proj", "up_proj", "gate_up_proj")
+    n_qkv = adapters_on(layer, QKV)
+    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, GU)
     n_down = adapters_on(layer, ("down_proj",))
     # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
     sv.add(B * h, FP32, need_in)
     sv.add(B, FP32, need_in)
     sv.add(B * h, sb, need_w)
-    linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False, in_grad=need_in)
+    linear_inputs(sv, c, B * h, sb, 1 if fused else 3, need_w, n_qkv, shared=False,
+                  in_grad=need_in)
     lora_outputs(sv, c, B, n_qkv)
-    dora_saved(sv, c, B, dora_linears(layer, ("q_proj", "k_proj", "v_proj")), need_in)
+    dora_saved(sv, c, B, dora_linears(layer, QKV), need_in)
     if d.get("qk_norm"):
         for proj, width, rows in (("q_proj", qd, d["heads"]), ("k_proj", kvd, d["kv_heads"])):
             grad = need_in or need_w or adapters_on(layer, (proj,)) > 0
             head_norm(sv, c, B, width, rows, grad, need_w)
-    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd)
+    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd,
+                           qkv=B * (qd + 2 * kvd) if fused else 0)
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
                   in_grad=need_in or n_qkv > 0)
@@ -47,10 +51,12 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(B * h, FP32)
     sv.add(B, FP32)
     sv.add(B * h, sb, need_w)
-    linear_inputs(sv, c, B * h, sb, 2, need_w, n_gu, shared=False)
+    linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False)
     lora_outputs(sv, c, B, n_gu)
-    dora_saved(sv, c, B, dora_linears(layer, ("gate_proj", "up_proj")), True)
-    sv.add(B * f, e, times=3)  # gate output (SiLU input), SiLU output, up output (mul operands)
+    dora_saved(sv, c, B, dora_linears(layer, GU), True)
+    # gate output (SiLU input), SiLU output, up output (mul operands); fused: gate and up are
+    # `chunk` views of one B x 2f output, the same bytes
+    sv.add(B * f, e, times=3)
     linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
     lora_outputs(sv, c, B, n_down)
     dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
@@ -64,13 +70,18 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
     mlp_bwd = 2 * t(B * f, e)
     attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
+    qkv_out = qd + 2 * kvd if fused else qd  # widest attention-input linear's output
+    if fused:
+        # q/k/v are slices of one output: each slice's backward (`slice_backward`) makes a
+        # zero-filled full-size grad, added into autograd's input buffer of the fused output
+        attn_bwd += 2 * t(B * qkv_out, e)
     if not c.amp and e != FP32:
         # the fp32 adapter branch: its output grad is cast to fp32 (B x out) and lora_A returns
         # an fp32 input grad (B x in) before the cast back (PEFT lora.Linear in bf16 models)
         if n_gu or n_down:
-            mlp_bwd += t(B * f, FP32) + t(B * h, FP32)
+            mlp_bwd += t(B * f * (2 if fused else 1), FP32) + t(B * h, FP32)
         if n_qkv or n_o:
-            attn_bwd += t(B * qd, FP32) + t(B * h, FP32)
+            attn_bwd += t(B * qkv_out, FP32) + t(B * h, FP32)
     elif c.amp:
         # autocast: lora_A's bf16 input grad is cast back to the fp32 stream (B x in)
         mlp_bwd += t(B * h, FP32) if (n_gu or n_down) else 0

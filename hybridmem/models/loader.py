@@ -15,7 +15,7 @@ from hybridmem.errors import SpecError
 
 # model_type values the estimators understand; anything else is refused at the boundary.
 MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next")
-DECODER_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+DECODER_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
 SUPPORTED_TYPES: tuple[str, ...] = MULTIMODAL_TYPES + DECODER_TYPES
 """The families the analytic tier has closed forms for (and the hybrid tier, built on it)."""
