@@ -99,16 +99,16 @@ def _text_config(draw, family: str) -> dict:
            "tie_word_embeddings": draw(st.booleans())}
     if family != "qwen2" and draw(st.booleans()):
         cfg["head_dim"] = head_dim  # explicit head_dim, may differ from hidden / heads
-    if family == "llama":
+    if family in ("llama", "qwen3"):
         cfg["attention_bias"] = draw(st.booleans())
-        cfg["mlp_bias"] = draw(st.booleans())
+        cfg["mlp_bias"] = draw(st.booleans()) if family == "llama" else False
     return cfg
 
 
 @st.composite
 def small_configs(draw) -> dict:
-    kind = draw(st.sampled_from(["llama", "mistral", "qwen2", "llava", "llava_next"]))
-    if kind in ("llama", "mistral", "qwen2"):
+    kind = draw(st.sampled_from(["llama", "mistral", "qwen2", "qwen3", "llava", "llava_next"]))
+    if kind in ("llama", "mistral", "qwen2", "qwen3"):
         return _text_config(draw, kind)
     vision = draw(st.sampled_from(["clip_vision_model", "siglip_vision_model"]))
     patch = 4

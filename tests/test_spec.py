@@ -58,7 +58,8 @@ def test_unknown_field_in_dict():
 
 def test_presets_load_and_unknowns_fail(tmp_path):
     for name in preset_names():
-        assert load_config(name).model_type in ("llava", "llava_next", "llama", "mistral", "qwen2")
+        assert load_config(name).model_type in ("llava", "llava_next", "llama", "mistral", "qwen2",
+                                                   "qwen3", "phi3")
     with pytest.raises(SpecError, match=r"model='nope': unknown preset \(valid: .*llava-1.5-7b"):
         load_config("nope")
     bad = tmp_path / "config.json"

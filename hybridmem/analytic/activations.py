@@ -234,11 +234,17 @@ def amp_copies(layer: Layer, c: Ctx, active: bool, need_w: bool) -> tuple[int, i
     return base + lora, (base if need_w else 0) + lora - frozen
 
 
-def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: int) -> int:
-    """Saved q/k/v/out(+lse or probs) of one attention; returns the eager probs size (b·a·s²)."""
+def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: int,
+                   qkv: int = 0) -> int:
+    """Saved q/k/v/out(+lse or probs) of one attention; returns the eager probs size (b·a·s²).
+
+    `qkv` > 0: v is a slice of a fused qkv_proj output of `qkv` elements (Phi-3); RoPE makes new
+    q and k, but v is saved as that view, which keeps the whole fused output alive (unless
+    eager's repeat_kv copies it first)."""
     B = b * s
     e = c.e
     probs = b * heads * s * s
+    v_el = qkv or B * kvd
     if c.attn == "eager":
         rep = qd  # repeat_kv materialises k and v at all heads when kv_heads < heads
         k_el = rep if kvd < qd else kvd
@@ -246,10 +252,11 @@ def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: 
         sv.add(B * k_el, e)     # k (repeated)
         sv.add(probs, FP32)     # softmax(dtype=float32) output
         sv.add(probs, e, cond=e != FP32)  # .to(q.dtype) / autocast cast, saved by probs @ v
-        sv.add(B * k_el, e)     # v (repeated)
+        sv.add(B * k_el if kvd < qd else v_el, e)  # v (repeated: a copy)
         return probs
     sv.add(B * qd, e)
-    sv.add(B * kvd, e, times=2)
+    sv.add(B * kvd, e)
+    sv.add(v_el, e)
     sv.add(B * qd, e)           # output
     rows = s  # flash / cuDNN (half precision): one fp32 logsumexp per query row
     if e == FP32 and c.attn != "flash_attention_2":  # fp32 runs the mem-efficient kernel

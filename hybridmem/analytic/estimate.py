@@ -207,7 +207,8 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
             if tied_w and layer.kind in ("lm_head", "embedding") else 0
         graded = layer.gets_grads or lora
         step = Step(acts=acts, ckpt=ckpt, grad=grad, grad_waste=waste,
-                    grad_mlp=_mlp_grads(layer, policy) if graded else (0, 0),
+                    grad_mlp=((0, grad) if layer.kind == "lm_head" else _mlp_grads(layer, policy))
+                    if graded else (0, 0),
                     on_path=layer.on_grad_path,
                     grad_max=_grad_max(layer, policy, tied_w) if graded else (0, 0), tie=tie,
                     state=st.optimizer - st.master,

@@ -23,15 +23,23 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         return Acts()
     e, sb = c.e, c.stream
     sv = Saved()
-    n_qkv = adapters_on(layer, ("q_proj", "k_proj", "v_proj"))
-    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, ("gate_proj", "up_proj"))
+    fused = bool(d.get("fused"))  # Phi-3: one qkv_proj, one gate_up_proj (decoder.FUSED_TYPES)
+    QKV, GU = ("q_proj", "k_proj", "v_proj", "qkv_proj"), ("gate_proj", "up_proj", "gate_up_proj")
+    n_qkv = adapters_on(layer, QKV)
+    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, GU)
     n_down = adapters_on(layer, ("down_proj",))
     # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
     _norm_saved(sv, c, B, h, need_in, need_w)
-    linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False, in_grad=need_in)
+    linear_inputs(sv, c, B * h, sb, 1 if fused else 3, need_w, n_qkv, shared=False,
+                  in_grad=need_in)
     lora_outputs(sv, c, B, n_qkv)
-    dora_saved(sv, c, B, dora_linears(layer, ("q_proj", "k_proj", "v_proj")), need_in)
-    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd)
+    dora_saved(sv, c, B, dora_linears(layer, QKV), need_in)
+    if d.get("qk_norm"):
+        for proj, width, rows in (("q_proj", qd, d["heads"]), ("k_proj", kvd, d["kv_heads"])):
+            grad = need_in or need_w or adapters_on(layer, (proj,)) > 0
+            head_norm(sv, c, B, width, rows, grad, need_w)
+    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd,
+                           qkv=B * (qd + 2 * kvd) if fused else 0)
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
                   in_grad=need_in or n_qkv > 0)
@@ -40,14 +48,16 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     attn_part = sv.total
     # post-attention RMSNorm on the residual h1 (always on the grad path once active)
     _norm_saved(sv, c, B, h, True, need_w, hf_in=FP32)
-    linear_inputs(sv, c, B * h, sb, 2, need_w, n_gu, shared=False)
+    linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False)
     lora_outputs(sv, c, B, n_gu)
-    dora_saved(sv, c, B, dora_linears(layer, ("gate_proj", "up_proj")), True)
+    dora_saved(sv, c, B, dora_linears(layer, GU), True)
     # a quantised gate/up returns its input's dtype (bnb Linear4bit `.to(inp_dtype)`): the
     # stream's, fp32 under autocast
-    mlp_e = sb if "mlp.gate_proj.weight" in layer.quantized else e
-    # gate output (SiLU input), SiLU output, up output (mul operands); Liger's SiLUMul saves
-    # a and b only and recomputes silu in backward (liger_kernel/ops/swiglu.py)
+    quant_gu = {"mlp.gate_proj.weight", "mlp.gate_up_proj.weight"} & set(layer.quantized)
+    mlp_e = sb if quant_gu else e
+    # gate output (SiLU input), SiLU output, up output (mul operands); fused: gate and up are
+    # `chunk` views of one B x 2f output, the same bytes; Liger's SiLUMul saves a and b only
+    # and recomputes silu in backward (liger_kernel/ops/swiglu.py)
     sv.add(B * f, mlp_e, times=2 if c.liger else 3)
     linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
     lora_outputs(sv, c, B, n_down)
@@ -75,13 +85,18 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.liger:  # SiLUMul backward writes da, db into a's and b's storage: grad(c) only
         mlp_bwd = t(B * f, e)
     attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
+    qkv_out = qd + 2 * kvd if fused else qd  # widest attention-input linear's output
+    if fused:
+        # q/k/v are slices of one output: each slice's backward (`slice_backward`) makes a
+        # zero-filled full-size grad, added into autograd's input buffer of the fused output
+        attn_bwd += 2 * t(B * qkv_out, e)
     if not c.amp and e != FP32:
         # the fp32 adapter branch: its output grad is cast to fp32 (B x out) and lora_A returns
         # an fp32 input grad (B x in) before the cast back (PEFT lora.Linear in bf16 models)
         if n_gu or n_down:
-            mlp_bwd += t(B * f, FP32) + t(B * h, FP32)
+            mlp_bwd += t(B * f * (2 if fused else 1), FP32) + t(B * h, FP32)
         if n_qkv or n_o:
-            attn_bwd += t(B * qd, FP32) + t(B * h, FP32)
+            attn_bwd += t(B * qkv_out, FP32) + t(B * h, FP32)
     elif c.amp:
         # autocast: lora_A's bf16 input grad is cast back to the fp32 stream (B x in)
         mlp_bwd += t(B * h, FP32) if (n_gu or n_down) else 0
@@ -115,6 +130,18 @@ def _norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
     sv.add(B * h, hf_in or FP32, need_in)
     sv.add(B, FP32, need_in)
     sv.add(B * h, c.stream, need_w)
+
+
+def head_norm(sv: Saved, c: Ctx, tokens: int, width: int, rows: int, grad: bool,
+              need_w: bool) -> None:
+    """Qwen3's q_norm / k_norm (`Qwen3RMSNorm(head_dim)` on the projection's output viewed as
+    tokens x heads x head_dim; modeling_qwen3.Qwen3RMSNorm.forward): `.to(float32)` (a copy in
+    bf16, the projection's output itself in fp32) saved by `pow` and the rsqrt mul, the rsqrt
+    (one fp32 per head row), and the normalised tensor cast back to the projection's dtype,
+    saved by `weight * x` for the weight's grad. `grad`: the projection's output requires grad."""
+    sv.add(tokens * width, FP32, grad)
+    sv.add(tokens * rows, FP32, grad)
+    sv.add(tokens * width, c.e, grad and need_w)
 
 
 def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
@@ -177,13 +204,16 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.ce_chunks:
         return chunked_head(d, c, sv, copies, cache, need_in, need_w)
     fwd_parts = (t(B * V, e), *([t(B * V, FP32)] if e != FP32 else []))
-    # the backward's three stages (docstring); the largest sets the transient
-    bwd_parts = max(([t(B * V, FP32)] * 2,
-                     [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else []),
-                     [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])),
-                    key=sum)
+    # the backward's three stages (docstring): the loss's two (the larger sets the transient)
+    # run before the head's weight grad exists, so they are the first stage of a two-stage
+    # backward (`bwd_mlp`; estimate.price gives lm_head grad_mlp = (0, grad)), the head's
+    # matmuls, which make that grad, the second
+    loss_parts = max(([t(B * V, FP32)] * 2,
+                      [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else [])), key=sum)
+    bwd_parts = [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 cache=cache, fwd_extra=sum(fwd_parts), bwd_extra=sum(bwd_parts),
+                bwd_mlp=sum(loss_parts), bwd_mlp_parts=tuple(loss_parts),
                 fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
 
 

@@ -1,9 +1,11 @@
-"""Decoder LLMs (Llama, Mistral, Qwen2) as layers, following transformers 5.x
-`modeling_llama.py`, `modeling_mistral.py` and `modeling_qwen2.py` parameter by parameter.
+"""Decoder LLMs (Llama, Mistral, Qwen2, Qwen3, ...) as layers, following transformers 5.x
+`modeling_<family>.py` parameter by parameter; one code path, per-family switches read from the
+config (`qk_norm`, ...; docs/families.md).
 
 Differences that change memory: grouped-query attention (`num_key_value_heads`), an explicit
 `head_dim` (may differ from hidden/heads), Qwen2's q/k/v biases (hard-coded `bias=True`, o_proj
-without), Llama's optional `attention_bias` / `mlp_bias`, tied input/output embeddings.
+without), Llama's optional `attention_bias` / `mlp_bias`, tied input/output embeddings, Qwen3's
+RMSNorm over head_dim on q and k (`Qwen3Attention.q_norm` / `k_norm`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ def kv_heads(tc) -> int:
     return getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
 
 
+# families whose attention RMS-normalises q and k over head_dim before RoPE
+# (modeling_qwen3.Qwen3Attention.q_norm / k_norm)
+QK_NORM_TYPES = ("qwen3",)
+# families with one fused q/k/v projection and one fused gate/up projection, whose q, k, v and
+# gate, up are views (slices / `chunk`) of the fused output (modeling_phi3.Phi3Attention, Phi3MLP)
+FUSED_TYPES = ("phi3",)
+
+
+def qk_norm(tc) -> bool:
+    """Whether the attention has `q_norm` / `k_norm` (RMSNorm(head_dim)) weights."""
+    return tc.model_type in QK_NORM_TYPES
+
+
 def _biases(tc) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o_proj bias, mlp bias) per family."""
     if tc.model_type in QWEN2_TEXT:
@@ -32,14 +47,35 @@ def _biases(tc) -> tuple[bool, bool, bool]:
     return attn, attn, bool(getattr(tc, "mlp_bias", False))
 
 
+def fused(tc) -> bool:
+    """Whether q/k/v and gate/up are one Linear each (`qkv_proj`, `gate_up_proj`)."""
+    return tc.model_type in FUSED_TYPES
+
+
+def rotary_dim(tc) -> int:
+    """Rotated channels per head: head_dim x `partial_rotary_factor` (Phi-3 reads it from
+    `rope_parameters`, filled from the top-level key; modeling_phi3
+    `Phi3RotaryEmbedding.compute_default_rope_parameters`: `int(head_dim * factor)`)."""
+    rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(tc, "partial_rotary_factor", 1.0))
+    return int(head_dim(tc) * (1.0 if factor is None else factor))
+
+
 def decoder_layer_params(tc) -> tuple[T, ...]:
     h, f, d = tc.hidden_size, tc.intermediate_size, head_dim(tc)
     q, kv = tc.num_attention_heads * d, kv_heads(tc) * d
     qkv_b, o_b, mlp_b = _biases(tc)
-    return (_linear("self_attn.q_proj", q, h, qkv_b) + _linear("self_attn.k_proj", kv, h, qkv_b)
-            + _linear("self_attn.v_proj", kv, h, qkv_b) + _linear("self_attn.o_proj", h, q, o_b)
-            + _linear("mlp.gate_proj", f, h, mlp_b) + _linear("mlp.up_proj", f, h, mlp_b)
+    if fused(tc):  # modeling_phi3: Phi3Attention.qkv_proj, Phi3MLP.gate_up_proj (no biases)
+        attn = _linear("self_attn.qkv_proj", q + 2 * kv, h, False)
+        mlp = _linear("mlp.gate_up_proj", 2 * f, h, False)
+    else:
+        attn = (_linear("self_attn.q_proj", q, h, qkv_b) + _linear("self_attn.k_proj", kv, h, qkv_b)
+                + _linear("self_attn.v_proj", kv, h, qkv_b))
+        mlp = _linear("mlp.gate_proj", f, h, mlp_b) + _linear("mlp.up_proj", f, h, mlp_b)
+    return (attn + _linear("self_attn.o_proj", h, q, o_b) + mlp
             + _linear("mlp.down_proj", h, f, mlp_b)
+            + ((T("self_attn.q_norm.weight", (d,)), T("self_attn.k_norm.weight", (d,)))
+               if qk_norm(tc) else ())
             + (T("input_layernorm.weight", (h,)), T("post_attention_layernorm.weight", (h,))))
 
 
@@ -47,14 +83,15 @@ def decoder_dims(tc, batch: int, seq: int) -> dict:
     return dict(b=batch, s=seq, h=tc.hidden_size, heads=tc.num_attention_heads,
                 kv_heads=kv_heads(tc), head_dim=head_dim(tc), ffn=tc.intermediate_size,
                 vocab=tc.vocab_size, act=tc.hidden_act,
-                attn_dropout=float(getattr(tc, "attention_dropout", 0.0) or 0.0))
+                attn_dropout=float(getattr(tc, "attention_dropout", 0.0) or 0.0),
+                qk_norm=qk_norm(tc), fused=fused(tc))
 
 
 def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
     """Layers of the base model (`model.*` in a CausalLM): embed_tokens, decoder layers, norm."""
     h = tc.hidden_size
     dims = decoder_dims(tc, batch, seq)
-    rot = head_dim(tc) // 2  # inv_freq = 1 / base ** (arange(0, dim, 2) / dim)
+    rot = len(range(0, rotary_dim(tc), 2))  # inv_freq = 1 / base ** (arange(0, dim, 2) / dim)
     layers = [Layer(name="embed_tokens", kind="embedding",
                     params=(T("embed_tokens.weight", (tc.vocab_size, h)),), dims=dims)]
     # forward order: LlamaModel.forward embeds, then computes cos/sin once, then runs the layers

@@ -4,6 +4,7 @@
 few dozen fields, so it reads the JSON itself and fills what is missing with the defaults of
 the transformers 5.x config classes (`configuration_clip.py`, `configuration_siglip.py`,
 `configuration_llama.py`, `configuration_mistral.py`, `configuration_qwen2.py`,
+`configuration_qwen3.py`, `configuration_phi3.py`,
 `configuration_llava.py`, `configuration_llava_next.py`). tests/test_models.py checks the
 result against models built from the real transformers configs, presets and random configs.
 """
@@ -38,6 +39,15 @@ TEXT_DEFAULTS: dict[str, dict] = {
     "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
                   hidden_act="silu", tie_word_embeddings=False, attention_dropout=0.0),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  head_dim=128, hidden_act="silu", attention_bias=False,
+                  tie_word_embeddings=False, attention_dropout=0.0),
+    "phi3": dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
+                 head_dim=None, hidden_act="silu", tie_word_embeddings=False,
+                 attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                 partial_rotary_factor=1.0, sliding_window=None),
 }
 # LlavaConfig without a vision_config builds CLIP ViT-L/14-336 (configuration_llava.py)
 LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,

@@ -137,11 +137,11 @@ def lora_targets_for(model: nn.Module, spec: TrainingSpec, config) -> TrainingSp
     """The spec with the LoRA targets the default means for this model. The default (Llama's
     seven projections) is "all LLM linear layers" (`--lora-targets` help); for a family
     without closed forms (Phi-3's `qkv_proj`, GPT-2's `c_attn`, ...) that is its own linear
-    names, `llm_linear_names`. Explicit targets, and the analytic families, stay as given."""
+    names, `llm_linear_names` (the analytic families' too: the model graph does the same,
+    `models.build._default_targets`). Explicit targets stay as given."""
     import dataclasses
 
-    if (spec.train != "lora" or is_analytic(config.model_type)
-            or spec.lora.targets != DEFAULT_LORA_TARGETS):
+    if spec.train != "lora" or spec.lora.targets != DEFAULT_LORA_TARGETS:
         return spec
     names = llm_linear_names(model)
     return spec.with_(lora=dataclasses.replace(spec.lora, targets=names)) if names else spec

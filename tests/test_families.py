@@ -1,0 +1,100 @@
+"""Decoder families with closed forms beyond Llama/Mistral/Qwen2 (docs/families.md).
+
+Per family, on its tiny preset: the parameter count per part equals the transformers model
+built on the meta device (tests/test_models.py does that for every preset, buffers too); the
+trace tier equals a real (non-fake) CPU run's live bytes; the analytic tier is within `TOL` of
+the trace tier (peak allocated, and its tensor part without the two cuBLAS workspaces), with
+exact param / grad / optimizer bytes; and on one real-sized config per family, within `TOL` of
+the trace tier's peak allocated. `predict` picks the analytic tier for these families.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridmem import TrainingSpec
+from hybridmem.analytic import estimate as analytic
+from hybridmem.models import load_config
+from hybridmem.predict import trace_only_reason
+from hybridmem.spec import LoraSpec
+from hybridmem.trace import estimate as traced, runner
+from test_trace import real_cpu_peak
+
+TOL = 0.03  # the issue's bound on analytic vs trace (peak allocated)
+TENSOR_TOL = 0.05  # test_analytic_vs_trace.TOL: tiny tensors are 512 B-rounded, few per layer
+# tiny preset -> the runs the family supports (its transformers code refuses the others)
+TINY = {"tiny-qwen3": {}, "tiny-phi3": {}}
+GRID = [dict(precision=p, train=tr, grad_ckpt=c)
+        for p in ("fp32", "bf16", "bf16-mixed") for tr in ("full", "lora") for c in (False, True)]
+# one real-sized config per family: bf16 full fine-tuning with a backward peak
+REAL = [dict(model="qwen3-0.6b", precision="bf16", micro_batch=1, seq_len=1024),
+        dict(model="phi-3-mini-4k-instruct", precision="bf16", train="lora", lora=LoraSpec(r=16),
+             micro_batch=1, seq_len=2048)]
+
+
+def _spec(model: str, **kw) -> TrainingSpec:
+    if kw.get("train") == "lora":
+        kw.setdefault("lora", LoraSpec(r=4))
+    return TrainingSpec(**{"model": model, "micro_batch": 2, "seq_len": 64, **TINY.get(model, {}),
+                           **kw})
+
+
+def _ids(kw: dict) -> str:
+    return "-".join(str(v) for v in kw.values())
+
+
+@pytest.mark.parametrize("model", sorted(TINY))
+@pytest.mark.parametrize("kw", [dict(precision="fp32"),
+                                dict(precision="fp32", train="lora", grad_ckpt=True)], ids=_ids)
+def test_trace_equals_a_real_cpu_run(model, kw):
+    spec = _spec(model, **kw)
+    tracker, _ = runner.trace(spec, load_config(spec.model))
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
+def _close(spec: TrainingSpec, tensor_tol: float | None) -> None:
+    a, tr = analytic(spec), traced(spec)
+    assert (a.params_total, a.params_trainable) == (tr.params_total, tr.params_trainable)
+    assert a.breakdown["param"] == tr.breakdown["param"]
+    am = {m.name: m for m in a.modules}
+    for m in tr.modules:  # a tied lm_head has no row in the trace tier
+        assert (am[m.name].grad, am[m.name].optimizer) == (m.grad, m.optimizer), m.name
+    rel = a.peak.allocated_bytes / tr.peak.allocated_bytes - 1
+    assert abs(rel) <= TOL, f"analytic {a.peak.allocated_bytes} vs trace {tr.peak.allocated_bytes}"
+    if tensor_tol is not None:
+        ta = a.peak.allocated_bytes - a.breakdown["workspace"]
+        tt = tr.peak.allocated_bytes - tr.breakdown["workspace"]
+        assert abs(ta / tt - 1) <= tensor_tol, f"tensor peak {ta} vs trace {tt}"
+
+
+@pytest.mark.parametrize("model", sorted(TINY))
+@pytest.mark.parametrize("kw", GRID, ids=_ids)
+def test_analytic_matches_trace_on_tiny(model, kw):
+    _close(_spec(model, **kw), TENSOR_TOL)
+
+
+@pytest.mark.parametrize("kw", REAL, ids=lambda kw: kw["model"])
+def test_analytic_matches_trace_real_sized(kw):
+    _close(TrainingSpec(**kw), None)
+
+
+@pytest.mark.parametrize("model", sorted(TINY))
+def test_default_lora_targets_are_peft_all_linear(model):
+    """The default targets mean all LLM linear layers: PEFT's own `all-linear` on the model
+    built on the meta device is the reference (Phi-3's fused qkv_proj / gate_up_proj)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(load_config(model))
+    ref = peft.get_peft_model(ref, peft.LoraConfig(r=4, target_modules="all-linear"))
+    pred = analytic(_spec(model, train="lora"))
+    assert (pred.params_total, pred.params_trainable) == (
+        sum(p.numel() for p in ref.parameters()),
+        sum(p.numel() for p in ref.parameters() if p.requires_grad))
+
+
+@pytest.mark.parametrize("model", sorted(TINY))
+def test_predict_picks_the_analytic_tier(model):
+    assert trace_only_reason(_spec(model)) is None
