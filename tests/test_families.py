@@ -98,3 +98,22 @@ def test_default_lora_targets_are_peft_all_linear(model):
 @pytest.mark.parametrize("model", sorted(TINY))
 def test_predict_picks_the_analytic_tier(model):
     assert trace_only_reason(_spec(model)) is None
+
+
+@pytest.mark.parametrize("model", sorted(TINY))
+def test_harness_default_lora_targets_match_both_tiers(model):
+    """The CUDA harness's `add_lora` gives the default targets the same meaning as both tiers
+    (the family's own linear names): its trainable count equals the analytic tier's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridmem.harness.workload import add_lora
+
+    spec = _spec(model, train="lora")
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(load_config(model))
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    ref = add_lora(ref, spec)
+    assert sum(p.numel() for p in ref.parameters() if p.requires_grad) == \
+        analytic(spec).params_trainable
