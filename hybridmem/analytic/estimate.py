@@ -42,6 +42,7 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
+from hybridmem.models.decoder import NO_SDPA_TYPES
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -338,6 +339,11 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
         raise SpecError("train", "peft", reason=f"{peft_type(spec)} adapters have no closed "
                         "form here; use --method trace")
     graph = build_graph(spec)
+    if graph.model_type in NO_SDPA_TYPES and spec.attn == "sdpa":
+        # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping"):
+        # transformers refuses it, as the trace tier reports (trace/model.py)
+        raise SpecError("attn", spec.attn, ("eager", "flash_attention_2"),
+                        reason=f"transformers' {graph.model_type} code does not support it")
     priced = price(graph, spec)
     stepped = [s for p in priced for s in p.states.stepped]
     if not stepped:

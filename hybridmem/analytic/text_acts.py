@@ -28,8 +28,10 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     n_qkv = adapters_on(layer, QKV)
     n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, GU)
     n_down = adapters_on(layer, ("down_proj",))
+    gem = bool(d.get("gemma"))  # Gemma 2: four (1 + weight) fp32 norms (decoder.GEMMA_TYPES)
+    norm = gemma_norm_saved if gem else _norm_saved
     # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
-    _norm_saved(sv, c, B, h, need_in, need_w)
+    norm(sv, c, B, h, need_in, need_w)
     linear_inputs(sv, c, B * h, sb, 1 if fused else 3, need_w, n_qkv, shared=False,
                   in_grad=need_in)
     lora_outputs(sv, c, B, n_qkv)
@@ -39,15 +41,19 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
             grad = need_in or need_w or adapters_on(layer, (proj,)) > 0
             head_norm(sv, c, B, width, rows, grad, need_w)
     probs = attention_core(sv, c, b, s, d["heads"], qd, kvd,
-                           qkv=B * (qd + 2 * kvd) if fused else 0)
+                           qkv=B * (qd + 2 * kvd) if fused else 0,
+                           softcap=bool(d.get("attn_softcap")))
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
                   in_grad=need_in or n_qkv > 0)
     lora_outputs(sv, c, B, n_o)
     dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
+    if gem:  # post_attention_layernorm on the attention output, before the residual add
+        gemma_norm_saved(sv, c, B, h, True, need_w)
     attn_part = sv.total
-    # post-attention RMSNorm on the residual h1 (always on the grad path once active)
-    _norm_saved(sv, c, B, h, True, need_w, hf_in=FP32)
+    # post-attention RMSNorm on the residual h1 (always on the grad path once active; Gemma's
+    # pre_feedforward_layernorm)
+    norm(sv, c, B, h, True, need_w, hf_in=FP32)
     linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False)
     lora_outputs(sv, c, B, n_gu)
     dora_saved(sv, c, B, dora_linears(layer, GU), True)
@@ -62,12 +68,14 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
     lora_outputs(sv, c, B, n_down)
     dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
+    if gem:  # post_feedforward_layernorm on the MLP output
+        gemma_norm_saved(sv, c, B, h, True, need_w)
     copies, cache = amp_copies(layer, c, active, need_w)
     # forward transients: RoPE's rotated q, k (fp32 under autocast), eager's two probs casts
     rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
     if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
         rope_parts = []
-    fwd_parts = (*rope_parts, *[t(probs, e)] * (2 if probs else 0))
+    fwd_parts = attn_top = (*rope_parts, *[t(probs, e)] * (2 if probs else 0))
     if c.liger and c.amp:
         # without RoPE's fp32 copies the MLP's high point (down_proj's forward) is the larger:
         # the post-attention norm's fp32 output (read by the linears through their bf16 casts,
@@ -103,6 +111,14 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         attn_bwd += t(B * h, FP32) if (n_qkv or n_o) else 0
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
+    soft = []
+    if probs and d.get("attn_softcap") and not c.amp:  # autocast: measured without (below)
+        # Gemma 2: tanh_backward's grad beside the incoming one (probs, a half compute dtype;
+        # in fp32 the softmax's fp32 grad is the one `probs_parts` count already); under
+        # checkpointing the layer's mask (b x s x s, the embeddings' dtype) is held by its
+        # checkpoint's inputs until its backward ran
+        soft = ([t(probs, e)] if e != FP32 else []) + ([t(b * s * s, sb)] if c.ckpt else [])
+        attn_bwd += sum(soft)
     probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
     q_fwd, q_mlp, q_attn = quant_transients(
         layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora)
@@ -113,7 +129,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 mlp_saved=sv.total - attn_part,
                 bwd_mlp=t(B * h, sb) + mlp_bwd + sum(q_mlp),
                 fwd_parts=fwd_parts,
-                bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts, *q_attn),
+                bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts, *soft,
+                           *q_attn),
+                fwd_in_attention=gem and fwd_parts is attn_top,
                 bwd_mlp_parts=(t(B * h, sb), *[t(B * f, e)] * (1 if c.liger else 2), *q_mlp))
 
 
@@ -130,6 +148,20 @@ def _norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
     sv.add(B * h, hf_in or FP32, need_in)
     sv.add(B, FP32, need_in)
     sv.add(B * h, c.stream, need_w)
+
+
+def gemma_norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
+                     hf_in: int | None = None) -> None:
+    """What a Gemma RMSNorm saves (modeling_gemma2.Gemma2RMSNorm.forward:
+    `_norm(x.float()) * (1.0 + weight.float())`, then `.type_as(x)`): the fp32 input (an
+    upcast copy unless x is fp32) and rsqrt when the input needs a grad, the fp32 normalised
+    tensor for the weight grad (the weight multiply runs in fp32, before the cast), and
+    `1 + weight` (h, fp32) for the input's grad. `hf_in` is unused: the input is always
+    saved in fp32."""
+    sv.add(B * h, FP32, need_in)
+    sv.add(B, FP32, need_in)
+    sv.add(B * h, FP32, need_w)
+    sv.add(h, FP32, need_in)
 
 
 def head_norm(sv: Saved, c: Ctx, tokens: int, width: int, rows: int, grad: bool,
@@ -157,6 +189,15 @@ def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not (need_in or need_w):
         return Acts()
     sv = Saved()
+    if d.get("gemma"):
+        # Gemma2RMSNorm: the weight multiply runs in fp32 (`gemma_norm_saved`); its fp32 output
+        # and, unless the weight trains, the fp32 normalised tensor are transient, with the
+        # `.type_as` cast as the lm_head's input
+        gemma_norm_saved(sv, c, B, h, need_in, need_w)
+        fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
+            (t(B * h, FP32),) if not need_w else ())
+        return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd_parts),
+                    fwd_parts=fwd_parts, bwd_extra=2 * t(B * h, c.stream))
     _norm_saved(sv, c, B, h, need_in, need_w)
     if c.liger:
         # Liger: Y is the only new forward tensor (counted by the lm_head, its one reader);
@@ -193,6 +234,10 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False, in_grad=need_in)
     lora_outputs(sv, c, B, n_lora)
     dora_saved(sv, c, B, dora_linears(layer), need_in)
+    cap = bool(d.get("final_softcap"))
+    # Gemma 2's final-logit softcap (Gemma2ForCausalLM.forward: `tanh(logits / cap) * cap`):
+    # tanh saves its output (compute dtype); the division and the multiply make new tensors
+    sv.add(B * V, e, cond=cap)
     sv.add(B * V, FP32)  # log_softmax output
     sv.add(B, INT64)     # shift_labels (`labels[..., 1:].contiguous()`), nll_loss's target
     sv.add(1, FP32, times=2)  # nll_loss output and total_weight
@@ -211,6 +256,8 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     loss_parts = max(([t(B * V, FP32)] * 2,
                       [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else [])), key=sum)
     bwd_parts = [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])
+    if cap:  # the softcap's backward: tanh_backward's grad beside the incoming one
+        bwd_parts = max(bwd_parts, [t(B * V, e)] * 2, key=sum)
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 cache=cache, fwd_extra=sum(fwd_parts), bwd_extra=sum(bwd_parts),
                 bwd_mlp=sum(loss_parts), bwd_mlp_parts=tuple(loss_parts),
@@ -306,4 +353,9 @@ def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
     d = layer.dims
     if not active:
         return Acts()
-    return Acts(saved=2 * t(d["s"] * d["head_dim"], c.stream))
+    # eager-only families (Gemma 2) build a float causal and a sliding-window mask,
+    # b x 1 x s x s in the embeddings' dtype each (masking_utils `create_causal_mask` /
+    # `create_sliding_window_causal_mask`, eager: `eager_mask`), held by the model's forward
+    # until it returns (`held`: released at the forward's end)
+    masks = 2 * t(d["b"] * d["s"] * d["s"], c.stream) if d.get("attn_softcap") else 0
+    return Acts(saved=2 * t(d["s"] * d["head_dim"], c.stream), held=masks)

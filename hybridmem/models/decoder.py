@@ -5,7 +5,8 @@ config (`qk_norm`, ...; docs/families.md).
 Differences that change memory: grouped-query attention (`num_key_value_heads`), an explicit
 `head_dim` (may differ from hidden/heads), Qwen2's q/k/v biases (hard-coded `bias=True`, o_proj
 without), Llama's optional `attention_bias` / `mlp_bias`, tied input/output embeddings, Qwen3's
-RMSNorm over head_dim on q and k (`Qwen3Attention.q_norm` / `k_norm`).
+RMSNorm over head_dim on q and k (`Qwen3Attention.q_norm` / `k_norm`), Phi-3's fused
+projections, Gemma's four norms per layer, scaled embedding and logit softcapping.
 """
 
 from __future__ import annotations
@@ -32,11 +33,34 @@ QK_NORM_TYPES = ("qwen3",)
 # families with one fused q/k/v projection and one fused gate/up projection, whose q, k, v and
 # gate, up are views (slices / `chunk`) of the fused output (modeling_phi3.Phi3Attention, Phi3MLP)
 FUSED_TYPES = ("phi3",)
+# Gemma 2 / Gemma 3 text: four RMSNorms per layer (post-attention on the attention output,
+# pre/post feed-forward), `(1 + weight)` RMSNorms in fp32, the embedding scaled by sqrt(hidden)
+# (modeling_gemma2.Gemma2DecoderLayer, Gemma2RMSNorm, Gemma2TextScaledWordEmbedding)
+GEMMA_TYPES = ("gemma2",)
+# families whose transformers code refuses SDPA (`_supports_sdpa = False`: softcapping)
+NO_SDPA_TYPES = ("gemma2",)
 
 
 def qk_norm(tc) -> bool:
     """Whether the attention has `q_norm` / `k_norm` (RMSNorm(head_dim)) weights."""
     return tc.model_type in QK_NORM_TYPES
+
+
+def gemma(tc) -> bool:
+    """Whether the layers are Gemma's (four `(1 + weight)` norms, a scaled embedding)."""
+    return tc.model_type in GEMMA_TYPES
+
+
+def softcaps(tc) -> tuple[float | None, float | None]:
+    """(attention-logit, final-logit) softcapping (`tanh(x / cap) * cap`; Gemma 2's
+    `attn_logit_softcapping` / `final_logit_softcapping`, None = off)."""
+    return (getattr(tc, "attn_logit_softcapping", None),
+            getattr(tc, "final_logit_softcapping", None))
+
+
+def activation(tc) -> str:
+    """The MLP activation's name (Gemma calls the field `hidden_activation`)."""
+    return getattr(tc, "hidden_activation", None) or tc.hidden_act
 
 
 def _biases(tc) -> tuple[bool, bool, bool]:
@@ -76,15 +100,18 @@ def decoder_layer_params(tc) -> tuple[T, ...]:
             + _linear("mlp.down_proj", h, f, mlp_b)
             + ((T("self_attn.q_norm.weight", (d,)), T("self_attn.k_norm.weight", (d,)))
                if qk_norm(tc) else ())
-            + (T("input_layernorm.weight", (h,)), T("post_attention_layernorm.weight", (h,))))
+            + (T("input_layernorm.weight", (h,)), T("post_attention_layernorm.weight", (h,)))
+            + ((T("pre_feedforward_layernorm.weight", (h,)),
+                T("post_feedforward_layernorm.weight", (h,))) if gemma(tc) else ()))
 
 
 def decoder_dims(tc, batch: int, seq: int) -> dict:
     return dict(b=batch, s=seq, h=tc.hidden_size, heads=tc.num_attention_heads,
                 kv_heads=kv_heads(tc), head_dim=head_dim(tc), ffn=tc.intermediate_size,
-                vocab=tc.vocab_size, act=tc.hidden_act,
+                vocab=tc.vocab_size, act=activation(tc),
                 attn_dropout=float(getattr(tc, "attention_dropout", 0.0) or 0.0),
-                qk_norm=qk_norm(tc), fused=fused(tc))
+                qk_norm=qk_norm(tc), fused=fused(tc), gemma=gemma(tc),
+                attn_softcap=bool(softcaps(tc)[0]), final_softcap=bool(softcaps(tc)[1]))
 
 
 def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
@@ -92,8 +119,11 @@ def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
     h = tc.hidden_size
     dims = decoder_dims(tc, batch, seq)
     rot = len(range(0, rotary_dim(tc), 2))  # inv_freq = 1 / base ** (arange(0, dim, 2) / dim)
+    # Gemma2TextScaledWordEmbedding.embed_scale: a 0-dim non-persistent buffer (sqrt(hidden))
+    scale = (T("embed_tokens.embed_scale", (), FP32),) if gemma(tc) else ()
     layers = [Layer(name="embed_tokens", kind="embedding",
-                    params=(T("embed_tokens.weight", (tc.vocab_size, h)),), dims=dims)]
+                    params=(T("embed_tokens.weight", (tc.vocab_size, h)),), buffers=scale,
+                    dims=dims)]
     # forward order: LlamaModel.forward embeds, then computes cos/sin once, then runs the layers
     layers.append(Layer(name="rotary_emb", kind="rotary",
                         buffers=(T("rotary_emb.inv_freq", (rot,), FP32),

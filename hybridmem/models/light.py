@@ -4,7 +4,7 @@
 few dozen fields, so it reads the JSON itself and fills what is missing with the defaults of
 the transformers 5.x config classes (`configuration_clip.py`, `configuration_siglip.py`,
 `configuration_llama.py`, `configuration_mistral.py`, `configuration_qwen2.py`,
-`configuration_qwen3.py`, `configuration_phi3.py`,
+`configuration_qwen3.py`, `configuration_phi3.py`, `configuration_gemma2.py`,
 `configuration_llava.py`, `configuration_llava_next.py`). tests/test_models.py checks the
 result against models built from the real transformers configs, presets and random configs.
 """
@@ -48,6 +48,11 @@ TEXT_DEFAULTS: dict[str, dict] = {
                  head_dim=None, hidden_act="silu", tie_word_embeddings=False,
                  attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
                  partial_rotary_factor=1.0, sliding_window=None),
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                   tie_word_embeddings=True, attention_dropout=0.0,
+                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
 }
 # LlavaConfig without a vision_config builds CLIP ViT-L/14-336 (configuration_llava.py)
 LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
