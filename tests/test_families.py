@@ -23,13 +23,15 @@ from test_trace import real_cpu_peak
 TOL = 0.03  # the issue's bound on analytic vs trace (peak allocated)
 TENSOR_TOL = 0.05  # test_analytic_vs_trace.TOL: tiny tensors are 512 B-rounded, few per layer
 # tiny preset -> the runs the family supports (its transformers code refuses the others)
-TINY = {"tiny-qwen3": {}, "tiny-phi3": {}}
+TINY = {"tiny-qwen3": {}, "tiny-phi3": {}, "tiny-gemma2": {"attn": "eager"}}
 GRID = [dict(precision=p, train=tr, grad_ckpt=c)
         for p in ("fp32", "bf16", "bf16-mixed") for tr in ("full", "lora") for c in (False, True)]
 # one real-sized config per family: bf16 full fine-tuning with a backward peak
 REAL = [dict(model="qwen3-0.6b", precision="bf16", micro_batch=1, seq_len=1024),
         dict(model="phi-3-mini-4k-instruct", precision="bf16", train="lora", lora=LoraSpec(r=16),
-             micro_batch=1, seq_len=2048)]
+             micro_batch=1, seq_len=2048),
+        dict(model="gemma-2-2b", attn="eager", precision="bf16", train="lora",
+             lora=LoraSpec(r=16), micro_batch=1, seq_len=2048)]
 
 
 def _spec(model: str, **kw) -> TrainingSpec:
@@ -117,3 +119,13 @@ def test_harness_default_lora_targets_match_both_tiers(model):
     ref = add_lora(ref, spec)
     assert sum(p.numel() for p in ref.parameters() if p.requires_grad) == \
         analytic(spec).params_trainable
+
+
+def test_gemma2_sdpa_is_refused_as_transformers_does():
+    """Gemma2PreTrainedModel._supports_sdpa = False: both tiers give a one-line SpecError."""
+    from hybridmem import SpecError
+
+    with pytest.raises(SpecError, match=r"attn='sdpa'.*eager"):
+        analytic(_spec("tiny-gemma2", attn="sdpa"))
+    with pytest.raises(SpecError, match=r"attn='sdpa'"):
+        traced(_spec("tiny-gemma2", attn="sdpa"))

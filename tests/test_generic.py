@@ -221,12 +221,15 @@ def _cli(*argv) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("family, argv, message", [
     ("gpt2", ["--method", "analytic"], "error: model_type='gpt2': the analytic tier has no "
      "closed forms for this family; it needs --method trace"),
-    ("gemma2", ["--attn", "sdpa"], "error: attn='sdpa': ValueError: transformers' gemma2 code "
-     "does not support it (valid: eager)"),
+    ("gemma2", ["--attn", "sdpa"], "error: attn='sdpa': transformers' gemma2 code "
+     "does not support it (valid: eager, flash_attention_2)"),  # analytic since decoders2
+    ("gemma2", ["--attn", "sdpa", "--method", "trace"], "error: attn='sdpa': ValueError: "
+     "transformers' gemma2 code does not support it (valid: eager)"),
     ("mixtral", ["--precision", "fp32"], "error: model='{path}': its training step cannot run "
      "under fake tensors (RuntimeError: Expected inputs of BF16 type"),
     (None, [], "error: model_type='no_such_family' is not valid (valid: llava, llava_next, "
-     "qwen2_vl, qwen2_5_vl, llama, mistral, qwen2, qwen3, phi3, any transformers causal-LM"),
+     "qwen2_vl, qwen2_5_vl, llama, mistral, qwen2, qwen3, phi3, gemma2, any transformers "
+     "causal-LM"),
 ])
 def test_cli_one_line_exit_2(family, argv, message, tmp_path):
     """A fresh process, real tiers: exit 2 and exactly one line on stderr (no torch log)."""
