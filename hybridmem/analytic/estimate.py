@@ -42,7 +42,7 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
-from hybridmem.models.decoder import NO_SDPA_TYPES
+from hybridmem.models.decoder import MOE_TYPES, NO_SDPA_TYPES
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -344,6 +344,16 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
         # transformers refuses it, as the trace tier reports (trace/model.py)
         raise SpecError("attn", spec.attn, ("eager", "flash_attention_2"),
                         reason=f"transformers' {graph.model_type} code does not support it")
+    if graph.model_type in MOE_TYPES:
+        if spec.train != "full":
+            raise SpecError("train", spec.train, ("full",), reason=f"adapters on "
+                            f"{graph.model_type}'s fused 3-D experts (PEFT target_parameters) "
+                            "have no closed form here; use --method trace")
+        if spec.precision != "bf16":
+            # transformers' grouped-mm experts take bf16 (`_grouped_mm`; the CPU trace refuses
+            # others as well): other dtypes run a fallback whose memory is not priced
+            raise SpecError("precision", spec.precision, ("bf16",),
+                            reason=f"{graph.model_type}'s grouped-mm experts are priced in bf16")
     priced = price(graph, spec)
     stepped = [s for p in priced for s in p.states.stepped]
     if not stepped:

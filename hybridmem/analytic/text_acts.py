@@ -54,9 +54,13 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # post-attention RMSNorm on the residual h1 (always on the grad path once active; Gemma's
     # pre_feedforward_layernorm)
     norm(sv, c, B, h, True, need_w, hf_in=FP32)
-    linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False)
-    lora_outputs(sv, c, B, n_gu)
-    dora_saved(sv, c, B, dora_linears(layer, GU), True)
+    sparse = bool(d.get("moe"))  # Mixtral / Qwen3-MoE sparse block (decoder.MOE_TYPES)
+    if sparse:
+        moe_fwd, moe_bwd = moe_saved(sv, c, d, need_w)
+    else:
+        linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False)
+        lora_outputs(sv, c, B, n_gu)
+        dora_saved(sv, c, B, dora_linears(layer, GU), True)
     # a quantised gate/up returns its input's dtype (bnb Linear4bit `.to(inp_dtype)`): the
     # stream's, fp32 under autocast
     quant_gu = {"mlp.gate_proj.weight", "mlp.gate_up_proj.weight"} & set(layer.quantized)
@@ -64,10 +68,11 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # gate output (SiLU input), SiLU output, up output (mul operands); fused: gate and up are
     # `chunk` views of one B x 2f output, the same bytes; Liger's SiLUMul saves a and b only
     # and recomputes silu in backward (liger_kernel/ops/swiglu.py)
-    sv.add(B * f, mlp_e, times=2 if c.liger else 3)
-    linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
-    lora_outputs(sv, c, B, n_down)
-    dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
+    if not sparse:
+        sv.add(B * f, mlp_e, times=2 if c.liger else 3)
+        linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
+        lora_outputs(sv, c, B, n_down)
+        dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
     if gem:  # post_feedforward_layernorm on the MLP output
         gemma_norm_saved(sv, c, B, h, True, need_w)
     copies, cache = amp_copies(layer, c, active, need_w)
@@ -85,6 +90,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         mlp_parts = (t(B * h, FP32), *([t(B * f, e)] if not need_w else ()),
                      *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
         fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
+    if sparse and sum(moe_fwd) > sum(fwd_parts):
+        fwd_parts = moe_fwd
     dora = dora_forward(c, dora_linears(layer))
     fwd_parts = dora if sum(dora) > sum(fwd_parts) else fwd_parts  # not alive together
     # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
@@ -92,6 +99,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     mlp_bwd = 2 * t(B * f, e)
     if c.liger:  # SiLUMul backward writes da, db into a's and b's storage: grad(c) only
         mlp_bwd = t(B * f, e)
+    if sparse:
+        mlp_bwd = sum(moe_bwd)
     attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
     qkv_out = qd + 2 * kvd if fused else qd  # widest attention-input linear's output
     if fused:
@@ -132,7 +141,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts, *soft,
                            *q_attn),
                 fwd_in_attention=gem and fwd_parts is attn_top,
-                bwd_mlp_parts=(t(B * h, sb), *[t(B * f, e)] * (1 if c.liger else 2), *q_mlp))
+                bwd_mlp_parts=(t(B * h, sb), *(moe_bwd if sparse else
+                                                [t(B * f, e)] * (1 if c.liger else 2)), *q_mlp))
 
 
 def _norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
@@ -148,6 +158,48 @@ def _norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
     sv.add(B * h, hf_in or FP32, need_in)
     sv.add(B, FP32, need_in)
     sv.add(B * h, c.stream, need_w)
+
+
+def moe_saved(sv: Saved, c: Ctx, d: dict, need_w: bool) -> tuple[list[int], list[int]]:
+    """What a sparse MoE block saves, and its (forward, backward) high points; S = tokens x
+    top_k routed rows. Every expert's weights are parameters; activations are the routed
+    rows only. transformers' default experts (`integrations/moe.py
+    grouped_mm_experts_forward`: sort the (token, slot) pairs by expert, one grouped matmul per
+    projection over all S rows, offsets from `histc`) process exactly S rows whatever the
+    routing, so the bytes do not depend on which experts are picked: a closed form with no
+    routing assumption (the meta-tensor trace records the same ops).
+
+    Router (MixtralTopKRouter / Qwen3MoeTopKRouter): its input (the norm's output) for the
+    weight grad, softmax's fp32 output (B x E), topk's int64 indices (B x k), and with the
+    renormalisation (`/=`: in place) the sum (B, fp32) and a clone of the top values (B x k
+    fp32). Experts: the sort permutation and `perm // k` (S int64, saved by two `index` ops),
+    the gathered rows (S x h), the routing weights in the sorted order (S; fp32 for Mixtral,
+    cast back to the compute dtype for Qwen3-MoE), the offsets (E int32), the gate_up output
+    (S x 2f, gate and up are `chunk` views), SiLU's output and the product (S x f each), the
+    down output (S x h, saved by the weighting multiply) and the inverse permutation (S
+    int64). Forward top: the weighted rows (S x h, promoted to fp32 by Mixtral's fp32
+    weights) and their un-permuted copy, then the (B x h) sum. Backward top: the
+    un-permute's and the multiply's S x h grads with the compute-dtype cast."""
+    B, h, f = d["b"] * d["s"], d["h"], d["ffn"]
+    n, k = d["experts"], d["top_k"]
+    S, e = B * k, c.e
+    w = FP32 if d.get("router_fp32_weights") else e
+    linear_inputs(sv, c, B * h, c.stream, 1, need_w, 0, shared=False)   # router input
+    sv.add(B * n, FP32)                                                 # softmax output
+    sv.add(B * k, INT64)                                                # topk indices
+    sv.add(B, FP32, cond=bool(d.get("router_norm")))                    # the sum
+    sv.add(B * k, FP32, cond=bool(d.get("router_norm")))                # in-place div's self
+    sv.add(S, INT64, times=2)                                           # perm, perm // k
+    sv.add(S * h, e)                                                    # gathered rows
+    sv.add(S, w)                                                        # sorted weights
+    sv.add(n, 4)                                                        # offsets (int32)
+    sv.add(S * 2 * f, e)                                                # gate_up output
+    sv.add(S * f, e, times=2)                                           # silu, product
+    sv.add(S * h, e)                                                    # down output
+    sv.add(S, INT64)                                                    # inverse perm
+    fwd = [t(S * h, w), t(S * h, w), t(B * h, w)]
+    bwd = [t(S * h, w), t(S * h, w), t(S * h, e)]
+    return fwd, bwd
 
 
 def gemma_norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,

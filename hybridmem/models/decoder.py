@@ -29,7 +29,7 @@ def kv_heads(tc) -> int:
 
 # families whose attention RMS-normalises q and k over head_dim before RoPE
 # (modeling_qwen3.Qwen3Attention.q_norm / k_norm)
-QK_NORM_TYPES = ("qwen3",)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 # families with one fused q/k/v projection and one fused gate/up projection, whose q, k, v and
 # gate, up are views (slices / `chunk`) of the fused output (modeling_phi3.Phi3Attention, Phi3MLP)
 FUSED_TYPES = ("phi3",)
@@ -37,6 +37,10 @@ FUSED_TYPES = ("phi3",)
 # pre/post feed-forward), `(1 + weight)` RMSNorms in fp32, the embedding scaled by sqrt(hidden)
 # (modeling_gemma2.Gemma2DecoderLayer, Gemma2RMSNorm, Gemma2TextScaledWordEmbedding)
 GEMMA_TYPES = ("gemma2",)
+# mixture-of-experts families: a router (`mlp.gate.weight`, E x h) and every expert's fused
+# weights as 3-D parameters (`mlp.experts.gate_up_proj` E x 2f x h, `mlp.experts.down_proj`
+# E x h x f; modeling_mixtral.MixtralExperts / MixtralTopKRouter, modeling_qwen3_moe likewise)
+MOE_TYPES = ("mixtral", "qwen3_moe")
 # families whose transformers code refuses SDPA (`_supports_sdpa = False`: softcapping)
 NO_SDPA_TYPES = ("gemma2",)
 
@@ -63,6 +67,26 @@ def activation(tc) -> str:
     return getattr(tc, "hidden_activation", None) or tc.hidden_act
 
 
+def moe(tc) -> tuple[int, int, int]:
+    """(experts, top_k, expert intermediate size); (0, 0, 0) for a dense family. Mixtral:
+    `num_local_experts`, `intermediate_size`; Qwen3-MoE: `num_experts`,
+    `moe_intermediate_size` (configuration_mixtral.py, configuration_qwen3_moe.py)."""
+    if tc.model_type == "mixtral":
+        return tc.num_local_experts, tc.num_experts_per_tok, tc.intermediate_size
+    if tc.model_type == "qwen3_moe":
+        return tc.num_experts, tc.num_experts_per_tok, tc.moe_intermediate_size
+    return 0, 0, 0
+
+
+def moe_layer(tc, i: int) -> bool:
+    """Whether layer `i` has the sparse MoE block (Qwen3MoeDecoderLayer.__init__: not in
+    `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; Mixtral: every layer)."""
+    if tc.model_type == "qwen3_moe":
+        return (i not in (getattr(tc, "mlp_only_layers", None) or []) and tc.num_experts > 0
+                and (i + 1) % (getattr(tc, "decoder_sparse_step", 1) or 1) == 0)
+    return tc.model_type in MOE_TYPES
+
+
 def _biases(tc) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o_proj bias, mlp bias) per family."""
     if tc.model_type in QWEN2_TEXT:
@@ -85,7 +109,7 @@ def rotary_dim(tc) -> int:
     return int(head_dim(tc) * (1.0 if factor is None else factor))
 
 
-def decoder_layer_params(tc) -> tuple[T, ...]:
+def decoder_layer_params(tc, sparse: bool = False) -> tuple[T, ...]:
     h, f, d = tc.hidden_size, tc.intermediate_size, head_dim(tc)
     q, kv = tc.num_attention_heads * d, kv_heads(tc) * d
     qkv_b, o_b, mlp_b = _biases(tc)
@@ -96,8 +120,13 @@ def decoder_layer_params(tc) -> tuple[T, ...]:
         attn = (_linear("self_attn.q_proj", q, h, qkv_b) + _linear("self_attn.k_proj", kv, h, qkv_b)
                 + _linear("self_attn.v_proj", kv, h, qkv_b))
         mlp = _linear("mlp.gate_proj", f, h, mlp_b) + _linear("mlp.up_proj", f, h, mlp_b)
+    if sparse:
+        n, _, fe = moe(tc)
+        mlp = (T("mlp.gate.weight", (n, h)), T("mlp.experts.gate_up_proj", (n, 2 * fe, h)),
+               T("mlp.experts.down_proj", (n, h, fe)))
+    else:
+        mlp = mlp + _linear("mlp.down_proj", h, f, mlp_b)
     return (attn + _linear("self_attn.o_proj", h, q, o_b) + mlp
-            + _linear("mlp.down_proj", h, f, mlp_b)
             + ((T("self_attn.q_norm.weight", (d,)), T("self_attn.k_norm.weight", (d,)))
                if qk_norm(tc) else ())
             + (T("input_layernorm.weight", (h,)), T("post_attention_layernorm.weight", (h,)))
@@ -111,7 +140,19 @@ def decoder_dims(tc, batch: int, seq: int) -> dict:
                 vocab=tc.vocab_size, act=activation(tc),
                 attn_dropout=float(getattr(tc, "attention_dropout", 0.0) or 0.0),
                 qk_norm=qk_norm(tc), fused=fused(tc), gemma=gemma(tc),
-                attn_softcap=bool(softcaps(tc)[0]), final_softcap=bool(softcaps(tc)[1]))
+                attn_softcap=bool(softcaps(tc)[0]), final_softcap=bool(softcaps(tc)[1]),
+                moe=False)
+
+
+def moe_dims(tc, dims: dict) -> dict:
+    """A sparse layer's dims: experts, top_k, the experts' intermediate size as `ffn`, and
+    the router's rules (Mixtral: softmax of an fp32 copy, always renormalised, fp32 weights;
+    Qwen3-MoE: softmax(dtype=float), renormalised if `norm_topk_prob`, weights cast back)."""
+    n, k, fe = moe(tc)
+    mix = tc.model_type == "mixtral"
+    return dict(dims, moe=True, experts=n, top_k=k, ffn=fe, router_copy=mix,
+                router_norm=mix or bool(getattr(tc, "norm_topk_prob", False)),
+                router_fp32_weights=mix)
 
 
 def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
@@ -128,10 +169,15 @@ def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
     layers.append(Layer(name="rotary_emb", kind="rotary",
                         buffers=(T("rotary_emb.inv_freq", (rot,), FP32),
                                  T("rotary_emb.original_inv_freq", (rot,), FP32)), dims=dims))
-    params = decoder_layer_params(tc)
-    layers += [Layer(name=f"layers.{i}", kind="decoder_layer", params=params, scope=f"layers.{i}",
-                     dims=dims)
-               for i in range(tc.num_hidden_layers)]
+    dense, sparse = decoder_layer_params(tc), None
+    for i in range(tc.num_hidden_layers):
+        if moe_layer(tc, i):
+            sparse = sparse or decoder_layer_params(tc, sparse=True)
+            layers.append(Layer(name=f"layers.{i}", kind="decoder_layer", params=sparse,
+                                scope=f"layers.{i}", dims=moe_dims(tc, dims)))
+        else:
+            layers.append(Layer(name=f"layers.{i}", kind="decoder_layer", params=dense,
+                                scope=f"layers.{i}", dims=dims))
     layers.append(Layer(name="norm", kind="rmsnorm", params=(T("norm.weight", (h,)),), dims=dims))
     return tuple(layers)
 

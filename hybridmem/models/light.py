@@ -5,6 +5,7 @@ few dozen fields, so it reads the JSON itself and fills what is missing with the
 the transformers 5.x config classes (`configuration_clip.py`, `configuration_siglip.py`,
 `configuration_llama.py`, `configuration_mistral.py`, `configuration_qwen2.py`,
 `configuration_qwen3.py`, `configuration_phi3.py`, `configuration_gemma2.py`,
+`configuration_mixtral.py`, `configuration_qwen3_moe.py`,
 `configuration_llava.py`, `configuration_llava_next.py`). tests/test_models.py checks the
 result against models built from the real transformers configs, presets and random configs.
 """
@@ -53,6 +54,17 @@ TEXT_DEFAULTS: dict[str, dict] = {
                    head_dim=256, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
                    tie_word_embeddings=True, attention_dropout=0.0,
                    final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=None, hidden_act="silu", tie_word_embeddings=False,
+                    attention_dropout=0.0, num_experts_per_tok=2, num_local_experts=8,
+                    output_router_logits=False, router_jitter_noise=0.0),
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                      num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=None, hidden_act="silu", attention_bias=False,
+                      tie_word_embeddings=False, attention_dropout=0.0, decoder_sparse_step=1,
+                      moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
+                      norm_topk_prob=False, output_router_logits=False, mlp_only_layers=None),
 }
 # LlavaConfig without a vision_config builds CLIP ViT-L/14-336 (configuration_llava.py)
 LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
