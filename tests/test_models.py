@@ -41,7 +41,11 @@ def _assert_matches_meta(model: str, **kw) -> None:
     want = {n: p.numel() for n, p in meta.named_parameters()}
     assert graph.param_names() == want
     want_buffers = {n: b.numel() * b.element_size() for n, b in meta.named_buffers()}
-    got_buffers = {".".join(x for x in (m.prefix, layer.scope, b.name) if x): b.numel * b.itemsize
+    # itemsize None: the parameters' dtype (Gemma's 0-dim `embed_scale`, built under the
+    # default dtype), here the meta model's
+    param_size = next(meta.parameters()).element_size()
+    got_buffers = {".".join(x for x in (m.prefix, layer.scope, b.name) if x):
+                   b.numel * (b.itemsize or param_size)
                    for m in graph.modules for layer in m.layers for b in layer.buffers}
     assert got_buffers == want_buffers
     assert graph.num_params == sum(want.values())

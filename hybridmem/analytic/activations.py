@@ -238,12 +238,13 @@ def amp_copies(layer: Layer, c: Ctx, active: bool, need_w: bool) -> tuple[int, i
 
 
 def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: int,
-                   qkv: int = 0, softcap: bool = False) -> int:
+                   qkv: int = 0, softcap: bool = False, rep_kv: bool = False) -> int:
     """Saved q/k/v/out(+lse or probs) of one attention; returns the eager probs size (b·a·s²).
 
     `qkv` > 0: v is a slice of a fused qkv_proj output of `qkv` elements (Phi-3); RoPE makes new
     q and k, but v is saved as that view, which keeps the whole fused output alive (unless
-    eager's repeat_kv copies it first). `softcap`: eager's attention-logit softcapping."""
+    eager's repeat_kv copies it first). `softcap`: eager's attention-logit softcapping; `rep_kv`: SDPA given
+    a mask (k, v repeated)."""
     B = b * s
     e = c.e
     probs = b * heads * s * s
@@ -260,9 +261,11 @@ def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: 
         sv.add(probs, e, cond=e != FP32)  # .to(q.dtype) / autocast cast, saved by probs @ v
         sv.add(B * k_el if kvd < qd else v_el, e)  # v (repeated: a copy)
         return probs
+    # rep_kv: with an explicit mask transformers' sdpa_attention_forward does not hand GQA to
+    # SDPA (`use_gqa_in_sdpa` needs attention_mask None): repeat_kv copies k and v to all heads
     sv.add(B * qd, e)
-    sv.add(B * kvd, e)
-    sv.add(v_el, e)
+    sv.add(B * qd if rep_kv else B * kvd, e)
+    sv.add(B * qd if rep_kv else v_el, e)
     sv.add(B * qd, e)           # output
     rows = s  # flash / cuDNN (half precision): one fp32 logsumexp per query row
     if e == FP32 and c.attn != "flash_attention_2":  # fp32 runs the mem-efficient kernel

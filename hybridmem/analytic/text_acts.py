@@ -39,10 +39,11 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if d.get("qk_norm"):
         for proj, width, rows in (("q_proj", qd, d["heads"]), ("k_proj", kvd, d["kv_heads"])):
             grad = need_in or need_w or adapters_on(layer, (proj,)) > 0
-            head_norm(sv, c, B, width, rows, grad, need_w)
+            head_norm(sv, c, B, width, rows, grad, need_w, gemma=gem)
     probs = attention_core(sv, c, b, s, d["heads"], qd, kvd,
                            qkv=B * (qd + 2 * kvd) if fused else 0,
-                           softcap=bool(d.get("attn_softcap")))
+                           softcap=bool(d.get("attn_softcap")),
+                           rep_kv=bool(d.get("masked")) and c.attn == "sdpa")
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
                   in_grad=need_in or n_qkv > 0)
@@ -217,12 +218,15 @@ def gemma_norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: b
 
 
 def head_norm(sv: Saved, c: Ctx, tokens: int, width: int, rows: int, grad: bool,
-              need_w: bool) -> None:
+              need_w: bool, gemma: bool = False) -> None:
     """Qwen3's q_norm / k_norm (`Qwen3RMSNorm(head_dim)` on the projection's output viewed as
     tokens x heads x head_dim; modeling_qwen3.Qwen3RMSNorm.forward): `.to(float32)` (a copy in
     bf16, the projection's output itself in fp32) saved by `pow` and the rsqrt mul, the rsqrt
     (one fp32 per head row), and the normalised tensor cast back to the projection's dtype,
     saved by `weight * x` for the weight's grad. `grad`: the projection's output requires grad."""
+    if gemma:  # Gemma3RMSNorm(head_dim): the weight multiply in fp32 (`gemma_norm_saved`)
+        gemma_norm_saved(sv, c, tokens * rows, width // rows, grad, need_w)
+        return
     sv.add(tokens * width, FP32, grad)
     sv.add(tokens * rows, FP32, grad)
     sv.add(tokens * width, c.e, grad and need_w)
@@ -405,9 +409,15 @@ def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
     d = layer.dims
     if not active:
         return Acts()
-    # eager-only families (Gemma 2) build a float causal and a sliding-window mask,
+    # under eager, Gemma builds a float mask per layer type present (causal, sliding window),
     # b x 1 x s x s in the embeddings' dtype each (masking_utils `create_causal_mask` /
     # `create_sliding_window_causal_mask`, eager: `eager_mask`), held by the model's forward
     # until it returns (`held`: released at the forward's end)
-    masks = 2 * t(d["b"] * d["s"] * d["s"], c.stream) if d.get("attn_softcap") else 0
-    return Acts(saved=2 * t(d["s"] * d["head_dim"], c.stream), held=masks)
+    mask = t(d["b"] * d["s"] * d["s"], c.stream)
+    masks = d.get("mask_types", 0) * mask if c.attn == "eager" else 0
+    # SDPA (Gemma 3): the sliding mask, once built (`sliding_masked`), is an input SDPA saves
+    # in every sliding layer: alive until the last of them ran backward, as cos/sin
+    sdpa_mask = mask if c.attn == "sdpa" and d.get("sliding_masked") else 0
+    # one cos/sin pair per RoPE table (Gemma 3: the local and the global base)
+    return Acts(saved=2 * d.get("rope_tables", 1) * t(d["s"] * d["head_dim"], c.stream)
+                + sdpa_mask, held=masks)

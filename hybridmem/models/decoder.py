@@ -29,14 +29,14 @@ def kv_heads(tc) -> int:
 
 # families whose attention RMS-normalises q and k over head_dim before RoPE
 # (modeling_qwen3.Qwen3Attention.q_norm / k_norm)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # Gemma 3: (1 + weight) norms
 # families with one fused q/k/v projection and one fused gate/up projection, whose q, k, v and
 # gate, up are views (slices / `chunk`) of the fused output (modeling_phi3.Phi3Attention, Phi3MLP)
 FUSED_TYPES = ("phi3",)
 # Gemma 2 / Gemma 3 text: four RMSNorms per layer (post-attention on the attention output,
 # pre/post feed-forward), `(1 + weight)` RMSNorms in fp32, the embedding scaled by sqrt(hidden)
 # (modeling_gemma2.Gemma2DecoderLayer, Gemma2RMSNorm, Gemma2TextScaledWordEmbedding)
-GEMMA_TYPES = ("gemma2",)
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 # mixture-of-experts families: a router (`mlp.gate.weight`, E x h) and every expert's fused
 # weights as 3-D parameters (`mlp.experts.gate_up_proj` E x 2f x h, `mlp.experts.down_proj`
 # E x h x f; modeling_mixtral.MixtralExperts / MixtralTopKRouter, modeling_qwen3_moe likewise)
@@ -48,6 +48,26 @@ NO_SDPA_TYPES = ("gemma2",)
 def qk_norm(tc) -> bool:
     """Whether the attention has `q_norm` / `k_norm` (RMSNorm(head_dim)) weights."""
     return tc.model_type in QK_NORM_TYPES
+
+
+def layer_types(tc) -> list[str]:
+    """Per-layer attention types: `layer_types` from the config, else Gemma 3's default
+    (configuration_gemma3.Gemma3TextConfig: sliding unless (i + 1) % sliding_window_pattern
+    == 0, pattern 6); one type for the other families."""
+    types = getattr(tc, "layer_types", None)
+    if types:
+        return list(types)
+    if tc.model_type == "gemma3_text":
+        pattern = getattr(tc, "sliding_window_pattern", None) or 6
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(tc.num_hidden_layers)]
+    return ["full_attention"] * tc.num_hidden_layers
+
+
+def rope_tables(tc) -> tuple[str, ...]:
+    """Layer types with their own RoPE table (Gemma3RotaryEmbedding: `{type}_inv_freq` per
+    type present, a local and a global base; one unnamed table elsewhere)."""
+    return tuple(sorted(set(layer_types(tc)))) if tc.model_type == "gemma3_text" else ("",)
 
 
 def gemma(tc) -> bool:
@@ -141,7 +161,18 @@ def decoder_dims(tc, batch: int, seq: int) -> dict:
                 attn_dropout=float(getattr(tc, "attention_dropout", 0.0) or 0.0),
                 qk_norm=qk_norm(tc), fused=fused(tc), gemma=gemma(tc),
                 attn_softcap=bool(softcaps(tc)[0]), final_softcap=bool(softcaps(tc)[1]),
-                moe=False)
+                moe=False, rope_tables=len(rope_tables(tc)),
+                mask_types=len(set(layer_types(tc))) if gemma(tc) else 0,
+                sliding_masked=_sliding_masked(tc, seq))
+
+
+def _sliding_masked(tc, seq: int) -> bool:
+    """Whether Gemma 3's sliding layers get a materialised mask under SDPA: masking_utils
+    `sdpa_mask` skips it (is_causal) only while kv_length < the window
+    (`_ignore_causal_mask_sdpa`, `local_attention_size`); full layers always skip it."""
+    window = getattr(tc, "sliding_window", None)
+    return (tc.model_type == "gemma3_text" and bool(window) and seq >= window
+            and "sliding_attention" in layer_types(tc))
 
 
 def moe_dims(tc, dims: dict) -> dict:
@@ -160,15 +191,18 @@ def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
     h = tc.hidden_size
     dims = decoder_dims(tc, batch, seq)
     rot = len(range(0, rotary_dim(tc), 2))  # inv_freq = 1 / base ** (arange(0, dim, 2) / dim)
-    # Gemma2TextScaledWordEmbedding.embed_scale: a 0-dim non-persistent buffer (sqrt(hidden))
-    scale = (T("embed_tokens.embed_scale", (), FP32),) if gemma(tc) else ()
+    # Gemma2TextScaledWordEmbedding.embed_scale: a 0-dim non-persistent buffer (sqrt(hidden)),
+    # `torch.tensor(embed_scale)` in the default dtype = the parameters' (itemsize None)
+    scale = (T("embed_tokens.embed_scale", ()),) if gemma(tc) else ()
     layers = [Layer(name="embed_tokens", kind="embedding",
                     params=(T("embed_tokens.weight", (tc.vocab_size, h)),), buffers=scale,
                     dims=dims)]
     # forward order: LlamaModel.forward embeds, then computes cos/sin once, then runs the layers
+    tables = [f"{ty}_" if ty else "" for ty in rope_tables(tc)]
     layers.append(Layer(name="rotary_emb", kind="rotary",
-                        buffers=(T("rotary_emb.inv_freq", (rot,), FP32),
-                                 T("rotary_emb.original_inv_freq", (rot,), FP32)), dims=dims))
+                        buffers=tuple(T(f"rotary_emb.{ty}{name}", (rot,), FP32) for ty in tables
+                                      for name in ("inv_freq", "original_inv_freq")),
+                        dims=dims))
     dense, sparse = decoder_layer_params(tc), None
     for i in range(tc.num_hidden_layers):
         if moe_layer(tc, i):
@@ -176,8 +210,9 @@ def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
             layers.append(Layer(name=f"layers.{i}", kind="decoder_layer", params=sparse,
                                 scope=f"layers.{i}", dims=moe_dims(tc, dims)))
         else:
+            masked = dims["sliding_masked"] and layer_types(tc)[i] == "sliding_attention"
             layers.append(Layer(name=f"layers.{i}", kind="decoder_layer", params=dense,
-                                scope=f"layers.{i}", dims=dims))
+                                scope=f"layers.{i}", dims=dict(dims, masked=masked)))
     layers.append(Layer(name="norm", kind="rmsnorm", params=(T("norm.weight", (h,)),), dims=dims))
     return tuple(layers)
 

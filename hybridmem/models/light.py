@@ -5,7 +5,7 @@ few dozen fields, so it reads the JSON itself and fills what is missing with the
 the transformers 5.x config classes (`configuration_clip.py`, `configuration_siglip.py`,
 `configuration_llama.py`, `configuration_mistral.py`, `configuration_qwen2.py`,
 `configuration_qwen3.py`, `configuration_phi3.py`, `configuration_gemma2.py`,
-`configuration_mixtral.py`, `configuration_qwen3_moe.py`,
+`configuration_gemma3.py`, `configuration_mixtral.py`, `configuration_qwen3_moe.py`,
 `configuration_llava.py`, `configuration_llava_next.py`). tests/test_models.py checks the
 result against models built from the real transformers configs, presets and random configs.
 """
@@ -54,6 +54,12 @@ TEXT_DEFAULTS: dict[str, dict] = {
                    head_dim=256, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
                    tie_word_embeddings=True, attention_dropout=0.0,
                    final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                        head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                        attention_bias=False, tie_word_embeddings=True, attention_dropout=0.0,
+                        final_logit_softcapping=None, attn_logit_softcapping=None,
+                        sliding_window=4096, layer_types=None, sliding_window_pattern=6),
     "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                     head_dim=None, hidden_act="silu", tie_word_embeddings=False,
