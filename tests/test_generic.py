@@ -199,7 +199,8 @@ def test_unknown_model_type_names_the_choices(tmp_path):
     path.write_text(json.dumps({"model_type": "no_such_family"}))
     with pytest.raises(SpecError, match=re.escape(
             "model_type='no_such_family' is not valid (valid: llava, llava_next, qwen2_vl, "
-            "qwen2_5_vl, llama, mistral, qwen2, qwen3, phi3, any transformers causal-LM / image-text-to-text model_type with --method "
+            "qwen2_5_vl, llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral, qwen3_moe, "
+            "gemma3_text, any transformers causal-LM / image-text-to-text model_type with --method "
             "trace)")):
         load_config(str(path))
 
@@ -225,11 +226,13 @@ def _cli(*argv) -> subprocess.CompletedProcess:
      "does not support it (valid: eager, flash_attention_2)"),  # analytic since decoders2
     ("gemma2", ["--attn", "sdpa", "--method", "trace"], "error: attn='sdpa': ValueError: "
      "transformers' gemma2 code does not support it (valid: eager)"),
-    ("mixtral", ["--precision", "fp32"], "error: model='{path}': its training step cannot run "
-     "under fake tensors (RuntimeError: Expected inputs of BF16 type"),
+    ("mixtral", ["--precision", "fp32", "--method", "trace"], "error: model='{path}': its "
+     "training step cannot run under fake tensors (RuntimeError: Expected inputs of BF16 type"),
+    ("mixtral", ["--precision", "fp32"], "error: precision='fp32': mixtral's grouped-mm experts "
+     "are priced in bf16 (valid: bf16)"),  # analytic since decoders2
     (None, [], "error: model_type='no_such_family' is not valid (valid: llava, llava_next, "
-     "qwen2_vl, qwen2_5_vl, llama, mistral, qwen2, qwen3, phi3, gemma2, any transformers "
-     "causal-LM"),
+     "qwen2_vl, qwen2_5_vl, llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral, qwen3_moe, "
+     "gemma3_text, any transformers causal-LM"),
 ])
 def test_cli_one_line_exit_2(family, argv, message, tmp_path):
     """A fresh process, real tiers: exit 2 and exactly one line on stderr (no torch log)."""
