@@ -156,6 +156,7 @@ def test_moe_predict_picks_the_analytic_tier_and_refuses_what_it_does_not_price(
     from hybridmem import SpecError
 
     assert trace_only_reason(_spec(model)) is None
+    assert "full bf16 only" in trace_only_reason(_spec(model, train="lora", lora=LoraSpec(r=4)))
     with pytest.raises(SpecError, match=r"train='lora'.*--method trace"):
         analytic(_spec(model, train="lora", lora=LoraSpec(r=4)))
     with pytest.raises(SpecError, match=r"precision='fp32'.*bf16"):
