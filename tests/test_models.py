@@ -20,13 +20,19 @@ from hybridmem.spec import LoraSpec
 
 
 def _meta_model(config):
-    from transformers import (AutoModelForCausalLM, LlavaForConditionalGeneration,
+    from transformers import (LlavaForConditionalGeneration,
                               LlavaNextForConditionalGeneration)
 
     cls = {"llava": LlavaForConditionalGeneration,
            "llava_next": LlavaNextForConditionalGeneration}.get(config.model_type)
+    import transformers
+
+    from hybridmem.models.loader import auto_class
+
+    # the Auto class the tiers build the family with (Qwen-VL: image-text-to-text)
+    auto = getattr(transformers, auto_class(config.model_type)) if not cls else None
     with torch.device("meta"):
-        return cls(config) if cls else AutoModelForCausalLM.from_config(config)
+        return cls(config) if cls else auto.from_config(config)
 
 
 def _spec(model: str, **kw) -> TrainingSpec:

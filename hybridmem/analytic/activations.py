@@ -243,8 +243,8 @@ def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: 
 
     `qkv` > 0: v is a slice of a fused qkv_proj output of `qkv` elements (Phi-3); RoPE makes new
     q and k, but v is saved as that view, which keeps the whole fused output alive (unless
-    eager's repeat_kv copies it first). `softcap`: eager's attention-logit softcapping; `rep_kv`: SDPA given
-    a mask (k, v repeated)."""
+    eager's repeat_kv copies it first). `softcap`: eager's attention-logit softcapping;
+    `rep_kv`: SDPA given a mask (k, v repeated)."""
     B = b * s
     e = c.e
     probs = b * heads * s * s

@@ -312,7 +312,8 @@ def _import_bnb_outside(spec: TrainingSpec) -> None:
     every later real quantisation in the process (a real CPU bnb run after a traced LoRA)."""
     import importlib.util
 
-    if (spec.train != "full" or spec.quantize != "none") and importlib.util.find_spec("bitsandbytes"):
+    adapters = spec.train != "full" or spec.quantize != "none"
+    if adapters and importlib.util.find_spec("bitsandbytes"):
         import bitsandbytes  # noqa: F401
 
 
