@@ -35,10 +35,14 @@ MOE_GRID = [dict(micro_batch=b, grad_ckpt=c) for b in (1, 2) for c in (False, Tr
 REAL = [dict(model="qwen3-0.6b", precision="bf16", micro_batch=1, seq_len=1024),
         dict(model="phi-3-mini-4k-instruct", precision="bf16", train="lora", lora=LoraSpec(r=16),
              micro_batch=1, seq_len=2048),
-        dict(model="gemma-2-2b", attn="eager", precision="bf16", train="lora",
-             lora=LoraSpec(r=16), micro_batch=1, seq_len=2048),
-        dict(model="qwen3-30b-a3b", precision="bf16", micro_batch=4, seq_len=4096),
-        dict(model="gemma-3-1b-pt", precision="bf16", micro_batch=1, seq_len=2048)]
+        # the newer families' real-sized checks run with `-m slow` (6-9 s each)
+        pytest.param(dict(model="gemma-2-2b", attn="eager", precision="bf16", train="lora",
+                          lora=LoraSpec(r=16), micro_batch=1, seq_len=2048),
+                     marks=pytest.mark.slow),
+        pytest.param(dict(model="qwen3-30b-a3b", precision="bf16", micro_batch=4,
+                          seq_len=4096), marks=pytest.mark.slow),
+        pytest.param(dict(model="gemma-3-1b-pt", precision="bf16", micro_batch=1,
+                          seq_len=2048), marks=pytest.mark.slow)]
 
 
 def _spec(model: str, **kw) -> TrainingSpec:
