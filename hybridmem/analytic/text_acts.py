@@ -122,12 +122,11 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
     soft = []
-    if probs and d.get("attn_softcap") and not c.amp:  # autocast: measured without (below)
-        # Gemma 2: tanh_backward's grad beside the incoming one (probs, a half compute dtype;
-        # in fp32 the softmax's fp32 grad is the one `probs_parts` count already); under
-        # checkpointing the layer's mask (b x s x s, the embeddings' dtype) is held by its
-        # checkpoint's inputs until its backward ran
-        soft = ([t(probs, e)] if e != FP32 else []) + ([t(b * s * s, sb)] if c.ckpt else [])
+    if probs and d.get("attn_softcap") and c.ckpt:
+        # Gemma 2 under checkpointing: the float masks (one per layer type, b x s x s in the
+        # embeddings' dtype) are held by the checkpoints' inputs through the backward. The
+        # softcap's tanh_backward runs after softmax's fp32 grads are freed: no higher point
+        soft = [t(b * s * s, sb)] * d.get("mask_types", 1)
         attn_bwd += sum(soft)
     probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
     q_fwd, q_mlp, q_attn = quant_transients(
