@@ -54,6 +54,12 @@ def trace_only_reason(spec) -> str | None:
                 "(hybridmem/models/gemma3.py), the Gemma 3 text LM not yet")
     if not is_analytic(model_type):
         return f"model_type={model_type!r} has no closed form in the analytic tier"
+    from hybridmem.models.decoder import MOE_TYPES
+
+    if model_type in MOE_TYPES and (spec.train != "full" or spec.precision != "bf16"):
+        # the MoE closed forms are full bf16 only (analytic.estimate._setup, docs/families.md)
+        return (f"{model_type} with train={spec.train!r}, precision={spec.precision!r} has no "
+                "closed form in the analytic tier (full bf16 only)")
     return None
 
 

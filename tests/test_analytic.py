@@ -183,13 +183,15 @@ def test_loss_keeps_fp32_log_softmax_and_upcasts_logits():
     # lm_head (bf16): input 32x64x2 = 4096 (weight grad), log_softmax out 32x128x4 = 16384,
     # shift_labels 32x8 -> 512, nll output + total_weight 2 x 512.
     # forward transient: bf16 logits 8192 + fp32 upcast 16384;
-    # backward: nll grad + log_softmax grad, 2 x 16384 (> 16384 + 8192 and > 8192 + 4096)
+    # backward, before the head's weight grad exists: nll grad + log_softmax grad, 2 x 16384
+    # (> 16384 + 8192); then the head's matmuls: bf16 logits grad 8192 + input grad 4096
     s = spec(precision="bf16")
     head = build_graph(s).module("lm_head").layers[0]
     acts = A.lm_head(head, context(s), need_in=True, need_w=True)
     assert acts.saved == 4096 + 16384 + 512 + 2 * 512
     assert acts.fwd_extra == 8192 + 16384
-    assert acts.bwd_extra == 2 * 16384
+    assert acts.bwd_mlp == 2 * 16384
+    assert acts.bwd_extra == 8192 + 4096
 
 
 def test_autocast_saves_bf16_copies_of_linear_inputs_and_weights():

@@ -40,7 +40,11 @@ def _assert_matches_meta(model: str, **kw) -> None:
     want = {n: p.numel() for n, p in meta.named_parameters()}
     assert graph.param_names() == want
     want_buffers = {n: b.numel() * b.element_size() for n, b in meta.named_buffers()}
-    got_buffers = {".".join(x for x in (m.prefix, layer.scope, b.name) if x): b.numel * b.itemsize
+    # itemsize None: the parameters' dtype (Gemma's 0-dim `embed_scale`, built under the
+    # default dtype), here the meta model's
+    param_size = next(meta.parameters()).element_size()
+    got_buffers = {".".join(x for x in (m.prefix, layer.scope, b.name) if x):
+                   b.numel * (b.itemsize or param_size)
                    for m in graph.modules for layer in m.layers for b in layer.buffers}
     assert got_buffers == want_buffers
     assert graph.num_params == sum(want.values())
@@ -106,16 +110,16 @@ def _text_config(draw, family: str) -> dict:
            "tie_word_embeddings": draw(st.booleans())}
     if family != "qwen2" and draw(st.booleans()):
         cfg["head_dim"] = head_dim  # explicit head_dim, may differ from hidden / heads
-    if family == "llama":
+    if family in ("llama", "qwen3"):
         cfg["attention_bias"] = draw(st.booleans())
-        cfg["mlp_bias"] = draw(st.booleans())
+        cfg["mlp_bias"] = draw(st.booleans()) if family == "llama" else False
     return cfg
 
 
 @st.composite
 def small_configs(draw) -> dict:
-    kind = draw(st.sampled_from(["llama", "mistral", "qwen2", "llava", "llava_next"]))
-    if kind in ("llama", "mistral", "qwen2"):
+    kind = draw(st.sampled_from(["llama", "mistral", "qwen2", "qwen3", "llava", "llava_next"]))
+    if kind in ("llama", "mistral", "qwen2", "qwen3"):
         return _text_config(draw, kind)
     vision = draw(st.sampled_from(["clip_vision_model", "siglip_vision_model"]))
     patch = 4

@@ -112,7 +112,8 @@ def test_trace_emulation_equals_real_bitsandbytes_cpu_run(quantize, precision, c
 @pytest.mark.parametrize("model,quantize,precision,ckpt,seq", [
     ("tiny-llama", "nf4", "bf16", True, 256), ("tiny-llama", "nf4", "bf16-mixed", False, 256),
     ("tiny-llama", "int8", "bf16", True, 256), ("tiny-llava", "nf4", "bf16", True, 128),
-    ("llama-3.2-3b", "nf4", "bf16", True, 512)])
+    ("llama-3.2-3b", "nf4", "bf16", True, 512),
+    ("tiny-phi3", "nf4", "bf16", True, 256)])  # fused qkv_proj / gate_up_proj quantised
 def test_analytic_close_to_trace(model, quantize, precision, ckpt, seq):
     from hybridmem.trace import run_trace
 

@@ -100,6 +100,9 @@ class Acts:
     """... `bwd_extra`,"""
     bwd_mlp_parts: tuple[int, ...] = ()
     """... `bwd_mlp`."""
+    fwd_in_attention: bool = False
+    """The forward's high point (`fwd_extra`) is in the attention half, before the MLP's saved
+    tensors (`mlp_saved`) exist (Gemma 2's eager probs; timeline.walk counts it so)."""
     grad_in_saved: int = 0
     """Bytes of `saved` that become this layer's weight grad at its backward (Liger's FLCE
     computes grad_weight in the forward and returns the saved tensor): not a second copy."""
@@ -238,22 +241,35 @@ def amp_copies(layer: Layer, c: Ctx, active: bool, need_w: bool) -> tuple[int, i
     return base + lora, (base if need_w else 0) + lora - frozen
 
 
-def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: int) -> int:
-    """Saved q/k/v/out(+lse or probs) of one attention; returns the eager probs size (b·a·s²)."""
+def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: int,
+                   qkv: int = 0, softcap: bool = False, rep_kv: bool = False) -> int:
+    """Saved q/k/v/out(+lse or probs) of one attention; returns the eager probs size (b·a·s²).
+
+    `qkv` > 0: v is a slice of a fused qkv_proj output of `qkv` elements (Phi-3); RoPE makes new
+    q and k, but v is saved as that view, which keeps the whole fused output alive (unless
+    eager's repeat_kv copies it first). `softcap`: eager's attention-logit softcapping;
+    `rep_kv`: SDPA given a mask (k, v repeated)."""
     B = b * s
     e = c.e
     probs = b * heads * s * s
+    v_el = qkv or B * kvd
     if c.attn == "eager":
         rep = qd  # repeat_kv materialises k and v at all heads when kv_heads < heads
         k_el = rep if kvd < qd else kvd
         sv.add(B * qd, e)       # q (cast copy under autocast)
         sv.add(B * k_el, e)     # k (repeated)
+        # Gemma 2's attention-logit softcap (modeling_gemma2.eager_attention_forward:
+        # `tanh(w / cap) * cap`): tanh saves its output for its backward
+        sv.add(probs, e, cond=softcap)
         sv.add(probs, FP32)     # softmax(dtype=float32) output
         sv.add(probs, e, cond=e != FP32)  # .to(q.dtype) / autocast cast, saved by probs @ v
-        sv.add(B * k_el, e)     # v (repeated)
+        sv.add(B * k_el if kvd < qd else v_el, e)  # v (repeated: a copy)
         return probs
+    # rep_kv: with an explicit mask transformers' sdpa_attention_forward does not hand GQA to
+    # SDPA (`use_gqa_in_sdpa` needs attention_mask None): repeat_kv copies k and v to all heads
     sv.add(B * qd, e)
-    sv.add(B * kvd, e, times=2)
+    sv.add(B * qd if rep_kv else B * kvd, e)
+    sv.add(B * qd if rep_kv else v_el, e)
     sv.add(B * qd, e)           # output
     rows = s  # flash / cuDNN (half precision): one fp32 logsumexp per query row
     if e == FP32 and c.attn != "flash_attention_2":  # fp32 runs the mem-efficient kernel

@@ -46,6 +46,7 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
+from hybridmem.models.decoder import MOE_TYPES, NO_SDPA_TYPES
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -212,7 +213,8 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
             if tied_w and layer.kind in ("lm_head", "embedding") else 0
         graded = layer.gets_grads or lora
         step = Step(acts=acts, ckpt=ckpt, grad=grad, grad_waste=waste,
-                    grad_mlp=_mlp_grads(layer, policy) if graded else (0, 0),
+                    grad_mlp=((0, grad) if layer.kind == "lm_head" else _mlp_grads(layer, policy))
+                    if graded else (0, 0),
                     on_path=layer.on_grad_path,
                     grad_max=_grad_max(layer, policy, tied_w) if graded else (0, 0), tie=tie,
                     state=st.optimizer - st.master,
@@ -346,6 +348,21 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
                         "form here; use --method trace")
     graph = build_graph(packing.one_row(spec) if spec.packing else spec)  # job.packing
     packing.check_model(spec, graph.vision_batch)
+    if graph.model_type in NO_SDPA_TYPES and spec.attn == "sdpa":
+        # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping"):
+        # transformers refuses it, as the trace tier reports (trace/model.py)
+        raise SpecError("attn", spec.attn, ("eager", "flash_attention_2"),
+                        reason=f"transformers' {graph.model_type} code does not support it")
+    if graph.model_type in MOE_TYPES:
+        if spec.train != "full":
+            raise SpecError("train", spec.train, ("full",), reason=f"adapters on "
+                            f"{graph.model_type}'s fused 3-D experts (PEFT target_parameters) "
+                            "have no closed form here; use --method trace")
+        if spec.precision != "bf16":
+            # transformers' grouped-mm experts take bf16 (`_grouped_mm`; the CPU trace refuses
+            # others as well): other dtypes run a fallback whose memory is not priced
+            raise SpecError("precision", spec.precision, ("bf16",),
+                            reason=f"{graph.model_type}'s grouped-mm experts are priced in bf16")
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
     priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
     priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)

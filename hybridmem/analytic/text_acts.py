@@ -23,41 +23,65 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         return Acts()
     e, sb = c.e, c.stream
     sv = Saved()
-    n_qkv = adapters_on(layer, ("q_proj", "k_proj", "v_proj"))
-    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, ("gate_proj", "up_proj"))
+    fused = bool(d.get("fused"))  # Phi-3: one qkv_proj, one gate_up_proj (decoder.FUSED_TYPES)
+    QKV, GU = ("q_proj", "k_proj", "v_proj", "qkv_proj"), ("gate_proj", "up_proj", "gate_up_proj")
+    n_qkv = adapters_on(layer, QKV)
+    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, GU)
     n_down = adapters_on(layer, ("down_proj",))
+    gem = bool(d.get("gemma"))  # Gemma 2: four (1 + weight) fp32 norms (decoder.GEMMA_TYPES)
+    norm = gemma_norm_saved if gem else _norm_saved
     # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
-    _norm_saved(sv, c, B, h, need_in, need_w)
-    linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False, in_grad=need_in)
+    norm(sv, c, B, h, need_in, need_w)
+    linear_inputs(sv, c, B * h, sb, 1 if fused else 3, need_w, n_qkv, shared=False,
+                  in_grad=need_in)
     lora_outputs(sv, c, B, n_qkv)
-    dora_saved(sv, c, B, dora_linears(layer, ("q_proj", "k_proj", "v_proj")), need_in)
-    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd)
+    dora_saved(sv, c, B, dora_linears(layer, QKV), need_in)
+    if d.get("qk_norm"):
+        for proj, width, rows in (("q_proj", qd, d["heads"]), ("k_proj", kvd, d["kv_heads"])):
+            grad = need_in or need_w or adapters_on(layer, (proj,)) > 0
+            head_norm(sv, c, B, width, rows, grad, need_w, gemma=gem)
+    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd,
+                           qkv=B * (qd + 2 * kvd) if fused else 0,
+                           softcap=bool(d.get("attn_softcap")),
+                           rep_kv=bool(d.get("masked")) and c.attn == "sdpa")
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
                   in_grad=need_in or n_qkv > 0)
     lora_outputs(sv, c, B, n_o)
     dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
+    if gem:  # post_attention_layernorm on the attention output, before the residual add
+        gemma_norm_saved(sv, c, B, h, True, need_w)
     attn_part = sv.total
-    # post-attention RMSNorm on the residual h1 (always on the grad path once active)
-    _norm_saved(sv, c, B, h, True, need_w, hf_in=FP32)
-    linear_inputs(sv, c, B * h, sb, 2, need_w, n_gu, shared=False)
-    lora_outputs(sv, c, B, n_gu)
-    dora_saved(sv, c, B, dora_linears(layer, ("gate_proj", "up_proj")), True)
+    # post-attention RMSNorm on the residual h1 (always on the grad path once active; Gemma's
+    # pre_feedforward_layernorm)
+    norm(sv, c, B, h, True, need_w, hf_in=FP32)
+    sparse = bool(d.get("moe"))  # Mixtral / Qwen3-MoE sparse block (decoder.MOE_TYPES)
+    if sparse:
+        moe_fwd, moe_bwd = moe_saved(sv, c, d, need_w)
+    else:
+        linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False)
+        lora_outputs(sv, c, B, n_gu)
+        dora_saved(sv, c, B, dora_linears(layer, GU), True)
     # a quantised gate/up returns its input's dtype (bnb Linear4bit `.to(inp_dtype)`): the
     # stream's, fp32 under autocast
-    mlp_e = sb if "mlp.gate_proj.weight" in layer.quantized else e
-    # gate output (SiLU input), SiLU output, up output (mul operands); Liger's SiLUMul saves
-    # a and b only and recomputes silu in backward (liger_kernel/ops/swiglu.py)
-    sv.add(B * f, mlp_e, times=2 if c.liger else 3)
-    linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
-    lora_outputs(sv, c, B, n_down)
-    dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
+    quant_gu = {"mlp.gate_proj.weight", "mlp.gate_up_proj.weight"} & set(layer.quantized)
+    mlp_e = sb if quant_gu else e
+    # gate output (SiLU input), SiLU output, up output (mul operands); fused: gate and up are
+    # `chunk` views of one B x 2f output, the same bytes; Liger's SiLUMul saves a and b only
+    # and recomputes silu in backward (liger_kernel/ops/swiglu.py)
+    if not sparse:
+        sv.add(B * f, mlp_e, times=2 if c.liger else 3)
+        linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
+        lora_outputs(sv, c, B, n_down)
+        dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
+    if gem:  # post_feedforward_layernorm on the MLP output
+        gemma_norm_saved(sv, c, B, h, True, need_w)
     copies, cache = amp_copies(layer, c, active, need_w)
     # forward transients: RoPE's rotated q, k (fp32 under autocast), eager's two probs casts
     rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
     if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
         rope_parts = []
-    fwd_parts = (*rope_parts, *[t(probs, e)] * (2 if probs else 0))
+    fwd_parts = attn_top = (*rope_parts, *[t(probs, e)] * (2 if probs else 0))
     if c.liger and c.amp:
         # without RoPE's fp32 copies the MLP's high point (down_proj's forward) is the larger:
         # the post-attention norm's fp32 output (read by the linears through their bf16 casts,
@@ -67,6 +91,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         mlp_parts = (t(B * h, FP32), *([t(B * f, e)] if not need_w else ()),
                      *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
         fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
+    if sparse and sum(moe_fwd) > sum(fwd_parts):
+        fwd_parts = moe_fwd
     dora = dora_forward(c, dora_linears(layer))
     fwd_parts = dora if sum(dora) > sum(fwd_parts) else fwd_parts  # not alive together
     # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
@@ -74,20 +100,34 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     mlp_bwd = 2 * t(B * f, e)
     if c.liger:  # SiLUMul backward writes da, db into a's and b's storage: grad(c) only
         mlp_bwd = t(B * f, e)
+    if sparse:
+        mlp_bwd = sum(moe_bwd)
     attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
+    qkv_out = qd + 2 * kvd if fused else qd  # widest attention-input linear's output
+    if fused:
+        # q/k/v are slices of one output: each slice's backward (`slice_backward`) makes a
+        # zero-filled full-size grad, added into autograd's input buffer of the fused output
+        attn_bwd += 2 * t(B * qkv_out, e)
     if not c.amp and e != FP32:
         # the fp32 adapter branch: its output grad is cast to fp32 (B x out) and lora_A returns
         # an fp32 input grad (B x in) before the cast back (PEFT lora.Linear in bf16 models)
         if n_gu or n_down:
-            mlp_bwd += t(B * f, FP32) + t(B * h, FP32)
+            mlp_bwd += t(B * f * (2 if fused else 1), FP32) + t(B * h, FP32)
         if n_qkv or n_o:
-            attn_bwd += t(B * qd, FP32) + t(B * h, FP32)
+            attn_bwd += t(B * qkv_out, FP32) + t(B * h, FP32)
     elif c.amp:
         # autocast: lora_A's bf16 input grad is cast back to the fp32 stream (B x in)
         mlp_bwd += t(B * h, FP32) if (n_gu or n_down) else 0
         attn_bwd += t(B * h, FP32) if (n_qkv or n_o) else 0
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
+    soft = []
+    if probs and d.get("attn_softcap") and c.ckpt:
+        # Gemma 2 under checkpointing: the float masks (one per layer type, b x s x s in the
+        # embeddings' dtype) are held by the checkpoints' inputs through the backward. The
+        # softcap's tanh_backward runs after softmax's fp32 grads are freed: no higher point
+        soft = [t(b * s * s, sb)] * d.get("mask_types", 1)
+        attn_bwd += sum(soft)
     probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
     q_fwd, q_mlp, q_attn = quant_transients(
         layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora)
@@ -101,8 +141,11 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 mlp_saved=sv.total - attn_part,
                 bwd_mlp=t(B * h, sb) + mlp_bwd + sum(q_mlp),
                 fwd_parts=fwd_parts,
-                bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts, *q_attn),
-                bwd_mlp_parts=(t(B * h, sb), *[t(B * f, e)] * (1 if c.liger else 2), *q_mlp))
+                bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts, *soft,
+                           *q_attn),
+                fwd_in_attention=gem and fwd_parts is attn_top,
+                bwd_mlp_parts=(t(B * h, sb), *(moe_bwd if sparse else
+                                                [t(B * f, e)] * (1 if c.liger else 2)), *q_mlp))
 
 
 def _norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
@@ -120,6 +163,77 @@ def _norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
     sv.add(B * h, c.stream, need_w)
 
 
+def moe_saved(sv: Saved, c: Ctx, d: dict, need_w: bool) -> tuple[list[int], list[int]]:
+    """What a sparse MoE block saves, and its (forward, backward) high points; S = tokens x
+    top_k routed rows. Every expert's weights are parameters; activations are the routed
+    rows only. transformers' default experts (`integrations/moe.py
+    grouped_mm_experts_forward`: sort the (token, slot) pairs by expert, one grouped matmul per
+    projection over all S rows, offsets from `histc`) process exactly S rows whatever the
+    routing, so the bytes do not depend on which experts are picked: a closed form with no
+    routing assumption (the meta-tensor trace records the same ops).
+
+    Router (MixtralTopKRouter / Qwen3MoeTopKRouter): its input (the norm's output) for the
+    weight grad, softmax's fp32 output (B x E), topk's int64 indices (B x k), and with the
+    renormalisation (`/=`: in place) the sum (B, fp32) and a clone of the top values (B x k
+    fp32). Experts: the sort permutation and `perm // k` (S int64, saved by two `index` ops),
+    the gathered rows (S x h), the routing weights in the sorted order (S; fp32 for Mixtral,
+    cast back to the compute dtype for Qwen3-MoE), the offsets (E int32), the gate_up output
+    (S x 2f, gate and up are `chunk` views), SiLU's output and the product (S x f each), the
+    down output (S x h, saved by the weighting multiply) and the inverse permutation (S
+    int64). Forward top: the weighted rows (S x h, promoted to fp32 by Mixtral's fp32
+    weights) and their un-permuted copy, then the (B x h) sum. Backward top: the
+    un-permute's and the multiply's S x h grads with the compute-dtype cast."""
+    B, h, f = d["b"] * d["s"], d["h"], d["ffn"]
+    n, k = d["experts"], d["top_k"]
+    S, e = B * k, c.e
+    w = FP32 if d.get("router_fp32_weights") else e
+    linear_inputs(sv, c, B * h, c.stream, 1, need_w, 0, shared=False)   # router input
+    sv.add(B * n, FP32)                                                 # softmax output
+    sv.add(B * k, INT64)                                                # topk indices
+    sv.add(B, FP32, cond=bool(d.get("router_norm")))                    # the sum
+    sv.add(B * k, FP32, cond=bool(d.get("router_norm")))                # in-place div's self
+    sv.add(S, INT64, times=2)                                           # perm, perm // k
+    sv.add(S * h, e)                                                    # gathered rows
+    sv.add(S, w)                                                        # sorted weights
+    sv.add(n, 4)                                                        # offsets (int32)
+    sv.add(S * 2 * f, e)                                                # gate_up output
+    sv.add(S * f, e, times=2)                                           # silu, product
+    sv.add(S * h, e)                                                    # down output
+    sv.add(S, INT64)                                                    # inverse perm
+    fwd = [t(S * h, w), t(S * h, w), t(B * h, w)]
+    bwd = [t(S * h, w), t(S * h, w), t(S * h, e)]
+    return fwd, bwd
+
+
+def gemma_norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
+                     hf_in: int | None = None) -> None:
+    """What a Gemma RMSNorm saves (modeling_gemma2.Gemma2RMSNorm.forward:
+    `_norm(x.float()) * (1.0 + weight.float())`, then `.type_as(x)`): the fp32 input (an
+    upcast copy unless x is fp32) and rsqrt when the input needs a grad, the fp32 normalised
+    tensor for the weight grad (the weight multiply runs in fp32, before the cast), and
+    `1 + weight` (h, fp32) for the input's grad. `hf_in` is unused: the input is always
+    saved in fp32."""
+    sv.add(B * h, FP32, need_in)
+    sv.add(B, FP32, need_in)
+    sv.add(B * h, FP32, need_w)
+    sv.add(h, FP32, need_in)
+
+
+def head_norm(sv: Saved, c: Ctx, tokens: int, width: int, rows: int, grad: bool,
+              need_w: bool, gemma: bool = False) -> None:
+    """Qwen3's q_norm / k_norm (`Qwen3RMSNorm(head_dim)` on the projection's output viewed as
+    tokens x heads x head_dim; modeling_qwen3.Qwen3RMSNorm.forward): `.to(float32)` (a copy in
+    bf16, the projection's output itself in fp32) saved by `pow` and the rsqrt mul, the rsqrt
+    (one fp32 per head row), and the normalised tensor cast back to the projection's dtype,
+    saved by `weight * x` for the weight's grad. `grad`: the projection's output requires grad."""
+    if gemma:  # Gemma3RMSNorm(head_dim): the weight multiply in fp32 (`gemma_norm_saved`)
+        gemma_norm_saved(sv, c, tokens * rows, width // rows, grad, need_w)
+        return
+    sv.add(tokens * width, FP32, grad)
+    sv.add(tokens * rows, FP32, grad)
+    sv.add(tokens * width, c.e, grad and need_w)
+
+
 def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     """Final RMSNorm: fp32 input, rsqrt; normalised input for the weight grad.
 
@@ -133,6 +247,15 @@ def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not (need_in or need_w):
         return Acts()
     sv = Saved()
+    if d.get("gemma"):
+        # Gemma2RMSNorm: the weight multiply runs in fp32 (`gemma_norm_saved`); its fp32 output
+        # and, unless the weight trains, the fp32 normalised tensor are transient, with the
+        # `.type_as` cast as the lm_head's input
+        gemma_norm_saved(sv, c, B, h, need_in, need_w)
+        fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
+            (t(B * h, FP32),) if not need_w else ())
+        return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd_parts),
+                    fwd_parts=fwd_parts, bwd_extra=2 * t(B * h, c.stream))
     _norm_saved(sv, c, B, h, need_in, need_w)
     if c.liger:
         # Liger: Y is the only new forward tensor (counted by the lm_head, its one reader);
@@ -169,6 +292,10 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False, in_grad=need_in)
     lora_outputs(sv, c, B, n_lora)
     dora_saved(sv, c, B, dora_linears(layer), need_in)
+    cap = bool(d.get("final_softcap"))
+    # Gemma 2's final-logit softcap (Gemma2ForCausalLM.forward: `tanh(logits / cap) * cap`):
+    # tanh saves its output (compute dtype); the division and the multiply make new tensors
+    sv.add(B * V, e, cond=cap)
     sv.add(B * V, FP32)  # log_softmax output
     sv.add(B, INT64)     # shift_labels (`labels[..., 1:].contiguous()`), nll_loss's target
     sv.add(1, FP32, times=2)  # nll_loss output and total_weight
@@ -180,13 +307,18 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.ce_chunks:
         return chunked_head(d, c, sv, copies, cache, need_in, need_w)
     fwd_parts = (t(B * V, e), *([t(B * V, FP32)] if e != FP32 else []))
-    # the backward's three stages (docstring); the largest sets the transient
-    bwd_parts = max(([t(B * V, FP32)] * 2,
-                     [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else []),
-                     [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])),
-                    key=sum)
+    # the backward's three stages (docstring): the loss's two (the larger sets the transient)
+    # run before the head's weight grad exists, so they are the first stage of a two-stage
+    # backward (`bwd_mlp`; estimate.price gives lm_head grad_mlp = (0, grad)), the head's
+    # matmuls, which make that grad, the second
+    loss_parts = max(([t(B * V, FP32)] * 2,
+                      [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else [])), key=sum)
+    bwd_parts = [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])
+    if cap:  # the softcap's backward: tanh_backward's grad beside the incoming one
+        bwd_parts = max(bwd_parts, [t(B * V, e)] * 2, key=sum)
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 cache=cache, fwd_extra=sum(fwd_parts), bwd_extra=sum(bwd_parts),
+                bwd_mlp=sum(loss_parts), bwd_mlp_parts=tuple(loss_parts),
                 fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
 
 
@@ -279,4 +411,15 @@ def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
     d = layer.dims
     if not active:
         return Acts()
-    return Acts(saved=2 * t(d["s"] * d["head_dim"], c.stream))
+    # under eager, Gemma builds a float mask per layer type present (causal, sliding window),
+    # b x 1 x s x s in the embeddings' dtype each (masking_utils `create_causal_mask` /
+    # `create_sliding_window_causal_mask`, eager: `eager_mask`), held by the model's forward
+    # until it returns (`held`: released at the forward's end)
+    mask = t(d["b"] * d["s"] * d["s"], c.stream)
+    masks = d.get("mask_types", 0) * mask if c.attn == "eager" else 0
+    # SDPA (Gemma 3): the sliding mask, once built (`sliding_masked`), is an input SDPA saves
+    # in every sliding layer: alive until the last of them ran backward, as cos/sin
+    sdpa_mask = mask if c.attn == "sdpa" and d.get("sliding_masked") else 0
+    # one cos/sin pair per RoPE table (Gemma 3: the local and the global base)
+    return Acts(saved=2 * d.get("rope_tables", 1) * t(d["s"] * d["head_dim"], c.stream)
+                + sdpa_mask, held=masks)

@@ -175,7 +175,8 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
     accumulating, else None. Returns what its output object holds (0 for the trainer loop)."""
     act = st.inputs + before_out + (st.loss if before_out else 0)
     for s in steps:  # forward
-        w.point("forward", act + s.kept, s.acts.fwd_extra, *(acc or (0, 0)))
+        early = s.acts.mlp_saved if s.acts.fwd_in_attention and not s.ckpt and s.on_path else 0
+        w.point("forward", act + s.kept - early, s.acts.fwd_extra, *(acc or (0, 0)))
         act += s.kept
     act -= sum(s.released_at_forward_end for s in steps)
     output = 0

@@ -69,12 +69,17 @@ def freeze(model: nn.Module, spec: TrainingSpec) -> None:
 
 def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
     """The spec's PEFT adapters (adapters in fp32, PEFT's default): LoRA/DoRA on the non-vision
-    linears named in `spec.lora.targets`, or any method of `spec.peft_config`; the same config
-    the trace tier builds (`adapters.build_peft_config`)."""
+    linears named in `spec.lora.targets` (the default: the model's own LLM linear names), or
+    any method of `spec.peft_config`; the same config the trace tier builds
+    (`adapters.build_peft_config`)."""
     import peft
 
     from hybridmem.adapters import build_error, build_peft_config
+    from hybridmem.trace.model import lora_targets_for
 
+    # the default targets mean the family's own linear names (Phi-3's qkv_proj / gate_up_proj),
+    # as in the analytic graph (`models.build._default_targets`) and the trace tier
+    spec = lora_targets_for(model, spec, None)
     cfg = build_peft_config(spec)
     try:
         return peft.get_peft_model(model, cfg)

@@ -20,7 +20,7 @@ from hybridmem.models.llava import ImageLayout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
 from hybridmem.models.vision import tokens_per_crop, vision_layers
-from hybridmem.spec import POLICIES, LoraSpec, TrainingSpec
+from hybridmem.spec import DEFAULT_LORA_TARGETS, POLICIES, LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
 # the projector; stage 2 (`llm+projector`) everything but the vision tower
@@ -195,9 +195,21 @@ def _lora_target_names(modules: list[Module]) -> list[str]:
     return sorted(names)
 
 
+def _default_targets(modules: list[Module], lora: LoraSpec) -> LoraSpec:
+    """The default targets mean "all LLM linear layers" (`--lora-targets` help; PEFT's
+    `all-linear`): for a family with other linear names (Phi-3's `qkv_proj`, `gate_up_proj`)
+    its own names, as the trace tier's `lora_targets_for` takes them off the built model."""
+    if lora.targets != DEFAULT_LORA_TARGETS:
+        return lora
+    names = tuple(n for n in _lora_target_names(modules) if n != "lm_head")
+    return replace(lora, targets=names) if names else lora
+
+
 def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
                     hidden: int) -> list[Module]:
     trainable = TRAINABLE_MODULES[spec.train]
+    if spec.train == "lora":
+        spec = spec.with_(lora=_default_targets(modules, spec.lora))
     out = []
     for m in modules:
         layers = tuple(replace(layer, trainable=m.name in trainable) for layer in m.layers)

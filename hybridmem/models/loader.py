@@ -19,7 +19,8 @@ MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "
 LLAVA_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision")
 """CLIP/SigLIP tower + projector + a DECODER_TYPES LM (sub-configs checked below); the Qwen-VL
 families carry their own tower and LM (docs/vlm-families.md)."""
-DECODER_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+DECODER_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2",
+                                 "mixtral", "qwen3_moe", "gemma3_text")
 VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
 SUPPORTED_TYPES: tuple[str, ...] = MULTIMODAL_TYPES + DECODER_TYPES
 """The families the analytic tier has closed forms for (and the hybrid tier, built on it)."""

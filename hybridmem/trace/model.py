@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
+from hybridmem.models.decoder import MOE_TYPES
 from hybridmem.models.loader import auto_class, is_analytic
 from hybridmem.spec import DEFAULT_LORA_TARGETS, TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
@@ -36,7 +37,10 @@ def unsupported(spec: TrainingSpec, model_type: str, what: str,
     folded and cut to 300 characters (transformers' messages span lines and URLs), and the
     analytic tier as the way out only for the families it prices."""
     text = " ".join(str(err).split())[:300]
-    advice = "; use --method analytic" if is_analytic(model_type) else ""
+    # the MoE families' closed forms are bf16 only (analytic.estimate._setup refuses others)
+    priced = is_analytic(model_type) and not (model_type in MOE_TYPES
+                                              and spec.precision != "bf16")
+    advice = "; use --method analytic" if priced else ""
     return UnsupportedModelError("model", spec.model,
                                  reason=f"{what} ({type(err).__name__}: {text}){advice}")
 
@@ -137,11 +141,11 @@ def lora_targets_for(model: nn.Module, spec: TrainingSpec, config) -> TrainingSp
     """The spec with the LoRA targets the default means for this model. The default (Llama's
     seven projections) is "all LLM linear layers" (`--lora-targets` help); for a family
     without closed forms (Phi-3's `qkv_proj`, GPT-2's `c_attn`, ...) that is its own linear
-    names, `llm_linear_names`. Explicit targets, and the analytic families, stay as given."""
+    names, `llm_linear_names` (the analytic families' too: the model graph does the same,
+    `models.build._default_targets`). Explicit targets stay as given."""
     import dataclasses
 
-    if (spec.train != "lora" or is_analytic(config.model_type)
-            or spec.lora.targets != DEFAULT_LORA_TARGETS):
+    if spec.train != "lora" or spec.lora.targets != DEFAULT_LORA_TARGETS:
         return spec
     names = llm_linear_names(model)
     return spec.with_(lora=dataclasses.replace(spec.lora, targets=names)) if names else spec

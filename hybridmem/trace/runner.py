@@ -330,6 +330,18 @@ def _quiet_fake_log():
         log.disabled = saved
 
 
+def _import_bnb_outside(spec: TrainingSpec) -> None:
+    """Import bitsandbytes (when installed) before fake / meta tensors are on: PEFT imports it
+    lazily while adding adapters, and its module-level tables (`backends/default/ops.py`
+    `CODE`, the NF4/FP4 code books) would otherwise be built as fake or meta tensors and break
+    every later real quantisation in the process (a real CPU bnb run after a traced LoRA)."""
+    import importlib.util
+
+    adapters = spec.train != "full" or spec.quantize != "none"
+    if adapters and importlib.util.find_spec("bitsandbytes"):
+        import bitsandbytes  # noqa: F401
+
+
 @contextlib.contextmanager
 def _tensors(backend: str, spec: TrainingSpec, model_type: str = ""):
     """Where tensors live: CPU fakes (FakeTensorMode), meta tensors, or real CPU tensors.
@@ -340,6 +352,8 @@ def _tensors(backend: str, spec: TrainingSpec, model_type: str = ""):
     """
     if backend not in BACKENDS:
         raise SpecError("backend", backend, BACKENDS)
+    if backend != "real":
+        _import_bnb_outside(spec)
     if backend == "fake":
         with FakeTensorMode(), _quiet_fake_log():
             yield None
