@@ -258,8 +258,8 @@ class TrainingSpec:
             raise SpecError("optimizer_in_backward", self.optimizer_in_backward, [True, False])
         from hybridmem.job import optim_in_backward  # its clashes, stated once there
         optim_in_backward.check(self)
-        from hybridmem.job import offload  # likewise
-        offload.check(self)
+        from hybridmem.job import offload_rules  # likewise (torch-free)
+        offload_rules.check(self)
         from hybridmem.job import packing
         packing.check(self)
         if self.train == "peft" and not self.peft_config:

@@ -35,7 +35,9 @@ FAMILIES: dict[str, dict] = {
     "phi3": dict(TEXT, pad_token_id=0),  # fused qkv_proj / gate_up_proj
     "mixtral": dict(TEXT, num_local_experts=4, num_experts_per_tok=2),  # MoE, fused experts
     "gemma2": TEXT,  # eager attention only (its transformers code refuses SDPA)
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=256),  # Conv1D
+    # bos / eos inside the tiny vocabulary (GPT-2's 50256 makes transformers warn on stderr)
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=256,
+                 bos_token_id=0, eos_token_id=0),  # Conv1D
     "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
                 vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=256),
     "qwen2_vl": dict(text_config=dict(TEXT, rope_scaling={"type": "mrope",
@@ -228,8 +230,12 @@ def _cli(*argv) -> subprocess.CompletedProcess:
      "transformers' gemma2 code does not support it (valid: eager)"),
     ("mixtral", ["--precision", "fp32", "--method", "trace"], "error: model='{path}': its "
      "training step cannot run under fake tensors (RuntimeError: Expected inputs of BF16 type"),
-    ("mixtral", ["--precision", "fp32"], "error: precision='fp32': mixtral's grouped-mm experts "
-     "are priced in bf16 (valid: bf16)"),  # analytic since decoders2
+    ("mixtral", ["--precision", "fp32", "--method", "analytic"], "error: precision='fp32': "
+     "mixtral's grouped-mm experts are priced in bf16 (valid: bf16)"),
+    # without --method, non-bf16 MoE goes to the trace tier (predict.trace_only_reason), whose
+    # own one-line refusal is the answer
+    ("mixtral", ["--precision", "fp32"], "error: model='{path}': its training step cannot run "
+     "under fake tensors (RuntimeError: Expected inputs of BF16 type"),
     (None, [], "error: model_type='no_such_family' is not valid (valid: llava, llava_next, llava_onevision, qwen2_vl, qwen2_5_vl, idefics3, llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral, qwen3_moe, gemma3_text, "
      "any transformers causal-LM"),
 ])

@@ -69,11 +69,11 @@ def liger_applies(spec: TrainingSpec, graph: ModelGraph | None = None) -> bool:
     unchanged, one it patches with kernels not emulated here is a SpecError)."""
     if not spec.liger:
         return False
-    from hybridmem.models import load_config
+    from hybridmem.models.loader import load_config_dict
 
-    cfg = load_config(spec.model)
-    text = getattr(cfg, "text_config", None)
-    return liger_text_type(cfg.model_type, getattr(text, "model_type", None)) is not None
+    _, data = load_config_dict(spec.model)  # the JSON: no transformers import for two fields
+    text = data.get("text_config") or {}
+    return liger_text_type(data["model_type"], text.get("model_type")) is not None
 
 
 def context(spec: TrainingSpec, liger: bool | None = None) -> A.Ctx:

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from hybridmem.analytic.alloc import t
 from hybridmem.analytic.timeline import Step
-from hybridmem.job.offload import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, STUCK
+from hybridmem.job.offload_rules import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, STUCK
 
 # One backward node saves up to 5 tensors (SDPA: q, k, v, out, logsumexp; derivatives.yaml);
 # two nodes' worth are on the GPU at once (trl activation_offloading.py: `prev_node_ids` are

@@ -23,7 +23,6 @@ The rules live here once; the trace tier (`trace/inputs.py`), the analytic tier
 
 from __future__ import annotations
 
-import torch
 
 from hybridmem.errors import SpecError
 
@@ -48,8 +47,10 @@ def row(spec) -> tuple[int, int]:
                                                                        spec.seq_len)
 
 
-def position_ids(spec, device=None) -> torch.Tensor:
+def position_ids(spec, device=None):
     """0..seq_len-1 once per packed sequence, as TRL's padding-free collator writes them."""
+    import torch  # only the batch builders need it: the spec and the analytic tier import this
+
     return torch.arange(spec.seq_len, device=device).repeat(spec.micro_batch).unsqueeze(0)
 
 
