@@ -21,3 +21,24 @@ def _isolated_stores(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def stand_in_collect(tmp_path, monkeypatch):
+    """`collect(axes)`: a one-block sweep over `llama-tiny` (seq 16, fp32, plus the TOML lines
+    in `axes`) collected through the harness with the CPU stand-in probe; every row must be
+    `ok`. Returns the dataset (the harness path of each technique, without a GPU)."""
+    from hybridmem.harness import collect, load_dataset
+
+    def run(axes: str):
+        sweep = tmp_path / "s.toml"
+        sweep.write_text('[[block]]\ndecoder = ["llama-tiny"]\nseq_len = [16]\n'
+                         f'precision = ["fp32"]\n{axes.strip()}\n')
+        monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
+        out = tmp_path / "data"
+        collect(sweep, out=out, backend="cuda", mlflow=False)
+        df = load_dataset(out)
+        assert set(df["outcome"]) == {"ok"}, df["error"].tolist()
+        return df
+
+    return run

@@ -179,23 +179,8 @@ def test_analytic_within_3pct_of_trace_real_sized(mode, ckpt):
     assert t.breakdown["activation"] < plain.breakdown["activation"]
 
 
-def test_harness_cpu_stand_in_runs_it(tmp_path, monkeypatch):
+def test_harness_cpu_stand_in_runs_it(stand_in_collect):
     """`collect` on the CPU stand-in probe runs each variant (TRL's context or the port around
     the forward; transformers' own checkpoint offload=True)."""
-    from hybridmem.harness import collect, load_dataset
-
-    sweep = tmp_path / "s.toml"
-    sweep.write_text("""
-[[block]]
-decoder = ["llama-tiny"]
-seq_len = [16]
-precision = ["fp32"]
-grad_ckpt = [true]
-offload_activations = ["all", "ckpt-inputs"]
-""")
-    monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
-    out = tmp_path / "data"
-    collect(sweep, out=out, backend="cuda", mlflow=False)
-    df = load_dataset(out)
-    assert set(df["outcome"]) == {"ok"}, df["error"].tolist()
+    df = stand_in_collect('grad_ckpt = [true]\noffload_activations = ["all", "ckpt-inputs"]')
     assert sorted(df["offload_activations"]) == ["all", "ckpt-inputs"]

@@ -164,23 +164,9 @@ def test_analytic_within_3pct_of_trace_real_sized():
     assert abs(a.peak.allocated_bytes - t.peak.allocated_bytes) / t.peak.allocated_bytes <= TOL
 
 
-def test_harness_cpu_stand_in_runs_it(tmp_path, monkeypatch):
+def test_harness_cpu_stand_in_runs_it(stand_in_collect):
     """`collect` on the CPU stand-in probe: the job runs with the hooks, and its optimizer
     state (AdamW's two moments per parameter: the same bytes as the plain loop's) is counted
     through the per-parameter optimizers."""
-    from hybridmem.harness import collect, load_dataset
-
-    sweep = tmp_path / "s.toml"
-    sweep.write_text("""
-[[block]]
-decoder = ["llama-tiny"]
-seq_len = [16]
-precision = ["fp32"]
-optimizer_in_backward = [false, true]
-""")
-    monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
-    out = tmp_path / "data"
-    collect(sweep, out=out, backend="cuda", mlflow=False)
-    df = load_dataset(out).set_index("optimizer_in_backward")
-    assert set(df["outcome"]) == {"ok"}, df["error"].tolist()
+    df = stand_in_collect("optimizer_in_backward = [false, true]").set_index("optimizer_in_backward")
     assert df.loc[True, "optimizer_state_bytes"] == df.loc[False, "optimizer_state_bytes"] > 0
