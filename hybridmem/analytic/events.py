@@ -38,7 +38,7 @@ through the same simulator: experiments/analytic_vs_trace.py.
 from __future__ import annotations
 
 from hybridmem.analytic.alloc import t
-from hybridmem.analytic.states import foreach_norm_scratch, optimizer_temporary, state_bytes
+from hybridmem.analytic.states import foreach_norm_scratch, state_bytes
 from hybridmem.job.optimizers import rule
 from hybridmem.spec import POLICIES, TrainingSpec, empty_cache_at
 
@@ -278,9 +278,8 @@ def _stepper(s: Stream, priced, optimizer: str, iteration: int):
             made.add(i)
             for x in stepped:
                 s.allocs(state_bytes(x, optimizer))
-        for k in keys:
-            s.free(s.allocs([max((optimizer_temporary(optimizer, [x]) for x in stepped),
-                                 default=0)]))
+        for k in keys:  # the layer's largest one-parameter step temporary (estimate.price)
+            s.free(s.allocs([priced[i].step.step_temp]))
             s.free([k])
 
     return step
