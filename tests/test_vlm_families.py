@@ -362,17 +362,23 @@ def test_onevision_preset_totals(model, total):
     assert round(total / 1e6) in (894, 8031)
 
 
-def test_onevision_parts_equal_the_meta_model():
-    parts = {"model.multi_modal_projector.": "multi_modal_projector",
-             "model.vision_tower.": "vision_tower", "model.image_newline": "image_newline",
-             "lm_head": "lm_head"}
+def _parts_equal_the_meta_model(model: str, parts: dict[str, str], image_size: int) -> None:
+    """Both tiers' per-part parameter counts equal the meta-device model's, its parameter names
+    mapped to parts by prefix (the rest: the language model)."""
     ref: dict[str, int] = {}
-    for name, p in _meta_model(OV).named_parameters():
+    for name, p in _meta_model(model).named_parameters():
         part = next((v for k, v in parts.items() if name.startswith(k)), "language_model")
         ref[part] = ref.get(part, 0) + p.numel()
     for tier in (analytic, trace_estimate):
-        pred = tier(TrainingSpec(model=OV, micro_batch=1, seq_len=64, image_size=84))
+        pred = tier(TrainingSpec(model=model, micro_batch=1, seq_len=64, image_size=image_size))
         assert {m.name: m.params for m in pred.modules} == ref
+
+
+def test_onevision_parts_equal_the_meta_model():
+    _parts_equal_the_meta_model(OV, {"model.multi_modal_projector.": "multi_modal_projector",
+                                     "model.vision_tower.": "vision_tower",
+                                     "model.image_newline": "image_newline",
+                                     "lm_head": "lm_head"}, image_size=84)
 
 
 @pytest.mark.parametrize("kw", [dict(precision="fp32"),
@@ -464,15 +470,9 @@ def test_idefics3_preset_total():
 
 
 def test_idefics3_parts_equal_the_meta_model():
-    parts = {"model.connector.": "multi_modal_projector", "model.vision_model.": "vision_tower",
-             "lm_head": "lm_head"}
-    ref: dict[str, int] = {}
-    for name, p in _meta_model(ID3).named_parameters():
-        part = next((v for k, v in parts.items() if name.startswith(k)), "language_model")
-        ref[part] = ref.get(part, 0) + p.numel()
-    for tier in (analytic, trace_estimate):
-        pred = tier(TrainingSpec(model=ID3, micro_batch=1, seq_len=64, image_size=56))
-        assert {m.name: m.params for m in pred.modules} == ref
+    _parts_equal_the_meta_model(ID3, {"model.connector.": "multi_modal_projector",
+                                      "model.vision_model.": "vision_tower",
+                                      "lm_head": "lm_head"}, image_size=56)
 
 
 @pytest.mark.parametrize("kw", TINY_KW)
