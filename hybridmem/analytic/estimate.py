@@ -64,7 +64,7 @@ class Priced:
     step: Step
 
 
-def liger_applies(spec: TrainingSpec, graph: ModelGraph | None = None) -> bool:
+def liger_applies(spec: TrainingSpec) -> bool:
     """`--liger` on a model Liger patches (`job.loss.liger_text_type`; a type it skips trains
     unchanged, one it patches with kernels not emulated here is a SpecError)."""
     if not spec.liger:
@@ -76,7 +76,7 @@ def liger_applies(spec: TrainingSpec, graph: ModelGraph | None = None) -> bool:
     return liger_text_type(data["model_type"], text.get("model_type")) is not None
 
 
-def context(spec: TrainingSpec, liger: bool | None = None) -> A.Ctx:
+def context(spec: TrainingSpec) -> A.Ctx:
     policy = POLICIES[spec.precision]
     amp = spec.precision.endswith("-mixed")
     quant = quant_of(spec)
@@ -93,7 +93,7 @@ def context(spec: TrainingSpec, liger: bool | None = None) -> A.Ctx:
                  lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt,
                  dora=bool(spec.lora and spec.lora.use_dora),
                  frozen_a=spec.optimizer == "lora-fa", quant=quant,
-                 liger=liger_applies(spec) if liger is None else liger,
+                 liger=liger_applies(spec),
                  ce_chunks=spec.chunked_ce, param=policy.param_bytes)
 
 
