@@ -20,7 +20,7 @@ from hybridmem.analytic import (
 )
 from hybridmem.job import packing
 from hybridmem.analytic.alloc import t
-from hybridmem.job.images import SPLIT_FAMILIES
+from hybridmem.families import family
 from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.analytic.reserved import (
     FROM_GPU, allocator_extras, bounded, capacity_notes, capacity_source, gpu_capacity,
@@ -235,8 +235,8 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
         emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
         pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
         out += t(graph.vision_batch * emb["channels"] * emb["side"] ** 2, pix)
-    if graph.vision_batch and graph.model_type in SPLIT_FAMILIES:
-        # Idefics3's bool pixel_attention_mask (crops, tile, tile), `job.images.pixel_inputs`
+    if graph.vision_batch and family(graph.model_type).pixel_mask:
+        # Idefics3's bool pixel_attention_mask (crops, tile, tile), `Family.pixel_inputs`
         out += t(graph.vision_batch * emb["side"] ** 2, 1)
     patches = next((l.dims for m, l in graph.layers() if l.kind == "qwen_patch_embed"), None)
     if patches and graph.image_tokens:

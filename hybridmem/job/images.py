@@ -6,23 +6,11 @@ Why one module: the analytic graph (`models/build.py`), the trace tier's batch
 counting list outputs two different ways, or a closed form) and to check them against
 `seq_len` with two thresholds. They now all call `image_plan` and `check_seq_len`.
 
-Per family (transformers 5.24 modeling / image-processing code):
-- `llava`, `llava_next`: `hybridmem.models.llava.image_layout` (CLS dropped under `default`,
-  anyres tiles + base crop, unpadding, one newline per row);
-- `llava_onevision`: LLaVA-NeXT's rule, then the anyres_max_N downsampling of the tile grid
-  (`hybridmem.models.llava.onevision_layout`);
-- `qwen2_vl`, `qwen2_5_vl` (native dynamic resolution): the image is resized by
-  `image_processing_qwen2_vl.smart_resize` to multiples of patch_size x merge_size within
-  [min_pixels, max_pixels]; grid_thw = (1, H/14, W/14) (one temporal patch: the image is
-  repeated to `temporal_patch_size` frames); the PatchMerger turns every merge_size^2
-  patches into one LM token;
-- `idefics3`: the processor resizes the longest edge to `size.longest_edge` (here:
-  `image_size`; default 4 x the vision tile, the processors' `size`), rounds it up to whole
-  tiles of `vision_config.image_size`, splits them and adds the global image (one image if
-  it is one tile); each tile becomes (tile / patch)² / scale_factor² tokens after the pixel
-  shuffle (`processing_idefics3` `image_seq_len`);
-- `gemma3`: `Gemma3MultiModalProjector` pools every image to `mm_tokens_per_image` soft tokens
-  (the SigLIP tower always sees `vision_config.image_size`; the processor resizes to it).
+Each family's rule is its `Family.image_plan` (`hybridmem/families/<family>.py`, with the
+transformers 5.24 modeling / image-processing code it follows; docs/vlm-families.md has the
+table); the shared pieces live here: `smart_resize` (Qwen-VL's processor) and `split_plan`
+(Idefics3's image splitting + pixel shuffle). The pixel inputs each processor makes are
+`Family.pixel_inputs`, the token-type ids `Family.text_extras`.
 
 Works on both config kinds the project builds (the light `SimpleNamespace` and a
 transformers `PretrainedConfig`): it reads attributes only.
@@ -36,14 +24,17 @@ from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
 
-SPLIT_FAMILIES: tuple[str, ...] = ("idefics3",)
-"""Image splitting into vision-size tiles + a global image, pixel shuffle. SmolVLM shares the
-rule but not yet the trace (its meta trace with images stops in a `nonzero`, not located yet):
-it stays on text-only batches (docs/vlm-families.md)."""
-IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                   "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES
-"""model_types whose batches carry images (else: text-only)."""
-GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+
+def _declared(where) -> tuple[str, ...]:
+    from hybridmem.families import types
+
+    return types(where=where)
+
+
+IMAGE_FAMILIES: tuple[str, ...] = _declared(lambda f: f.image_plan is not None)
+"""model_types with an image-token rule (`hybridmem/families/`): their batches carry images
+(other image-text-to-text families are priced on text-only batches)."""
+GRID_FAMILIES: tuple[str, ...] = _declared(lambda f: f.hw_images)
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
 
 # transformers image_processing_qwen2_vl.py `Qwen2VLImageProcessor.size` defaults:
@@ -129,20 +120,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int = QWEN_MI
     return h_bar, w_bar
 
 
-def _qwen_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
-    vc = cfg.vision_config
-    p, m = vc.patch_size, vc.spatial_merge_size
-    h, w = smart_resize(*(hw or QWEN_DEFAULT_SIZE), factor=p * m)
-    grid = (1, h // p, w // p)  # an image is one temporal patch (processor tiles it to T frames)
-    return ImagePlan(cfg.model_type, tokens=grid[1] * grid[2] // (m * m), size=(h, w), grid=grid)
-
-
 SPLIT_DEFAULT_TILES = 4
 """Idefics3ImageProcessor `size = {"longest_edge": 4 * 364}` with `max_image_size` 364 (the
 vision tile); SmolVLM's processors likewise use 4 x their tile."""
 
 
-def _split_plan(cfg, side: int | None) -> ImagePlan:
+def split_plan(cfg, side: int | None) -> ImagePlan:
+    """Idefics3-style splitting (`processing_idefics3` `image_seq_len`)."""
     vc = cfg.vision_config
     tile = vc.image_size
     side = side or SPLIT_DEFAULT_TILES * tile
@@ -154,32 +138,19 @@ def _split_plan(cfg, side: int | None) -> ImagePlan:
 
 
 def image_plan(cfg, image_size: object = None) -> ImagePlan:
-    """The family's rule: tokens per image (and what the tower sees) at `image_size`."""
+    """The family's rule (`Family.image_plan`): tokens per image (and what the tower sees) at
+    `image_size`."""
+    from hybridmem.families import family
+
     mt = cfg.model_type
+    fam = family(mt)
+    if fam is None or fam.image_plan is None:
+        raise SpecError("model_type", mt, IMAGE_FAMILIES, reason="no image-token rule")
     hw = parse_image_size(image_size)
-    if mt in GRID_FAMILIES:
-        return _qwen_plan(cfg, hw)
-    if hw is not None and hw[0] != hw[1]:
+    if hw is not None and hw[0] != hw[1] and not fam.hw_images:
         raise SpecError("image_size", image_size, reason=f"HxW needs a native-resolution family "
                         f"({', '.join(GRID_FAMILIES)}); {mt} takes a square side")
-    side = None if hw is None else hw[0]
-    if mt in ("llava", "llava_next", "llava_onevision"):
-        from hybridmem.models.llava import image_layout
-
-        layout = image_layout(cfg, side)
-        native = cfg.vision_config.image_size
-        s = side or native
-        return ImagePlan(mt, tokens=layout.tokens, size=(s, s), layout=layout)
-    if mt in SPLIT_FAMILIES:
-        return _split_plan(cfg, side)
-    if mt == "gemma3":
-        native = cfg.vision_config.image_size
-        if side is not None and side != native:
-            raise SpecError("image_size", image_size, (native,),
-                            reason="Gemma 3's SigLIP tower takes its native size (the processor "
-                            "resizes every image to it)")
-        return ImagePlan(mt, tokens=int(cfg.mm_tokens_per_image), size=(native, native))
-    raise SpecError("model_type", mt, IMAGE_FAMILIES, reason="no image-token rule")
+    return fam.image_plan(cfg, hw)
 
 
 def check_seq_len(seq_len: int, images: int, plan: ImagePlan | None) -> int:
@@ -216,30 +187,12 @@ def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
     CPU, LLaVA-NeXT's `image_sizes` a list (the trace tier; 16-24 B each on a GPU)."""
     import torch
 
-    mt = config.model_type
-    if mt in GRID_FAMILIES:
-        vc = config.vision_config
-        # Qwen2VLImageProcessor: flatten_patches -> (grid_t*grid_h*grid_w, C*T*P*P)
-        row = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-        return {"pixel_values": torch.zeros(n_images * plan.patches, row, dtype=dtype,
-                                            device=device),
-                "image_grid_thw": torch.tensor([list(plan.grid)] * n_images, dtype=torch.long,
-                                               device="cpu" if host_shapes else device)}
+    from hybridmem.families import family
+
+    fam = family(config.model_type)
+    if fam is not None and fam.pixel_inputs is not None:
+        return fam.pixel_inputs(config, plan, n_images, dtype, device, host_shapes)
     side = plan.size[0]
-    if mt in SPLIT_FAMILIES:
-        # Idefics3ImageProcessor: (images, tiles + global, C, tile, tile) and the bool
-        # pixel_attention_mask; ones, not zeros: the model drops all-zero (padding) images
-        tile = config.vision_config.image_size
-        return {"pixel_values": torch.ones(n_images, plan.crops, 3, tile, tile, dtype=dtype,
-                                           device=device),
-                "pixel_attention_mask": torch.ones(n_images, plan.crops, tile, tile,
-                                                   dtype=torch.bool, device=device)}
-    if mt in ("llava_next", "llava_onevision"):  # (images, crops, C, H, W) + image_sizes
-        native = config.vision_config.image_size
-        return {"pixel_values": torch.zeros(n_images, plan.layout.crops, 3, native, native,
-                                            dtype=dtype, device=device),
-                "image_sizes": ([[side, side]] * n_images if host_shapes else
-                                torch.tensor([[side, side]] * n_images, device=device))}
     return {"pixel_values": torch.zeros(n_images, 3, side, side, dtype=dtype, device=device)}
 
 
@@ -258,17 +211,11 @@ def text_inputs(config, batch: int, seq_len: int, image_tokens: int, device=None
     if image_tokens:
         ids[:, 1:1 + image_tokens] = image_token_id(config)
         labels[:, 1:1 + image_tokens] = IGNORE_INDEX
-        if config.model_type in GRID_FAMILIES:
-            # processing_qwen2_vl `return_mm_token_type_ids = True`: 1 marks image tokens;
-            # the model needs it for its 3-D (M-RoPE) position ids
-            tt = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-            tt[:, 1:1 + image_tokens] = 1
-            out["mm_token_type_ids"] = tt
-        if config.model_type == "gemma3":
-            # processing_gemma3 returns `token_type_ids` (1 at image tokens) for training:
-            # Gemma3Model builds the bidirectional-over-images masks from it
-            # (`create_masks_for_vision_model`)
-            tt = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-            tt[:, 1:1 + image_tokens] = 1
-            out["token_type_ids"] = tt
+        from hybridmem.families import family
+
+        fam = family(config.model_type)
+        if fam is not None and fam.text_extras is not None:  # token type ids
+            mask = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+            mask[:, 1:1 + image_tokens] = 1
+            out.update(fam.text_extras(config, mask))
     return {**out, "input_ids": ids, "labels": labels}

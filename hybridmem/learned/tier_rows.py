@@ -19,7 +19,8 @@ import pandas as pd
 from hybridmem.errors import SpecError
 
 # the packages whose code decides a tier's answer (a change to any of them re-prices)
-TIER_PACKAGES: tuple[str, ...] = ("analytic", "trace", "allocator", "models", "parallel", "job")
+TIER_PACKAGES: tuple[str, ...] = ("analytic", "trace", "allocator", "models", "parallel", "job",
+                                 "families")
 FIGURES: tuple[str, ...] = ("allocated", "reserved", "device", "after_step")
 """Per-spec figures: the three peaks and the allocated bytes right after the optimizer step
 (`Prediction.extras["after_step_allocated_bytes"]`, the published benchmarks' steady state)."""

@@ -13,13 +13,11 @@ from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
-from hybridmem.job.images import ImagePlan, check_seq_len, image_plan
-from hybridmem.job.images import SPLIT_FAMILIES
-from hybridmem.models import idefics3, qwen_vl
-from hybridmem.models.llava import ImageLayout, num_feature_layers
+from hybridmem.families import DECODER, family
+from hybridmem.job.images import check_seq_len, image_plan
+from hybridmem.models.llava import ImageLayout
 from hybridmem.models.light import light_config
-from hybridmem.models.loader import DECODER_TYPES
-from hybridmem.models.vision import tokens_per_crop, vision_layers
+from hybridmem.models.vision import tokens_per_crop
 from hybridmem.spec import DEFAULT_LORA_TARGETS, POLICIES, LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
@@ -69,9 +67,6 @@ def part_of(name: str) -> str:
     return "language_model"
 
 
-ANYRES_TYPES: tuple[str, ...] = ("llava_next", "llava_onevision")
-"""Tiles + base crop concatenated into one pixel tensor, packed features, `image_newline`."""
-
 DECODER_TRAINS: tuple[str, ...] = ("full", "lora", "peft")
 LORA_FP32 = 4  # PEFT `autocast_adapter_dtype=True` (default) keeps adapters in float32
 # LoRA goes on language-model linears only, as LLaVA's `find_all_linear_names` does (it skips
@@ -97,44 +92,6 @@ def _images(spec: TrainingSpec, multimodal: bool) -> int:
                             reason=f"{spec.model} is a text-only decoder")
         return 0
     return 1 if images is None else images
-
-
-def _multimodal_modules(cfg, spec: TrainingSpec, images: int, layout: ImageLayout):
-    vc, th = cfg.vision_config, cfg.text_config.hidden_size
-    n_crops = spec.micro_batch * images * layout.crops
-    runs = images > 0
-    vision = tuple(replace(layer, runs=runs)
-                   for layer in vision_layers(vc, cfg.vision_feature_layer, n_crops))
-    if cfg.model_type in ANYRES_TYPES:  # crops are concatenated into a new pixel tensor
-        vision = (replace(vision[0], dims={**vision[0].dims, "anyres": True}),) + vision[1:]
-    d_in = vc.hidden_size * num_feature_layers(cfg)
-    bias = bool(getattr(cfg, "multimodal_projector_bias", True))
-    proj = linear("linear_1", th, d_in, bias) + linear("linear_2", th, th, bias)
-    projector = Layer(name="projector", kind="projector", params=proj, runs=runs,
-                      dims=dict(n=n_crops, t=layout.features_per_crop, d_in=d_in, h=th,
-                                act=cfg.projector_hidden_act,
-                                packed=(spec.micro_batch * images * layout.tokens
-                                        if cfg.model_type in ANYRES_TYPES else 0)))
-    modules = [Module(name="vision_tower", prefix="model.vision_tower", layers=vision),
-               Module(name="multi_modal_projector", prefix="model.multi_modal_projector",
-                      layers=(projector,))]
-    if cfg.model_type in ANYRES_TYPES:
-        # modeling_llava_next.LlavaNextModel, LlavaOnevisionModel:
-        modules.append(Module(name="image_newline", prefix="model", layers=(
-            Layer(name="image_newline", kind="image_newline", params=(T("image_newline", (th,)),),
-                  runs=runs, dims=dict(n=spec.micro_batch * images * layout.newlines, h=th)),)))
-    return modules
-
-
-def _qwen_vl_modules(cfg, spec: TrainingSpec, images: int, plan: ImagePlan) -> list[Module]:
-    """Qwen2-VL / Qwen2.5-VL: `model.visual` (patch embed, rotary, blocks) and its merger."""
-    n_images = spec.micro_batch * images
-    runs = images > 0
-    vision = tuple(replace(layer, runs=runs)
-                   for layer in qwen_vl.vision_layers(cfg.vision_config, plan, n_images))
-    merger = replace(qwen_vl.merger_layer(cfg.vision_config, plan, n_images), runs=runs)
-    return [Module(name="vision_tower", prefix="model.visual", layers=vision),
-            Module(name="multi_modal_projector", prefix="model.visual.merger", layers=(merger,))]
 
 
 def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = False) -> Layer:
@@ -266,7 +223,8 @@ def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
 def build_graph(spec: TrainingSpec) -> ModelGraph:
     """Parse the spec's model config into modules -> layers with the spec's shapes."""
     name, cfg = light_config(spec.model)
-    multimodal = cfg.model_type not in DECODER_TYPES
+    fam = family(cfg.model_type)
+    multimodal = fam.kind != DECODER
     images = _images(spec, multimodal)
     if not multimodal:
         if spec.train not in DECODER_TRAINS:
@@ -281,17 +239,8 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         plan = image_plan(cfg, spec.image_size)  # the one rule (hybridmem/job/images.py)
         check_seq_len(spec.seq_len, images, plan)
         plan_grid = bool(plan.grid[0])
-        layout = plan.layout or ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)
-        if plan.grid[0]:
-            modules = _qwen_vl_modules(cfg, spec, images, plan)
-        elif cfg.model_type in SPLIT_FAMILIES:  # tiles + global image, pixel shuffle
-            modules = idefics3.vision_modules(cfg, spec.micro_batch * images * plan.crops,
-                                              runs=images > 0)
-            layout = ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
-        else:
-            modules = _multimodal_modules(cfg, spec, images, layout)
-        lm, head = _decoder_modules(cfg, spec, "model.text_model" if cfg.model_type
-                                    in SPLIT_FAMILIES else "model.language_model")
+        modules, layout = fam.vision_graph(cfg, spec, images, plan)  # the family's parts
+        lm, head = _decoder_modules(cfg, spec, fam.lm_prefix)
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)
     tc = getattr(cfg, "text_config", cfg)

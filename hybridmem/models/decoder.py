@@ -11,11 +11,13 @@ projections, Gemma's four norms per layer, scaled embedding and logit softcappin
 
 from __future__ import annotations
 
+from hybridmem.families import FUSED, GEMMA, MOE, NO_SDPA, QK_NORM, QKV_BIAS, with_trait
 from hybridmem.models.graph import Layer, ParamTensor as T, linear as _linear
 
 FP32 = 4
+# Per-family switches (`Family.traits`, hybridmem/families/decoders.py), as model_type tuples.
 # Qwen2 and the Qwen2-VL / Qwen2.5-VL text models (Qwen2VLAttention: the same q/k/v biases)
-QWEN2_TEXT = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # rotary `inv_freq` buffers are built in float32 (LlamaRotaryEmbedding)
+QWEN2_TEXT = with_trait(QKV_BIAS)
 
 
 def head_dim(tc) -> int:
@@ -29,20 +31,20 @@ def kv_heads(tc) -> int:
 
 # families whose attention RMS-normalises q and k over head_dim before RoPE
 # (modeling_qwen3.Qwen3Attention.q_norm / k_norm)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # Gemma 3: (1 + weight) norms
+QK_NORM_TYPES = with_trait(QK_NORM)  # Gemma 3: (1 + weight) norms
 # families with one fused q/k/v projection and one fused gate/up projection, whose q, k, v and
 # gate, up are views (slices / `chunk`) of the fused output (modeling_phi3.Phi3Attention, Phi3MLP)
-FUSED_TYPES = ("phi3",)
+FUSED_TYPES = with_trait(FUSED)
 # Gemma 2 / Gemma 3 text: four RMSNorms per layer (post-attention on the attention output,
 # pre/post feed-forward), `(1 + weight)` RMSNorms in fp32, the embedding scaled by sqrt(hidden)
 # (modeling_gemma2.Gemma2DecoderLayer, Gemma2RMSNorm, Gemma2TextScaledWordEmbedding)
-GEMMA_TYPES = ("gemma2", "gemma3_text")
+GEMMA_TYPES = with_trait(GEMMA)
 # mixture-of-experts families: a router (`mlp.gate.weight`, E x h) and every expert's fused
 # weights as 3-D parameters (`mlp.experts.gate_up_proj` E x 2f x h, `mlp.experts.down_proj`
 # E x h x f; modeling_mixtral.MixtralExperts / MixtralTopKRouter, modeling_qwen3_moe likewise)
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = with_trait(MOE)
 # families whose transformers code refuses SDPA (`_supports_sdpa = False`: softcapping)
-NO_SDPA_TYPES = ("gemma2",)
+NO_SDPA_TYPES = with_trait(NO_SDPA)
 
 
 def qk_norm(tc) -> bool:

@@ -3,10 +3,8 @@
 `transformers.AutoConfig` costs ~4 s of imports on a cold start; the analytic tier needs a
 few dozen fields, so it reads the JSON itself and fills what is missing with the defaults of
 the transformers 5.x config classes (`configuration_clip.py`, `configuration_siglip.py`,
-`configuration_llama.py`, `configuration_mistral.py`, `configuration_qwen2.py`,
-`configuration_qwen3.py`, `configuration_phi3.py`, `configuration_gemma2.py`,
-`configuration_gemma3.py`, `configuration_mixtral.py`, `configuration_qwen3_moe.py`,
-`configuration_llava.py`, `configuration_llava_next.py`). tests/test_models.py checks the
+`configuration_llava.py`, `configuration_llava_next.py` here; each decoder family's in its
+`hybridmem/families/decoders.py` record). tests/test_models.py checks the
 result against models built from the real transformers configs, presets and random configs.
 """
 
@@ -16,6 +14,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from hybridmem.errors import SpecError
+from hybridmem.families import DECODER, family, types
 from hybridmem.models.loader import analytic_refusal, is_analytic, load_config_dict, validate_types
 
 # defaults of the transformers 5.x config classes, for the fields the parser reads
@@ -28,50 +27,8 @@ VISION_DEFAULTS: dict[str, dict] = {
                                 patch_size=16, hidden_act="gelu_pytorch_tanh",
                                 vision_use_head=True),
 }
-TEXT_DEFAULTS: dict[str, dict] = {
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
-                  head_dim=None, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                  tie_word_embeddings=False, attention_dropout=0.0),
-    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=None, hidden_act="silu", tie_word_embeddings=False,
-                    attention_dropout=0.0),
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
-                  hidden_act="silu", tie_word_embeddings=False, attention_dropout=0.0),
-    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                  head_dim=128, hidden_act="silu", attention_bias=False,
-                  tie_word_embeddings=False, attention_dropout=0.0),
-    "phi3": dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
-                 head_dim=None, hidden_act="silu", tie_word_embeddings=False,
-                 attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-                 partial_rotary_factor=1.0, sliding_window=None),
-    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                   head_dim=256, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
-                   tie_word_embeddings=True, attention_dropout=0.0,
-                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
-    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
-                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                        head_dim=256, hidden_activation="gelu_pytorch_tanh",
-                        attention_bias=False, tie_word_embeddings=True, attention_dropout=0.0,
-                        final_logit_softcapping=None, attn_logit_softcapping=None,
-                        sliding_window=4096, layer_types=None, sliding_window_pattern=6),
-    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=None, hidden_act="silu", tie_word_embeddings=False,
-                    attention_dropout=0.0, num_experts_per_tok=2, num_local_experts=8,
-                    output_router_logits=False, router_jitter_noise=0.0),
-    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                      num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4,
-                      head_dim=None, hidden_act="silu", attention_bias=False,
-                      tie_word_embeddings=False, attention_dropout=0.0, decoder_sparse_step=1,
-                      moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
-                      norm_topk_prob=False, output_router_logits=False, mlp_only_layers=None),
-}
+TEXT_DEFAULTS: dict[str, dict] = {mt: dict(family(mt).text_defaults) for mt in types(DECODER)}
+"""Per decoder family (`hybridmem/families/decoders.py`)."""
 # LlavaConfig without a vision_config builds CLIP ViT-L/14-336 (configuration_llava.py)
 LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
                     patch_size=14, image_size=336, num_hidden_layers=24, num_attention_heads=16,
@@ -80,10 +37,9 @@ MULTIMODAL_DEFAULTS = dict(vision_feature_layer=-2, vision_feature_select_strate
                            projector_hidden_act="gelu", multimodal_projector_bias=True,
                            tie_word_embeddings=False)
 NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
-QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-# families whose many nested defaults transformers' own config class fills (OneVision: SigLIP
-# so400m, "full" features of layer -1, 36 pinpoints; configuration_llava_onevision.py)
-FULL_CONFIG_TYPES = QWEN_VL_TYPES + ("llava_onevision", "idefics3")
+# families whose many nested defaults transformers' own config class fills (`Family.full_config`:
+# OneVision, Qwen-VL, Idefics3)
+FULL_CONFIG_TYPES = types(where=lambda f: f.full_config)
 POSITIVE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "vocab_size", "image_size", "patch_size", "num_channels")
 
@@ -138,7 +94,7 @@ def config_from_dict(data: dict) -> SimpleNamespace:
         # published config.json is flat): transformers' own config class reads them
         from hybridmem.models.loader import load_config_data
         return load_config_data(data)
-    if model_type not in ("llava", "llava_next"):
+    if family(model_type).kind == DECODER:
         return _text(data)
     cfg = SimpleNamespace(**{**MULTIMODAL_DEFAULTS,
                              **{k: v for k, v in data.items() if not k.startswith("_")}})

@@ -9,10 +9,11 @@ Counting follows transformers 5.x `modeling_llava.py` (`get_image_features`: hid
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridmem.errors import SpecError
-from hybridmem.models.vision import has_cls, patches_per_side, tokens_per_crop
+from hybridmem.models.graph import Layer, Module, ParamTensor as T, linear
+from hybridmem.models.vision import has_cls, patches_per_side, tokens_per_crop, vision_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,3 +128,38 @@ def image_layout(cfg, image_size: int | None) -> ImageLayout:
     if cfg.model_type == "llava_next":
         return llava_next_layout(cfg, size)
     return llava_layout(cfg, size)
+
+
+ANYRES_TYPES: tuple[str, ...] = ("llava_next", "llava_onevision")
+"""Tiles + base crop concatenated into one pixel tensor, packed features, `image_newline`."""
+
+
+def vision_modules(cfg, spec, images: int, plan) -> tuple[list[Module], ImageLayout]:
+    """LLaVA / LLaVA-NeXT / OneVision: `model.vision_tower` (CLIP or SigLIP up to the feature
+    layer), `model.multi_modal_projector` (Linear-act-Linear; modeling_llava
+    LlavaMultiModalProjector) and, with anyres, `model.image_newline`."""
+    layout = plan.layout
+    vc, th = cfg.vision_config, cfg.text_config.hidden_size
+    n_crops = spec.micro_batch * images * layout.crops
+    runs = images > 0
+    anyres = cfg.model_type in ANYRES_TYPES
+    vision = tuple(replace(layer, runs=runs)
+                   for layer in vision_layers(vc, cfg.vision_feature_layer, n_crops))
+    if anyres:  # crops are concatenated into a new pixel tensor
+        vision = (replace(vision[0], dims={**vision[0].dims, "anyres": True}),) + vision[1:]
+    d_in = vc.hidden_size * num_feature_layers(cfg)
+    bias = bool(getattr(cfg, "multimodal_projector_bias", True))
+    proj = linear("linear_1", th, d_in, bias) + linear("linear_2", th, th, bias)
+    projector = Layer(name="projector", kind="projector", params=proj, runs=runs,
+                      dims=dict(n=n_crops, t=layout.features_per_crop, d_in=d_in, h=th,
+                                act=cfg.projector_hidden_act,
+                                packed=spec.micro_batch * images * layout.tokens if anyres else 0))
+    modules = [Module(name="vision_tower", prefix="model.vision_tower", layers=vision),
+               Module(name="multi_modal_projector", prefix="model.multi_modal_projector",
+                      layers=(projector,))]
+    if anyres:
+        # modeling_llava_next.LlavaNextModel, LlavaOnevisionModel:
+        modules.append(Module(name="image_newline", prefix="model", layers=(
+            Layer(name="image_newline", kind="image_newline", params=(T("image_newline", (th,)),),
+                  runs=runs, dims=dict(n=spec.micro_batch * images * layout.newlines, h=th)),)))
+    return modules, layout

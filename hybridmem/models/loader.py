@@ -13,15 +13,12 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 
-# model_type values the estimators understand; anything else is refused at the boundary.
-MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                     "qwen2_5_vl", "idefics3")
-LLAVA_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision")
-"""CLIP/SigLIP tower + projector + a DECODER_TYPES LM (sub-configs checked below); the Qwen-VL
-families carry their own tower and LM (docs/vlm-families.md)."""
-DECODER_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2",
-                                 "mixtral", "qwen3_moe", "gemma3_text")
-VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
+from hybridmem.families import DECODER, VLM, family, types
+
+# model_type values with closed forms (`hybridmem/families/`, one file per family); the trace
+# tier prices every other transformers causal-LM / image-text-to-text family.
+MULTIMODAL_TYPES: tuple[str, ...] = types(VLM, analytic=True)
+DECODER_TYPES: tuple[str, ...] = types(DECODER, analytic=True)
 SUPPORTED_TYPES: tuple[str, ...] = MULTIMODAL_TYPES + DECODER_TYPES
 """The families the analytic tier has closed forms for (and the hybrid tier, built on it)."""
 TRACE_ONLY_CHOICE = "any transformers causal-LM / image-text-to-text model_type with --method trace"
@@ -56,9 +53,10 @@ def is_analytic(model_type: str) -> bool:
 
 def auto_class(model_type: str) -> str:
     """Name of the transformers Auto class that builds `model_type` (`transformers_types`);
-    the analytic families keep the split they always had (LLaVA: image-text-to-text)."""
-    if is_analytic(model_type):
-        return IMAGE_TEXT_TO_TEXT if model_type in MULTIMODAL_TYPES else CAUSAL_LM
+    a declared family by its kind (LLaVA: image-text-to-text)."""
+    fam = family(model_type)
+    if fam is not None:
+        return IMAGE_TEXT_TO_TEXT if fam.kind == VLM else CAUSAL_LM
     return transformers_types()[model_type]
 
 
@@ -126,19 +124,9 @@ def validate_types(data: dict) -> str:
         if isinstance(model_type, str) and model_type in transformers_types():
             return model_type  # the trace tier builds it with its own Auto class, sub-configs too
         raise SpecError("model_type", model_type, SUPPORTED_TYPES + (TRACE_ONLY_CHOICE,))
-    if model_type == "idefics3":  # its vision config is its own; the LM must be priced
-        sub = data.get("text_config")
-        if isinstance(sub, dict) and sub.get("model_type", "llama") not in DECODER_TYPES:
-            raise SpecError("text_config.model_type", sub.get("model_type"), DECODER_TYPES)
-    if model_type not in LLAVA_TYPES:
-        return model_type
-    for key in ("vision_config",):
-        sub = data.get(key)
-        if isinstance(sub, dict) and sub.get("model_type", "clip_vision_model") not in VISION_TYPES:
-            raise SpecError(f"{key}.model_type", sub.get("model_type"), VISION_TYPES)
-    sub = data.get("text_config")
-    if isinstance(sub, dict) and sub.get("model_type", "llama") not in DECODER_TYPES:
-        raise SpecError("text_config.model_type", sub.get("model_type"), DECODER_TYPES)
+    check = family(model_type).check_config
+    if check is not None:  # sub-config families (hybridmem/families/<family>.py)
+        check(data)
     return model_type
 
 

@@ -106,3 +106,21 @@ def merger_layer(vc, plan: ImagePlan, n_images: int) -> Layer:
     return Layer(name="merger", kind="patch_merger", params=params,
                  dims=dict(n=n_images * plan.patches, h=e, m2=m2, out=out_dim(vc), rms=rms,
                            tokens=n_images * plan.tokens))
+
+
+def modules(cfg, spec, images: int, plan: ImagePlan):
+    """Qwen2-VL / Qwen2.5-VL: `model.visual` (patch embed, rotary, blocks) and its merger, and
+    the LM-side layout (image tokens only: the tower sees no crops)."""
+    from dataclasses import replace
+
+    from hybridmem.models.graph import Module
+    from hybridmem.models.llava import ImageLayout
+
+    n_images = spec.micro_batch * images
+    runs = images > 0
+    vision = tuple(replace(layer, runs=runs)
+                   for layer in vision_layers(cfg.vision_config, plan, n_images))
+    merger = replace(merger_layer(cfg.vision_config, plan, n_images), runs=runs)
+    return ([Module(name="vision_tower", prefix="model.visual", layers=vision),
+             Module(name="multi_modal_projector", prefix="model.visual.merger", layers=(merger,))],
+            ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens))

@@ -1,0 +1,128 @@
+"""The model families hybridmem prices: one `Family` record per transformers `model_type`,
+declared in one file of this package per family (issue 11 §1: adding a family is one file
+plus its tests).
+
+Why a registry: what a family *is* — which sub-configs it nests, what its published config
+leaves to transformers' defaults, its image-token rule, the pixel inputs its processor makes,
+its vision parts in the analytic graph, where its language model sits, the corrections its
+code needs under meta tensors — used to be spread over per-family tuples and `if model_type
+== ...` branches in `models/loader.py`, `models/light.py`, `models/build.py`,
+`job/images.py`, `trace/runner.py` and `models/decoder.py`. Those modules now ask this
+registry; the tuples they export are views of it.
+
+A family file holds `FAMILIES = (Family(...), ...)` and the small hook functions the records
+point at; hooks import their implementation lazily, so importing the registry imports
+neither torch nor transformers (the analytic tier must not: tests/test_models.py). Families
+not declared here are still priced: the trace tier builds any transformers causal-LM or
+image-text-to-text `model_type` (docs/trace.md "Which models").
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+VLM = "vlm"
+DECODER = "decoder"
+
+# Decoder traits (`Family.traits`) the decoder graph and its activation formulas switch on
+# (models/decoder.py, analytic/text_acts.py; docs/families.md):
+QK_NORM = "qk_norm"   # RMSNorm over head_dim on q and k (modeling_qwen3.Qwen3Attention)
+FUSED = "fused"       # one qkv_proj and one gate_up_proj whose outputs are sliced (modeling_phi3)
+GEMMA = "gemma"       # four (1 + weight) norms per layer, scaled embedding (modeling_gemma2)
+MOE = "moe"           # router + 3-D expert weights (modeling_mixtral.MixtralExperts)
+NO_SDPA = "no_sdpa"   # `_supports_sdpa = False` in its transformers code (softcapping)
+QKV_BIAS = "qkv_bias"    # bias=True on q/k/v only, hard-coded (modeling_qwen2.Qwen2Attention)
+TRAITS = (QK_NORM, FUSED, GEMMA, MOE, NO_SDPA, QKV_BIAS)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """Everything family-specific a tier reads, for one `model_type`."""
+
+    model_type: str
+    kind: str
+    """`VLM` (built as image-text-to-text) or `DECODER` (causal LM)."""
+    source: str
+    """The transformers modeling file its rules follow."""
+    trace_only: str | None = None
+    """Why the analytic tier does not price it yet (the trace tier does), None if it does."""
+    text_defaults: Mapping[str, object] | None = None
+    """Decoder: its transformers config class's defaults for the fields the light parser
+    (`models/light.py`) reads."""
+    full_config: bool = False
+    """VLM: transformers' own config class fills its many nested defaults (the analytic
+    parser then reads a `PretrainedConfig`)."""
+    check_config: Callable[[dict], None] | None = None
+    """Validates the raw config's sub-config types (one-line SpecError)."""
+    traits: frozenset[str] = frozenset()
+    """Decoder traits (`TRAITS`)."""
+    sub_types: tuple[str, ...] = ()
+    """model_types of its sub-configs that share its traits (Qwen2-VL's `qwen2_vl_text`)."""
+    image_plan: Callable | None = None
+    """(config, (h, w) | None) -> `job.images.ImagePlan`: the one image-token rule."""
+    hw_images: bool = False
+    """`--image-size HxW` allowed (native dynamic resolution); else a square side."""
+    pixel_inputs: Callable | None = None
+    """(config, plan, n_images, dtype, device, host_shapes) -> the processor's pixel outputs;
+    None: one (n, 3, side, side) tensor."""
+    pixel_mask: bool = False
+    """Its processor also sends a bool `pixel_attention_mask` (crops, tile, tile)."""
+    text_extras: Callable | None = None
+    """(config, image_mask (b, s) long tensor) -> extra integer inputs (token type ids)."""
+    vision_graph: Callable | None = None
+    """(cfg, spec, images, plan) -> (vision modules, `models.llava.ImageLayout`)."""
+    lm_prefix: str = "model.language_model"
+    """Where its language model sits in the transformers module tree."""
+    meta_patches: Callable | None = None
+    """() -> a context manager the trace needs under meta tensors (data-dependent helpers)."""
+
+    @property
+    def analytic(self) -> bool:
+        """Whether the analytic tier has closed forms (else the trace tier prices it)."""
+        return self.trace_only is None
+
+    def has(self, trait: str) -> bool:
+        return trait in self.traits
+
+
+def _discover() -> dict[str, Family]:
+    found: dict[str, Family] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for fam in getattr(module, "FAMILIES", ()):
+            if fam.model_type in found:
+                raise RuntimeError(f"model_type {fam.model_type!r} declared twice "
+                                   f"(hybridmem/families/{info.name}.py)")
+            if fam.kind not in (VLM, DECODER) or not set(fam.traits) <= set(TRAITS):
+                raise RuntimeError(f"{fam.model_type}: bad kind {fam.kind!r} or traits")
+            found[fam.model_type] = fam
+    return found
+
+
+REGISTRY: dict[str, Family] = _discover()
+
+
+def family(model_type: str | None) -> Family | None:
+    """The declared family of `model_type`, None for families only the trace tier knows."""
+    return REGISTRY.get(model_type) if isinstance(model_type, str) else None
+
+
+def types(kind: str | None = None, *, analytic: bool | None = None,
+          where: Callable[[Family], bool] | None = None) -> tuple[str, ...]:
+    """model_types of the declared families (in declaration order), filtered."""
+    return tuple(mt for mt, f in REGISTRY.items()
+                 if (kind is None or f.kind == kind)
+                 and (analytic is None or f.analytic == analytic)
+                 and (where is None or where(f)))
+
+
+def with_trait(trait: str) -> tuple[str, ...]:
+    """model_types (and sub-config types) with a decoder trait."""
+    out: list[str] = []
+    for mt, f in REGISTRY.items():
+        if f.has(trait):
+            out += [mt, *f.sub_types]
+    return tuple(out)

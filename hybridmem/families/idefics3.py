@@ -1,0 +1,53 @@
+"""Idefics3 (docs/vlm-families.md): image splitting into vision-size tiles + a global image, a
+SigLIP-like tower, the pixel-shuffle connector, a Llama text model at `model.text_model`.
+
+Rules: `job/images.split_plan` (tiles, tokens per tile); graph `models/idefics3.py`;
+activations `analytic/gemma3_acts.py` (connector); meta-trace helpers
+`trace/corrections.split_images_on_meta`.
+"""
+
+from __future__ import annotations
+
+from hybridmem.families import VLM, Family
+from hybridmem.families.llava import check_text_config
+
+
+def image_plan(cfg, hw):
+    from hybridmem.job.images import split_plan
+
+    return split_plan(cfg, None if hw is None else hw[0])
+
+
+def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) -> dict:
+    """Idefics3ImageProcessor: (images, tiles + global, C, tile, tile) and the bool
+    pixel_attention_mask; ones, not zeros: the model drops all-zero (padding) images."""
+    import torch
+
+    tile = config.vision_config.image_size
+    return {"pixel_values": torch.ones(n_images, plan.crops, 3, tile, tile, dtype=dtype,
+                                       device=device),
+            "pixel_attention_mask": torch.ones(n_images, plan.crops, tile, tile,
+                                               dtype=torch.bool, device=device)}
+
+
+def vision_graph(cfg, spec, images, plan):
+    from hybridmem.models import idefics3
+    from hybridmem.models.llava import ImageLayout
+
+    modules = idefics3.vision_modules(cfg, spec.micro_batch * images * plan.crops,
+                                      runs=images > 0)
+    return modules, ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
+
+
+def meta_patches():
+    from hybridmem.trace.corrections import split_images_on_meta
+
+    return split_images_on_meta()
+
+
+FAMILIES = (
+    Family("idefics3", VLM, "modeling_idefics3.py", full_config=True,
+           check_config=check_text_config, image_plan=image_plan, pixel_inputs=pixel_inputs,
+           pixel_mask=True, vision_graph=vision_graph, lm_prefix="model.text_model",
+           meta_patches=meta_patches),
+)
