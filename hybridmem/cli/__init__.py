@@ -13,7 +13,7 @@ import typer
 
 from hybridmem.console import run_app
 
-SUBCOMMANDS: tuple[str, ...] = ("predict", "collect", "train", "evaluate", "importer")
+SUBCOMMANDS: tuple[str, ...] = ("predict", "models", "collect", "train", "evaluate", "importer")
 
 app = typer.Typer(
     name="hybridmem",

@@ -1,0 +1,32 @@
+"""`hybridmem models`: every shipped preset, its family and tiers, read from the presets and the
+family registry (so the list cannot go stale as the README's did)."""
+
+from __future__ import annotations
+
+import json
+
+from hybridmem.cli import main
+from hybridmem.families import family
+from hybridmem.models.loader import preset_names
+
+
+def test_models_lists_every_preset_with_its_tiers(capsys):
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == set(preset_names())
+    for r in rows.values():
+        fam = family(r["model_type"])
+        analytic = fam is not None and fam.analytic
+        assert (r["params"] is not None) == analytic and ("analytic" in r["tiers"]) == analytic
+        assert r["kind"] == fam.kind
+    # hand derivation (tiny-llama.json): embed 128x64 + lm_head 128x64 + final norm 64 + 2
+    # layers x (q 64x64 + k, v 32x64 + o 64x64 + gate, up, down 128x64 + 2 norms 64) = 90432
+    assert rows["tiny-llama"]["params"] == 2 * 8192 + 64 + 2 * (4096 + 2 * 2048 + 4096
+                                                                 + 3 * 8192 + 128)
+    assert rows["tiny-gemma3"]["tiers"] == ["trace"] and rows["tiny-gemma3"]["params"] is None
+
+
+def test_models_table_names_the_generic_path(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "llava-1.5-7b" in out and "--model path/to/config.json (trace tier)" in out
