@@ -48,10 +48,6 @@ def trace_only_reason(spec) -> str | None:
     from hybridmem.models.loader import is_analytic, model_type_of
 
     model_type = model_type_of(spec.model)
-    if model_type == "gemma3":
-        # hybridmem/models/gemma3.py prices the vision side; the LM waits for gemma3_text
-        return ("model_type='gemma3': the SigLIP tower and projector have closed forms "
-                "(hybridmem/models/gemma3.py), the Gemma 3 text LM not yet")
     if not is_analytic(model_type):
         return f"model_type={model_type!r} has no closed form in the analytic tier"
     from hybridmem.models.decoder import MOE_TYPES

@@ -15,7 +15,7 @@ from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.job.images import ImagePlan, check_seq_len, image_plan
 from hybridmem.job.images import SPLIT_FAMILIES
-from hybridmem.models import idefics3, qwen_vl
+from hybridmem.models import gemma3, idefics3, qwen_vl
 from hybridmem.models.llava import ImageLayout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
@@ -288,10 +288,15 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
             modules = idefics3.vision_modules(cfg, spec.micro_batch * images * plan.crops,
                                               runs=images > 0)
             layout = ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
+        elif cfg.model_type == "gemma3":  # one native-size crop per image, pooled tokens
+            modules = gemma3.vision_modules(cfg, spec.micro_batch * images, runs=images > 0)
+            layout = ImageLayout(crops=1, features_per_crop=0, tokens=plan.tokens)
         else:
             modules = _multimodal_modules(cfg, spec, images, layout)
         lm, head = _decoder_modules(cfg, spec, "model.text_model" if cfg.model_type
                                     in SPLIT_FAMILIES else "model.language_model")
+        if cfg.model_type == "gemma3":
+            lm = gemma3.image_masks(lm, images * layout.tokens)
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)
     tc = getattr(cfg, "text_config", cfg)

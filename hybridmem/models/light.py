@@ -138,6 +138,9 @@ def config_from_dict(data: dict) -> SimpleNamespace:
         # published config.json is flat): transformers' own config class reads them
         from hybridmem.models.loader import load_config_data
         return load_config_data(data)
+    if model_type == "gemma3":  # SigLIP + gemma3_text, Gemma3Config's defaults
+        from hybridmem.models.gemma3 import light_config as gemma3_config
+        return gemma3_config(data, _vision, _text)
     if model_type not in ("llava", "llava_next"):
         return _text(data)
     cfg = SimpleNamespace(**{**MULTIMODAL_DEFAULTS,
