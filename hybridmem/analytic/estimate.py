@@ -238,6 +238,8 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
     if graph.vision_batch and graph.model_type in SPLIT_FAMILIES:
         # Idefics3's bool pixel_attention_mask (crops, tile, tile), `job.images.pixel_inputs`
         out += t(graph.vision_batch * emb["side"] ** 2, 1)
+    if graph.model_type == "gemma3" and graph.image_tokens:
+        out += tokens  # token_type_ids (b, s) int64 (job.images.text_inputs, processing_gemma3)
     patches = next((l.dims for m, l in graph.layers() if l.kind == "qwen_patch_embed"), None)
     if patches and graph.image_tokens:
         # Qwen-VL (job.images.pixel_inputs): pixel patches in the model dtype, image_grid_thw
