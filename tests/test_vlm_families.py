@@ -275,6 +275,11 @@ def test_gemma3_is_priced_by_the_analytic_tier():
         image_plan(load_config("tiny-gemma3"), 448)
     with pytest.raises(SpecError, match=r"image_size=448"):
         build_graph(TrainingSpec(model="tiny-gemma3", seq_len=64, image_size=448))
+    for tier in (analytic, trace_estimate):  # Gemma3Model._supports_flash_attn = False
+        with pytest.raises(SpecError, match=r"^attn='flash_attention_2': transformers' gemma3 "
+                                            r"code does not support it"):
+            tier(TrainingSpec(model="tiny-gemma3", seq_len=64, precision="bf16",
+                              attn="flash_attention_2"))
 
 
 def test_gemma3_refuses_other_sub_configs(tmp_path):

@@ -289,6 +289,7 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
                                               runs=images > 0)
             layout = ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
         elif cfg.model_type == "gemma3":  # one native-size crop per image, pooled tokens
+            gemma3.check_attn(spec.attn)
             modules = gemma3.vision_modules(cfg, spec.micro_batch * images, runs=images > 0)
             layout = ImageLayout(crops=1, features_per_crop=0, tokens=plan.tokens)
         else:

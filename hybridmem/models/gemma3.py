@@ -41,6 +41,15 @@ def validate_sub_configs(data: dict) -> None:
             raise SpecError(f"{key}.model_type", sub.get("model_type"), (kind,))
 
 
+def check_attn(attn: str) -> None:
+    """`Gemma3Model._supports_flash_attn = False` (modeling_gemma3.py: FlashAttention would drop
+    the bidirectional mask over image tokens): transformers refuses it when building."""
+    if attn == "flash_attention_2":
+        raise SpecError("attn", attn, ("sdpa", "eager"),
+                        reason="transformers' gemma3 code does not support it (it would drop "
+                        "the bidirectional mask over image tokens)")
+
+
 def light_config(data: dict, vision, text):
     """Gemma3Config's fields as attributes without transformers: `vision` / `text` are
     `models.light`'s sub-config readers (SiglipVisionConfig / Gemma3TextConfig defaults)."""
