@@ -51,8 +51,7 @@ def _assert_matches_meta(model: str, **kw) -> None:
 
 
 def _analytic_presets() -> list[str]:
-    """Presets of the families the analytic graph builds; gemma-3-4b-it / tiny-gemma3 are trace
-    tier only (their vision side: tests/test_vlm_families.py)."""
+    """Presets of the families the analytic graph builds (every shipped preset today)."""
     from hybridmem.models.loader import is_analytic, model_type_of
 
     return [p for p in preset_names() if is_analytic(model_type_of(p))]

@@ -59,7 +59,7 @@ def test_unknown_field_in_dict():
 
 def test_presets_load_and_unknowns_fail(tmp_path):
     for name in preset_names():
-        # a preset is an analytic family or one transformers builds (trace tier: gemma3's LM)
+        # a preset is an analytic family or one transformers builds (trace tier only)
         kind = load_config(name).model_type
         assert kind in SUPPORTED_TYPES or kind in transformers_types()
     with pytest.raises(SpecError, match=r"model='nope': unknown preset \(valid: .*llava-1.5-7b"):

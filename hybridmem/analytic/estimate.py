@@ -238,12 +238,14 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
     if graph.vision_batch and family(graph.model_type).pixel_mask:
         # Idefics3's bool pixel_attention_mask (crops, tile, tile), `Family.pixel_inputs`
         out += t(graph.vision_batch * emb["side"] ** 2, 1)
+    if graph.image_tokens and family(graph.model_type).text_extras is not None:
+        out += tokens  # token type ids (b, s) int64 (`Family.text_extras`, job.images.text_inputs)
     patches = next((l.dims for m, l in graph.layers() if l.kind == "qwen_patch_embed"), None)
     if patches and graph.image_tokens:
-        # Qwen-VL (job.images.pixel_inputs): pixel patches in the model dtype, image_grid_thw
-        # (images, 3) and mm_token_type_ids (b, s) int64
+        # Qwen-VL (job.images.pixel_inputs): pixel patches in the model dtype and image_grid_thw
+        # (images, 3) int64
         pix = POLICIES[spec.precision].param_bytes
-        out += t(patches["n"] * patches["row"], pix) + tokens
+        out += t(patches["n"] * patches["row"], pix)
         out += t(3 * patches["images"], A.INT64)
     return out
 

@@ -7,6 +7,7 @@ from hybridmem.analytic.activations import (
     FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward,
     dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs, quant_transients,
 )
+from hybridmem.analytic import gemma3_acts as GA
 from hybridmem.analytic.alloc import t
 from hybridmem.job.loss import LIGER_SM_COUNT, flce_chunks, torch_chunks
 from hybridmem.models.graph import Layer
@@ -44,6 +45,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                            qkv=B * (qd + 2 * kvd) if fused else 0,
                            softcap=bool(d.get("attn_softcap")),
                            rep_kv=bool(d.get("masked")) and c.attn == "sdpa")
+    mask_bytes = GA.image_mask_saved(d, c)  # Gemma 3 VLM with images (gemma3_acts)
+    sv.add(mask_bytes, 1, cond=mask_bytes > 0)
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
                   in_grad=need_in or n_qkv > 0)
@@ -420,6 +423,8 @@ def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
     # SDPA (Gemma 3): the sliding mask, once built (`sliding_masked`), is an input SDPA saves
     # in every sliding layer: alive until the last of them ran backward, as cos/sin
     sdpa_mask = mask if c.attn == "sdpa" and d.get("sliding_masked") else 0
+    if d.get("image_masks") and c.attn == "sdpa":  # Gemma 3 VLM with images: per-layer masks
+        sdpa_mask, masks = GA.image_bool_masks(d, c)
     # one cos/sin pair per RoPE table (Gemma 3: the local and the global base)
     return Acts(saved=2 * d.get("rope_tables", 1) * t(d["s"] * d["head_dim"], c.stream)
                 + sdpa_mask, held=masks)

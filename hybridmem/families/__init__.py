@@ -57,6 +57,9 @@ class Family:
     parser then reads a `PretrainedConfig`)."""
     check_config: Callable[[dict], None] | None = None
     """Validates the raw config's sub-config types (one-line SpecError)."""
+    light_config: Callable[[dict], object] | None = None
+    """VLM: the raw config dict -> the attributes the graph parser reads, without transformers
+    (`models/light.py`); None with `full_config` (transformers' class) or LLaVA's default."""
     traits: frozenset[str] = frozenset()
     """Decoder traits (`TRAITS`)."""
     sub_types: tuple[str, ...] = ()
@@ -76,6 +79,9 @@ class Family:
     """(cfg, spec, images, plan) -> (vision modules, `models.llava.ImageLayout`)."""
     lm_prefix: str = "model.language_model"
     """Where its language model sits in the transformers module tree."""
+    lm_graph: Callable | None = None
+    """(spec, lm Module, image tokens) -> the LM as the family runs it on a batch with images
+    (Gemma 3's per-layer masks); None: the decoder's graph as is."""
     meta_patches: Callable | None = None
     """() -> a context manager the trace needs under meta tensors (data-dependent helpers)."""
 

@@ -1,12 +1,27 @@
 """Gemma 3 (docs/vlm-families.md): a SigLIP tower, `Gemma3MultiModalProjector` (pooling to
-`mm_tokens_per_image` soft tokens), the gemma3_text LM. Priced by the trace tier: the tower and
-projector closed forms exist (`models/gemma3.py`, `analytic/gemma3_acts.py`), the whole-model
-analytic graph is not wired yet (`predict.trace_only_reason`).
+`mm_tokens_per_image` soft tokens), the gemma3_text LM (`decoders.py`) whose masks, on a batch
+with images, are built per layer (bidirectional over image tokens).
+
+Rules: graph and config `models/gemma3.py`; activations `analytic/gemma3_acts.py` and the
+gemma3_text decoder's (`analytic/text_acts.py`).
 """
 
 from __future__ import annotations
 
 from hybridmem.families import VLM, Family
+
+
+def check_config(data: dict) -> None:
+    from hybridmem.models.gemma3 import validate_sub_configs
+
+    validate_sub_configs(data)
+
+
+def light_config(data: dict):
+    from hybridmem.models import light
+    from hybridmem.models.gemma3 import light_config as gemma3_config
+
+    return gemma3_config(data, light._vision, light._text)
 
 
 def image_plan(cfg, hw):
@@ -29,9 +44,24 @@ def text_extras(config, image_mask) -> dict:
     return {"token_type_ids": image_mask}
 
 
+def vision_graph(cfg, spec, images, plan):
+    """One native-size crop per image, pooled tokens."""
+    from hybridmem.models import gemma3
+    from hybridmem.models.llava import ImageLayout
+
+    gemma3.check_attn(spec.attn)
+    modules = gemma3.vision_modules(cfg, spec.micro_batch * images, runs=images > 0)
+    return modules, ImageLayout(crops=1, features_per_crop=0, tokens=plan.tokens)
+
+
+def lm_graph(spec, lm, image_tokens: int):
+    from hybridmem.models.gemma3 import image_masks
+
+    return image_masks(lm, image_tokens)
+
+
 FAMILIES = (
-    Family("gemma3", VLM, "modeling_gemma3.py", image_plan=image_plan,
-           trace_only="the SigLIP tower and projector have closed forms "
-           "(hybridmem/models/gemma3.py), the Gemma 3 text LM not yet",
-           text_extras=text_extras),
+    Family("gemma3", VLM, "modeling_gemma3.py", check_config=check_config,
+           light_config=light_config, image_plan=image_plan, text_extras=text_extras,
+           vision_graph=vision_graph, lm_graph=lm_graph),
 )

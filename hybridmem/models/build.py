@@ -241,6 +241,8 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         plan_grid = bool(plan.grid[0])
         modules, layout = fam.vision_graph(cfg, spec, images, plan)  # the family's parts
         lm, head = _decoder_modules(cfg, spec, fam.lm_prefix)
+        if fam.lm_graph is not None:
+            lm = fam.lm_graph(spec, lm, images * layout.tokens)
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)
     tc = getattr(cfg, "text_config", cfg)

@@ -94,8 +94,11 @@ def config_from_dict(data: dict) -> SimpleNamespace:
         # published config.json is flat): transformers' own config class reads them
         from hybridmem.models.loader import load_config_data
         return load_config_data(data)
-    if family(model_type).kind == DECODER:
+    fam = family(model_type)
+    if fam.kind == DECODER:
         return _text(data)
+    if fam.light_config is not None:  # the family's own parser (hybridmem/families/)
+        return fam.light_config(data)
     cfg = SimpleNamespace(**{**MULTIMODAL_DEFAULTS,
                              **{k: v for k, v in data.items() if not k.startswith("_")}})
     cfg.vision_config = _vision(data.get("vision_config"))

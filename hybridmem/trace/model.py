@@ -50,6 +50,9 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
     import transformers
     from transformers.initialization import no_init_weights
 
+    from hybridmem.trace.config_checks import check_token_ids
+
+    check_token_ids(config)  # a config no backend can build: one line naming the field
     auto = getattr(transformers, auto_class(config.model_type))
     dtype = PARAM_DTYPE[spec.precision]
     # from_config writes `dtype` into the config (and would use the preset's `torch_dtype`
