@@ -16,8 +16,9 @@ Per family (transformers 5.24 modeling / image-processing code):
   [min_pixels, max_pixels]; grid_thw = (1, H/14, W/14) (one temporal patch: the image is
   repeated to `temporal_patch_size` frames); the PatchMerger turns every merge_size^2
   patches into one LM token;
-- `idefics3`: the processor resizes the longest edge to `size.longest_edge` (here:
-  `image_size`; default 4 x the vision tile, the processors' `size`), rounds it up to whole
+- `idefics3`, `smolvlm`: the processor resizes the longest edge to `size.longest_edge` (here:
+  `image_size`; default the `vision_config.size` a SmolVLM checkpoint records, else 4 x the
+  vision tile, the processors' `size`), rounds it up to whole
   tiles of `vision_config.image_size`, splits them and adds the global image (one image if
   it is one tile); each tile becomes (tile / patch)² / scale_factor² tokens after the pixel
   shuffle (`processing_idefics3` `image_seq_len`);
@@ -36,10 +37,9 @@ from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
 
-SPLIT_FAMILIES: tuple[str, ...] = ("idefics3",)
-"""Image splitting into vision-size tiles + a global image, pixel shuffle. SmolVLM shares the
-rule but not yet the trace (its meta trace with images stops in a `nonzero`, not located yet):
-it stays on text-only batches (docs/vlm-families.md)."""
+SPLIT_FAMILIES: tuple[str, ...] = ("idefics3", "smolvlm")
+"""Image splitting into vision-size tiles + a global image, pixel shuffle (SmolVLM's modeling
+and image processing are Idefics3's, `modular_smolvlm.py`)."""
 IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
                                    "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES
 """model_types whose batches carry images (else: text-only)."""
@@ -138,14 +138,38 @@ def _qwen_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
 
 
 SPLIT_DEFAULT_TILES = 4
-"""Idefics3ImageProcessor `size = {"longest_edge": 4 * 364}` with `max_image_size` 364 (the
-vision tile); SmolVLM's processors likewise use 4 x their tile."""
+"""Idefics3ImageProcessor / SmolVLMImageProcessor `size = {"longest_edge": 4 * 364}` with
+`max_image_size` 364 (the vision tile): without a recorded size, 4 x the tile."""
+
+
+def split_default_side(vc) -> int:
+    """The processor's resize side when `--image-size` is not given: the SmolVLM checkpoints
+    record their processor's `size` / `max_image_size` in `vision_config` (SmolVLM-256M:
+    2048 / 512, SmolVLM2-2.2B: 1536 / 384; their preprocessor_config.json says the same),
+    Idefics3-8B does not (the class default, 4 tiles)."""
+    tile = vc.image_size
+    cap = _longest_edge(vc, "max_image_size")
+    if cap is not None and cap != tile:  # the processor's crops must be the tower's tiles
+        raise SpecError("vision_config.max_image_size", cap, (tile,),
+                        reason="crops of another size than vision_config.image_size")
+    side = _longest_edge(vc, "size")
+    return SPLIT_DEFAULT_TILES * tile if side is None else side
+
+
+def _longest_edge(vc, key: str) -> int | None:
+    value = getattr(vc, key, None)
+    if value is None:
+        return None
+    edge = value.get("longest_edge") if isinstance(value, dict) else None
+    if isinstance(edge, bool) or not isinstance(edge, int) or edge <= 0:
+        raise SpecError(f"vision_config.{key}", value, reason='give {"longest_edge": <pixels>}')
+    return edge
 
 
 def _split_plan(cfg, side: int | None) -> ImagePlan:
     vc = cfg.vision_config
     tile = vc.image_size
-    side = side or SPLIT_DEFAULT_TILES * tile
+    side = side or split_default_side(vc)
     per_side = -(-side // tile)  # resize_for_vision_encoder: ceil to whole tiles
     crops = per_side * per_side + (1 if per_side > 1 else 0)  # + the global image
     per_tile = (tile // vc.patch_size) ** 2 // cfg.scale_factor ** 2
