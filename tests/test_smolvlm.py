@@ -141,3 +141,20 @@ def test_the_users_command(method, capsys):
     # 30 x 8 x (q 576+576, k 576+192, v 576+192, o 576+576, gate/up/down 3 x (576+1536))
     assert out["params"]["total"] == 256_484_928 + 30 * 8 * 10_176
     assert out["method"] == method and out["fits"]
+
+
+@pytest.mark.slow
+def test_the_harness_trains_it_on_the_cpu_stand_in(tmp_path, monkeypatch):
+    """`collect --backend cuda` through the CPU stand-in probe (the CUDA runner's build and
+    train path, with the one rule's pixel inputs): the row is `ok` with the rule's tokens."""
+    from hybridmem.harness import collect, load_dataset
+
+    monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(f'[[block]]\nmodel = ["{TINY}"]\nmicro_batch = [2]\nseq_len = [128]\n'
+                     'image_size = [128]\nprecision = ["fp32"]\n')
+    collect(sweep, out=tmp_path / "data", backend="cuda", mlflow=False)
+    row = load_dataset(tmp_path / "data").iloc[0]
+    assert row["outcome"] == "ok", row["error"]
+    assert row["image_tokens"] == 20  # 2 x 2 tiles + global, 4 tokens each (hand count)
+    assert row["params_total"] == sum(p.numel() for p in _meta_model(TINY).parameters())
