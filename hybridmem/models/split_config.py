@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from hybridmem.errors import SpecError
+
 # configuration_idefics3.py `Idefics3VisionConfig` / configuration_smolvlm.py
 # `SmolVLMVisionConfig` defaults (the same values)
 SPLIT_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12,
@@ -29,7 +31,10 @@ def split_config(data: dict, text, sub) -> SimpleNamespace:
            if not k.startswith("_") and k not in ("vision_config", "text_config")}
     cfg = SimpleNamespace(**{**SPLIT_DEFAULTS, **top})
     vision = {**(data.get("vision_config") or {}), "model_type": VISION_TYPES[cfg.model_type]}
-    cfg.vision_config = sub(vision, SPLIT_VISION_DEFAULTS, "vision_config.")
+    vc = cfg.vision_config = sub(vision, SPLIT_VISION_DEFAULTS, "vision_config.")
+    if vc.hidden_size % vc.num_attention_heads:  # the attention's head_dim (modeling_idefics3)
+        raise SpecError("vision_config.hidden_size", vc.hidden_size,
+                        reason=f"not a multiple of num_attention_heads={vc.num_attention_heads}")
     cfg.text_config = text({"model_type": "llama", **(data.get("text_config") or {})},
                            "text_config.")
     return cfg
