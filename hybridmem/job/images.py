@@ -144,8 +144,8 @@ SPLIT_DEFAULT_TILES = 4
 
 def split_default_side(vc) -> int:
     """The processor's resize side when `--image-size` is not given: the SmolVLM checkpoints
-    record their processor's `size` / `max_image_size` in `vision_config` (SmolVLM-256M:
-    2048 / 512, SmolVLM2-2.2B: 1536 / 384; their preprocessor_config.json says the same),
+    record their processor's `size` / `max_image_size` in `vision_config` of config.json
+    (SmolVLM-256M: 2048 / 512, SmolVLM2-2.2B: 1536 / 384, the presets' transcription);
     Idefics3-8B does not (the class default, 4 tiles)."""
     tile = vc.image_size
     cap = _longest_edge(vc, "max_image_size")
