@@ -82,6 +82,20 @@ def test_a_crop_size_other_than_the_tile_is_one_line():
         image_plan(load_config_data(data))
 
 
+def test_two_images_per_sample_trace_equals_a_real_cpu_run():
+    """Two images per sample: `get_image_features` splits the features by per-sample image
+    counts (`.tolist()`, answered on meta by `corrections.split_images_on_meta`)."""
+    from hybridmem.trace import runner
+    from test_trace import real_cpu_peak
+
+    spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=256, image_size=128,
+                        images_per_sample=2, precision="fp32")
+    tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert job.image_tokens == 2 * 20  # two images of 2 x 2 tiles + global, 4 tokens each
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+    _analytic_within_3_percent(spec)
+
+
 @pytest.mark.parametrize("model, published", [
     # HF model pages: SmolVLM-256M-Instruct 256M, SmolVLM-500M-Instruct 507M,
     # SmolVLM2-2.2B-Instruct 2.25B params (safetensors)
