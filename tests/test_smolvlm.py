@@ -32,18 +32,50 @@ def _processor(size: int, tile: int):
                                     max_image_size={"longest_edge": tile})
 
 
-@pytest.mark.parametrize("side", [64, 65, 128, 192])
-def test_tiles_equal_the_image_processor(side):
+@pytest.mark.parametrize("side, crops", [(64, 1), (65, 5), (128, 5), (192, 10)])
+def test_tiles_equal_the_image_processor(side, crops):
     """transformers' processor on a 50 x 50 image (it resizes the longest edge to `size`):
-    64 px -> one tile, 65 and 128 -> 2 x 2 + global, 192 -> 3 x 3 + global; each 64-px tile of
-    4 x 4 patches is 4 tokens after the scale-2 pixel shuffle (hand count)."""
+    64 px -> one tile, 65 and 128 -> 2 x 2 + global, 192 -> 3 x 3 + global (hand count); each
+    64-px tile of 4 x 4 patches is 4 tokens after the scale-2 pixel shuffle."""
     import numpy as np
 
     image = np.zeros((50, 50, 3), dtype=np.uint8)
     out = _processor(side, 64)(images=[[image]], return_tensors="pt")
     plan = image_plan(load_config(TINY), side)
-    assert plan.crops == out["pixel_values"].shape[1]
+    assert plan.crops == out["pixel_values"].shape[1] == crops
     assert plan.tokens == 4 * plan.crops
+
+
+@pytest.mark.parametrize("hw", ["130x64", "64x130", "300x170", "63x129", "191x257", "97x193"])
+def test_non_square_tiles_equal_the_image_processor(hw):
+    """An HxW image with the processor's size = its longest side (the resize keeps it): the
+    tile grid follows the processor's rounding (130x64: 3 rows, and 2 columns, not 1, since
+    the width is derived from the rounded-up height, `resize_for_vision_encoder`)."""
+    import numpy as np
+
+    h, w = map(int, hw.split("x"))
+    out = _processor(max(h, w), 64)(images=[[np.zeros((h, w, 3), np.uint8)]],
+                                    return_tensors="pt")
+    assert image_plan(load_config(TINY), hw).crops == out["pixel_values"].shape[1]
+
+
+def test_the_processor_caps_the_side_at_4096():
+    """`MAX_IMAGE_SIZE` 4096: 5000 px on 512-px tiles is 8 x 8 tiles + global, as 4096."""
+    crops, _, _ = _processor(5000, 512).get_number_of_image_patches(5000, 5000, {})
+    assert image_plan(load_config("smolvlm-256m-instruct"), 5000).crops == crops == 65
+
+
+def test_non_square_trace_equals_a_real_cpu_run():
+    """130x64: 3 x 2 tiles + global = 7 crops (the processor check above), 28 tokens."""
+    from hybridmem.trace import runner
+    from test_trace import real_cpu_peak
+
+    spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=64, image_size="130x64",
+                        precision="fp32")
+    tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert job.image_tokens == 7 * 4
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+    _analytic_within_3_percent(spec)
 
 
 @pytest.mark.parametrize("model, tokens", [

@@ -17,11 +17,12 @@ Per family (transformers 5.24 modeling / image-processing code):
   repeated to `temporal_patch_size` frames); the PatchMerger turns every merge_size^2
   patches into one LM token;
 - `idefics3`, `smolvlm`: the processor resizes the longest edge to `size.longest_edge` (here:
-  `image_size`; default the `vision_config.size` a SmolVLM checkpoint records, else 4 x the
-  vision tile, the processors' `size`), rounds it up to whole
-  tiles of `vision_config.image_size`, splits them and adds the global image (one image if
-  it is one tile); each tile becomes (tile / patch)² / scale_factor² tokens after the pixel
-  shuffle (`processing_idefics3` `image_seq_len`);
+  the longest side of `image_size`, a square side or HxW with its aspect ratio; default the
+  `vision_config.size` a SmolVLM checkpoint records, else 4 x the vision tile, the
+  processors' `size`; at most 4096), rounds the sides up to whole tiles of
+  `vision_config.image_size` (`job/split_resize.py`), splits them and adds the global image
+  (one image if it is one tile); each tile becomes (tile / patch)² / scale_factor² tokens
+  after the pixel shuffle (`processing_idefics3` `image_seq_len`);
 - `gemma3`: `Gemma3MultiModalProjector` pools every image to `mm_tokens_per_image` soft tokens
   (the SigLIP tower always sees `vision_config.image_size`; the processor resizes to it).
 
@@ -45,6 +46,8 @@ IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qw
 """model_types whose batches carry images (else: text-only)."""
 GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
+HXW_FAMILIES: tuple[str, ...] = GRID_FAMILIES + SPLIT_FAMILIES
+"""`image_size` may be `HxW` (split families: the image after the processor's resize)."""
 
 # transformers image_processing_qwen2_vl.py `Qwen2VLImageProcessor.size` defaults:
 # shortest_edge = 56 * 56 (min_pixels), longest_edge = 28 * 28 * 1280 (max_pixels)
@@ -166,14 +169,20 @@ def _longest_edge(vc, key: str) -> int | None:
     return edge
 
 
-def _split_plan(cfg, side: int | None) -> ImagePlan:
+def _split_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
+    from hybridmem.job.split_resize import resized, tile_grid
+
     vc = cfg.vision_config
     tile = vc.image_size
-    side = side or split_default_side(vc)
-    per_side = -(-side // tile)  # resize_for_vision_encoder: ceil to whole tiles
-    crops = per_side * per_side + (1 if per_side > 1 else 0)  # + the global image
+    if hw is None:
+        hw = (split_default_side(vc),) * 2
+    # the processor's resize to its longest edge (the image size given: max(H, W)), then
+    # resize_for_vision_encoder to whole tiles (`job/split_resize.py`)
+    h, w = resized(*hw, longest_edge=max(hw))
+    rows, cols = tile_grid(h, w, tile)
+    crops = rows * cols + (1 if rows * cols > 1 else 0)  # + the global image
     per_tile = (tile // vc.patch_size) ** 2 // cfg.scale_factor ** 2
-    return ImagePlan(cfg.model_type, tokens=crops * per_tile, size=(side, side),
+    return ImagePlan(cfg.model_type, tokens=crops * per_tile, size=(h, w),
                      grid=(0, crops, per_tile))
 
 
@@ -183,9 +192,12 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
     hw = parse_image_size(image_size)
     if mt in GRID_FAMILIES:
         return _qwen_plan(cfg, hw)
+    if mt in SPLIT_FAMILIES:
+        return _split_plan(cfg, hw)
     if hw is not None and hw[0] != hw[1]:
-        raise SpecError("image_size", image_size, reason=f"HxW needs a native-resolution family "
-                        f"({', '.join(GRID_FAMILIES)}); {mt} takes a square side")
+        raise SpecError("image_size", image_size, reason="HxW needs a native-resolution or "
+                        f"image-splitting family ({', '.join(HXW_FAMILIES)}); {mt} takes a "
+                        "square side")
     side = None if hw is None else hw[0]
     if mt in ("llava", "llava_next", "llava_onevision"):
         from hybridmem.models.llava import image_layout
@@ -194,8 +206,6 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
         native = cfg.vision_config.image_size
         s = side or native
         return ImagePlan(mt, tokens=layout.tokens, size=(s, s), layout=layout)
-    if mt in SPLIT_FAMILIES:
-        return _split_plan(cfg, side)
     if mt == "gemma3":
         native = cfg.vision_config.image_size
         if side is not None and side != native:
