@@ -110,8 +110,10 @@ def test_bad_config_values_name_the_field(vision, field, tmp_path):
 def test_a_crop_size_other_than_the_tile_is_one_line():
     _, data = load_config_dict(TINY)
     data["vision_config"] = {**data["vision_config"], "max_image_size": {"longest_edge": 32}}
-    with pytest.raises(SpecError, match=r"^vision_config.max_image_size=32: .*\(valid: 64\)$"):
-        image_plan(load_config_data(data))
+    line = r"^vision_config.max_image_size=32: .*\(valid: 64\)$"
+    for size in (None, 128):
+        with pytest.raises(SpecError, match=line):
+            image_plan(load_config_data(data), size)
 
 
 def test_two_images_per_sample_trace_equals_a_real_cpu_run():

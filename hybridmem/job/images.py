@@ -150,13 +150,8 @@ def split_default_side(vc) -> int:
     record their processor's `size` / `max_image_size` in `vision_config` of config.json
     (SmolVLM-256M: 2048 / 512, SmolVLM2-2.2B: 1536 / 384, the presets' transcription);
     Idefics3-8B does not (the class default, 4 tiles)."""
-    tile = vc.image_size
-    cap = _longest_edge(vc, "max_image_size")
-    if cap is not None and cap != tile:  # the processor's crops must be the tower's tiles
-        raise SpecError("vision_config.max_image_size", cap, (tile,),
-                        reason="crops of another size than vision_config.image_size")
     side = _longest_edge(vc, "size")
-    return SPLIT_DEFAULT_TILES * tile if side is None else side
+    return SPLIT_DEFAULT_TILES * vc.image_size if side is None else side
 
 
 def _longest_edge(vc, key: str) -> int | None:
@@ -174,6 +169,10 @@ def _split_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
 
     vc = cfg.vision_config
     tile = vc.image_size
+    crop = _longest_edge(vc, "max_image_size")
+    if crop is not None and crop != tile:  # the processor's crops must be the tower's tiles
+        raise SpecError("vision_config.max_image_size", crop, (tile,),
+                        reason="crops of another size than vision_config.image_size")
     if hw is None:
         hw = (split_default_side(vc),) * 2
     # the processor's resize to its longest edge (the image size given: max(H, W)), then
