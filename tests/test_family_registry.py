@@ -44,13 +44,13 @@ def test_decoder_defaults_are_the_config_class_defaults(model_type):
 
 
 def test_the_tuples_other_modules_export_are_views_of_the_registry():
-    from hybridmem.job.images import GRID_FAMILIES, IMAGE_FAMILIES
+    from hybridmem.job.images import HXW_FAMILIES, IMAGE_FAMILIES
     from hybridmem.models.decoder import MOE_TYPES, QK_NORM_TYPES
     from hybridmem.models.loader import DECODER_TYPES, MULTIMODAL_TYPES
 
     assert set(MULTIMODAL_TYPES) == {m for m, f in REGISTRY.items() if f.kind == VLM and f.analytic}
     assert set(DECODER_TYPES) == {m for m, f in REGISTRY.items() if f.kind == DECODER}
-    assert set(GRID_FAMILIES) <= set(IMAGE_FAMILIES) <= set(REGISTRY)
+    assert set(HXW_FAMILIES) <= set(IMAGE_FAMILIES) <= set(REGISTRY)
     assert {"mixtral", "qwen3_moe"} <= set(MOE_TYPES)
     assert "qwen3" in QK_NORM_TYPES and "llama" not in QK_NORM_TYPES
 

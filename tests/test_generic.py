@@ -47,6 +47,8 @@ FAMILIES: dict[str, dict] = {
                       vision_config=dict(VISION, image_size=28)),
     "idefics3": dict(text_config=dict(TEXT, model_type="llama"), scale_factor=2,
                      vision_config=dict(VISION, image_size=56)),
+    "smolvlm": dict(text_config=dict(TEXT, model_type="llama"), scale_factor=2,
+                    vision_config=dict(VISION, image_size=56)),
 }
 # What each family needs to run its training step: Gemma 2 has no SDPA path; transformers'
 # `torch._grouped_mm` experts (Mixtral) take bf16 weights only (the meta kernel mirrors
@@ -54,7 +56,8 @@ FAMILIES: dict[str, dict] = {
 RUNS: dict[str, dict] = {"gemma2": dict(attn="eager"), "mixtral": dict(precision="bf16"),
                          # has an image rule now (tests/test_vlm_families.py): text-only here
                          "qwen2_vl": dict(images_per_sample=0),
-                         "idefics3": dict(images_per_sample=0)}
+                         "idefics3": dict(images_per_sample=0),
+                         "smolvlm": dict(images_per_sample=0)}
 # Module-name prefixes of each VLM part, read off the families' transformers module trees
 # (written out here, not derived from `part_of`, so a wrong fragment table fails).
 VLM_PARTS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -64,6 +67,8 @@ VLM_PARTS: dict[str, dict[str, tuple[str, ...]]] = {
                   "multi_modal_projector": ("model.multi_modal_projector.",)},
     "idefics3": {"vision_tower": ("model.vision_model.",),
                  "multi_modal_projector": ("model.connector.",)},
+    "smolvlm": {"vision_tower": ("model.vision_model.",),
+                "multi_modal_projector": ("model.connector.",)},
 }
 
 

@@ -26,7 +26,7 @@ LN_STATS = ("by design: on bf16 input the meta trace keeps layer_norm's mean/rst
 # (preset, image_size) per family with an image rule and a tiny preset
 FAMILIES = [("tiny-llava", None), ("tiny-llava-next", 45), ("tiny-qwen2-vl", "112x168"),
             ("tiny-qwen2.5-vl", "112x168"), ("tiny-llava-onevision", 84),
-            ("tiny-llava-onevision", 42)]
+            ("tiny-llava-onevision", 42), ("tiny-smolvlm", 128)]
 
 
 def _meta_model(model: str):
@@ -479,6 +479,9 @@ def test_onevision_real_sized_analytic_within_3_percent(kw):
 # --- Idefics3 / SmolVLM (trace tier, with images) -------------------------------------------
 
 ID3 = "tiny-idefics3"
+SPLIT = [(ID3, 112, 56), ("tiny-smolvlm", 128, 64)]
+"""Split-image tiny presets: (name, side of 2 x 2 tiles + global = 20 tokens, one tile's side);
+SmolVLM's own checks: tests/test_smolvlm.py."""
 
 
 @pytest.mark.parametrize("side, crops", [(56, 1), (112, 5), (100, 5), (168, 10), (None, 17)])
@@ -509,19 +512,22 @@ def test_idefics3_every_tier_counts_the_same_image_tokens():
     assert rule == traced == placed == by_model == 20
 
 
+@pytest.mark.parametrize("model, side, _", SPLIT)
 @pytest.mark.parametrize("kw", [dict(precision="fp32"),
                                 dict(precision="bf16-mixed", train="llm+projector"),
                                 dict(precision="bf16", grad_ckpt=True)])
-def test_idefics3_trace_equals_a_real_cpu_run_with_images(kw, request):
+def test_idefics3_trace_equals_a_real_cpu_run_with_images(model, side, _, kw, request):
     if kw.get("grad_ckpt"):
         request.applymarker(pytest.mark.xfail(strict=True, reason=LN_STATS))
-    spec = TrainingSpec(model=ID3, micro_batch=2, seq_len=128, image_size=112, **kw)
+    spec = TrainingSpec(model=model, micro_batch=2, seq_len=128, image_size=side, **kw)
     tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
     assert job.image_tokens == 20  # 2 x 2 tiles + global, 4 tokens each (hand count above)
     assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
 
 
-@pytest.mark.parametrize("model", [ID3, "idefics3-8b-llama3"])
+@pytest.mark.parametrize("model", [ID3, "idefics3-8b-llama3", "tiny-smolvlm",
+                                   "smolvlm-256m-instruct", "smolvlm-500m-instruct",
+                                   "smolvlm2-2.2b-instruct"])
 def test_idefics3_params_equal_the_meta_model_per_tensor(model):
     ref = {k: p.numel() for k, p in _meta_model(model).named_parameters()}
     assert build_graph(TrainingSpec(model=model, seq_len=4096)).param_names() == ref
@@ -534,15 +540,17 @@ def test_idefics3_preset_total():
     assert round(total / 1e7) == 846
 
 
-def test_idefics3_parts_equal_the_meta_model():
-    _parts_equal_the_meta_model(ID3, {"model.connector.": "multi_modal_projector",
-                                      "model.vision_model.": "vision_tower",
-                                      "lm_head": "lm_head"}, image_size=56)
+@pytest.mark.parametrize("model, _, tile", SPLIT)
+def test_idefics3_parts_equal_the_meta_model(model, _, tile):
+    _parts_equal_the_meta_model(model, {"model.connector.": "multi_modal_projector",
+                                        "model.vision_model.": "vision_tower",
+                                        "lm_head": "lm_head"}, image_size=tile)
 
 
+@pytest.mark.parametrize("model, side, _", SPLIT)
 @pytest.mark.parametrize("kw", TINY_KW)
-def test_idefics3_analytic_within_3_percent_of_trace(kw):
-    spec = TrainingSpec(model=ID3, micro_batch=2, seq_len=128, image_size=112, **kw)
+def test_idefics3_analytic_within_3_percent_of_trace(model, side, _, kw):
+    spec = TrainingSpec(model=model, micro_batch=2, seq_len=128, image_size=side, **kw)
     _analytic_within_3_percent(spec)
 
 

@@ -1,8 +1,11 @@
-"""Idefics3 (docs/vlm-families.md): image splitting into vision-size tiles + a global image, a
-SigLIP-like tower, the pixel-shuffle connector, a Llama text model at `model.text_model`.
+"""Idefics3 and SmolVLM (docs/vlm-families.md): image splitting into vision-size tiles + a
+global image, a SigLIP-like tower, the pixel-shuffle connector, a Llama text model at
+`model.text_model`. SmolVLM's modeling and image processing are Idefics3's
+(`modular_smolvlm.py`); SmolVLM-256M/500M are even published as `idefics3`.
 
-Rules: `job/images.split_plan` (tiles, tokens per tile); graph `models/idefics3.py`;
-activations `analytic/gemma3_acts.py` (connector); meta-trace helpers
+Rules: `job/images.split_plan` (tiles, tokens per tile; `job/split_resize.py`); config
+`models/split_config.py` (no transformers import); graph `models/idefics3.py`; activations
+`analytic/gemma3_acts.py` (connector); meta-trace helpers
 `trace/corrections.split_images_on_meta`.
 """
 
@@ -12,10 +15,17 @@ from hybridmem.families import VLM, Family
 from hybridmem.families.llava import check_text_config
 
 
+def light_config(data: dict):
+    from hybridmem.models import light
+    from hybridmem.models.split_config import split_config
+
+    return split_config(data, light._text, light._sub)
+
+
 def image_plan(cfg, hw):
     from hybridmem.job.images import split_plan
 
-    return split_plan(cfg, None if hw is None else hw[0])
+    return split_plan(cfg, hw)
 
 
 def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) -> dict:
@@ -45,9 +55,10 @@ def meta_patches():
     return split_images_on_meta()
 
 
+_COMMON = dict(check_config=check_text_config, light_config=light_config, image_plan=image_plan,
+               hw_images=True, pixel_inputs=pixel_inputs, pixel_mask=True,
+               vision_graph=vision_graph, lm_prefix="model.text_model", meta_patches=meta_patches)
 FAMILIES = (
-    Family("idefics3", VLM, "modeling_idefics3.py", full_config=True,
-           check_config=check_text_config, image_plan=image_plan, pixel_inputs=pixel_inputs,
-           pixel_mask=True, vision_graph=vision_graph, lm_prefix="model.text_model",
-           meta_patches=meta_patches),
+    Family("idefics3", VLM, "modeling_idefics3.py", **_COMMON),
+    Family("smolvlm", VLM, "modeling_smolvlm.py", **_COMMON),
 )

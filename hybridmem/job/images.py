@@ -34,8 +34,9 @@ def _declared(where) -> tuple[str, ...]:
 IMAGE_FAMILIES: tuple[str, ...] = _declared(lambda f: f.image_plan is not None)
 """model_types with an image-token rule (`hybridmem/families/`): their batches carry images
 (other image-text-to-text families are priced on text-only batches)."""
-GRID_FAMILIES: tuple[str, ...] = _declared(lambda f: f.hw_images)
-"""Families with native dynamic resolution: `image_size` may be `HxW`."""
+HXW_FAMILIES: tuple[str, ...] = _declared(lambda f: f.hw_images)
+"""`image_size` may be `HxW`: native dynamic resolution (Qwen-VL: the patch grid) or image
+splitting (Idefics3, SmolVLM: the image after the processor's resize)."""
 
 # transformers image_processing_qwen2_vl.py `Qwen2VLImageProcessor.size` defaults:
 # shortest_edge = 56 * 56 (min_pixels), longest_edge = 28 * 28 * 1280 (max_pixels)
@@ -121,19 +122,48 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int = QWEN_MI
 
 
 SPLIT_DEFAULT_TILES = 4
-"""Idefics3ImageProcessor `size = {"longest_edge": 4 * 364}` with `max_image_size` 364 (the
-vision tile); SmolVLM's processors likewise use 4 x their tile."""
+"""Idefics3ImageProcessor / SmolVLMImageProcessor `size = {"longest_edge": 4 * 364}` with
+`max_image_size` 364 (the vision tile): without a recorded size, 4 x the tile."""
 
 
-def split_plan(cfg, side: int | None) -> ImagePlan:
+def split_default_side(vc) -> int:
+    """The processor's resize side when `--image-size` is not given: the SmolVLM checkpoints
+    record their processor's `size` / `max_image_size` in `vision_config` of config.json
+    (SmolVLM-256M: 2048 / 512, SmolVLM2-2.2B: 1536 / 384, the presets' transcription);
+    Idefics3-8B does not (the class default, 4 tiles)."""
+    side = _longest_edge(vc, "size")
+    return SPLIT_DEFAULT_TILES * vc.image_size if side is None else side
+
+
+def _longest_edge(vc, key: str) -> int | None:
+    value = getattr(vc, key, None)
+    if value is None:
+        return None
+    edge = value.get("longest_edge") if isinstance(value, dict) else None
+    if isinstance(edge, bool) or not isinstance(edge, int) or edge <= 0:
+        raise SpecError(f"vision_config.{key}", value, reason='give {"longest_edge": <pixels>}')
+    return edge
+
+
+def split_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
     """Idefics3-style splitting (`processing_idefics3` `image_seq_len`)."""
+    from hybridmem.job.split_resize import resized, tile_grid
+
     vc = cfg.vision_config
     tile = vc.image_size
-    side = side or SPLIT_DEFAULT_TILES * tile
-    per_side = -(-side // tile)  # resize_for_vision_encoder: ceil to whole tiles
-    crops = per_side * per_side + (1 if per_side > 1 else 0)  # + the global image
+    crop = _longest_edge(vc, "max_image_size")
+    if crop is not None and crop != tile:  # the processor's crops must be the tower's tiles
+        raise SpecError("vision_config.max_image_size", crop, (tile,),
+                        reason="crops of another size than vision_config.image_size")
+    if hw is None:
+        hw = (split_default_side(vc),) * 2
+    # the processor's resize to its longest edge (the image size given: max(H, W)), then
+    # resize_for_vision_encoder to whole tiles (`job/split_resize.py`)
+    h, w = resized(*hw, longest_edge=max(hw))
+    rows, cols = tile_grid(h, w, tile)
+    crops = rows * cols + (1 if rows * cols > 1 else 0)  # + the global image
     per_tile = (tile // vc.patch_size) ** 2 // cfg.scale_factor ** 2
-    return ImagePlan(cfg.model_type, tokens=crops * per_tile, size=(side, side),
+    return ImagePlan(cfg.model_type, tokens=crops * per_tile, size=(h, w),
                      grid=(0, crops, per_tile))
 
 
@@ -148,8 +178,9 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
         raise SpecError("model_type", mt, IMAGE_FAMILIES, reason="no image-token rule")
     hw = parse_image_size(image_size)
     if hw is not None and hw[0] != hw[1] and not fam.hw_images:
-        raise SpecError("image_size", image_size, reason=f"HxW needs a native-resolution family "
-                        f"({', '.join(GRID_FAMILIES)}); {mt} takes a square side")
+        raise SpecError("image_size", image_size, reason="HxW needs a native-resolution or "
+                        f"image-splitting family ({', '.join(HXW_FAMILIES)}); {mt} takes a "
+                        "square side")
     return fam.image_plan(cfg, hw)
 
 

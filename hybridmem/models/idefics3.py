@@ -1,4 +1,5 @@
-"""Idefics3's vision side as layers (transformers 5.24 `modeling_idefics3.py`): the SigLIP-like
+"""Idefics3's vision side as layers (transformers 5.24 `modeling_idefics3.py`; SmolVLM's
+`modeling_smolvlm.py` is a modular copy, priced by the same layers): the SigLIP-like
 `Idefics3VisionTransformer` over every tile and the pixel-shuffle connector.
 
 Why its own module: the processor splits each image into vision-size tiles plus a global

@@ -252,9 +252,10 @@ def grid_helpers_on_meta():
             setattr(obj, name, old)
 
 
-# Idefics3 modules whose `get_image_features` drops all-zero padding images by boolean
+# Idefics3 / SmolVLM modules whose `get_image_features` drops all-zero padding images by boolean
 # indexing and splits the features by `.tolist()` counts (data-dependent on meta)
-SPLIT_IMAGE_MODULES = ("transformers.models.idefics3.modeling_idefics3",)
+SPLIT_IMAGE_MODULES = ("transformers.models.idefics3.modeling_idefics3",
+                       "transformers.models.smolvlm.modeling_smolvlm")
 
 
 class _AllImagesReal(TorchFunctionMode):
@@ -291,8 +292,10 @@ def split_images_on_meta():
     for mod_name in SPLIT_IMAGE_MODULES:
         mod = importlib.import_module(mod_name)
         for cls in vars(mod).values():
+            # the base model's own method (the ForConditionalGeneration one delegates):
+            # it merges too (Idefics3 `inputs_merger`, SmolVLM `get_placeholder_mask`)
             if isinstance(cls, type) and "get_image_features" in vars(cls) and \
-                    "inputs_merger" in vars(cls):
+                    ("inputs_merger" in vars(cls) or "get_placeholder_mask" in vars(cls)):
                 orig = cls.get_image_features
 
                 @functools.wraps(orig)
