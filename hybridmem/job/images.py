@@ -16,6 +16,8 @@ Per family (transformers 5.24 modeling / image-processing code):
   [min_pixels, max_pixels]; grid_thw = (1, H/14, W/14) (one temporal patch: the image is
   repeated to `temporal_patch_size` frames); the PatchMerger turns every merge_size^2
   patches into one LM token;
+- `qwen3_vl`, `qwen3_vl_moe`: the same processor class with 16-px patches (multiples of 32 px)
+  and the published preprocessor's [65536, 16777216] pixels;
 - `idefics3`: the processor resizes the longest edge to `size.longest_edge` (here:
   `image_size`; default 4 x the vision tile, the processors' `size`), rounds it up to whole
   tiles of `vision_config.image_size`, splits them and adds the global image (one image if
@@ -40,16 +42,22 @@ SPLIT_FAMILIES: tuple[str, ...] = ("idefics3",)
 """Image splitting into vision-size tiles + a global image, pixel shuffle. SmolVLM shares the
 rule but not yet the trace (its meta trace with images stops in a `nonzero`, not located yet):
 it stays on text-only batches (docs/vlm-families.md)."""
+QWEN3_VL_FAMILIES: tuple[str, ...] = ("qwen3_vl", "qwen3_vl_moe")
+"""Qwen3-VL (dense and MoE LM): the Qwen2-VL rule with 16-px patches and its own pixel range."""
 IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                   "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES
+                                   "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES + QWEN3_VL_FAMILIES
 """model_types whose batches carry images (else: text-only)."""
-GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl") + QWEN3_VL_FAMILIES
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
 
 # transformers image_processing_qwen2_vl.py `Qwen2VLImageProcessor.size` defaults:
 # shortest_edge = 56 * 56 (min_pixels), longest_edge = 28 * 28 * 1280 (max_pixels)
 QWEN_MIN_PIXELS = 56 * 56
 QWEN_MAX_PIXELS = 28 * 28 * 1280
+# Qwen/Qwen3-VL-*-Instruct preprocessor_config.json (Qwen2VLImageProcessorFast, patch_size 16,
+# merge_size 2): size = {"shortest_edge": 65536, "longest_edge": 16777216}
+QWEN3_MIN_PIXELS = 65536
+QWEN3_MAX_PIXELS = 16777216
 QWEN_DEFAULT_SIZE = (448, 448)
 """Qwen2-VL has no native size; an assumed default (16 x 16 merged tokens = 256 per image)."""
 QWEN_MAX_ASPECT = 200  # smart_resize: "absolute aspect ratio must be smaller than 200"
@@ -132,7 +140,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int = QWEN_MI
 def _qwen_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
     vc = cfg.vision_config
     p, m = vc.patch_size, vc.spatial_merge_size
-    h, w = smart_resize(*(hw or QWEN_DEFAULT_SIZE), factor=p * m)
+    lo, hi = ((QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS) if cfg.model_type in QWEN3_VL_FAMILIES
+              else (QWEN_MIN_PIXELS, QWEN_MAX_PIXELS))
+    h, w = smart_resize(*(hw or QWEN_DEFAULT_SIZE), factor=p * m, min_pixels=lo, max_pixels=hi)
     grid = (1, h // p, w // p)  # an image is one temporal patch (processor tiles it to T frames)
     return ImagePlan(cfg.model_type, tokens=grid[1] * grid[2] // (m * m), size=(h, w), grid=grid)
 
