@@ -15,8 +15,8 @@ from functools import lru_cache
 
 from hybridmem.adapters import peft_type
 from hybridmem.analytic import (
-    activations as A, gemma3_acts as GA, offloaded, packed, qwen_vl_acts as QA, sac,
-    text_acts as TA, vision_acts as VA,
+    activations as A, gemma3_acts as GA, offloaded, packed, qwen3_vl_acts as Q3,
+    qwen_vl_acts as QA, sac, text_acts as TA, vision_acts as VA,
 )
 from hybridmem.job import packing
 from hybridmem.analytic.alloc import t
@@ -106,6 +106,7 @@ FORMULAS = {
     "qwen_vision_block": QA.vision_block, "qwen_patch_embed": QA.patch_embed,
     "qwen_vision_rotary": QA.vision_rotary, "patch_merger": QA.patch_merger,
     "gemma3_projector": GA.mm_projector, "pixel_shuffle_projector": GA.pixel_shuffle_projector,
+    "qwen3_pos_embed": Q3.pos_embed, "qwen3_merger": Q3.merger, "deepstack_add": Q3.deepstack_add,
 }
 
 

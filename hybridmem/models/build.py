@@ -15,7 +15,7 @@ from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.job.images import ImagePlan, check_seq_len, image_plan
 from hybridmem.job.images import SPLIT_FAMILIES
-from hybridmem.models import idefics3, qwen_vl
+from hybridmem.models import idefics3, qwen3_vl, qwen_vl
 from hybridmem.models.llava import ImageLayout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
@@ -282,7 +282,9 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         check_seq_len(spec.seq_len, images, plan)
         plan_grid = bool(plan.grid[0])
         layout = plan.layout or ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)
-        if plan.grid[0]:
+        if cfg.model_type == "qwen3_vl":  # mergers incl. DeepStack's (models/qwen3_vl.py)
+            modules = qwen3_vl.vision_modules(cfg, spec.micro_batch, images, plan)
+        elif plan.grid[0]:
             modules = _qwen_vl_modules(cfg, spec, images, plan)
         elif cfg.model_type in SPLIT_FAMILIES:  # tiles + global image, pixel shuffle
             modules = idefics3.vision_modules(cfg, spec.micro_batch * images * plan.crops,
@@ -292,6 +294,8 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
             modules = _multimodal_modules(cfg, spec, images, layout)
         lm, head = _decoder_modules(cfg, spec, "model.text_model" if cfg.model_type
                                     in SPLIT_FAMILIES else "model.language_model")
+        if cfg.model_type == "qwen3_vl":
+            lm = qwen3_vl.with_deepstack(lm, cfg, spec.micro_batch, images, plan)
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)
     tc = getattr(cfg, "text_config", cfg)

@@ -29,7 +29,8 @@ def kv_heads(tc) -> int:
 
 # families whose attention RMS-normalises q and k over head_dim before RoPE
 # (modeling_qwen3.Qwen3Attention.q_norm / k_norm)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # Gemma 3: (1 + weight) norms
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text",  # Gemma 3: (1 + weight) norms
+                 "qwen3_vl_text")  # modeling_qwen3_vl.Qwen3VLTextAttention.q_norm / k_norm
 # families with one fused q/k/v projection and one fused gate/up projection, whose q, k, v and
 # gate, up are views (slices / `chunk`) of the fused output (modeling_phi3.Phi3Attention, Phi3MLP)
 FUSED_TYPES = ("phi3",)
