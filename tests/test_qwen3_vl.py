@@ -104,6 +104,12 @@ def test_qwen3_preset_totals(model, total, published):
     assert n == total and round(n / 1e9, 2) == published
 
 
+def test_qwen3_moe_preset_total():
+    """Meta-device count (transformers 5.24); Qwen3-VL-30B-A3B-Instruct's model page: 31.1B."""
+    n = sum(p.numel() for p in _meta_model("qwen3-vl-30b-a3b-instruct").parameters())
+    assert n == 31_070_754_032 and round(n / 1e9, 1) == 31.1
+
+
 def test_qwen3_parts_equal_the_meta_model():
     """Per part, by the module prefixes of transformers' tree (written out, not `part_of`):
     the merger and the DeepStack mergers are the projector."""
