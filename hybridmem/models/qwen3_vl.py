@@ -27,13 +27,19 @@ from dataclasses import replace
 
 from hybridmem.job.images import ImagePlan
 from hybridmem.models.graph import Layer, Module, ParamTensor as T, linear
-
-FP32 = 4  # rotary inv_freq buffers are float32 (Qwen3VLVisionRotaryEmbedding)
-TAPS = 4  # bilinear resampling: 4 table rows per patch (get_vision_interpolation_indices_and_weights)
+from hybridmem.models.qwen_vl import _norm
 
 
 def _ln(prefix: str, e: int) -> tuple[T, ...]:
-    return (T(f"{prefix}.weight", (e,)), T(f"{prefix}.bias", (e,)))
+    """LayerNorm weight + bias (Qwen2-VL's helper, `rms=False`)."""
+    return _norm(prefix, e, rms=False)
+
+NO_VISION_INPUT_EMBEDDINGS = ("qwen3_vl", "qwen3_vl_moe")
+"""`Qwen3VLVisionModel.get_input_embeddings` raises NotImplementedError, so transformers'
+`enable_input_require_grads` (gradient checkpointing turns it on) hooks only the LM's
+embed_tokens: a frozen tower's output needs no grad and the tower saves nothing."""
+FP32 = 4  # rotary inv_freq buffers are float32 (Qwen3VLVisionRotaryEmbedding)
+TAPS = 4  # bilinear resampling: 4 table rows per patch (get_vision_interpolation_indices_and_weights)
 
 
 def block_params(vc) -> tuple[T, ...]:
