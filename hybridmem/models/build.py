@@ -282,7 +282,7 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         check_seq_len(spec.seq_len, images, plan)
         plan_grid = bool(plan.grid[0])
         layout = plan.layout or ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)
-        if cfg.model_type == "qwen3_vl":  # mergers incl. DeepStack's (models/qwen3_vl.py)
+        if cfg.model_type in qwen3_vl.TYPES:  # mergers incl. DeepStack's (models/qwen3_vl.py)
             modules = qwen3_vl.vision_modules(cfg, spec.micro_batch, images, plan)
         elif plan.grid[0]:
             modules = _qwen_vl_modules(cfg, spec, images, plan)
@@ -294,7 +294,7 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
             modules = _multimodal_modules(cfg, spec, images, layout)
         lm, head = _decoder_modules(cfg, spec, "model.text_model" if cfg.model_type
                                     in SPLIT_FAMILIES else "model.language_model")
-        if cfg.model_type == "qwen3_vl":
+        if cfg.model_type in qwen3_vl.TYPES:
             lm = qwen3_vl.with_deepstack(lm, cfg, spec.micro_batch, images, plan)
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)

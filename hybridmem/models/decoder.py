@@ -30,7 +30,7 @@ def kv_heads(tc) -> int:
 # families whose attention RMS-normalises q and k over head_dim before RoPE
 # (modeling_qwen3.Qwen3Attention.q_norm / k_norm)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text",  # Gemma 3: (1 + weight) norms
-                 "qwen3_vl_text")  # modeling_qwen3_vl.Qwen3VLTextAttention.q_norm / k_norm
+                 "qwen3_vl_text", "qwen3_vl_moe_text")  # modeling_qwen3_vl(_moe) q_norm / k_norm
 # families with one fused q/k/v projection and one fused gate/up projection, whose q, k, v and
 # gate, up are views (slices / `chunk`) of the fused output (modeling_phi3.Phi3Attention, Phi3MLP)
 FUSED_TYPES = ("phi3",)
@@ -41,7 +41,10 @@ GEMMA_TYPES = ("gemma2", "gemma3_text")
 # mixture-of-experts families: a router (`mlp.gate.weight`, E x h) and every expert's fused
 # weights as 3-D parameters (`mlp.experts.gate_up_proj` E x 2f x h, `mlp.experts.down_proj`
 # E x h x f; modeling_mixtral.MixtralExperts / MixtralTopKRouter, modeling_qwen3_moe likewise)
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen3_vl_moe", "qwen3_vl_moe_text")
+# Qwen3-MoE's layer rule and expert fields (Qwen3-VL-MoE's text model: modeling_qwen3_vl_moe
+# Qwen3VLMoeTextDecoderLayer, the same `mlp_only_layers` / `decoder_sparse_step` test)
+QWEN3_MOE_TEXT = ("qwen3_moe", "qwen3_vl_moe_text")
 # families whose transformers code refuses SDPA (`_supports_sdpa = False`: softcapping)
 NO_SDPA_TYPES = ("gemma2",)
 
@@ -94,7 +97,7 @@ def moe(tc) -> tuple[int, int, int]:
     `moe_intermediate_size` (configuration_mixtral.py, configuration_qwen3_moe.py)."""
     if tc.model_type == "mixtral":
         return tc.num_local_experts, tc.num_experts_per_tok, tc.intermediate_size
-    if tc.model_type == "qwen3_moe":
+    if tc.model_type in QWEN3_MOE_TEXT:
         return tc.num_experts, tc.num_experts_per_tok, tc.moe_intermediate_size
     return 0, 0, 0
 
@@ -102,7 +105,7 @@ def moe(tc) -> tuple[int, int, int]:
 def moe_layer(tc, i: int) -> bool:
     """Whether layer `i` has the sparse MoE block (Qwen3MoeDecoderLayer.__init__: not in
     `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; Mixtral: every layer)."""
-    if tc.model_type == "qwen3_moe":
+    if tc.model_type in QWEN3_MOE_TEXT:
         return (i not in (getattr(tc, "mlp_only_layers", None) or []) and tc.num_experts > 0
                 and (i + 1) % (getattr(tc, "decoder_sparse_step", 1) or 1) == 0)
     return tc.model_type in MOE_TYPES
@@ -183,7 +186,9 @@ def moe_dims(tc, dims: dict) -> dict:
     n, k, fe = moe(tc)
     mix = tc.model_type == "mixtral"
     return dict(dims, moe=True, experts=n, top_k=k, ffn=fe, router_copy=mix,
-                router_norm=mix or bool(getattr(tc, "norm_topk_prob", False)),
+                # Qwen3VLMoeTextTopKRouter renormalises always (no norm_topk_prob test)
+                router_norm=mix or tc.model_type == "qwen3_vl_moe_text"
+                or bool(getattr(tc, "norm_topk_prob", False)),
                 router_fp32_weights=mix)
 
 

@@ -80,7 +80,7 @@ MULTIMODAL_DEFAULTS = dict(vision_feature_layer=-2, vision_feature_select_strate
                            projector_hidden_act="gelu", multimodal_projector_bias=True,
                            tie_word_embeddings=False)
 NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
-QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # families whose many nested defaults transformers' own config class fills (OneVision: SigLIP
 # so400m, "full" features of layer -1, 36 pinpoints; configuration_llava_onevision.py)
 FULL_CONFIG_TYPES = QWEN_VL_TYPES + ("llava_onevision", "idefics3")

@@ -15,7 +15,7 @@ from hybridmem.errors import SpecError
 
 # model_type values the estimators understand; anything else is refused at the boundary.
 MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                     "qwen2_5_vl", "idefics3", "qwen3_vl")
+                                     "qwen2_5_vl", "idefics3", "qwen3_vl", "qwen3_vl_moe")
 LLAVA_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision")
 """CLIP/SigLIP tower + projector + a DECODER_TYPES LM (sub-configs checked below); the Qwen-VL
 families carry their own tower and LM (docs/vlm-families.md)."""

@@ -34,7 +34,9 @@ def _ln(prefix: str, e: int) -> tuple[T, ...]:
     """LayerNorm weight + bias (Qwen2-VL's helper, `rms=False`)."""
     return _norm(prefix, e, rms=False)
 
-NO_VISION_INPUT_EMBEDDINGS = ("qwen3_vl", "qwen3_vl_moe")
+TYPES = ("qwen3_vl", "qwen3_vl_moe")
+"""Qwen3-VL with the dense (`qwen3_vl_text`) or the MoE (`qwen3_vl_moe_text`) Qwen3 LM."""
+NO_VISION_INPUT_EMBEDDINGS = TYPES
 """`Qwen3VLVisionModel.get_input_embeddings` raises NotImplementedError, so transformers'
 `enable_input_require_grads` (gradient checkpointing turns it on) hooks only the LM's
 embed_tokens: a frozen tower's output needs no grad and the tower saves nothing."""
