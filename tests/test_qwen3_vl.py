@@ -111,6 +111,32 @@ def test_qwen3_moe_preset_total():
     assert n == 31_070_754_032 and round(n / 1e9, 1) == 31.1
 
 
+def test_qwen3_analytic_imports_neither_torch_nor_transformers():
+    """The light config (`models/qwen3_vl_config.py`) keeps the analytic tier import-free."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hybridmem import TrainingSpec; from hybridmem.analytic import "
+            "estimate; estimate(TrainingSpec(model='qwen3-vl-8b-instruct', image_size='672x672',"
+            " seq_len=1024)); print(sorted(m for m in ('torch', 'transformers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_qwen3_bad_vision_field_is_one_line():
+    import json
+
+    from hybridmem.models.loader import load_config_dict
+
+    _, data = load_config_dict(TINY)
+    data["vision_config"]["patch_size"] = 0
+    from hybridmem.models.light import config_from_dict
+    with pytest.raises(SpecError, match=r"vision_config.patch_size=0: must be a positive"):
+        config_from_dict(json.loads(json.dumps(data)))
+
+
 def test_qwen3_parts_equal_the_meta_model():
     """Per part, by the module prefixes of transformers' tree (written out, not `part_of`):
     the merger and the DeepStack mergers are the projector."""

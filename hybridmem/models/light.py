@@ -71,6 +71,17 @@ TEXT_DEFAULTS: dict[str, dict] = {
                       tie_word_embeddings=False, attention_dropout=0.0, decoder_sparse_step=1,
                       moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
                       norm_topk_prob=False, output_router_logits=False, mlp_only_layers=None),
+    # Qwen3VLTextConfig / Qwen3VLMoeTextConfig (configuration_qwen3_vl(_moe).py)
+    "qwen3_vl_text": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                          head_dim=128, hidden_act="silu", attention_bias=False,
+                          attention_dropout=0.0),
+    "qwen3_vl_moe_text": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                              num_hidden_layers=24, num_attention_heads=16,
+                              num_key_value_heads=16, head_dim=None, hidden_act="silu",
+                              attention_bias=False, attention_dropout=0.0,
+                              decoder_sparse_step=1, moe_intermediate_size=1408,
+                              num_experts_per_tok=4, num_experts=60, mlp_only_layers=None),
 }
 # LlavaConfig without a vision_config builds CLIP ViT-L/14-336 (configuration_llava.py)
 LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
@@ -80,7 +91,7 @@ MULTIMODAL_DEFAULTS = dict(vision_feature_layer=-2, vision_feature_select_strate
                            projector_hidden_act="gelu", multimodal_projector_bias=True,
                            tie_word_embeddings=False)
 NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
-QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # families whose many nested defaults transformers' own config class fills (OneVision: SigLIP
 # so400m, "full" features of layer -1, 36 pinpoints; configuration_llava_onevision.py)
 FULL_CONFIG_TYPES = QWEN_VL_TYPES + ("llava_onevision", "idefics3")
@@ -133,6 +144,9 @@ def config_from_dict(data: dict) -> SimpleNamespace:
     model_type = validate_types(data)
     if not is_analytic(model_type):  # a transformers family the trace tier alone prices
         raise analytic_refusal(model_type)
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):  # no transformers import (its own module)
+        from hybridmem.models.qwen3_vl_config import light_qwen3_vl
+        return light_qwen3_vl(data)
     if model_type in FULL_CONFIG_TYPES:
         # their configs nest a vision and a text sub-config with many defaults (and the
         # published config.json is flat): transformers' own config class reads them

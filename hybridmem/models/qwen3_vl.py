@@ -41,7 +41,9 @@ NO_VISION_INPUT_EMBEDDINGS = TYPES
 `enable_input_require_grads` (gradient checkpointing turns it on) hooks only the LM's
 embed_tokens: a frozen tower's output needs no grad and the tower saves nothing."""
 FP32 = 4  # rotary inv_freq buffers are float32 (Qwen3VLVisionRotaryEmbedding)
-TAPS = 4  # bilinear resampling: 4 table rows per patch (get_vision_interpolation_indices_and_weights)
+# bilinear resampling: 4 table rows per patch (vision_utils
+# get_vision_interpolation_indices_and_weights, `n_taps` = 4 for "bilinear")
+TAPS = 4
 
 
 def block_params(vc) -> tuple[T, ...]:
