@@ -178,7 +178,8 @@ def test_qwen3_bf16_trace_above_a_real_cpu_run_by_layernorm_stats(model):
 
 # --- the analytic tier against the trace tier ------------------------------------------------
 
-@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16"),
+@pytest.mark.parametrize("kw", [dict(precision="fp32"),
+                                pytest.param(dict(precision="bf16"), marks=pytest.mark.slow),
                                 dict(precision="bf16-mixed", train="llm+projector"),
                                 dict(precision="bf16", train="llm+projector", grad_ckpt=True),
                                 dict(precision="bf16-mixed", train="lora")])
@@ -213,7 +214,8 @@ def test_qwen3_real_sized_analytic_within_3_percent(kw):
 
 # --- Qwen3-VL-MoE --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw", [dict(micro_batch=2), dict(micro_batch=1, grad_ckpt=True)])
+@pytest.mark.parametrize("kw", [dict(micro_batch=2), pytest.param(
+    dict(micro_batch=1, grad_ckpt=True), marks=pytest.mark.slow)])
 def test_qwen3_moe_analytic_within_3_percent_of_trace(kw):
     """Qwen3-VL-MoE, full bf16 (the MoE closed forms' range, docs/families.md)."""
     _analytic_within_3_percent(tiny(model="tiny-qwen3-vl-moe", precision="bf16", **kw))
