@@ -15,8 +15,8 @@ from functools import lru_cache
 
 from hybridmem.adapters import peft_type
 from hybridmem.analytic import (
-    activations as A, gemma3_acts as GA, offloaded, packed, qwen_vl_acts as QA, sac,
-    text_acts as TA, vision_acts as VA,
+    activations as A, gemma3_acts as GA, offloaded, packed, qwen3_vl_acts as Q3,
+    qwen_vl_acts as QA, sac, text_acts as TA, vision_acts as VA,
 )
 from hybridmem.job import packing
 from hybridmem.analytic.alloc import t
@@ -49,6 +49,7 @@ from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
 from hybridmem.models.decoder import MOE_TYPES, NO_SDPA_TYPES
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
+from hybridmem.models.qwen3_vl import NO_VISION_INPUT_EMBEDDINGS
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
 from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
@@ -106,6 +107,7 @@ FORMULAS = {
     "qwen_vision_block": QA.vision_block, "qwen_patch_embed": QA.patch_embed,
     "qwen_vision_rotary": QA.vision_rotary, "patch_merger": QA.patch_merger,
     "gemma3_projector": GA.mm_projector, "pixel_shuffle_projector": GA.pixel_shuffle_projector,
+    "qwen3_pos_embed": Q3.pos_embed, "qwen3_merger": Q3.merger, "deepstack_add": Q3.deepstack_add,
 }
 
 
@@ -177,7 +179,8 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
         lora = bool(layer.lora) and layer.runs
         if mname == "vision_tower":
             need_in = flow["vision"]
-            if layer.runs and layer.on_grad_path and (need_in or need_w or input_grads):
+            hooked = input_grads and graph.model_type not in NO_VISION_INPUT_EMBEDDINGS
+            if layer.runs and layer.on_grad_path and (need_in or need_w or hooked):
                 flow["vision"] = True
         elif mname == "multi_modal_projector":
             need_in = flow["vision"]

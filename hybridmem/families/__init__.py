@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 VLM = "vlm"
@@ -52,6 +52,9 @@ class Family:
     text_defaults: Mapping[str, object] | None = None
     """Decoder: its transformers config class's defaults for the fields the light parser
     (`models/light.py`) reads."""
+    sub_text_defaults: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    """VLM: defaults of its text sub-config class, by that class's model_type, where the type is
+    no decoder family of its own (Qwen3VLTextConfig)."""
     full_config: bool = False
     """VLM: transformers' own config class fills its many nested defaults (the analytic
     parser then reads a `PretrainedConfig`)."""
@@ -80,8 +83,9 @@ class Family:
     lm_prefix: str = "model.language_model"
     """Where its language model sits in the transformers module tree."""
     lm_graph: Callable | None = None
-    """(spec, lm Module, image tokens) -> the LM as the family runs it on a batch with images
-    (Gemma 3's per-layer masks); None: the decoder's graph as is."""
+    """(cfg, spec, lm Module, images per sample, plan) -> the LM as the family runs it on a
+    batch with images (Gemma 3's per-layer masks, Qwen3-VL's DeepStack adds); None: the
+    decoder's graph as is."""
     meta_patches: Callable | None = None
     """() -> a context manager the trace needs under meta tensors (data-dependent helpers)."""
 

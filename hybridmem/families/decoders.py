@@ -31,6 +31,7 @@ FAMILIES = (
                               num_key_value_heads=None, hidden_act="silu",
                               tie_word_embeddings=False, attention_dropout=0.0)),
     Family("qwen3", DECODER, "modeling_qwen3.py", traits=frozenset({QK_NORM}),
+           sub_types=("qwen3_vl_text",),  # Qwen3-VL's text model (modeling_qwen3_vl q/k norm)
            text_defaults=dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                               head_dim=128, hidden_act="silu", attention_bias=False,
@@ -61,6 +62,7 @@ FAMILIES = (
                               attention_dropout=0.0, num_experts_per_tok=2, num_local_experts=8,
                               output_router_logits=False, router_jitter_noise=0.0)),
     Family("qwen3_moe", DECODER, "modeling_qwen3_moe.py", traits=frozenset({QK_NORM, MOE}),
+           sub_types=("qwen3_vl_moe_text",),  # Qwen3-VL-MoE's (modeling_qwen3_vl_moe)
            text_defaults=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                               num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4,
                               head_dim=None, hidden_act="silu", attention_bias=False,

@@ -54,10 +54,10 @@ def vision_graph(cfg, spec, images, plan):
     return modules, ImageLayout(crops=1, features_per_crop=0, tokens=plan.tokens)
 
 
-def lm_graph(spec, lm, image_tokens: int):
+def lm_graph(cfg, spec, lm, images: int, plan):
     from hybridmem.models.gemma3 import image_masks
 
-    return image_masks(lm, image_tokens)
+    return image_masks(lm, images * plan.tokens)
 
 
 FAMILIES = (

@@ -1,26 +1,36 @@
-"""Qwen2-VL and Qwen2.5-VL (docs/vlm-families.md): native dynamic resolution, a packed vision
-sequence with 2-D rotary, a patch merger, a Qwen2 text model with M-RoPE.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (docs/vlm-families.md): native dynamic resolution, a
+packed vision sequence with 2-D rotary, a patch merger, a Qwen text model with M-RoPE;
+Qwen3-VL adds learned position embeddings and DeepStack mergers feeding early LM layers, with
+a dense or a mixture-of-experts Qwen3 LM.
 
-Rules: image size `job/images.smart_resize`; graph `models/qwen_vl.py`; activations
-`analytic/qwen_vl_acts.py`; meta-trace helpers `trace/corrections.grid_helpers_on_meta`.
+Rules: image size `job/images.smart_resize`; graph `models/qwen_vl.py`, `models/qwen3_vl.py`
+(config without transformers: `models/qwen3_vl_config.py`); activations
+`analytic/qwen_vl_acts.py`, `analytic/qwen3_vl_acts.py`; meta-trace helpers
+`trace/corrections.grid_helpers_on_meta` (`trace/qwen3_vl.py`).
 """
 
 from __future__ import annotations
 
-from hybridmem.families import VLM, Family
+from functools import partial
+
+from hybridmem.families import MOE, VLM, Family
 
 
-def image_plan(cfg, hw):
-    """smart_resize to multiples of patch x merge; grid_thw = (1, H/p, W/p) (one temporal
-    patch: the processor repeats the image to `temporal_patch_size` frames); the merger turns
-    every merge² patches into one LM token."""
-    from hybridmem.job.images import QWEN_DEFAULT_SIZE, ImagePlan, smart_resize
+def image_plan(cfg, hw, qwen3: bool = False):
+    """smart_resize to multiples of patch x merge within the processor's pixel range;
+    grid_thw = (1, H/p, W/p) (one temporal patch: the processor repeats the image to
+    `temporal_patch_size` frames); the merger turns every merge² patches into one LM token."""
+    from hybridmem.job import images as I
 
     vc = cfg.vision_config
     p, m = vc.patch_size, vc.spatial_merge_size
-    h, w = smart_resize(*(hw or QWEN_DEFAULT_SIZE), factor=p * m)
+    lo, hi = ((I.QWEN3_MIN_PIXELS, I.QWEN3_MAX_PIXELS) if qwen3
+              else (I.QWEN_MIN_PIXELS, I.QWEN_MAX_PIXELS))
+    h, w = I.smart_resize(*(hw or I.QWEN_DEFAULT_SIZE), factor=p * m, min_pixels=lo,
+                          max_pixels=hi)
     grid = (1, h // p, w // p)
-    return ImagePlan(cfg.model_type, tokens=grid[1] * grid[2] // (m * m), size=(h, w), grid=grid)
+    return I.ImagePlan(cfg.model_type, tokens=grid[1] * grid[2] // (m * m), size=(h, w),
+                       grid=grid)
 
 
 def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) -> dict:
@@ -47,16 +57,57 @@ def vision_graph(cfg, spec, images, plan):
     return modules(cfg, spec, images, plan)
 
 
+def qwen3_light_config(data: dict):
+    from hybridmem.models.qwen3_vl_config import light_qwen3_vl
+
+    return light_qwen3_vl(data)
+
+
+def qwen3_vision_graph(cfg, spec, images, plan):
+    """`model.visual` and its mergers incl. DeepStack's."""
+    from hybridmem.models import qwen3_vl
+    from hybridmem.models.llava import ImageLayout
+
+    return (qwen3_vl.vision_modules(cfg, spec.micro_batch, images, plan),
+            ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens))
+
+
+def qwen3_lm_graph(cfg, spec, lm, images, plan):
+    from hybridmem.models.qwen3_vl import with_deepstack
+
+    return with_deepstack(lm, cfg, spec.micro_batch, images, plan)
+
+
 def meta_patches():
     from hybridmem.trace.corrections import grid_helpers_on_meta
 
     return grid_helpers_on_meta()
 
 
-_COMMON = dict(full_config=True, image_plan=image_plan, hw_images=True,
-               pixel_inputs=pixel_inputs, text_extras=text_extras, vision_graph=vision_graph,
+_COMMON = dict(hw_images=True, pixel_inputs=pixel_inputs, text_extras=text_extras,
                meta_patches=meta_patches)
+_QWEN2 = dict(_COMMON, full_config=True, image_plan=image_plan, vision_graph=vision_graph)
+# Qwen3VLTextConfig / Qwen3VLMoeTextConfig defaults (configuration_qwen3_vl(_moe).py)
+_QWEN3_TEXT = {
+    "qwen3_vl_text": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                          head_dim=128, hidden_act="silu", attention_bias=False,
+                          attention_dropout=0.0),
+    "qwen3_vl_moe_text": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                              num_hidden_layers=24, num_attention_heads=16,
+                              num_key_value_heads=16, head_dim=None, hidden_act="silu",
+                              attention_bias=False, attention_dropout=0.0,
+                              decoder_sparse_step=1, moe_intermediate_size=1408,
+                              num_experts_per_tok=4, num_experts=60, mlp_only_layers=None),
+}
+_QWEN3 = dict(_COMMON, light_config=qwen3_light_config, image_plan=partial(image_plan, qwen3=True),
+              vision_graph=qwen3_vision_graph, lm_graph=qwen3_lm_graph)
 FAMILIES = (
-    Family("qwen2_vl", VLM, "modeling_qwen2_vl.py", **_COMMON),
-    Family("qwen2_5_vl", VLM, "modeling_qwen2_5_vl.py", **_COMMON),
+    Family("qwen2_vl", VLM, "modeling_qwen2_vl.py", **_QWEN2),
+    Family("qwen2_5_vl", VLM, "modeling_qwen2_5_vl.py", **_QWEN2),
+    Family("qwen3_vl", VLM, "modeling_qwen3_vl.py",
+           sub_text_defaults={"qwen3_vl_text": _QWEN3_TEXT["qwen3_vl_text"]}, **_QWEN3),
+    # its LM is a Qwen3-MoE (the MoE closed forms: full bf16 only, predict.trace_only_reason)
+    Family("qwen3_vl_moe", VLM, "modeling_qwen3_vl_moe.py", traits=frozenset({MOE}),
+           sub_text_defaults={"qwen3_vl_moe_text": _QWEN3_TEXT["qwen3_vl_moe_text"]}, **_QWEN3),
 )

@@ -42,6 +42,10 @@ splitting (Idefics3, SmolVLM: the image after the processor's resize)."""
 # shortest_edge = 56 * 56 (min_pixels), longest_edge = 28 * 28 * 1280 (max_pixels)
 QWEN_MIN_PIXELS = 56 * 56
 QWEN_MAX_PIXELS = 28 * 28 * 1280
+# Qwen/Qwen3-VL-*-Instruct preprocessor_config.json (Qwen2VLImageProcessorFast, patch_size 16,
+# merge_size 2): size = {"shortest_edge": 65536, "longest_edge": 16777216}
+QWEN3_MIN_PIXELS = 65536
+QWEN3_MAX_PIXELS = 16777216
 QWEN_DEFAULT_SIZE = (448, 448)
 """Qwen2-VL has no native size; an assumed default (16 x 16 merged tokens = 256 per image)."""
 QWEN_MAX_ASPECT = 200  # smart_resize: "absolute aspect ratio must be smaller than 200"

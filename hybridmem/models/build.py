@@ -242,7 +242,7 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         modules, layout = fam.vision_graph(cfg, spec, images, plan)  # the family's parts
         lm, head = _decoder_modules(cfg, spec, fam.lm_prefix)
         if fam.lm_graph is not None:
-            lm = fam.lm_graph(spec, lm, images * layout.tokens)
+            lm = fam.lm_graph(cfg, spec, lm, images, plan)
         modules = modules + [lm, head]
     vc = getattr(cfg, "vision_config", None)
     tc = getattr(cfg, "text_config", cfg)

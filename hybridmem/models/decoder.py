@@ -43,6 +43,9 @@ GEMMA_TYPES = with_trait(GEMMA)
 # weights as 3-D parameters (`mlp.experts.gate_up_proj` E x 2f x h, `mlp.experts.down_proj`
 # E x h x f; modeling_mixtral.MixtralExperts / MixtralTopKRouter, modeling_qwen3_moe likewise)
 MOE_TYPES = with_trait(MOE)
+# Qwen3-MoE's layer rule and expert fields (Qwen3-VL-MoE's text model: modeling_qwen3_vl_moe
+# Qwen3VLMoeTextDecoderLayer, the same `mlp_only_layers` / `decoder_sparse_step` test)
+QWEN3_MOE_TEXT = ("qwen3_moe", "qwen3_vl_moe_text")
 # families whose transformers code refuses SDPA (`_supports_sdpa = False`: softcapping)
 NO_SDPA_TYPES = with_trait(NO_SDPA)
 
@@ -95,7 +98,7 @@ def moe(tc) -> tuple[int, int, int]:
     `moe_intermediate_size` (configuration_mixtral.py, configuration_qwen3_moe.py)."""
     if tc.model_type == "mixtral":
         return tc.num_local_experts, tc.num_experts_per_tok, tc.intermediate_size
-    if tc.model_type == "qwen3_moe":
+    if tc.model_type in QWEN3_MOE_TEXT:
         return tc.num_experts, tc.num_experts_per_tok, tc.moe_intermediate_size
     return 0, 0, 0
 
@@ -103,7 +106,7 @@ def moe(tc) -> tuple[int, int, int]:
 def moe_layer(tc, i: int) -> bool:
     """Whether layer `i` has the sparse MoE block (Qwen3MoeDecoderLayer.__init__: not in
     `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; Mixtral: every layer)."""
-    if tc.model_type == "qwen3_moe":
+    if tc.model_type in QWEN3_MOE_TEXT:
         return (i not in (getattr(tc, "mlp_only_layers", None) or []) and tc.num_experts > 0
                 and (i + 1) % (getattr(tc, "decoder_sparse_step", 1) or 1) == 0)
     return tc.model_type in MOE_TYPES
@@ -184,7 +187,9 @@ def moe_dims(tc, dims: dict) -> dict:
     n, k, fe = moe(tc)
     mix = tc.model_type == "mixtral"
     return dict(dims, moe=True, experts=n, top_k=k, ffn=fe, router_copy=mix,
-                router_norm=mix or bool(getattr(tc, "norm_topk_prob", False)),
+                # Qwen3VLMoeTextTopKRouter renormalises always (no norm_topk_prob test)
+                router_norm=mix or tc.model_type == "qwen3_vl_moe_text"
+                or bool(getattr(tc, "norm_topk_prob", False)),
                 router_fp32_weights=mix)
 
 

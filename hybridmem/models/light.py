@@ -14,7 +14,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from hybridmem.errors import SpecError
-from hybridmem.families import DECODER, family, types
+from hybridmem.families import DECODER, VLM, family, types
 from hybridmem.models.loader import analytic_refusal, is_analytic, load_config_dict, validate_types
 
 # defaults of the transformers 5.x config classes, for the fields the parser reads
@@ -27,8 +27,11 @@ VISION_DEFAULTS: dict[str, dict] = {
                                 patch_size=16, hidden_act="gelu_pytorch_tanh",
                                 vision_use_head=True),
 }
-TEXT_DEFAULTS: dict[str, dict] = {mt: dict(family(mt).text_defaults) for mt in types(DECODER)}
-"""Per decoder family (`hybridmem/families/decoders.py`)."""
+TEXT_DEFAULTS: dict[str, dict] = {
+    **{mt: dict(family(mt).text_defaults) for mt in types(DECODER)},
+    **{sub: dict(d) for mt in types(VLM) for sub, d in family(mt).sub_text_defaults.items()}}
+"""Per decoder family (`hybridmem/families/decoders.py`) and per VLM text sub-config type
+that is no family of its own (Qwen3-VL's `qwen3_vl_text`)."""
 # LlavaConfig without a vision_config builds CLIP ViT-L/14-336 (configuration_llava.py)
 LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
                     patch_size=14, image_size=336, num_hidden_layers=24, num_attention_heads=16,

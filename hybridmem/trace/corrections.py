@@ -196,7 +196,9 @@ def cuda_foreach_norm():
 # Qwen2-VL / Qwen2.5-VL modules whose vision helpers read `image_grid_thw` values
 # (transformers vision_utils.py: `.tolist()`, loops) and whose M-RoPE index reads token values
 QWEN_VL_MODULES = ("transformers.models.qwen2_vl.modeling_qwen2_vl",
-                   "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+                   "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+                   "transformers.models.qwen3_vl.modeling_qwen3_vl",
+                   "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe")
 
 
 @contextlib.contextmanager
@@ -225,6 +227,11 @@ def grid_helpers_on_meta():
         pos = mod.get_vision_position_ids
         patch(mod, "get_vision_position_ids",
               lambda *a, _f=pos, **k: _f(*a, **k).to("meta"))
+        if hasattr(mod, "get_vision_interpolation_indices_and_weights"):
+            # Qwen3-VL's learned position grid resampling: (patches, 4) indices and weights
+            interp = mod.get_vision_interpolation_indices_and_weights
+            patch(mod, "get_vision_interpolation_indices_and_weights",
+                  lambda *a, _f=interp, **k: tuple(x.to("meta") for x in _f(*a, **k)))
         if hasattr(mod, "get_vision_window_index"):
             win = mod.get_vision_window_index
 
@@ -245,8 +252,10 @@ def grid_helpers_on_meta():
                     self.rope_deltas = torch.empty(b, 1, dtype=torch.long, device="meta")
                     return torch.empty(3, b, s, dtype=torch.long, device="meta")
                 patch(cls, "compute_3d_position_ids", positions)
+    from hybridmem.trace.qwen3_vl import deepstack_rows_on_meta
     try:
-        yield
+        with deepstack_rows_on_meta():  # Qwen3-VL's DeepStack bool row masks
+            yield
     finally:
         for obj, name, old in reversed(saved):
             setattr(obj, name, old)
