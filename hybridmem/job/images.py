@@ -21,6 +21,11 @@ Per family (transformers 5.24 modeling / image-processing code):
   tiles of `vision_config.image_size`, splits them and adds the global image (one image if
   it is one tile); each tile becomes (tile / patch)² / scale_factor² tokens after the pixel
   shuffle (`processing_idefics3` `image_seq_len`);
+- `internvl`: `GotOcr2ImageProcessor.crop_to_patches` (InternVLProcessor turns it on) tiles the
+  input image (`image_size`; default one tile) into the grid of 1..12 vision-size tiles whose
+  aspect ratio is closest, plus a thumbnail when more than one; each tile becomes
+  `image_seq_length` = (tile / patch)² · downsample_ratio² tokens
+  (`hybridmem.models.internvl.tiles_per_image`);
 - `gemma3`: `Gemma3MultiModalProjector` pools every image to `mm_tokens_per_image` soft tokens
   (the SigLIP tower always sees `vision_config.image_size`; the processor resizes to it).
 
@@ -40,8 +45,10 @@ SPLIT_FAMILIES: tuple[str, ...] = ("idefics3",)
 """Image splitting into vision-size tiles + a global image, pixel shuffle. SmolVLM shares the
 rule but not yet the trace (its meta trace with images stops in a `nonzero`, not located yet):
 it stays on text-only batches (docs/vlm-families.md)."""
+TILE_FAMILIES: tuple[str, ...] = ("internvl",)
+"""GotOcr2 `crop_to_patches` tiling (+ thumbnail), pixel shuffle (`models/internvl.py`)."""
 IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                   "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES
+                                   "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES + TILE_FAMILIES
 """model_types whose batches carry images (else: text-only)."""
 GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
@@ -105,7 +112,8 @@ class ImagePlan:
 
     @property
     def crops(self) -> int:
-        """Idefics3 / SmolVLM: tiles + global image per image (`grid[1]`; grid[0] stays 0)."""
+        """Idefics3 / SmolVLM: tiles + global image per image; InternVL: tiles + thumbnail
+        (`grid[1]`; grid[0] stays 0)."""
         return self.grid[1]
 
 
@@ -172,6 +180,10 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
         return ImagePlan(mt, tokens=layout.tokens, size=(s, s), layout=layout)
     if mt in SPLIT_FAMILIES:
         return _split_plan(cfg, side)
+    if mt in TILE_FAMILIES:
+        from hybridmem.models.internvl import image_plan as internvl_plan
+
+        return internvl_plan(cfg, side)
     if mt == "gemma3":
         native = cfg.vision_config.image_size
         if side is not None and side != native:
@@ -234,6 +246,10 @@ def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
                                            device=device),
                 "pixel_attention_mask": torch.ones(n_images, plan.crops, tile, tile,
                                                    dtype=torch.bool, device=device)}
+    if mt in TILE_FAMILIES:  # InternVLProcessor: every image's tiles in one (tiles, C, t, t)
+        tile = config.vision_config.image_size[0]
+        return {"pixel_values": torch.zeros(n_images * plan.crops, 3, tile, tile, dtype=dtype,
+                                            device=device)}
     if mt in ("llava_next", "llava_onevision"):  # (images, crops, C, H, W) + image_sizes
         native = config.vision_config.image_size
         return {"pixel_values": torch.zeros(n_images, plan.layout.crops, 3, native, native,

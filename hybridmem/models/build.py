@@ -14,8 +14,8 @@ from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.job.images import ImagePlan, check_seq_len, image_plan
-from hybridmem.job.images import SPLIT_FAMILIES
-from hybridmem.models import idefics3, qwen_vl
+from hybridmem.job.images import SPLIT_FAMILIES, TILE_FAMILIES
+from hybridmem.models import idefics3, internvl, qwen_vl
 from hybridmem.models.llava import ImageLayout, num_feature_layers
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import DECODER_TYPES
@@ -232,7 +232,7 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
 
 # layer kinds whose 2-D `.weight`s are nn.Linear modules (embeddings, patch/position
 # embeddings are not: transformers' `replace_with_bnb_linear` converts nn.Linear only)
-LINEAR_KINDS = ("decoder_layer", "encoder_layer", "projector", "lm_head")
+LINEAR_KINDS = ("decoder_layer", "encoder_layer", "projector", "lm_head", "internvl_projector")
 
 
 def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
@@ -288,6 +288,10 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
             modules = idefics3.vision_modules(cfg, spec.micro_batch * images * plan.crops,
                                               runs=images > 0)
             layout = ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
+        elif cfg.model_type in TILE_FAMILIES:  # InternVL: tiles + thumbnail, pixel shuffle
+            modules = internvl.vision_modules(cfg, spec.micro_batch * images * plan.crops,
+                                              runs=images > 0)
+            layout = ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
         else:
             modules = _multimodal_modules(cfg, spec, images, layout)
         lm, head = _decoder_modules(cfg, spec, "model.text_model" if cfg.model_type
@@ -301,5 +305,6 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         vocab_size=tc.vocab_size, text_hidden=tc.hidden_size, micro_batch=spec.micro_batch,
         seq_len=spec.seq_len, image_tokens=images * layout.tokens,
         vision_batch=spec.micro_batch * images * layout.crops,
-        vision_seq=tokens_per_crop(vc) if vc is not None and not plan_grid else 0,
+        vision_seq=(internvl.tokens_per_crop(vc) if cfg.model_type in TILE_FAMILIES
+                    else tokens_per_crop(vc) if vc is not None and not plan_grid else 0),
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))

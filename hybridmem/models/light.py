@@ -83,7 +83,7 @@ NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # families whose many nested defaults transformers' own config class fills (OneVision: SigLIP
 # so400m, "full" features of layer -1, 36 pinpoints; configuration_llava_onevision.py)
-FULL_CONFIG_TYPES = QWEN_VL_TYPES + ("llava_onevision", "idefics3")
+FULL_CONFIG_TYPES = QWEN_VL_TYPES + ("llava_onevision", "idefics3", "internvl")
 POSITIVE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "vocab_size", "image_size", "patch_size", "num_channels")
 

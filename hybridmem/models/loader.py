@@ -15,7 +15,7 @@ from hybridmem.errors import SpecError
 
 # model_type values the estimators understand; anything else is refused at the boundary.
 MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                     "qwen2_5_vl", "idefics3")
+                                     "qwen2_5_vl", "idefics3", "internvl")
 LLAVA_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision")
 """CLIP/SigLIP tower + projector + a DECODER_TYPES LM (sub-configs checked below); the Qwen-VL
 families carry their own tower and LM (docs/vlm-families.md)."""
@@ -126,7 +126,7 @@ def validate_types(data: dict) -> str:
         if isinstance(model_type, str) and model_type in transformers_types():
             return model_type  # the trace tier builds it with its own Auto class, sub-configs too
         raise SpecError("model_type", model_type, SUPPORTED_TYPES + (TRACE_ONLY_CHOICE,))
-    if model_type == "idefics3":  # its vision config is its own; the LM must be priced
+    if model_type in ("idefics3", "internvl"):  # own vision config; the LM must be priced
         sub = data.get("text_config")
         if isinstance(sub, dict) and sub.get("model_type", "llama") not in DECODER_TYPES:
             raise SpecError("text_config.model_type", sub.get("model_type"), DECODER_TYPES)
