@@ -1,0 +1,165 @@
+"""InternVL (docs/vlm-families.md "InternVL"): the image rule, parameters per part, each tier.
+
+Oracles: transformers' own tiling function (`get_optimal_tiled_canvas`, the PIL image
+processor's tile count), the model built on the meta device (parameter names and counts; the
+HF model pages' totals), a real tiny model's `get_image_features` (image tokens), a real
+(non-fake) CPU run counting live bytes (the trace tier), and the trace tier (the analytic
+tier, 3 %).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem.analytic import estimate as analytic
+from hybridmem.errors import SpecError
+from hybridmem.job.images import image_plan
+from hybridmem.models import build_graph, load_config
+from hybridmem.models.internvl import optimal_grid
+from hybridmem.spec import TrainingSpec
+from hybridmem.trace import estimate as trace_estimate, runner
+from test_trace import real_cpu_peak
+from test_vlm_families import TINY_KW, _analytic_within_3_percent, _meta_model, \
+    _parts_equal_the_meta_model
+
+TINY = "tiny-internvl"
+PRESETS = ("internvl3-1b-hf", "internvl3-2b-hf", "internvl3-8b-hf")
+
+
+# --- the image rule -------------------------------------------------------------------------
+
+def test_grid_matches_transformers():
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+        get_optimal_tiled_canvas as ref,
+    )
+
+    for h, w in [(448, 448), (800, 800), (1000, 1000), (1400, 1400), (300, 1200), (1080, 1920),
+                 (2000, 500), (64, 64)]:
+        assert optimal_grid(h, w, 448) == ref((h, w), (448, 448), 1, 12)
+
+
+@pytest.mark.parametrize("side", [448, 633, 634, 896, 950, 951, 1344, 3000])
+def test_tiles_match_the_image_processor(side):
+    """GotOcr2ImageProcessorPil.get_number_of_image_patches with the published processor's
+    size (448) and InternVLProcessor's crop_to_patches=True."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+        GotOcr2ImageProcessorPil,
+    )
+
+    proc = GotOcr2ImageProcessorPil(size={"height": 448, "width": 448})
+    want = proc.get_number_of_image_patches(side, side, {"crop_to_patches": True})
+    assert image_plan(load_config("internvl3-2b-hf"), side).crops == want
+
+
+@pytest.mark.parametrize("side, tiles", [
+    # hand counts, 448-px tiles, squares tie on 1x1 / 2x2 / 3x3: the larger grid wins while
+    # side² > half its area: 2x2 from side² > 2·448² (side ≥ 634), 3x3 from > 4.5·448² (951)
+    (None, 1), (448, 1), (633, 1), (634, 5), (896, 5), (950, 5), (951, 10), (2000, 10)])
+def test_tiles_hand_count(side, tiles):
+    plan = image_plan(load_config("internvl3-8b-hf"), side)
+    assert (plan.crops, plan.tokens) == (tiles, 256 * tiles)  # image_seq_length 256
+
+
+def test_image_seq_length_must_match_the_tower():
+    import copy
+    from hybridmem.models.internvl import image_plan as rule
+
+    cfg = copy.deepcopy(load_config(TINY))
+    cfg.image_seq_length = 5
+    with pytest.raises(SpecError, match=r"image_seq_length=5: .* gives 4 tokens \(valid: 4\)"):
+        rule(cfg, 56)
+
+
+def test_every_tier_counts_the_same_image_tokens():
+    """Analytic graph, trace batch and CUDA-harness batch read one rule; the real tiny model's
+    `get_image_features` on the harness's pixel inputs agrees."""
+    import transformers
+    from hybridmem.harness.workload import make_batch as harness_batch
+
+    spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=128, image_size=112)
+    config = load_config(spec.model)
+    rule = image_plan(config, 112)
+    graph = build_graph(spec)
+    _, traced = runner.make_batch(spec, config, None, torch.float32)
+    harness = harness_batch(spec, config, None, torch.device("cpu"))
+    placed = int((harness["input_ids"][0] == config.image_token_id).sum())
+    assert harness["pixel_values"].shape == (2 * 5, 3, 56, 56)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        feats = model.model.get_image_features(harness["pixel_values"][:5]).pooler_output
+    by_model = feats.numel() // config.text_config.hidden_size
+    # 112 px: 2 x 2 tiles of 56 px + thumbnail, 4 x 4 patches shuffled to 2 x 2 tokens each
+    assert rule.tokens == graph.image_tokens == traced == placed == by_model == 20
+    assert graph.vision_batch == 10
+
+
+# --- parameters -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", (TINY,) + PRESETS)
+def test_params_equal_the_meta_model_per_tensor(model):
+    ref = {k: p.numel() for k, p in _meta_model(model).named_parameters()}
+    assert build_graph(TrainingSpec(model=model, seq_len=4096)).param_names() == ref
+
+
+@pytest.mark.parametrize("model, total, page", [
+    # meta-device counts; HF model pages (safetensors) of OpenGVLab/InternVL3-*-hf
+    ("internvl3-1b-hf", 938_193_024, "938M"), ("internvl3-2b-hf", 2_088_957_440, "2.09B"),
+    ("internvl3-8b-hf", 7_944_373_760, "7.94B")])
+def test_preset_totals(model, total, page):
+    assert build_graph(TrainingSpec(model=model, seq_len=4096)).num_params == total
+    assert (f"{total / 1e6:.0f}M" if total < 1e9 else f"{total / 1e9:.2f}B") == page
+
+
+def test_parts_equal_the_meta_model():
+    _parts_equal_the_meta_model(TINY, {"model.multi_modal_projector.": "multi_modal_projector",
+                                       "model.vision_tower.": "vision_tower",
+                                       "lm_head": "lm_head"}, image_size=56)
+
+
+@pytest.mark.parametrize("field, value", [("norm_type", "rms_norm"), ("use_qk_norm", True)])
+def test_unpriced_tower_options_are_refused_by_the_analytic_tier(tmp_path, field, value):
+    import json
+    from importlib import resources
+
+    d = json.loads((resources.files("hybridmem.models") / "presets" / f"{TINY}.json").read_text())
+    d["vision_config"][field] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(SpecError, match=rf"vision_config.{field}=.*--method trace"):
+        build_graph(TrainingSpec(model=str(path), seq_len=64, image_size=56))
+
+
+# --- trace tier and analytic tier -----------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(precision="fp32"),
+                                dict(precision="bf16-mixed", train="llm+projector"),
+                                dict(precision="bf16-mixed", train="lora"),
+                                dict(precision="bf16", grad_ckpt=True)])
+def test_trace_equals_a_real_cpu_run(kw):
+    """(bf16 + checkpointing is exact here, unlike tiny Qwen2-VL / Idefics3's +1024 B: the
+    peak is not where recomputed vision LayerNorm statistics are alive.)"""
+    spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=64, image_size=112, **kw)
+    tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert job.image_tokens == 20  # 2 x 2 tiles + thumbnail, 4 tokens each (hand count above)
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
+@pytest.mark.parametrize("kw", TINY_KW + [dict(precision="bf16-mixed")])
+def test_analytic_within_3_percent_of_trace(kw):
+    spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=64, image_size=112, **kw)
+    _analytic_within_3_percent(spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [
+    dict(micro_batch=4, seq_len=4096, train="lora", grad_ckpt=True),
+    dict(micro_batch=1, seq_len=4096, image_size=896, grad_ckpt=True),
+    dict(micro_batch=1, seq_len=2048, image_size=896, precision="bf16-mixed",
+         train="llm+projector")])
+def test_real_sized_analytic_within_3_percent(kw):
+    """Measured: docs/vlm-families.md "InternVL"."""
+    spec = TrainingSpec(model="internvl3-2b-hf", **kw)
+    a, t = analytic(spec), trace_estimate(spec)
+    assert abs(a.peak.allocated_bytes - t.peak.allocated_bytes) / t.peak.allocated_bytes <= 0.03
