@@ -20,8 +20,8 @@ from hybridmem.models.internvl import optimal_grid
 from hybridmem.spec import TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner
 from test_trace import real_cpu_peak
-from test_vlm_families import TINY_KW, _analytic_within_3_percent, _meta_model, \
-    _parts_equal_the_meta_model
+from test_vlm_families import TINY_KW, _analytic_within_3_percent, _gemma3_vision_analytic, \
+    _gemma3_vision_real, _meta_model, _parts_equal_the_meta_model
 
 TINY = "tiny-internvl"
 PRESETS = ("internvl3-1b-hf", "internvl3-2b-hf", "internvl3-8b-hf")
@@ -185,43 +185,6 @@ def _mid_config():
     return load_config_data(d)
 
 
-def _vision_real(config, n: int, dtype, tower_trains: bool) -> int:
-    """Bytes a real CPU forward of `get_image_features` leaves alive (saved for backward +
-    `last_hidden_state` + `pooler_output`), counted by storage address."""
-    import transformers
-    from test_trace import DataPtrCounter
-
-    torch.manual_seed(0)
-    m = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype)
-    m.requires_grad_(False)
-    m.model.multi_modal_projector.requires_grad_(True)
-    if tower_trains:
-        m.model.vision_tower.requires_grad_(True)
-    side = config.vision_config.image_size[0]
-    px = torch.zeros(n, 3, side, side, dtype=dtype)
-    counter = DataPtrCounter([*m.parameters(), *m.buffers(), px])
-    base = counter.current
-    with counter:
-        out = m.model.get_image_features(pixel_values=px)  # noqa: F841 - kept alive
-    return counter.current - base
-
-
-def _vision_analytic(config, n: int, e: int, tower_trains: bool) -> int:
-    from hybridmem.analytic.activations import Ctx
-    from hybridmem.analytic.estimate import FORMULAS
-    from hybridmem.models.internvl import vision_modules
-
-    c = Ctx(e=e, stream=e, amp=False, attn="sdpa")
-    total = 0
-    for module in vision_modules(config, n):
-        need_w = tower_trains or module.name == "multi_modal_projector"
-        for layer in module.layers:
-            if layer.kind in FORMULAS:
-                acts = FORMULAS[layer.kind](layer, c, tower_trains, need_w)
-                total += acts.saved + acts.held
-    return total
-
-
 def _cuda_minus_cpu(cfg, n: int, dtype, tower: bool) -> int:
     """What the closed forms (CUDA's kernels) keep beyond the CPU run, by hand: fp32 SDPA on
     CUDA is the mem-efficient kernel, whose logsumexp rows are padded to 32 (the CPU kernel's
@@ -251,5 +214,7 @@ def test_vision_activations_equal_a_real_cpu_forward(config, dtype, e, tower):
     equal a real CPU forward up to the hand-derived CUDA-vs-CPU kernel differences (measured:
     mid fp32 with the tower +7,168 B, bf16 +34,816 B / +2,048 B; the rest 0)."""
     cfg = _mid_config() if config == "mid" else load_config(TINY)
-    want = _vision_real(cfg, 2, dtype, tower) + _cuda_minus_cpu(cfg, 2, dtype, tower)
-    assert _vision_analytic(cfg, 2, e, tower) == want
+    from hybridmem.models.internvl import vision_modules
+
+    want = _gemma3_vision_real(cfg, 2, dtype, tower) + _cuda_minus_cpu(cfg, 2, dtype, tower)
+    assert _gemma3_vision_analytic(cfg, 2, e, tower, vision_modules) == want
