@@ -9,6 +9,8 @@ tier, 3 %).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -118,17 +120,26 @@ def test_parts_equal_the_meta_model():
                                        "lm_head": "lm_head"}, image_size=56)
 
 
-@pytest.mark.parametrize("field, value", [("norm_type", "rms_norm"), ("use_qk_norm", True)])
-def test_unpriced_tower_options_are_refused_by_the_analytic_tier(tmp_path, field, value):
+def _variant(tmp_path, top: dict | None = None, **vision) -> str:
+    """tiny-internvl with other vision_config / top-level values, as a config.json path."""
     import json
     from importlib import resources
 
     d = json.loads((resources.files("hybridmem.models") / "presets" / f"{TINY}.json").read_text())
-    d["vision_config"][field] = value
+    d["vision_config"].update(vision)
+    d.update(top or {})
     path = tmp_path / "config.json"
     path.write_text(json.dumps(d))
-    with pytest.raises(SpecError, match=rf"vision_config.{field}=.*--method trace"):
-        build_graph(TrainingSpec(model=str(path), seq_len=64, image_size=56))
+    return str(path)
+
+
+@pytest.mark.parametrize("top, vision, field", [
+    (dict(vision_feature_layer=-2), {}, "vision_feature_layer=-2"),
+    ({}, dict(hidden_dropout_prob=0.1), "vision_config.hidden_dropout_prob=0.1")])
+def test_unpriced_settings_are_refused_by_the_analytic_tier(tmp_path, top, vision, field):
+    path = _variant(tmp_path, top, **vision)
+    with pytest.raises(SpecError, match=rf"{re.escape(field)}: .*--method trace"):
+        build_graph(TrainingSpec(model=path, seq_len=64, image_size=56))
 
 
 # --- trace tier and analytic tier -----------------------------------------------------------
@@ -170,7 +181,7 @@ def test_real_sized_analytic_within_3_percent(kw):
 
 # --- the vision side's closed forms against a real CPU forward ------------------------------
 
-def _mid_config():
+def _mid_config(**vision):
     """internvl3-1b-hf's vision side (448-px tiles, 1025 tokens, width 1024, projector to
     896) with 2 InternViT layers and a 1-layer LM: real-sized widths, CPU-sized depth."""
     import json
@@ -179,7 +190,7 @@ def _mid_config():
 
     d = json.loads((resources.files("hybridmem.models") / "presets" /
                     "internvl3-1b-hf.json").read_text())
-    d["vision_config"].update(num_hidden_layers=2)
+    d["vision_config"].update(num_hidden_layers=2, **vision)
     d["text_config"].update(num_hidden_layers=1, vocab_size=1024)
     d.update(image_token_id=1000)
     return load_config_data(d)
@@ -199,7 +210,8 @@ def _cuda_minus_cpu(cfg, n: int, dtype, tower: bool) -> int:
     if tower and dtype == torch.float32:
         out += layers * (block(n * heads * -(-T // 32) * 32, 4) - block(n * heads * T, 4))
     if dtype == torch.bfloat16:
-        rows = [n * T] * (2 * layers if tower else 0) + [n * (T - 1) // 4]  # + projector's
+        ln = 2 * layers if tower and vc.norm_type == "layer_norm" else 0  # RMSNorm: exact
+        rows = [n * T] * ln + [n * (T - 1) // 4]  # + the projector's LayerNorm
         out += sum(2 * (block(r, 4) - block(r, 2)) for r in rows)
     return out
 
@@ -218,3 +230,38 @@ def test_vision_activations_equal_a_real_cpu_forward(config, dtype, e, tower):
 
     want = _gemma3_vision_real(cfg, 2, dtype, tower) + _cuda_minus_cpu(cfg, 2, dtype, tower)
     assert _gemma3_vision_analytic(cfg, 2, e, tower, vision_modules) == want
+
+
+# InternViT-6B's options (InternVL3-38B / 78B towers): RMSNorm and q/k norms, on tiny-internvl
+OPTIONS = dict(norm_type="rms_norm", use_qk_norm=True)
+
+
+@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16-mixed")])
+def test_norm_options_trace_equals_a_real_cpu_run(tmp_path, kw):
+    spec = TrainingSpec(model=_variant(tmp_path, **OPTIONS), micro_batch=2, seq_len=64,
+                        image_size=112, **kw)
+    tracker, _ = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
+@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16"),
+                                dict(precision="bf16-mixed")])
+def test_norm_options_analytic_within_3_percent_of_trace(tmp_path, kw):
+    spec = TrainingSpec(model=_variant(tmp_path, **OPTIONS), micro_batch=2, seq_len=64,
+                        image_size=112, **kw)
+    _analytic_within_3_percent(spec)
+
+
+@pytest.mark.parametrize("config", ["tiny", pytest.param("mid", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("options", [dict(norm_type="rms_norm"), dict(use_qk_norm=True)])
+@pytest.mark.parametrize("dtype, e", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_norm_options_vision_activations_equal_a_real_cpu_forward(tmp_path, config, options,
+                                                                  dtype, e):
+    """Exact on both (mid: InternVL3-1B widths, measured 0 B apart after the kernel
+    differences, docs/vlm-families.md)."""
+    from hybridmem.models.internvl import vision_modules
+
+    cfg = (_mid_config(**options) if config == "mid"
+           else load_config(_variant(tmp_path, **options)))
+    want = _gemma3_vision_real(cfg, 2, dtype, True) + _cuda_minus_cpu(cfg, 2, dtype, True)
+    assert _gemma3_vision_analytic(cfg, 2, e, True, vision_modules) == want

@@ -26,10 +26,10 @@ from hybridmem.models.graph import Layer
 
 
 def with_layer_scale(acts: Acts, layer: Layer, c: Ctx, need_w: bool) -> Acts:
-    """`vision_acts.encoder_layer`'s result plus what lambda_1 / lambda_2 add: each mul saves
-    the branch output (N x h, matmul dtype) when the lambda trains; forward, the stream-dtype
+    """`vision_acts.encoder_layer`'s result plus what InternViT adds: each lambda mul saves the
+    branch output (N x h, matmul dtype) when the lambda trains; forward, the stream-dtype
     product before the residual add; backward, the product's grad w.r.t. the branch and the
-    lambda's per-element product (reduced to h)."""
+    lambda's per-element product (reduced to h). Then the norm options (`_norm_options`)."""
     if not acts.saved and not acts.ckpt_saved:
         return acts
     d = layer.dims
@@ -37,13 +37,40 @@ def with_layer_scale(acts: Acts, layer: Layer, c: Ctx, need_w: bool) -> Acts:
     branch = t(N * h, c.e) if need_w else 0
     scaled = t(N * h, c.stream)
     extra = (t(N * h, c.stream), t(N * h, c.e))
+    norms, norms_mlp = _norm_options(d, c, N, h, need_w)
     return replace(
-        acts, saved=acts.saved + 2 * branch,
-        parts=acts.parts + ((branch, branch) if branch else ()),
-        mlp_saved=acts.mlp_saved + branch,
+        acts, saved=acts.saved + 2 * branch + sum(norms),
+        parts=acts.parts + ((branch, branch) if branch else ()) + norms,
+        mlp_saved=acts.mlp_saved + branch + sum(norms_mlp),
         fwd_extra=acts.fwd_extra + scaled, fwd_parts=acts.fwd_parts + (scaled,),
         bwd_extra=acts.bwd_extra + sum(extra), bwd_parts=acts.bwd_parts + extra,
         bwd_mlp=acts.bwd_mlp + sum(extra), bwd_mlp_parts=acts.bwd_mlp_parts + extra)
+
+
+def _rms_saved(c: Ctx, N: int, h: int, in_bytes: int, need_w: bool) -> tuple[int, ...]:
+    """InternVLVisionRMSNorm.forward on an (N, h) input of `in_bytes`: `.to(float32)` (the
+    input itself when fp32) saved by pow and mul, rsqrt (N, fp32), and `.to(input_dtype)` of
+    the product, saved by `weight *` for the weight's grad."""
+    return (t(N * h, FP32), t(N, FP32)) + ((t(N * h, in_bytes),) if need_w else ())
+
+
+def _norm_options(d: dict, c: Ctx, N: int, h: int, need_w: bool
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Saved bytes the norm options add to the CLIP layer's count (all of them, the MLP
+    half's): `use_qk_norm` RMSNorms on the q/k projections' outputs (matmul dtype; the
+    normed q/k that SDPA saves replace the projections' outputs one for one);
+    `norm_type` rms_norm instead of the LayerNorms (stream dtype), whose input, mean and
+    rstd `encoder_layer` counted."""
+    if not need_w:
+        return (), ()
+    qk = _rms_saved(c, N, h, c.e, need_w) * 2 if d.get("qk_norm") else ()
+    if not d.get("rms"):
+        return qk, ()
+    ln = t(N * h, c.stream) + 2 * t(N, FP32)
+    rms = _rms_saved(c, N, h, c.stream, need_w)
+    # the LayerNorm's saved bytes were counted: the difference, as one tensor per norm
+    one = sum(rms) - ln
+    return qk + (one, one), (one,)
 
 
 def final_norm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:

@@ -112,12 +112,13 @@ def layer_params(vc) -> tuple[T, ...]:
 
 
 def check_supported(cfg) -> None:
-    """The closed forms cover InternViT as published for InternVL3 (LayerNorm, no q/k norm,
-    the last layer's features, CLS dropped); other settings are priced by the trace tier."""
+    """The closed forms cover InternViT's norm options (LayerNorm / RMSNorm, q/k norms), the
+    last layer's features with the CLS dropped (every InternVL3 config); other settings are
+    priced by the trace tier."""
     vc = cfg.vision_config
-    for field, value, ok in (("vision_config.norm_type", vc.norm_type, "layer_norm"),
-                             ("vision_config.use_qk_norm", vc.use_qk_norm, False),
-                             ("vision_feature_layer", cfg.vision_feature_layer, -1),
+    if vc.norm_type not in ("layer_norm", "rms_norm"):
+        raise SpecError("vision_config.norm_type", vc.norm_type, ("layer_norm", "rms_norm"))
+    for field, value, ok in (("vision_feature_layer", cfg.vision_feature_layer, -1),
                              ("vision_feature_select_strategy",
                               cfg.vision_feature_select_strategy, "default")):
         if value != ok:
@@ -153,7 +154,8 @@ def vision_modules(cfg, n_tiles: int, runs: bool = True) -> list[Module]:
                            dims=dict(base, heads=vc.num_attention_heads,
                                      head_dim=h // vc.num_attention_heads,
                                      ffn=vc.intermediate_size, act=vc.hidden_act,
-                                     layer_scale=True)))
+                                     layer_scale=True, qk_norm=vc.use_qk_norm,
+                                     rms=vc.norm_type == "rms_norm")))
     # use_mean_pooling: `layernorm` is nn.Identity; its output (last_hidden_state) is held by
     # `image_outputs` either way
     final = () if vc.use_mean_pooling else _norm("layernorm", h, False)
