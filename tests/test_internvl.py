@@ -265,3 +265,25 @@ def test_norm_options_vision_activations_equal_a_real_cpu_forward(tmp_path, conf
            else load_config(_variant(tmp_path, **options)))
     want = _gemma3_vision_real(cfg, 2, dtype, True) + _cuda_minus_cpu(cfg, 2, dtype, True)
     assert _gemma3_vision_analytic(cfg, 2, e, True, vision_modules) == want
+
+
+# --- the light config -----------------------------------------------------------------------
+
+def test_analytic_tier_imports_neither_torch_nor_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys; from hybridmem import TrainingSpec; from hybridmem.analytic import estimate;"
+            "estimate(TrainingSpec(model='internvl3-2b-hf', image_size=896));"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("vision, message", [
+    (dict(image_size=[448]), "vision_config.image_size=[448]: must be a positive integer or"),
+    (dict(hidden_size=30), "vision_config.hidden_size=30: not a multiple of num_attention_heads=4"),
+    (dict(num_hidden_layers=0), "vision_config.num_hidden_layers=0: must be a positive")])
+def test_light_config_refuses_bad_vision_fields_in_one_line(tmp_path, vision, message):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        build_graph(TrainingSpec(model=_variant(tmp_path, **vision), seq_len=64))

@@ -90,6 +90,58 @@ def image_plan(cfg, side: int | None):
                      grid=(0, tiles, per_tile))
 
 
+# --- the light config (no transformers import on the analytic path) ------------------------
+
+# InternVLVisionConfig / InternVLConfig field defaults (configuration_internvl.py), for the
+# fields the graph reads; the text config is Qwen2's unless it says otherwise
+VISION_DEFAULTS = dict(
+    model_type="internvl_vision", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+    attention_bias=False, use_qk_norm=False, intermediate_size=4096, hidden_act="gelu",
+    hidden_dropout_prob=0.0, attention_dropout=0.0, projection_dropout=0.0,
+    norm_type="layer_norm", image_size=(448, 448), patch_size=(14, 14), num_channels=3,
+    use_mask_token=False, use_absolute_position_embeddings=True, use_mean_pooling=True)
+TOP_DEFAULTS = dict(image_token_id=151667, image_seq_length=256, downsample_ratio=0.5,
+                    projector_hidden_act="gelu", vision_feature_layer=-1,
+                    vision_feature_select_strategy="default", tie_word_embeddings=True)
+
+
+def _hw(field: str, value) -> tuple[int, int]:
+    """`InternVLVisionConfig.__post_init__`: an int side becomes (side, side)."""
+    pair = tuple(value) if isinstance(value, (list, tuple)) else (value, value)
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0
+                             for v in pair):
+        raise SpecError(field, value, reason="must be a positive integer or [height, width]")
+    return pair
+
+
+def light_config(data: dict):
+    """The fields the graph reads, with transformers' defaults, as attributes (the light
+    reader's InternVL branch, `models/light.py`); tests/test_models.py compares the graph it
+    gives with the meta-device model for every preset."""
+    from types import SimpleNamespace
+
+    from hybridmem.models.light import _text
+
+    clean = {k: v for k, v in data.items() if not k.startswith("_")}
+    vision = {**VISION_DEFAULTS, **{k: v for k, v in (clean.pop("vision_config", None) or {})
+                                    .items() if not k.startswith("_")}}
+    for key in ("image_size", "patch_size"):
+        vision[key] = _hw(f"vision_config.{key}", vision[key])
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_channels"):
+        value = vision[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise SpecError(f"vision_config.{key}", value, reason="must be a positive integer")
+    if vision["hidden_size"] % vision["num_attention_heads"]:
+        raise SpecError("vision_config.hidden_size", vision["hidden_size"], reason="not a "
+                        f"multiple of num_attention_heads={vision['num_attention_heads']}")
+    text = {"model_type": "qwen2", **(clean.pop("text_config", None) or {})}
+    cfg = SimpleNamespace(**{**TOP_DEFAULTS, **clean})
+    cfg.vision_config = SimpleNamespace(**vision)
+    cfg.text_config = _text(text, "text_config.")
+    return cfg
+
+
 # --- graph ----------------------------------------------------------------------------------
 
 def _norm(prefix: str, h: int, rms: bool) -> tuple[T, ...]:

@@ -83,7 +83,7 @@ NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # families whose many nested defaults transformers' own config class fills (OneVision: SigLIP
 # so400m, "full" features of layer -1, 36 pinpoints; configuration_llava_onevision.py)
-FULL_CONFIG_TYPES = QWEN_VL_TYPES + ("llava_onevision", "idefics3", "internvl")
+FULL_CONFIG_TYPES = QWEN_VL_TYPES + ("llava_onevision", "idefics3")
 POSITIVE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "vocab_size", "image_size", "patch_size", "num_channels")
 
@@ -133,6 +133,9 @@ def config_from_dict(data: dict) -> SimpleNamespace:
     model_type = validate_types(data)
     if not is_analytic(model_type):  # a transformers family the trace tier alone prices
         raise analytic_refusal(model_type)
+    if model_type == "internvl":  # its own light reader (models/internvl.py)
+        from hybridmem.models.internvl import light_config as internvl_config
+        return internvl_config(data)
     if model_type in FULL_CONFIG_TYPES:
         # their configs nest a vision and a text sub-config with many defaults (and the
         # published config.json is flat): transformers' own config class reads them
