@@ -287,3 +287,25 @@ def test_analytic_tier_imports_neither_torch_nor_transformers():
 def test_light_config_refuses_bad_vision_fields_in_one_line(tmp_path, vision, message):
     with pytest.raises(SpecError, match=re.escape(message)):
         build_graph(TrainingSpec(model=_variant(tmp_path, **vision), seq_len=64))
+
+
+@pytest.mark.slow
+def test_harness_collects_with_images_on_the_cpu_stand_in(tmp_path, monkeypatch):
+    """The CUDA harness's child (CPU stand-in probe) builds, freezes and trains tiny-internvl
+    with the rule's pixel inputs: every row ok, its image tokens and parameter counts the
+    analytic tier's."""
+    from hybridmem.harness import collect, load_dataset
+
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(f'[[block]]\nmodel = ["{TINY}"]\nseq_len = [64]\nmicro_batch = [2]\n'
+                     'image_size = [112]\nprecision = ["bf16"]\ntrain = ["lora", "llm+projector"]\n')
+    monkeypatch.setenv("HYBRIDMEM_PROBE", "hybridmem.harness.probe:CpuProbe")
+    collect(sweep, out=tmp_path / "data", backend="cuda", mlflow=False)
+    df = load_dataset(tmp_path / "data").set_index("train")
+    assert set(df["outcome"]) == {"ok"}
+    for train in ("lora", "llm+projector"):
+        a = analytic(TrainingSpec(model=TINY, micro_batch=2, seq_len=64, image_size=112,
+                                  precision="bf16", train=train))
+        row = df.loc[train]
+        assert (row["image_tokens"], row["params_total"], row["params_trainable"]) == (
+            20, a.params_total, a.params_trainable)
