@@ -1,11 +1,12 @@
 """Activation formulas of InternVL's vision side (transformers 5.24 `modeling_internvl.py`),
 op by op with PyTorch's `tools/autograd/derivatives.yaml`.
 
-- `InternVLVisionLayer` is CLIP's encoder layer (`vision_acts.encoder_layer`: LayerNorm,
+- `InternVLVisionLayer` (LayerNorm, no q/k norm: InternViT-300M) is CLIP's encoder layer (`vision_acts.encoder_layer`: LayerNorm,
   q/k/v linears, SDPA, projection_layer, LayerNorm, fc1 - GELU - fc2) plus layer scale:
   `lambda_1 * attention_output` and `lambda_2 * layer_output` save the branch outputs (the
   matmul dtype) for the lambdas' grads, and make a stream-dtype product before each residual
-  add (fp32 lambda x bf16 branch promotes under autocast);
+  add (fp32 lambda x bf16 branch promotes under autocast); InternViT-6B's RMSNorms and q/k
+  norms change what the norms save (`_norm_options`);
 - the final `layernorm` is nn.Identity under `use_mean_pooling`: `last_hidden_state` (the last
   layer's output) is held by `image_outputs` until the forward returns;
 - the projector (`InternVLModel.get_image_features` + `InternVLMultiModalProjector`): the CLS
@@ -47,7 +48,7 @@ def with_layer_scale(acts: Acts, layer: Layer, c: Ctx, need_w: bool) -> Acts:
         bwd_mlp=acts.bwd_mlp + sum(extra), bwd_mlp_parts=acts.bwd_mlp_parts + extra)
 
 
-def _rms_saved(c: Ctx, N: int, h: int, in_bytes: int, need_w: bool) -> tuple[int, ...]:
+def _rms_saved(N: int, h: int, in_bytes: int, need_w: bool) -> tuple[int, ...]:
     """InternVLVisionRMSNorm.forward on an (N, h) input of `in_bytes`: `.to(float32)` (the
     input itself when fp32) saved by pow and mul, rsqrt (N, fp32), and `.to(input_dtype)` of
     the product, saved by `weight *` for the weight's grad."""
@@ -63,11 +64,11 @@ def _norm_options(d: dict, c: Ctx, N: int, h: int, need_w: bool
     rstd `encoder_layer` counted."""
     if not need_w:
         return (), ()
-    qk = _rms_saved(c, N, h, c.e, need_w) * 2 if d.get("qk_norm") else ()
+    qk = _rms_saved(N, h, c.e, need_w) * 2 if d.get("qk_norm") else ()
     if not d.get("rms"):
         return qk, ()
     ln = t(N * h, c.stream) + 2 * t(N, FP32)
-    rms = _rms_saved(c, N, h, c.stream, need_w)
+    rms = _rms_saved(N, h, c.stream, need_w)
     # the LayerNorm's saved bytes were counted: the difference, as one tensor per norm
     one = sum(rms) - ln
     return qk + (one, one), (one,)
