@@ -309,3 +309,29 @@ def test_harness_collects_with_images_on_the_cpu_stand_in(tmp_path, monkeypatch)
         row = df.loc[train]
         assert (row["image_tokens"], row["params_total"], row["params_trainable"]) == (
             20, a.params_total, a.params_trainable)
+
+
+# --- the CLI --------------------------------------------------------------------------------
+
+@pytest.mark.slow  # ~15 s: the fit searches (world size, micro-batch) run too
+def test_the_user_command_prices_on_the_analytic_tier(capsys):
+    """The brief's command (docs/vlm-families.md "InternVL"), as JSON."""
+    import json
+    from hybridmem.cli import main
+
+    assert main(["predict", "--model", "internvl3-2b-hf", "--micro-batch", "4", "--seq-len",
+                 "4096", "--train", "lora", "--grad-ckpt", "--gpu", "a100-40gb", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "analytic"
+    assert any("256 of the 4096 tokens per sample are image tokens" in n for n in out["notes"])
+
+
+def test_the_learned_features_read_internvl_sizes():
+    """The hybrid tier's features take InternVL's [h, w] image and patch sizes (a crash in
+    `spec_features` before): 448 / 14 -> 32 x 32 patches per image."""
+    from hybridmem.learned.features import config_features, spec_features
+    from hybridmem.models.loader import load_config_dict
+
+    _, data = load_config_dict("internvl3-2b-hf")
+    assert config_features(data)["vision_image_size"] == 448
+    assert spec_features(TrainingSpec(model="internvl3-2b-hf"), data)["image_tokens"] == 1024
