@@ -247,7 +247,9 @@ def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
                 "pixel_attention_mask": torch.ones(n_images, plan.crops, tile, tile,
                                                    dtype=torch.bool, device=device)}
     if mt in TILE_FAMILIES:  # InternVLProcessor: every image's tiles in one (tiles, C, t, t)
-        tile = config.vision_config.image_size[0]
+        from hybridmem.models.internvl import tile_side
+
+        tile = tile_side(config.vision_config)
         return {"pixel_values": torch.zeros(n_images * plan.crops, 3, tile, tile, dtype=dtype,
                                             device=device)}
     if mt in ("llava_next", "llava_onevision"):  # (images, crops, C, H, W) + image_sizes
