@@ -206,6 +206,7 @@ def _gemma3_vision_real(config, n: int, dtype, tower_trains: bool) -> int:
     if tower_trains:
         m.model.vision_tower.requires_grad_(True)
     side = config.vision_config.image_size
+    side = side[0] if isinstance(side, (list, tuple)) else side  # InternVL: (h, w)
     px = torch.zeros(n, 3, side, side, dtype=dtype)
     counter = DataPtrCounter([*m.parameters(), *m.buffers(), px])
     base = counter.current
@@ -214,11 +215,14 @@ def _gemma3_vision_real(config, n: int, dtype, tower_trains: bool) -> int:
     return counter.current - base
 
 
-def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool) -> int:
+def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool,
+                            vision_modules=None) -> int:
+    """`vision_modules`: the family's (config, n) -> tower + projector modules (Gemma 3's)."""
     from hybridmem.analytic.activations import Ctx
     from hybridmem.analytic.estimate import FORMULAS
-    from hybridmem.models.gemma3 import vision_modules
+    from hybridmem.models import gemma3
 
+    vision_modules = vision_modules or gemma3.vision_modules
     c = Ctx(e=e, stream=e, amp=False, attn="sdpa")
     total = 0
     for module in vision_modules(config, n):

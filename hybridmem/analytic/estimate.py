@@ -18,6 +18,7 @@ from hybridmem.analytic import (
     activations as A, gemma3_acts as GA, offloaded, packed, qwen3_vl_acts as Q3,
     qwen_vl_acts as QA, sac, text_acts as TA, vision_acts as VA,
 )
+from hybridmem.analytic import internvl_acts as IA
 from hybridmem.job import packing
 from hybridmem.analytic.alloc import t
 from hybridmem.families import family
@@ -108,6 +109,7 @@ FORMULAS = {
     "qwen_vision_rotary": QA.vision_rotary, "patch_merger": QA.patch_merger,
     "gemma3_projector": GA.mm_projector, "pixel_shuffle_projector": GA.pixel_shuffle_projector,
     "qwen3_pos_embed": Q3.pos_embed, "qwen3_merger": Q3.merger, "deepstack_add": Q3.deepstack_add,
+    "internvl_projector": IA.projector, "internvl_final_norm": IA.final_norm,
 }
 
 

@@ -37,11 +37,15 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # backward: the grad of the layer output and its residual copy; dq, dk, dv (+ eager probs)
     bwd_parts = (t(N * h, sb), t(N * h, sb), *[t(N * h, e)] * 3, *probs_parts)
     bwd_mlp_parts = (t(N * h, sb), t(N * f, e), t(N * f, e))
-    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+    acts = Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
                 bwd_extra=sum(bwd_parts), mlp_saved=sv.total - attn_part,
                 bwd_mlp=sum(bwd_mlp_parts), fwd_parts=fwd_parts, bwd_parts=bwd_parts,
                 bwd_mlp_parts=bwd_mlp_parts)
+    if d.get("layer_scale"):  # InternViT (models/internvl.py): lambda_1 / lambda_2
+        from hybridmem.analytic.internvl_acts import with_layer_scale
+        return with_layer_scale(acts, layer, c, need_w)
+    return acts
 
 
 def layernorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:

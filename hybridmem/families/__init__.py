@@ -80,6 +80,9 @@ class Family:
     """(config, image_mask (b, s) long tensor) -> extra integer inputs (token type ids)."""
     vision_graph: Callable | None = None
     """(cfg, spec, images, plan) -> (vision modules, `models.llava.ImageLayout`)."""
+    vision_seq: Callable | None = None
+    """(vision_config) -> tokens the tower sees per crop; None: `models.vision.tokens_per_crop`
+    (0 for the packed native-resolution families)."""
     lm_prefix: str = "model.language_model"
     """Where its language model sits in the transformers module tree."""
     lm_graph: Callable | None = None

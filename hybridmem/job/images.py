@@ -101,7 +101,8 @@ class ImagePlan:
 
     @property
     def crops(self) -> int:
-        """Idefics3 / SmolVLM: tiles + global image per image (`grid[1]`; grid[0] stays 0)."""
+        """Idefics3 / SmolVLM: tiles + global image per image; InternVL: tiles + thumbnail
+        (`grid[1]`; grid[0] stays 0)."""
         return self.grid[1]
 
 

@@ -73,13 +73,18 @@ def _version_number(text: object) -> float:
     return int(major) + int(minor) / 100
 
 
+def _side(value: object) -> object:
+    """A side in pixels / patches: InternVL's configs give [height, width] (the first)."""
+    return value[0] if isinstance(value, (list, tuple)) and value else value
+
+
 def config_features(config: Mapping) -> dict[str, float]:
     """Sizes of the language model and vision tower from a raw HF config dict."""
     text = config.get("text_config") or config
     vision = config.get("vision_config") or {}
     heads = text.get("num_attention_heads", 0)
-    patch = vision.get("patch_size", 0) or 0
-    img = vision.get("image_size", 0) or 0
+    patch = _side(vision.get("patch_size", 0)) or 0
+    img = _side(vision.get("image_size", 0)) or 0
     return {
         "hidden_size": text.get("hidden_size", 0),
         "num_layers": text.get("num_hidden_layers", 0),
@@ -99,8 +104,8 @@ def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
     vision = config.get("vision_config") or {}
     multimodal = bool(vision)
     images = spec.images_per_sample if spec.images_per_sample is not None else int(multimodal)
-    size = spec.image_size or vision.get("image_size", 0) or 0
-    patch = vision.get("patch_size", 0) or 0
+    size = spec.image_size or _side(vision.get("image_size", 0)) or 0
+    patch = _side(vision.get("patch_size", 0)) or 0
     # CLIP/SigLIP: (size / patch)^2 patch tokens per image (LLaVA-1.5 drops CLS: 24x24 = 576);
     # LLaVA-NeXT's anyres tiling adds more, which the base estimate accounts for.
     per_image = (size // patch) ** 2 if patch else 0

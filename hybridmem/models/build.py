@@ -189,7 +189,7 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
 
 # layer kinds whose 2-D `.weight`s are nn.Linear modules (embeddings, patch/position
 # embeddings are not: transformers' `replace_with_bnb_linear` converts nn.Linear only)
-LINEAR_KINDS = ("decoder_layer", "encoder_layer", "projector", "lm_head")
+LINEAR_KINDS = ("decoder_layer", "encoder_layer", "projector", "lm_head", "internvl_projector")
 
 
 def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
@@ -252,5 +252,6 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         vocab_size=tc.vocab_size, text_hidden=tc.hidden_size, micro_batch=spec.micro_batch,
         seq_len=spec.seq_len, image_tokens=images * layout.tokens,
         vision_batch=spec.micro_batch * images * layout.crops,
-        vision_seq=tokens_per_crop(vc) if vc is not None and not plan_grid else 0,
+        vision_seq=(fam.vision_seq(vc) if fam.vision_seq is not None
+                    else tokens_per_crop(vc) if vc is not None and not plan_grid else 0),
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))

@@ -87,11 +87,13 @@ def patched_model_checks(packed: bool = False):
     from transformers.models.gemma3 import modeling_gemma3
     from transformers.models.llava_next import modeling_llava_next
     from transformers.models.llava_onevision import modeling_llava_onevision
+    from transformers.models.internvl import modeling_internvl
 
     patches = [(modeling_llava, "torch_compilable_check", lambda *a, **k: None),
                (modeling_llava_next, "torch_compilable_check", lambda *a, **k: None),
                (modeling_gemma3, "torch_compilable_check", lambda *a, **k: None),
                (modeling_llava_onevision, "torch_compilable_check", lambda *a, **k: None),
+               (modeling_internvl, "torch_compilable_check", lambda *a, **k: None),
                (masking_utils, "find_packed_sequence_indices",
                 _packed_sequences(masking_utils.find_packed_sequence_indices)),
                (modeling_utils.PreTrainedModel, "warn_if_padding_and_no_attention_mask",

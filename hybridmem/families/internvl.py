@@ -1,0 +1,59 @@
+"""InternVL (docs/vlm-families.md): the InternViT tower (layer scale, optional RMSNorm and q/k
+norm), pixel shuffle by `downsample_ratio`, `InternVLMultiModalProjector` (LayerNorm, Linear,
+GELU, Linear), a Qwen2 / Qwen3 LM; the processor tiles every image into 1-12 vision-size tiles
+by aspect ratio plus a thumbnail (`GotOcr2ImageProcessor.crop_to_patches`).
+
+Rules, config (no transformers import) and graph: `models/internvl.py`; activations
+`analytic/internvl_acts.py` and `analytic/vision_acts.py`.
+"""
+
+from __future__ import annotations
+
+from hybridmem.families import VLM, Family
+from hybridmem.families.llava import check_text_config
+
+
+def light_config(data: dict):
+    from hybridmem.models.internvl import light_config as internvl_config
+
+    return internvl_config(data)
+
+
+def image_plan(cfg, hw):
+    from hybridmem.models.internvl import image_plan as internvl_plan
+
+    return internvl_plan(cfg, None if hw is None else hw[0])
+
+
+def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) -> dict:
+    """InternVLProcessor: every image's tiles in one (tiles, C, tile, tile) tensor."""
+    import torch
+
+    from hybridmem.models.internvl import tile_side
+
+    tile = tile_side(config.vision_config)
+    return {"pixel_values": torch.zeros(n_images * plan.crops, 3, tile, tile, dtype=dtype,
+                                        device=device)}
+
+
+def vision_graph(cfg, spec, images, plan):
+    """Tiles + thumbnail through the tower, pixel shuffle, the projector."""
+    from hybridmem.models import internvl
+    from hybridmem.models.llava import ImageLayout
+
+    modules = internvl.vision_modules(cfg, spec.micro_batch * images * plan.crops,
+                                      runs=images > 0)
+    return modules, ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
+
+
+def vision_seq(vc) -> int:
+    from hybridmem.models.internvl import tokens_per_crop
+
+    return tokens_per_crop(vc)
+
+
+FAMILIES = (
+    Family("internvl", VLM, "modeling_internvl.py", check_config=check_text_config,
+           light_config=light_config, image_plan=image_plan, pixel_inputs=pixel_inputs,
+           vision_graph=vision_graph, vision_seq=vision_seq),
+)
