@@ -22,7 +22,10 @@ Per family (transformers 5.24 modeling / image-processing code):
   it is one tile); each tile becomes (tile / patch)² / scale_factor² tokens after the pixel
   shuffle (`processing_idefics3` `image_seq_len`);
 - `gemma3`: `Gemma3MultiModalProjector` pools every image to `mm_tokens_per_image` soft tokens
-  (the SigLIP tower always sees `vision_config.image_size`; the processor resizes to it).
+  (the SigLIP tower always sees `vision_config.image_size`; the processor resizes to it);
+- `mistral3` (Pixtral tower, native dynamic resolution): `hybridmem.models.mistral3.pixtral_plan`
+  (`image_processing_pixtral.get_resize_output_image_size`: down to `longest_edge`, up to whole
+  merged patches; rows x cols [IMG] tokens plus one [IMG_BREAK] / [IMG_END] per row).
 
 Works on both config kinds the project builds (the light `SimpleNamespace` and a
 transformers `PretrainedConfig`): it reads attributes only.
@@ -40,8 +43,10 @@ SPLIT_FAMILIES: tuple[str, ...] = ("idefics3",)
 """Image splitting into vision-size tiles + a global image, pixel shuffle. SmolVLM shares the
 rule but not yet the trace (its meta trace with images stops in a `nonzero`, not located yet):
 it stays on text-only batches (docs/vlm-families.md)."""
+PIXTRAL_FAMILIES: tuple[str, ...] = ("mistral3",)
+"""Pixtral tower: (images, C, H, W) pixels at the resized size + `image_sizes`, `HxW` allowed."""
 IMAGE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                   "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES
+                                   "qwen2_5_vl", "gemma3") + SPLIT_FAMILIES + PIXTRAL_FAMILIES
 """model_types whose batches carry images (else: text-only)."""
 GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 """Families with native dynamic resolution: `image_size` may be `HxW`."""
@@ -97,6 +102,9 @@ class ImagePlan:
     """Qwen-VL: grid_thw in patches (temporal, height, width); 0s elsewhere."""
     layout: object | None = None
     """LLaVA / LLaVA-NeXT: the `models.llava.ImageLayout` (crops, features, newlines)."""
+    markers: int = 0
+    """Text tokens the processor adds per image beside `tokens` (Pixtral: one [IMG_BREAK] per
+    row, the last one [IMG_END]); they take sequence positions but are no image features."""
 
     @property
     def patches(self) -> int:
@@ -159,9 +167,14 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
     hw = parse_image_size(image_size)
     if mt in GRID_FAMILIES:
         return _qwen_plan(cfg, hw)
+    if mt in PIXTRAL_FAMILIES:
+        from hybridmem.models.mistral3 import pixtral_plan
+
+        return pixtral_plan(cfg, hw)
     if hw is not None and hw[0] != hw[1]:
         raise SpecError("image_size", image_size, reason=f"HxW needs a native-resolution family "
-                        f"({', '.join(GRID_FAMILIES)}); {mt} takes a square side")
+                        f"({', '.join(GRID_FAMILIES + PIXTRAL_FAMILIES)}); {mt} takes a square "
+                        "side")
     side = None if hw is None else hw[0]
     if mt in ("llava", "llava_next", "llava_onevision"):
         from hybridmem.models.llava import image_layout
@@ -187,10 +200,12 @@ def check_seq_len(seq_len: int, images: int, plan: ImagePlan | None) -> int:
     them (the collators put BOS first: haotian-liu/LLaVA `preprocess`, Qwen2-VL's chat
     template). The one seq-len check of every tier."""
     tokens = images * plan.tokens if plan is not None and images else 0
-    if tokens and tokens + 1 > seq_len:
+    markers = images * plan.markers if tokens else 0
+    if tokens and tokens + markers + 1 > seq_len:
+        extra = f" and {plan.markers} break/end tokens" if plan.markers else ""
         raise SpecError("seq_len", seq_len,
-                        reason=f"too short for {images} image(s) of {plan.tokens} image tokens "
-                        "plus one text token (seq_len counts text and image tokens)")
+                        reason=f"too short for {images} image(s) of {plan.tokens} image tokens"
+                        f"{extra} plus one text token (seq_len counts text and image tokens)")
     return tokens
 
 
@@ -225,6 +240,13 @@ def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
                                             device=device),
                 "image_grid_thw": torch.tensor([list(plan.grid)] * n_images, dtype=torch.long,
                                                device="cpu" if host_shapes else device)}
+    if mt in PIXTRAL_FAMILIES:
+        # PixtralImageProcessor: (images, C, H, W) padded to the largest (all images share the
+        # plan's size) and `image_sizes` (images, 2), whose values the tower reads per image
+        h, w = plan.size
+        sizes = [[h, w]] * n_images
+        return {"pixel_values": torch.zeros(n_images, 3, h, w, dtype=dtype, device=device),
+                "image_sizes": sizes if host_shapes else torch.tensor(sizes, device=device)}
     side = plan.size[0]
     if mt in SPLIT_FAMILIES:
         # Idefics3ImageProcessor: (images, tiles + global, C, tile, tile) and the bool

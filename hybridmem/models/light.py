@@ -138,6 +138,9 @@ def config_from_dict(data: dict) -> SimpleNamespace:
         # published config.json is flat): transformers' own config class reads them
         from hybridmem.models.loader import load_config_data
         return load_config_data(data)
+    if model_type == "mistral3":  # Pixtral tower + Mistral LM (models/mistral3_config.py)
+        from hybridmem.models.mistral3_config import light_mistral3
+        return light_mistral3(data, _text, _sub)
     if model_type not in ("llava", "llava_next"):
         return _text(data)
     cfg = SimpleNamespace(**{**MULTIMODAL_DEFAULTS,

@@ -15,7 +15,7 @@ from hybridmem.errors import SpecError
 
 # model_type values the estimators understand; anything else is refused at the boundary.
 MULTIMODAL_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                     "qwen2_5_vl", "idefics3")
+                                     "qwen2_5_vl", "idefics3", "mistral3")
 LLAVA_TYPES: tuple[str, ...] = ("llava", "llava_next", "llava_onevision")
 """CLIP/SigLIP tower + projector + a DECODER_TYPES LM (sub-configs checked below); the Qwen-VL
 families carry their own tower and LM (docs/vlm-families.md)."""
@@ -130,6 +130,9 @@ def validate_types(data: dict) -> str:
         sub = data.get("text_config")
         if isinstance(sub, dict) and sub.get("model_type", "llama") not in DECODER_TYPES:
             raise SpecError("text_config.model_type", sub.get("model_type"), DECODER_TYPES)
+    if model_type == "mistral3":  # Pixtral tower (models/mistral3.py) + a priced decoder
+        from hybridmem.models.mistral3_config import validate_subconfigs
+        validate_subconfigs(data, DECODER_TYPES)
     if model_type not in LLAVA_TYPES:
         return model_type
     for key in ("vision_config",):
