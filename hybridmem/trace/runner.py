@@ -24,11 +24,12 @@ from hybridmem.job.checkpointing import enable_checkpointing
 from hybridmem.job import offload, optim_in_backward
 from hybridmem.job.liger import rope_patched
 from hybridmem.job.loss import liger_note
-from hybridmem.job.images import GRID_FAMILIES, SPLIT_FAMILIES
+from hybridmem.job.images import GRID_FAMILIES, PIXTRAL_FAMILIES, SPLIT_FAMILIES
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 from hybridmem.trace import corrections, model as build
+from hybridmem.trace import mistral3 as trace_mistral3
 from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
 from hybridmem.models.loader import is_analytic
 from hybridmem.trace.inputs import batch_notes, make_batch
@@ -361,6 +362,7 @@ def _tensors(backend: str, spec: TrainingSpec, model_type: str = ""):
         amp = CudaAutocast(AUTOCAST[spec.precision]) if spec.precision in AUTOCAST else None
         grid = (corrections.grid_helpers_on_meta() if model_type in GRID_FAMILIES
                 else corrections.split_images_on_meta() if model_type in SPLIT_FAMILIES
+                else trace_mistral3.sizes_on_meta() if model_type in PIXTRAL_FAMILIES
                 else contextlib.nullcontext())  # Qwen-VL reads image_grid_thw values
         with torch.device("meta"), corrections.CpuSdpaOnMeta(), fused_on_meta(), grid, \
                 (emulated(amp) if amp else contextlib.nullcontext()):
