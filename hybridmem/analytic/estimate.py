@@ -18,6 +18,7 @@ from hybridmem.analytic import (
     activations as A, gemma3_acts as GA, offloaded, packed, qwen_vl_acts as QA, sac,
     text_acts as TA, vision_acts as VA,
 )
+from hybridmem.analytic import mistral3_acts as MA
 from hybridmem.job import packing
 from hybridmem.analytic.alloc import t
 from hybridmem.job.images import SPLIT_FAMILIES
@@ -53,7 +54,7 @@ from hybridmem.prediction import ModuleMemory, Peak, Prediction
 from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
 # GradientCheckpointingLayer subclasses (Qwen2VLVisionBlock / Qwen2_5_VLVisionBlock too)
-CHECKPOINTED = ("decoder_layer", "encoder_layer", "qwen_vision_block")
+CHECKPOINTED = ("decoder_layer", "encoder_layer", "qwen_vision_block", "pixtral_block")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,8 @@ FORMULAS = {
     "qwen_vision_block": QA.vision_block, "qwen_patch_embed": QA.patch_embed,
     "qwen_vision_rotary": QA.vision_rotary, "patch_merger": QA.patch_merger,
     "gemma3_projector": GA.mm_projector, "pixel_shuffle_projector": GA.pixel_shuffle_projector,
+    "pixtral_patch_conv": MA.patch_conv, "pixtral_ln_pre": MA.ln_pre,
+    "pixtral_rotary": MA.rotary, "pixtral_block": MA.block, "pixtral_projector": MA.projector,
 }
 
 
@@ -245,6 +248,13 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
         pix = POLICIES[spec.precision].param_bytes
         out += t(patches["n"] * patches["row"], pix) + tokens
         out += t(3 * patches["images"], A.INT64)
+    conv = next((l.dims for m, l in graph.layers() if l.kind == "pixtral_patch_conv"), None)
+    if conv and graph.image_tokens:
+        # Mistral-3 (job.images.pixel_inputs): (images, C, H, W) in the model dtype and the
+        # (images, 2) int64 image_sizes
+        pix = POLICIES[spec.precision].param_bytes
+        out += t(conv["images"] * conv["channels"] * conv["h_px"] * conv["w_px"], pix)
+        out += t(2 * conv["images"], A.INT64)
     return out
 
 
@@ -277,7 +287,8 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
         "batch: unpadded (no attention mask), loss over every position with fp32 logits "
         "(transformers ForCausalLMLoss)",
     ]
-    patches = next((l.dims["n"] for m, l in graph.layers() if l.kind == "qwen_patch_embed"), 0)
+    patches = next((l.dims["n"] for m, l in graph.layers()
+                    if l.kind in ("qwen_patch_embed", "pixtral_patch_conv")), 0)
     if graph.image_tokens:
         seen = (f"{patches} patches in one packed sequence" if patches
                 else f"{graph.vision_batch} crop(s)")
