@@ -1,0 +1,153 @@
+"""Mistral-3 (Pixtral tower + Mistral LM; docs/vlm-families.md "Mistral-3") per tier.
+
+Oracles: the model transformers builds on the meta device (parameter names and counts per
+tensor and per part), a real tiny model's `get_image_features` (image tokens), hand counts of
+the processor's rule, a real (non-fake) CPU run counting live bytes (the trace tier), and the
+trace tier (the analytic tier, 3 %).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem.analytic import estimate as analytic
+from hybridmem.errors import SpecError
+from hybridmem.job.images import check_seq_len, image_plan
+from hybridmem.models import build_graph, load_config
+from hybridmem.spec import TrainingSpec
+from hybridmem.trace import estimate as trace_estimate, runner
+from test_trace import real_cpu_peak
+from test_vlm_families import _analytic_within_3_percent, _meta_model
+
+TINY = "tiny-mistral3"
+REAL = "mistral-small-3.1-24b-instruct-2503"
+
+
+# --- the image-token rule -------------------------------------------------------------------
+
+@pytest.mark.parametrize("size, tokens, markers, resized", [
+    # hand counts of PixtralImageProcessor + PixtralProcessor with patch 14 x merge 2 = 28 px,
+    # longest_edge 1540: below the edge each side is ceiled to 28 px; above it both sides are
+    # floored after dividing by the ratio, then ceiled
+    ("1024x1024", 37 * 37, 37, (1036, 1036)),   # ceil(1024 / 28) = 37
+    (None, 55 * 55, 55, (1540, 1540)),          # default: a longest-edge square, 1540 / 28 = 55
+    ("2000x1000", 55 * 28, 55, (1540, 784)),    # ratio 2000/1540: 1540 x 770 -> 55 x 28 rows/cols
+    (448, 16 * 16, 16, (448, 448)),
+    ("768x1024", 28 * 37, 28, (784, 1036)),
+])
+def test_pixtral_tokens_hand_count(size, tokens, markers, resized):
+    plan = image_plan(load_config(REAL), size)
+    assert (plan.tokens, plan.markers, plan.size) == (tokens, markers, resized)
+
+
+def test_pixtral_rule_matches_the_processor():
+    """The processor's own resize (its PIL backend's copy: no torchvision needed) and count."""
+    import numpy as np
+    from transformers.models.pixtral.image_processing_pil_pixtral import (
+        get_resize_output_image_size)
+
+    config = load_config(REAL)
+    for h, w in [(1024, 1024), (2000, 1000), (30, 45), (1540, 1541), (700, 3000)]:
+        ref = get_resize_output_image_size(np.zeros((h, w, 3)), size=(1540, 1540),
+                                           patch_size=(28, 28))
+        plan = image_plan(config, f"{h}x{w}")
+        assert plan.size == tuple(ref)
+        # PixtralProcessor._get_num_multimodal_tokens: (cols + 1) * rows positions per image
+        assert plan.tokens + plan.markers == (ref[1] // 28 + 1) * (ref[0] // 28)
+
+
+def test_seq_len_counts_break_tokens():
+    plan = image_plan(load_config(TINY), "112x84")  # 4 x 3 tokens + 4 [IMG_BREAK]/[IMG_END]
+    assert check_seq_len(17, 1, plan) == 12
+    with pytest.raises(SpecError, match=r"seq_len=16: too short for 1 image\(s\) of 12 image "
+                       r"tokens and 4 break/end tokens"):
+        check_seq_len(16, 1, plan)
+    with pytest.raises(SpecError, match=r"image_size='112x'"):
+        build_graph(TrainingSpec(model=TINY, image_size="112x"))
+
+
+@pytest.mark.parametrize("size", ["112x84", "100x150", None])
+def test_every_tier_counts_the_same_image_tokens(size):
+    """Analytic graph, trace batch and CUDA-harness batch read one rule; a real tiny model's
+    `get_image_features` on the harness's pixel inputs agrees."""
+    import transformers
+    from hybridmem.harness.workload import make_batch as harness_batch
+
+    spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=128, image_size=size)
+    config = load_config(TINY)
+    rule = image_plan(config, size).tokens
+    graph = build_graph(spec).image_tokens
+    _, traced = runner.make_batch(spec, config, None, torch.float32)
+    harness = harness_batch(spec, config, None, torch.device("cpu"))
+    placed = int((harness["input_ids"][0] == config.image_token_id).sum())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        feats = model.model.get_image_features(pixel_values=harness["pixel_values"][:1],
+                                               image_sizes=harness["image_sizes"][:1])
+    by_model = torch.cat(list(feats.pooler_output)).shape[0]
+    assert rule == graph == traced == placed == by_model > 0
+
+
+# --- parameters -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", [TINY, REAL])
+def test_params_equal_the_meta_model_per_tensor(model):
+    ref = {k: p.numel() for k, p in _meta_model(model).named_parameters()}
+    assert build_graph(TrainingSpec(model=model, seq_len=4096)).param_names() == ref
+
+
+def test_preset_total():
+    # the model page (https://huggingface.co/mistralai/Mistral-Small-3.1-24B-Instruct-2503):
+    # 24B params; the meta-device model (oracle) has exactly this many
+    total = build_graph(TrainingSpec(model=REAL, seq_len=4096)).num_params
+    assert total == sum(p.numel() for p in _meta_model(REAL).parameters()) == 24_011_361_280
+
+
+def test_parts_equal_the_meta_model():
+    """Per part, by the prefixes of transformers' module tree (written out, not `part_of`)."""
+    parts = {"model.vision_tower.": "vision_tower",
+             "model.multi_modal_projector.": "multi_modal_projector", "lm_head": "lm_head"}
+    ref: dict[str, int] = {}
+    for name, p in _meta_model(TINY).named_parameters():
+        part = next((v for k, v in parts.items() if name.startswith(k)), "language_model")
+        ref[part] = ref.get(part, 0) + p.numel()
+    for tier in (analytic, trace_estimate):
+        pred = tier(TrainingSpec(model=TINY, micro_batch=1, seq_len=64, image_size="56x84"))
+        assert {m.name: m.params for m in pred.modules} == ref
+
+
+# --- trace == a real CPU run; analytic within 3 % of the trace ------------------------------
+
+@pytest.mark.parametrize("kw", [dict(precision="fp32"),
+                                dict(precision="bf16-mixed", train="llm+projector"),
+                                dict(precision="bf16", grad_ckpt=True),
+                                dict(precision="bf16-mixed", train="lora")])
+def test_trace_equals_a_real_cpu_run(kw):
+    spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=64, image_size="112x84", **kw)
+    tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert job.image_tokens == 12  # 4 x 3 merged patches per image, hand count
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
+@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16"),
+                                dict(precision="bf16-mixed"),
+                                dict(precision="bf16-mixed", train="llm+projector"),
+                                dict(precision="bf16", grad_ckpt=True),
+                                dict(precision="bf16-mixed", train="lora")])
+def test_analytic_within_3_percent_of_trace(kw):
+    # 224x168 px: 16 x 12 patches, 48 tokens + 8 markers per image; the vision side is a
+    # larger share of the tiny model's memory than at 112x84
+    _analytic_within_3_percent(TrainingSpec(model=TINY, micro_batch=2, seq_len=128,
+                                            image_size="224x168", **kw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [
+    dict(train="lora", grad_ckpt=True),
+    dict(train="lora", precision="bf16"),
+])
+def test_real_sized_analytic_within_3_percent(kw):
+    _analytic_within_3_percent(TrainingSpec(model=REAL, micro_batch=1, seq_len=4096,
+                                            image_size="1024x1024", **kw))
