@@ -201,7 +201,7 @@ def test_unknown_model_type_names_the_choices(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "no_such_family"}))
     with pytest.raises(SpecError, match=re.escape(
-            "model_type='no_such_family' is not valid (valid: llava, llava_next, llava_onevision, qwen2_vl, qwen2_5_vl, idefics3, llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral, qwen3_moe, gemma3_text, "
+            "model_type='no_such_family' is not valid (valid: llava, llava_next, llava_onevision, qwen2_vl, qwen2_5_vl, idefics3, mistral3, llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral, qwen3_moe, gemma3_text, "
             "any transformers causal-LM / image-text-to-text model_type with --method "
             "trace)")):
         load_config(str(path))
@@ -236,7 +236,7 @@ def _cli(*argv) -> subprocess.CompletedProcess:
     # own one-line refusal is the answer
     ("mixtral", ["--precision", "fp32"], "error: model='{path}': its training step cannot run "
      "under fake tensors (RuntimeError: Expected inputs of BF16 type"),
-    (None, [], "error: model_type='no_such_family' is not valid (valid: llava, llava_next, llava_onevision, qwen2_vl, qwen2_5_vl, idefics3, llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral, qwen3_moe, gemma3_text, "
+    (None, [], "error: model_type='no_such_family' is not valid (valid: llava, llava_next, llava_onevision, qwen2_vl, qwen2_5_vl, idefics3, mistral3, llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral, qwen3_moe, gemma3_text, "
      "any transformers causal-LM"),
 ])
 def test_cli_one_line_exit_2(family, argv, message, tmp_path):

@@ -120,10 +120,11 @@ def test_parts_equal_the_meta_model():
 
 # --- trace == a real CPU run; analytic within 3 % of the trace ------------------------------
 
-@pytest.mark.parametrize("kw", [dict(precision="fp32"),
-                                dict(precision="bf16-mixed", train="llm+projector"),
-                                dict(precision="bf16", grad_ckpt=True),
-                                dict(precision="bf16-mixed", train="lora")])
+@pytest.mark.parametrize("kw", [
+    dict(precision="fp32"), dict(precision="bf16-mixed", train="lora"),
+    # ~10 s each on 2 shared cores: outside the default run (equal when last run, docs)
+    pytest.param(dict(precision="bf16-mixed", train="llm+projector"), marks=pytest.mark.slow),
+    pytest.param(dict(precision="bf16", grad_ckpt=True), marks=pytest.mark.slow)])
 def test_trace_equals_a_real_cpu_run(kw):
     spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=64, image_size="112x84", **kw)
     tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
