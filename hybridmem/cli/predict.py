@@ -60,7 +60,7 @@ def predict_command(
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per GPU per step (default 1)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample, image tokens included (default 2048)."),
     images_per_sample: Optional[int] = typer.Option(None, "--images-per-sample", help="Default: 1 for multimodal models, 0 for LLMs."),
-    image_size: Optional[str] = typer.Option(None, "--image-size", help="Image side in pixels, or HxW for native-resolution families (Qwen2-VL, Qwen2.5-VL); default: the vision tower's (Idefics3: the processor's resize side, default 4 tiles)."),
+    image_size: Optional[str] = typer.Option(None, "--image-size", help="Image side in pixels, or HxW for native-resolution families (Qwen2-VL, Qwen2.5-VL, Mistral-3); default: the vision tower's (Idefics3: the processor's resize side, default 4 tiles; Mistral-3: the input image, shrunk to the longest edge, default a longest-edge square)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16, fp16, bf16-mixed (default), fp16-mixed, bf16-master."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw (default: torch foreach AdamW); " + OPTIMIZER_HELP + "."),
     grad_ckpt: Optional[bool] = typer.Option(None, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing (default off)."),
