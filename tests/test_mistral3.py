@@ -11,14 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
 from hybridmem.job.images import check_seq_len, image_plan
 from hybridmem.models import build_graph, load_config
 from hybridmem.spec import TrainingSpec
-from hybridmem.trace import estimate as trace_estimate, runner
+from hybridmem.trace import runner
 from test_trace import real_cpu_peak
-from test_vlm_families import _analytic_within_3_percent, _meta_model
+from test_vlm_families import (
+    _analytic_within_3_percent, _meta_model, _parts_equal_the_meta_model,
+)
 
 TINY = "tiny-mistral3"
 REAL = "mistral-small-3.1-24b-instruct-2503"
@@ -67,27 +68,8 @@ def test_seq_len_counts_break_tokens():
         build_graph(TrainingSpec(model=TINY, image_size="112x"))
 
 
-@pytest.mark.parametrize("size", ["112x84", "100x150", None])
-def test_every_tier_counts_the_same_image_tokens(size):
-    """Analytic graph, trace batch and CUDA-harness batch read one rule; a real tiny model's
-    `get_image_features` on the harness's pixel inputs agrees."""
-    import transformers
-    from hybridmem.harness.workload import make_batch as harness_batch
-
-    spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=128, image_size=size)
-    config = load_config(TINY)
-    rule = image_plan(config, size).tokens
-    graph = build_graph(spec).image_tokens
-    _, traced = runner.make_batch(spec, config, None, torch.float32)
-    harness = harness_batch(spec, config, None, torch.device("cpu"))
-    placed = int((harness["input_ids"][0] == config.image_token_id).sum())
-    torch.manual_seed(0)
-    model = transformers.AutoModelForImageTextToText.from_config(config)
-    with torch.no_grad():
-        feats = model.model.get_image_features(pixel_values=harness["pixel_values"][:1],
-                                               image_sizes=harness["image_sizes"][:1])
-    by_model = torch.cat(list(feats.pooler_output)).shape[0]
-    assert rule == graph == traced == placed == by_model > 0
+# one count across the tiers and the tiny model's `get_image_features`:
+# tests/test_vlm_families.py test_every_tier_counts_the_same_image_tokens (FAMILIES)
 
 
 # --- parameters -----------------------------------------------------------------------------
@@ -107,15 +89,9 @@ def test_preset_total():
 
 def test_parts_equal_the_meta_model():
     """Per part, by the prefixes of transformers' module tree (written out, not `part_of`)."""
-    parts = {"model.vision_tower.": "vision_tower",
-             "model.multi_modal_projector.": "multi_modal_projector", "lm_head": "lm_head"}
-    ref: dict[str, int] = {}
-    for name, p in _meta_model(TINY).named_parameters():
-        part = next((v for k, v in parts.items() if name.startswith(k)), "language_model")
-        ref[part] = ref.get(part, 0) + p.numel()
-    for tier in (analytic, trace_estimate):
-        pred = tier(TrainingSpec(model=TINY, micro_batch=1, seq_len=64, image_size="56x84"))
-        assert {m.name: m.params for m in pred.modules} == ref
+    _parts_equal_the_meta_model(TINY, {"model.vision_tower.": "vision_tower",
+                                       "model.multi_modal_projector.": "multi_modal_projector",
+                                       "lm_head": "lm_head"}, image_size="56x84")
 
 
 # --- trace == a real CPU run; analytic within 3 % of the trace ------------------------------
