@@ -9,7 +9,6 @@ trace tier (the analytic tier, 3 %).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hybridmem.errors import SpecError
 from hybridmem.job.images import check_seq_len, image_plan
