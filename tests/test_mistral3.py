@@ -22,6 +22,8 @@ from test_vlm_families import (
 
 TINY = "tiny-mistral3"
 REAL = "mistral-small-3.1-24b-instruct-2503"
+# LLaVA with a Pixtral tower (pixtral-12b): the same tower and rule, no merger, LLaVA's projector
+LLAVA_TINY, LLAVA_REAL = "tiny-llava-pixtral", "pixtral-12b"
 
 
 # --- the image-token rule -------------------------------------------------------------------
@@ -73,17 +75,30 @@ def test_seq_len_counts_break_tokens():
 
 # --- parameters -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model", [TINY, REAL])
+@pytest.mark.parametrize("model", [TINY, REAL, LLAVA_TINY, LLAVA_REAL])
 def test_params_equal_the_meta_model_per_tensor(model):
     ref = {k: p.numel() for k, p in _meta_model(model).named_parameters()}
-    assert build_graph(TrainingSpec(model=model, seq_len=4096)).param_names() == ref
+    assert build_graph(TrainingSpec(model=model, seq_len=8192)).param_names() == ref
 
 
-def test_preset_total():
-    # the model page (https://huggingface.co/mistralai/Mistral-Small-3.1-24B-Instruct-2503):
-    # 24B params; the meta-device model (oracle) has exactly this many
-    total = build_graph(TrainingSpec(model=REAL, seq_len=4096)).num_params
-    assert total == sum(p.numel() for p in _meta_model(REAL).parameters()) == 24_011_361_280
+@pytest.mark.parametrize("model, total, billions", [(REAL, 24_011_361_280, 24.0),
+                                                    (LLAVA_REAL, 12_682_739_712, 12.7)])
+def test_preset_totals(model, total, billions):
+    # the model pages (https://huggingface.co/mistralai/Mistral-Small-3.1-24B-Instruct-2503:
+    # 24B; https://huggingface.co/mistral-community/pixtral-12b: 12.7B); the meta-device model
+    # (oracle) has exactly `total`
+    built = build_graph(TrainingSpec(model=model, seq_len=8192)).num_params
+    assert built == sum(p.numel() for p in _meta_model(model).parameters()) == total
+    assert round(total / 1e9, 1) == billions
+
+
+def test_pixtral_llava_tokens_hand_count():
+    """pixtral-12b: patch 16, no merge, longest edge 1024: 1024 px = 64 x 64 tokens + 64
+    breaks; 2048x1000 -> ratio 2: 1024 x 500 -> 64 x ceil(500 / 16) = 32 (512 px)."""
+    config = load_config(LLAVA_REAL)
+    assert (image_plan(config).tokens, image_plan(config).markers) == (4096, 64)
+    plan = image_plan(config, "2048x1000")
+    assert (plan.tokens, plan.markers, plan.size) == (64 * 32, 64, (1024, 512))
 
 
 def test_parts_equal_the_meta_model():
@@ -96,14 +111,23 @@ def test_parts_equal_the_meta_model():
 # --- trace == a real CPU run; analytic within 3 % of the trace ------------------------------
 
 @pytest.mark.parametrize("kw", [
-    dict(precision="fp32"), dict(precision="bf16-mixed", train="lora"),
-    # ~10 s each on 2 shared cores: outside the default run (equal when last run, docs)
-    pytest.param(dict(precision="bf16-mixed", train="llm+projector"), marks=pytest.mark.slow),
+    dict(precision="fp32"), dict(precision="bf16-mixed", train="llm+projector"),
+    # 10-20 s each on 2 shared cores: outside the default run (equal when last run, docs)
+    pytest.param(dict(precision="bf16-mixed", train="lora"), marks=pytest.mark.slow),
     pytest.param(dict(precision="bf16", grad_ckpt=True), marks=pytest.mark.slow)])
 def test_trace_equals_a_real_cpu_run(kw):
     spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=64, image_size="112x84", **kw)
     tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
     assert job.image_tokens == 12  # 4 x 3 merged patches per image, hand count
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
+@pytest.mark.parametrize("kw", [dict(precision="bf16-mixed"),
+                                pytest.param(dict(precision="fp32"), marks=pytest.mark.slow)])
+def test_pixtral_llava_trace_equals_a_real_cpu_run(kw):
+    spec = TrainingSpec(model=LLAVA_TINY, micro_batch=2, seq_len=128, image_size="128x96", **kw)
+    tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert job.image_tokens == 48  # 8 x 6 patches of 16 px per image, hand count
     assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
 
 
@@ -117,6 +141,14 @@ def test_analytic_within_3_percent_of_trace(kw):
     # larger share of the tiny model's memory than at 112x84
     _analytic_within_3_percent(TrainingSpec(model=TINY, micro_batch=2, seq_len=128,
                                             image_size="224x168", **kw))
+
+
+@pytest.mark.parametrize("kw", [dict(precision="bf16-mixed"),
+                                dict(precision="bf16", grad_ckpt=True),
+                                dict(precision="bf16-mixed", train="lora")])
+def test_pixtral_llava_analytic_within_3_percent_of_trace(kw):
+    _analytic_within_3_percent(TrainingSpec(model=LLAVA_TINY, micro_batch=2, seq_len=128,
+                                            image_size="128x96", **kw))
 
 
 @pytest.mark.slow

@@ -27,7 +27,8 @@ LN_STATS = ("by design: on bf16 input the meta trace keeps layer_norm's mean/rst
 FAMILIES = [("tiny-llava", None), ("tiny-llava-next", 45), ("tiny-qwen2-vl", "112x168"),
             ("tiny-qwen2.5-vl", "112x168"), ("tiny-llava-onevision", 84),
             ("tiny-llava-onevision", 42), ("tiny-mistral3", "112x84"),
-            ("tiny-mistral3", "100x150"), ("tiny-mistral3", None)]
+            ("tiny-mistral3", "100x150"), ("tiny-mistral3", None),
+            ("tiny-llava-pixtral", "128x96")]
 
 
 def _meta_model(model: str):

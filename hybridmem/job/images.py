@@ -59,6 +59,12 @@ QWEN_DEFAULT_SIZE = (448, 448)
 """Qwen2-VL has no native size; an assumed default (16 x 16 merged tokens = 256 per image)."""
 QWEN_MAX_ASPECT = 200  # smart_resize: "absolute aspect ratio must be smaller than 200"
 
+def is_pixtral(cfg) -> bool:
+    """A Pixtral tower: Mistral-3, or LLaVA with a `pixtral` vision config (pixtral-12b)."""
+    vc = getattr(cfg, "vision_config", None)
+    return cfg.model_type in PIXTRAL_FAMILIES or getattr(vc, "model_type", "") == "pixtral"
+
+
 _HXW = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
@@ -167,14 +173,14 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
     hw = parse_image_size(image_size)
     if mt in GRID_FAMILIES:
         return _qwen_plan(cfg, hw)
-    if mt in PIXTRAL_FAMILIES:
+    if is_pixtral(cfg):
         from hybridmem.models.mistral3 import pixtral_plan
 
         return pixtral_plan(cfg, hw)
     if hw is not None and hw[0] != hw[1]:
         raise SpecError("image_size", image_size, reason=f"HxW needs a native-resolution family "
-                        f"({', '.join(GRID_FAMILIES + PIXTRAL_FAMILIES)}); {mt} takes a square "
-                        "side")
+                        f"({', '.join(GRID_FAMILIES + PIXTRAL_FAMILIES)}, Pixtral LLaVA); {mt} takes "
+                        "a square side")
     side = None if hw is None else hw[0]
     if mt in ("llava", "llava_next", "llava_onevision"):
         from hybridmem.models.llava import image_layout
@@ -240,7 +246,7 @@ def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
                                             device=device),
                 "image_grid_thw": torch.tensor([list(plan.grid)] * n_images, dtype=torch.long,
                                                device="cpu" if host_shapes else device)}
-    if mt in PIXTRAL_FAMILIES:
+    if is_pixtral(config):
         # PixtralImageProcessor: (images, C, H, W) padded to the largest (all images share the
         # plan's size) and `image_sizes` (images, 2), whose values the tower reads per image
         h, w = plan.size

@@ -14,7 +14,7 @@ from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.job.images import ImagePlan, check_seq_len, image_plan
-from hybridmem.job.images import PIXTRAL_FAMILIES, SPLIT_FAMILIES
+from hybridmem.job.images import SPLIT_FAMILIES, is_pixtral
 from hybridmem.models import idefics3, mistral3, qwen_vl
 from hybridmem.models.llava import ImageLayout, num_feature_layers
 from hybridmem.models.light import light_config
@@ -280,11 +280,11 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
     else:
         plan = image_plan(cfg, spec.image_size)  # the one rule (hybridmem/job/images.py)
         check_seq_len(spec.seq_len, images, plan)
-        plan_grid = bool(plan.grid[0]) or cfg.model_type in PIXTRAL_FAMILIES
+        plan_grid = bool(plan.grid[0]) or is_pixtral(cfg)
         layout = plan.layout or ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)
         if plan.grid[0]:
             modules = _qwen_vl_modules(cfg, spec, images, plan)
-        elif cfg.model_type in PIXTRAL_FAMILIES:  # one packed patch sequence per step
+        elif is_pixtral(cfg):  # one packed patch sequence per step (Mistral-3, pixtral-12b)
             modules = mistral3.vision_modules(cfg, plan, spec.micro_batch * images,
                                               runs=images > 0)
         elif cfg.model_type in SPLIT_FAMILIES:  # tiles + global image, pixel shuffle

@@ -137,8 +137,10 @@ def validate_types(data: dict) -> str:
         return model_type
     for key in ("vision_config",):
         sub = data.get(key)
-        if isinstance(sub, dict) and sub.get("model_type", "clip_vision_model") not in VISION_TYPES:
-            raise SpecError(f"{key}.model_type", sub.get("model_type"), VISION_TYPES)
+        # LLaVA (not -NeXT / -OneVision) also takes a Pixtral tower (pixtral-12b)
+        kinds = VISION_TYPES + (("pixtral",) if model_type == "llava" else ())
+        if isinstance(sub, dict) and sub.get("model_type", "clip_vision_model") not in kinds:
+            raise SpecError(f"{key}.model_type", sub.get("model_type"), kinds)
     sub = data.get("text_config")
     if isinstance(sub, dict) and sub.get("model_type", "llama") not in DECODER_TYPES:
         raise SpecError("text_config.model_type", sub.get("model_type"), DECODER_TYPES)

@@ -37,7 +37,8 @@ def pixtral_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
     """Tokens per image at input size `hw` (default: a square image of `longest_edge`, the
     largest the processor passes on; every bigger image is shrunk to it)."""
     edge = longest_edge(cfg)
-    p = cfg.vision_config.patch_size * cfg.spatial_merge_size
+    # PixtralProcessor `patch_size * spatial_merge_size` (LLaVA-Pixtral: no merger, 1)
+    p = cfg.vision_config.patch_size * getattr(cfg, "spatial_merge_size", 1)
     h, w = hw or (edge, edge)
     ratio = max(h / edge, w / edge)
     if ratio > 1:  # get_resize_output_image_size: floor, "always smaller than longest_edge"
@@ -104,9 +105,21 @@ def projector_layer(cfg, plan: ImagePlan, n_images: int, runs: bool = True) -> L
                            tokens=n_images * plan.tokens, images=n_images))
 
 
+def llava_projector_layer(cfg, plan: ImagePlan, n_images: int, runs: bool = True) -> Layer:
+    """LLaVA's `LlavaMultiModalProjector` over the tower's patches (pixtral-12b: no merger,
+    one token per patch, "full" features): the `vision_acts.projector` formula."""
+    e, th = cfg.vision_config.hidden_size, cfg.text_config.hidden_size
+    bias = bool(getattr(cfg, "multimodal_projector_bias", True))
+    return Layer(name="projector", kind="projector", runs=runs,
+                 params=linear("linear_1", th, e, bias) + linear("linear_2", th, th, bias),
+                 dims=dict(n=n_images, t=plan.tokens, d_in=e, h=th,
+                           act=cfg.projector_hidden_act, packed=0))
+
+
 def vision_modules(cfg, plan: ImagePlan, n_images: int, runs: bool = True) -> list[Module]:
     """`model.vision_tower` and `model.multi_modal_projector` for `n_images` images."""
+    proj = (projector_layer if cfg.model_type == "mistral3" else llava_projector_layer)
     return [Module(name="vision_tower", prefix="model.vision_tower",
                    layers=vision_layers(cfg, plan, n_images, runs)),
             Module(name="multi_modal_projector", prefix="model.multi_modal_projector",
-                   layers=(projector_layer(cfg, plan, n_images, runs),))]
+                   layers=(proj(cfg, plan, n_images, runs),))]

@@ -1,6 +1,8 @@
-"""Mistral-3's image path on meta tensors, shapes as a CUDA run has them.
+"""Pixtral image paths (Mistral-3, LLaVA with a Pixtral tower) on meta tensors, shapes as a
+CUDA run has them.
 
-Why: `Mistral3Model.get_image_features` splits the projected features per image by
+Why: `Mistral3Model.get_image_features` (and `LlavaModel.get_image_features` given
+`image_sizes`) splits the projected features per image by
 `(torch.as_tensor(image_sizes, device=features.device) // ratio).prod(-1).tolist()`; on meta
 that `.tolist()` has no values. The trace batch keeps `image_sizes` a host list
 (`job.images.pixel_inputs(host_shapes=True)`), so the tensor made from it is put on the CPU,
@@ -17,7 +19,10 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
-MODULE = "transformers.models.mistral3.modeling_mistral3"
+MODULES = {"transformers.models.mistral3.modeling_mistral3": "Mistral3Model",
+           "transformers.models.llava.modeling_llava": "LlavaModel"}
+TYPES = ("mistral3", "llava")
+"""model_types the runner wraps (a CLIP/SigLIP LLaVA passes no image_sizes: unaffected)."""
 
 
 class _HostSizes(TorchFunctionMode):
@@ -36,17 +41,22 @@ class _HostSizes(TorchFunctionMode):
 def sizes_on_meta():
     import importlib
 
-    mod = importlib.import_module(MODULE)
-    cls = mod.Mistral3Model
-    orig, check = cls.get_image_features, mod.torch_compilable_check
+    saved = []
+    for name, cls_name in MODULES.items():
+        mod = importlib.import_module(name)
+        cls = getattr(mod, cls_name)
+        orig = cls.get_image_features
 
-    @functools.wraps(orig)
-    def features(self, *a, **k):
-        with _HostSizes():
-            return orig(self, *a, **k)
-    cls.get_image_features = features
-    mod.torch_compilable_check = lambda *a, **k: None
+        @functools.wraps(orig)
+        def features(self, *a, _f=orig, **k):
+            with _HostSizes():
+                return _f(self, *a, **k)
+        saved += [(cls, "get_image_features", orig),
+                  (mod, "torch_compilable_check", mod.torch_compilable_check)]
+        cls.get_image_features = features
+        mod.torch_compilable_check = lambda *a, **k: None
     try:
         yield
     finally:
-        cls.get_image_features, mod.torch_compilable_check = orig, check
+        for obj, name, old in reversed(saved):
+            setattr(obj, name, old)

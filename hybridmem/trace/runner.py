@@ -24,7 +24,7 @@ from hybridmem.job.checkpointing import enable_checkpointing
 from hybridmem.job import offload, optim_in_backward
 from hybridmem.job.liger import rope_patched
 from hybridmem.job.loss import liger_note
-from hybridmem.job.images import GRID_FAMILIES, PIXTRAL_FAMILIES, SPLIT_FAMILIES
+from hybridmem.job.images import GRID_FAMILIES, SPLIT_FAMILIES
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
@@ -362,7 +362,7 @@ def _tensors(backend: str, spec: TrainingSpec, model_type: str = ""):
         amp = CudaAutocast(AUTOCAST[spec.precision]) if spec.precision in AUTOCAST else None
         grid = (corrections.grid_helpers_on_meta() if model_type in GRID_FAMILIES
                 else corrections.split_images_on_meta() if model_type in SPLIT_FAMILIES
-                else trace_mistral3.sizes_on_meta() if model_type in PIXTRAL_FAMILIES
+                else trace_mistral3.sizes_on_meta() if model_type in trace_mistral3.TYPES
                 else contextlib.nullcontext())  # Qwen-VL reads image_grid_thw values
         with torch.device("meta"), corrections.CpuSdpaOnMeta(), fused_on_meta(), grid, \
                 (emulated(amp) if amp else contextlib.nullcontext()):
