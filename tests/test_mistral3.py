@@ -135,8 +135,15 @@ def test_pixtral_llava_trace_equals_a_real_cpu_run(kw):
                                 dict(precision="bf16-mixed"),
                                 dict(precision="bf16-mixed", train="llm+projector"),
                                 dict(precision="bf16", grad_ckpt=True),
-                                dict(precision="bf16-mixed", train="lora")])
+                                dict(precision="bf16-mixed", train="lora"),
+                                # the tower's blocks in the op-level policy's cached set and
+                                # its linears quantised, as the LM's (analytic/sac.py,
+                                # models/build.py LINEAR_KINDS)
+                                dict(precision="bf16", grad_ckpt=True, grad_ckpt_policy="ops"),
+                                dict(precision="bf16-mixed", train="lora", quantize="nf4")])
 def test_analytic_within_3_percent_of_trace(kw):
+    if kw.get("quantize"):
+        pytest.importorskip("bitsandbytes")
     # 224x168 px: 16 x 12 patches, 48 tokens + 8 markers per image; the vision side is a
     # larger share of the tiny model's memory than at 112x84
     _analytic_within_3_percent(TrainingSpec(model=TINY, micro_batch=2, seq_len=128,

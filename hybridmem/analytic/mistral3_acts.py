@@ -85,14 +85,21 @@ def rotary(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 fwd_extra=sum(fwd), fwd_parts=fwd)
 
 
+def as_decoder(layer: Layer) -> Layer:
+    """A Pixtral block as the Llama decoder layer it prices as: batch 1, sequence N, as many kv
+    heads as heads (also `analytic.sac`'s cached set: the same seven mms in the same order)."""
+    d = layer.dims
+    return replace(layer, kind="decoder_layer",
+                   dims=dict(b=1, s=d["n"], h=d["h"], heads=d["heads"], kv_heads=d["heads"],
+                             head_dim=d["head_dim"], ffn=d["ffn"]))
+
+
 def block(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     """A Pixtral block as a Llama decoder layer over (1, N), plus the autocast mask copy."""
-    d = layer.dims
-    n = d["n"]
+    n = layer.dims["n"]
     if not layer.runs or n == 0:
         return Acts()
-    dec = replace(layer, dims=dict(b=1, s=n, h=d["h"], heads=d["heads"], kv_heads=d["heads"],
-                                   head_dim=d["head_dim"], ffn=d["ffn"]))
+    dec = as_decoder(layer)
     # Liger patches the LM's modules only (`hybridmem.job.loss`), never the Pixtral tower
     acts = TA.decoder_layer(dec, replace(c, liger=False), need_in, need_w)
     if c.amp and acts.saved:
