@@ -166,3 +166,30 @@ def test_pixtral_llava_analytic_within_3_percent_of_trace(kw):
 def test_real_sized_analytic_within_3_percent(kw):
     _analytic_within_3_percent(TrainingSpec(model=REAL, micro_batch=1, seq_len=4096,
                                             image_size="1024x1024", **kw))
+
+
+HARNESS_SWEEP = """
+[sweep]
+name = "dryrun-pixtral"
+[[block]]
+model = ["tiny-mistral3", "tiny-llava-pixtral"]
+micro_batch = [2]
+seq_len = [128]
+image_size = [96]
+precision = ["bf16-mixed", "fp32"]
+train = ["full", "lora"]
+grad_ckpt = [true]
+"""
+
+
+@pytest.mark.slow
+def test_harness_trains_both_pixtral_families_on_the_cpu_stand_in(tmp_path, monkeypatch):
+    """The CUDA runner's real build/train path with the harness batch (`image_sizes` a tensor)."""
+    from test_harness_dryrun import collect_on_cpu
+
+    report = collect_on_cpu(HARNESS_SWEEP, tmp_path, monkeypatch)
+    assert [r["error"] for r in report.rows if r["outcome"] != "ok"] == []
+    # 96 px: ceil(96 / 28) = 4 -> 16 tokens (Mistral-3); 96 / 16 = 6 -> 36 (pixtral LLaVA)
+    assert {(r["model_name"], r["image_tokens"]) for r in report.rows} == {
+        ("tiny-mistral3", 16), ("tiny-llava-pixtral", 36)}
+    assert len(report.rows) == 8
