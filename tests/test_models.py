@@ -59,7 +59,8 @@ def _analytic_presets() -> list[str]:
 
 @pytest.mark.parametrize("preset", _analytic_presets())
 def test_every_preset_matches_the_meta_device_model(preset):
-    _assert_matches_meta(preset)
+    # pixtral-12b's default image (1024 px: 4096 tokens + 64 breaks) needs more than 4096
+    _assert_matches_meta(preset, **({"seq_len": 8192} if preset == "pixtral-12b" else {}))
 
 
 def test_llava_7b_published_counts():

@@ -29,3 +29,19 @@ def test_models_table_names_the_generic_path(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "llava-1.5-7b" in out and "--model path/to/config.json (trace tier)" in out
+
+
+def test_the_docs_name_every_declared_family():
+    """README's `--model` row and docs/trace.md's "Which models" name each family the registry
+    declares (they went stale as families were added)."""
+    from pathlib import Path
+
+    from hybridmem.families import REGISTRY
+
+    root = Path(__file__).resolve().parents[1]
+    readme = next(l for l in (root / "README.md").read_text().splitlines()
+                  if l.startswith("| `--model` |"))
+    which = (root / "docs" / "trace.md").read_text().split("## Which models")[1].split("\n\n")[1]
+    for model_type in REGISTRY:
+        assert f"`{model_type}`" in readme, model_type
+        assert f"`{model_type}`" in which, model_type

@@ -26,7 +26,9 @@ LN_STATS = ("by design: on bf16 input the meta trace keeps layer_norm's mean/rst
 # (preset, image_size) per family with an image rule and a tiny preset
 FAMILIES = [("tiny-llava", None), ("tiny-llava-next", 45), ("tiny-qwen2-vl", "112x168"),
             ("tiny-qwen2.5-vl", "112x168"), ("tiny-llava-onevision", 84),
-            ("tiny-llava-onevision", 42), ("tiny-smolvlm", 128)]
+            ("tiny-llava-onevision", 42), ("tiny-smolvlm", 128), ("tiny-mistral3", "112x84"),
+            ("tiny-mistral3", "100x150"), ("tiny-mistral3", None),
+            ("tiny-llava-pixtral", "128x96")]
 
 
 def _meta_model(model: str):

@@ -19,6 +19,7 @@ from hybridmem.analytic import (
     qwen_vl_acts as QA, sac, text_acts as TA, vision_acts as VA,
 )
 from hybridmem.analytic import internvl_acts as IA
+from hybridmem.analytic import mistral3_acts as MA
 from hybridmem.job import packing
 from hybridmem.analytic.alloc import t
 from hybridmem.families import family
@@ -55,7 +56,7 @@ from hybridmem.prediction import ModuleMemory, Peak, Prediction
 from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
 # GradientCheckpointingLayer subclasses (Qwen2VLVisionBlock / Qwen2_5_VLVisionBlock too)
-CHECKPOINTED = ("decoder_layer", "encoder_layer", "qwen_vision_block")
+CHECKPOINTED = ("decoder_layer", "encoder_layer", "qwen_vision_block", "pixtral_block")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,8 @@ FORMULAS = {
     "gemma3_projector": GA.mm_projector, "pixel_shuffle_projector": GA.pixel_shuffle_projector,
     "qwen3_pos_embed": Q3.pos_embed, "qwen3_merger": Q3.merger, "deepstack_add": Q3.deepstack_add,
     "internvl_projector": IA.projector, "internvl_final_norm": IA.final_norm,
+    "pixtral_patch_conv": MA.patch_conv, "pixtral_ln_pre": MA.ln_pre,
+    "pixtral_rotary": MA.rotary, "pixtral_block": MA.block, "pixtral_projector": MA.projector,
 }
 
 
@@ -252,6 +255,13 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
         pix = POLICIES[spec.precision].param_bytes
         out += t(patches["n"] * patches["row"], pix)
         out += t(3 * patches["images"], A.INT64)
+    conv = next((l.dims for m, l in graph.layers() if l.kind == "pixtral_patch_conv"), None)
+    if conv and graph.image_tokens:
+        # Mistral-3 (job.images.pixel_inputs): (images, C, H, W) in the model dtype and the
+        # (images, 2) int64 image_sizes
+        pix = POLICIES[spec.precision].param_bytes
+        out += t(conv["images"] * conv["channels"] * conv["h_px"] * conv["w_px"], pix)
+        out += t(2 * conv["images"], A.INT64)
     return out
 
 
@@ -284,7 +294,8 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
         "batch: unpadded (no attention mask), loss over every position with fp32 logits "
         "(transformers ForCausalLMLoss)",
     ]
-    patches = next((l.dims["n"] for m, l in graph.layers() if l.kind == "qwen_patch_embed"), 0)
+    patches = next((l.dims["n"] for m, l in graph.layers()
+                    if l.kind in ("qwen_patch_embed", "pixtral_patch_conv")), 0)
     if graph.image_tokens:
         seen = (f"{patches} patches in one packed sequence" if patches
                 else f"{graph.vision_batch} crop(s)")

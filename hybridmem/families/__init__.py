@@ -69,8 +69,9 @@ class Family:
     """model_types of its sub-configs that share its traits (Qwen2-VL's `qwen2_vl_text`)."""
     image_plan: Callable | None = None
     """(config, (h, w) | None) -> `job.images.ImagePlan`: the one image-token rule."""
-    hw_images: bool = False
-    """`--image-size HxW` allowed (native dynamic resolution); else a square side."""
+    hw_images: bool | Callable = False
+    """`--image-size HxW` allowed (native dynamic resolution, image splitting); else a square
+    side; a callable (config) -> bool where the tower decides (LLaVA with Pixtral)."""
     pixel_inputs: Callable | None = None
     """(config, plan, n_images, dtype, device, host_shapes) -> the processor's pixel outputs;
     None: one (n, 3, side, side) tensor."""

@@ -1,5 +1,6 @@
 """LLaVA, LLaVA-NeXT and LLaVA-OneVision (docs/vlm-families.md): a CLIP / SigLIP tower, a
-Linear-act-Linear projector and a decoder family from `decoders.py`.
+Linear-act-Linear projector and a decoder family from `decoders.py`. LLaVA also takes a
+Pixtral tower (pixtral-12b): its rule, pixel inputs and graph are Mistral-3's (`mistral3.py`).
 
 Rules: `models/llava.py` (image layout: CLS dropped under `default`, anyres tiles + base crop,
 unpadding, one newline per row; OneVision's anyres_max_N downsampling); graph
@@ -10,17 +11,26 @@ from __future__ import annotations
 
 from hybridmem.families import VLM, Family
 
+from hybridmem.families import mistral3
+
 VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
 """Vision towers with closed forms (`models/vision.py`)."""
+PIXTRAL = "pixtral"
+"""LLaVA (not -NeXT / -OneVision) also takes a Pixtral tower (pixtral-12b)."""
+
+
+def _pixtral(cfg) -> bool:
+    return getattr(getattr(cfg, "vision_config", None), "model_type", "") == PIXTRAL
 
 
 def check_config(data: dict) -> None:
     """The vision tower and the LM must be families with closed forms."""
     from hybridmem.errors import SpecError
 
+    kinds = VISION_TYPES + ((PIXTRAL,) if data.get("model_type") == "llava" else ())
     sub = data.get("vision_config")
-    if isinstance(sub, dict) and sub.get("model_type", "clip_vision_model") not in VISION_TYPES:
-        raise SpecError("vision_config.model_type", sub.get("model_type"), VISION_TYPES)
+    if isinstance(sub, dict) and sub.get("model_type", "clip_vision_model") not in kinds:
+        raise SpecError("vision_config.model_type", sub.get("model_type"), kinds)
     check_text_config(data)
 
 
@@ -39,6 +49,8 @@ def image_plan(cfg, hw):
     from hybridmem.job.images import ImagePlan
     from hybridmem.models.llava import image_layout
 
+    if _pixtral(cfg):
+        return mistral3.image_plan(cfg, hw)
     side = None if hw is None else hw[0]
     layout = image_layout(cfg, side)
     s = side or cfg.vision_config.image_size
@@ -57,15 +69,34 @@ def anyres_pixels(config, plan, n_images, dtype, device=None, host_shapes=False)
                             torch.tensor([[side, side]] * n_images, device=device))}
 
 
+def llava_pixels(config, plan, n_images, dtype, device=None, host_shapes=False) -> dict:
+    """One (n, 3, side, side) tensor; a Pixtral tower's `image_sizes` too."""
+    if _pixtral(config):
+        return mistral3.pixel_inputs(config, plan, n_images, dtype, device, host_shapes)
+    import torch
+
+    side = plan.size[0]
+    return {"pixel_values": torch.zeros(n_images, 3, side, side, dtype=dtype, device=device)}
+
+
 def vision_graph(cfg, spec, images, plan):
     from hybridmem.models.llava import vision_modules
 
+    if _pixtral(cfg):
+        return mistral3.vision_graph(cfg, spec, images, plan)
     return vision_modules(cfg, spec, images, plan)
+
+
+def vision_seq(vc) -> int:
+    from hybridmem.models.vision import tokens_per_crop
+
+    return 0 if vc.model_type == PIXTRAL else tokens_per_crop(vc)
 
 
 _COMMON = dict(check_config=check_config, image_plan=image_plan, vision_graph=vision_graph)
 FAMILIES = (
-    Family("llava", VLM, "modeling_llava.py", **_COMMON),
+    Family("llava", VLM, "modeling_llava.py", hw_images=_pixtral, pixel_inputs=llava_pixels,
+           vision_seq=vision_seq, meta_patches=mistral3.meta_patches, **_COMMON),
     Family("llava_next", VLM, "modeling_llava_next.py", pixel_inputs=anyres_pixels, **_COMMON),
     # configuration_llava_onevision.py: SigLIP so400m, "full" features of layer -1, 36
     # pinpoints by default: transformers' config class fills them

@@ -151,7 +151,10 @@ def _model_config(combo: dict, custom: dict, where: str) -> tuple[str, dict]:
         cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
         # LLaVA-1.5 takes only the tower's native size: build the tower at the asked size.
         # LLaVA-NeXT tiles any image size onto its native-size tower (anyres): keep the tower.
-        if combo["image_size"] and cfg.get("model_type") == "llava":
+        # A Pixtral tower (pixtral-12b) takes any size (its `image_size` is the processor's
+        # longest edge): the size goes to the spec only, as for Qwen-VL / Mistral-3
+        if combo["image_size"] and cfg.get("model_type") == "llava" and \
+                cfg.get("vision_config", {}).get("model_type") != "pixtral":
             cfg["vision_config"] = {**cfg["vision_config"], "image_size": combo["image_size"]}
         return label, cfg
     return shapes.compose(combo["vision"], combo["decoder"], combo["gqa"], combo["image_size"],

@@ -34,7 +34,7 @@ def _declared(where) -> tuple[str, ...]:
 IMAGE_FAMILIES: tuple[str, ...] = _declared(lambda f: f.image_plan is not None)
 """model_types with an image-token rule (`hybridmem/families/`): their batches carry images
 (other image-text-to-text families are priced on text-only batches)."""
-HXW_FAMILIES: tuple[str, ...] = _declared(lambda f: f.hw_images)
+HXW_FAMILIES: tuple[str, ...] = _declared(lambda f: f.hw_images is True)
 """`image_size` may be `HxW`: native dynamic resolution (Qwen-VL: the patch grid) or image
 splitting (Idefics3, SmolVLM: the image after the processor's resize)."""
 
@@ -93,6 +93,9 @@ class ImagePlan:
     """Qwen-VL: grid_thw in patches (temporal, height, width); 0s elsewhere."""
     layout: object | None = None
     """LLaVA / LLaVA-NeXT: the `models.llava.ImageLayout` (crops, features, newlines)."""
+    markers: int = 0
+    """Text tokens the processor adds per image beside `tokens` (Pixtral: one [IMG_BREAK] per
+    row, the last one [IMG_END]); they take sequence positions but are no image features."""
 
     @property
     def patches(self) -> int:
@@ -182,11 +185,17 @@ def image_plan(cfg, image_size: object = None) -> ImagePlan:
     if fam is None or fam.image_plan is None:
         raise SpecError("model_type", mt, IMAGE_FAMILIES, reason="no image-token rule")
     hw = parse_image_size(image_size)
-    if hw is not None and hw[0] != hw[1] and not fam.hw_images:
-        raise SpecError("image_size", image_size, reason="HxW needs a native-resolution or "
-                        f"image-splitting family ({', '.join(HXW_FAMILIES)}); {mt} takes a "
-                        "square side")
+    if not (fam.hw_images(cfg) if callable(fam.hw_images) else fam.hw_images):
+        square_only(cfg, hw)
     return fam.image_plan(cfg, hw)
+
+
+def square_only(cfg, hw: tuple[int, int] | None) -> None:
+    """The one-line refusal of `HxW` for a tower that takes a square side."""
+    if hw is not None and hw[0] != hw[1]:
+        raise SpecError("image_size", f"{hw[0]}x{hw[1]}", reason="HxW needs a native-resolution "
+                        f"or image-splitting family ({', '.join(HXW_FAMILIES)}) or a Pixtral "
+                        f"tower; {cfg.model_type} takes a square side")
 
 
 def check_seq_len(seq_len: int, images: int, plan: ImagePlan | None) -> int:
@@ -194,10 +203,12 @@ def check_seq_len(seq_len: int, images: int, plan: ImagePlan | None) -> int:
     them (the collators put BOS first: haotian-liu/LLaVA `preprocess`, Qwen2-VL's chat
     template). The one seq-len check of every tier."""
     tokens = images * plan.tokens if plan is not None and images else 0
-    if tokens and tokens + 1 > seq_len:
+    markers = images * plan.markers if tokens else 0
+    if tokens and tokens + markers + 1 > seq_len:
+        extra = f" and {plan.markers} break/end tokens" if plan.markers else ""
         raise SpecError("seq_len", seq_len,
-                        reason=f"too short for {images} image(s) of {plan.tokens} image tokens "
-                        "plus one text token (seq_len counts text and image tokens)")
+                        reason=f"too short for {images} image(s) of {plan.tokens} image tokens"
+                        f"{extra} plus one text token (seq_len counts text and image tokens)")
     return tokens
 
 

@@ -189,7 +189,8 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
 
 # layer kinds whose 2-D `.weight`s are nn.Linear modules (embeddings, patch/position
 # embeddings are not: transformers' `replace_with_bnb_linear` converts nn.Linear only)
-LINEAR_KINDS = ("decoder_layer", "encoder_layer", "projector", "lm_head", "internvl_projector")
+LINEAR_KINDS = ("decoder_layer", "encoder_layer", "projector", "lm_head", "internvl_projector",
+                "pixtral_block", "pixtral_projector")
 
 
 def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:

@@ -80,7 +80,11 @@ def _vision(data: dict | None) -> SimpleNamespace:
     if data is None:
         data = LLAVA_VISION
     kind = data.get("model_type", "clip_vision_model")
-    vc = _sub({**data, "model_type": kind}, VISION_DEFAULTS[kind], "vision_config.")
+    if kind == "pixtral":  # LLaVA with a Pixtral tower (pixtral-12b; models/mistral3_config.py)
+        from hybridmem.models.mistral3_config import PIXTRAL_DEFAULTS as defaults
+    else:
+        defaults = VISION_DEFAULTS[kind]
+    vc = _sub({**data, "model_type": kind}, defaults, "vision_config.")
     if vc.hidden_size % vc.num_attention_heads:
         raise SpecError("vision_config.hidden_size", vc.hidden_size,
                         reason=f"not a multiple of num_attention_heads={vc.num_attention_heads}")

@@ -1,0 +1,71 @@
+"""Mistral-3 (docs/vlm-families.md): the Pixtral tower (2-D RoPE, native resolution, block-
+diagonal attention over the images of a step), `Mistral3MultiModalProjector` (RMSNorm, patch
+merger, Linear-GELU-Linear), a Mistral LM; the processor adds one [IMG_BREAK] / [IMG_END] per
+row of image tokens (`ImagePlan.markers`). LLaVA with a Pixtral tower (pixtral-12b) shares the
+tower, the rule and the pixel inputs (`llava.py` dispatches here).
+
+Rules and graph: `models/mistral3.py` (config without transformers: `models/mistral3_config.py`);
+activations `analytic/mistral3_acts.py`; meta-trace helpers `trace/mistral3.py`.
+"""
+
+from __future__ import annotations
+
+from hybridmem.families import VLM, Family
+
+
+def check_config(data: dict) -> None:
+    from hybridmem.families import DECODER, types
+    from hybridmem.models.mistral3_config import validate_subconfigs
+
+    validate_subconfigs(data, types(DECODER))
+
+
+def light_config(data: dict):
+    from hybridmem.models import light
+    from hybridmem.models.mistral3_config import light_mistral3
+
+    return light_mistral3(data, light._text, light._sub)
+
+
+def image_plan(cfg, hw):
+    from hybridmem.models.mistral3 import pixtral_plan
+
+    return pixtral_plan(cfg, hw)
+
+
+def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) -> dict:
+    """PixtralImageProcessor: (images, C, H, W) padded to the largest (all images share the
+    plan's size) and `image_sizes` (images, 2), whose values the tower reads per image."""
+    import torch
+
+    h, w = plan.size
+    sizes = [[h, w]] * n_images
+    return {"pixel_values": torch.zeros(n_images, 3, h, w, dtype=dtype, device=device),
+            "image_sizes": sizes if host_shapes else torch.tensor(sizes, device=device)}
+
+
+def vision_graph(cfg, spec, images, plan):
+    """One packed patch sequence per step (Mistral-3, pixtral-12b)."""
+    from hybridmem.models import mistral3
+    from hybridmem.models.llava import ImageLayout
+
+    modules = mistral3.vision_modules(cfg, plan, spec.micro_batch * images, runs=images > 0)
+    return modules, ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)
+
+
+def vision_seq(vc) -> int:
+    return 0  # a packed sequence of every image's patches, no fixed tokens per crop
+
+
+def meta_patches():
+    from hybridmem.trace.mistral3 import sizes_on_meta
+
+    return sizes_on_meta()
+
+
+FAMILIES = (
+    Family("mistral3", VLM, "modeling_mistral3.py", check_config=check_config,
+           light_config=light_config, image_plan=image_plan, hw_images=True,
+           pixel_inputs=pixel_inputs, vision_graph=vision_graph, vision_seq=vision_seq,
+           meta_patches=meta_patches),
+)
