@@ -100,9 +100,13 @@ class Acts:
     """... `bwd_extra`,"""
     bwd_mlp_parts: tuple[int, ...] = ()
     """... `bwd_mlp`."""
-    fwd_in_attention: bool = False
-    """The forward's high point (`fwd_extra`) is in the attention half, before the MLP's saved
-    tensors (`mlp_saved`) exist (Gemma 2's eager probs; timeline.walk counts it so)."""
+    fwd_after_top: int = 0
+    """Part of `saved` made after the forward's high point (`fwd_extra`), not alive there: the
+    second half of an eager attention layer (`eager_top.forward_top`; timeline.walk)."""
+    bwd_top_freed: int = 0
+    """Part of `saved` (outside `mlp_saved`) freed before the high point of the backward's
+    last stage (`bwd_extra`): eager attention's o_proj input, v and probs cast
+    (`eager_top.backward_top`; timeline.walk)."""
     grad_in_saved: int = 0
     """Bytes of `saved` that become this layer's weight grad at its backward (Liger's FLCE
     computes grad_weight in the forward and returns the saved tensor): not a second copy."""

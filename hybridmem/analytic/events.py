@@ -119,10 +119,18 @@ def _no_grad_working_set(layer, acts, amp: bool) -> list[int]:
     return out
 
 
-def _forward_with_grad(s: Stream, parts: list[int], extra: list[int]) -> list[int]:
+def _forward_with_grad(s: Stream, parts: list[int], extra: list[int], after: int = 0
+                       ) -> list[int]:
     """A layer's forward under autograd: the first half of its saved tensors, its transients
-    (alive over the second half), the second half; returns the saved tensors' keys."""
+    (alive over the second half), the second half; returns the saved tensors' keys. `after`
+    (`Acts.fwd_after_top`, eager attention): the transients come before the last tensors
+    holding those bytes, the layer's second half."""
     half = len(parts) // 2
+    if after > 0:
+        half, tail = len(parts), 0
+        while half > 0 and tail + parts[half - 1] <= after:
+            half -= 1
+            tail += parts[half]
     keys = s.allocs(parts[:half])
     tmp = s.allocs(extra)
     keys += s.allocs(parts[half:])
@@ -242,7 +250,7 @@ def _forward(s: Stream, priced, statics, amp: bool):
             kept[i] = s.allocs([a.ckpt_saved])
             drop_at_end += s.allocs([a.cache])
         else:
-            saved[i] = _forward_with_grad(s, _parts(a), extra)
+            saved[i] = _forward_with_grad(s, _parts(a), extra, a.fwd_after_top)
             if not st.on_path:
                 held += saved[i]
                 saved[i] = []
@@ -307,6 +315,8 @@ def _backward(s: Stream, priced, policy, saved, kept, grads, step=None) -> None:
                 grads[i] = []
             s.free(tmp)
             _free_mlp_saved(s, saved[i], a.mlp_saved)
+            # eager: o_proj's input, v, the probs cast (the attention half's last tensors)
+            _free_mlp_saved(s, saved[i], a.bwd_top_freed)
         else:
             rest_g = mlp_g + rest_g
         tmp = s.allocs(split(a.bwd_extra, a.bwd_parts, unit))
@@ -358,6 +368,8 @@ def _accumulating_backward(s: Stream, priced, policy, saved, kept) -> None:
                 s.free([s.alloc(g)])
             s.free(tmp)
             _free_mlp_saved(s, saved[i], a.mlp_saved)
+            # eager: o_proj's input, v, the probs cast (the attention half's last tensors)
+            _free_mlp_saved(s, saved[i], a.bwd_top_freed)
         else:
             rest_g = mlp_g + rest_g
         tmp = s.allocs(split(a.bwd_extra, a.bwd_parts, unit))  # a tied weight's new grad

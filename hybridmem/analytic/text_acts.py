@@ -9,6 +9,7 @@ from hybridmem.analytic.activations import (
 )
 from hybridmem.analytic import gemma3_acts as GA
 from hybridmem.analytic.alloc import t
+from hybridmem.analytic.eager_top import backward_top, forward_top
 from hybridmem.job.loss import LIGER_SM_COUNT, flce_chunks, torch_chunks
 from hybridmem.models.graph import Layer
 
@@ -47,11 +48,14 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                            rep_kv=bool(d.get("masked")) and c.attn == "sdpa")
     mask_bytes = GA.image_mask_saved(d, c)  # Gemma 3 VLM with images (gemma3_acts)
     sv.add(mask_bytes, 1, cond=mask_bytes > 0)
+    at_probs = sv.total  # eager: saved up to the probs and their cast (`eager_top`)
+    before_o = sv.total
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
                   in_grad=need_in or n_qkv > 0)
     lora_outputs(sv, c, B, n_o)
     dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
+    o_saved = sv.total - before_o
     if gem:  # post_attention_layernorm on the attention output, before the residual add
         gemma_norm_saved(sv, c, B, h, True, need_w)
     attn_part = sv.total
@@ -84,7 +88,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
     if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
         rope_parts = []
-    fwd_parts = attn_top = (*rope_parts, *[t(probs, e)] * (2 if probs else 0))
+    fwd_parts = tuple(rope_parts)
     if c.liger and c.amp:
         # without RoPE's fp32 copies the MLP's high point (down_proj's forward) is the larger:
         # the post-attention norm's fp32 output (read by the linears through their bf16 casts,
@@ -105,7 +109,16 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         mlp_bwd = t(B * f, e)
     if sparse:
         mlp_bwd = sum(moe_bwd)
-    attn_bwd = 3 * t(B * qd, e) + (t(probs, FP32) + t(probs, e) if probs else 0)
+    # Gemma's post_feedforward_layernorm backward runs first, before any MLP grad: the fp32
+    # `_norm` chain (`x * rsqrt(x.pow(2).mean(-1) + eps)`: mean's expand, pow's `2 * x` and
+    # its product, beside the rsqrt product's grad), four B x h fp32 tensors at its top (trace
+    # tier, tiny-gemma2 eager bf16 s64 b2 checkpointed: the step's peak). Counted under eager
+    # only for now: Gemma 3 under SDPA has the same chain, but adding it there moves the SDPA
+    # numbers (tiny-gemma3-text bf16-mixed ckpt b2 +0.8 -> +2.7 %), left to a separate change
+    gem_bwd = 4 * t(B * h, FP32) if gem and probs else 0
+    if gem_bwd > mlp_bwd:
+        mlp_bwd = gem_bwd
+    attn_bwd = 3 * t(B * qd, e)  # eager's probs grads: `backward_top` below
     qkv_out = qd + 2 * kvd if fused else qd  # widest attention-input linear's output
     if fused:
         # q/k/v are slices of one output: each slice's backward (`slice_backward`) makes a
@@ -125,30 +138,60 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.attn == "flash_attention_2":
         attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
     soft = []
-    if probs and d.get("attn_softcap") and c.ckpt:
-        # Gemma 2 under checkpointing: the float masks (one per layer type, b x s x s in the
-        # embeddings' dtype) are held by the checkpoints' inputs through the backward. The
-        # softcap's tanh_backward runs after softmax's fp32 grads are freed: no higher point
+    if probs and c.ckpt:
+        # eager under checkpointing: the float masks (one per layer type, b x s x s in the
+        # embeddings' dtype) are held by the checkpoints' inputs through the backward. Gemma
+        # 2's tanh_backward runs after softmax's fp32 grads are freed: no higher point
         soft = [t(b * s * s, sb)] * d.get("mask_types", 1)
         attn_bwd += sum(soft)
-    probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
     q_fwd, q_mlp, q_attn = quant_transients(
         layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora)
+    bwd_parts = (t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *soft, *q_attn)
+    bwd_extra = 2 * t(B * h, sb) + attn_bwd + sum(q_attn)
+    # eager: the probs' backward (`eager_top.backward_top`), after o_proj's input, v (a
+    # repeat_kv copy, or the projection's output) and the probs cast were released
+    v_saved = t(B * qd if kvd < qd else (B * (qd + 2 * kvd) if fused else B * kvd), e)
+    top = backward_top(probs, e, t(B * h, sb), t(B * qd, e),
+                       o_saved + v_saved + (t(probs, e) if e != FP32 else 0),
+                       bwd_extra, tuple(soft))
+    bwd_freed = 0
+    if top:
+        bwd_parts, bwd_freed = top
+        bwd_extra = sum(bwd_parts)
     fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
+    fwd_parts, after_top = eager_forward(c, probs, at_probs, sv.total, fwd_parts, B, qd, kvd)
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
                 # both norms' fp32 inputs, saved twice each (TRL's offloader keeps the second
                 # copy on the GPU); Liger's RMSNorm saves its input once
                 shared=0 if c.liger else t(B * h, FP32) * (int(need_in) + 1),
-                bwd_extra=2 * t(B * h, sb) + attn_bwd + sum(q_attn),
+                bwd_extra=bwd_extra, bwd_top_freed=bwd_freed,
                 mlp_saved=sv.total - attn_part,
                 bwd_mlp=t(B * h, sb) + mlp_bwd + sum(q_mlp),
                 fwd_parts=fwd_parts,
-                bwd_parts=(t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *probs_parts, *soft,
-                           *q_attn),
-                fwd_in_attention=gem and fwd_parts is attn_top,
+                bwd_parts=bwd_parts,
+                fwd_after_top=after_top,
                 bwd_mlp_parts=(t(B * h, sb), *(moe_bwd if sparse else
+                                                [t(B * h, FP32)] * 4 if gem_bwd == mlp_bwd else
                                                 [t(B * f, e)] * (1 if c.liger else 2)), *q_mlp))
+
+
+def eager_forward(c: Ctx, probs: int, at_probs: int, total: int, other: tuple[int, ...],
+                  B: int, qd: int, kvd: int) -> tuple[tuple[int, ...], int]:
+    """A decoder layer's forward top under eager attention (`eager_top.forward_top`): the
+    scores are the `+ mask` output (the float mask has the stream's dtype, so fp32 under
+    autocast); under autocast `.to(q.dtype)` is a no-op (RoPE's q is fp32) and the bf16 cast
+    is `matmul`'s, made after the scores died. Alive beside them, not saved: the attention
+    call's arguments (modeling_llama.LlamaAttention.forward locals): RoPE's q (matmul saves a
+    contiguous copy) and, when repeat_kv copies them, RoPE's k and the projection's v."""
+    if not probs:
+        return other, 0
+    score_bytes = max(c.e, c.stream)
+    if c.amp:
+        at_probs -= t(probs, c.e)
+    rope_e = FP32 if c.amp else c.e
+    args = (t(B * qd, rope_e), *((t(B * kvd, rope_e), t(B * kvd, c.e)) if kvd < qd else ()))
+    return forward_top(probs, score_bytes, at_probs, total, other, c.ckpt, c.e, args)
 
 
 def _norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,

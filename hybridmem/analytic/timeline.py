@@ -175,7 +175,7 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
     accumulating, else None. Returns what its output object holds (0 for the trainer loop)."""
     act = st.inputs + before_out + (st.loss if before_out else 0)
     for s in steps:  # forward
-        early = s.acts.mlp_saved if s.acts.fwd_in_attention and not s.ckpt and s.on_path else 0
+        early = s.acts.fwd_after_top if not s.ckpt and s.on_path else 0
         w.point("forward", act + s.kept - early, s.acts.fwd_extra, *(acc or (0, 0)))
         act += s.kept
     act -= sum(s.released_at_forward_end for s in steps)
@@ -204,7 +204,8 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
             mlp_grad, rest_grad = grad - s.grad + s.grad_mlp[0], grad - s.grad + s.grad_mlp[1]
         if s.acts.bwd_mlp:  # MLP half, then attention half with the MLP's saved freed
             w.point("backward", act + recompute, s.acts.bwd_mlp + new[0], mlp_grad, grad_waste)
-            w.point("backward", act + recompute - s.acts.mlp_saved, s.acts.bwd_extra + new[1],
+            w.point("backward", act + recompute - s.acts.mlp_saved - s.acts.bwd_top_freed,
+                    s.acts.bwd_extra + new[1],
                     rest_grad, grad_waste)
         else:  # a weight grad made in the forward is counted once: as the grad (Liger FLCE)
             w.point("backward", act + recompute - s.acts.grad_in_saved,

@@ -7,6 +7,7 @@ from hybridmem.analytic.activations import (
     FP32, TWO_TENSOR_ACTS, Acts, Ctx, Saved, amp_copies, attention_core, linear_inputs,
 )
 from hybridmem.analytic.alloc import t
+from hybridmem.analytic.eager_top import backward_top, forward_top
 from hybridmem.models.graph import Layer
 
 
@@ -23,7 +24,9 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(N, FP32, times=2)          # mean, rstd
     linear_inputs(sv, c, N * h, sb, 3, need_w, 0, shared=False)
     probs = attention_core(sv, c, d["n"], d["t"], heads, h, h)
+    at_probs, before_o = sv.total - (t(probs, e) if c.amp else 0), sv.total
     linear_inputs(sv, c, N * h, e, 1, need_w, 0, shared=c.attn != "eager")
+    o_saved = sv.total - before_o
     attn_part = sv.total
     sv.add(N * h, sb)                 # second LayerNorm input (residual)
     sv.add(N, FP32, times=2)
@@ -32,16 +35,24 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(N * f, e, times=2 if two else 1)  # activation input (+ sigmoid output)
     sv.add(N * f, e, need_w)          # fc2 input
     copies, cache = amp_copies(layer, c, active, need_w)
-    fwd_parts = (*([t(N * f, e)] if two else []), *[t(probs, e)] * (2 if probs else 0))
-    probs_parts = [t(probs, FP32), t(probs, e)] if probs else []
-    # backward: the grad of the layer output and its residual copy; dq, dk, dv (+ eager probs)
-    bwd_parts = (t(N * h, sb), t(N * h, sb), *[t(N * h, e)] * 3, *probs_parts)
+    # eager (`eager_top`): no mask in the tower, the scores in the matmul dtype; beside them
+    # the projections' q, k, v (modeling_clip.CLIPAttention.forward locals; matmul saves
+    # contiguous copies)
+    fwd_parts, after_top = forward_top(probs, e, at_probs, sv.total,
+                                       tuple([t(N * f, e)] if two else []), c.ckpt, e,
+                                       (t(N * h, e),) * 3)
+    # backward: the grad of the layer output and its residual copy; dq, dk, dv (eager probs:
+    # `eager_top.backward_top`, after out_proj's input, v and the probs cast were released)
+    bwd_parts = (t(N * h, sb), t(N * h, sb), *[t(N * h, e)] * 3)
+    top = backward_top(probs, e, t(N * h, sb), t(N * h, e),
+                       o_saved + t(N * h, e) + (t(probs, e) if e != FP32 else 0), sum(bwd_parts))
+    bwd_parts, bwd_freed = top or (bwd_parts, 0)
     bwd_mlp_parts = (t(N * h, sb), t(N * f, e), t(N * f, e))
     acts = Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
                 bwd_extra=sum(bwd_parts), mlp_saved=sv.total - attn_part,
                 bwd_mlp=sum(bwd_mlp_parts), fwd_parts=fwd_parts, bwd_parts=bwd_parts,
-                bwd_mlp_parts=bwd_mlp_parts)
+                bwd_mlp_parts=bwd_mlp_parts, fwd_after_top=after_top, bwd_top_freed=bwd_freed)
     if d.get("layer_scale"):  # InternViT (models/internvl.py): lambda_1 / lambda_2
         from hybridmem.analytic.internvl_acts import with_layer_scale
         return with_layer_scale(acts, layer, c, need_w)

@@ -167,7 +167,7 @@ def decoder_dims(tc, batch: int, seq: int) -> dict:
                 qk_norm=qk_norm(tc), fused=fused(tc), gemma=gemma(tc),
                 attn_softcap=bool(softcaps(tc)[0]), final_softcap=bool(softcaps(tc)[1]),
                 moe=False, rope_tables=len(rope_tables(tc)),
-                mask_types=len(set(layer_types(tc))) if gemma(tc) else 0,
+                mask_types=len(set(layer_types(tc))),  # eager: a float mask per type (masking_utils)
                 sliding_masked=_sliding_masked(tc, seq))
 
 
