@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_iter
 
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, ckpt_every
+from hybridmem.trace import metacache
 from hybridmem.trace.tracker import Storage, StorageTracker
 
 FULL_ENV = "HYBRIDMEM_TRACE_FULL"
@@ -277,7 +278,7 @@ class LayeredTracker(StorageTracker):
             self._pending = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = metacache.call(func, args, kwargs)
         outs = [t for t in tree_iter(out) if isinstance(t, torch.Tensor)]
         inside = self._current()
         first = args[0] if args else None
