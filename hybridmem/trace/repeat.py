@@ -129,7 +129,7 @@ def _stack(sub: str, cfg, period: int) -> Stack | str:
     traced = FIRST + (BEFORE + 1 + AFTER) * period + LAST
     traced += (n - traced) % period  # same layer phase as the full model mod the period
     if n < traced + period:
-        return f"{kind}: {n} layers, too few to repeat a period of {period}"
+        return f"{kind}: {n} layers, too few layers to repeat a period of {period}"
     return Stack(sub, n, traced, FIRST + BEFORE * period, period)
 
 
@@ -318,10 +318,9 @@ class LayeredTracker(StorageTracker):
     def _free(self, sid: int) -> None:
         super()._free(sid)
         code = self._current()
-        if code is None and self._left >= 0 and self.tag[sid] >= 0 and \
-                self._left // _BIG == self.tag[sid] // _BIG and self.tag[sid] <= self._left:
-            code = self._left  # between two layers' forwards: the one that just ran (its output
-            # replaced the freed one; MoE layers, Qwen2-VL vision blocks free their input so)
+        if code is None and self._left > 0 and self.tag[sid] == self._left - 1:
+            code = self._left  # between two layers' forwards, the previous layer's storage: the
+            # layer that just ran replaced it (Mixtral's layers free their input so)
         self.ctx.append(self.tag[sid] if code is None else code)
 
     def mark(self, phase: str, iteration: int) -> None:
@@ -415,7 +414,7 @@ def extrapolate(tr: LayeredTracker, stacks: list[Stack], full: list[int] | None 
             key = (s_t, l_t + shift if shift is not None else outside(s_t, l_t), role[sid])
         else:
             s_e, l_e = split(ctx[e])
-            if s_e == s_t:
+            if s_e == s_t and (shift is not None or template(tag[sid])):
                 at = l_e + shift if shift is not None else outside(s_e, l_e)
                 key = (s_t, at + l_t - l_e, role[sid])
             else:
@@ -519,7 +518,7 @@ def trace(spec: TrainingSpec, config, workspace: int = 0):
 
     start = time.perf_counter()
     stacks = plan(spec, config)
-    period = stacks[0].period
+    period = math.lcm(*(s.period for s in stacks))  # the check adds whole periods to each
     short, job = runner.trace(spec, shortened(config, stacks), backend="meta",
                               workspace=workspace, tracker=LayeredTracker(stacks))
     check, job2 = runner.trace(spec, shortened(config, stacks, period), backend="meta",
