@@ -60,18 +60,18 @@ def _kind(func) -> str | None:
 
 def _key(x, tensors: list):
     """Hashable metadata of an argument; tensors (meta only) are collected in order."""
-    if isinstance(x, torch.Tensor):
-        if type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter or \
-                x.device != _META:
+    kind = type(x)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        if not x.is_meta:
             raise _Uncacheable
         tensors.append(x)
         return (x.shape, x.stride(), x.dtype, x.storage_offset(), x.is_conj(), x.is_neg(),
                 x.layout)
-    if isinstance(x, (list, tuple)):
-        return (type(x), tuple(_key(y, tensors) for y in x))
+    if kind is list or kind is tuple or isinstance(x, tuple):  # torch.Size too
+        return (kind, tuple([_key(y, tensors) for y in x]))
     if isinstance(x, _SCALARS):
-        return (type(x), x)
-    raise _Uncacheable
+        return (kind, x)
+    raise _Uncacheable  # a tensor subclass (FakeTensor), a SymInt, an object
 
 
 def _flat(out) -> list:

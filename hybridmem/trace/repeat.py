@@ -18,10 +18,12 @@ Contexts (which layer an event belongs to):
 
 The rebuilt stream is checked before it is trusted: the same rule applied to the `b`-layer
 trace must reproduce a real trace with `b + p` layers exactly (events, sizes, labels, phases).
-Where it does not (a size that depends on the layer count, e.g. clipping's stacked norms), or
-where layers are known to differ (Gemma-2's alternating sliding/global attention, MoE routers,
-per-layer config lists, absolute vision feature layers), the full trace runs instead and the
-notes say why. `HYBRIDMEM_TRACE_FULL=1` forces the full trace (tests compare both).
+Where it does not (a size that depends on the layer count, e.g. clipping's stacked norms; Qwen2-VL's
+packed vision blocks), or where layers are known to differ with no period (dense layers among MoE
+ones, a per-layer config list that does not repeat, absolute vision feature layers), the full
+trace runs instead and the notes say why. A per-layer list that repeats (Gemma 3's sliding/global
+`layer_types`, Qwen2.5-VL's `fullatt_block_indexes`) makes its period part of `p`.
+`HYBRIDMEM_TRACE_FULL=1` forces the full trace (tests compare both).
 """
 
 from __future__ import annotations
