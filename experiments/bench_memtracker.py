@@ -151,13 +151,17 @@ def main() -> None:
               f"{meta['rounded'] / gib:9.4f} GiB 512-rounded\n"
               f"  MemTracker  {t_mt:6.1f} s  peak {mt['raw'] / gib:9.4f} GiB raw "
               f"(ours - MemTracker: {ours['raw'] - mt['raw']:+d} B)", flush=True)
-    out = Path(args.out)
+        write(Path(args.out), load, args.iterations, rows)  # after each row: a long run's partial
+
+
+def write(out: Path, load: float, iterations: int, rows: list[dict]) -> None:
+    gib = 2**30
     out.parent.mkdir(parents=True, exist_ok=True)
     meta_info = {"when": time.strftime("%Y-%m-%d %H:%M"), "load_average_at_start": load,
-                 "cpus": os.cpu_count(), "iterations": args.iterations, "rows": rows}
+                 "cpus": os.cpu_count(), "iterations": iterations, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(meta_info, indent=1))
     lines = [f"Measured {meta_info['when']}, {meta_info['cpus']} CPUs, load average {load:.1f} "
-             f"at start; one run each, {args.iterations} iterations.", "",
+             f"at start; one run each, {iterations} iterations.", "",
              "| config | ours, whole tier (fast path) | ours, meta | ours, fake | MemTracker | "
              "peak (ours, raw bytes) | ours - MemTracker |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -165,7 +169,6 @@ def main() -> None:
                      f"{r['fake_s']:.1f} s | {r['memtracker_s']:.1f} s | "
                      f"{r['peak_raw'] / gib:.4f} GiB | {r['diff']:+,d} B |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
