@@ -157,21 +157,25 @@ FAMILIES = {  # id: (preset, text, vision, edit, seq_len, spec fields, fast path
     "qwen3-moe-ckpt": ("tiny-qwen3-moe", 8, None, _all_sparse, 64,
                        {"precision": "bf16", "grad_ckpt": True}, True),
     "gemma3-period-2": ("tiny-gemma3", 12, 8, _gemma3_pattern, 64, {}, True),
-    "qwen2-vl": ("tiny-qwen2-vl", 8, 8, None, 320, {}, False),
-    "qwen2.5-vl": ("tiny-qwen2.5-vl", 8, 12, _window_pattern, 320, {}, False),
+    "qwen2-vl": ("tiny-qwen2-vl", 8, 8, None, 320, {}, True),
+    "qwen2.5-vl": ("tiny-qwen2.5-vl", 8, 12, _window_pattern, 320, {}, True),
+    # at micro-batch 2 the check fails on Qwen-VL (not yet explained): the full trace answers
+    "qwen2-vl-mb2-fallback": ("tiny-qwen2-vl", 8, 8, None, 320, {"micro_batch": 2}, False),
 }
-SLOW_FAMILIES = ("idefics3", "qwen3-moe-ckpt", "gemma3-period-2", "qwen2-vl", "qwen2.5-vl")
+SLOW_FAMILIES = ("idefics3", "qwen3-moe-ckpt", "gemma3-period-2", "qwen2-vl", "qwen2.5-vl",
+                 "qwen2-vl-mb2-fallback")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_FAMILIES
                                   else c for c in FAMILIES])
 def test_families_fast_path_equals_full_trace(case, tmp_path, monkeypatch):
-    """Every family the fast path serves gives the full trace's numbers; Qwen2-VL's and
-    Qwen2.5-VL's packed vision blocks do not reproduce the longer trace (known gap), so the
-    check sends them to the full trace, with the reason in the notes."""
+    """Every family the fast path serves gives the full trace's numbers; where the repeated
+    pattern does not reproduce the longer trace (Qwen2-VL at micro-batch 2, a known gap) the
+    check sends it to the full trace, with the reason in the notes."""
     preset, text, vision, edit, seq, fields, taken = FAMILIES[case]
+    fields = {"micro_batch": 1, **fields}
     spec = TrainingSpec(model=_family_config(tmp_path, preset, text, vision, edit),
-                        micro_batch=1, seq_len=seq, **fields)
+                        seq_len=seq, **fields)
     full, fast = _both(spec, monkeypatch)
     assert _fast_taken(fast) == taken, fast.notes
     if not taken:
