@@ -107,8 +107,8 @@ def _per_layer(cfg, n: int) -> dict[str, list]:
     """Config values that name something per layer: lists of length n (`layer_types`, ...), and
     Qwen2.5-VL's `fullatt_block_indexes` as one flag per block (modeling_qwen2_5_vl.py
     Qwen2_5_VisionTransformerPretrainedModel.forward: full attention at those, window elsewhere)."""
-    out = {key: list(v) for key, v in cfg.to_dict().items()
-           if isinstance(v, (list, tuple)) and len(v) == n}
+    out = {key: list(v) for key, v in cfg.to_dict().items()  # "layer": not e.g. a patch size
+           if isinstance(v, (list, tuple)) and len(v) == n and "layer" in key}
     full = getattr(cfg, "fullatt_block_indexes", None)
     if isinstance(full, (list, tuple)):
         out["fullatt_block_indexes"] = [i in set(full) for i in range(n)]
@@ -123,6 +123,10 @@ def _stack(sub: str, cfg, period: int) -> Stack | str:
         value = getattr(cfg, key, None)
         if value is not None and differs(value):
             return f"{kind}.{key}={value}: dense and sparse layers differ"
+    for key, v in cfg.to_dict().items():  # another list as long as the stack: unknown meaning
+        if isinstance(v, (list, tuple)) and len(v) == n and "layer" not in key and \
+                len(set(map(str, v))) > 1:
+            return f"{kind}.{key} differs between layers"
     for key, values in _per_layer(cfg, n).items():
         q = _period(values, n)
         if q * 2 > n:
