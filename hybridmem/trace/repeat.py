@@ -140,7 +140,13 @@ def _stack(sub: str, cfg, period: int) -> Stack | str:
 
 
 def plan(spec: TrainingSpec, config) -> list[Stack]:
-    """The stacks to shorten, or NotRepeatable with the reason the full trace is needed. A stack
+    """The stacks to shorten, or NotRepeatable with the reason the full trace is needed."""
+    return planned(spec, config)[0]
+
+
+def planned(spec: TrainingSpec, config) -> tuple[list[Stack], list[str]]:
+    """(stacks to shorten, why the other stacks are traced in full), or NotRepeatable with the
+    reason the full trace is needed. A stack
     that cannot be shortened is traced in full inside both short traces: then the fast path is
     taken only if the layers it saves outnumber those it traces twice."""
     if os.environ.get(FULL_ENV, "") not in ("", "0"):
@@ -165,7 +171,7 @@ def plan(spec: TrainingSpec, config) -> list[Stack]:
     saved = sum(s.full - 2 * s.traced - s.period for s in stacks)  # layers not traced
     if not stacks or (kept and saved <= kept):
         raise NotRepeatable("; ".join(why) if why else "too few layers to gain from repeating them")
-    return stacks
+    return stacks, why
 
 
 def _source_layer(s: Stack, layer: int, count: int) -> int:
@@ -523,7 +529,7 @@ def trace(spec: TrainingSpec, config, workspace: int = 0):
     from hybridmem.trace import runner
 
     start = time.perf_counter()
-    stacks = plan(spec, config)
+    stacks, kept = planned(spec, config)
     period = math.lcm(*(s.period for s in stacks))  # the check adds whole periods to each
     short, job = runner.trace(spec, shortened(config, stacks), backend="meta",
                               workspace=workspace, tracker=LayeredTracker(stacks))
@@ -536,6 +542,7 @@ def trace(spec: TrainingSpec, config, workspace: int = 0):
                             f"trace ({differ})")
     full, after = extrapolate(short, stacks, None, job.after_step)
     layers = ", ".join(f"{s.traced} + {s.traced + period} of {s.full}" for s in stacks)
+    kept = "".join(f"; in full: {why}" for why in kept)
     note = (f"trace: layers traced {layers} (the rest repeat the pattern, checked on the "
-            f"longer trace) in {time.perf_counter() - start:.1f} s")
+            f"longer trace{kept}) in {time.perf_counter() - start:.1f} s")
     return full, job, weights(job, short.found, stacks), after, short.category_of, note
