@@ -141,6 +141,10 @@ def _gemma3_pattern(data):  # Gemma 3's sliding/global pattern, period 2 here (6
     data["text_config"]["layer_types"] = ["sliding_attention", "full_attention"] * 6
 
 
+def _gemma2_pattern(data):  # Gemma 2 alternates sliding and global attention
+    data["layer_types"] = ["sliding_attention", "full_attention"] * 6
+
+
 def _all_sparse(data):  # every Qwen3-MoE layer sparse (the preset has a dense one)
     data["mlp_only_layers"] = []
 
@@ -157,11 +161,13 @@ FAMILIES = {  # id: (preset, text, vision, edit, seq_len, spec fields, fast path
     "qwen3-moe-ckpt": ("tiny-qwen3-moe", 8, None, _all_sparse, 64,
                        {"precision": "bf16", "grad_ckpt": True}, True),
     "gemma3-period-2": ("tiny-gemma3", 12, 8, _gemma3_pattern, 64, {}, True),
+    "gemma2-period-2": ("tiny-gemma2", 12, None, _gemma2_pattern, 64, {"attn": "eager"}, True),
     "qwen2-vl": ("tiny-qwen2-vl", 8, 8, None, 320, {}, True),
     "qwen2.5-vl": ("tiny-qwen2.5-vl", 8, 12, _window_pattern, 320, {}, True),
     "qwen2-vl-mb2": ("tiny-qwen2-vl", 8, 8, None, 320, {"micro_batch": 2}, True),
 }
-SLOW_FAMILIES = ("idefics3", "qwen3-moe-ckpt", "gemma3-period-2", "qwen2-vl", "qwen2.5-vl",
+SLOW_FAMILIES = ("idefics3", "qwen3-moe-ckpt", "gemma3-period-2", "gemma2-period-2",
+                 "qwen2-vl", "qwen2.5-vl",
                  "qwen2-vl-mb2")
 
 
