@@ -6,7 +6,12 @@ not round CPU-device storages, so our unrounded peak is printed next to it as we
 512 B-rounded one. Times are for the training iterations only (model build excluded, same for
 both).
 
-    python experiments/bench_memtracker.py [--iterations 2]
+The "fast path" column times the whole tier, `hybridmem.trace.estimate(spec)` (meta tensors, a few
+layers traced and the rest repeated where hybridmem/trace/repeat.py can, allocator replay included).
+
+    python experiments/bench_memtracker.py [--iterations 2] [--out experiments/results/memtracker]
+
+Writes `<out>.json` and `<out>.md` (the table docs/trace.md cites).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from __future__ import annotations
 import argparse
 from collections import OrderedDict
 import contextlib
+import json
+import os
+from pathlib import Path
 import time
 
 import torch
@@ -24,6 +32,7 @@ from hybridmem.trace import runner
 from hybridmem.trace.tracker import StorageTracker
 
 CONFIGS = (
+    TrainingSpec(model="llava-1.5-7b"),  # the README's step (spec defaults)
     TrainingSpec(model="llava-1.5-7b", micro_batch=8, seq_len=2048, train="llm+projector",
                  grad_ckpt=True),
     TrainingSpec(model="llama-3.2-3b", micro_batch=1, seq_len=1024, precision="bf16"),
@@ -99,26 +108,67 @@ def run(spec: TrainingSpec, iterations: int, which: str) -> tuple[float, dict]:
     return seconds, {"raw": int(peak)}
 
 
+def fast_path(spec: TrainingSpec) -> float:
+    """Seconds of the whole trace tier (`hybridmem.trace.estimate`) on `spec`."""
+    from hybridmem.trace import estimate
+
+    start = time.perf_counter()
+    estimate(spec)
+    return time.perf_counter() - start
+
+
+def _name(spec: TrainingSpec) -> str:
+    return (f"{spec.model} mb {spec.micro_batch}, seq {spec.seq_len}, {spec.precision}, "
+            f"{spec.train}{', ckpt' if spec.grad_ckpt else ''}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=2)
-    ap.add_argument("--only", default=None, help="model name to run alone")
+    ap.add_argument("--only", default=None, help="config index (0-based) to run alone")
+    ap.add_argument("--out", default="experiments/results/memtracker")
     args = ap.parse_args()
     gib = 2**30
-    for spec in CONFIGS:
-        if args.only and spec.model != args.only:
+    load = os.getloadavg()[0]
+    fast_path(TrainingSpec(model="tiny-llama"))  # the tier's own lazy imports, not timed
+    rows = []
+    for i, spec in enumerate(CONFIGS):
+        if args.only is not None and str(i) not in args.only.split(","):
             continue
+        t_fast = fast_path(spec)
         t_meta, meta = run(spec, args.iterations, "ours-meta")
         t_ours, ours = run(spec, args.iterations, "ours")
         t_mt, mt = run(spec, args.iterations, "memtracker")
-        print(f"{spec.model} mb={spec.micro_batch} seq={spec.seq_len} {spec.precision} "
-              f"{spec.train} ckpt={spec.grad_ckpt}:\n"
+        row = {"config": _name(spec), "fast_path_s": t_fast, "meta_s": t_meta, "fake_s": t_ours,
+               "memtracker_s": t_mt, "peak_raw": ours["raw"], "peak_meta_raw": meta["raw"],
+               "memtracker_raw": mt["raw"], "diff": ours["raw"] - mt["raw"]}
+        rows.append(row)
+        print(f"{row['config']}:\n"
+              f"  ours, whole tier (fast path) {t_fast:6.1f} s\n"
               f"  ours (fake) {t_ours:6.1f} s  peak {ours['raw'] / gib:9.4f} GiB raw, "
               f"{ours['rounded'] / gib:9.4f} GiB 512-rounded\n"
               f"  ours (meta) {t_meta:6.1f} s  peak {meta['raw'] / gib:9.4f} GiB raw, "
               f"{meta['rounded'] / gib:9.4f} GiB 512-rounded\n"
               f"  MemTracker  {t_mt:6.1f} s  peak {mt['raw'] / gib:9.4f} GiB raw "
               f"(ours - MemTracker: {ours['raw'] - mt['raw']:+d} B)", flush=True)
+        write(Path(args.out), load, args.iterations, rows)  # after each row: a long run's partial
+
+
+def write(out: Path, load: float, iterations: int, rows: list[dict]) -> None:
+    gib = 2**30
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta_info = {"when": time.strftime("%Y-%m-%d %H:%M"), "load_average_at_start": load,
+                 "cpus": os.cpu_count(), "iterations": iterations, "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(meta_info, indent=1))
+    lines = [f"Measured {meta_info['when']}, {meta_info['cpus']} CPUs, load average {load:.1f} "
+             f"at start; one run each, {iterations} iterations.", "",
+             "| config | ours, whole tier (fast path) | ours, meta | ours, fake | MemTracker | "
+             "peak (ours, raw bytes) | ours - MemTracker |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['fast_path_s']:.1f} s | {r['meta_s']:.1f} s | "
+                     f"{r['fake_s']:.1f} s | {r['memtracker_s']:.1f} s | "
+                     f"{r['peak_raw'] / gib:.4f} GiB | {r['diff']:+,d} B |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,16 +18,19 @@ Contexts (which layer an event belongs to):
 
 The rebuilt stream is checked before it is trusted: the same rule applied to the `b`-layer
 trace must reproduce a real trace with `b + p` layers exactly (events, sizes, labels, phases).
-Where it does not (a size that depends on the layer count, e.g. clipping's stacked norms), or
-where layers are known to differ (Gemma-2's alternating sliding/global attention, MoE routers,
-per-layer config lists, absolute vision feature layers), the full trace runs instead and the
-notes say why. `HYBRIDMEM_TRACE_FULL=1` forces the full trace (tests compare both).
+Where it does not (a size that depends on the layer count, e.g. clipping's stacked norms; Qwen2-VL's
+packed vision blocks), or where layers are known to differ with no period (dense layers among MoE
+ones, a per-layer config list that does not repeat, absolute vision feature layers), the full
+trace runs instead and the notes say why. A per-layer list that repeats (Gemma 3's sliding/global
+`layer_types`, Qwen2.5-VL's `fullatt_block_indexes`) makes its period part of `p`.
+`HYBRIDMEM_TRACE_FULL=1` forces the full trace (tests compare both).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from torch.utils._pytree import tree_iter
 
 from hybridmem.models.build import part_of
 from hybridmem.spec import TrainingSpec, ckpt_every
+from hybridmem.trace import metacache
 from hybridmem.trace.tracker import Storage, StorageTracker
 
 FULL_ENV = "HYBRIDMEM_TRACE_FULL"
@@ -52,12 +56,12 @@ BEFORE, AFTER = 1, 1
 """Regular blocks kept before / after the template, so that a template copy's neighbours look
 like it (a first layer that frees the embeddings' tensors numbers its storages differently)."""
 
-# model_types whose layers are the same module with the same config (checked by tests against
-# the full trace); anything else is traced in full
-TEXT_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-VISION_TYPES = frozenset({"clip_vision_model"})
-# config keys that make layers differ (MoE routers/experts, per-layer dense/sparse choices)
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+# config keys that make a MoE decoder's layers differ: dense layers among sparse ones
+# (Qwen3-MoE `mlp_only_layers` / `decoder_sparse_step`, modeling_qwen3_moe.py Qwen3MoeDecoderLayer;
+# DeepSeek `first_k_dense_replace` / `moe_layer_freq`, modeling_deepseek_v3.py DeepseekV3DecoderLayer)
+DENSE_AMONG_SPARSE = {"mlp_only_layers": lambda v: bool(v), "decoder_sparse_step": lambda v: v > 1,
+                      "first_k_dense_replace": lambda v: v > 0, "moe_layer_freq": lambda v: v > 1}
+LAYER_KEYS = ("depth", "num_hidden_layers")  # depth: Qwen2-VL vision (configuration_qwen2_vl.py)
 _BIG = 1 << 20  # context code = stack * _BIG + layer; -1 = no layer
 _UINT64_MAX = (1 << 64) - 1  # AccumulateGrad's sequence number (autograd function.h)
 
@@ -82,53 +86,114 @@ class Stack:
 
 
 def _sub_configs(config) -> dict[str, object]:
-    if getattr(config, "model_type", None) in ("llava", "llava_next"):
-        return {"text_config": config.text_config, "vision_config": config.vision_config}
-    return {"": config}
+    """The configs whose layer stacks can be shortened: a VLM's text and vision configs, else the
+    decoder's own."""
+    subs = {k: getattr(config, k) for k in ("text_config", "vision_config")
+            if getattr(config, k, None) is not None}
+    return subs or {"": config}
+
+
+def _layer_key(cfg) -> str | None:
+    return next((k for k in LAYER_KEYS if isinstance(getattr(cfg, k, None), int)), None)
+
+
+def _period(values: list, n: int) -> int:
+    """Smallest q with values[i] == values[i - q] for every layer i >= q (n: no period)."""
+    keys = list(map(str, values))
+    return next(q for q in range(1, n + 1) if all(keys[i] == keys[i - q] for i in range(q, n)))
+
+
+def _per_layer(cfg, n: int) -> dict[str, list]:
+    """Config values that name something per layer: lists of length n (`layer_types`, ...), and
+    Qwen2.5-VL's `fullatt_block_indexes` as one flag per block (modeling_qwen2_5_vl.py
+    Qwen2_5_VisionTransformerPretrainedModel.forward: full attention at those, window elsewhere)."""
+    out = {key: list(v) for key, v in cfg.to_dict().items()  # "layer": not e.g. a patch size
+           if isinstance(v, (list, tuple)) and len(v) == n and "layer" in key}
+    full = getattr(cfg, "fullatt_block_indexes", None)
+    if isinstance(full, (list, tuple)):
+        out["fullatt_block_indexes"] = [i in set(full) for i in range(n)]
+    return out
+
+
+def _stack(sub: str, cfg, period: int) -> Stack | str:
+    """The stack of `cfg` to shorten, or why its layers are traced in full."""
+    kind = cfg.model_type
+    n = getattr(cfg, _layer_key(cfg))
+    for key, differs in DENSE_AMONG_SPARSE.items():
+        value = getattr(cfg, key, None)
+        if value is not None and differs(value):
+            return f"{kind}.{key}={value}: dense and sparse layers differ"
+    for key, v in cfg.to_dict().items():  # another list as long as the stack: unknown meaning
+        if isinstance(v, (list, tuple)) and len(v) == n and "layer" not in key and \
+                len(set(map(str, v))) > 1:
+            return f"{kind}.{key} differs between layers"
+    for key, values in _per_layer(cfg, n).items():
+        q = _period(values, n)
+        if q * 2 > n:
+            return f"{kind}.{key} differs between layers with no repeating period"
+        period = math.lcm(period, q)
+    traced = FIRST + (BEFORE + 1 + AFTER) * period + LAST
+    traced += (n - traced) % period  # same layer phase as the full model mod the period
+    if n < traced + period:
+        return f"{kind}: {n} layers, too few layers to repeat a period of {period}"
+    return Stack(sub, n, traced, FIRST + BEFORE * period, period)
 
 
 def plan(spec: TrainingSpec, config) -> list[Stack]:
     """The stacks to shorten, or NotRepeatable with the reason the full trace is needed."""
+    return planned(spec, config)[0]
+
+
+def planned(spec: TrainingSpec, config) -> tuple[list[Stack], list[str]]:
+    """(stacks to shorten, why the other stacks are traced in full), or NotRepeatable with the
+    reason the full trace is needed. A stack
+    that cannot be shortened is traced in full inside both short traces: then the fast path is
+    taken only if the layers it saves outnumber those it traces twice."""
     if os.environ.get(FULL_ENV, "") not in ("", "0"):
         raise NotRepeatable(f"{FULL_ENV} is set")
     if spec.train == "peft":  # e.g. AdaLoRA's per-layer ranks, layers_to_transform
         raise NotRepeatable("train='peft' adapters may differ per layer")
     period = ckpt_every(spec.grad_ckpt_policy) if spec.grad_ckpt else 1
-    if getattr(config, "model_type", None) in ("llava", "llava_next"):
-        feature = config.vision_feature_layer
-        for f in feature if isinstance(feature, (list, tuple)) else [feature]:
-            if f >= 0:
-                raise NotRepeatable(f"vision_feature_layer={feature} counts layers from the start")
-    stacks = []
+    feature = getattr(config, "vision_feature_layer", None)
+    for f in feature if isinstance(feature, (list, tuple)) else [feature]:
+        if isinstance(f, int) and f >= 0:
+            raise NotRepeatable(f"vision_feature_layer={feature} counts layers from the start")
+    stacks, kept, why = [], 0, []
     for sub, cfg in _sub_configs(config).items():
-        kind = cfg.model_type
-        if kind not in (VISION_TYPES if sub == "vision_config" else TEXT_TYPES):
-            raise NotRepeatable(f"model_type={kind!r}: layers not known to repeat exactly")
-        if any(getattr(cfg, k, None) for k in MOE_KEYS):
-            raise NotRepeatable(f"{kind}: mixture-of-experts layers")
-        n = cfg.num_hidden_layers
-        for key, value in cfg.to_dict().items():
-            if isinstance(value, (list, tuple)) and len(value) == n and len(set(map(str, value))) > 1:
-                raise NotRepeatable(f"{kind}.{key} differs between layers")
-        traced = FIRST + (BEFORE + 1 + AFTER) * period + LAST
-        traced += (n - traced) % period  # same layer phase as the full model mod the period
-        if n >= traced + period:
-            stacks.append(Stack(sub, n, traced, FIRST + BEFORE * period, period))
-    if not stacks:
-        raise NotRepeatable("too few layers to gain from repeating them")
-    return stacks
+        if _layer_key(cfg) is None:
+            raise NotRepeatable(f"{cfg.model_type}: no layer count in its config")
+        got = _stack(sub, cfg, period)
+        if isinstance(got, Stack):
+            stacks.append(got)
+        else:
+            why.append(got)
+            kept += getattr(cfg, _layer_key(cfg))
+    saved = sum(s.full - 2 * s.traced - s.period for s in stacks)  # layers not traced
+    if not stacks or (kept and saved <= kept):
+        raise NotRepeatable("; ".join(why) if why else "too few layers to gain from repeating them")
+    return stacks, why
+
+
+def _source_layer(s: Stack, layer: int, count: int) -> int:
+    """Layer of the full model that layer `layer` of a `count`-layer short stack stands for."""
+    return layer if layer < s.start + s.period else layer + s.full - count
 
 
 def shortened(config, stacks: list[Stack], extra: int = 0):
-    """A copy of `config` with each stack's layer count set to its traced count (+ extra)."""
+    """A copy of `config` with each stack's layer count set to its traced count (+ extra), and
+    its per-layer values those of the layers the short stack stands for."""
     config = copy.deepcopy(config)
     subs = _sub_configs(config)
     for s in stacks:
         cfg = subs[s.sub]
         n = s.traced + extra
-        cfg.num_hidden_layers = n
-        if isinstance(getattr(cfg, "layer_types", None), (list, tuple)):
-            cfg.layer_types = list(cfg.layer_types[:1]) * n
+        per_layer = _per_layer(cfg, s.full)
+        setattr(cfg, _layer_key(cfg), n)
+        for key, values in per_layer.items():
+            picked = [values[_source_layer(s, i, n)] for i in range(n)]
+            if key == "fullatt_block_indexes":
+                picked = [i for i, full in enumerate(picked) if full]
+            setattr(cfg, key, picked)
     return config
 
 
@@ -147,7 +212,7 @@ def match_stacks(model, stacks: list[Stack], extra: int = 0) -> list[tuple[str, 
     for name, layers in layer_lists(model):
         part = part_of(name + ".0")
         sub = "vision_config" if part == "vision_tower" else (
-            "text_config" if any(s.sub == "text_config" for s in stacks) else "")
+            "text_config" if any(s.sub for s in stacks) else "")  # a VLM's: text or vision
         for i, s in enumerate(stacks):
             if s.sub == sub:
                 if len(layers) != s.traced + extra:
@@ -174,6 +239,7 @@ class LayeredTracker(StorageTracker):
         self._nodes: dict[int, int] = {}  # autograd sequence number -> context
         self._pending: int | None = None
         self._last = -1
+        self._left = -1  # the layer whose forward just returned, until the next one starts
 
     @contextlib.contextmanager
     def attached(self, job):
@@ -207,6 +273,7 @@ class LayeredTracker(StorageTracker):
 
     def _enter(self, code: int, args, kwargs) -> None:
         self._layer.append(code)
+        self._left = -1
         start = -1
         for t in tree_iter((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
@@ -216,6 +283,7 @@ class LayeredTracker(StorageTracker):
     def _leave(self, code: int, out) -> None:
         start = self._starts.pop()
         self._layer.pop()
+        self._left = code if self._layer[-1] < 0 else -1
         todo = [t.grad_fn for t in tree_iter(out)
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while todo:
@@ -262,7 +330,14 @@ class LayeredTracker(StorageTracker):
     def _free(self, sid: int) -> None:
         super()._free(sid)
         code = self._current()
+        if code is None and self._left > 0 and self.tag[sid] == self._left - 1:
+            code = self._left  # between two layers' forwards, the previous layer's storage: the
+            # layer that just ran replaced it (Mixtral's layers free their input so)
         self.ctx.append(self.tag[sid] if code is None else code)
+
+    def mark(self, phase: str, iteration: int) -> None:
+        self._left = -1
+        super().mark(phase, iteration)
 
     def add_external(self, nbytes: int, category: str) -> int:
         sid = super().add_external(nbytes, category)
@@ -277,7 +352,7 @@ class LayeredTracker(StorageTracker):
             self._pending = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = metacache.call(func, args, kwargs)
         outs = [t for t in tree_iter(out) if isinstance(t, torch.Tensor)]
         inside = self._current()
         first = args[0] if args else None
@@ -351,7 +426,7 @@ def extrapolate(tr: LayeredTracker, stacks: list[Stack], full: list[int] | None 
             key = (s_t, l_t + shift if shift is not None else outside(s_t, l_t), role[sid])
         else:
             s_e, l_e = split(ctx[e])
-            if s_e == s_t:
+            if s_e == s_t and (shift is not None or template(tag[sid])):
                 at = l_e + shift if shift is not None else outside(s_e, l_e)
                 key = (s_t, at + l_t - l_e, role[sid])
             else:
@@ -454,8 +529,8 @@ def trace(spec: TrainingSpec, config, workspace: int = 0):
     from hybridmem.trace import runner
 
     start = time.perf_counter()
-    stacks = plan(spec, config)
-    period = stacks[0].period
+    stacks, kept = planned(spec, config)
+    period = math.lcm(*(s.period for s in stacks))  # the check adds whole periods to each
     short, job = runner.trace(spec, shortened(config, stacks), backend="meta",
                               workspace=workspace, tracker=LayeredTracker(stacks))
     check, job2 = runner.trace(spec, shortened(config, stacks, period), backend="meta",
@@ -467,6 +542,7 @@ def trace(spec: TrainingSpec, config, workspace: int = 0):
                             f"trace ({differ})")
     full, after = extrapolate(short, stacks, None, job.after_step)
     layers = ", ".join(f"{s.traced} + {s.traced + period} of {s.full}" for s in stacks)
+    kept = "".join(f"; in full: {why}" for why in kept)
     note = (f"trace: layers traced {layers} (the rest repeat the pattern, checked on the "
-            f"longer trace) in {time.perf_counter() - start:.1f} s")
+            f"longer trace{kept}) in {time.perf_counter() - start:.1f} s")
     return full, job, weights(job, short.found, stacks), after, short.category_of, note

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_iter
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridmem.allocator.config import K_MIN_BLOCK_SIZE
+from hybridmem.trace import metacache
 
 # Label precedence: a storage that is both saved for backward and a parameter is a parameter.
 RANK = {"param": 5, "workspace": 5, "host": 6, "paged": 6, "grad": 4, "optimizer": 3,
@@ -157,7 +158,7 @@ class StorageTracker(TorchDispatchMode):
         self.part_stack.pop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = metacache.call(func, args, kwargs)
         for t in tree_iter(out):
             if isinstance(t, torch.Tensor):
                 sid = self.track(t.untyped_storage())
