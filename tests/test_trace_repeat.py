@@ -165,10 +165,15 @@ FAMILIES = {  # id: (preset, text, vision, edit, seq_len, spec fields, fast path
     "qwen2-vl": ("tiny-qwen2-vl", 8, 8, None, 320, {}, True),
     "qwen2.5-vl": ("tiny-qwen2.5-vl", 8, 12, _window_pattern, 320, {}, True),
     "qwen2-vl-mb2": ("tiny-qwen2-vl", 8, 8, None, 320, {"micro_batch": 2}, True),
+    "smolvlm": ("tiny-smolvlm", 8, 8, None, 128, {}, True),
+    "internvl": ("tiny-internvl", 8, 8, None, 128, {}, True),
+    "mistral3": ("tiny-mistral3", 8, 8, None, 128, {"image_size": "112x84"}, True),
+    # DeepStack taps vision layers by index: the repeat falls back to the full trace
+    "qwen3-vl": ("tiny-qwen3-vl", 8, 8, None, 320, {"image_size": "256x288"}, False),
 }
 SLOW_FAMILIES = ("idefics3", "qwen3-moe-ckpt", "gemma3-period-2", "gemma2-period-2",
                  "qwen2-vl", "qwen2.5-vl",
-                 "qwen2-vl-mb2")
+                 "qwen2-vl-mb2", "smolvlm", "mistral3", "qwen3-vl")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_FAMILIES
@@ -184,8 +189,7 @@ def test_families_fast_path_equals_full_trace(case, tmp_path, monkeypatch):
     full, fast = _both(spec, monkeypatch)
     assert _fast_taken(fast) == taken, fast.notes
     if not taken:
-        assert any("every layer traced (the repeated pattern does not reproduce" in n
-                   for n in fast.notes), fast.notes
+        assert any("every layer traced (" in n for n in fast.notes), fast.notes
     _same(full, fast)
 
 
