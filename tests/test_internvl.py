@@ -269,16 +269,6 @@ def test_norm_options_vision_activations_equal_a_real_cpu_forward(tmp_path, conf
 
 # --- the light config -----------------------------------------------------------------------
 
-def test_analytic_tier_imports_neither_torch_nor_transformers():
-    import subprocess
-    import sys
-
-    code = ("import sys; from hybridmem import TrainingSpec; from hybridmem.analytic import estimate;"
-            "estimate(TrainingSpec(model='internvl3-2b-hf', image_size=896));"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]"
-
 
 @pytest.mark.parametrize("vision, message", [
     (dict(image_size=[448]), "vision_config.image_size=[448]: must be a positive integer or"),

@@ -288,17 +288,6 @@ def test_gemma3_is_priced_by_the_analytic_tier():
                               attn="flash_attention_2"))
 
 
-def test_gemma3_analytic_imports_neither_torch_nor_transformers():
-    """The light config (`models.gemma3.light_config`) reads the preset without transformers."""
-    import subprocess
-    import sys
-
-    code = ("import sys; from hybridmem import TrainingSpec; from hybridmem.analytic import "
-            "estimate; estimate(TrainingSpec(model='gemma-3-4b-it', seq_len=2048, train='lora'));"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]"
-
 
 def test_gemma3_refuses_other_sub_configs(tmp_path):
     import json
