@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 from collections import OrderedDict
 import contextlib
-import json
 import os
 from pathlib import Path
 import time
@@ -30,6 +29,7 @@ from hybridmem.models import load_config
 from hybridmem.spec import TrainingSpec
 from hybridmem.trace import runner
 from hybridmem.trace.tracker import StorageTracker
+from doc_block import write_results  # experiments/ is on the path of a script run
 
 CONFIGS = (
     TrainingSpec(model="llava-1.5-7b"),  # the README's step (spec defaults)
@@ -156,19 +156,16 @@ def main() -> None:
 
 def write(out: Path, load: float, iterations: int, rows: list[dict]) -> None:
     gib = 2**30
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta_info = {"when": time.strftime("%Y-%m-%d %H:%M"), "load_average_at_start": load,
                  "cpus": os.cpu_count(), "iterations": iterations, "rows": rows}
-    out.with_suffix(".json").write_text(json.dumps(meta_info, indent=1))
-    lines = [f"Measured {meta_info['when']}, {meta_info['cpus']} CPUs, load average {load:.1f} "
-             f"at start; one run each, {iterations} iterations.", "",
-             "| config | ours, whole tier (fast path) | ours, meta | ours, fake | MemTracker | "
-             "peak (ours, raw bytes) | ours - MemTracker |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['fast_path_s']:.1f} s | {r['meta_s']:.1f} s | "
-                     f"{r['fake_s']:.1f} s | {r['memtracker_s']:.1f} s | "
-                     f"{r['peak_raw'] / gib:.4f} GiB | {r['diff']:+,d} B |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(out, meta_info,
+                  f"Measured {meta_info['when']}, {meta_info['cpus']} CPUs, load average "
+                  f"{load:.1f} at start; one run each, {iterations} iterations.",
+                  "| config | ours, whole tier (fast path) | ours, meta | ours, fake | MemTracker | "
+                  "peak (ours, raw bytes) | ours - MemTracker |",
+                  [f"| {r['config']} | {r['fast_path_s']:.1f} s | {r['meta_s']:.1f} s | "
+                   f"{r['fake_s']:.1f} s | {r['memtracker_s']:.1f} s | "
+                   f"{r['peak_raw'] / gib:.4f} GiB | {r['diff']:+,d} B |" for r in rows])
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ importlib.import_module(sys.argv[1])
 from hybridmem.gpus import gpu_by_name
 from hybridmem.spec import TrainingSpec
 from hybridmem.trace import estimate
+from doc_block import write_results  # experiments/ is on the path of a script run
 spec = TrainingSpec(model=sys.argv[2])
 t0 = time.perf_counter()
 pred = estimate(spec, gpu=gpu_by_name("h100-80gb"))
@@ -117,20 +118,17 @@ def main() -> None:
     load = os.getloadavg()[0]
     rows = [bench(*c, args.runs, args.full_runs or args.runs) for c in configs]
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "load_average_at_start": load,
             "cpus": os.cpu_count(), "rows": rows}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
-    lines = [f"Measured {meta['when']}, {meta['cpus']} CPUs, load average {load:.1f} at start; "
-             f"medians of {args.runs} fresh processes (full trace: {args.full_runs or args.runs}).",
-             "", "| config | import floor | fast path | ratio | full trace | ratio | events | "
-             "identical |", "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['floor_s']:.2f} s | {r['fast_s']:.2f} s | "
-                     f"{r['fast_ratio']:.2f} | {r['full_s']:.2f} s | {r['full_ratio']:.2f} | "
-                     f"{r['events']} | {'yes' if r['identical'] and r['fast_taken'] else 'NO'} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(write_results(
+        out, meta, f"Measured {meta['when']}, {meta['cpus']} CPUs, load average {load:.1f} at "
+        f"start; medians of {args.runs} fresh processes (full trace: "
+        f"{args.full_runs or args.runs}).",
+        "| config | import floor | fast path | ratio | full trace | ratio | events | identical |",
+        [f"| {r['config']} | {r['floor_s']:.2f} s | {r['fast_s']:.2f} s | "
+         f"{r['fast_ratio']:.2f} | {r['full_s']:.2f} s | {r['full_ratio']:.2f} | "
+         f"{r['events']} | {'yes' if r['identical'] and r['fast_taken'] else 'NO'} |"
+         for r in rows]))
 
 
 if __name__ == "__main__":

@@ -13,3 +13,18 @@ def replace_block(path: Path, block: str, start: str, end: str) -> None:
     if not pattern.search(text):
         raise SystemExit(f"{path}: no {start} ... {end} markers")
     path.write_text(pattern.sub(lambda _: f"{start}\n{block}\n{end}", text))
+
+
+def write_results(out: Path, meta: dict, caption: str, header: str, rows: list[str]) -> str:
+    """`out`.json (the numbers: `meta`) and `out`.md (caption, then the markdown table whose
+    header line is `header` with right-aligned columns after the first and `rows` below);
+    returns the markdown. The benchmarks' one results writer (experiments/results/)."""
+    import json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    columns = header.count("|") - 1
+    rule = "|---|" + "---:|" * (columns - 1)
+    text = "\n".join([caption, "", header, rule, *rows]) + "\n"
+    out.with_suffix(".md").write_text(text)
+    return text
