@@ -207,3 +207,20 @@ def test_both_orientations_of_both_families_run_on_the_cpu_stand_in(tmp_path, mo
     df = _collect_on_cpu(tmp_path, monkeypatch, '"tiny-qwen2.5-vl", "tiny-mistral3"',
                          '"56x84", "84x56"')
     assert len(df) == 4
+
+
+@pytest.mark.slow  # builds two real-sized graphs (~5 s)
+def test_the_documented_gpu_sweep_plans(tmp_path):
+    """datasets/sweeps/README.md's example: the sizes GPU owners sweep."""
+    sweep = _sweep(tmp_path, """
+[[block]]
+model = ["qwen2.5-vl-7b-instruct", "mistral-small-3.1-24b-instruct-2503"]
+image_size = ["448x672", "1024x768"]
+seq_len = [4096]
+""")
+    tokens = {k: it.image_tokens for k, it in _items(sweep).items()}
+    # hand: Qwen2.5-VL smart_resize keeps 448x672 (multiples of 28) -> 16 x 24 merged tokens;
+    # Pixtral (longest edge 1540 not reached) ceils 1024 / 28 = 36.6 -> 37, 768 / 28 -> 28
+    assert tokens[("qwen2.5-vl-7b-instruct", "448x672")] == 16 * 24
+    assert tokens[("mistral-small-3.1-24b-instruct-2503", "1024x768")] == 37 * 28
+    assert not sweep.dropped and len(tokens) == 4
