@@ -13,7 +13,7 @@ import pytest
 
 from hybridmem.harness import store
 from hybridmem.harness.collection import make_row
-from hybridmem.harness.image_columns import image_columns, row_image_size
+from hybridmem.harness.image_columns import image_columns
 from hybridmem.harness.schema import COLUMNS, spec_from_row
 from hybridmem.harness.sweep import load_sweep
 
@@ -90,7 +90,6 @@ def test_the_row_records_hxw_and_reads_back_the_same_spec(tmp_path):
     store.append_rows(tmp_path / "data", [_fake_row(item, sweep)])
     row = store.load_dataset(tmp_path / "data").iloc[0]
     assert (row["image_size"], row["image_width"]) == (56, 84)  # height, width
-    assert row_image_size(row) == "56x84"
     back = spec_from_row(row)
     assert back.image_size == "56x84"
     assert back.with_(model="m") == item.spec.with_(model="m")
@@ -134,7 +133,7 @@ def test_old_rows_alone_read_as_squares_and_as_their_spec(tmp_path):
     _old_part(tmp_path / "data", [row])
     back = store.load_dataset(tmp_path / "data").iloc[0]
     assert (back["image_size"], back["image_width"]) == (56, 56)
-    assert row_image_size(back) == spec_from_row(back).image_size == 56
+    assert spec_from_row(back).image_size == 56
 
 
 def test_rows_without_images_or_width_fill_from_image_size(tmp_path):

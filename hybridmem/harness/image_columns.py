@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from hybridmem.job.images import normalize_image_size, parse_image_size
+from hybridmem.job.images import parse_image_size
 
 DERIVED_COLUMNS: dict[str, str] = {"image_width": "image_size"}
 """Columns added later whose missing value is another column's (a square's width = its side)."""
@@ -26,14 +26,6 @@ def image_columns(image_size: object) -> dict[str, int]:
     hw = parse_image_size(image_size)
     height, width = hw if hw is not None else (0, 0)
     return {"image_size": height, "image_width": width}
-
-
-def row_image_size(row: Mapping) -> int | str | None:
-    """The spec's `image_size` from a row's columns (None for 0), in the spec's stored form."""
-    height = int(row["image_size"])
-    width = row.get("image_width")
-    width = height if width is None or pd.isna(width) else int(width)
-    return normalize_image_size(f"{height}x{width}") if height else None
 
 
 def fill_derived(frame: pd.DataFrame | Mapping, column: str) -> object:

@@ -33,7 +33,8 @@ def utc_now() -> str:
 
 def rows_frame(rows: Iterable[Mapping]) -> pd.DataFrame:
     """Rows as a frame with exactly the schema's columns and dtypes (missing -> null; a
-    column added later, `ADDED_COLUMNS`, missing from a row -> its default, as on reading)."""
+    column added later, `ADDED_COLUMNS`, missing from a row -> its default, as on reading;
+    a `DERIVED_COLUMNS` one -> its source column's value)."""
     rows = list(rows)
     for row in rows:
         extra = set(row) - set(COLUMNS)
