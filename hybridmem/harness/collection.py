@@ -22,6 +22,7 @@ from hybridmem.job.recorded import recorded_values
 from hybridmem.allocator.config import alloc_conf_string
 from hybridmem.errors import SpecError
 from hybridmem.harness import runner, store, tiers
+from hybridmem.harness.image_columns import image_columns
 from hybridmem.harness.schema import HARNESS_VERSION, OUTCOMES, SCHEMA_VERSION
 from hybridmem.harness.sweep import Sweep, SweepItem, load_sweep
 
@@ -89,7 +90,7 @@ def spec_columns(item: SweepItem) -> dict:
         "model_config": item.config_json(), "model_name": item.label,
         "model_type": item.config["model_type"], "micro_batch": spec.micro_batch,
         "seq_len": spec.seq_len, "images_per_sample": spec.images_per_sample or 0,
-        "image_size": spec.image_size or 0, "image_tokens": item.image_tokens,
+        **image_columns(spec.image_size), "image_tokens": item.image_tokens,
         "precision": spec.precision, "optimizer": spec.optimizer, "train": spec.train,
         "attn": spec.attn, "grad_ckpt": spec.grad_ckpt,
         "lora_r": spec.lora.r if spec.lora else 0, "world_size": spec.parallel.world_size,

@@ -37,8 +37,12 @@ def param_count(config: dict) -> int:
     total += n * (2 * h * h + 2 * h * (h // heads) * kv + 3 * h * i) + 2 * text["vocab_size"] * h
     vision = config.get("vision_config")
     if vision:
-        vh, vi = vision["hidden_size"], vision["intermediate_size"]
-        total += vision["num_hidden_layers"] * (4 * vh * vh + 2 * vh * vi) + vh * h + h * h
+        # Qwen-VL towers name their blocks `depth` (Qwen2-VL: width `embed_dim`, MLP
+        # `mlp_ratio` x; configuration_qwen2_vl.py Qwen2VLVisionConfig)
+        vh = vision.get("embed_dim") or vision["hidden_size"]
+        vi = vision.get("intermediate_size") or int(vh * vision.get("mlp_ratio", 4))
+        layers = vision.get("num_hidden_layers") or vision.get("depth", 0)
+        total += layers * (4 * vh * vh + 2 * vh * vi) + vh * h + h * h
     return total
 
 

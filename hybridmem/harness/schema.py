@@ -69,6 +69,7 @@ COLUMNS: dict[str, str] = {
     "seq_len": "int64",
     "images_per_sample": "int64",
     "image_size": "int64",
+    "image_width": "int64",  # added later; old parts: = image_size (harness/image_columns.py)
     "image_tokens": "int64",
     "precision": "string",
     "optimizer": "string",

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from hybridmem.errors import SpecError
+from hybridmem.harness.image_columns import DERIVED_COLUMNS, fill_derived
 from hybridmem.harness.schema import ADDED_COLUMNS, COLUMNS, ENV_KEY, IDENTITY, SCHEMA_VERSION
 
 PART_PREFIX = "part-"
@@ -32,12 +33,14 @@ def utc_now() -> str:
 
 def rows_frame(rows: Iterable[Mapping]) -> pd.DataFrame:
     """Rows as a frame with exactly the schema's columns and dtypes (missing -> null; a
-    column added later, `ADDED_COLUMNS`, missing from a row -> its default, as on reading)."""
+    column added later, `ADDED_COLUMNS`, missing from a row -> its default, as on reading;
+    a `DERIVED_COLUMNS` one -> its source column's value)."""
     rows = list(rows)
     for row in rows:
         extra = set(row) - set(COLUMNS)
         assert not extra, f"columns outside the schema: {sorted(extra)}"
-    df = pd.DataFrame({c: [row.get(c, ADDED_COLUMNS.get(c)) for row in rows] for c in COLUMNS})
+    df = pd.DataFrame({c: [fill_derived(row, c) if c in DERIVED_COLUMNS else
+                           row.get(c, ADDED_COLUMNS.get(c)) for row in rows] for c in COLUMNS})
     return df.astype(COLUMNS)
 
 
@@ -85,6 +88,8 @@ def _read(files: list[Path]) -> pd.DataFrame:
     if not frames:
         return rows_frame([])
     df = pd.concat(frames, ignore_index=True)
+    for column in DERIVED_COLUMNS:  # parts written before it: from its source column
+        df[column] = fill_derived(df, column).astype(COLUMNS[column])
     for column, default in ADDED_COLUMNS.items():  # parts written before the column existed
         if column not in df:
             df[column] = default

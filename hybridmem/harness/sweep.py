@@ -24,6 +24,7 @@ from hybridmem.errors import SpecError
 from hybridmem.harness import shapes
 from hybridmem.harness.order import estimate_seconds, space_filling_order
 from hybridmem.harness.schema import spec_hash
+from hybridmem.job.images import normalize_image_size, parse_image_size
 from hybridmem.models import build_graph
 from hybridmem.parallel.spec import STRATEGIES, ParallelSpec
 from hybridmem.parallel.validate import check_parallel
@@ -39,7 +40,7 @@ AXES: dict[str, list] = {
     "vision": ["none"],
     "decoder": [],
     "gqa": [False],
-    "image_size": [0],  # 0 = the tower's native size
+    "image_size": [0],  # 0 = the tower's native size; an int (a square) or "HxW"
     "micro_batch": [1],
     "seq_len": [2048],
     "images_per_sample": [1],
@@ -155,10 +156,24 @@ def _model_config(combo: dict, custom: dict, where: str) -> tuple[str, dict]:
         # longest edge): the size goes to the spec only, as for Qwen-VL / Mistral-3
         if combo["image_size"] and cfg.get("model_type") == "llava" and \
                 cfg.get("vision_config", {}).get("model_type") != "pixtral":
-            cfg["vision_config"] = {**cfg["vision_config"], "image_size": combo["image_size"]}
+            cfg["vision_config"] = {**cfg["vision_config"],
+                                    "image_size": _tower_side(combo["image_size"])}
         return label, cfg
-    return shapes.compose(combo["vision"], combo["decoder"], combo["gqa"], combo["image_size"],
+    side = _tower_side(combo["image_size"]) if combo["vision"] != "none" else 0
+    return shapes.compose(combo["vision"], combo["decoder"], combo["gqa"], side,
                           custom.get("vision"), custom.get("decoder"), field=f"{where}.vision")
+
+
+def _tower_side(image_size: int | str) -> int:
+    """The side a square tower (CLIP / SigLIP, built at the asked size) is built at; an `HxW`
+    size is an impossible combination with it (dropped; HxW goes to families that take it)."""
+    if not image_size:  # 0: the tower's native size
+        return 0
+    height, width = parse_image_size(image_size)
+    if height != width:
+        raise SpecError("image_size", image_size,
+                        reason="HxW needs a family that takes it; this tower is built square")
+    return height
 
 
 def _image_tokens(spec: TrainingSpec) -> int:
@@ -190,7 +205,9 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
     train = combo["train"]
     if not multimodal and train in ("projector", "llm+projector"):
         raise SpecError("train", train, ("full", "lora"), reason="a decoder has no projector")
-    image_size = (combo["image_size"] or cfg["vision_config"]["image_size"]) if multimodal else None
+    # a tower without a native size (Qwen-VL): None, the family's default
+    native = cfg["vision_config"].get("image_size") if multimodal else None
+    image_size = (combo["image_size"] or native) if multimodal else None
     spec = TrainingSpec(
         model=label, micro_batch=combo["micro_batch"], seq_len=combo["seq_len"],
         images_per_sample=combo["images_per_sample"] if multimodal else 0, image_size=image_size,
@@ -248,6 +265,9 @@ def _block_axes(block: dict, where: str) -> dict[str, list]:
         for v in values:
             if v != "" and not (axis == "vision" and v == "none"):
                 _check_value(where, axis, v)
+    # one form per size (an int for a square, "HxW" else): "448x448" and 448 are one axis value
+    axes["image_size"] = list(dict.fromkeys(v and normalize_image_size(v)
+                                            for v in axes["image_size"]))
     return axes
 
 

@@ -20,6 +20,7 @@ from hybridmem.categories import CATEGORIES
 from hybridmem.learned.dataset import config_groups, shape_group
 from hybridmem.adapters import peft_type
 from hybridmem.errors import SpecError
+from hybridmem.job.images import parse_image_size
 from hybridmem.prediction import Prediction
 from hybridmem.spec import TrainingSpec, ckpt_every
 
@@ -104,11 +105,15 @@ def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
     vision = config.get("vision_config") or {}
     multimodal = bool(vision)
     images = spec.images_per_sample if spec.images_per_sample is not None else int(multimodal)
-    size = spec.image_size or _side(vision.get("image_size", 0)) or 0
+    height, width = parse_image_size(spec.image_size or _side(vision.get("image_size", 0))
+                                     or None) or (0, 0)
+    # an HxW image as the side of the square of its area (a square's side unchanged)
+    size = round(math.sqrt(height * width))
     patch = _side(vision.get("patch_size", 0)) or 0
     # CLIP/SigLIP: (size / patch)^2 patch tokens per image (LLaVA-1.5 drops CLS: 24x24 = 576);
-    # LLaVA-NeXT's anyres tiling adds more, which the base estimate accounts for.
-    per_image = (size // patch) ** 2 if patch else 0
+    # an HxW image (H / patch)(W / patch); LLaVA-NeXT's anyres tiling adds more, which the
+    # base estimate accounts for.
+    per_image = (height // patch) * (width // patch) if patch else 0
     return {
         "micro_batch": spec.micro_batch,
         "seq_len": spec.seq_len,
