@@ -263,9 +263,9 @@ def text_inputs(config, batch: int, seq_len: int, image_tokens: int, device=None
     if image_tokens:
         fam = family(config.model_type)
         row = torch.tensor(_image_row(config, fam, image_tokens, images), dtype=torch.long)
-        if len(row) > seq_len:  # check_seq_len refuses these first (plan.markers)
-            raise SpecError("seq_len", seq_len, reason=f"too short for {len(row)} image and "
-                            "marker tokens plus one text token")
+        if len(row) > seq_len:  # check_seq_len refuses these first unless plan.markers is off
+            raise ValueError(f"{config.model_type}: {len(row)} BOS, image and marker tokens "
+                             f"exceed seq_len {seq_len} (its image_wrap vs ImagePlan.markers)")
         ids[:, :len(row)] = row.to(device)
         mask = ids == image_token_id(config)
         labels[mask] = IGNORE_INDEX
