@@ -63,6 +63,31 @@ def test_tiles_hand_count(side, tiles):
     assert (plan.crops, plan.tokens) == (tiles, 256 * tiles)  # image_seq_length 256
 
 
+@pytest.mark.parametrize("hw", [(448, 896), (300, 1200), (1080, 1920), (2000, 500),
+                                (700, 1000)])
+def test_hxw_tiles_match_the_image_processor(hw):
+    """`--image-size HxW`: the tiles the PIL image processor really cuts from an (H, W) image
+    (published size 448, InternVLProcessor's crop_to_patches=True), and its own count."""
+    import numpy as np
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+        GotOcr2ImageProcessorPil,
+    )
+
+    proc = GotOcr2ImageProcessorPil(size={"height": 448, "width": 448})
+    cut = proc(images=np.zeros((*hw, 3), np.uint8), crop_to_patches=True,
+               return_tensors="pt")["pixel_values"].shape[0]
+    want = proc.get_number_of_image_patches(*hw, {"crop_to_patches": True})
+    plan = image_plan(load_config("internvl3-2b-hf"), f"{hw[0]}x{hw[1]}")
+    assert plan.crops == cut == want and plan.tokens == 256 * want  # image_seq_length 256
+
+
+def test_hxw_hand_count():
+    """448x896: ratio 2, the 2x1 grid (columns x rows) exactly, + thumbnail = 3 tiles; 896x448
+    the 1x2 grid, the same count; the old square-only rule read 448 (1 tile)."""
+    for hw in ("448x896", "896x448"):
+        assert image_plan(load_config("internvl3-8b-hf"), hw).crops == 3
+
+
 def test_image_seq_length_must_match_the_tower():
     import copy
     from hybridmem.models.internvl import image_plan as rule
@@ -70,7 +95,7 @@ def test_image_seq_length_must_match_the_tower():
     cfg = copy.deepcopy(load_config(TINY))
     cfg.image_seq_length = 5
     with pytest.raises(SpecError, match=r"image_seq_length=5: .* gives 4 tokens \(valid: 4\)"):
-        rule(cfg, 56)
+        rule(cfg, (56, 56))
 
 
 def test_every_tier_counts_the_same_image_tokens():
@@ -155,6 +180,16 @@ def test_trace_equals_a_real_cpu_run(kw):
     tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
     assert job.image_tokens == 20  # 2 x 2 tiles + thumbnail, 4 tokens each (hand count above)
     assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
+@pytest.mark.parametrize("kw", [dict(precision="fp32"), dict(precision="bf16-mixed")])
+def test_hxw_trace_equals_a_real_cpu_run_and_analytic_within_3_percent(kw):
+    """56x112 on 56-px tiles: the 2x1 grid + thumbnail, 3 tiles of 4 tokens (hand count)."""
+    spec = TrainingSpec(model=TINY, micro_batch=2, seq_len=64, image_size="56x112", **kw)
+    tracker, job = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert job.image_tokens == 12 and build_graph(spec).vision_batch == 2 * 3
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+    _analytic_within_3_percent(spec)
 
 
 @pytest.mark.parametrize("kw", TINY_KW + [dict(precision="bf16-mixed")])

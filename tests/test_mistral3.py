@@ -63,7 +63,7 @@ def test_seq_len_counts_break_tokens():
     plan = image_plan(load_config(TINY), "112x84")  # 4 x 3 tokens + 4 [IMG_BREAK]/[IMG_END]
     assert check_seq_len(17, 1, plan) == 12
     with pytest.raises(SpecError, match=r"seq_len=16: too short for 1 image\(s\) of 12 image "
-                       r"tokens and 4 break/end tokens"):
+                       r"tokens and 4 marker tokens"):
         check_seq_len(16, 1, plan)
     with pytest.raises(SpecError, match=r"image_size='112x'"):
         build_graph(TrainingSpec(model=TINY, image_size="112x"))

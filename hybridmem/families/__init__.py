@@ -79,6 +79,10 @@ class Family:
     """Its processor also sends a bool `pixel_attention_mask` (crops, tile, tile)."""
     text_extras: Callable | None = None
     """(config, image_mask (b, s) long tensor) -> extra integer inputs (token type ids)."""
+    image_wrap: Callable | None = None
+    """(config) -> (ids before, ids after) each image's tokens: the text marker tokens its chat
+    template puts around every image (Qwen-VL's vision_start / vision_end; counted in
+    `ImagePlan.markers`); None: the images' tokens lie in one run."""
     vision_graph: Callable | None = None
     """(cfg, spec, images, plan) -> (vision modules, `models.llava.ImageLayout`)."""
     vision_seq: Callable | None = None

@@ -1,7 +1,8 @@
 """InternVL (docs/vlm-families.md): the InternViT tower (layer scale, optional RMSNorm and q/k
 norm), pixel shuffle by `downsample_ratio`, `InternVLMultiModalProjector` (LayerNorm, Linear,
 GELU, Linear), a Qwen2 / Qwen3 LM; the processor tiles every image into 1-12 vision-size tiles
-by aspect ratio plus a thumbnail (`GotOcr2ImageProcessor.crop_to_patches`).
+by aspect ratio plus a thumbnail (`GotOcr2ImageProcessor.crop_to_patches`), so `--image-size`
+may be `HxW` (the input image; `hw_images`).
 
 Rules, config (no transformers import) and graph: `models/internvl.py`; activations
 `analytic/internvl_acts.py` and `analytic/vision_acts.py`.
@@ -22,7 +23,7 @@ def light_config(data: dict):
 def image_plan(cfg, hw):
     from hybridmem.models.internvl import image_plan as internvl_plan
 
-    return internvl_plan(cfg, None if hw is None else hw[0])
+    return internvl_plan(cfg, hw)
 
 
 def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) -> dict:
@@ -54,6 +55,7 @@ def vision_seq(vc) -> int:
 
 FAMILIES = (
     Family("internvl", VLM, "modeling_internvl.py", check_config=check_text_config,
-           light_config=light_config, image_plan=image_plan, pixel_inputs=pixel_inputs,
+           light_config=light_config, image_plan=image_plan, hw_images=True,
+           pixel_inputs=pixel_inputs,
            vision_graph=vision_graph, vision_seq=vision_seq),
 )

@@ -30,7 +30,7 @@ def image_plan(cfg, hw, qwen3: bool = False):
                           max_pixels=hi)
     grid = (1, h // p, w // p)
     return I.ImagePlan(cfg.model_type, tokens=grid[1] * grid[2] // (m * m), size=(h, w),
-                       grid=grid)
+                       grid=grid, markers=len(WRAP))
 
 
 def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) -> dict:
@@ -43,6 +43,19 @@ def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) 
     return {"pixel_values": torch.zeros(n_images * plan.patches, row, dtype=dtype, device=device),
             "image_grid_thw": torch.tensor([list(plan.grid)] * n_images, dtype=torch.long,
                                            device="cpu" if host_shapes else device)}
+
+
+WRAP = ("vision_start_token_id", "vision_end_token_id")
+"""The chat template's `<|vision_start|><|image_pad|><|vision_end|>` per image (Qwen2-VL /
+Qwen3-VL chat_template.json; processing_qwen3_vl.py reads both ids): text tokens that split
+the images, so `get_rope_index` (modeling_qwen2_vl.py, one `itertools.groupby` run of
+`mm_token_type_ids` per image grid) sees one run per image."""
+
+
+def image_wrap(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(vision_start,), (vision_end,) of the config (`WRAP`)."""
+    start, end = (getattr(config, key) for key in WRAP)
+    return (start,), (end,)
 
 
 def text_extras(config, image_mask) -> dict:
@@ -85,7 +98,7 @@ def meta_patches():
 
 
 _COMMON = dict(hw_images=True, pixel_inputs=pixel_inputs, text_extras=text_extras,
-               meta_patches=meta_patches)
+               image_wrap=image_wrap, meta_patches=meta_patches)
 _QWEN2 = dict(_COMMON, full_config=True, image_plan=image_plan, vision_graph=vision_graph)
 # Qwen3VLTextConfig / Qwen3VLMoeTextConfig defaults (configuration_qwen3_vl(_moe).py)
 _QWEN3_TEXT = {

@@ -132,7 +132,7 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
         plan = image_plan(config, spec.image_size)
         n_tok = check_seq_len(s, n_img, plan)
         batch = pixel_inputs(config, plan, b * n_img, PARAM_DTYPE[spec.precision], device)
-    batch.update(text_inputs(config, b, s, n_tok, device))
+    batch.update(text_inputs(config, b, s, n_tok, device, images=n_img))
     if spec.packing:  # TRL's padding-free collator: position ids restart per sequence
         batch["position_ids"] = packing.position_ids(spec, device)
     return batch

@@ -205,7 +205,7 @@ def check_seq_len(seq_len: int, images: int, plan: ImagePlan | None) -> int:
     tokens = images * plan.tokens if plan is not None and images else 0
     markers = images * plan.markers if tokens else 0
     if tokens and tokens + markers + 1 > seq_len:
-        extra = f" and {plan.markers} break/end tokens" if plan.markers else ""
+        extra = f" and {plan.markers} marker tokens" if plan.markers else ""  # per image
         raise SpecError("seq_len", seq_len,
                         reason=f"too short for {images} image(s) of {plan.tokens} image tokens"
                         f"{extra} plus one text token (seq_len counts text and image tokens)")
@@ -246,23 +246,38 @@ def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
 IGNORE_INDEX = -100  # HF / LLaVA label value left out of the loss
 
 
-def text_inputs(config, batch: int, seq_len: int, image_tokens: int, device=None) -> dict:
-    """input_ids / labels (and Qwen-VL's `mm_token_type_ids`) of shape (batch, seq_len): BOS,
-    then the image tokens (masked out of the labels, haotian-liu/LLaVA `preprocess`), then
-    text. Token 1 stands for BOS/text (any id the vocabulary has)."""
+def text_inputs(config, batch: int, seq_len: int, image_tokens: int, device=None,
+                images: int = 1) -> dict:
+    """input_ids / labels (and the family's token type ids) of shape (batch, seq_len): BOS,
+    then each of `images` images' tokens (`image_tokens` in all, masked out of the labels,
+    haotian-liu/LLaVA `preprocess`) between the family's marker tokens (`Family.image_wrap`,
+    Qwen-VL: one run per image for its M-RoPE), then text. Token 1 stands for BOS/text (any id
+    the vocabulary has)."""
     import torch
+
+    from hybridmem.families import family
 
     ids = torch.ones(batch, seq_len, dtype=torch.long, device=device)
     labels = torch.ones(batch, seq_len, dtype=torch.long, device=device)
     out = {}
     if image_tokens:
-        ids[:, 1:1 + image_tokens] = image_token_id(config)
-        labels[:, 1:1 + image_tokens] = IGNORE_INDEX
-        from hybridmem.families import family
-
         fam = family(config.model_type)
+        row = torch.tensor(_image_row(config, fam, image_tokens, images), dtype=torch.long)
+        if len(row) > seq_len:  # check_seq_len refuses these first unless plan.markers is off
+            raise ValueError(f"{config.model_type}: {len(row)} BOS, image and marker tokens "
+                             f"exceed seq_len {seq_len} (its image_wrap vs ImagePlan.markers)")
+        ids[:, :len(row)] = row.to(device)
+        mask = ids == image_token_id(config)
+        labels[mask] = IGNORE_INDEX
         if fam is not None and fam.text_extras is not None:  # token type ids
-            mask = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-            mask[:, 1:1 + image_tokens] = 1
-            out.update(fam.text_extras(config, mask))
+            out.update(fam.text_extras(config, mask.long()))
     return {**out, "input_ids": ids, "labels": labels}
+
+
+def _image_row(config, fam, image_tokens: int, images: int) -> list[int]:
+    """BOS (1) and each image's placeholder tokens between its marker tokens."""
+    per, rest = divmod(image_tokens, images)
+    if rest:
+        raise ValueError(f"{image_tokens} image tokens are no whole number of {images} images")
+    before, after = fam.image_wrap(config) if fam is not None and fam.image_wrap else ((), ())
+    return [1, *([*before, *[image_token_id(config)] * per, *after] * images)]

@@ -72,21 +72,23 @@ def optimal_grid(height: int, width: int, tile: int, lo: int = MIN_TILES,
     return best
 
 
-def tiles_per_image(cfg, side: int) -> int:
-    """`GotOcr2ImageProcessor.get_number_of_image_patches` for a side x side image: the grid's
-    tiles, + 1 thumbnail when the grid has more than one tile (`crop_image_to_patches`)."""
-    cols, rows = optimal_grid(side, side, tile_side(cfg.vision_config))
+def tiles_per_image(cfg, height: int, width: int) -> int:
+    """`GotOcr2ImageProcessor.get_number_of_image_patches` for a height x width image: the
+    grid's tiles, + 1 thumbnail when the grid has more than one tile (`crop_image_to_patches`)."""
+    cols, rows = optimal_grid(height, width, tile_side(cfg.vision_config))
     return cols * rows + (1 if cols * rows > 1 else 0)
 
 
-def image_plan(cfg, side: int | None):
-    """The family's one image rule (`hybridmem.job.images.image_plan` dispatches here). With no
-    size the image is one tile (an assumption: the processor takes any input size)."""
+def image_plan(cfg, hw: tuple[int, int] | None):
+    """The family's one image rule (`hybridmem.job.images.image_plan` dispatches here) for an
+    input image of (height, width) px: the grid follows its aspect ratio (`optimal_grid`), the
+    tiles are always the tower's size. With no size the image is one tile (an assumption: the
+    processor takes any input size)."""
     from hybridmem.job.images import ImagePlan
 
-    side = side or tile_side(cfg.vision_config)
-    tiles, per_tile = tiles_per_image(cfg, side), tokens_per_tile(cfg)
-    return ImagePlan(cfg.model_type, tokens=tiles * per_tile, size=(side, side),
+    h, w = hw or (tile_side(cfg.vision_config),) * 2
+    tiles, per_tile = tiles_per_image(cfg, h, w), tokens_per_tile(cfg)
+    return ImagePlan(cfg.model_type, tokens=tiles * per_tile, size=(h, w),
                      grid=(0, tiles, per_tile))
 
 

@@ -74,7 +74,7 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None,
         n_tok = check_seq_len(s, n_img, plan)
         # grid_thw / image_sizes stay readable: the model code reads their values
         batch = pixel_inputs(config, plan, b * n_img, dtype, host_shapes=True)
-    batch.update(text_inputs(config, b, s, n_tok))
+    batch.update(text_inputs(config, b, s, n_tok, images=n_img))
     if spec.packing:  # TRL's padding-free collator: position ids restart per sequence
         batch["position_ids"] = packing.position_ids(spec)
     return batch, n_tok
