@@ -286,11 +286,18 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
                      lora: bool = False) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Tensors alive at the top of the largest quantised linear's (forward, MLP backward,
     attention backward), from bitsandbytes `Linear4bit.forward` / `MatMul4Bit`
-    (`hybridmem.job.quantize`): forward `x.to(compute)` (when the input differs), the dequantised
-    weight (`Quant.dequant`), the matmul output in the compute dtype and its cast back to the
-    input dtype (PEFT's LoRA wrapper then clones it: peft/tuners/lora/bnb.py "defensively
-    clone"); backward the grad cast to the compute dtype, the weight dequantised again, grad_A
-    and its cast back. `in_bytes`: linear name -> itemsize of its input (= of its output)."""
+    (`hybridmem.job.quantize`). `in_bytes`: linear name -> itemsize of its input (= of its
+    output). The order (trace tier, tiny-llama nf4 LoRA b2 s64, per-op events of one linear):
+    forward `x.to(compute)` (when the input differs), the dequantised weight
+    (`Quant.dequant`), the matmul output in the compute dtype, its cast back to the input
+    dtype, then x's cast and the matmul output are freed before PEFT's LoRA wrapper clones
+    the result (peft/tuners/lora/bnb.py "defensively clone"); backward the grad cast to the
+    compute dtype, the weight dequantised again, grad_A, then the grad cast and the weight are
+    freed before grad_A's cast back. MLP backward of an adapted linear: PEFT adds the adapter
+    to the base output, so autograd runs the adapter branch first (made later, higher
+    sequence number): lora_A's input grad (`tokens x in`, the input's dtype) is alive through
+    the base backward, whose input grad is then summed with it into a new tensor (autograd's
+    input buffer, out of place). The caller subtracts what the adapter branch freed."""
     q = c.quant
     if q is None or not layer.quantized:
         return (), (), ()
@@ -310,16 +317,29 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
         if c.amp:
             cb = c.e  # autocast runs F.linear / matmul in its dtype whatever compute_dtype says
         deq = q.dequant(n_out, n_in, cb)
-        x_cast = [t(tokens * n_in, cb)] if cb != ib else []
-        out_cast = [t(tokens * n_out, ib)] if cb != ib else []
         top = max((deq[i:i + 2] for i in range(len(deq))), key=sum)
-        fwd = x_cast + max([top, [deq[-1], t(tokens * n_out, cb)],
-                            [t(tokens * n_out, cb)] + out_cast
-                            + ([t(tokens * n_out, ib)] if lora else [])], key=sum)
-        keep("fwd", fwd)
-        g_cast = [t(tokens * n_out, cb)] if cb != ib else []
-        bwd = g_cast + max([top, [deq[-1], t(tokens * n_in, cb)],
-                            [t(tokens * n_in, cb)] + ([t(tokens * n_in, ib)] if cb != ib else [])],
-                           key=sum)
-        keep("mlp" if p.name.startswith("mlp.") else "attn", bwd)
+        # Linear4bit.forward keeps x.to(compute) in a local until it returns out.to(inp_dtype)
+        keep("fwd", _matmul_tops(deq, top, tokens * n_in, tokens * n_out, cb, ib, True,
+                                 [t(tokens * n_out, ib)] if lora else []))
+        mlp = p.name.startswith("mlp.")
+        adapter = mlp and adapters_on(layer, (linear,)) > 0
+        gx = t(tokens * n_in, ib)  # the adapter branch's input grad, then the sum
+        # MatMul4Bit.backward's grad cast dies with it, before x.to()'s ToCopyBackward
+        bwd = _matmul_tops(deq, top, tokens * n_out, tokens * n_in, cb, ib, False,
+                           [gx] if adapter else [])
+        keep("mlp" if mlp else "attn", [gx] + bwd if adapter else bwd)
     return best["fwd"], best["mlp"], best["attn"]
+
+
+def _matmul_tops(deq: list[int], top: list[int], n_a: int, n_out: int, cb: int, ib: int,
+                 held: bool, after: list[int]) -> list[int]:
+    """The largest set of tensors alive together in one `MatMul4Bit` pass over an input of
+    `n_a` elements giving `n_out` (`quant_transients` gives the order): the input cast with
+    the dequantisation's top, or with the weight and the matmul output, the output with its
+    cast back (and the input cast when `held`); then the cast back with `after` (PEFT's clone
+    in the forward, the input-grad sum in an adapted linear's backward)."""
+    a_cast = [t(n_a, cb)] if cb != ib else []
+    out = [t(n_out, cb)]
+    back = [t(n_out, ib)] if cb != ib else []
+    return max([a_cast + top, a_cast + [deq[-1]] + out, (a_cast if held else []) + out + back,
+                (back or out) + after], key=sum)

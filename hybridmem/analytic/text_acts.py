@@ -78,7 +78,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # and recomputes silu in backward (liger_kernel/ops/swiglu.py)
     if not sparse:
         sv.add(B * f, mlp_e, times=2 if c.liger else 3)
+        m_saved = sv.total
         linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
+        m_saved = sv.total - m_saved  # down_proj's input as its adapter saves it
         lora_outputs(sv, c, B, n_down)
         dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
     if gem:  # post_feedforward_layernorm on the MLP output
@@ -158,6 +160,12 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if top:
         bwd_parts, bwd_freed = top
         bwd_extra = sum(bwd_parts)
+    bwd_mlp, bwd_mlp_parts = t(B * h, sb) + mlp_bwd + sum(q_mlp), (
+        t(B * h, sb), *(moe_bwd if sparse else [t(B * h, FP32)] * 4 if gem_bwd == mlp_bwd else
+                        [t(B * f, e)] * (1 if c.liger else 2)), *q_mlp)
+    if q_mlp and not (sparse or gem or c.liger):
+        bwd_mlp, bwd_mlp_parts = quant_mlp_backward(t(B * h, sb), t(B * f, mlp_e), m_saved,
+                                                    q_mlp)
     fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
     fwd_parts, after_top = eager_forward(c, probs, at_probs, sv.total, fwd_parts, B, qd, kvd)
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
@@ -167,13 +175,25 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 shared=0 if c.liger else t(B * h, FP32) * (int(need_in) + 1),
                 bwd_extra=bwd_extra, bwd_top_freed=bwd_freed,
                 mlp_saved=sv.total - attn_part,
-                bwd_mlp=t(B * h, sb) + mlp_bwd + sum(q_mlp),
+                bwd_mlp=bwd_mlp,
                 fwd_parts=fwd_parts,
                 bwd_parts=bwd_parts,
                 fwd_after_top=after_top,
-                bwd_mlp_parts=(t(B * h, sb), *(moe_bwd if sparse else
-                                                [t(B * h, FP32)] * 4 if gem_bwd == mlp_bwd else
-                                                [t(B * f, e)] * (1 if c.liger else 2)), *q_mlp))
+                bwd_mlp_parts=bwd_mlp_parts)
+
+
+def quant_mlp_backward(grad_out: int, act: int, m_saved: int, q_mlp: tuple[int, ...]
+                       ) -> tuple[int, tuple[int, ...]]:
+    """(bytes, tensors) on top of `saved` at the high point of a quantised SwiGLU MLP's
+    backward: the layer output's grad `grad_out`, then the larger of two stages, both after
+    down_proj's adapter branch freed the input it saved (`m_saved`; `quant_transients`):
+    down_proj's base backward with the adapter's input grad (`q_mlp`, the largest quantised
+    MLP linear's), or the gated product's backward: grad(m) with grad(act), grad(up) (three
+    `act`-sized tensors: a quantised gate/up returns the stream's dtype, fp32 under autocast
+    or kbit prep). Measured (trace tier, tiny-llama nf4 LoRA b2 s64, bf16 and bf16-mixed,
+    checkpointed): both stages reach the step's peak, at equal bytes."""
+    parts = max([act] * 3, list(q_mlp), key=sum)
+    return grad_out + sum(parts) - m_saved, (grad_out, *parts)
 
 
 def eager_forward(c: Ctx, probs: int, at_probs: int, total: int, other: tuple[int, ...],
