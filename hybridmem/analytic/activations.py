@@ -110,6 +110,16 @@ class Acts:
     grad_in_saved: int = 0
     """Bytes of `saved` that become this layer's weight grad at its backward (Liger's FLCE
     computes grad_weight in the forward and returns the saved tensor): not a second copy."""
+    ckpt_alias: int = 0
+    """Bytes of `saved` that are the layer's input itself (RMSNorm's fp32 input when the
+    stream is fp32: `hidden_states.to(torch.float32)` returns it): checkpointed, the
+    checkpoint holds that tensor (`ckpt_saved`) and the recompute does not make it again."""
+
+    @property
+    def recomputed(self) -> int:
+        """Bytes a checkpointed layer's recompute makes: `saved` less the input it is given
+        (none when the input is offloaded: `ckpt_saved` 0, `analytic.offloaded`)."""
+        return self.saved - min(self.ckpt_alias, self.ckpt_saved)
 
 
 class Saved:
@@ -194,12 +204,15 @@ def dora_forward(c: Ctx, linears: list[tuple[int, int, int]]) -> tuple[int, ...]
 
 
 def linear_inputs(sv: Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, base_w: bool,
-                   adapters: int, shared: bool, in_grad: bool = True) -> None:
+                   adapters: int, shared: bool, in_grad: bool = True, bnb: bool = False) -> None:
     """Inputs saved by `n_base` linears reading one tensor of `numel` elements.
 
     `shared`: the tensor itself is already saved by another op (no new memory when saved again).
     Under autocast each linear casts an fp32 input separately (one saved copy per linear).
     `in_grad`: the tensor needs a grad (decides what a frozen lora_A's branch saves).
+    `bnb`: the adapters wrap bitsandbytes layers (peft/tuners/lora/bnb.py Linear4bit.forward:
+    `_cast_input_dtype` only when `not torch.is_autocast_enabled()`), so under autocast a
+    half-precision input reaches lora_A as it is, no fp32 round trip.
     """
     dropout = c.lora_dropout > 0
     # LoRA dropout (nn.Dropout before lora_A) saves a bool mask per adapter and hands lora_A a
@@ -213,7 +226,10 @@ def linear_inputs(sv: Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, bas
         cast = in_bytes != 2
         if base_w:
             sv.add(numel, 2, times=n_base if cast else 1, cond=cast or not shared)
-        sv.add(numel, 2, times=adapters)  # PEFT casts to fp32, autocast back: a new copy each
+        if bnb and not cast:  # lora_A saves the half-precision input itself
+            sv.add(numel, 2, cond=adapters > 0 and not shared and not base_w)
+        else:
+            sv.add(numel, 2, times=adapters)  # PEFT casts to fp32, autocast back: a copy each
     else:
         sv.add(numel, in_bytes, cond=base_w and not shared)
         if adapters:

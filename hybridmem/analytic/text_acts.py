@@ -52,7 +52,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     before_o = sv.total
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
-                  in_grad=need_in or n_qkv > 0)
+                  in_grad=need_in or n_qkv > 0, bnb="self_attn.o_proj.weight" in layer.quantized)
     lora_outputs(sv, c, B, n_o)
     dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
     o_saved = sv.total - before_o
@@ -176,6 +176,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 bwd_extra=bwd_extra, bwd_top_freed=bwd_freed,
                 mlp_saved=sv.total - attn_part,
                 bwd_mlp=bwd_mlp,
+                # the input norm's fp32 input is the layer input when the stream is fp32
+                # (`_norm_saved`, `gemma_norm_saved`); Liger's saves X too, not priced so yet
+                ckpt_alias=t(B * h, FP32) if sb == FP32 and need_in and not c.liger else 0,
                 fwd_parts=fwd_parts,
                 bwd_parts=bwd_parts,
                 fwd_after_top=after_top,

@@ -194,7 +194,7 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
             grad_waste += s.grad_waste
         if not s.on_path:
             continue
-        recompute = s.acts.saved if s.ckpt else 0
+        recompute = s.acts.recomputed if s.ckpt else 0
         if acc is not None:
             pending += max(s.tie, 0)
             new = s.grad_max
@@ -234,7 +234,7 @@ def _backward_stepping(w: _Walk, steps: list[Step], act: int) -> None:
         state += s.state
         before = pending  # the lm_head's own tied grad appears at the end of its backward
         pending += max(s.tie, 0)
-        recompute = s.acts.saved if s.ckpt else 0
+        recompute = s.acts.recomputed if s.ckpt else 0
         extra = state if w.iteration == 0 else 0
         flowing = s.acts.ckpt_saved  # the hidden-state grad passed on (decoder/encoder layer)
         after = act - (s.kept - s.released_at_forward_end)
