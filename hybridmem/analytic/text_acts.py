@@ -91,12 +91,15 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
         rope_parts = []
     fwd_parts = tuple(rope_parts)
-    if c.liger and c.amp:
-        # without RoPE's fp32 copies the MLP's high point (down_proj's forward) is the larger:
-        # the post-attention norm's fp32 output (read by the linears through their bf16 casts,
-        # so not saved), SiLUMul's output when down_proj's frozen weight does not save it,
-        # and with an adapter PEFT lora.Linear.forward's base result, fp32 `_cast_input_dtype`
-        # copy of the input, lora_B's output and its scaled copy
+    if c.amp:
+        # the MLP's high point (down_proj's forward) when larger than RoPE's fp32 copies (always
+        # with Liger's in-place RoPE): the post-attention norm's fp32 output (read by the
+        # linears through their bf16 casts, so not saved; the layer's local keeps it), SiLU x
+        # up when down_proj's frozen weight does not save it, and with an adapter PEFT
+        # lora.Linear.forward's base result, fp32 `_cast_input_dtype` copy of the input,
+        # lora_B's output and its scaled copy. A checkpointed layer reaches it again in its
+        # recompute, the output's grad waiting (trace tier, tiny-llama LoRA bf16-mixed b2 s64
+        # checkpointed: the step's peak, at down_proj's lora_A in the recompute)
         mlp_parts = (t(B * h, FP32), *([t(B * f, e)] if not need_w else ()),
                      *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
         fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
