@@ -338,7 +338,7 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
         keep("fwd", _matmul_tops(deq, top, tokens * n_in, tokens * n_out, cb, ib, True,
                                  [t(tokens * n_out, ib)] if lora else []))
         mlp = p.name.startswith("mlp.")
-        adapter = mlp and adapters_on(layer, (linear,)) > 0
+        adapter = mlp and q.four_bit and adapters_on(layer, (linear,)) > 0  # MatMul4Bit's order
         gx = t(tokens * n_in, ib)  # the adapter branch's input grad, then the sum
         # MatMul4Bit.backward's grad cast dies with it, before x.to()'s ToCopyBackward
         bwd = _matmul_tops(deq, top, tokens * n_out, tokens * n_in, cb, ib, False,

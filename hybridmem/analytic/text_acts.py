@@ -166,7 +166,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     bwd_mlp, bwd_mlp_parts = t(B * h, sb) + mlp_bwd + sum(q_mlp), (
         t(B * h, sb), *(moe_bwd if sparse else [t(B * h, FP32)] * 4 if gem_bwd == mlp_bwd else
                         [t(B * f, e)] * (1 if c.liger else 2)), *q_mlp)
-    if q_mlp and not (sparse or gem or c.liger):
+    if q_mlp and c.quant.four_bit and not (sparse or gem or c.liger):  # MatMul4Bit's order
         bwd_mlp, bwd_mlp_parts = quant_mlp_backward(t(B * h, sb), t(B * f, mlp_e), m_saved,
                                                     q_mlp)
     fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
