@@ -76,6 +76,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # gate output (SiLU input), SiLU output, up output (mul operands); fused: gate and up are
     # `chunk` views of one B x 2f output, the same bytes; Liger's SiLUMul saves a and b only
     # and recomputes silu in backward (liger_kernel/ops/swiglu.py)
+    m_saved = 0
     if not sparse:
         sv.add(B * f, mlp_e, times=2 if c.liger else 3)
         m_saved = sv.total
@@ -110,6 +111,10 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
     # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
     mlp_bwd = 2 * t(B * f, e)
+    # ... unless nothing saves m (frozen down_proj without an adapter): then grad(m) is one
+    # more (trace tier, tiny-llava projector fp32 checkpointed: the step's peak)
+    grad_m = 0 if sparse or c.liger else max(0, t(B * f, e) - m_saved)
+    mlp_bwd += grad_m
     if c.liger:  # SiLUMul backward writes da, db into a's and b's storage: grad(c) only
         mlp_bwd = t(B * f, e)
     if sparse:
@@ -165,7 +170,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         bwd_extra = sum(bwd_parts)
     bwd_mlp, bwd_mlp_parts = t(B * h, sb) + mlp_bwd + sum(q_mlp), (
         t(B * h, sb), *(moe_bwd if sparse else [t(B * h, FP32)] * 4 if gem_bwd == mlp_bwd else
-                        [t(B * f, e)] * (1 if c.liger else 2)), *q_mlp)
+                        [t(B * f, e)] * (1 if c.liger else 2)), *([grad_m] if grad_m else ()),
+        *q_mlp)
     if q_mlp and c.quant.four_bit and not (sparse or gem or c.liger):  # MatMul4Bit's order
         bwd_mlp, bwd_mlp_parts = quant_mlp_backward(t(B * h, sb), t(B * f, mlp_e), m_saved,
                                                     q_mlp)
