@@ -176,6 +176,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         bwd_mlp, bwd_mlp_parts = quant_mlp_backward(t(B * h, sb), t(B * f, mlp_e), m_saved,
                                                     q_mlp)
     fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
+    # eager's with-grad top in a recompute (scores beside the saved half) is not priced yet
+    recompute_extra = 0 if probs else sum(fwd_parts)
     fwd_parts, after_top = eager_forward(c, probs, at_probs, sv.total, fwd_parts, B, qd, kvd)
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
@@ -188,6 +190,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 # the input norm's fp32 input is the layer input when the stream is fp32
                 # (`_norm_saved`, `gemma_norm_saved`); Liger's saves X too, not priced so yet
                 ckpt_alias=t(B * h, FP32) if sb == FP32 and need_in and not c.liger else 0,
+                recompute_extra=recompute_extra,
                 fwd_parts=fwd_parts,
                 bwd_parts=bwd_parts,
                 fwd_after_top=after_top,

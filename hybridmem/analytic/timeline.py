@@ -202,8 +202,8 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
         else:
             new = (0, 0)
             mlp_grad, rest_grad = grad - s.grad + s.grad_mlp[0], grad - s.grad + s.grad_mlp[1]
-        if recompute:  # the recompute's forward top, the layer output's grad waiting
-            w.point("backward", act + recompute, s.acts.fwd_extra + s.acts.ckpt_saved,
+        if recompute and s.acts.recompute_extra:  # its top, the output's grad waiting
+            w.point("backward", act + recompute, s.acts.recompute_extra + s.acts.ckpt_saved,
                     grad - s.grad if acc is None else grad + pending, grad_waste)
         if s.acts.bwd_mlp:  # MLP half, then attention half with the MLP's saved freed
             w.point("backward", act + recompute, s.acts.bwd_mlp + new[0], mlp_grad, grad_waste)
