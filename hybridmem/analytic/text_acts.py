@@ -188,8 +188,10 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 mlp_saved=sv.total - attn_part,
                 bwd_mlp=bwd_mlp,
                 # the input norm's fp32 input is the layer input when the stream is fp32
-                # (`_norm_saved`, `gemma_norm_saved`); Liger's saves X too, not priced so yet
-                ckpt_alias=t(B * h, FP32) if sb == FP32 and need_in and not c.liger else 0,
+                # (`_norm_saved`, `gemma_norm_saved`); Liger's saves X too, not priced so yet;
+                # eager keeps the older recompute (its scores top unpriced, docs/quantize.md)
+                ckpt_alias=t(B * h, FP32) if sb == FP32 and need_in and not (c.liger or probs)
+                else 0,
                 recompute_extra=recompute_extra,
                 fwd_parts=fwd_parts,
                 bwd_parts=bwd_parts,
