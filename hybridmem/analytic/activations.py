@@ -303,7 +303,8 @@ def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: 
 
 
 def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int],
-                     lora: bool = False) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+                     lora: bool = False, staged: bool = False
+                     ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Tensors alive at the top of the largest quantised linear's (forward, MLP backward,
     attention backward), from bitsandbytes `Linear4bit.forward` / `MatMul4Bit`
     (`hybridmem.job.quantize`). `in_bytes`: linear name -> itemsize of its input (= of its
@@ -317,7 +318,8 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
     to the base output, so autograd runs the adapter branch first (made later, higher
     sequence number): lora_A's input grad (`tokens x in`, the input's dtype) is alive through
     the base backward, whose input grad is then summed with it into a new tensor (autograd's
-    input buffer, out of place). The caller subtracts what the adapter branch freed."""
+    input buffer, out of place), when `staged` (the caller subtracts what the adapter branch
+    freed: `text_acts.quant_mlp_backward`)."""
     q = c.quant
     if q is None or not layer.quantized:
         return (), (), ()
@@ -342,7 +344,7 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
         keep("fwd", _matmul_tops(deq, top, tokens * n_in, tokens * n_out, cb, ib, True,
                                  [t(tokens * n_out, ib)] if lora else []))
         mlp = p.name.startswith("mlp.")
-        adapter = mlp and q.four_bit and adapters_on(layer, (linear,)) > 0  # MatMul4Bit's order
+        adapter = staged and mlp and q.four_bit and adapters_on(layer, (linear,)) > 0
         gx = t(tokens * n_in, ib)  # the adapter branch's input grad, then the sum
         # MatMul4Bit.backward's grad cast dies with it, before x.to()'s ToCopyBackward
         bwd = _matmul_tops(deq, top, tokens * n_out, tokens * n_in, cb, ib, False,

@@ -154,8 +154,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         # 2's tanh_backward runs after softmax's fp32 grads are freed: no higher point
         soft = [t(b * s * s, sb)] * d.get("mask_types", 1)
         attn_bwd += sum(soft)
+    staged = c.quant is not None and c.quant.four_bit and not (sparse or gem or c.liger)
     q_fwd, q_mlp, q_attn = quant_transients(
-        layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora)
+        layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora, staged=staged)
     bwd_parts = (t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *soft, *q_attn)
     bwd_extra = 2 * t(B * h, sb) + attn_bwd + sum(q_attn)
     # eager: the probs' backward (`eager_top.backward_top`), after o_proj's input, v (a
@@ -172,7 +173,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         t(B * h, sb), *(moe_bwd if sparse else [t(B * h, FP32)] * 4 if gem_bwd == mlp_bwd else
                         [t(B * f, e)] * (1 if c.liger else 2)), *([grad_m] if grad_m else ()),
         *q_mlp)
-    if q_mlp and c.quant.four_bit and not (sparse or gem or c.liger):  # MatMul4Bit's order
+    if q_mlp and staged:  # MatMul4Bit's order (MatMul8bitLt keeps its input in ctx)
         bwd_mlp, bwd_mlp_parts = quant_mlp_backward(t(B * h, sb), t(B * f, mlp_e), m_saved,
                                                     q_mlp)
     fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
