@@ -114,7 +114,6 @@ class Acts:
     """Bytes of `saved` that are the layer's input itself (RMSNorm's fp32 input when the
     stream is fp32: `hidden_states.to(torch.float32)` returns it): checkpointed, the
     checkpoint holds that tensor (`ckpt_saved`) and the recompute does not make it again."""
-
     recompute_extra: int = 0
     """Transient on top of `recomputed` at a checkpointed layer's recompute top (a forward
     under autograd, unlike the no_grad first pass `fwd_extra` prices); 0: not counted."""

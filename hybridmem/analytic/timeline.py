@@ -6,7 +6,8 @@ The loop priced is transformers Trainer's: `loss = model(**batch).loss; loss.bac
 - forward: activations accumulate layer by layer (checkpointed layers keep only their input;
   autocast's cached weight copies live until the forward ends);
 - backward, last layer first: a layer's grads appear, its saved tensors (recomputed first when
-  checkpointed) and its backward transients are live, then its saved tensors are freed;
+  checkpointed: the recompute's top, `Acts.recompute_extra`, with the output's grad waiting)
+  and its backward transients are live, then its saved tensors are freed;
 - grad accumulation: `grad_accum` forward/backward micro-steps per step; from the second on
   all grads are live through the backward and each new grad is a transient (AccumulateGrad
   adds it in place, torch/csrc/autograd/functions/accumulate_grad.h); a tied weight's grad
