@@ -128,13 +128,61 @@ def test_analytic_close_to_trace(model, quantize, precision, ckpt, seq):
     traced = run_trace(spec, workspace=0)
     _, _, points = timeline(spec, 0)
     analytic = peak(points).allocated
-    # real-sized: within 3 %. Tiny models: measured +3.7 % (nf4 bf16-mixed) to +18.5 % (nf4
-    # bf16 ckpt): the analytic tier's quantised-linear transients are over-counted where the
-    # 4 KB-sized layers' transients set the peak (docs/quantize.md, known gaps); bounded so a
-    # regression shows.
-    tol = 0.03 if model == "llama-3.2-3b" else 0.20
+    # 4-bit SwiGLU: within 3 % (this tree: -0.1 % to +0.4 %). Known gaps (docs/quantize.md),
+    # bounded so a regression shows: tiny-phi3 +8.1 % (fused gate_up_proj: its MLP backward is
+    # not staged like the SwiGLU one), int8 +8.4 % (MatMul8bitLt keeps its input in ctx: the
+    # 4-bit MLP-backward stages do not apply)
+    tol = 0.10 if model == "tiny-phi3" or quantize == "int8" else 0.03
     assert abs(analytic / traced.peak_allocated - 1) < tol
     assert peak(points).bytes["param"] == traced.breakdown["param"]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-llava", "tiny-qwen3"])
+def test_qlora_tiny_tensor_peak_within_3_percent_of_trace(model):
+    # QLoRA (nf4 LoRA b2 s64), bf16 / bf16-mixed x checkpointing: the analytic tensor peak
+    # (no cuBLAS workspaces) within 3 % of the trace tier (the oracle: equal to a real CPU run
+    # of bnb's layers, test_trace_emulation_equals_real_bitsandbytes_cpu_run). On these sizes
+    # the activations set the peak, so this checks the order of MatMul4Bit's temporaries, the
+    # MLP backward's two stages and the recompute (docs/quantize.md): before, tiny-llama was
+    # +3.4 % / +13.9 % / +2.3 % / +9.7 % (bf16, bf16 ckpt, bf16-mixed, bf16-mixed ckpt).
+    from hybridmem.trace import run_trace
+
+    for precision in ("bf16", "bf16-mixed"):
+        for ckpt in (False, True):
+            spec = TrainingSpec(model=model, train="lora", quantize="nf4", precision=precision,
+                                micro_batch=2, seq_len=64, grad_ckpt=ckpt)
+            traced = run_trace(spec, workspace=0).peak_allocated
+            _, _, points = timeline(spec, 0)
+            rel = peak(points).allocated / traced - 1
+            assert abs(rel) < 0.03, (precision, ckpt, rel)
+
+
+@pytest.mark.slow
+def test_llama_3b_qlora_doc_config_analytic_equals_trace():
+    # docs/quantize.md's table: llama-3.2-3b LoRA nf4 bf16 checkpointed b4 s1024, 10.25 GiB
+    # allocated in both tiers (trace: ~25 s); the tiny-model fixes must leave it there
+    from hybridmem.analytic import estimate as analytic
+    from hybridmem.trace import estimate as traced
+
+    spec = TrainingSpec(model="llama-3.2-3b", train="lora", quantize="nf4", precision="bf16",
+                        micro_batch=4, seq_len=1024, grad_ckpt=True)
+    a, tr = analytic(spec).peak.allocated_bytes, traced(spec).peak.allocated_bytes
+    assert abs(a / tr - 1) < 0.005
+    assert round(a / 2**30, 2) == round(tr / 2**30, 2) == 10.25
+
+
+@pytest.mark.slow
+def test_llava_7b_qlora_readme_config_close_to_trace():
+    # README's squeeze table, QLoRA row (llava-1.5-7b LoRA nf4 bf16 checkpointed b4 s2048):
+    # trace 11.98 GiB allocated; the analytic tier was 12.63 (+5.4 %) before the MLP-backward
+    # staging and the recompute's input (docs/quantize.md), now within 0.5 % (trace: ~10 s)
+    from hybridmem.analytic import estimate as analytic
+    from hybridmem.trace import estimate as traced
+
+    spec = TrainingSpec(model="llava-1.5-7b", train="lora", quantize="nf4", precision="bf16",
+                        micro_batch=4, seq_len=2048, grad_ckpt=True)
+    a, tr = analytic(spec).peak.allocated_bytes, traced(spec).peak.allocated_bytes
+    assert abs(a / tr - 1) < 0.005
 
 
 def test_dequantised_weight_is_a_forward_temporary():

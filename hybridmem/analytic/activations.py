@@ -110,6 +110,19 @@ class Acts:
     grad_in_saved: int = 0
     """Bytes of `saved` that become this layer's weight grad at its backward (Liger's FLCE
     computes grad_weight in the forward and returns the saved tensor): not a second copy."""
+    ckpt_alias: int = 0
+    """Bytes of `saved` that are the layer's input itself (RMSNorm's fp32 input when the
+    stream is fp32: `hidden_states.to(torch.float32)` returns it): checkpointed, the
+    checkpoint holds that tensor (`ckpt_saved`) and the recompute does not make it again."""
+    recompute_extra: int = 0
+    """Transient on top of `recomputed` at a checkpointed layer's recompute top (a forward
+    under autograd, unlike the no_grad first pass `fwd_extra` prices); 0: not counted."""
+
+    @property
+    def recomputed(self) -> int:
+        """Bytes a checkpointed layer's recompute makes: `saved` less the input it is given
+        (none when the input is offloaded: `ckpt_saved` 0, `analytic.offloaded`)."""
+        return self.saved - min(self.ckpt_alias, self.ckpt_saved)
 
 
 class Saved:
@@ -194,12 +207,15 @@ def dora_forward(c: Ctx, linears: list[tuple[int, int, int]]) -> tuple[int, ...]
 
 
 def linear_inputs(sv: Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, base_w: bool,
-                   adapters: int, shared: bool, in_grad: bool = True) -> None:
+                   adapters: int, shared: bool, in_grad: bool = True, bnb: bool = False) -> None:
     """Inputs saved by `n_base` linears reading one tensor of `numel` elements.
 
     `shared`: the tensor itself is already saved by another op (no new memory when saved again).
     Under autocast each linear casts an fp32 input separately (one saved copy per linear).
     `in_grad`: the tensor needs a grad (decides what a frozen lora_A's branch saves).
+    `bnb`: the adapters wrap bitsandbytes layers (peft/tuners/lora/bnb.py Linear4bit.forward:
+    `_cast_input_dtype` only when `not torch.is_autocast_enabled()`), so under autocast a
+    half-precision input reaches lora_A as it is, no fp32 round trip.
     """
     dropout = c.lora_dropout > 0
     # LoRA dropout (nn.Dropout before lora_A) saves a bool mask per adapter and hands lora_A a
@@ -213,7 +229,10 @@ def linear_inputs(sv: Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, bas
         cast = in_bytes != 2
         if base_w:
             sv.add(numel, 2, times=n_base if cast else 1, cond=cast or not shared)
-        sv.add(numel, 2, times=adapters)  # PEFT casts to fp32, autocast back: a new copy each
+        if bnb and not cast:  # lora_A saves the half-precision input itself
+            sv.add(numel, 2, cond=adapters > 0 and not shared and not base_w)
+        else:
+            sv.add(numel, 2, times=adapters)  # PEFT casts to fp32, autocast back: a copy each
     else:
         sv.add(numel, in_bytes, cond=base_w and not shared)
         if adapters:
@@ -283,14 +302,23 @@ def attention_core(sv: Saved, c: Ctx, b: int, s: int, heads: int, qd: int, kvd: 
 
 
 def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int],
-                     lora: bool = False) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+                     lora: bool = False, staged: bool = False
+                     ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Tensors alive at the top of the largest quantised linear's (forward, MLP backward,
     attention backward), from bitsandbytes `Linear4bit.forward` / `MatMul4Bit`
-    (`hybridmem.job.quantize`): forward `x.to(compute)` (when the input differs), the dequantised
-    weight (`Quant.dequant`), the matmul output in the compute dtype and its cast back to the
-    input dtype (PEFT's LoRA wrapper then clones it: peft/tuners/lora/bnb.py "defensively
-    clone"); backward the grad cast to the compute dtype, the weight dequantised again, grad_A
-    and its cast back. `in_bytes`: linear name -> itemsize of its input (= of its output)."""
+    (`hybridmem.job.quantize`). `in_bytes`: linear name -> itemsize of its input (= of its
+    output). The order (trace tier, tiny-llama nf4 LoRA b2 s64, per-op events of one linear):
+    forward `x.to(compute)` (when the input differs), the dequantised weight
+    (`Quant.dequant`), the matmul output in the compute dtype, its cast back to the input
+    dtype, then x's cast and the matmul output are freed before PEFT's LoRA wrapper clones
+    the result (peft/tuners/lora/bnb.py "defensively clone"); backward the grad cast to the
+    compute dtype, the weight dequantised again, grad_A, then the grad cast and the weight are
+    freed before grad_A's cast back. MLP backward of an adapted linear: PEFT adds the adapter
+    to the base output, so autograd runs the adapter branch first (made later, higher
+    sequence number): lora_A's input grad (`tokens x in`, the input's dtype) is alive through
+    the base backward, whose input grad is then summed with it into a new tensor (autograd's
+    input buffer, out of place), when `staged` (the caller subtracts what the adapter branch
+    freed: `text_acts.quant_mlp_backward`)."""
     q = c.quant
     if q is None or not layer.quantized:
         return (), (), ()
@@ -310,16 +338,29 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
         if c.amp:
             cb = c.e  # autocast runs F.linear / matmul in its dtype whatever compute_dtype says
         deq = q.dequant(n_out, n_in, cb)
-        x_cast = [t(tokens * n_in, cb)] if cb != ib else []
-        out_cast = [t(tokens * n_out, ib)] if cb != ib else []
         top = max((deq[i:i + 2] for i in range(len(deq))), key=sum)
-        fwd = x_cast + max([top, [deq[-1], t(tokens * n_out, cb)],
-                            [t(tokens * n_out, cb)] + out_cast
-                            + ([t(tokens * n_out, ib)] if lora else [])], key=sum)
-        keep("fwd", fwd)
-        g_cast = [t(tokens * n_out, cb)] if cb != ib else []
-        bwd = g_cast + max([top, [deq[-1], t(tokens * n_in, cb)],
-                            [t(tokens * n_in, cb)] + ([t(tokens * n_in, ib)] if cb != ib else [])],
-                           key=sum)
-        keep("mlp" if p.name.startswith("mlp.") else "attn", bwd)
+        # Linear4bit.forward keeps x.to(compute) in a local until it returns out.to(inp_dtype)
+        keep("fwd", _matmul_tops(deq, top, tokens * n_in, tokens * n_out, cb, ib, True,
+                                 [t(tokens * n_out, ib)] if lora else []))
+        mlp = p.name.startswith("mlp.")
+        adapter = staged and mlp and q.four_bit and adapters_on(layer, (linear,)) > 0
+        gx = t(tokens * n_in, ib)  # the adapter branch's input grad, then the sum
+        # MatMul4Bit.backward's grad cast dies with it, before x.to()'s ToCopyBackward
+        bwd = _matmul_tops(deq, top, tokens * n_out, tokens * n_in, cb, ib, False,
+                           [gx] if adapter else [])
+        keep("mlp" if mlp else "attn", [gx] + bwd if adapter else bwd)
     return best["fwd"], best["mlp"], best["attn"]
+
+
+def _matmul_tops(deq: list[int], top: list[int], n_a: int, n_out: int, cb: int, ib: int,
+                 held: bool, after: list[int]) -> list[int]:
+    """The largest set of tensors alive together in one `MatMul4Bit` pass over an input of
+    `n_a` elements giving `n_out` (`quant_transients` gives the order): the input cast with
+    the dequantisation's top, or with the weight and the matmul output, the output with its
+    cast back (and the input cast when `held`); then the cast back with `after` (PEFT's clone
+    in the forward, the input-grad sum in an adapted linear's backward)."""
+    a_cast = [t(n_a, cb)] if cb != ib else []
+    out = [t(n_out, cb)]
+    back = [t(n_out, ib)] if cb != ib else []
+    return max([a_cast + top, a_cast + [deq[-1]] + out, (a_cast if held else []) + out + back,
+                (back or out) + after], key=sum)

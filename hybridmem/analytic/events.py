@@ -102,6 +102,16 @@ def _parts(acts) -> list[int]:
     return parts
 
 
+def _recomputed_parts(acts) -> list[int]:
+    """The saved tensors a checkpointed layer's recompute makes: `_parts` less the input the
+    checkpoint hands it (`Acts.recomputed`)."""
+    parts = _parts(acts)
+    alias = acts.saved - acts.recomputed
+    if alias in parts:
+        parts.remove(alias)
+    return parts
+
+
 def _no_grad_working_set(layer, acts, amp: bool) -> list[int]:
     """Tensors alive together at the high point of a checkpointed layer's no_grad forward.
 
@@ -306,7 +316,8 @@ def _backward(s: Stream, priced, policy, saved, kept, grads, step=None) -> None:
             continue
         unit = a.ckpt_saved or max(a.parts, default=0)
         if st.ckpt:  # recompute
-            saved[i] = _forward_with_grad(s, _parts(a), split(a.fwd_extra, a.fwd_parts, unit))
+            saved[i] = _forward_with_grad(s, _recomputed_parts(a),
+                                          split(a.fwd_extra, a.fwd_parts, unit))
         if a.bwd_mlp:
             tmp = s.allocs(split(a.bwd_mlp, a.bwd_mlp_parts, unit))
             grads[i] = s.allocs(mlp_g)
@@ -361,7 +372,8 @@ def _accumulating_backward(s: Stream, priced, policy, saved, kept) -> None:
             pending += s.allocs([tie])
         unit = a.ckpt_saved or max(a.parts, default=0)
         if st.ckpt:
-            saved[i] = _forward_with_grad(s, _parts(a), split(a.fwd_extra, a.fwd_parts, unit))
+            saved[i] = _forward_with_grad(s, _recomputed_parts(a),
+                                          split(a.fwd_extra, a.fwd_parts, unit))
         if a.bwd_mlp:
             tmp = s.allocs(split(a.bwd_mlp, a.bwd_mlp_parts, unit))
             for g in mlp_g:

@@ -52,7 +52,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     before_o = sv.total
     # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
     linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
-                  in_grad=need_in or n_qkv > 0)
+                  in_grad=need_in or n_qkv > 0, bnb="self_attn.o_proj.weight" in layer.quantized)
     lora_outputs(sv, c, B, n_o)
     dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
     o_saved = sv.total - before_o
@@ -76,9 +76,12 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # gate output (SiLU input), SiLU output, up output (mul operands); fused: gate and up are
     # `chunk` views of one B x 2f output, the same bytes; Liger's SiLUMul saves a and b only
     # and recomputes silu in backward (liger_kernel/ops/swiglu.py)
+    m_saved = 0
     if not sparse:
         sv.add(B * f, mlp_e, times=2 if c.liger else 3)
+        m_saved = sv.total
         linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
+        m_saved = sv.total - m_saved  # down_proj's input as its adapter saves it
         lora_outputs(sv, c, B, n_down)
         dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
     if gem:  # post_feedforward_layernorm on the MLP output
@@ -89,12 +92,15 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
         rope_parts = []
     fwd_parts = tuple(rope_parts)
-    if c.liger and c.amp:
-        # without RoPE's fp32 copies the MLP's high point (down_proj's forward) is the larger:
-        # the post-attention norm's fp32 output (read by the linears through their bf16 casts,
-        # so not saved), SiLUMul's output when down_proj's frozen weight does not save it,
-        # and with an adapter PEFT lora.Linear.forward's base result, fp32 `_cast_input_dtype`
-        # copy of the input, lora_B's output and its scaled copy
+    if c.amp:
+        # the MLP's high point (down_proj's forward) when larger than RoPE's fp32 copies (always
+        # with Liger's in-place RoPE): the post-attention norm's fp32 output (read by the
+        # linears through their bf16 casts, so not saved; the layer's local keeps it), SiLU x
+        # up when down_proj's frozen weight does not save it, and with an adapter PEFT
+        # lora.Linear.forward's base result, fp32 `_cast_input_dtype` copy of the input,
+        # lora_B's output and its scaled copy. A checkpointed layer reaches it again in its
+        # recompute, the output's grad waiting (trace tier, tiny-llama LoRA bf16-mixed b2 s64
+        # checkpointed: the step's peak, at down_proj's lora_A in the recompute)
         mlp_parts = (t(B * h, FP32), *([t(B * f, e)] if not need_w else ()),
                      *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
         fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
@@ -105,6 +111,10 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
     # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
     mlp_bwd = 2 * t(B * f, e)
+    # ... unless nothing saves m (frozen down_proj without an adapter): then grad(m) is one
+    # more (trace tier, tiny-llava projector fp32 checkpointed: the step's peak)
+    grad_m = 0 if sparse or c.liger else max(0, t(B * f, e) - m_saved)
+    mlp_bwd += grad_m
     if c.liger:  # SiLUMul backward writes da, db into a's and b's storage: grad(c) only
         mlp_bwd = t(B * f, e)
     if sparse:
@@ -144,8 +154,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         # 2's tanh_backward runs after softmax's fp32 grads are freed: no higher point
         soft = [t(b * s * s, sb)] * d.get("mask_types", 1)
         attn_bwd += sum(soft)
+    staged = c.quant is not None and c.quant.four_bit and not (sparse or gem or c.liger)
     q_fwd, q_mlp, q_attn = quant_transients(
-        layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora)
+        layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora, staged=staged)
     bwd_parts = (t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *soft, *q_attn)
     bwd_extra = 2 * t(B * h, sb) + attn_bwd + sum(q_attn)
     # eager: the probs' backward (`eager_top.backward_top`), after o_proj's input, v (a
@@ -158,7 +169,16 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if top:
         bwd_parts, bwd_freed = top
         bwd_extra = sum(bwd_parts)
+    bwd_mlp, bwd_mlp_parts = t(B * h, sb) + mlp_bwd + sum(q_mlp), (
+        t(B * h, sb), *(moe_bwd if sparse else [t(B * h, FP32)] * 4 if gem_bwd == mlp_bwd else
+                        [t(B * f, e)] * (1 if c.liger else 2)), *([grad_m] if grad_m else ()),
+        *q_mlp)
+    if q_mlp and staged:  # MatMul4Bit's order (MatMul8bitLt keeps its input in ctx)
+        bwd_mlp, bwd_mlp_parts = quant_mlp_backward(t(B * h, sb), t(B * f, mlp_e), m_saved,
+                                                    q_mlp)
     fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
+    # eager's with-grad top in a recompute (scores beside the saved half) is not priced yet
+    recompute_extra = 0 if probs else sum(fwd_parts)
     fwd_parts, after_top = eager_forward(c, probs, at_probs, sv.total, fwd_parts, B, qd, kvd)
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
@@ -167,13 +187,31 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 shared=0 if c.liger else t(B * h, FP32) * (int(need_in) + 1),
                 bwd_extra=bwd_extra, bwd_top_freed=bwd_freed,
                 mlp_saved=sv.total - attn_part,
-                bwd_mlp=t(B * h, sb) + mlp_bwd + sum(q_mlp),
+                bwd_mlp=bwd_mlp,
+                # the input norm's fp32 input is the layer input when the stream is fp32
+                # (`_norm_saved`, `gemma_norm_saved`); Liger's saves X too, not priced so yet;
+                # eager keeps the older recompute (its scores top unpriced, docs/quantize.md)
+                ckpt_alias=t(B * h, FP32) if sb == FP32 and need_in and not (c.liger or probs)
+                else 0,
+                recompute_extra=recompute_extra,
                 fwd_parts=fwd_parts,
                 bwd_parts=bwd_parts,
                 fwd_after_top=after_top,
-                bwd_mlp_parts=(t(B * h, sb), *(moe_bwd if sparse else
-                                                [t(B * h, FP32)] * 4 if gem_bwd == mlp_bwd else
-                                                [t(B * f, e)] * (1 if c.liger else 2)), *q_mlp))
+                bwd_mlp_parts=bwd_mlp_parts)
+
+
+def quant_mlp_backward(grad_out: int, act: int, m_saved: int, q_mlp: tuple[int, ...]
+                       ) -> tuple[int, tuple[int, ...]]:
+    """(bytes, tensors) on top of `saved` at the high point of a quantised SwiGLU MLP's
+    backward: the layer output's grad `grad_out`, then the larger of two stages, both after
+    down_proj's adapter branch freed the input it saved (`m_saved`; `quant_transients`):
+    down_proj's base backward with the adapter's input grad (`q_mlp`, the largest quantised
+    MLP linear's), or the gated product's backward: grad(m) with grad(act), grad(up) (three
+    `act`-sized tensors: a quantised gate/up returns the stream's dtype, fp32 under autocast
+    or kbit prep). Measured (trace tier, tiny-llama nf4 LoRA b2 s64, bf16 and bf16-mixed,
+    checkpointed): both stages reach the step's peak, at equal bytes."""
+    parts = max([act] * 3, list(q_mlp), key=sum)
+    return grad_out + sum(parts) - m_saved, (grad_out, *parts)
 
 
 def eager_forward(c: Ctx, probs: int, at_probs: int, total: int, other: tuple[int, ...],

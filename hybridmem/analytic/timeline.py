@@ -6,7 +6,8 @@ The loop priced is transformers Trainer's: `loss = model(**batch).loss; loss.bac
 - forward: activations accumulate layer by layer (checkpointed layers keep only their input;
   autocast's cached weight copies live until the forward ends);
 - backward, last layer first: a layer's grads appear, its saved tensors (recomputed first when
-  checkpointed) and its backward transients are live, then its saved tensors are freed;
+  checkpointed: the recompute's top, `Acts.recompute_extra`, with the output's grad waiting)
+  and its backward transients are live, then its saved tensors are freed;
 - grad accumulation: `grad_accum` forward/backward micro-steps per step; from the second on
   all grads are live through the backward and each new grad is a transient (AccumulateGrad
   adds it in place, torch/csrc/autograd/functions/accumulate_grad.h); a tied weight's grad
@@ -194,7 +195,7 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
             grad_waste += s.grad_waste
         if not s.on_path:
             continue
-        recompute = s.acts.saved if s.ckpt else 0
+        recompute = s.acts.recomputed if s.ckpt else 0
         if acc is not None:
             pending += max(s.tie, 0)
             new = s.grad_max
@@ -202,6 +203,9 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
         else:
             new = (0, 0)
             mlp_grad, rest_grad = grad - s.grad + s.grad_mlp[0], grad - s.grad + s.grad_mlp[1]
+        if recompute and s.acts.recompute_extra:  # its top, the output's grad waiting
+            w.point("backward", act + recompute, s.acts.recompute_extra + s.acts.ckpt_saved,
+                    grad - s.grad if acc is None else grad + pending, grad_waste)
         if s.acts.bwd_mlp:  # MLP half, then attention half with the MLP's saved freed
             w.point("backward", act + recompute, s.acts.bwd_mlp + new[0], mlp_grad, grad_waste)
             w.point("backward", act + recompute - s.acts.mlp_saved - s.acts.bwd_top_freed,
@@ -234,7 +238,7 @@ def _backward_stepping(w: _Walk, steps: list[Step], act: int) -> None:
         state += s.state
         before = pending  # the lm_head's own tied grad appears at the end of its backward
         pending += max(s.tie, 0)
-        recompute = s.acts.saved if s.ckpt else 0
+        recompute = s.acts.recomputed if s.ckpt else 0
         extra = state if w.iteration == 0 else 0
         flowing = s.acts.ckpt_saved  # the hidden-state grad passed on (decoder/encoder layer)
         after = act - (s.kept - s.released_at_forward_end)
