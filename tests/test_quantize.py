@@ -157,32 +157,24 @@ def test_qlora_tiny_tensor_peak_within_3_percent_of_trace(model):
             assert abs(rel) < 0.03, (precision, ckpt, rel)
 
 
+# real-sized QLoRA (LoRA nf4 bf16 checkpointed) configs the docs quote: docs/quantize.md's
+# llama-3.2-3b b4 s1024, 10.25 GiB allocated in both tiers (trace ~25 s), and README's squeeze
+# table QLoRA row, llava-1.5-7b b4 s2048: trace 11.98 GiB, the analytic tier was 12.63 (+5.4 %)
+# before the MLP-backward staging and the recompute's input (docs/quantize.md); the tiny-model
+# fixes must keep both within 0.5 %
 @pytest.mark.slow
-def test_llama_3b_qlora_doc_config_analytic_equals_trace():
-    # docs/quantize.md's table: llama-3.2-3b LoRA nf4 bf16 checkpointed b4 s1024, 10.25 GiB
-    # allocated in both tiers (trace: ~25 s); the tiny-model fixes must leave it there
+@pytest.mark.parametrize("model, micro_batch, seq_len, gib", [
+    ("llama-3.2-3b", 4, 1024, 10.25), ("llava-1.5-7b", 4, 2048, None)])
+def test_real_sized_qlora_doc_configs_close_to_trace(model, micro_batch, seq_len, gib):
     from hybridmem.analytic import estimate as analytic
     from hybridmem.trace import estimate as traced
 
-    spec = TrainingSpec(model="llama-3.2-3b", train="lora", quantize="nf4", precision="bf16",
-                        micro_batch=4, seq_len=1024, grad_ckpt=True)
+    spec = TrainingSpec(model=model, train="lora", quantize="nf4", precision="bf16",
+                        micro_batch=micro_batch, seq_len=seq_len, grad_ckpt=True)
     a, tr = analytic(spec).peak.allocated_bytes, traced(spec).peak.allocated_bytes
     assert abs(a / tr - 1) < 0.005
-    assert round(a / 2**30, 2) == round(tr / 2**30, 2) == 10.25
-
-
-@pytest.mark.slow
-def test_llava_7b_qlora_readme_config_close_to_trace():
-    # README's squeeze table, QLoRA row (llava-1.5-7b LoRA nf4 bf16 checkpointed b4 s2048):
-    # trace 11.98 GiB allocated; the analytic tier was 12.63 (+5.4 %) before the MLP-backward
-    # staging and the recompute's input (docs/quantize.md), now within 0.5 % (trace: ~10 s)
-    from hybridmem.analytic import estimate as analytic
-    from hybridmem.trace import estimate as traced
-
-    spec = TrainingSpec(model="llava-1.5-7b", train="lora", quantize="nf4", precision="bf16",
-                        micro_batch=4, seq_len=2048, grad_ckpt=True)
-    a, tr = analytic(spec).peak.allocated_bytes, traced(spec).peak.allocated_bytes
-    assert abs(a / tr - 1) < 0.005
+    if gib is not None:
+        assert round(a / 2**30, 2) == round(tr / 2**30, 2) == gib
 
 
 def test_dequantised_weight_is_a_forward_temporary():
