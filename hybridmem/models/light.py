@@ -96,9 +96,6 @@ def config_from_dict(data: dict) -> SimpleNamespace:
     model_type = validate_types(data)
     if not is_analytic(model_type):  # a transformers family the trace tier alone prices
         raise analytic_refusal(model_type)
-    if model_type == "internvl":  # its own light reader (models/internvl.py)
-        from hybridmem.models.internvl import light_config as internvl_config
-        return internvl_config(data)
     if model_type in FULL_CONFIG_TYPES:
         # their configs nest a vision and a text sub-config with many defaults (and the
         # published config.json is flat): transformers' own config class reads them
