@@ -47,12 +47,7 @@ def trace_only_reason(spec) -> str | None:
         return f"{peft_type(spec)} adapters have no closed form"
     from hybridmem.models.loader import is_analytic, model_type_of
 
-    from hybridmem.families import family
-
     model_type = model_type_of(spec.model)
-    fam = family(model_type)
-    if fam is not None and fam.trace_only:  # a declared family whose closed forms are partial
-        return f"model_type={model_type!r}: {fam.trace_only}"
     if not is_analytic(model_type):
         return f"model_type={model_type!r} has no closed form in the analytic tier"
     from hybridmem.models.decoder import MOE_TYPES

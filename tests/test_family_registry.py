@@ -24,7 +24,7 @@ def test_every_family_is_one_transformers_builds_as_its_kind(model_type):
     fam = REGISTRY[model_type]
     expected = IMAGE_TEXT_TO_TEXT if fam.kind == VLM else CAUSAL_LM
     assert transformers_types()[model_type] == expected
-    if fam.kind == VLM and fam.analytic:  # the analytic graph needs the family's parts
+    if fam.kind == VLM:  # the analytic graph needs the family's parts
         assert fam.image_plan is not None and fam.vision_graph is not None
     if fam.kind == DECODER:
         assert fam.text_defaults and fam.image_plan is None
@@ -48,7 +48,7 @@ def test_the_tuples_other_modules_export_are_views_of_the_registry():
     from hybridmem.models.decoder import MOE_TYPES, QK_NORM_TYPES
     from hybridmem.models.loader import DECODER_TYPES, MULTIMODAL_TYPES
 
-    assert set(MULTIMODAL_TYPES) == {m for m, f in REGISTRY.items() if f.kind == VLM and f.analytic}
+    assert set(MULTIMODAL_TYPES) == {m for m, f in REGISTRY.items() if f.kind == VLM}
     assert set(DECODER_TYPES) == {m for m, f in REGISTRY.items() if f.kind == DECODER}
     assert set(HXW_FAMILIES) <= set(IMAGE_FAMILIES) <= set(REGISTRY)
     assert {"mixtral", "qwen3_moe"} <= set(MOE_TYPES)

@@ -47,8 +47,6 @@ class Family:
     """`VLM` (built as image-text-to-text) or `DECODER` (causal LM)."""
     source: str
     """The transformers modeling file its rules follow."""
-    trace_only: str | None = None
-    """Why the analytic tier does not price it yet (the trace tier does), None if it does."""
     text_defaults: Mapping[str, object] | None = None
     """Decoder: its transformers config class's defaults for the fields the light parser
     (`models/light.py`) reads."""
@@ -97,11 +95,6 @@ class Family:
     meta_patches: Callable | None = None
     """() -> a context manager the trace needs under meta tensors (data-dependent helpers)."""
 
-    @property
-    def analytic(self) -> bool:
-        """Whether the analytic tier has closed forms (else the trace tier prices it)."""
-        return self.trace_only is None
-
     def has(self, trait: str) -> bool:
         return trait in self.traits
 
@@ -128,13 +121,12 @@ def family(model_type: str | None) -> Family | None:
     return REGISTRY.get(model_type) if isinstance(model_type, str) else None
 
 
-def types(kind: str | None = None, *, analytic: bool | None = None,
+def types(kind: str | None = None, *,
           where: Callable[[Family], bool] | None = None) -> tuple[str, ...]:
-    """model_types of the declared families (in declaration order), filtered."""
+    """model_types of the declared families (in declaration order), filtered. Every declared
+    family has closed forms; the others are the trace tier's alone."""
     return tuple(mt for mt, f in REGISTRY.items()
-                 if (kind is None or f.kind == kind)
-                 and (analytic is None or f.analytic == analytic)
-                 and (where is None or where(f)))
+                 if (kind is None or f.kind == kind) and (where is None or where(f)))
 
 
 def with_trait(trait: str) -> tuple[str, ...]:

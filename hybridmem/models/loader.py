@@ -17,8 +17,8 @@ from hybridmem.families import DECODER, VLM, family, types
 
 # model_type values with closed forms (`hybridmem/families/`, one file per family); the trace
 # tier prices every other transformers causal-LM / image-text-to-text family.
-MULTIMODAL_TYPES: tuple[str, ...] = types(VLM, analytic=True)
-DECODER_TYPES: tuple[str, ...] = types(DECODER, analytic=True)
+MULTIMODAL_TYPES: tuple[str, ...] = types(VLM)
+DECODER_TYPES: tuple[str, ...] = types(DECODER)
 SUPPORTED_TYPES: tuple[str, ...] = MULTIMODAL_TYPES + DECODER_TYPES
 """The families the analytic tier has closed forms for (and the hybrid tier, built on it)."""
 TRACE_ONLY_CHOICE = "any transformers causal-LM / image-text-to-text model_type with --method trace"
