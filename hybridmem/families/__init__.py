@@ -99,6 +99,17 @@ class Family:
         return trait in self.traits
 
 
+def check_sub_config(data: dict, key: str, allowed: tuple[str, ...], default: str) -> None:
+    """A nested config's `model_type` (`default`: its config class's when the JSON leaves it
+    out) must be one the closed forms price: the one sub-config check of every family's
+    `check_config` (one-line SpecError naming the field)."""
+    from hybridmem.errors import SpecError
+
+    sub = data.get(key)
+    if isinstance(sub, dict) and sub.get("model_type", default) not in allowed:
+        raise SpecError(f"{key}.model_type", sub.get("model_type"), allowed)
+
+
 def _discover() -> dict[str, Family]:
     found: dict[str, Family] = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):

@@ -12,9 +12,12 @@ from hybridmem.families import VLM, Family
 
 
 def check_config(data: dict) -> None:
-    from hybridmem.models.gemma3 import validate_sub_configs
+    """The sub-configs the closed forms price: a SigLIP tower and the Gemma 3 text LM."""
+    from hybridmem.families import check_sub_config
+    from hybridmem.models.gemma3 import TEXT_TYPE, VISION_TYPE
 
-    validate_sub_configs(data)
+    check_sub_config(data, "text_config", (TEXT_TYPE,), TEXT_TYPE)
+    check_sub_config(data, "vision_config", (VISION_TYPE,), VISION_TYPE)
 
 
 def light_config(data: dict):

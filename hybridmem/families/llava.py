@@ -9,9 +9,7 @@ unpadding, one newline per row; OneVision's anyres_max_N downsampling); graph
 
 from __future__ import annotations
 
-from hybridmem.families import VLM, Family
-
-from hybridmem.families import mistral3
+from hybridmem.families import DECODER, VLM, Family, check_sub_config, mistral3
 
 VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
 """Vision towers with closed forms (`models/vision.py`)."""
@@ -25,24 +23,17 @@ def _pixtral(cfg) -> bool:
 
 def check_config(data: dict) -> None:
     """The vision tower and the LM must be families with closed forms."""
-    from hybridmem.errors import SpecError
-
     kinds = VISION_TYPES + ((PIXTRAL,) if data.get("model_type") == "llava" else ())
-    sub = data.get("vision_config")
-    if isinstance(sub, dict) and sub.get("model_type", "clip_vision_model") not in kinds:
-        raise SpecError("vision_config.model_type", sub.get("model_type"), kinds)
+    check_sub_config(data, "vision_config", kinds, "clip_vision_model")
     check_text_config(data)
 
 
 def check_text_config(data: dict, default: str = "llama") -> None:
     """`text_config.model_type` (default `default`, the config class's) must be a decoder
     family with closed forms: the LM is priced by `decoders.py`."""
-    from hybridmem.errors import SpecError
-    from hybridmem.families import DECODER, types
+    from hybridmem.families import types
 
-    sub = data.get("text_config")
-    if isinstance(sub, dict) and sub.get("model_type", default) not in types(DECODER):
-        raise SpecError("text_config.model_type", sub.get("model_type"), types(DECODER))
+    check_sub_config(data, "text_config", types(DECODER), default)
 
 
 def image_plan(cfg, hw):

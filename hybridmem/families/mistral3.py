@@ -14,10 +14,11 @@ from hybridmem.families import VLM, Family
 
 
 def check_config(data: dict) -> None:
-    from hybridmem.families import DECODER, types
-    from hybridmem.models.mistral3_config import validate_subconfigs
+    """A Pixtral tower and a decoder family's LM (Mistral3Config's defaults: pixtral, mistral)."""
+    from hybridmem.families import DECODER, check_sub_config, types
 
-    validate_subconfigs(data, types(DECODER))
+    check_sub_config(data, "vision_config", ("pixtral",), "pixtral")
+    check_sub_config(data, "text_config", types(DECODER), "mistral")
 
 
 def light_config(data: dict):

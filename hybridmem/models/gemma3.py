@@ -33,14 +33,6 @@ TEXT_TYPE = "gemma3_text"            # Gemma3Config.sub_configs_defaults["text_c
 VISION_TYPE = "siglip_vision_model"  # Gemma3Config.sub_configs_defaults["vision_config"]
 
 
-def validate_sub_configs(data: dict) -> None:
-    """The sub-configs the closed forms price: a SigLIP tower and the Gemma 3 text LM."""
-    for key, kind in (("text_config", TEXT_TYPE), ("vision_config", VISION_TYPE)):
-        sub = data.get(key)
-        if isinstance(sub, dict) and sub.get("model_type", kind) != kind:
-            raise SpecError(f"{key}.model_type", sub.get("model_type"), (kind,))
-
-
 def check_attn(attn: str) -> None:
     """`Gemma3Model._supports_flash_attn = False` (modeling_gemma3.py: FlashAttention would drop
     the bidirectional mask over image tokens): transformers refuses it when building."""

@@ -30,16 +30,6 @@ VISION_WHEN_MISSING = dict(intermediate_size=4096, hidden_size=1024, patch_size=
                            hidden_act="gelu")
 
 
-def validate_subconfigs(data: dict, decoder_types: tuple[str, ...]) -> None:
-    """The vision config must be Pixtral, the LM a decoder the analytic tier prices."""
-    sub = data.get("vision_config")
-    if isinstance(sub, dict) and sub.get("model_type", "pixtral") != "pixtral":
-        raise SpecError("vision_config.model_type", sub.get("model_type"), ("pixtral",))
-    sub = data.get("text_config")
-    if isinstance(sub, dict) and sub.get("model_type", "mistral") not in decoder_types:
-        raise SpecError("text_config.model_type", sub.get("model_type"), decoder_types)
-
-
 def light_mistral3(data: dict, text, sub) -> SimpleNamespace:
     """The fields the graph parser reads (`text` / `sub`: light.py's `_text` / `_sub`)."""
     cfg = SimpleNamespace(**{**MISTRAL3_DEFAULTS,
