@@ -51,7 +51,6 @@ from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
 from hybridmem.models.decoder import MOE_TYPES, NO_SDPA_TYPES
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
-from hybridmem.models.qwen3_vl import NO_VISION_INPUT_EMBEDDINGS
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
 from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
@@ -184,7 +183,7 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
         lora = bool(layer.lora) and layer.runs
         if mname == "vision_tower":
             need_in = flow["vision"]
-            hooked = input_grads and graph.model_type not in NO_VISION_INPUT_EMBEDDINGS
+            hooked = input_grads and family(graph.model_type).tower_input_grads
             if layer.runs and layer.on_grad_path and (need_in or need_w or hooked):
                 flow["vision"] = True
         elif mname == "multi_modal_projector":

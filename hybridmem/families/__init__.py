@@ -75,6 +75,10 @@ class Family:
     None: one (n, 3, side, side) tensor."""
     pixel_mask: bool = False
     """Its processor also sends a bool `pixel_attention_mask` (crops, tile, tile)."""
+    tower_input_grads: bool = True
+    """Whether checkpointing's `enable_input_require_grads` hooks the vision tower too (so a
+    frozen tower saves for backward); False where its `get_input_embeddings` raises
+    (Qwen3VLVisionModel: only the LM's embed_tokens is hooked)."""
     text_extras: Callable | None = None
     """(config, image_mask (b, s) long tensor) -> extra integer inputs (token type ids)."""
     image_wrap: Callable | None = None

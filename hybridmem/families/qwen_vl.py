@@ -113,7 +113,10 @@ _QWEN3_TEXT = {
                               decoder_sparse_step=1, moe_intermediate_size=1408,
                               num_experts_per_tok=4, num_experts=60, mlp_only_layers=None),
 }
+# Qwen3VLVisionModel.get_input_embeddings raises NotImplementedError: checkpointing's
+# enable_input_require_grads hooks only the LM's embed_tokens, a frozen tower saves nothing
 _QWEN3 = dict(_COMMON, light_config=qwen3_light_config, image_plan=partial(image_plan, qwen3=True),
+              tower_input_grads=False,
               vision_graph=qwen3_vision_graph, lm_graph=qwen3_lm_graph)
 FAMILIES = (
     Family("qwen2_vl", VLM, "modeling_qwen2_vl.py", **_QWEN2),

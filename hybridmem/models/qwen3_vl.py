@@ -34,12 +34,7 @@ def _ln(prefix: str, e: int) -> tuple[T, ...]:
     """LayerNorm weight + bias (Qwen2-VL's helper, `rms=False`)."""
     return _norm(prefix, e, rms=False)
 
-TYPES = ("qwen3_vl", "qwen3_vl_moe")
-"""Qwen3-VL with the dense (`qwen3_vl_text`) or the MoE (`qwen3_vl_moe_text`) Qwen3 LM."""
-NO_VISION_INPUT_EMBEDDINGS = TYPES
-"""`Qwen3VLVisionModel.get_input_embeddings` raises NotImplementedError, so transformers'
-`enable_input_require_grads` (gradient checkpointing turns it on) hooks only the LM's
-embed_tokens: a frozen tower's output needs no grad and the tower saves nothing."""
+
 FP32 = 4  # rotary inv_freq buffers are float32 (Qwen3VLVisionRotaryEmbedding)
 # bilinear resampling: 4 table rows per patch (vision_utils
 # get_vision_interpolation_indices_and_weights, `n_taps` = 4 for "bilinear")

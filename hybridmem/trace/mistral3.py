@@ -21,8 +21,6 @@ from torch.overrides import TorchFunctionMode
 
 MODULES = {"transformers.models.mistral3.modeling_mistral3": "Mistral3Model",
            "transformers.models.llava.modeling_llava": "LlavaModel"}
-TYPES = ("mistral3", "llava")
-"""model_types the runner wraps (a CLIP/SigLIP LLaVA passes no image_sizes: unaffected)."""
 
 
 class _HostSizes(TorchFunctionMode):
