@@ -73,7 +73,7 @@ def compare(spec: TrainingSpec) -> dict | None:
     ta = a.peak.allocated_bytes - a.breakdown["workspace"]
     tt = t.peak.allocated_bytes - t.breakdown["workspace"]
     from hybridmem.analytic.estimate import _events
-    from hybridmem.analytic.reserved import fragmentation
+    from hybridmem.allocator.reserved import fragmentation
 
     res_a, res_t = a.peak.reserved_bytes, t.peak.reserved_bytes
     frag_t = t.breakdown["fragmentation"]

@@ -49,7 +49,7 @@ def synthetic_stream(n_events: int, seed: int = 0) -> list[tuple[str, int, int]]
 
 def trace_stream(model: str) -> list[tuple[str, int, int]]:
     """The alloc/free stream the trace tier records for `model` (two training iterations)."""
-    from hybridmem.spec import TrainingSpec
+    from hybridmem.job.spec import TrainingSpec
     from hybridmem.trace import run_trace
 
     spec = TrainingSpec(model=model, seq_len=2048, micro_batch=8, train="llm+projector",

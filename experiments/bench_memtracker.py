@@ -26,7 +26,7 @@ import time
 import torch
 
 from hybridmem.models import load_config
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import runner
 from hybridmem.trace.tracker import StorageTracker
 from doc_block import write_results  # experiments/ is on the path of a script run

@@ -25,7 +25,7 @@ import json, sys, time
 import torch, transformers, importlib
 importlib.import_module(sys.argv[1])
 from hybridmem.gpus import gpu_by_name
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate, metacache
 if sys.argv[3] == "off":
     metacache.call = lambda func, args, kwargs: func(*args, **(kwargs or {}))

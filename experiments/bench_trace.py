@@ -22,7 +22,7 @@ CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
 from hybridmem.predict import predict
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 import hybridmem.trace, hybridmem.trace.runner, torch, transformers  # imports, timed apart
 t1 = time.perf_counter()
 spec = TrainingSpec(model="llava-1.5-7b", micro_batch=8, seq_len=2048, train="llm+projector",

@@ -52,7 +52,7 @@ import json, sys, time
 import torch, transformers, importlib
 importlib.import_module(sys.argv[1])
 from hybridmem.gpus import gpu_by_name
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate
 from doc_block import write_results  # experiments/ is on the path of a script run
 spec = TrainingSpec(model=sys.argv[2])

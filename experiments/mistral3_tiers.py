@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hybridmem.analytic import estimate as analytic  # noqa: E402
 from hybridmem.models import load_config  # noqa: E402
-from hybridmem.spec import TrainingSpec  # noqa: E402
+from hybridmem.job.spec import TrainingSpec  # noqa: E402
 from hybridmem.trace import estimate as trace_estimate, runner  # noqa: E402
 
 TINY_KW = [dict(precision="fp32"), dict(precision="bf16"), dict(precision="bf16-mixed"),

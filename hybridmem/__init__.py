@@ -3,7 +3,7 @@
 from hybridmem.errors import SpecError
 from hybridmem.prediction import Prediction
 from hybridmem.predict import predict
-from hybridmem.spec import LoraSpec, ParallelSpec, TrainingSpec
+from hybridmem.job.spec import LoraSpec, ParallelSpec, TrainingSpec
 
 __version__ = "0.1.0"
 __all__ = ["LoraSpec", "ParallelSpec", "Prediction", "SpecError", "TrainingSpec", "predict"]

@@ -13,7 +13,7 @@ import os
 import re
 
 from hybridmem.errors import SpecError
-from hybridmem.spec import DEFAULT_LORA_TARGETS, LoraSpec
+from hybridmem.job.spec import DEFAULT_LORA_TARGETS, LoraSpec
 
 # PEFT's `target_modules="all-linear"`: every Linear but the output layer
 # (peft/tuners/tuners_utils.py `_maybe_include_all_linear_layers`), which for the decoders we

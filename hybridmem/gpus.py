@@ -23,7 +23,7 @@ class GPU:
     source: str
     compute_capability: tuple[int, int] | None = None
     """`torch.cuda.get_device_capability()` (major, minor): PyTorch picks the cuBLAS workspace
-    size from it (`hybridmem.analytic.overheads.cublas_workspace`). None when unknown (a GPU
+    size from it (`hybridmem.allocator.overheads.cublas_workspace`). None when unknown (a GPU
     given only by its memory). Values: NVIDIA's CUDA GPU compute-capability table
     (https://developer.nvidia.com/cuda-gpus; CUDA C++ Programming Guide, "Compute
     Capabilities")."""

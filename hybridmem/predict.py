@@ -15,7 +15,7 @@ from hybridmem.gpus import GPU
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import is_analytic, model_type_of
 from hybridmem.prediction import Prediction
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 # method name -> "module:function" taking a TrainingSpec and returning a Prediction
 METHODS: dict[str, str] = {

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-# Parameter dtype per precision policy (hybridmem.spec.POLICIES gives the byte sizes; bf16 and
+# Parameter dtype per precision policy (hybridmem.job.spec.POLICIES gives the byte sizes; bf16 and
 # fp16 are both 2 bytes, so the torch dtype needs its own table). *-mixed keeps fp32 params.
 PARAM_DTYPE: dict[str, torch.dtype] = {
     "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,

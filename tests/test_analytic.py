@@ -21,7 +21,7 @@ from hybridmem.analytic import text_acts as A
 from hybridmem.analytic.estimate import context, price, timeline
 from hybridmem.analytic.timeline import walk
 from hybridmem.models import build_graph
-from hybridmem.spec import ATTENTIONS, OPTIMIZERS, PRECISIONS, TRAINABLES
+from hybridmem.job.spec import ATTENTIONS, OPTIMIZERS, PRECISIONS, TRAINABLES
 
 MiB = 1024**2
 
@@ -313,7 +313,7 @@ def test_lora_dropout_saves_a_bool_mask_and_its_own_output_per_adapter():
     # (o_proj reads SDPA's saved output) = 32768;
     # with dropout: masks 6 x 2048 (h inputs) + 4096 (down, 32x128) = 16384, outputs
     # 6 x 8192 + 16384 = 65536 -> 81920. Difference 49152.
-    from hybridmem.spec import LoraSpec
+    from hybridmem.job.spec import LoraSpec
 
     plain = spec(train="lora")
     drop = spec(train="lora", lora=LoraSpec(dropout=0.1))

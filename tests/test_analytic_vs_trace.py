@@ -14,7 +14,7 @@ import itertools
 import pytest
 
 from hybridmem import TrainingSpec
-from hybridmem.spec import LoraSpec
+from hybridmem.job.spec import LoraSpec
 from hybridmem.analytic import estimate as analytic
 
 trace = pytest.importorskip("hybridmem.trace")

@@ -15,7 +15,7 @@ import pytest
 from hybridmem import TrainingSpec
 from hybridmem.allocator import AllocatorConfig, SimulatedOOM, replay
 from hybridmem.analytic.estimate import _measure
-from hybridmem.analytic.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
+from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.predict import find_max_micro_batch, predict

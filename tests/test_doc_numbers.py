@@ -100,7 +100,7 @@ def test_parallel_md_breakdown_table(recipe):
 
 
 def test_quoted_default_overheads_are_the_code_constants():
-    from hybridmem.analytic.overheads import (CUBLAS_HANDLES_TRAINING, CUDA_CONTEXT_DEFAULT,
+    from hybridmem.allocator.overheads import (CUBLAS_HANDLES_TRAINING, CUDA_CONTEXT_DEFAULT,
                                               WORKSPACE_32MIB)
     from hybridmem.parallel import estimate as par
 

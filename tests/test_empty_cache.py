@@ -1,6 +1,6 @@
 """`empty_cache_steps`: `torch.cuda.empty_cache()` where the loop calls it, in every tier.
 
-Placement (`hybridmem.spec.empty_cache_at`): transformers `Trainer.training_step` empties
+Placement (`hybridmem.job.spec.empty_cache_at`): transformers `Trainer.training_step` empties
 after `compute_loss`, before backward, when `state.global_step % N == 0` (global_step from 0,
 constant within an accumulation window); the peft MetaMathQA benchmark (run.py) after
 `optimizer.step()` when `step % N == 0` with `step` from 1, grads and outputs still alive.
@@ -17,7 +17,7 @@ import pytest
 from hybridmem import SpecError, TrainingSpec
 from hybridmem.analytic import estimate as analytic
 from hybridmem.parallel.cli import spec_from_cli
-from hybridmem.spec import empty_cache_at
+from hybridmem.job.spec import empty_cache_at
 
 MiB = 1024**2
 

@@ -16,7 +16,7 @@ from hybridmem import TrainingSpec
 from hybridmem.analytic import estimate as analytic
 from hybridmem.models import load_config
 from hybridmem.predict import trace_only_reason
-from hybridmem.spec import LoraSpec
+from hybridmem.job.spec import LoraSpec
 from hybridmem.trace import estimate as traced, runner
 from test_trace import real_cpu_peak
 

@@ -20,7 +20,7 @@ from hybridmem.cli import main
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models import load_config
 from hybridmem.models.loader import is_analytic
-from hybridmem.spec import LoraSpec, TrainingSpec
+from hybridmem.job.spec import LoraSpec, TrainingSpec
 from hybridmem.trace import estimate, runner
 from test_trace import real_cpu_peak
 

@@ -2,7 +2,7 @@
 
 `every:N` checkpoints the checkpointable layers 0, N, 2N, ... counted over the whole model in
 module order, as transformers' `_set_gradient_checkpointing(every_n_layers=N)` counts them
-(modeling_utils.py): `hybridmem.spec.ckpt_layer`, used by the analytic graph, the trace tier and
+(modeling_utils.py): `hybridmem.job.spec.ckpt_layer`, used by the analytic graph, the trace tier and
 the CUDA harness.
 """
 
@@ -19,7 +19,7 @@ from hybridmem.analytic.estimate import price
 from hybridmem.errors import SpecError
 from hybridmem.models import build_graph, load_config
 from hybridmem.parallel.inputs import spec_from_inputs
-from hybridmem.spec import ckpt_every, ckpt_layer
+from hybridmem.job.spec import ckpt_every, ckpt_layer
 
 trace = pytest.importorskip("hybridmem.trace")
 from hybridmem.trace import corrections, runner  # noqa: E402

@@ -149,7 +149,7 @@ def test_rows_without_images_or_width_fill_from_image_size(tmp_path):
 def test_features_take_an_hxw_size():
     from hybridmem.learned.features import spec_features
     from hybridmem.models.loader import load_config_dict
-    from hybridmem.spec import TrainingSpec
+    from hybridmem.job.spec import TrainingSpec
 
     _, cfg = load_config_dict("tiny-mistral3")
     hxw = spec_features(TrainingSpec(model="tiny-mistral3", image_size="56x84"), cfg)

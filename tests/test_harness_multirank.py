@@ -179,8 +179,8 @@ def test_deepspeed_config_follows_the_parallel_spec():
     """Every ZeRO knob is passed through; bf16-master is DeepSpeed's bf16 (bf16 params, fp32
     master partitions, as the LLaVA recipe runs)."""
     from hybridmem.harness.distributed import deepspeed_config
-    from hybridmem.parallel.spec import ParallelSpec
-    from hybridmem.spec import TrainingSpec
+    from hybridmem.job.parallel import ParallelSpec
+    from hybridmem.job.spec import TrainingSpec
 
     ps = ParallelSpec(world_size=4, strategy="zero3", offload_optimizer="cpu",
                       reduce_bucket_size=1234)
@@ -217,8 +217,8 @@ def test_zero3_ranks_hold_half_the_params_and_their_masters(tmp_path, monkeypatc
 def test_zero_without_deepspeed_is_an_unavailable_error():
     from hybridmem.harness.distributed import deepspeed_job
     from hybridmem.harness.workload import Unavailable
-    from hybridmem.parallel.spec import ParallelSpec
-    from hybridmem.spec import TrainingSpec
+    from hybridmem.job.parallel import ParallelSpec
+    from hybridmem.job.spec import TrainingSpec
 
     spec = TrainingSpec(model="x", parallel=ParallelSpec(world_size=2, strategy="zero2"))
     with pytest.raises(Unavailable, match="strategy='zero2' needs DeepSpeed"):

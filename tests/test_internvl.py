@@ -19,7 +19,7 @@ from hybridmem.errors import SpecError
 from hybridmem.job.images import image_plan
 from hybridmem.models import build_graph, load_config
 from hybridmem.models.internvl import optimal_grid
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner
 from test_trace import real_cpu_peak
 from test_vlm_families import TINY_KW, _analytic_within_3_percent, _gemma3_vision_analytic, \
@@ -236,7 +236,7 @@ def _cuda_minus_cpu(cfg, n: int, dtype, tower: bool) -> int:
     CUDA is the mem-efficient kernel, whose logsumexp rows are padded to 32 (the CPU kernel's
     are not); on bf16 input CUDA's LayerNorm keeps fp32 mean/rstd, the CPU kernel bf16 ones
     (tests/test_vlm_families.py LN_STATS)."""
-    from hybridmem.analytic.alloc import t as block
+    from hybridmem.allocator.alloc import t as block
 
     vc = cfg.vision_config
     T = (vc.image_size[0] // vc.patch_size[0]) ** 2 + 1

@@ -16,7 +16,7 @@ from hybridmem.errors import SpecError
 from hybridmem.learned import dataset, registry
 from hybridmem.learned.features import build_table, feature_row
 from hybridmem.learned.metrics import error_metrics, verdict_accuracy
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from test_learned_support import SHAPES, make_rows, toy_base, true_factor
 
 FAST = {"n_estimators": 60}

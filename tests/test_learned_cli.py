@@ -116,7 +116,7 @@ def test_pipeline_on_rows_from_collect_backend_trace(app, tmp_path, monkeypatch)
     assert res.exit_code == 0, res.output
     assert "rows are trace output, not real CUDA measurements" in res.output
     from hybridmem.learned.predictor import estimate as hybrid
-    from hybridmem.spec import TrainingSpec
+    from hybridmem.job.spec import TrainingSpec
 
     pred = hybrid(TrainingSpec(model="tiny-llava", micro_batch=1, seq_len=64))
     assert any("NOT calibrated to real GPUs" in n for n in pred.notes)

@@ -16,7 +16,7 @@ from hybridmem.errors import SpecError
 from hybridmem.learned import dataset, predictor, registry
 from hybridmem.learned.accuracy import signed_errors, summary
 from hybridmem.learned.features import build_table
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from test_learned import FAST, _toy_base_and_registry  # noqa: F401 (autouse fixture)
 from test_learned_support import make_rows, toy_base
 

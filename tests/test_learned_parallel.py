@@ -18,9 +18,9 @@ import pytest
 from hybridmem.learned import registry
 from hybridmem.learned.features import build_table
 from hybridmem.models.loader import load_config_dict
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 from hybridmem.predict import estimator, predict
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 GPU = "NVIDIA H100 80GB HBM3"
 TORCH = "2.13.0"

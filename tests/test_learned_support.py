@@ -16,7 +16,7 @@ from hybridmem.categories import empty_breakdown
 from hybridmem.learned.dataset import shape_group
 from hybridmem.models.loader import load_config_dict
 from hybridmem.prediction import Peak, Prediction
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 MiB = 2**20
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from hybridmem.analytic import estimate as analytic
-from hybridmem.analytic.overheads import CUBLAS_HANDLES_TRAINING, CUBLAS_WORKSPACE_BYTES
+from hybridmem.allocator.overheads import CUBLAS_HANDLES_TRAINING, CUBLAS_WORKSPACE_BYTES
 from hybridmem.analytic.states import Stepped, clip_temporary
 from hybridmem.errors import SpecError
 from hybridmem.models import load_config
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import corrections, estimate as trace_estimate, runner
 from test_analytic_vs_trace import TOL, _check
 from test_trace import DataPtrCounter, rounded

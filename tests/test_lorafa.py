@@ -19,7 +19,7 @@ from hybridmem.analytic import estimate as analytic
 from hybridmem.analytic.states import Stepped, lorafa_temporary, state_bytes
 from hybridmem.errors import SpecError
 from hybridmem.models import build_graph, load_config
-from hybridmem.spec import LoraSpec, TrainingSpec
+from hybridmem.job.spec import LoraSpec, TrainingSpec
 from hybridmem.trace import runner
 from test_analytic_vs_trace import _check
 from test_trace import real_cpu_peak, rounded

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from hybridmem.analytic import estimate as analytic
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.analytic.estimate import timeline
 from hybridmem.errors import SpecError
 from hybridmem.job import liger as L
 from hybridmem.job.loss import flce_chunk_size, torch_chunks
 from hybridmem.models import load_config
 from hybridmem.parallel.cli import spec_from_cli
-from hybridmem.spec import LoraSpec, TrainingSpec
+from hybridmem.job.spec import LoraSpec, TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner
 
 from test_trace import real_cpu_peak

@@ -8,7 +8,7 @@ import pytest
 import hybridmem.trace
 from hybridmem.gpus import custom_gpu
 from hybridmem.predict import MAX_SEARCH_BATCH, find_max_micro_batch, search_max
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 
 def _counted(answer: int):

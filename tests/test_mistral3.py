@@ -13,7 +13,7 @@ import pytest
 from hybridmem.errors import SpecError
 from hybridmem.job.images import check_seq_len, image_plan
 from hybridmem.models import build_graph, load_config
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import runner
 from test_trace import real_cpu_peak
 from test_vlm_families import (

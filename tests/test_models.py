@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from hybridmem import SpecError, TrainingSpec
 from hybridmem.models import build_graph, load_config, preset_names
-from hybridmem.spec import LoraSpec
+from hybridmem.job.spec import LoraSpec
 
 
 def _meta_model(config):

@@ -18,7 +18,7 @@ import torch
 from hybridmem.errors import SpecError
 from hybridmem.job.images import check_seq_len, image_plan, image_token_id
 from hybridmem.models import build_graph, load_config
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import runner
 from test_qwen3_vl import ln_stats_bound
 from test_trace import real_cpu_peak

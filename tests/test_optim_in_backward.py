@@ -18,7 +18,7 @@ from hybridmem import TrainingSpec
 from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
 from hybridmem.models import load_config
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 
 trace = pytest.importorskip("hybridmem.trace")
 from hybridmem.trace import runner  # noqa: E402

@@ -21,9 +21,9 @@ from hybridmem.errors import SpecError
 from hybridmem.job.optimizers import HF_OPTIMS, OPTIMIZERS, Stepped, flat, from_hf, rule
 from hybridmem.parallel.inputs import from_training_args, spec_from_inputs
 from hybridmem.parallel.sharding import rank_states, replicated
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
-from hybridmem.spec import OPTIMIZER_TRAINS, OPTIMIZERS as SPEC_OPTIMIZERS, TrainingSpec
+from hybridmem.job.spec import OPTIMIZER_TRAINS, OPTIMIZERS as SPEC_OPTIMIZERS, TrainingSpec
 
 trace = pytest.importorskip("hybridmem.trace")
 
@@ -156,7 +156,7 @@ def test_trace_equals_a_real_cpu_run(name):
 
 def trace_workspace() -> int:
     """The trace tier's cuBLAS workspace per handle (the real CPU run has none)."""
-    from hybridmem.analytic.overheads import CUBLAS_WORKSPACE_BYTES
+    from hybridmem.allocator.overheads import CUBLAS_WORKSPACE_BYTES
 
     return CUBLAS_WORKSPACE_BYTES
 

@@ -6,7 +6,7 @@ import pytest
 
 from hybridmem.errors import SpecError
 from hybridmem.parallel.cli import fit_lines, spec_from_cli
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 
 def test_no_parallel_inputs_gives_the_plain_spec():

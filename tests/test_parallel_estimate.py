@@ -13,10 +13,10 @@ from hybridmem.parallel.estimate import (
 from hybridmem.parallel.fit import smallest_fitting_setup
 from hybridmem.parallel.inputs import spec_from_inputs
 from hybridmem.parallel.sharding import replicated
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
 from hybridmem.prediction import Peak, Prediction
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 GiB = 2**30
 ACT, TEMP, WS, CTX, FRAG, OPT_TEMP = 3 * GiB, GiB // 2, 64 << 20, 500 << 20, 100 << 20, 2 * GiB

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.parallel.sharding import ddp, fsdp, fsdp_shard, replicated, zero
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import ModelTensors, Tensor, model_tensors
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 GB = 10**9  # the ZeRO paper's Figure 1 uses decimal GB
 

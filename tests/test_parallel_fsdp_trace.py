@@ -16,9 +16,9 @@ import textwrap
 import pytest
 
 from hybridmem.parallel.sharding import fsdp
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 CHILD = textwrap.dedent("""
     import contextlib, json, sys, torch, torch.distributed as dist

@@ -14,8 +14,8 @@ from hybridmem.parallel.inputs import (
     spec_from_inputs,
 )
 from hybridmem.parallel.recipes import RECIPES, ZERO3_JSON
-from hybridmem.parallel.spec import ParallelSpec
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.spec import TrainingSpec
 
 H7B = 4096  # llava-1.5-7b text_config.hidden_size (Vicuna-7B / Llama-2-7B)
 

@@ -17,7 +17,7 @@ from hybridmem import TrainingSpec
 from hybridmem.adapters import spec_fields
 from hybridmem.errors import SpecError
 from hybridmem.models import build_graph, load_config
-from hybridmem.spec import LoraSpec
+from hybridmem.job.spec import LoraSpec
 
 from test_models import _meta_model
 from test_trace import real_cpu_peak

@@ -16,7 +16,7 @@ from hybridmem.errors import SpecError
 from hybridmem.job.quantize import from_bnb_config
 from hybridmem.models import build_graph, load_config
 from hybridmem.parallel.cli import spec_from_cli
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 
 def r512(n: int) -> int:

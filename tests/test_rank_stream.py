@@ -7,9 +7,9 @@ import pytest
 
 from hybridmem import TrainingSpec
 from hybridmem.allocator import AllocatorConfig, replay
-from hybridmem.analytic.overheads import CUBLAS_WORKSPACE_BYTES
+from hybridmem.allocator.overheads import CUBLAS_WORKSPACE_BYTES
 from hybridmem.parallel.sharding import RankStates
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.stream import GRAD, KEEP, OPT, PARAM, TEMP, classify, rank_events, rewrite
 from hybridmem.predict import predict
 from test_analytic_reserved import _default_allocator  # noqa: F401 (autouse: default allocator)

@@ -9,7 +9,7 @@ from pathlib import Path
 from hybridmem.harness.schema import ADDED_COLUMNS, COLUMNS
 from hybridmem.harness.sweep import AXES, SPEC_AXES
 from hybridmem.job.recorded import RECORDED, recorded_fields, recorded_values
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 
 from hybridmem.analytic import estimate
 from hybridmem.report import figure, plot
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 
 @pytest.mark.parametrize("model", ["llava-1.5-7b", "tiny-llama"])

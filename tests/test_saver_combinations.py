@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.predict import predict
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 STACK = dict(train="lora", grad_ckpt=True, quantize="nf4", optimizer="paged-adamw-8bit",
              liger=True)

@@ -18,7 +18,7 @@ from hybridmem.errors import SpecError
 from hybridmem.job.images import image_plan
 from hybridmem.models import build_graph, load_config
 from hybridmem.models.loader import load_config_dict, load_config_data
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from test_vlm_families import _analytic_within_3_percent, _meta_model
 
 TINY = "tiny-smolvlm"

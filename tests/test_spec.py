@@ -9,7 +9,7 @@ import pytest
 from hybridmem.errors import SpecError
 from hybridmem.models import load_config, preset_names
 from hybridmem.models.loader import SUPPORTED_TYPES, transformers_types
-from hybridmem.spec import LoraSpec, ParallelSpec, TrainingSpec
+from hybridmem.job.spec import LoraSpec, ParallelSpec, TrainingSpec
 
 
 def test_defaults_and_roundtrip():

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models import load_config
-from hybridmem.spec import LoraSpec, TrainingSpec
+from hybridmem.job.spec import LoraSpec, TrainingSpec
 from hybridmem.trace import estimate, run_trace, runner, save_timeline
 
 BLOCK = 512  # CUDACachingAllocator kMinBlockSize, restated here so the test does not import it

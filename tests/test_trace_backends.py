@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from hybridmem.models import load_config
-from hybridmem.spec import LoraSpec, TrainingSpec
+from hybridmem.job.spec import LoraSpec, TrainingSpec
 from hybridmem.trace import runner
 from hybridmem.trace.tracker import round_size
 

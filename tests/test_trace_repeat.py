@@ -12,7 +12,7 @@ import json
 import pytest
 
 from hybridmem.models.loader import load_config
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate, repeat
 
 PRESETS = "hybridmem/models/presets"

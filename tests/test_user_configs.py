@@ -21,7 +21,7 @@ from hybridmem.cli import main
 from hybridmem.errors import SpecError
 from hybridmem.models import load_config
 from hybridmem.predict import predict
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import runner
 from test_generic import meta_model
 from test_trace import real_cpu_peak

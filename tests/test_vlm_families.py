@@ -15,7 +15,7 @@ from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
 from hybridmem.job.images import check_seq_len, image_plan, smart_resize
 from hybridmem.models import build_graph, load_config
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner
 from test_trace import real_cpu_peak
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.analytic import estimate as analytic
-from hybridmem.analytic.overheads import (
+from hybridmem.allocator.overheads import (
     CUBLAS_HANDLES_TRAINING,
     cublas_workspace,
     parse_workspace_config,
 )
 from hybridmem.gpus import ARCH_BY_CAPABILITY, GPUS, custom_gpu, gpu_by_name
 from hybridmem.predict import predict
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 KiB = 1024
 AMPERE = 2 * 4096 * KiB + 8 * 16 * KiB   # ":4096:2:16:8" = 8,519,680 bytes

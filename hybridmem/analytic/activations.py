@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer
 
 FP32 = 4

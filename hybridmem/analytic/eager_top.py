@@ -19,7 +19,7 @@ that `+ mask` output beside the softmax output, 2 probs, not 3.
 
 from __future__ import annotations
 
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 
 
 def forward_top(probs: int, score_bytes: int, at_probs: int, total: int,

@@ -21,13 +21,13 @@ from hybridmem.analytic import (
 from hybridmem.analytic import internvl_acts as IA
 from hybridmem.analytic import mistral3_acts as MA
 from hybridmem.job import packing
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.families import family
 from hybridmem.analytic.events import MLP_ALL, build as build_events
-from hybridmem.analytic.reserved import (
+from hybridmem.allocator.reserved import (
     FROM_GPU, allocator_extras, bounded, capacity_notes, capacity_source, gpu_capacity,
 )
-from hybridmem.analytic.overheads import (
+from hybridmem.allocator.overheads import (
     CUBLAS_HANDLES_TRAINING,
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_DEFAULT,
@@ -52,7 +52,7 @@ from hybridmem.models.decoder import MOE_TYPES, NO_SDPA_TYPES
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
-from hybridmem.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
+from hybridmem.job.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
 # GradientCheckpointingLayer subclasses (Qwen2VLVisionBlock / Qwen2_5_VLVisionBlock too)
 CHECKPOINTED = ("decoder_layer", "encoder_layer", "qwen_vision_block", "pixtral_block")

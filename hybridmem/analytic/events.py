@@ -37,10 +37,10 @@ through the same simulator: experiments/analytic_vs_trace.py.
 
 from __future__ import annotations
 
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.analytic.states import foreach_norm_scratch, state_bytes
 from hybridmem.job.optimizers import rule
-from hybridmem.spec import POLICIES, TrainingSpec, empty_cache_at
+from hybridmem.job.spec import POLICIES, TrainingSpec, empty_cache_at
 
 # parameters of a transformer layer's MLP half (its grads appear first in backward);
 # estimate._mlp_grads uses the same split

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridmem.analytic.activations import FP32, Acts, Ctx, Saved
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.analytic.vision_acts import layernorm
 from hybridmem.models.graph import Layer
 

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from hybridmem.analytic import text_acts as TA
 from hybridmem.analytic.activations import FP32, INT64, Acts, Ctx, Saved, amp_copies, linear_inputs
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.analytic.timeline import Step
 from hybridmem.job.offload_rules import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, STUCK
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 
 INT64 = 8
 

@@ -21,7 +21,7 @@ Op by op from transformers 5.24 `modeling_qwen3_vl.py` and PyTorch's
 from __future__ import annotations
 
 from hybridmem.analytic.activations import FP32, INT64, Acts, Ctx, Saved, linear_inputs
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.analytic.qwen_vl_acts import _norm_out
 from hybridmem.models.graph import Layer
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from hybridmem.analytic.activations import (
     FP32, LSE_ALIGN_EFFICIENT, TWO_TENSOR_ACTS, Acts, Ctx, Saved, linear_inputs,
 )
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer
 
 LINEAR_PARTS = ("attn.", "mlp.")  # the block's linears (their weights and biases cast)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridmem.analytic.activations import FP32, LSE_ALIGN_EFFICIENT
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.errors import SpecError
 
 

@@ -1,7 +1,7 @@
 """Parameters, gradients and optimizer state: bytes per layer, tensor by tensor.
 
 Each tensor is its own allocation (512 B-rounded, `alloc.t`). Dtypes follow the precision
-policy (`hybridmem.spec.POLICIES`); tensors with a fixed itemsize (buffers, LoRA adapters in
+policy (`hybridmem.job.spec.POLICIES`); tensors with a fixed itemsize (buffers, LoRA adapters in
 fp32 as PEFT keeps them by default) keep it.
 
 Optimizer state, shared state and step temporaries come from the one optimizer registry
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridmem.analytic.alloc import segment_waste, t
+from hybridmem.allocator.alloc import segment_waste, t
 from hybridmem.job.optimizers import Stepped, raw, rule
 from hybridmem.job.quantize import Quant
 from hybridmem.models.graph import Layer, ParamTensor
-from hybridmem.spec import PrecisionPolicy
+from hybridmem.job.spec import PrecisionPolicy
 
 FP32 = 4
 # aten/src/ATen/native/cuda/MultiTensorApply.cuh `kChunkSize`: elements per chunk of a

@@ -8,7 +8,7 @@ from hybridmem.analytic.activations import (
     dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs, quant_transients,
 )
 from hybridmem.analytic import gemma3_acts as GA
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.analytic.eager_top import backward_top, forward_top
 from hybridmem.job.loss import LIGER_SM_COUNT, flce_chunks, torch_chunks
 from hybridmem.models.graph import Layer

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hybridmem.analytic.activations import (
     FP32, TWO_TENSOR_ACTS, Acts, Ctx, Saved, amp_copies, attention_core, linear_inputs,
 )
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.analytic.eager_top import backward_top, forward_top
 from hybridmem.models.graph import Layer
 

@@ -80,7 +80,7 @@ def measure(request: dict, probe) -> dict:
     import torch
 
     from hybridmem.harness import distributed
-    from hybridmem.spec import TrainingSpec
+    from hybridmem.job.spec import TrainingSpec
 
     result: dict = {"outcome": "error", "error": "", "device_baseline_bytes": probe.baseline()}
     ranked = distributed.launched()
@@ -100,7 +100,7 @@ def measure(request: dict, probe) -> dict:
             probe.start_history()
         from hybridmem.harness import workload
         from hybridmem.models.loader import load_config
-        from hybridmem.spec import empty_cache_at
+        from hybridmem.job.spec import empty_cache_at
 
         spec = TrainingSpec.from_dict(request["spec"])
         if ranked:  # the process group (NCCL's buffers) is part of what the job pays for

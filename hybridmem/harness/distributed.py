@@ -21,7 +21,7 @@ from torch import nn
 
 from hybridmem.harness import workload
 from hybridmem.harness.ranks import launched  # noqa: F401  (the child asks it here)
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 
 FAILED_EXIT = 3

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from hybridmem.job.recorded import RECORDED
 
 if TYPE_CHECKING:
-    from hybridmem.spec import TrainingSpec
+    from hybridmem.job.spec import TrainingSpec
 
 SCHEMA_VERSION = 1
 """Bump when a column changes meaning or type (readers refuse a newer schema)."""
@@ -147,7 +147,7 @@ def spec_from_row(row) -> TrainingSpec:
     """The `TrainingSpec` a dataset row was measured with: `spec_json` with `model` pointing at
     its `model_config` materialised to a file (the contract in datasets/README.md)."""
     from hybridmem.models.loader import materialize_config
-    from hybridmem.spec import TrainingSpec
+    from hybridmem.job.spec import TrainingSpec
 
     return TrainingSpec.from_dict({**json.loads(row["spec_json"]),
                                    "model": materialize_config(row["model_config"])})

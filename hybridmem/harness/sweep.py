@@ -26,9 +26,9 @@ from hybridmem.harness.order import estimate_seconds, space_filling_order
 from hybridmem.harness.schema import spec_hash
 from hybridmem.job.images import normalize_image_size, parse_image_size
 from hybridmem.models import build_graph
-from hybridmem.parallel.spec import STRATEGIES, ParallelSpec
+from hybridmem.job.parallel import STRATEGIES, ParallelSpec
 from hybridmem.parallel.validate import check_parallel
-from hybridmem.spec import LoraSpec, TrainingSpec
+from hybridmem.job.spec import LoraSpec, TrainingSpec
 
 SWEEP_KEYS: dict[str, object] = {"name": "", "seed": 0, "iterations": 3, "timeout_s": 600.0,
                                  "max_configs": None, "max_minutes": None}
@@ -51,7 +51,7 @@ AXES: dict[str, list] = {
     "attn": ["sdpa"],
     "grad_ckpt": [False],
     "world_size": [1],  # ranks (GPUs); > 1 is launched through torchrun
-    "strategy": ["none"],  # hybridmem.parallel.spec.STRATEGIES; > 1 rank needs one
+    "strategy": ["none"],  # hybridmem.job.parallel.STRATEGIES; > 1 rank needs one
     # the loop and the techniques: one axis per recorded spec field (hybridmem/job/recorded.py)
     **{name: [default] for name, (_, default) in RECORDED.items()},
 }

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.models.build import TRAINABLE_MODULES, part_of
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE, default_dtype
 

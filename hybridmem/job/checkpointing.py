@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hybridmem.spec import TrainingSpec, ckpt_layer
+from hybridmem.job.spec import TrainingSpec, ckpt_layer
 
 
 def enable_checkpointing(model: nn.Module, spec: TrainingSpec) -> list[str]:

@@ -124,7 +124,7 @@ class Quant:
         """Bytes of the tensors one 4-bit dequantisation makes, in order, for a matmul in
         `a_bytes` (MatMul4Bit: absmax fp32 when nested, W in quant_state.dtype, W.to(A.dtype)
         when it differs; the absmax is freed once W exists, W once its cast exists)."""
-        from hybridmem.analytic.alloc import t
+        from hybridmem.allocator.alloc import t
 
         n = n_out * n_in
         if not self.four_bit:
@@ -149,7 +149,7 @@ def quant_of(spec) -> Quant | None:
     """The spec's quantisation, or None when the base weights are not quantised."""
     if spec.quantize == "none":
         return None
-    from hybridmem.spec import POLICIES
+    from hybridmem.job.spec import POLICIES
 
     compute = spec.quant_compute_dtype or default_compute(spec.precision)
     return Quant(method=spec.quantize, double_quant=spec.quant_double_quant,

@@ -22,7 +22,7 @@ from hybridmem.adapters import peft_type
 from hybridmem.errors import SpecError
 from hybridmem.job.images import parse_image_size
 from hybridmem.prediction import Prediction
-from hybridmem.spec import TrainingSpec, ckpt_every
+from hybridmem.job.spec import TrainingSpec, ckpt_every
 
 BaseFn = Callable[[TrainingSpec], Prediction]
 

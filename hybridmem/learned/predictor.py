@@ -21,7 +21,7 @@ from hybridmem.errors import SpecError
 from hybridmem.learned import registry
 from hybridmem.learned.features import major_minor
 from hybridmem.prediction import Peak, Prediction
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 _DEFAULT_NOTE = ("no trained residual model applies to this job and environment: this is the "
                  "analytic estimate with its default (sourced) overheads for the CUDA context, "

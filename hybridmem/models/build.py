@@ -18,7 +18,7 @@ from hybridmem.job.images import check_seq_len, image_plan
 from hybridmem.models.llava import ImageLayout
 from hybridmem.models.light import light_config
 from hybridmem.models.vision import tokens_per_crop
-from hybridmem.spec import DEFAULT_LORA_TARGETS, POLICIES, LoraSpec, TrainingSpec
+from hybridmem.job.spec import DEFAULT_LORA_TARGETS, POLICIES, LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
 # the projector; stage 2 (`llm+projector`) everything but the vision tower

@@ -36,7 +36,7 @@ class PresetInfo:
 
 def _params(name: str) -> int:
     from hybridmem.models.build import build_graph
-    from hybridmem.spec import TrainingSpec
+    from hybridmem.job.spec import TrainingSpec
 
     # parameters do not depend on the batch; a long sequence fits any family's image tokens
     return build_graph(TrainingSpec(model=name, micro_batch=1, seq_len=1 << 20)).num_params

@@ -7,7 +7,7 @@ the TrainingSpec; `fit_lines` turns `smallest_fitting_setup`'s answer into conso
 from __future__ import annotations
 
 from hybridmem.parallel.inputs import spec_from_inputs
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 GiB = 2**30
 

@@ -28,17 +28,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from hybridmem.analytic.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity, cublas_workspace
-from hybridmem.analytic.reserved import Bounded, _at, bounded, capacity_notes
+from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity, cublas_workspace
+from hybridmem.allocator.reserved import Bounded, _at, bounded, capacity_notes
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.parallel.sharding import RankStates, rank_states, replicated
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
 from hybridmem.parallel.validate import check_parallel
 from hybridmem.prediction import Peak, Prediction
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 # NCCL allocates its buffers outside the caching allocator: NCCL_BUFFSIZE (default 4 MiB, NCCL
 # env docs) per channel per peer connection. A ring has 2 peers; 16 channels is a typical

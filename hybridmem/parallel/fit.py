@@ -14,7 +14,7 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.parallel.inputs import deepspeed_precision
 from hybridmem.prediction import Prediction
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 MAX_WORLD_SIZE = 4096  # where the doubling search gives up: a search bound, not a framework limit
 SHARDED = ("zero1", "zero2", "zero3", "fsdp")

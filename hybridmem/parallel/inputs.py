@@ -22,9 +22,9 @@ from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noq
 from hybridmem.job.loss import check_liger_config
 from hybridmem.models.loader import read_json_object
 from hybridmem.parallel.recipes import RECIPES
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.validate import check_parallel
-from hybridmem.spec import LoraSpec, TrainingSpec
+from hybridmem.job.spec import LoraSpec, TrainingSpec
 
 # transformers `OptimizerNames` -> our optimizer names: the registry's (`job.optimizers`)
 HF_DEFAULT_BATCH = 8  # TrainingArguments.per_device_train_batch_size default

@@ -21,9 +21,9 @@ import math
 from dataclasses import dataclass, field
 
 from hybridmem.job.optimizers import Stepped, blocks, flat, raw, rule
-from hybridmem.parallel.spec import DTYPE_BYTES, ParallelSpec
+from hybridmem.job.parallel import DTYPE_BYTES, ParallelSpec
 from hybridmem.parallel.states import ModelTensors, Tensor
-from hybridmem.spec import POLICIES, TrainingSpec
+from hybridmem.job.spec import POLICIES, TrainingSpec
 
 # DeepSpeed keeps an fp32 partition of the trainable params whatever the model dtype
 # (stage_1_and_2.py `single_partition_of_fp32_groups`, stage3.py `fp32_partitioned_groups_flat`).

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridmem.models import build_graph
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 # Layers that FSDP2 users wrap with `fully_shard` one by one (torchtitan `apply_fsdp`, HF
 # accelerate `transformer_layer_cls_to_wrap`), and that ZeRO-3 gathers as a unit; everything

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from hybridmem.analytic.alloc import t
+from hybridmem.allocator.alloc import t
 from hybridmem.parallel.sharding import RankStates, rank_states
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
-from hybridmem.spec import POLICIES, TrainingSpec
+from hybridmem.job.spec import POLICIES, TrainingSpec
 
 KEEP, PARAM, OPT, GRAD, TEMP = range(5)
 

@@ -7,7 +7,7 @@ they run at the boundary where specs are merged from user inputs and again befor
 from __future__ import annotations
 
 from hybridmem.errors import SpecError
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 # ZeRO-Offload steps on the CPU with DeepSpeedCPUAdam; the engine refuses other client
 # optimizers with offload (`zero_force_ds_cpu_optimizer`, deepspeed/runtime/engine.py), and HF

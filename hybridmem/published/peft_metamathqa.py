@@ -40,7 +40,7 @@ from functools import lru_cache
 from hybridmem.adapters import config_type, group_of, spec_fields
 from hybridmem.errors import SpecError
 from hybridmem.harness.schema import spec_hash
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 NAME = "peft-metamathqa"
 VERSION = "1"

@@ -14,8 +14,8 @@ import time
 import numpy as np
 
 from hybridmem.allocator import AllocatorConfig
-from hybridmem.analytic.overheads import CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES, cublas_workspace
-from hybridmem.analytic.reserved import (
+from hybridmem.allocator.overheads import CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES, cublas_workspace
+from hybridmem.allocator.reserved import (
     FROM_GPU, Bounded, allocator_extras, capacity_notes, capacity_source, capped_replay,
     gpu_capacity,
 )
@@ -24,7 +24,7 @@ from hybridmem.gpus import GPU
 from hybridmem.job.optimizers import paged_notes
 from hybridmem.models import build_graph, load_config
 from hybridmem.prediction import Peak, Prediction
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace.corrections import KNOWN_LIMITATIONS
 from hybridmem.trace.result import TraceResult, summarize
 from hybridmem.trace.timeline import save_timeline
@@ -131,7 +131,7 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
     breakdown["fragmentation"] = reserved - allocated
     breakdown["context"] = CONTEXT_BYTES + result.paged  # paged state: Prediction.paged_bytes
     notes = list(result.notes) + list(paged_notes(result.paged)) + [
-        f"context: {CONTEXT_BYTES} bytes (hybridmem.analytic.overheads.CONTEXT_BYTES)"]
+        f"context: {CONTEXT_BYTES} bytes (hybridmem.allocator.overheads.CONTEXT_BYTES)"]
     notes += [f"known limitation: {x}" for x in KNOWN_LIMITATIONS]
     notes += capacity_notes(result.allocator, allocated, capacity_source(gpu)
                             if capacity == FROM_GPU else "as given")

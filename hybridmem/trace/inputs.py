@@ -17,7 +17,7 @@ from hybridmem.job.images import (
     IMAGE_FAMILIES, check_seq_len, image_plan, pixel_inputs, text_inputs,
 )
 from hybridmem.models.loader import is_multimodal
-from hybridmem.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 
 
 def has_image_rule(config) -> bool:

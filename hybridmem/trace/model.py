@@ -23,7 +23,7 @@ from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
 from hybridmem.models.decoder import MOE_TYPES
 from hybridmem.models.loader import auto_class, is_analytic
-from hybridmem.spec import DEFAULT_LORA_TARGETS, TrainingSpec
+from hybridmem.job.spec import DEFAULT_LORA_TARGETS, TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
 
 def attn_for_cpu(attn: str) -> str:

@@ -39,7 +39,7 @@ import torch
 from torch.utils._pytree import tree_iter
 
 from hybridmem.models.build import part_of
-from hybridmem.spec import TrainingSpec, ckpt_every
+from hybridmem.job.spec import TrainingSpec, ckpt_every
 from hybridmem.trace import metacache
 from hybridmem.trace.tracker import Storage, StorageTracker
 

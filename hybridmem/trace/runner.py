@@ -26,7 +26,7 @@ from hybridmem.job.liger import rope_patched
 from hybridmem.job.loss import liger_note
 from hybridmem.families import family
 from hybridmem.models.build import part_of
-from hybridmem.spec import TrainingSpec, empty_cache_at
+from hybridmem.job.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing

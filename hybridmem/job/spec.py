@@ -13,7 +13,7 @@ from typing import Literal, get_args
 from hybridmem.errors import SpecError
 from hybridmem.job.loss import check_loss_spec
 from hybridmem.job.images import normalize_image_size
-from hybridmem.parallel.spec import ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
 # one entry per rule of `hybridmem.job.optimizers.OPTIMIZERS` (tests/test_optimizers.py checks)

@@ -24,7 +24,7 @@ from functools import lru_cache
 from hybridmem.allocator.config import AllocatorConfig, alloc_conf_string
 from hybridmem.allocator.replay import ReplayResult, replay
 from hybridmem.allocator.sim import SimulatedOOM
-from hybridmem.analytic.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
+from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 
