@@ -1,5 +1,5 @@
 """Reserved memory of the analytic tier: an approximate alloc/free stream (`analytic/events.py`)
-replayed through the caching-allocator simulator (`analytic/reserved.py`).
+replayed through the caching-allocator simulator (`allocator/reserved.py`).
 
 What must hold whatever the stream's details: reserved >= allocated, the fragmentation
 category is exactly reserved - allocated, the breakdown sums to device bytes, device bytes

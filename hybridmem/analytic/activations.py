@@ -337,7 +337,7 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
         cb = q.compute_bytes if q.four_bit else ib
         if c.amp:
             cb = c.e  # autocast runs F.linear / matmul in its dtype whatever compute_dtype says
-        deq = q.dequant(n_out, n_in, cb)
+        deq = [t(a.numel, a.itemsize) for a in q.dequant(n_out, n_in, cb)]
         top = max((deq[i:i + 2] for i in range(len(deq))), key=sum)
         # Linear4bit.forward keeps x.to(compute) in a local until it returns out.to(inp_dtype)
         keep("fwd", _matmul_tops(deq, top, tokens * n_in, tokens * n_out, cb, ib, True,

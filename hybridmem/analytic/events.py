@@ -38,7 +38,8 @@ through the same simulator: experiments/analytic_vs_trace.py.
 from __future__ import annotations
 
 from hybridmem.allocator.alloc import t
-from hybridmem.analytic.states import foreach_norm_scratch, state_bytes
+from hybridmem.allocator.foreach import foreach_norm_scratch
+from hybridmem.analytic.states import state_bytes
 from hybridmem.job.optimizers import rule
 from hybridmem.job.spec import POLICIES, TrainingSpec, empty_cache_at
 
@@ -440,5 +441,5 @@ def _clip_temporaries(s: Stream, stepped) -> None:
 def _optimizer_temporaries(s: Stream, optimizer: str, stepped) -> None:
     """The step's temporaries in the optimizer rule's order (`job.optimizers`,
     `Rule.temporary_stream`): each group allocated, then freed before the next."""
-    for group in rule(optimizer).temporary_stream(stepped):
+    for group in rule(optimizer).temporary_stream(stepped, t):
         s.free(s.allocs(t(*a) for a in group))

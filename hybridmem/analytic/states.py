@@ -18,18 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridmem.allocator.alloc import segment_waste, t
+from hybridmem.allocator.foreach import foreach_norm_scratch
 from hybridmem.job.optimizers import Stepped, raw, rule
 from hybridmem.job.quantize import Quant
 from hybridmem.models.graph import Layer, ParamTensor
 from hybridmem.job.spec import PrecisionPolicy
 
 FP32 = 4
-# aten/src/ATen/native/cuda/MultiTensorApply.cuh `kChunkSize`: elements per chunk of a
-# multi-tensor kernel; `_foreach_norm`'s scratch holds one fp32 partial norm per chunk and tensor
-FOREACH_CHUNK = 65536
-# aten/src/ATen/native/cuda/ForeachReduceOp.cu `_foreach_tensor_norm_cuda_impl`:
-# `global_output = at::zeros({320}, opmath)`, allocated even for per-tensor norms
-FOREACH_GLOBAL_SLOTS = 320
 SCALAR = 1  # a 0-dim tensor: one element, one 512 B block whatever its dtype
 
 
@@ -78,14 +73,6 @@ def optimizer_temporary(optimizer: str, stepped: list[Stepped]) -> int:
 def lorafa_temporary(stepped: list[Stepped]) -> int:
     """LoRA-FA's step temporaries as allocations (`job.optimizers.lorafa_temporary`)."""
     return rule("lora-fa").temporary(stepped, t)
-
-
-def foreach_norm_scratch(numels: list[int]) -> list[int]:
-    """Elements of the fp32 scratch tensors CUDA's `_foreach_norm` allocates and frees inside
-    the op (ForeachReduceOp.cu): `output_per_tensor` (n tensors x the largest tensor's chunk
-    count) and `global_output`. The CPU kernel allocates neither."""
-    chunks = max(-(-n // FOREACH_CHUNK) for n in numels) if numels else 0
-    return [len(numels) * chunks, FOREACH_GLOBAL_SLOTS]
 
 
 def clip_temporary(stepped: list[Stepped]) -> int:

@@ -11,7 +11,8 @@ Each `Rule` answers, for one optimizer, what every tier needs:
 - `shared(stepped)`: state shared by all tensors (bitsandbytes' quantisation maps);
 - `temporary(stepped, size)`: the peak of the step's short-lived tensors over the stepped tensors
   (foreach vs per-tensor rules), each priced by `size(elements, itemsize)`;
-  `temporary_stream(stepped)`: the same tensors as an alloc/free order for the allocator replay;
+  `temporary_stream(stepped, size)`: the same tensors as an alloc/free order for the allocator
+  replay (a rule that keeps only its peak gives it as one block, priced by `size`);
 - `build(params, cuda)`: the torch optimizer: the real library on CUDA (bitsandbytes imported
   lazily), the layout emulations below on CPU / meta tensors (trace tier, harness stand-in);
 - `hf`: the TrainingArguments `optim` names (transformers 5.x `OptimizerNames`,
@@ -28,7 +29,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hybridmem.allocator.config import K_MIN_BLOCK_SIZE
 from hybridmem.errors import SpecError
 
 FP32 = 4
@@ -43,17 +43,12 @@ BNB_PAGED_MIN = 100_000  # `get_state_buffer`: `if not self.is_paged or p.numel(
 Alloc = tuple[int, int]
 """(elements, itemsize) of one allocation."""
 Size = Callable[[int, int], int]
-"""Bytes of one allocation of (elements, itemsize): raw, or 512 B-rounded (`analytic.alloc.t`)."""
+"""Bytes of one allocation of (elements, itemsize): raw, or 512 B-rounded (`allocator.alloc.t`);
+the caller chooses, so the job layer keeps no allocator rule."""
 
 
 def raw(numel: int, itemsize: int) -> int:
     return numel * itemsize
-
-
-def blocks(numel: int, itemsize: int) -> int:
-    """CUDA caching-allocator bytes: rounded up to 512 B (`kMinBlockSize`, the same rule as
-    `analytic.alloc.t`)."""
-    return -(-numel * itemsize // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
 
 
 
@@ -122,11 +117,12 @@ class Rule:
 
     def temporary(self, stepped: Sequence[Stepped], size: Size = raw) -> int:
         """Peak bytes of the step's temporaries; by default the largest group of the stream."""
-        return max((sum(size(*a) for a in group) for group in self.temporary_stream(stepped)),
-                   default=0)
+        return max((sum(size(*a) for a in group)
+                    for group in self.temporary_stream(stepped, size)), default=0)
 
-    def temporary_stream(self, stepped: Sequence[Stepped]) -> list[list[Alloc]]:
-        """Groups allocated together and freed before the next group (in step order)."""
+    def temporary_stream(self, stepped: Sequence[Stepped], size: Size) -> list[list[Alloc]]:
+        """Groups allocated together and freed before the next group (in step order); `size`
+        prices a rule's peak given as one block (`(bytes, 1)`)."""
         return []
 
     def build(self, params: list, cuda: bool):
@@ -153,7 +149,7 @@ class AdamW(Rule):
     def temporary(self, stepped, size=raw):
         return 0 if self.fused else sum(size(s.numel, s.state) for s in stepped)
 
-    def temporary_stream(self, stepped):
+    def temporary_stream(self, stepped, size):
         if self.fused:
             return []
         groups: dict[int, list[Alloc]] = {}
@@ -206,7 +202,7 @@ class TorchAdafactor(Rule):
         single = sum(size(s.numel, s.state) for s in stepped if len(s.shape) < 2)
         return max(multi, single)
 
-    def temporary_stream(self, stepped):
+    def temporary_stream(self, stepped, size):
         return [[(s.numel, s.state)] for s in stepped if len(s.shape) >= 2]
 
     def build(self, params, cuda):
@@ -257,8 +253,8 @@ class HFAdafactor(Rule):
             loop.touch(n4)  # -update
         return loop.peak
 
-    def temporary_stream(self, stepped):
-        return [[(self.temporary(stepped, blocks), 1)]] if stepped else []
+    def temporary_stream(self, stepped, size):
+        return [[(self.temporary(stepped, size), 1)]] if stepped else []
 
     def build(self, params, cuda):
         from transformers.optimization import Adafactor
@@ -280,7 +276,7 @@ class LionPytorch(Rule):
     def state(self, s):
         return [(s.numel, s.state)]
 
-    def temporary_stream(self, stepped):
+    def temporary_stream(self, stepped, size):
         return [[(s.numel, s.state)] * 2 for s in stepped]
 
     def build(self, params, cuda):
@@ -358,8 +354,8 @@ class LoraFA(Rule):
     def temporary(self, stepped, size=raw):
         return lorafa_temporary(stepped, size)
 
-    def temporary_stream(self, stepped):  # r x r and out x r tensors: one block at their peak
-        return [[(self.temporary(stepped, blocks), 1)]] if stepped else []
+    def temporary_stream(self, stepped, size):  # r x r and out x r tensors: one block at their peak
+        return [[(self.temporary(stepped, size), 1)]] if stepped else []
 
     def build(self, params, cuda):
         raise SpecError("optimizer", self.name, reason="built from the PeftModel: make_lorafa")
@@ -565,4 +561,4 @@ def paged_notes(paged: int) -> tuple[str, ...]:
 
 
 __all__ = ["OPTIMIZERS", "HF_OPTIMS", "HF_DEFAULT_OPTIM", "Rule", "Stepped", "flat", "from_hf",
-           "rule", "raw", "stepped_sizes", "lorafa_temporary", "paged_notes", "blocks"]
+           "rule", "raw", "stepped_sizes", "lorafa_temporary", "paged_notes"]

@@ -50,6 +50,8 @@ import re
 from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
+from hybridmem.job.precision import POLICIES
+from hybridmem.jsonfile import read_json_object
 
 QUANTIZE: tuple[str, ...] = ("none", "nf4", "fp4", "int8")
 FOUR_BIT: tuple[str, ...] = ("nf4", "fp4")
@@ -120,20 +122,18 @@ class Quant:
                       Alloc("state2.absmax", nested, FP32),
                       Alloc("state2.code", DYNAMIC_MAP, FP32), Alloc("code", CODE_4BIT, FP32)]
 
-    def dequant(self, n_out: int, n_in: int, a_bytes: int) -> list[int]:
-        """Bytes of the tensors one 4-bit dequantisation makes, in order, for a matmul in
-        `a_bytes` (MatMul4Bit: absmax fp32 when nested, W in quant_state.dtype, W.to(A.dtype)
-        when it differs; the absmax is freed once W exists, W once its cast exists)."""
-        from hybridmem.allocator.alloc import t
-
+    def dequant(self, n_out: int, n_in: int, a_bytes: int) -> list[Alloc]:
+        """The tensors one 4-bit dequantisation makes, in order, for a matmul in `a_bytes`
+        (MatMul4Bit: absmax fp32 when nested, W in quant_state.dtype, W.to(A.dtype) when it
+        differs; the absmax is freed once W exists, W once its cast exists)."""
         n = n_out * n_in
         if not self.four_bit:
             # MatMul8bitLt backward: CB.to(A.dtype, copy=True) (then mul_ in place)
-            return [t(n, a_bytes)]
-        out = [t(-(-n // BLOCKSIZE), FP32)] if self.double_quant else []
-        out.append(t(n, self.weight_bytes))
+            return [Alloc("CB.to", n, a_bytes)]
+        out = [Alloc("absmax", -(-n // BLOCKSIZE), FP32)] if self.double_quant else []
+        out.append(Alloc("weight", n, self.weight_bytes))
         if a_bytes != self.weight_bytes:
-            out.append(t(n, a_bytes))
+            out.append(Alloc("weight.to", n, a_bytes))
         return out
 
 
@@ -149,8 +149,6 @@ def quant_of(spec) -> Quant | None:
     """The spec's quantisation, or None when the base weights are not quantised."""
     if spec.quantize == "none":
         return None
-    from hybridmem.job.spec import POLICIES
-
     compute = spec.quant_compute_dtype or default_compute(spec.precision)
     return Quant(method=spec.quantize, double_quant=spec.quant_double_quant,
                  compute_bytes=DTYPE_BYTES[compute], compute_dtype=compute,
@@ -206,8 +204,6 @@ def from_bnb_config(source, field: str = "quantization_config") -> dict:
     import os
 
     if not isinstance(source, dict):
-        from hybridmem.models.loader import read_json_object
-
         path = os.path.join(source, "config.json") if os.path.isdir(source) else source
         source = read_json_object(path, field)
         if "quantization_config" in source and "load_in_4bit" not in source \

@@ -14,6 +14,7 @@ from hybridmem.errors import SpecError
 from hybridmem.job.loss import check_loss_spec
 from hybridmem.job.images import normalize_image_size
 from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.precision import POLICIES, PrecisionPolicy  # noqa: F401 (read as spec.POLICIES)
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
 # one entry per rule of `hybridmem.job.optimizers.OPTIMIZERS` (tests/test_optimizers.py checks)
@@ -353,30 +354,3 @@ def empty_cache_at(spec: TrainingSpec, iteration: int) -> EmptyCacheAt | None:
     if spec.loop == "trainer":
         return "after_forward" if iteration % n == 0 else None
     return "after_step" if (iteration + 1) % n == 0 else None
-
-
-# dtype of parameters / grads / optimizer state per precision policy, in bytes.
-# Source: torch.amp docs (autocast keeps fp32 params), DeepSpeed bf16_optimizer.py (bf16 params
-# + fp32 master copy + fp32 Adam state), Megatron `--bf16` with distributed optimizer.
-@dataclass(frozen=True, slots=True)
-class PrecisionPolicy:
-    param_bytes: int
-    """Bytes per element of the model's parameters."""
-    grad_bytes: int
-    """Bytes per element of the .grad tensors."""
-    state_bytes: int
-    """Bytes per element of each full-precision optimizer state tensor."""
-    master_bytes: int
-    """Bytes per element of a separate master copy of trainable params (0 = none)."""
-    compute_bytes: int
-    """Bytes per element of activations (autocast dtype or param dtype)."""
-
-
-POLICIES: dict[str, PrecisionPolicy] = {
-    "fp32": PrecisionPolicy(4, 4, 4, 0, 4),
-    "bf16": PrecisionPolicy(2, 2, 2, 0, 2),
-    "fp16": PrecisionPolicy(2, 2, 2, 0, 2),
-    "bf16-mixed": PrecisionPolicy(4, 4, 4, 0, 2),
-    "fp16-mixed": PrecisionPolicy(4, 4, 4, 0, 2),
-    "bf16-master": PrecisionPolicy(2, 2, 4, 4, 2),
-}

@@ -163,7 +163,7 @@ def rank_capacity(spec: TrainingSpec, gpu: GPU | None) -> int | None:
 def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None) -> Bounded | None:
     """Fragmentation of one rank: its stream (`parallel.stream.rank_events`) replayed within
     `rank_capacity`, kept non-decreasing in the micro-batch as the analytic tier's
-    (`analytic.reserved.bounded`, in the stream's own allocated units). None where the
+    (`allocator.reserved.bounded`, in the stream's own allocated units). None where the
     analytic tier has no stream for the spec."""
     from hybridmem.allocator.config import alloc_conf_string
     from hybridmem.parallel.stream import measure_with
@@ -210,7 +210,7 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     breakdown = phases[phase]
     if fit is not None and fit.capacity is not None and not fit.oom_batches:
         # the rank's replay completed within its capacity: reserved stays within it, as the
-        # allocator frees its cache before reserving more (`analytic.reserved.bounded`)
+        # allocator frees its cache before reserving more (`allocator.reserved.bounded`)
         tensors = sum(breakdown[c] for c in TENSOR_CATEGORIES)
         breakdown["fragmentation"] = min(breakdown["fragmentation"],
                                          max(0, fit.capacity - tensors))

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hybridmem.job.optimizers import Stepped, blocks, flat, raw, rule
+from hybridmem.allocator import alloc
+from hybridmem.job.optimizers import Stepped, flat, raw, rule
 from hybridmem.job.parallel import DTYPE_BYTES, ParallelSpec
 from hybridmem.parallel.states import ModelTensors, Tensor
 from hybridmem.job.spec import POLICIES, TrainingSpec
@@ -88,7 +89,7 @@ def _optimizer(spec: TrainingSpec, stepped: list[Stepped]) -> tuple[int, int, in
     state = sum(raw(*a) for s in stepped for a in r.state(s)) + sum(
         raw(*a) for a in r.shared(stepped))
     paged = sum(raw(*a) for s in stepped for a in r.paged_state(s))
-    return state, paged, r.temporary(stepped, blocks) if stepped else 0
+    return state, paged, r.temporary(stepped, alloc.t) if stepped else 0
 
 
 def replicated(spec: TrainingSpec, mt: ModelTensors) -> RankStates:

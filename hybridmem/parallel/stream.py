@@ -51,7 +51,7 @@ def _ratio(rank: int, one: int) -> tuple[int, int]:
 
 
 def _scaled(size: int, ratio: tuple[int, int]) -> int:
-    """`size * ratio`, rounded up to the allocator's 512-byte unit (`analytic.alloc.t`)."""
+    """`size * ratio`, rounded up to the allocator's 512-byte unit (`allocator.alloc.t`)."""
     num, den = ratio
     return t(-(-size * num // den), 1) if size * num else 0
 
@@ -198,5 +198,5 @@ def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
 @lru_cache(maxsize=None)
 def measure_with(workspace: int):
     """`rank_events` for one workspace size, the same function object each time, so that
-    `analytic.reserved.bounded`'s cache (keyed by it) serves every micro-batch probe."""
+    `allocator.reserved.bounded`'s cache (keyed by it) serves every micro-batch probe."""
     return lambda spec: rank_events(spec, workspace)

@@ -49,7 +49,7 @@ def _simulate_reserved(result: TraceResult, capacity: int | None = None, batch: 
     (an empty_cache entry only lowers reserved, so the running max skips it). With a
     `capacity` (the GPU's, `overheads.allocator_capacity`) the replay frees cached blocks and
     retries at the limit as PyTorch does; a replay that runs out of memory there is redone
-    unlimited (`analytic.reserved.capped_replay`). Returns what the allocator went through
+    unlimited (`allocator.reserved.capped_replay`). Returns what the allocator went through
     (`batch`: the traced micro-batch, named in an OOM note)."""
     config = AllocatorConfig.from_environ()  # PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF
     stream = result.replay_events()
@@ -74,7 +74,7 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta",
     `backend="meta"` (fast; CUDA autocast emulated) falls back to `"fake"` (FakeTensorMode,
     torch's own CPU autocast) if the model's code does not run on meta tensors; both give the
     same bytes on every config tests compare (tests/test_trace_backends.py). `workspace`: bytes
-    of one cuBLAS workspace (`analytic.overheads.cublas_workspace`, the analytic tier's too);
+    of one cuBLAS workspace (`allocator.overheads.cublas_workspace`, the analytic tier's too);
     `capacity`: bytes the allocator may reserve (None: unlimited), `_simulate_reserved`.
     """
     from hybridmem.errors import UnsupportedModelError
@@ -82,7 +82,7 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta",
 
     config = _validate(spec)
     # the runner places one workspace per cuBLAS handle a training step holds (forward thread,
-    # autograd device thread): analytic.overheads.CUBLAS_HANDLES_TRAINING = 2
+    # autograd device thread): allocator.overheads.CUBLAS_HANDLES_TRAINING = 2
     start = time.perf_counter()
     notes = []
     if backend == "meta":

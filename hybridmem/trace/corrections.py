@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hybridmem.analytic.states import foreach_norm_scratch
+from hybridmem.allocator.foreach import foreach_norm_scratch
 
 KNOWN_LIMITATIONS: tuple[str, ...] = (
     "attention kernels: the trace runs CPU SDPA (flash-attention-for-CPU, saves output + fp32 "

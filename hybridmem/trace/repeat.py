@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_iter
 
 from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, ckpt_every
-from hybridmem.trace import metacache
+from hybridmem.trace import metacache, runner
 from hybridmem.trace.tracker import Storage, StorageTracker
 
 FULL_ENV = "HYBRIDMEM_TRACE_FULL"
@@ -66,7 +66,7 @@ _BIG = 1 << 20  # context code = stack * _BIG + layer; -1 = no layer
 _UINT64_MAX = (1 << 64) - 1  # AccumulateGrad's sequence number (autograd function.h)
 
 
-class NotRepeatable(Exception):
+class NotRepeatable(runner.TraceDeclined):
     """The fast path cannot be exact here; the message says why (put in the notes)."""
 
 
@@ -526,8 +526,6 @@ def trace(spec: TrainingSpec, config, workspace: int = 0):
     """The fast path: (tracker of the full stream, job of the short model, parameter weights,
     `after_step` indices on the full stream, category lookup, note); NotRepeatable if it cannot
     be exact here (the caller traces in full)."""
-    from hybridmem.trace import runner
-
     start = time.perf_counter()
     stacks, kept = planned(spec, config)
     period = math.lcm(*(s.period for s in stacks))  # the check adds whole periods to each

@@ -47,7 +47,7 @@ class TraceResult:
     reserved_curve: np.ndarray | None = None
     """Simulated reserved bytes after each event of `events` (set with `peak_reserved`)."""
     allocator: object = None
-    """What the simulated allocator went through (`analytic.reserved.Bounded`: retries, OOM,
+    """What the simulated allocator went through (`allocator.reserved.Bounded`: retries, OOM,
     capacity), set with `peak_reserved`."""
     empty_cache_at: list[int] = field(default_factory=list)
     """Index in `events` before which `torch.cuda.empty_cache()` ran (`spec.empty_cache_at`)."""

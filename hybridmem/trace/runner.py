@@ -40,12 +40,16 @@ from hybridmem.trace.optimizers import (
     paged_tensors,
 )
 from hybridmem.trace.quantized import quant_state_tensors
-from hybridmem.trace.repeat import NotRepeatable
 from hybridmem.trace.tracker import StorageTracker
 
 ITERATIONS = 2  # optimizer state appears in the first step; the second shows the steady peak
 
 LOSS_SCALE = 2.0**16  # torch.amp.GradScaler default init_scale
+
+
+class TraceDeclined(Exception):
+    """A tracker that cannot record this run stops it (`repeat.NotRepeatable`): it reaches the
+    caller as is, not as a model whose training step cannot run."""
 
 
 @dataclass
@@ -405,7 +409,7 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
                 if isinstance(t, torch.Tensor):
                     tracker.label(t, "activation")
             train(job, spec, tracker, iterations, workspace)
-    except (SpecError, NotRepeatable):
+    except (SpecError, TraceDeclined):
         raise
     except Exception as err:
         raise build.unsupported(spec, config.model_type,
