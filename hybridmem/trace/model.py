@@ -21,8 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
-from hybridmem.models.decoder import MOE_TYPES
-from hybridmem.models.loader import auto_class, is_analytic
+from hybridmem.models.loader import auto_class
 from hybridmem.job.spec import DEFAULT_LORA_TARGETS, TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
 
@@ -31,18 +30,13 @@ def attn_for_cpu(attn: str) -> str:
     return "sdpa" if attn == "flash_attention_2" else attn
 
 
-def unsupported(spec: TrainingSpec, model_type: str, what: str,
-                err: BaseException) -> UnsupportedModelError:
+def unsupported(spec: TrainingSpec, what: str, err: BaseException) -> UnsupportedModelError:
     """The one line for a model the trace tier cannot run: the model's own error, whitespace
-    folded and cut to 300 characters (transformers' messages span lines and URLs), and the
-    analytic tier as the way out only for the families it prices."""
+    folded and cut to 300 characters (transformers' messages span lines and URLs); `predict`
+    adds the tier that prices the job, if any (`predict.no_tier`)."""
     text = " ".join(str(err).split())[:300]
-    # the MoE families' closed forms are bf16 only (analytic.estimate._setup refuses others)
-    priced = is_analytic(model_type) and not (model_type in MOE_TYPES
-                                              and spec.precision != "bf16")
-    advice = "; use --method analytic" if priced else ""
     return UnsupportedModelError("model", spec.model,
-                                 reason=f"{what} ({type(err).__name__}: {text}){advice}")
+                                 reason=f"{what} ({type(err).__name__}: {text})")
 
 
 def build_model(spec: TrainingSpec, config) -> nn.Module:
@@ -71,8 +65,8 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
                 raise SpecError("attn", spec.attn, ("eager",),
                                 reason=f"{type(err).__name__}: transformers' {config.model_type} "
                                 "code does not support it") from err
-            raise unsupported(spec, config.model_type, "its code cannot be built under fake "
-                              "tensors", err) from err
+            raise unsupported(spec, "its code cannot be built under fake tensors",
+                              err) from err
     # `no_init_weights` also skips tying: tie as `from_pretrained`/`post_init` would (Llama-3.2
     # ties lm_head to embed_tokens; untied it would count 394M parameters twice)
     model.tie_weights()
