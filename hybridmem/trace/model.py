@@ -18,11 +18,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
+from hybridmem.adapters import (
+    build_error, build_peft_config, default_targets, lora_llm_pattern,
+)
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
 from hybridmem.models.loader import auto_class
-from hybridmem.job.spec import DEFAULT_LORA_TARGETS, TrainingSpec
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
 
 def attn_for_cpu(attn: str) -> str:
@@ -135,17 +137,11 @@ def _moe_expert_names(model: nn.Module) -> set[str]:
 
 
 def lora_targets_for(model: nn.Module, spec: TrainingSpec, config) -> TrainingSpec:
-    """The spec with the LoRA targets the default means for this model. The default (Llama's
-    seven projections) is "all LLM linear layers" (`--lora-targets` help); for a family
-    without closed forms (Phi-3's `qkv_proj`, GPT-2's `c_attn`, ...) that is its own linear
-    names, `llm_linear_names` (the analytic families' too: the model graph does the same,
-    `models.build._default_targets`). Explicit targets stay as given."""
-    import dataclasses
-
-    if spec.train != "lora" or spec.lora.targets != DEFAULT_LORA_TARGETS:
+    """The spec with the LoRA targets the default means for this model
+    (`adapters.default_targets` over `llm_linear_names`). Explicit targets stay as given."""
+    if spec.train != "lora":
         return spec
-    names = llm_linear_names(model)
-    return spec.with_(lora=dataclasses.replace(spec.lora, targets=names)) if names else spec
+    return spec.with_(lora=default_targets(spec.lora, llm_linear_names(model)))
 
 
 def _tuner_layers_with_own_move() -> list[type]:
