@@ -40,7 +40,12 @@ SCOPES: dict[str, str] = {
 
 
 def refusal(method: str, spec: TrainingSpec) -> SpecError | None:
-    """Why tier `method` does not price `spec`, None if it does (or has no rule of its own)."""
+    """Why tier `method` does not price `spec`, None if it does. The hybrid tier answers with
+    the trace tier where the analytic one refuses (`learned.predictor.estimate`), so it refuses
+    only what both refuse."""
+    if method == "hybrid":
+        refused = refusal("analytic", spec)
+        return refused if refused is not None and refusal("trace", spec) is not None else None
     if method not in SCOPES:
         return None
     module, func = SCOPES[method].split(":")
@@ -69,7 +74,8 @@ def no_tier(err: SpecError, spec: TrainingSpec, method: str) -> SpecError:
         if refusal(other, spec) is None:
             return type(err)(err.field, err.value, err.choices,
                              reason=f"{err.reason}; use --method {other}")
-    why = "; ".join(f"the {m} tier: {_clause(refusal(m, spec))}" for m in others)
+    clauses = [(m, _clause(refusal(m, spec))) for m in others]
+    why = "; ".join(f"the {m} tier: {c}" for m, c in clauses if c != _clause(err))
     return type(err)(err.field, err.value, err.choices,
                      reason=f"{err.reason}; no tier prices this job ({why})")
 

@@ -174,7 +174,8 @@ def test_moe_predict_picks_the_analytic_tier_and_refuses_what_it_does_not_price(
 def test_moe_lora_refusal_names_a_tier_that_prices_it(model):
     """MoE + LoRA in bf16: the analytic tier refuses and points to the trace tier, which
     prices it; under bf16-mixed, or with kbit preparation's fp32 experts, no tier does, and the
-    refusal says so. Without a method the chooser takes the trace tier, with its note."""
+    refusal says so (the hybrid tier too). Without a method the chooser takes the trace tier,
+    with its note."""
     from hybridmem import SpecError
 
     lora = _spec(model, train="lora", lora=LoraSpec(r=4))
@@ -186,7 +187,7 @@ def test_moe_lora_refusal_names_a_tier_that_prices_it(model):
                             "train='lora'") for n in chosen.notes)
     for kw in (dict(precision="bf16-mixed"), dict(quantize="nf4")):
         spec = lora.with_(**kw)
-        for method in (None, "analytic", "trace"):
+        for method in (None, "analytic", "trace", "hybrid"):
             with pytest.raises(SpecError, match=r"; no tier prices this job \(the (analytic|trace) "
                                                 r"tier: "):
                 predict(spec, method=method)

@@ -4,7 +4,7 @@ The trace tier runs transformers' own training step, so it prices any family and
 that step runs under fake tensors; what it cannot run is found by running it (a one-line
 `UnsupportedModelError`). `refusal(spec)` names what is known before running: read by the
 tier itself (`trace._validate`) and by the tier chooser and its advice (`hybridmem.predict`).
-Torch-free: it reads the config JSON only.
+It reads the config JSON only (the trace package it sits in imports torch).
 """
 
 from __future__ import annotations
