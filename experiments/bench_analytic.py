@@ -31,14 +31,15 @@ t1 = time.perf_counter()
 from hybridmem.predict import predict
 spec = TrainingSpec(model="llava-1.5-7b", micro_batch=8, seq_len=2048, train="llm+projector",
                     grad_ckpt=True, precision="bf16-master")
-predict(spec)
+predict(spec, method="analytic")
 t2 = time.perf_counter()
 n = 50
 for _ in range(n):
-    predict(spec)
+    predict(spec, method="analytic")
 t3 = time.perf_counter()
 gpu = GPUS["h100-80gb"]
-res = predict(spec.with_(precision="bf16-mixed", optimizer="adamw-8bit"), gpu=gpu, find_max_batch=True)
+res = predict(spec.with_(precision="bf16-mixed", optimizer="adamw-8bit"), method="analytic",
+              gpu=gpu, find_max_batch=True)
 t4 = time.perf_counter()
 print(json.dumps({"import_s": t_import, "cold_analytic_estimate_s": t_cold,
                   "heavy_imports_after_estimate": ",".join(heavy) or "none",

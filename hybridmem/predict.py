@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import import_module
 
-from hybridmem.errors import SpecError
+from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.gpus import GPU
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import is_analytic, model_type_of
@@ -30,33 +31,81 @@ per-rank analytic estimate (`learned.features.analytic_base`), and its residual 
 that base with the strategy among the features, so sharding its answer again would serve a
 different path than `hybridmem evaluate` scores."""
 
-# The tier a spec only it can price gets: no closed form prices an arbitrary PEFT method
-# (`train='peft'`) or a transformers family outside the analytic tier's (issue 11).
-TRACE_ONLY_METHOD = "trace"
+# tier -> "module:function" of its `refusal(spec) -> SpecError | None`: the one rule saying
+# whether that tier prices a job, kept next to the tier (torch-free for the analytic tier)
+SCOPES: dict[str, str] = {
+    "analytic": "hybridmem.analytic.scope:refusal",
+    "trace": "hybridmem.trace.scope:refusal",
+}
 
 
-def trace_only_reason(spec) -> str | None:
-    """Why only the trace tier can price `spec` (a clause for the notes), None if others can.
+def refusal(method: str, spec: TrainingSpec) -> SpecError | None:
+    """Why tier `method` does not price `spec`, None if it does. The hybrid tier answers with
+    the trace tier where the analytic one refuses (`learned.predictor.estimate`), so it refuses
+    only what both refuse."""
+    if method == "hybrid":
+        refused = refusal("analytic", spec)
+        return refused if refused is not None and refusal("trace", spec) is not None else None
+    if method not in SCOPES:
+        return None
+    module, func = SCOPES[method].split(":")
+    return getattr(import_module(module), func)(spec)
 
-    One mechanism for every such case: the CLI's `resolve_method` picks the trace tier when
-    there is a reason and says which; the hybrid tier answers with the trace tier then (its
-    residuals correct the analytic tier)."""
-    if spec.train == "peft":
-        from hybridmem.adapters import peft_type
 
-        return f"{peft_type(spec)} adapters have no closed form"
-    from hybridmem.models.loader import is_analytic, model_type_of
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The tier that answers a spec and why (`Prediction.extras["method_reason"]`)."""
 
-    model_type = model_type_of(spec.model)
-    if not is_analytic(model_type):
-        return f"model_type={model_type!r} has no closed form in the analytic tier"
-    from hybridmem.models.decoder import MOE_TYPES
+    method: str
+    reason: str
+    note: str | None = None
+    """Said in the answer's notes: a tier picked because the default one refuses the job."""
 
-    if model_type in MOE_TYPES and (spec.train != "full" or spec.precision != "bf16"):
-        # the MoE closed forms are full bf16 only (analytic.estimate._setup, docs/families.md)
-        return (f"{model_type} with train={spec.train!r}, precision={spec.precision!r} has no "
-                "closed form in the analytic tier (full bf16 only)")
-    return None
+
+def _clause(err: SpecError) -> str:
+    return f"{err.field}={err.value!r}: {err.reason}"
+
+
+def no_tier(err: SpecError, spec: TrainingSpec, method: str) -> SpecError:
+    """`err` (tier `method` refuses `spec`) with the way out: the first other tier whose rule
+    admits the job, or that none does and why."""
+    others = [m for m in SCOPES if m != method]
+    for other in others:
+        if refusal(other, spec) is None:
+            return type(err)(err.field, err.value, err.choices,
+                             reason=f"{err.reason}; use --method {other}")
+    clauses = [(m, _clause(refusal(m, spec))) for m in others]
+    why = "; ".join(f"the {m} tier: {c}" for m, c in clauses if c != _clause(err))
+    return type(err)(err.field, err.value, err.choices,
+                     reason=f"{err.reason}; no tier prices this job ({why})")
+
+
+def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
+    """The tier for `spec`: `method` when given; else the trace tier for what only it prices
+    (the analytic tier's `refusal`), else hybrid when a GPU-calibrated learned model for this
+    environment exists (`learned.predictor.default_method`), else analytic.
+
+    One chooser for the Python API and the CLI. A job no tier prices is a `SpecError` naming
+    each tier's refusal."""
+    if method is not None:
+        if method not in METHODS:
+            raise SpecError("method", method, METHODS)
+        return Choice(method, f"method={method!r} given")
+    refused = refusal("analytic", spec)
+    if refused is not None:
+        if refusal("trace", spec) is not None:
+            raise no_tier(refused, spec, "analytic")
+        why = f"the analytic tier refuses {_clause(refused)}"
+        return Choice("trace", why,
+                      note=f"method: trace chosen because {why} (pass --method to override)")
+    try:
+        from hybridmem.learned.predictor import default_method
+    except ImportError:  # the `learned` extra is not installed
+        return Choice("analytic", "the learned extra is not installed (no hybrid tier)")
+    if default_method() == "hybrid":
+        return Choice("hybrid", "a GPU-calibrated learned model trained on this torch applies")
+    return Choice("analytic", "no GPU-calibrated learned model trained on this torch and CUDA "
+                  "was found (the hybrid tier's default)")
 
 
 # Upper end of the micro-batch search; far beyond any GPU today for the smallest presets.
@@ -152,7 +201,7 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
         return run(spec.with_(micro_batch=batch), **options).fits_within(gpu.memory_bytes)
 
     guess = None
-    if method in GUIDED_METHODS and trace_only_reason(spec) is None:
+    if method in GUIDED_METHODS and refusal("analytic", spec) is None:
         try:
             guess = find_max_micro_batch(spec, gpu, "analytic")
         except SpecError:  # a spec only the trace tier takes: search unguided
@@ -160,25 +209,42 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
     return search_max(fits, guess)
 
 
-def predict(spec: TrainingSpec, method: str = "analytic", gpu: GPU | None = None,
+def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = None,
             find_max_batch: bool = False, **tier_options: object) -> Prediction:
     """Predict the peak memory of `spec`; with `gpu`, also whether it fits (and the max batch).
 
-    `tier_options` go to the tier's estimate function (e.g. `timeline=` for the trace tier).
+    `method`: the tier; None chooses it as the CLI does (`choose_method`). The answer's `method`
+    is the tier that produced it and `extras["method_reason"]` says why. A tier that does not
+    price the job (its `refusal`, or a trace that cannot run) is a one-line `SpecError` naming
+    the tier that does, or saying that none does. `tier_options` go to the tier's estimate
+    function (e.g. `timeline=` for the trace tier).
     """
     if find_max_batch and gpu is None:
         raise SpecError("find_max_batch", True, reason="needs a GPU (--gpu or --gpu-mem)")
     # unknown preset / bad config JSON / unknown model_type fail here, the same for every
     # tier, without importing transformers for the analytic families (that alone costs
-    # seconds); a family only the trace tier prices is refused by the analytic tier itself
+    # seconds); a family only the trace tier prices is refused by the analytic tier's rule
     if is_analytic(model_type_of(spec.model)):
         light_config(spec.model)
-    result = estimator(method)(spec, **{**gpu_options(method, gpu), **tier_options})
+    choice = choose_method(spec, method)
+    method = choice.method
+    refused = refusal(method, spec)
+    if refused is not None:
+        raise no_tier(refused, spec, method)
+    try:
+        result = estimator(method)(spec, **{**gpu_options(method, gpu), **tier_options})
+        max_batch = None
+        if gpu is not None and find_max_batch:
+            # the timeline file belongs to the spec as asked, not to the search's probes
+            search_options = {k: v for k, v in tier_options.items() if k != "timeline"}
+            max_batch = find_max_micro_batch(spec, gpu, method, **search_options)
+    except UnsupportedModelError as err:  # the trace tier could not run the model's code
+        raise no_tier(err, spec, "trace") from err
+    notes = result.notes if choice.note is None else (*result.notes, choice.note)
+    # a tier that answered with another one (the hybrid tier's fallbacks) says why itself
+    result = dataclasses.replace(result, notes=notes,
+                                 extras={"method_reason": choice.reason, **result.extras})
     if gpu is None:
         return result
-    # the timeline file belongs to the spec as asked, not to the search's probes
-    search_options = {k: v for k, v in tier_options.items() if k != "timeline"}
-    max_batch = (find_max_micro_batch(spec, gpu, method, **search_options)
-                 if find_max_batch else None)
     return dataclasses.replace(result, gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
                                max_micro_batch=max_batch)

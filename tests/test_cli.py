@@ -113,6 +113,32 @@ def test_console_script_exit_code():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("argv, tier", [
+    (["--model", "tiny-llama"], "analytic"),
+    (["--model", "tiny-llama", "--train", "lora", "--grad-ckpt", "--grad-ckpt-policy", "ops"],
+     "trace"),
+    (["--model", "tiny-mixtral", "--precision", "bf16"], "analytic"),
+    (["--model", "tiny-mixtral", "--precision", "bf16", "--train", "lora"], "trace"),
+])
+def test_cli_and_api_choose_the_same_tier(argv, tier, capsys, monkeypatch):
+    """One chooser (`predict.choose_method`): the CLI and `predict(spec)` take the same tier,
+    with the same reason and notes (no calibrated learned model here: the analytic default)."""
+    import hybridmem.learned.predictor as learned
+
+    monkeypatch.setattr(learned, "default_method", lambda: "analytic")
+    picked = []
+    monkeypatch.setattr(predict_mod, "estimator", lambda m: picked.append(m) or _stub)
+    assert main(["predict", *argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    spec, _ = CALLS[-1]
+    api = predict_mod.predict(spec)
+    assert picked == [tier, tier]
+    assert out["method_reason"] == api.extras["method_reason"]
+    assert out["notes"] == list(api.notes)
+    assert any(n.startswith("method: trace chosen because") for n in api.notes) == (
+        tier == "trace")
+
+
 # --- --peft-config (issue 10) --------------------------------------------------------------
 
 def _adapter(tmp_path, **cfg) -> str:
@@ -144,7 +170,8 @@ def test_peft_config_reaches_the_spec_and_picks_the_tier(cfg, train, method, tmp
     else:
         assert json.loads(spec.peft_config)["peft_type"] == "IA3"
         assert picked == [method]
-        assert any("method: trace chosen because IA3" in n for n in out["notes"])
+        assert any(n.startswith("method: trace chosen because the analytic tier refuses "
+                                "train='peft': IA3") for n in out["notes"])
 
 
 @pytest.mark.parametrize("content, match", [

@@ -15,7 +15,8 @@ import pytest
 from hybridmem import TrainingSpec
 from hybridmem.analytic import estimate as analytic
 from hybridmem.models import load_config
-from hybridmem.predict import trace_only_reason
+from hybridmem.analytic.scope import refusal
+from hybridmem.predict import choose_method, predict
 from hybridmem.job.spec import LoraSpec
 from hybridmem.trace import estimate as traced, runner
 from test_trace import real_cpu_peak
@@ -110,7 +111,8 @@ def test_default_lora_targets_are_peft_all_linear(model):
 
 @pytest.mark.parametrize("model", sorted(TINY))
 def test_predict_picks_the_analytic_tier(model):
-    assert trace_only_reason(_spec(model)) is None
+    assert refusal(_spec(model)) is None
+    assert choose_method(_spec(model)).method in ("analytic", "hybrid")
 
 
 @pytest.mark.parametrize("model", sorted(TINY))
@@ -159,9 +161,42 @@ def test_moe_analytic_matches_trace_on_tiny(model, kw):
 def test_moe_predict_picks_the_analytic_tier_and_refuses_what_it_does_not_price(model):
     from hybridmem import SpecError
 
-    assert trace_only_reason(_spec(model)) is None
-    assert "full bf16 only" in trace_only_reason(_spec(model, train="lora", lora=LoraSpec(r=4)))
-    with pytest.raises(SpecError, match=r"train='lora'.*--method trace"):
-        analytic(_spec(model, train="lora", lora=LoraSpec(r=4)))
+    assert refusal(_spec(model)) is None
+    lora = _spec(model, train="lora", lora=LoraSpec(r=4))
+    assert refusal(lora).field == "train"
+    with pytest.raises(SpecError, match=r"^train='lora': adapters on .*fused 3-D experts"):
+        analytic(lora)
     with pytest.raises(SpecError, match=r"precision='fp32'.*bf16"):
         analytic(_spec(model, precision="fp32"))
+
+
+@pytest.mark.parametrize("model", sorted(MOE))
+def test_moe_lora_refusal_names_a_tier_that_prices_it(model):
+    """MoE + LoRA in bf16: the analytic tier refuses and points to the trace tier, which
+    prices it; under bf16-mixed, or with kbit preparation's fp32 experts, no tier does, and the
+    refusal says so (the hybrid tier too). Without a method the chooser takes the trace tier,
+    with its note."""
+    from hybridmem import SpecError
+
+    lora = _spec(model, train="lora", lora=LoraSpec(r=4))
+    with pytest.raises(SpecError, match=r"have no closed form here; use --method trace"):
+        predict(lora, method="analytic")
+    chosen = predict(lora)
+    assert chosen.method == "trace" and chosen.peak == predict(lora, method="trace").peak
+    assert any(n.startswith("method: trace chosen because the analytic tier refuses "
+                            "train='lora'") for n in chosen.notes)
+    for kw in (dict(precision="bf16-mixed"), dict(quantize="nf4")):
+        spec = lora.with_(**kw)
+        for method in (None, "analytic", "trace", "hybrid"):
+            with pytest.raises(SpecError, match=r"; no tier prices this job \(the (analytic|trace) "
+                                                r"tier: "):
+                predict(spec, method=method)
+
+
+def test_trace_scope_bf16_precisions_are_the_bf16_parameter_dtypes():
+    import torch
+
+    from hybridmem.torch_dtype import PARAM_DTYPE
+    from hybridmem.trace.scope import BF16_PARAMS
+
+    assert set(BF16_PARAMS) == {p for p, d in PARAM_DTYPE.items() if d == torch.bfloat16}

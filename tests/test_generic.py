@@ -190,13 +190,21 @@ def test_decoder_refuses_vlm_train_modes(tmp_path):
         estimate(spec_of(path, "qwen3", train="projector"))
 
 
-def test_model_its_code_cannot_run_is_one_line(tmp_path):
-    """Mixtral's grouped-mm experts in fp32: the kernel's refusal, no analytic advice."""
+def test_model_its_code_cannot_run_is_one_line(tmp_path, monkeypatch):
+    """Mixtral's grouped-mm experts in fp32: the meta kernel's refusal (bf16 only), one line;
+    with the tier's own rule (`trace.scope`) off, the run itself refuses the same way."""
+    from hybridmem.trace import scope
+
     path = write_config(tmp_path, "mixtral")
+    with pytest.raises(SpecError, match=r"^precision='fp32': mixtral's grouped-mm experts run "
+                                        r"in bf16 only under fake tensors \(valid: bf16, "
+                                        r"bf16-master\)$"):
+        estimate(spec_of(path, "mixtral", precision="fp32"))
+    monkeypatch.setattr(scope, "refusal", lambda spec: None)
     with pytest.raises(UnsupportedModelError, match=r"cannot run under fake tensors "
                                                     r"\(RuntimeError: Expected inputs of BF16") as err:
         estimate(spec_of(path, "mixtral", precision="fp32"))
-    assert "\n" not in str(err.value) and "--method analytic" not in str(err.value)
+    assert "\n" not in str(err.value) and "--method" not in str(err.value)
 
 
 # --- validation and the CLI ----------------------------------------------------------------
@@ -220,8 +228,8 @@ def test_cli_picks_the_trace_tier_for_a_generic_family(tmp_path, capsys):
     assert main(["predict", "--model", path, "--seq-len", "32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["method"] == "trace"
-    assert ("method: trace chosen because model_type='gpt2' has no closed form in the analytic "
-            "tier (pass --method to override)") in out["notes"]
+    assert ("method: trace chosen because the analytic tier refuses model_type='gpt2': this "
+            "family has no closed forms here (pass --method to override)") in out["notes"]
 
 
 def _cli(*argv) -> subprocess.CompletedProcess:
@@ -230,20 +238,24 @@ def _cli(*argv) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("family, argv, message", [
-    ("gpt2", ["--method", "analytic"], "error: model_type='gpt2': the analytic tier has no "
-     "closed forms for this family; it needs --method trace"),
+    ("gpt2", ["--method", "analytic"], "error: model_type='gpt2': this family has no closed "
+     "forms here; use --method trace"),
     ("gemma2", ["--attn", "sdpa"], "error: attn='sdpa': transformers' gemma2 code "
      "does not support it (valid: eager, flash_attention_2)"),  # analytic since decoders2
     ("gemma2", ["--attn", "sdpa", "--method", "trace"], "error: attn='sdpa': ValueError: "
      "transformers' gemma2 code does not support it (valid: eager)"),
-    ("mixtral", ["--precision", "fp32", "--method", "trace"], "error: model='{path}': its "
-     "training step cannot run under fake tensors (RuntimeError: Expected inputs of BF16 type"),
+    # non-bf16 MoE: each tier's rule refuses it (analytic.scope, trace.scope), and each
+    # refusal says that no tier prices it
+    ("mixtral", ["--precision", "fp32", "--method", "trace"], "error: precision='fp32': "
+     "mixtral's grouped-mm experts run in bf16 only under fake tensors; no tier prices this "
+     "job (the analytic tier: precision='fp32': mixtral's grouped-mm experts are priced in "
+     "bf16) (valid: bf16, bf16-master)"),
     ("mixtral", ["--precision", "fp32", "--method", "analytic"], "error: precision='fp32': "
-     "mixtral's grouped-mm experts are priced in bf16 (valid: bf16)"),
-    # without --method, non-bf16 MoE goes to the trace tier (predict.trace_only_reason), whose
-    # own one-line refusal is the answer
-    ("mixtral", ["--precision", "fp32"], "error: model='{path}': its training step cannot run "
-     "under fake tensors (RuntimeError: Expected inputs of BF16 type"),
+     "mixtral's grouped-mm experts are priced in bf16; no tier prices this job (the trace "
+     "tier: precision='fp32': mixtral's grouped-mm experts run in bf16 only under fake "
+     "tensors) (valid: bf16)"),
+    ("mixtral", ["--precision", "fp32"], "error: precision='fp32': mixtral's grouped-mm "
+     "experts are priced in bf16; no tier prices this job (the trace tier: "),
     # the valid choices: every family with closed forms (test_unknown_model_type_names_the_choices)
     (None, [], "error: model_type='no_such_family' is not valid (valid: "),
 ])
@@ -267,8 +279,10 @@ def test_hybrid_answers_with_the_trace_tier_where_no_analytic_base_exists(tmp_pa
     proc = _cli("--model", path, "--seq-len", "32", "--method", "hybrid", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
-    assert out["method"] == "hybrid" and out["fallback"] == "trace"
-    assert any(n.startswith("hybrid: model_type='gpt2' has no closed form") for n in out["notes"])
+    assert out["method"] == "trace" and out["fallback"] == "trace"
+    assert out["method_reason"].startswith("the analytic tier refuses model_type='gpt2': ")
+    assert any(n.startswith("hybrid: the analytic tier refuses model_type='gpt2'")
+               for n in out["notes"])
     trace = json.loads(_cli("--model", path, "--seq-len", "32", "--method", "trace",
                             "--json").stdout)
     assert out["peak"] == trace["peak"]

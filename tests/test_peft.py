@@ -136,9 +136,13 @@ def test_prompt_tuning_traces_the_longer_sequence():
 
 def test_analytic_tier_refuses_other_methods_with_one_line():
     from hybridmem.analytic import estimate as analytic
+    from hybridmem.predict import predict
 
-    with pytest.raises(SpecError, match=r"^train='peft': IA3 .*--method trace$"):
-        analytic(_spec("tiny-llama", METHODS["IA3"]))
+    spec = _spec("tiny-llama", METHODS["IA3"])
+    with pytest.raises(SpecError, match=r"^train='peft': IA3 adapters have no closed form here$"):
+        analytic(spec)
+    with pytest.raises(SpecError, match=r"^train='peft': IA3 .*; use --method trace$"):
+        predict(spec, method="analytic")
 
 
 def test_unknown_peft_type_names_the_method():

@@ -68,6 +68,18 @@ def test_int8_weight_bytes_by_hand():
     assert _param_bytes(base.with_(quantize="int8")) == expected
 
 
+def test_bits_per_weight_match_the_weight_itemsizes():
+    """`quantize.BITS` (a learned feature) against what the tiers price per weight element:
+    int8 keeps one byte (CB), the 4-bit methods pack two elements per byte."""
+    from hybridmem.job.quantize import BITS, QUANTIZE, quant_of
+
+    assert set(BITS) == set(QUANTIZE) and BITS["none"] == 0
+    spec = TrainingSpec(model="tiny-llama", train="lora", precision="bf16", seq_len=64)
+    for method in QUANTIZE[1:]:
+        weight = quant_of(spec.with_(quantize=method)).weight_allocs(64, 64)[0]
+        assert weight.itemsize * 8 // (2 if method != "int8" else 1) == BITS[method]
+
+
 def _real_bnb_trace(spec, monkeypatch):
     """The trace runner on real CPU tensors with real bitsandbytes layers (the harness's
     `quantize_bnb`), as the oracle of the meta emulation."""

@@ -209,5 +209,8 @@ def test_qwen3_moe_analytic_within_3_percent_of_trace(kw):
 
 
 def test_qwen3_moe_lora_says_trace():
+    from hybridmem.predict import predict
+
     with pytest.raises(SpecError, match="train='lora'.*use --method trace"):
-        analytic(tiny(model="tiny-qwen3-vl-moe", precision="bf16", train="lora"))
+        predict(tiny(model="tiny-qwen3-vl-moe", precision="bf16", train="lora"),
+                method="analytic")

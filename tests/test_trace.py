@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models import load_config
+from hybridmem.predict import predict
 from hybridmem.job.spec import LoraSpec, TrainingSpec
 from hybridmem.trace import estimate, run_trace, runner, save_timeline
 
@@ -228,8 +229,11 @@ def test_model_code_that_cannot_run_fake_says_so(monkeypatch):
         raise NotImplementedError("aten::nonzero has no fake implementation")
 
     monkeypatch.setattr(runner, "_forward", broken)
-    with pytest.raises(UnsupportedModelError, match="fake tensors.*--method analytic"):
+    with pytest.raises(UnsupportedModelError, match=r"fake tensors.*has no fake implementation\)$"):
         estimate(tiny())
+    # the way out is the chooser's (`predict.no_tier`): a tier whose rule prices the job
+    with pytest.raises(UnsupportedModelError, match=r"fake tensors.*; use --method analytic$"):
+        predict(tiny(), method="trace")
 
 
 def test_bf16_master_steps_every_trained_tensor():

@@ -81,16 +81,33 @@ def test_a_hand_written_config_is_priced_by_the_trace_tier(family, tmp_path, cap
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["method"] == "trace"
-    assert (f"method: trace chosen because model_type='{family}' has no closed form in the "
-            "analytic tier (pass --method to override)") in out["notes"]
+    assert (f"method: trace chosen because the analytic tier refuses model_type='{family}': "
+            "this family has no closed forms here (pass --method to override)") in out["notes"]
     ref = parts_of(meta_model(path), family)
     assert {m["name"]: m["params"] for m in out["modules"] if m["params"]} == ref
-    with pytest.raises(SpecError, match=rf"^model_type='{family}': the analytic tier has no "
-                                        r"closed forms for this family; it needs --method trace$"):
+    with pytest.raises(SpecError, match=rf"^model_type='{family}': this family has no closed "
+                                        r"forms here; use --method trace$"):
         predict(TrainingSpec(model=path, seq_len=16), method="analytic")
     spec = TrainingSpec(model=path, micro_batch=1, seq_len=16, precision="fp32")
     tracker, _ = runner.trace(spec, load_config(path), backend="meta")
     assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
+
+
+def test_the_api_chooses_the_tier_as_the_cli_does(tmp_path, capsys):
+    """`predict(spec)` without a method on a family only the trace tier prices: the trace tier,
+    the CLI's note and its reason in the JSON, the same numbers as `hybridmem predict`."""
+    path = write(tmp_path, "olmo2")
+    pred = predict(TrainingSpec(model=path, micro_batch=1, seq_len=16))
+    assert main(["predict", "--model", path, "--micro-batch", "1", "--seq-len", "16",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert pred.method == out["method"] == "trace"
+    note = ("method: trace chosen because the analytic tier refuses model_type='olmo2': this "
+            "family has no closed forms here (pass --method to override)")
+    assert note in pred.notes and note in out["notes"]
+    assert pred.to_dict()["method_reason"] == out["method_reason"] == (
+        "the analytic tier refuses model_type='olmo2': this family has no closed forms here")
+    assert pred.to_dict()["peak"] == out["peak"]
 
 
 def test_a_family_default_pad_id_outside_a_tiny_vocabulary_is_one_line(tmp_path):

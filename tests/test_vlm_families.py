@@ -272,10 +272,10 @@ def test_gemma3_trace_equals_a_real_cpu_run_with_images(kw):
 
 
 def test_gemma3_is_priced_by_the_analytic_tier():
-    from hybridmem.predict import trace_only_reason
+    from hybridmem.analytic.scope import refusal
 
     spec = TrainingSpec(model="tiny-gemma3", micro_batch=1, seq_len=64)
-    assert trace_only_reason(spec) is None
+    assert refusal(spec) is None
     assert analytic(spec).method == "analytic"
     with pytest.raises(SpecError, match=r"image_size=448"):
         image_plan(load_config("tiny-gemma3"), 448)

@@ -13,10 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from hybridmem.adapters import peft_type
 from hybridmem.analytic import (
     activations as A, gemma3_acts as GA, offloaded, packed, qwen3_vl_acts as Q3,
-    qwen_vl_acts as QA, sac, text_acts as TA, vision_acts as VA,
+    qwen_vl_acts as QA, sac, scope, text_acts as TA, vision_acts as VA,
 )
 from hybridmem.analytic import internvl_acts as IA
 from hybridmem.analytic import mistral3_acts as MA
@@ -48,7 +47,7 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
-from hybridmem.models.decoder import MOE_TYPES, NO_SDPA_TYPES
+from hybridmem.models.decoder import NO_SDPA_TYPES
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -360,9 +359,9 @@ def timeline(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
 
 def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
            ) -> tuple[ModelGraph, list[Priced], Statics]:
-    if spec.train == "peft":
-        raise SpecError("train", "peft", reason=f"{peft_type(spec)} adapters have no closed "
-                        "form here; use --method trace")
+    refused = scope.refusal(spec)  # PEFT methods, families and MoE settings it does not price
+    if refused is not None:
+        raise refused
     graph = build_graph(packing.one_row(spec) if spec.packing else spec)  # job.packing
     packing.check_model(spec, graph.vision_batch)
     if graph.model_type in NO_SDPA_TYPES and spec.attn == "sdpa":
@@ -370,16 +369,6 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
         # transformers refuses it, as the trace tier reports (trace/model.py)
         raise SpecError("attn", spec.attn, ("eager", "flash_attention_2"),
                         reason=f"transformers' {graph.model_type} code does not support it")
-    if graph.model_type in MOE_TYPES:
-        if spec.train != "full":
-            raise SpecError("train", spec.train, ("full",), reason=f"adapters on "
-                            f"{graph.model_type}'s fused 3-D experts (PEFT target_parameters) "
-                            "have no closed form here; use --method trace")
-        if spec.precision != "bf16":
-            # transformers' grouped-mm experts take bf16 (`_grouped_mm`; the CPU trace refuses
-            # others as well): other dtypes run a fallback whose memory is not priced
-            raise SpecError("precision", spec.precision, ("bf16",),
-                            reason=f"{graph.model_type}'s grouped-mm experts are priced in bf16")
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
     priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
     priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)

@@ -11,8 +11,8 @@ of those v (saved by SDPA), gate (SiLU's input), out and logsumexp are in the or
 set, q (RoPE saves cos / sin, not q) and down (the residual add saves nothing) are not.
 Eager attention runs its matmuls as `bmm` (not in the list): only the projection mms.
 Encoder layer (CLIP: linears with a bias are `aten.addmm`, not in the list): SDPA's out and
-logsumexp only. Adapters (LoRA) add mms that shift the count: not priced here (use the trace
-tier).
+logsumexp only. Adapters (LoRA) add mms that shift the count: not priced here
+(`scope.refusal`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from dataclasses import replace
 
 from hybridmem.analytic.activations import FP32, LSE_ALIGN_EFFICIENT
 from hybridmem.allocator.alloc import t
-from hybridmem.errors import SpecError
 
 
 def _lse(c, b: int, s: int, heads: int) -> int:
@@ -55,10 +54,6 @@ def cached(layer, c) -> tuple[int, int, int]:
 def apply(priced: list, spec, c) -> list:
     if not (spec.grad_ckpt and spec.grad_ckpt_policy == "ops"):
         return priced
-    if spec.train in ("lora", "peft"):
-        raise SpecError("grad_ckpt_policy", "ops", ("full", "every:N"), reason="op-level "
-                        "checkpointing with adapters (their mms shift torchtitan's every-second-"
-                        "mm count) is priced by the trace tier only: use --method trace")
     out = []
     for p in priced:
         s = p.step

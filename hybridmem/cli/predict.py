@@ -13,7 +13,6 @@ import typer
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU, custom_gpu, gpu_by_name
 from hybridmem.job.optimizers import OPTIMIZERS
-from hybridmem.predict import TRACE_ONLY_METHOD, trace_only_reason
 
 # `--optimizer` help: every registry entry with its one-line summary (hybridmem/job/optimizers.py)
 OPTIMIZER_HELP = "; ".join(f"{n} ({r.summary})" for n, r in OPTIMIZERS.items() if n != "adamw")
@@ -27,32 +26,6 @@ def resolve_gpu(gpu: str | None, gpu_mem: float | None) -> GPU | None:
     if gpu_mem is not None:
         return custom_gpu(gpu_mem)
     return None
-
-
-def resolve_method(method: str | None, spec=None) -> str:
-    """The tier to use: the user's; else the trace tier for what only it prices (a non-LoRA
-    PEFT adapter, a family without closed forms); else hybrid only when a calibrated model
-    fits (issue 5)."""
-    if method is not None:
-        return method
-    if spec is not None and trace_only_reason(spec) is not None:
-        return TRACE_ONLY_METHOD
-    try:
-        from hybridmem.learned.predictor import default_method
-    except ImportError:  # the `learned` extra is not installed
-        return "analytic"
-    return default_method()
-
-
-def _method_note(result, chosen: str, given: str | None, spec):
-    """Say so in the notes when the tier was picked because only it prices the spec."""
-    import dataclasses
-
-    reason = trace_only_reason(spec) if given is None and chosen == TRACE_ONLY_METHOD else None
-    if reason is not None:
-        note = f"method: {TRACE_ONLY_METHOD} chosen because {reason} (pass --method to override)"
-        return dataclasses.replace(result, notes=(*result.notes, note))
-    return result
 
 
 def predict_command(
@@ -100,7 +73,7 @@ def predict_command(
     timeline: Optional[str] = typer.Option(None, "--timeline", help="(trace) Save the memory timeline as JSON or PNG."),
 ) -> None:
     """Predict the peak GPU memory of one training configuration."""
-    from hybridmem.predict import predict
+    from hybridmem.predict import choose_method, predict
     from hybridmem.report import plot as save_plot, render
 
     from hybridmem.parallel.cli import fit_lines, spec_from_cli
@@ -122,16 +95,15 @@ def predict_command(
                          offload_optimizer=offload_optimizer, offload_param=offload_param)
     target = resolve_gpu(gpu, gpu_mem)
     options = {}
+    chosen = choose_method(spec, method).method  # the API's chooser: predict() says why
     if timeline is not None:
-        if resolve_method(method, spec) != "trace":
+        if chosen != "trace":
             raise SpecError("timeline", timeline, reason="--timeline needs --method trace")
         options["timeline"] = timeline
-    given, method = method, resolve_method(method, spec)
     result = predict(spec, method=method, gpu=target, find_max_batch=find_max_batch, **options)
-    result = _method_note(result, method, given, spec)
     advice = None
     if target is not None and (spec.parallel.strategy != "none" or not result.fits):
-        advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=method, gpu=target))
+        advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=chosen, gpu=target))
     if plot:
         save_plot(result, plot)
     if as_json:

@@ -123,7 +123,7 @@ FAMILIES = (
     Family("qwen2_5_vl", VLM, "modeling_qwen2_5_vl.py", **_QWEN2),
     Family("qwen3_vl", VLM, "modeling_qwen3_vl.py",
            sub_text_defaults={"qwen3_vl_text": _QWEN3_TEXT["qwen3_vl_text"]}, **_QWEN3),
-    # its LM is a Qwen3-MoE (the MoE closed forms: full bf16 only, predict.trace_only_reason)
+    # its LM is a Qwen3-MoE (the MoE closed forms: full bf16 only, analytic/scope.py)
     Family("qwen3_vl_moe", VLM, "modeling_qwen3_vl_moe.py", traits=frozenset({MOE}),
            sub_text_defaults={"qwen3_vl_moe_text": _QWEN3_TEXT["qwen3_vl_moe_text"]}, **_QWEN3),
 )

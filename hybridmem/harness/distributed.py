@@ -21,6 +21,7 @@ from torch import nn
 
 from hybridmem.harness import workload
 from hybridmem.harness.ranks import launched  # noqa: F401  (the child asks it here)
+from hybridmem.job.optimizers import LR
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 
@@ -223,7 +224,7 @@ def deepspeed_job(spec: TrainingSpec, config, device) -> workload.Job:
     if spec.parallel.offload_optimizer != "none":
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # offload steps on the CPU with it
 
-        optimizer = DeepSpeedCPUAdam(params, lr=workload.LR, adamw_mode=True)
+        optimizer = DeepSpeedCPUAdam(params, lr=LR, adamw_mode=True)
     else:
         optimizer = workload.make_optimizer(spec.optimizer, params, device=device)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,

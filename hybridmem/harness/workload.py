@@ -21,8 +21,6 @@ from hybridmem.job.spec import TrainingSpec
 from hybridmem.models.build import TRAINABLE_MODULES, part_of
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE, default_dtype
 
-LR = 1e-5  # any value; memory does not depend on it
-
 
 class Unavailable(RuntimeError):
     """The job needs something this machine lacks (bitsandbytes, flash-attn): an `error` row."""
@@ -78,7 +76,7 @@ def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
     from hybridmem.trace.model import lora_targets_for
 
     # the default targets mean the family's own linear names (Phi-3's qkv_proj / gate_up_proj),
-    # as in the analytic graph (`models.build._default_targets`) and the trace tier
+    # one rule for the model graph, the trace tier and here (`adapters.default_targets`)
     spec = lora_targets_for(model, spec, None)
     cfg = build_peft_config(spec)
     try:
@@ -93,17 +91,13 @@ def make_optimizer(name: str, params: list[torch.Tensor], model: nn.Module | Non
                    lora=None, device: torch.device | None = None) -> torch.optim.Optimizer:
     """The optimizer as users get it, from the registry (`hybridmem.job.optimizers`): on CUDA
     the real library (torch; transformers' Adafactor; bitsandbytes for 8-bit / paged / bnb Lion,
-    imported lazily), on the CPU stand-in the rule's layout emulation; peft's
-    `create_lorafa_optimizer(model, r, lora_alpha, lr, weight_decay)` for `lora-fa` (it takes
-    the PeftModel and freezes every lora_A, so build it before collecting `params`)."""
+    imported lazily), on the CPU stand-in the rule's layout emulation; for `lora-fa` the
+    registry's `LoraFA.build_from_model` (it takes the PeftModel and freezes every lora_A, so
+    build it before collecting `params`)."""
     from hybridmem.job.optimizers import rule
 
     if name == "lora-fa":
-        from peft.optimizers import create_lorafa_optimizer
-
-        # weight_decay > 0 takes the peft MetaMathQA run's path (0.1); in place, no memory
-        return create_lorafa_optimizer(model, r=lora.r, lora_alpha=lora.alpha, lr=LR,
-                                       weight_decay=0.1)
+        return rule(name).build_from_model(model, lora)
     cuda = device is None or torch.device(device).type == "cuda"
     try:
         return rule(name).build(params, cuda=cuda)
@@ -112,30 +106,13 @@ def make_optimizer(name: str, params: list[torch.Tensor], model: nn.Module | Non
 
 
 def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> dict:
-    """input_ids / labels of shape (micro_batch, seq_len), plus the family's pixel inputs
-    (LLaVA pixel_values, LLaVA-NeXT image_sizes, Qwen-VL pixel patches + image_grid_thw +
-    mm_token_type_ids), all on `device`: the same builder and the same image-token rule as the
-    trace tier and the analytic graph (`hybridmem.job.images`). `model` is not read (a ZeRO-3
-    model cannot run outside its engine; the rule needs none)."""
-    from hybridmem.job.images import (
-        check_seq_len, image_plan, images_in_batch, pixel_inputs, text_inputs,
-    )
+    """The trace tier's batch (`trace.inputs.make_batch`: the same shapes, image tokens and
+    pixel inputs), on `device`, pixel inputs in the parameter dtype, every tensor where a real
+    collator puts it (no host-side shape inputs)."""
+    from hybridmem.trace.inputs import make_batch as batch_of
 
-    from hybridmem.job import packing
-
-    b, s = packing.row(spec)  # packed: one row of all the tokens (job.packing)
-    n_img = images_in_batch(spec, hasattr(config, "vision_config"))
-    packing.check_model(spec, n_img)
-    batch: dict = {}
-    n_tok = 0
-    if n_img:
-        plan = image_plan(config, spec.image_size)
-        n_tok = check_seq_len(s, n_img, plan)
-        batch = pixel_inputs(config, plan, b * n_img, PARAM_DTYPE[spec.precision], device)
-    batch.update(text_inputs(config, b, s, n_tok, device, images=n_img))
-    if spec.packing:  # TRL's padding-free collator: position ids restart per sequence
-        batch["position_ids"] = packing.position_ids(spec, device)
-    return batch
+    return batch_of(spec, config, model, PARAM_DTYPE[spec.precision], device,
+                    host_shapes=False)[0]
 
 
 def quantize_bnb(model: nn.Module, spec: TrainingSpec, device) -> int:
@@ -215,25 +192,25 @@ def build_trainable(spec: TrainingSpec, config, device,
 def apply_loss(model: nn.Module, spec: TrainingSpec, config, device) -> None:
     """`--chunked-ce N`: torchtune's chunked loss (`job.loss.apply_chunked_ce`, plain torch).
     `--liger`: on CUDA liger-kernel itself as Trainer applies it (`job.liger.apply_real`; a
-    missing package is an `Unavailable` row); on the CPU stand-in the emulated kernels, RoPE
-    patched for the rest of this (one-job) process as Liger's own patch is."""
+    missing package is an `Unavailable` row); on the CPU stand-in the trace tier's emulated
+    kernels (`trace.model.apply_loss`), RoPE patched for the rest of this (one-job) process as
+    Liger's own patch is."""
     from hybridmem.job import liger, loss
 
+    if device.type != "cuda":
+        from hybridmem.trace.model import apply_loss as emulated
+
+        text = emulated(model, spec, config)
+        if text is not None:
+            liger.rope_patched(text).__enter__()  # noqa: SIM115 - process-wide, as Liger's
+        return
     if spec.chunked_ce:
         loss.apply_chunked_ce(model, spec.chunked_ce)
-    if not spec.liger:
-        return
-    if device.type == "cuda":
+    if spec.liger:
         try:
             liger.apply_real(model)
         except ImportError as err:
             raise Unavailable(str(err)) from err
-        return
-    text_cfg = getattr(config, "text_config", None)
-    text = loss.liger_text_type(config.model_type, getattr(text_cfg, "model_type", None))
-    if text is not None:
-        liger.patch_instance(model)
-        liger.rope_patched(text).__enter__()  # noqa: SIM115 - process-wide, as Liger's
 
 
 def prepare(spec: TrainingSpec, config, device) -> Job:

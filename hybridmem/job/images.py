@@ -220,8 +220,15 @@ def image_token_id(config) -> int:
 
 
 def images_in_batch(spec, multimodal: bool) -> int:
-    """Images per sample: `images_per_sample`, None meaning 1 for a VLM (0 for a decoder)."""
+    """Images per sample: `images_per_sample`, None meaning 1 for a VLM; a decoder takes none
+    (an image count or size for one is a one-line SpecError). The model graph and the trace
+    tier's batch read it."""
     if not multimodal:
+        if spec.images_per_sample:
+            raise SpecError("images_per_sample", spec.images_per_sample, (0,),
+                            reason=f"{spec.model} is a text-only decoder")
+        if spec.image_size is not None:
+            raise SpecError("image_size", spec.image_size, reason=f"{spec.model} takes no images")
         return 0
     return 1 if spec.images_per_sample is None else spec.images_per_sample
 

@@ -340,13 +340,27 @@ class Bnb(Rule):
 
 # --- peft LoRA-FA -----------------------------------------------------------------------------
 
+# any value > 0: LoRA-FA's decoupled decay `B.add_(B, alpha=...)` is in place, no memory; the
+# peft MetaMathQA lorafa experiment (method_comparison/MetaMathQA) uses 0.1, and > 0 runs the
+# same code path as that run
+LORAFA_WEIGHT_DECAY = 0.1
+
 
 @dataclass(frozen=True)
 class LoraFA(Rule):
     """peft `LoraFAOptimizer` (peft/optimizers/lorafa.py, `create_lorafa_optimizer`):
     exp_avg_B + exp_avg_sq_B per lora_B (`zeros_like`; its lora_A is frozen: no grad, no
     state), exp_avg + exp_avg_sq per other trained tensor; `step` a Python int. Built from the
-    PeftModel (`trace.optimizers.make_lorafa`, `harness.workload.make_optimizer`)."""
+    PeftModel (`build_from_model`), by the trace tier and the harness alike."""
+
+    def build_from_model(self, model, lora):
+        """peft's `create_lorafa_optimizer(model, r, lora_alpha, lr, weight_decay)` over the
+        PeftModel `model` with the spec's `lora` (r, alpha). It sets `requires_grad_(False)` on
+        every lora_A, so build it before collecting the trainable parameters."""
+        from peft.optimizers import create_lorafa_optimizer
+
+        return create_lorafa_optimizer(model, r=lora.r, lora_alpha=lora.alpha, lr=LR,
+                                       weight_decay=LORAFA_WEIGHT_DECAY)
 
     def state(self, s):
         return [(s.numel, s.state)] * 2
@@ -358,7 +372,8 @@ class LoraFA(Rule):
         return [[(self.temporary(stepped, size), 1)]] if stepped else []
 
     def build(self, params, cuda):
-        raise SpecError("optimizer", self.name, reason="built from the PeftModel: make_lorafa")
+        raise SpecError("optimizer", self.name, reason="built from the PeftModel: "
+                        "build_from_model")
 
 
 def lorafa_temporary(stepped: Sequence[Stepped], size: Size = raw) -> int:

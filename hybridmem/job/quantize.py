@@ -55,6 +55,9 @@ from hybridmem.jsonfile import read_json_object
 
 QUANTIZE: tuple[str, ...] = ("none", "nf4", "fp4", "int8")
 FOUR_BIT: tuple[str, ...] = ("nf4", "fp4")
+# bits per quantised base weight (0: not quantised): bitsandbytes NF4 / FP4 (Params4bit) 4,
+# LLM.int8 (Int8Params) 8
+BITS: dict[str, int] = {"none": 0, **dict.fromkeys(FOUR_BIT, 4), "int8": 8}
 # quant_storage / compute dtypes a BitsAndBytesConfig may name, with their itemsize
 DTYPE_BYTES: dict[str, int] = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")

@@ -21,6 +21,7 @@ from hybridmem.learned.dataset import config_groups, shape_group
 from hybridmem.adapters import peft_type
 from hybridmem.errors import SpecError
 from hybridmem.job.images import parse_image_size
+from hybridmem.job.quantize import BITS
 from hybridmem.prediction import Prediction
 from hybridmem.job.spec import TrainingSpec, ckpt_every
 
@@ -134,9 +135,9 @@ def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
         "loop": spec.loop,
         "max_grad_norm": spec.max_grad_norm,
         "grad_accum": spec.grad_accum,
-        # the memory savers (hybridmem/job/): bits of a quantised base weight (0 = not quantised;
-        # bitsandbytes nf4 / fp4 = 4, LLM.int8 = 8), fused / chunked loss, step in backward
-        "quant_bits": {"nf4": 4, "fp4": 4, "int8": 8}.get(spec.quantize, 0),
+        # the memory savers (hybridmem/job/): bits of a quantised base weight (`quantize.BITS`),
+        # fused / chunked loss, step in backward
+        "quant_bits": BITS[spec.quantize],
         "liger": int(spec.liger),
         "chunked_ce": spec.chunked_ce,
         "optimizer_in_backward": int(spec.optimizer_in_backward),

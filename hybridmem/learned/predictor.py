@@ -40,10 +40,12 @@ def load_cached(folder: Path) -> registry.LoadedModel:
 
 
 def fallback(base: Prediction, notes: list[str]) -> Prediction:
-    return dataclasses.replace(base, method="hybrid",
-                               notes=tuple(base.notes) + tuple(notes) + (_DEFAULT_NOTE,),
+    """The analytic estimate, as the analytic tier's answer (its `method`), said so."""
+    return dataclasses.replace(base, notes=tuple(base.notes) + tuple(notes) + (_DEFAULT_NOTE,),
                                extras={**base.extras, "residual_model": None, "fallback": "analytic",
-                                       "upper_bound_bytes": None})
+                                       "upper_bound_bytes": None,
+                                       "method_reason": "hybrid: no trained residual model "
+                                       "applies to this job and environment"})
 
 
 def corrected(base: Prediction, device: float, reserved: float) -> tuple[Peak, dict[str, int]]:
@@ -237,15 +239,18 @@ def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
     training rows were featurised with; `predict.estimator` therefore does not shard this tier's
     answer again (`predict.PER_RANK_TIERS`)."""
     from hybridmem.learned.features import resolve_base
-    from hybridmem.predict import TRACE_ONLY_METHOD, estimator, trace_only_reason
+    from hybridmem.predict import estimator, refusal
 
-    reason = trace_only_reason(spec) if base_fn is None else None
-    if reason is not None:  # no analytic base to correct: the trace tier's answer, said so
-        pred = estimator(TRACE_ONLY_METHOD)(spec, **({"gpu": gpu} if gpu is not None else {}))
-        return dataclasses.replace(pred, method="hybrid", notes=pred.notes + (
-            f"hybrid: {reason}, so there is no analytic estimate for a residual model to "
-            f"correct; this is the {TRACE_ONLY_METHOD} tier's answer",),
-            extras={**pred.extras, "residual_model": None, "fallback": TRACE_ONLY_METHOD})
+    refused = refusal("analytic", spec) if base_fn is None else None
+    if refused is not None:  # no analytic base to correct: the trace tier's answer, said so
+        reason = (f"the analytic tier refuses {refused.field}={refused.value!r}: "
+                  f"{refused.reason}, so there is no analytic estimate for a residual model "
+                  "to correct")
+        pred = estimator("trace")(spec, **({"gpu": gpu} if gpu is not None else {}))
+        return dataclasses.replace(pred, notes=pred.notes + (
+            f"hybrid: {reason}; this is the trace tier's answer",),
+            extras={**pred.extras, "residual_model": None, "fallback": "trace",
+                    "method_reason": reason})
     base = resolve_base(base_fn)(spec)
     env = registry.user_env()
     root = Path(models_dir) if models_dir is not None else registry.models_root()

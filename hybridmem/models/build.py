@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hybridmem.adapters import default_targets
 from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.families import DECODER, family
-from hybridmem.job.images import check_seq_len, image_plan
+from hybridmem.job.images import check_seq_len, image_plan, images_in_batch
 from hybridmem.models.llava import ImageLayout
 from hybridmem.models.light import light_config
 from hybridmem.models.vision import tokens_per_crop
-from hybridmem.job.spec import DEFAULT_LORA_TARGETS, POLICIES, LoraSpec, TrainingSpec
+from hybridmem.job.spec import POLICIES, LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
 # the projector; stage 2 (`llm+projector`) everything but the vision tower
@@ -84,16 +85,6 @@ def _decoder_modules(cfg, spec: TrainingSpec, lm_prefix: str) -> tuple[Module, M
     return lm, head
 
 
-def _images(spec: TrainingSpec, multimodal: bool) -> int:
-    images = spec.images_per_sample
-    if not multimodal:
-        if images:
-            raise SpecError("images_per_sample", images, [0],
-                            reason=f"{spec.model} is a text-only decoder")
-        return 0
-    return 1 if images is None else images
-
-
 def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = False) -> Layer:
     """PEFT `LoraLayer`: lora_A (r x in) and lora_B (out x r) on every matching Linear; DoRA
     adds `lora_magnitude_vector` (out,), the fp32 column norms of W + scale B@A at init
@@ -152,21 +143,12 @@ def _lora_target_names(modules: list[Module]) -> list[str]:
     return sorted(names)
 
 
-def _default_targets(modules: list[Module], lora: LoraSpec) -> LoraSpec:
-    """The default targets mean "all LLM linear layers" (`--lora-targets` help; PEFT's
-    `all-linear`): for a family with other linear names (Phi-3's `qkv_proj`, `gate_up_proj`)
-    its own names, as the trace tier's `lora_targets_for` takes them off the built model."""
-    if lora.targets != DEFAULT_LORA_TARGETS:
-        return lora
-    names = tuple(n for n in _lora_target_names(modules) if n != "lm_head")
-    return replace(lora, targets=names) if names else lora
-
-
 def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
                     hidden: int) -> list[Module]:
     trainable = TRAINABLE_MODULES[spec.train]
     if spec.train == "lora":
-        spec = spec.with_(lora=_default_targets(modules, spec.lora))
+        names = [n for n in _lora_target_names(modules) if n != "lm_head"]
+        spec = spec.with_(lora=default_targets(spec.lora, names))  # the default's meaning
     out = []
     for m in modules:
         layers = tuple(replace(layer, trainable=m.name in trainable) for layer in m.layers)
@@ -226,13 +208,11 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
     name, cfg = light_config(spec.model)
     fam = family(cfg.model_type)
     multimodal = fam.kind != DECODER
-    images = _images(spec, multimodal)
+    images = images_in_batch(spec, multimodal)
     if not multimodal:
         if spec.train not in DECODER_TRAINS:
             raise SpecError("train", spec.train, DECODER_TRAINS,
                             reason=f"{cfg.model_type} has no vision tower or projector")
-        if spec.image_size is not None:
-            raise SpecError("image_size", spec.image_size, reason=f"{name} takes no images")
         modules = list(_decoder_modules(cfg, spec, "model"))
         layout = ImageLayout(crops=0, features_per_crop=0, tokens=0)
         plan_grid = False

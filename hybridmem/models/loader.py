@@ -66,10 +66,10 @@ def is_multimodal(model_type: str) -> bool:
 
 
 def analytic_refusal(model_type: str) -> SpecError:
-    """The analytic tier's one line for a family only the trace tier prices."""
+    """The analytic tier's one line for a family without closed forms (`analytic.scope`;
+    `predict` adds the tier that prices it)."""
     return SpecError("model_type", model_type,
-                     reason="the analytic tier has no closed forms for this family; "
-                     "it needs --method trace")
+                     reason="this family has no closed forms here")
 
 
 def preset_names() -> tuple[str, ...]:

@@ -33,12 +33,17 @@ __all__ = ["KNOWN_LIMITATIONS", "TraceResult", "estimate", "run_trace", "save_ti
 
 
 def _validate(spec: TrainingSpec):
-    """Same boundary checks and errors as the analytic tier; returns the HF config. A family
-    without closed forms has no model graph: the runner checks it on the built model."""
+    """Same boundary checks and errors as the analytic tier, then this tier's own refusal
+    (`trace.scope`); returns the HF config. A family without closed forms has no model graph:
+    the runner checks it on the built model."""
     from hybridmem.models.loader import is_analytic, model_type_of
+    from hybridmem.trace.scope import refusal
 
     if is_analytic(model_type_of(spec.model)):
         build_graph(spec)
+    refused = refusal(spec)
+    if refused is not None:
+        raise refused
     return load_config(spec.model)
 
 

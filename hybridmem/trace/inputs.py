@@ -14,7 +14,7 @@ from torch import nn
 
 from hybridmem.errors import SpecError
 from hybridmem.job.images import (
-    IMAGE_FAMILIES, check_seq_len, image_plan, pixel_inputs, text_inputs,
+    IMAGE_FAMILIES, check_seq_len, image_plan, images_in_batch, pixel_inputs, text_inputs,
 )
 from hybridmem.models.loader import is_multimodal
 from hybridmem.job.spec import TrainingSpec
@@ -27,13 +27,9 @@ def has_image_rule(config) -> bool:
 
 
 def images_per_sample(spec: TrainingSpec, config) -> int:
+    """`job.images.images_in_batch`; a VLM without an image-token rule runs text-only."""
     if not is_multimodal(config.model_type):
-        if spec.images_per_sample:
-            raise SpecError("images_per_sample", spec.images_per_sample, (0,),
-                            reason="a decoder-only model takes no images")
-        if spec.image_size is not None:
-            raise SpecError("image_size", spec.image_size, reason=f"{spec.model} takes no images")
-        return 0
+        return images_in_batch(spec, False)
     if not has_image_rule(config):
         if spec.images_per_sample:
             raise SpecError("images_per_sample", spec.images_per_sample, (0,),
@@ -44,7 +40,7 @@ def images_per_sample(spec: TrainingSpec, config) -> int:
                             reason="the projector runs no forward on text-only batches (no "
                             f"image-token rule for model_type={config.model_type!r} yet)")
         return 0
-    return 1 if spec.images_per_sample is None else spec.images_per_sample
+    return images_in_batch(spec, True)
 
 
 def batch_notes(spec: TrainingSpec, config) -> list[str]:
@@ -56,12 +52,15 @@ def batch_notes(spec: TrainingSpec, config) -> list[str]:
     return []
 
 
-def make_batch(spec: TrainingSpec, config, model: nn.Module | None,
-               dtype: torch.dtype) -> tuple[dict, int]:
-    """input_ids, labels (and pixel inputs) of shape (micro_batch, seq_len); image tokens per
-    sample, by the family's one rule (`job.images.image_plan`). `model` is not read: the
-    count no longer asks the model (tests check the rule against `get_image_features`).
-    A packed batch (`job.packing`) is one row of all the tokens."""
+def make_batch(spec: TrainingSpec, config, model: nn.Module | None, dtype: torch.dtype,
+               device=None, host_shapes: bool = True) -> tuple[dict, int]:
+    """input_ids, labels (and pixel inputs in `dtype`) of shape (micro_batch, seq_len) on
+    `device`; image tokens per sample, by the family's one rule (`job.images.image_plan`).
+    The one batch builder of the trace tier and the CUDA harness. `model` is not read (tests
+    check the rule against `get_image_features`; a ZeRO-3 model cannot run outside its
+    engine). `host_shapes`: grid_thw / image_sizes stay readable, as the model code reads
+    their values under fake tensors (`job.images.pixel_inputs`). A packed batch
+    (`job.packing`) is one row of all the tokens."""
     from hybridmem.job import packing
 
     b, s = packing.row(spec)
@@ -72,9 +71,8 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None,
     if n_img:
         plan = image_plan(config, spec.image_size)
         n_tok = check_seq_len(s, n_img, plan)
-        # grid_thw / image_sizes stay readable: the model code reads their values
-        batch = pixel_inputs(config, plan, b * n_img, dtype, host_shapes=True)
-    batch.update(text_inputs(config, b, s, n_tok, images=n_img))
+        batch = pixel_inputs(config, plan, b * n_img, dtype, device, host_shapes=host_shapes)
+    batch.update(text_inputs(config, b, s, n_tok, device, images=n_img))
     if spec.packing:  # TRL's padding-free collator: position ids restart per sequence
-        batch["position_ids"] = packing.position_ids(spec)
+        batch["position_ids"] = packing.position_ids(spec, device)
     return batch, n_tok

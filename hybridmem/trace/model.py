@@ -18,12 +18,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
+from hybridmem.adapters import (
+    build_error, build_peft_config, default_targets, lora_llm_pattern,
+)
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
-from hybridmem.models.decoder import MOE_TYPES
-from hybridmem.models.loader import auto_class, is_analytic
-from hybridmem.job.spec import DEFAULT_LORA_TARGETS, TrainingSpec
+from hybridmem.models.loader import auto_class
+from hybridmem.job.spec import TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
 
 def attn_for_cpu(attn: str) -> str:
@@ -31,18 +32,13 @@ def attn_for_cpu(attn: str) -> str:
     return "sdpa" if attn == "flash_attention_2" else attn
 
 
-def unsupported(spec: TrainingSpec, model_type: str, what: str,
-                err: BaseException) -> UnsupportedModelError:
+def unsupported(spec: TrainingSpec, what: str, err: BaseException) -> UnsupportedModelError:
     """The one line for a model the trace tier cannot run: the model's own error, whitespace
-    folded and cut to 300 characters (transformers' messages span lines and URLs), and the
-    analytic tier as the way out only for the families it prices."""
+    folded and cut to 300 characters (transformers' messages span lines and URLs); `predict`
+    adds the tier that prices the job, if any (`predict.no_tier`)."""
     text = " ".join(str(err).split())[:300]
-    # the MoE families' closed forms are bf16 only (analytic.estimate._setup refuses others)
-    priced = is_analytic(model_type) and not (model_type in MOE_TYPES
-                                              and spec.precision != "bf16")
-    advice = "; use --method analytic" if priced else ""
     return UnsupportedModelError("model", spec.model,
-                                 reason=f"{what} ({type(err).__name__}: {text}){advice}")
+                                 reason=f"{what} ({type(err).__name__}: {text})")
 
 
 def build_model(spec: TrainingSpec, config) -> nn.Module:
@@ -71,8 +67,8 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
                 raise SpecError("attn", spec.attn, ("eager",),
                                 reason=f"{type(err).__name__}: transformers' {config.model_type} "
                                 "code does not support it") from err
-            raise unsupported(spec, config.model_type, "its code cannot be built under fake "
-                              "tensors", err) from err
+            raise unsupported(spec, "its code cannot be built under fake tensors",
+                              err) from err
     # `no_init_weights` also skips tying: tie as `from_pretrained`/`post_init` would (Llama-3.2
     # ties lm_head to embed_tokens; untied it would count 394M parameters twice)
     model.tie_weights()
@@ -141,17 +137,11 @@ def _moe_expert_names(model: nn.Module) -> set[str]:
 
 
 def lora_targets_for(model: nn.Module, spec: TrainingSpec, config) -> TrainingSpec:
-    """The spec with the LoRA targets the default means for this model. The default (Llama's
-    seven projections) is "all LLM linear layers" (`--lora-targets` help); for a family
-    without closed forms (Phi-3's `qkv_proj`, GPT-2's `c_attn`, ...) that is its own linear
-    names, `llm_linear_names` (the analytic families' too: the model graph does the same,
-    `models.build._default_targets`). Explicit targets stay as given."""
-    import dataclasses
-
-    if spec.train != "lora" or spec.lora.targets != DEFAULT_LORA_TARGETS:
+    """The spec with the LoRA targets the default means for this model
+    (`adapters.default_targets` over `llm_linear_names`). Explicit targets stay as given."""
+    if spec.train != "lora":
         return spec
-    names = llm_linear_names(model)
-    return spec.with_(lora=dataclasses.replace(spec.lora, targets=names)) if names else spec
+    return spec.with_(lora=default_targets(spec.lora, llm_linear_names(model)))
 
 
 def _tuner_layers_with_own_move() -> list[type]:

@@ -18,10 +18,6 @@ from torch.optim import Optimizer
 from hybridmem.errors import SpecError
 from hybridmem.job.optimizers import LR, rule
 
-# any value > 0: LoRA-FA's decoupled decay `B.add_(B, alpha=...)` is in place (the peft
-# MetaMathQA lorafa experiment uses 0.1); > 0 runs the same code path as that run
-WEIGHT_DECAY = 0.1
-
 
 def make_optimizer(name: str, params: list[torch.Tensor]) -> Optimizer:
     """The optimizer `name` over `params`, configured as on CUDA (`Rule.build(cuda=False)`)."""
@@ -37,16 +33,13 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> Optimizer:
 
 
 def make_lorafa(model, lora) -> Optimizer:
-    """peft's `create_lorafa_optimizer(model, r, lora_alpha, lr, weight_decay)` (peft
-    optimizers/lorafa.py), whose step runs as on a bf16-capable CUDA GPU (`lorafa_as_on_cuda`).
+    """The registry's LoRA-FA (`job.optimizers.LoraFA.build_from_model`), whose step runs as on
+    a bf16-capable CUDA GPU (`lorafa_as_on_cuda`).
 
     It sets `requires_grad_(False)` on every lora_A, so call it before collecting the trainable
     parameters. Its one param group holds every named parameter (frozen ones are skipped in the
     step: no grad); its state is keyed by name (`...q_proj.lora` for an A/B pair)."""
-    from peft.optimizers import create_lorafa_optimizer
-
-    opt = create_lorafa_optimizer(model, r=lora.r, lora_alpha=lora.alpha, lr=LR,
-                                  weight_decay=WEIGHT_DECAY)
+    opt = rule("lora-fa").build_from_model(model, lora)
     step = opt.step
 
     @functools.wraps(step)

@@ -412,7 +412,6 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
     except (SpecError, TraceDeclined):
         raise
     except Exception as err:
-        raise build.unsupported(spec, config.model_type,
-                                f"its training step cannot run under {backend} tensors",
+        raise build.unsupported(spec, f"its training step cannot run under {backend} tensors",
                                 err) from err
     return tracker, job
