@@ -140,19 +140,6 @@ PROMPT_LEARNING = frozenset({"PROMPT_TUNING", "PREFIX_TUNING", "P_TUNING", "MULT
 TOKENIZER_INITS = {"prompt_tuning_init": ("TEXT",)}
 
 
-def default_targets(lora: LoraSpec, linear_names) -> LoraSpec:
-    """`lora` with the targets the default means on a model whose language-model linears
-    (lm_head excluded) are `linear_names`: "all LLM linear layers" (`--lora-targets` help;
-    PEFT's `all-linear`), i.e. the family's own names (Phi-3's `qkv_proj`, GPT-2's `c_attn`).
-    Explicit targets stay as given. The model graph (`models.build`) and the trace tier
-    (`trace.model.lora_targets_for`) read their names off their own model and call this."""
-    import dataclasses
-
-    if lora.targets != DEFAULT_LORA_TARGETS or not linear_names:
-        return lora
-    return dataclasses.replace(lora, targets=tuple(linear_names))
-
-
 def lora_llm_pattern(targets: tuple[str, ...]) -> str:
     """PEFT `target_modules` regex for LoRA on the named linears outside the vision tower and
     the projector (the LLaVA finetune_lora recipe: CLIP's q/k/v_proj get no adapters; the same

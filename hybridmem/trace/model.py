@@ -19,9 +19,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from hybridmem.adapters import (
-    build_error, build_peft_config, default_targets, lora_llm_pattern,
+    build_error, build_peft_config, lora_llm_pattern,
 )
 from hybridmem.errors import SpecError, UnsupportedModelError
+from hybridmem.job.lora_targets import default_targets
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
 from hybridmem.models.loader import auto_class
 from hybridmem.job.spec import TrainingSpec
@@ -138,7 +139,7 @@ def _moe_expert_names(model: nn.Module) -> set[str]:
 
 def lora_targets_for(model: nn.Module, spec: TrainingSpec, config) -> TrainingSpec:
     """The spec with the LoRA targets the default means for this model
-    (`adapters.default_targets` over `llm_linear_names`). Explicit targets stay as given."""
+    (`job.lora_targets.default_targets` over `llm_linear_names`). Explicit targets stay as given."""
     if spec.train != "lora":
         return spec
     return spec.with_(lora=default_targets(spec.lora, llm_linear_names(model)))
