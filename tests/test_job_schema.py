@@ -104,3 +104,61 @@ def test_unknown_job_key_is_one_line_naming_it():
     assert "\n" not in msg and "micro_batch_size" in msg and "micro_batch" in msg
     with pytest.raises(SpecError, match="job.lora.*rank"):
         schema.spec_from_job({"model": "tiny-llama", "train": "lora", "lora": {"rank": 4}})
+
+
+# ---------------------------------------------------------------- the CLI is generated
+
+# every option `hybridmem predict` had before the schema (names are a contract)
+CONTRACT_OPTIONS = {
+    "--model", "--micro-batch", "--seq-len", "--images-per-sample", "--image-size", "--precision",
+    "--optimizer", "--grad-ckpt", "--no-grad-ckpt", "--grad-ckpt-policy", "--train", "--lora-r",
+    "--lora-alpha", "--lora-targets", "--attn", "--peft-config", "--quantize",
+    "--quantization-config", "--kbit-prep", "--no-kbit-prep", "--loop", "--max-grad-norm",
+    "--grad-accum", "--optimizer-in-backward", "--no-optimizer-in-backward",
+    "--offload-activations", "--packing", "--no-packing", "--empty-cache-steps", "--liger",
+    "--no-liger", "--chunked-ce", "--recipe", "--deepspeed", "--training-args", "--world-size",
+    "--strategy", "--zero-stage", "--offload-optimizer", "--offload-param", "--gpu", "--gpu-mem",
+    "--find-max-batch", "--method", "--json", "--plot", "--timeline"}
+
+
+def _click_command():
+    import typer.main
+
+    from hybridmem.cli import app
+
+    group = typer.main.get_command(app)
+    return group.commands["predict"]
+
+
+def test_every_option_comes_from_the_schema_or_the_other_options():
+    from hybridmem.cli.predict import OTHER_OPTIONS
+
+    cmd = _click_command()
+    by_param = {p.name: p for p in cmd.params if p.name != "help"}
+    job = {m.key: m for m in schema.CLI_FIELDS}
+    other = {o.name: o for o in OTHER_OPTIONS}
+    assert set(by_param) == set(job) | set(other) and not set(job) & set(other)
+    for name, param in by_param.items():
+        names = set(param.opts) | set(param.secondary_opts)
+        declared = job[name].cli if name in job else other[name].decls
+        assert names == {n for d in declared for n in d.split("/")}, name
+    # every field with a CLI name is an option, in its group's panel
+    for m in schema.CLI_FIELDS:
+        assert by_param[m.key].rich_help_panel == GROUPS[m.group]
+
+
+def test_option_names_are_kept():
+    cmd = _click_command()
+    names = {n for p in cmd.params for n in (*p.opts, *p.secondary_opts)} - {"--help"}
+    assert names >= CONTRACT_OPTIONS
+
+
+def test_a_cli_only_field_reaches_the_spec_by_its_schema_key():
+    from hybridmem.parallel.cli import spec_from_cli
+
+    spec = spec_from_cli(model="tiny-llama", train="lora", lora_targets="q_proj, v_proj",
+                         lora_dropout=0.1, world_size=2, strategy="zero2", sub_group_size=10**8)
+    assert spec.lora.targets == ("q_proj", "v_proj") and spec.lora.dropout == 0.1
+    assert spec.parallel.sub_group_size == 10**8
+    with pytest.raises(SpecError, match="overrides='lora_rank'"):
+        spec_from_cli(model="tiny-llama", lora_rank=4)

@@ -106,11 +106,13 @@ def config_keys(source: str) -> dict[str, list[JobField]]:
 
 
 def parse_cli(meta: JobField, value: object) -> object:
-    """A command-line value as the field takes it: comma lists become tuples."""
-    tp = TYPES[meta.key]
-    if isinstance(value, str) and "tuple" in str(tp):
+    """A command-line (or override) value as the field takes it: a comma list or a list
+    becomes a tuple for a tuple field; anything else is left to the spec's checks."""
+    if "tuple" not in str(TYPES[meta.key]):
+        return value
+    if isinstance(value, str):
         return tuple(t.strip() for t in value.split(",") if t.strip())
-    return value
+    return tuple(value) if isinstance(value, list) else value
 
 
 def default_text(meta: JobField) -> str:
@@ -132,7 +134,7 @@ def option_help(meta: JobField) -> str:
         parts.append("One of: " + ", ".join(map(str, meta.choices)) + ".")
     default = default_text(meta)
     if default:
-        parts.append(f"Default: {default}" + (f" {meta.unit}." if meta.unit else "."))
+        parts.append(f"Default: {default}.")
     return " ".join(parts)
 
 

@@ -245,7 +245,7 @@ class TrainingSpec:
         "reads `activation_checkpointing` (or the deprecated `gradient_checkpointing`)")
     """Activation (gradient) checkpointing of the decoder / encoder layers (`grad_ckpt_policy`)."""
     grad_ckpt_policy: str = job_field(
-        "full", help="With --grad-ckpt: full, every:N (layers 0, N, 2N, ...) or ops.",
+        "full", help="Which layers --grad-ckpt checkpoints (every:N: layers 0, N, 2N, ...).",
         group="savers", choices=CKPT_POLICIES, added=6, recorded="string",
         keys={"training_args": ("activation_checkpointing_kwargs",
                                 "gradient_checkpointing_kwargs")},

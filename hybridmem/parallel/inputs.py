@@ -18,6 +18,7 @@ from dataclasses import fields
 
 from hybridmem.adapters import spec_fields
 from hybridmem.errors import SpecError
+from hybridmem.job import schema
 from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
 from hybridmem.job.loss import check_liger_config
 from hybridmem.models.loader import read_json_object
@@ -49,13 +50,11 @@ FSDP_OPTIONS: dict[str, dict] = {
     "no_shard": {"strategy": "ddp"},
     "auto_wrap": {},
 }
-SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
-             "optimizer", "grad_ckpt", "grad_ckpt_policy", "train", "attn", "loop", "max_grad_norm", "grad_accum",
-             "empty_cache_steps", "optimizer_in_backward", "quantize", "kbit_prep", "liger",
-             "chunked_ce", "offload_activations", "packing")
+OPTION_FILES: tuple[str, ...] = ("peft_config", "quantization_config")
+"""Overrides that name a file to read (the `--peft-config` / `--quantization-config` options),
+not a job field's value."""
 # TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
 HF_DEFAULT_MAX_GRAD_NORM = 1.0
-LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
 
 
 def _read_json(source: str | os.PathLike | dict, field: str) -> dict:
@@ -363,8 +362,10 @@ def _world_size_from_batch(cfg: dict, micro: int, hf: dict) -> int | None:
 # ---------------------------------------------------------------- merging
 
 def _layer_overrides(overrides: dict) -> dict:
+    """Explicit values by job-schema key (`hybridmem.job.schema.BY_KEY`: TrainingSpec and
+    ParallelSpec field names, `lora_<field>` for LoRA settings), plus the files given as
+    options (`peft_config`, `quantization_config`) and `zero_stage`."""
     spec, parallel, lora = {}, {}, {}
-    pfields = set(ParallelSpec.__dataclass_fields__)
     if overrides.get("peft_config") is not None:  # first, so --lora-* flags refine it
         adapter = spec_fields(overrides["peft_config"])
         if overrides.get("train") not in (None, adapter["train"]):
@@ -376,26 +377,20 @@ def _layer_overrides(overrides: dict) -> dict:
         else:
             spec["peft_config"] = adapter["peft_config"]
     spec.update(_quantization(overrides))
+    layer = {"spec": spec, "parallel": parallel, "lora": lora}
     for key, value in overrides.items():
-        if value is None or key in ("peft_config", "quantization_config"):
+        if value is None or key in OPTION_FILES:
             continue
-        if key in SPEC_KEYS:
-            spec[key] = value
-        elif key in LORA_KEYS:
-            if key == "lora_targets":
-                value = tuple(t.strip() for t in value.split(",") if t.strip()) \
-                    if isinstance(value, str) else tuple(value)
-            lora[LORA_KEYS[key]] = value
+        meta = schema.BY_KEY.get(key)
+        if meta is not None:
+            layer[meta.owner][meta.name] = schema.parse_cli(meta, value)
         elif key == "zero_stage":
             if value not in (1, 2, 3):
                 raise SpecError("zero_stage", value, [1, 2, 3])
             parallel["strategy"] = f"zero{value}"
-        elif key in pfields:
-            parallel[key] = value
         else:
-            raise SpecError("overrides", key, sorted((*SPEC_KEYS, *LORA_KEYS, "zero_stage",
-                                                      "peft_config", *pfields)))
-    return {"spec": spec, "parallel": parallel, "lora": lora}
+            raise SpecError("overrides", key, sorted((*schema.BY_KEY, "zero_stage", *OPTION_FILES)))
+    return layer
 
 
 def _quantization(overrides: dict) -> dict:
