@@ -162,3 +162,90 @@ def test_a_cli_only_field_reaches_the_spec_by_its_schema_key():
     assert spec.parallel.sub_group_size == 10**8
     with pytest.raises(SpecError, match="overrides='lora_rank'"):
         spec_from_cli(model="tiny-llama", lora_rank=4)
+
+
+# ---------------------------------------------------------------- config readers' keys
+
+def test_a_misspelled_training_args_key_warns_and_trainers_default_batch_is_priced(tmp_path):
+    from hybridmem.parallel.config_keys import collect_warnings
+    from hybridmem.parallel.inputs import HF_DEFAULT_BATCH, spec_from_inputs
+
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"per_device_train_batch_sise": 4, "bf16": True,
+                                "learning_rate": 2e-5, "output_dir": "out"}))
+    with collect_warnings() as caught:
+        spec = spec_from_inputs(training_args=str(path), overrides={"model": "tiny-llama"})
+    # Trainer never sees a batch size in this file: its default, not our spec's 1
+    assert HF_DEFAULT_BATCH == 8 and spec.micro_batch == 8
+    assert len(caught) == 1  # learning_rate / output_dir are TrainingArguments fields
+    assert "per_device_train_batch_sise" in caught[0] and str(path) in caught[0]
+    assert "nearest known key: per_device_train_batch_size" in caught[0]
+    # given, the file's batch wins over the default, and a flag over both
+    path.write_text(json.dumps({"per_device_train_batch_size": 4}))
+    assert spec_from_inputs(training_args=str(path), overrides={"model": "tiny-llama"}).micro_batch == 4
+    assert spec_from_inputs(training_args={"bf16": True},
+                            overrides={"model": "tiny-llama", "micro_batch": 2}).micro_batch == 2
+
+
+def test_without_a_collector_the_warning_is_a_python_warning():
+    from hybridmem.parallel.config_keys import ConfigKeyWarning
+    from hybridmem.parallel.inputs import from_training_args
+
+    with pytest.warns(ConfigKeyWarning, match="gradient_acumulation_steps.*gradient_accumulation_steps"):
+        from_training_args({"gradient_acumulation_steps": 4})
+
+
+def test_deepspeed_unknown_and_unpriced_keys_warn():
+    from hybridmem.parallel.config_keys import collect_warnings
+    from hybridmem.parallel.inputs import from_deepspeed_json
+
+    with collect_warnings() as caught:
+        out = from_deepspeed_json({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5,
+                                                          "round_robin_gradients": True,
+                                                          "cpu_offload": True},
+                                   "steps_per_print": 10, "gradient_clippin": 1.0})
+    assert out["parallel"]["strategy"] == "zero2"
+    text = "\n".join(caught)
+    assert "'zero_optimization.reduce_bucket_sise'" in text and "reduce_bucket_size" in text
+    assert "'gradient_clippin'" in text and "gradient_clipping" in text
+    assert "cpu_offload" in text and "offload_optimizer" in text
+    assert "round_robin" not in text and "steps_per_print" not in text
+    # DeepSpeed's short aliases of the stage-3 knobs are read, not dropped
+    out = from_deepspeed_json({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 7}})
+    assert out["parallel"]["stage3_prefetch_bucket_size"] == 7
+
+
+def test_bnb_and_peft_unknown_keys_warn(tmp_path):
+    from hybridmem.parallel.config_keys import collect_warnings
+    from hybridmem.parallel.inputs import spec_from_inputs
+
+    bnb = tmp_path / "bnb.json"
+    bnb.write_text(json.dumps({"load_in_4bit": True, "bnb_4bit_quant_typ": "nf4"}))
+    adapter = tmp_path / "adapter_config.json"
+    adapter.write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                   "target_modules": ["q_proj"], "lora_dropuot": 0.1,
+                                   "task_type": "CAUSAL_LM"}))
+    with collect_warnings() as caught:
+        spec_from_inputs(overrides={"model": "tiny-llama", "peft_config": str(adapter),
+                                    "quantization_config": str(bnb)})
+    text = "\n".join(caught)
+    assert "bnb_4bit_quant_typ'" in text and "bnb_4bit_quant_type" in text
+    assert "lora_dropuot'" in text and "lora_dropout" in text and "task_type" not in text
+
+
+def test_every_conversion_key_is_declared_on_a_field():
+    from hybridmem.parallel.inputs import CONVERSIONS
+
+    for source, conversions in CONVERSIONS.items():
+        declared = set(schema.config_keys(source))
+        for c in conversions:
+            assert set(c.reads) <= declared, (source, c.fn.__name__, set(c.reads) - declared)
+
+
+def test_declared_training_args_keys_are_trainer_or_extension_fields():
+    from hybridmem.parallel.config_keys import training_args_known
+
+    known = training_args_known()
+    # world_size: torchrun's, not a TrainingArguments field; attn_implementation: a
+    # TrainingArguments field of LLaVA-NeXT-style trainers (upstream LLaVA passes it to train())
+    assert set(schema.config_keys("training_args")) - known <= {"world_size", "attn_implementation"}

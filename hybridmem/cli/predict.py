@@ -164,6 +164,7 @@ def predict_command(**values) -> None:
     from hybridmem.report import plot as save_plot, render
 
     from hybridmem.parallel.cli import fit_lines, spec_from_cli
+    from hybridmem.parallel.config_keys import collect_warnings
     from hybridmem.parallel.fit import smallest_fitting_setup
 
     gpu, gpu_mem, method = values.pop("gpu"), values.pop("gpu_mem"), values.pop("method")
@@ -172,7 +173,10 @@ def predict_command(**values) -> None:
     # recipe < --training-args < --deepspeed < explicit flags (None = flag not given); the rest
     # of `values` are the job fields by schema key, --peft-config, --quantization-config and
     # --zero-stage
-    spec = spec_from_cli(**values)
+    with collect_warnings() as config_warnings:
+        spec = spec_from_cli(**values)
+    for warning in config_warnings:  # keys of the user's files that were not read
+        typer.echo(f"warning: {warning}", err=True)
     target = resolve_gpu(gpu, gpu_mem)
     options = {}
     if timeline is not None:
