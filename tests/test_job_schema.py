@@ -249,3 +249,41 @@ def test_declared_training_args_keys_are_trainer_or_extension_fields():
     # world_size: torchrun's, not a TrainingArguments field; attn_implementation: a
     # TrainingArguments field of LLaVA-NeXT-style trainers (upstream LLaVA passes it to train())
     assert set(schema.config_keys("training_args")) - known <= {"world_size", "attn_implementation"}
+
+
+# ---------------------------------------------------------------- the job echo
+
+def test_json_carries_the_job_and_the_console_echoes_it_first(tmp_path, capsys, monkeypatch):
+    import importlib
+
+    from hybridmem.cli import main
+
+    from hybridmem.categories import CATEGORIES
+    from hybridmem.prediction import Peak, Prediction
+
+    def stub(spec, **options):  # a stub tier: the CLI alone is under test here
+        breakdown = dict.fromkeys(CATEGORIES, 0) | {"param": 2**30}
+        peak = Peak(allocated_bytes=2**30, reserved_bytes=2**30, device_bytes=2**30,
+                    phase="forward", iteration=0)
+        return Prediction(model=spec.model, method="stub", params_total=1, params_trainable=1,
+                          peak=peak, breakdown=breakdown, modules=())
+
+    monkeypatch.setattr(importlib.import_module("hybridmem.predict"), "estimator",
+                        lambda method: stub)
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"per_device_train_batch_sise": 4, "gradient_checkpointing": True}))
+    assert main(["predict", "--model", "tiny-llama", "--training-args", str(args), "--train",
+                 "lora", "--lora-r", "4", "--method", "analytic", "--json"]) == 0
+    captured = capsys.readouterr()
+    job = json.loads(captured.out)["job"]
+    assert (job["micro_batch"], job["grad_ckpt"], job["train"]) == (8, True, "lora")
+    assert job["lora"]["r"] == 4 and job["world_size"] == 1 and job["strategy"] == "none"
+    assert len(job["warnings"]) == 1 and "per_device_train_batch_sise" in job["warnings"][0]
+    assert "per_device_train_batch_sise" in captured.err
+    assert schema.spec_from_job(job).micro_batch == 8
+    assert main(["predict", "--model", "tiny-llama", "--micro-batch", "3", "--liger",
+                 "--method", "analytic"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("model: tiny-llama")
+    assert lines[1].startswith("batch: micro_batch=3 seq_len=2048")
+    assert any(line.startswith("savers: liger=on") for line in lines[:6])

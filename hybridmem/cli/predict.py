@@ -8,6 +8,7 @@ contract other tools script against; keep them stable.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from dataclasses import dataclass
@@ -186,6 +187,7 @@ def predict_command(**values) -> None:
     given, method = method, resolve_method(method, spec)
     result = predict(spec, method=method, gpu=target, find_max_batch=find_max_batch, **options)
     result = _method_note(result, method, given, spec)
+    result = dataclasses.replace(result, job={**schema.job_dict(spec), "warnings": config_warnings})
     advice = None
     if target is not None and (spec.parallel.strategy != "none" or not result.fits):
         advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=method, gpu=target))

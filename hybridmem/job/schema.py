@@ -209,24 +209,31 @@ def _shown(value: object) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, (list, tuple)):
-        return ",".join(map(str, value))
-    return str(value)
+        value = ",".join(map(str, value))
+    text = str(value)
+    return text if len(text) <= ECHO_WIDTH else text[:ECHO_WIDTH - 3] + "..."
+
+
+ECHO_WIDTH = 48
+"""Longest value the echo shows whole (a PEFT config's JSON is cut)."""
 
 
 def echo_lines(job: dict) -> list[str]:
-    """The job as priced, a few lines, one per group: the `echo` fields always, the others
-    when they are not at their default (LoRA settings only when training LoRA)."""
-    lines = [f"job: {job['model']}"]
+    """The job as priced, one line per group: the `echo` fields always, the others when they
+    are not at their default (LoRA settings only when training LoRA), e.g.
+    `model: llava-1.5-7b attn=sdpa` / `batch: micro_batch=8 seq_len=2048 grad_accum=1`."""
+    lines = []
     for group, metas in by_group().items():
         parts = []
         for meta in metas:
-            if meta.name == "model" or (meta.owner == "lora" and job.get("lora") is None):
+            if meta.owner == "lora" and job.get("lora") is None:
                 continue
             value = _value(meta, job)
-            default = _plain(meta.default)
-            if meta.echo or meta.owner == "lora" and meta.name in ("r", "alpha") \
-                    or value != default:
+            if meta.name == "model":
+                parts.append(_shown(value))
+            elif meta.echo or value != _plain(meta.default) \
+                    or meta.owner == "lora" and meta.name in ("r", "alpha"):
                 parts.append(f"{meta.key}={_shown(value)}")
         if parts:
-            lines.append(f"  {GROUPS[group].lower()}: " + " ".join(parts))
+            lines.append(f"{group}: " + " ".join(parts))
     return lines
