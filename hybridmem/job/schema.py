@@ -96,6 +96,17 @@ def feature_fields() -> list[JobField]:
     return [m for m in FIELDS if m.feature]
 
 
+def feature_values(spec: TrainingSpec) -> dict[str, object]:
+    """The job's own learned-tier features: each `feature` field's value under its flat key,
+    a bool as 0/1 (features derived with the model config are `hybridmem.learned.features`')."""
+    holders = {"spec": spec, "lora": spec.lora, "parallel": spec.parallel}
+    out: dict[str, object] = {}
+    for meta in feature_fields():
+        value = getattr(holders[meta.owner], meta.name)
+        out[meta.key] = int(value) if isinstance(value, bool) else value
+    return out
+
+
 def config_keys(source: str) -> dict[str, list[JobField]]:
     """Config key of `source` (field.SOURCES) -> the fields it sets, in declaration order."""
     out: dict[str, list[JobField]] = {}

@@ -6,8 +6,11 @@ way transformers does it (`integrations/deepspeed.py`, `HfTrainerDeepSpeedConfig
 `trainer_config_process` fills batch size and bf16/fp16 from the TrainingArguments, and
 `trainer_config_finalize` fills the hidden-size based keys from the model config.
 
-Every problem is a one-line SpecError (malformed JSON, an "auto" that cannot be resolved,
-contradictory options).
+Which key sets which field comes from the job schema (`hybridmem.job.schema.config_keys`):
+a declared key is copied onto its field, the conversions below read the keys that need more and
+declare them; any other key is known to the file's library or a warning
+(`hybridmem.parallel.config_keys`). Every problem is a one-line SpecError (malformed JSON, an
+"auto" that cannot be resolved, contradictory options).
 """
 
 from __future__ import annotations
@@ -570,8 +573,9 @@ def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict 
                  training_args: str | os.PathLike | dict | None = None,
                  overrides: dict | None = None) -> dict:
     """TrainingSpec keyword arguments from the inputs; explicit `overrides` win over files, files
-    over the recipe. `overrides` take TrainingSpec field names, lora_r/lora_alpha/lora_targets,
-    ParallelSpec field names and zero_stage; None values are ignored."""
+    over the recipe, and a file read as a Trainer run (a recipe, TrainingArguments) starts from
+    Trainer's default batch. `overrides` take job-schema keys (`_layer_overrides`); None values
+    are ignored."""
     over = _layer_overrides(overrides or {})
     layers: list[dict] = []
     ds_sources: list[tuple] = []  # (DeepSpeed config, where it came from)
