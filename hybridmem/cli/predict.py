@@ -91,6 +91,7 @@ OTHER_OPTIONS: tuple[CliOption, ...] = (
 
 
 def panel_title(panel: str) -> str:
+    """The help panel's title: a job group's, or the panel name itself."""
     return GROUPS.get(panel, panel)
 
 

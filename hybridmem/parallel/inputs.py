@@ -146,7 +146,9 @@ def _typed(field: str, meta, value: object) -> object:
     if tp is int:
         return _count(field, value)
     if tp is float:
-        return _norm(field, value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise SpecError(field, value, reason="must be a number >= 0")
+        return float(value)
     return value
 
 
