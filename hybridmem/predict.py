@@ -13,6 +13,7 @@ from importlib import import_module
 
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.gpus import GPU
+from hybridmem.job.schema import job_dict
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import is_analytic, model_type_of
 from hybridmem.prediction import Prediction
@@ -245,7 +246,8 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
         raise no_tier(err, spec, "trace") from err
     notes = result.notes if choice.note is None else (*result.notes, choice.note)
     # a tier that answered with another one (the hybrid tier's fallbacks) says why itself
-    result = dataclasses.replace(result, notes=notes,
+    # every answer says what job it priced, with the schema's names
+    result = dataclasses.replace(result, notes=notes, job=job_dict(spec),
                                  extras={"method_reason": choice.reason, **result.extras})
     if gpu is None:
         return result

@@ -66,6 +66,9 @@ class Prediction:
     outside PyTorch's allocator (not in allocated / reserved), in `device_bytes` and
     `breakdown["context"]` while resident. The driver pages it out to host memory under pressure
     instead of failing, so `fits` does not count it (docs/design.md, "Optimizers")."""
+    job: dict | None = None
+    """The job as priced, with the job schema's names (`hybridmem.job.schema.job_dict`, plus
+    `warnings`: the config readers' warnings); set by the front door that resolved it."""
 
     def __post_init__(self) -> None:
         assert tuple(self.breakdown) == CATEGORIES, tuple(self.breakdown)
@@ -105,6 +108,7 @@ class Prediction:
             "max_micro_batch": self.max_micro_batch,
             "notes": list(self.notes),
             "paged_bytes": self.paged_bytes,
+            "job": self.job,
         }
         out.update({k: v for k, v in self.extras.items() if k not in out})
         return out

@@ -55,6 +55,11 @@ def render(pred: Prediction, console=None) -> None:
         console = Console()
         if not console.is_terminal:  # pipes and logs: do not truncate module names at 80 cols
             console = Console(width=140)
+    if pred.job is not None:  # first: the job that was priced, as the schema names it
+        from hybridmem.job.schema import echo_lines
+
+        for line in echo_lines(pred.job):
+            console.print(line, highlight=False, markup=False)
     # module rows hold each module's own tensors (params, grads, state) and what it saves for
     # backward; the breakdown below is the snapshot at the device peak, so the two can differ
     # (e.g. bf16 grads already folded into fp32 master grads at an optimizer-step peak)

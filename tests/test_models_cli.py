@@ -40,7 +40,7 @@ def test_the_docs_name_every_declared_family():
 
     root = Path(__file__).resolve().parents[1]
     readme = next(l for l in (root / "README.md").read_text().splitlines()
-                  if l.startswith("| `--model` |"))
+                  if l.startswith("| `--model`"))
     which = (root / "docs" / "trace.md").read_text().split("## Which models")[1].split("\n\n")[1]
     for model_type in REGISTRY:
         assert f"`{model_type}`" in readme, model_type

@@ -62,9 +62,9 @@ def test_cli_clash_exits_2_naming_it():
 
 def test_training_args_give_the_flags(tmp_path):
     """TRL SFTConfig `activation_offloading` = the flag `all`; transformers'
-    `gradient_checkpointing_kwargs.offload` = `ckpt-inputs` (max_grad_norm 0: the flags'
-    default, the file's Trainer default would be 1.0)."""
-    over = {"model": "tiny-llama", "seq_len": 64, "max_grad_norm": 0.0}
+    `gradient_checkpointing_kwargs.offload` = `ckpt-inputs` (micro-batch 1 and max_grad_norm 0:
+    the flags' defaults, the file's Trainer defaults would be 8 and 1.0)."""
+    over = {"model": "tiny-llama", "seq_len": 64, "micro_batch": 1, "max_grad_norm": 0.0}
     a = spec_from_inputs(training_args={"activation_offloading": True}, overrides=over)
     b = spec_from_inputs(overrides={**over, "offload_activations": "all"})
     assert a == b.with_(loop="trainer")

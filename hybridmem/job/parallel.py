@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hybridmem.errors import SpecError
+from hybridmem.job.field import job_field
 
 STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 ZERO_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -31,47 +32,106 @@ def _check_count(name: str, value: object, minimum: int = 1) -> None:
 class ParallelSpec:
     """How the job is spread over GPUs; memory is predicted per rank."""
 
-    world_size: int = 1
+    world_size: int = job_field(
+        1, help="Data-parallel GPUs; memory is predicted per GPU.", group="parallel",
+        unit="GPUs", feature=True, echo=True,
+        keys={"training_args": ("world_size",),
+              "deepspeed": ("train_batch_size", "gradient_accumulation_steps")},
+        doc="data-parallel ranks; memory is predicted per GPU. A TrainingArguments file's "
+        "`world_size` key, else `$WORLD_SIZE`; a numeric DeepSpeed `train_batch_size` fixes it "
+        "(micro-batch x accumulation x world size)")
     """Number of data-parallel ranks (GPUs)."""
-    strategy: Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"] = "none"
+    strategy: Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"] = job_field(
+        "none", help="Data-parallel flavour (--zero-stage N = zeroN).", group="parallel",
+        feature=True, echo=True, keys={"training_args": ("fsdp", "deepspeed"),
+                                       "deepspeed": ("zero_optimization.stage",)},
+        doc="`none` (one process), `ddp`, `zero1`, `zero2`, `zero3` (DeepSpeed ZeRO), `fsdp` "
+        "(FSDP2); TrainingArguments `fsdp` (`full_shard`, `shard_grad_op`, `no_shard`) and "
+        "`deepspeed`, a DeepSpeed JSON's `zero_optimization.stage`; a world size > 1 without "
+        "either is DDP. Details and sources: [docs/parallel.md](docs/parallel.md)")
     """Data-parallel flavour; `none` is a single process."""
 
     # --- torch DDP (torch/nn/parallel/distributed.py) ---
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = job_field(
+        25.0, help="DDP gradient bucket size.", group="parallel", unit="MiB", cli=False)
     """DDP gradient bucket size in MiB (torch DDP docs: default 25)."""
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool = job_field(
+        False, help="DDP: grads are views into the buckets.", group="parallel", cli=False)
     """DDP: grads are views into the buckets instead of a second copy (torch default False)."""
 
     # --- DeepSpeed ZeRO (deepspeed/runtime/zero/config.py defaults) ---
-    reduce_bucket_size: int = 500_000_000
+    reduce_bucket_size: int = job_field(
+        500_000_000, help="ZeRO: elements per gradient reduce bucket.", group="parallel",
+        unit="elements", cli=False, keys={"deepspeed": ("zero_optimization.reduce_bucket_size",)})
     """Elements per gradient reduce bucket (ZERO_OPTIMIZATION_REDUCE_BUCKET_SIZE_DEFAULT 5e8)."""
-    allgather_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = job_field(
+        500_000_000, help="ZeRO-1/2: elements per parameter all-gather bucket.",
+        group="parallel", unit="elements", cli=False,
+        keys={"deepspeed": ("zero_optimization.allgather_bucket_size",)})
     """Elements per ZeRO-1/2 parameter all-gather bucket (default 5e8)."""
-    contiguous_gradients: bool = True
+    contiguous_gradients: bool = job_field(
+        True, help="ZeRO: grads copied into one contiguous partition buffer.", group="parallel",
+        cli=False, keys={"deepspeed": ("zero_optimization.contiguous_gradients",)})
     """Copy grads into one contiguous partition buffer as they are reduced (default True)."""
-    overlap_comm: bool | None = None
+    overlap_comm: bool | None = job_field(
+        None, help="ZeRO: overlap reduction with backward (default: True for stage 3).",
+        group="parallel", cli=False, keys={"deepspeed": ("zero_optimization.overlap_comm",)})
     """Overlap reduction with backward; None = DeepSpeed's default (True for stage 3, else False)."""
-    stage3_prefetch_bucket_size: int = 50_000_000
+    # DeepSpeedZeroConfig takes the stage3_ names and their short aliases
+    # (`Field(alias="stage3_...")` with populate_by_name, deepspeed/runtime/zero/config.py)
+    stage3_prefetch_bucket_size: int = job_field(
+        50_000_000, help="ZeRO-3: elements fetched ahead of use.", group="parallel",
+        unit="elements", cli=False,
+        keys={"deepspeed": ("zero_optimization.stage3_prefetch_bucket_size",
+                            "zero_optimization.prefetch_bucket_size")})
     """ZeRO-3: elements fetched ahead of use (default 5e7)."""
-    stage3_param_persistence_threshold: int = 100_000
+    stage3_param_persistence_threshold: int = job_field(
+        100_000, help="ZeRO-3: params this small are never partitioned.", group="parallel",
+        unit="elements", cli=False,
+        keys={"deepspeed": ("zero_optimization.stage3_param_persistence_threshold",
+                            "zero_optimization.param_persistence_threshold")})
     """ZeRO-3: params with at most this many elements are never partitioned (default 1e5)."""
-    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_live_parameters: int = job_field(
+        1_000_000_000, help="ZeRO-3: cap on gathered elements alive at once.", group="parallel",
+        unit="elements", cli=False,
+        keys={"deepspeed": ("zero_optimization.stage3_max_live_parameters",
+                            "zero_optimization.max_live_parameters")})
     """ZeRO-3: cap on gathered elements alive at once (default 1e9)."""
-    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_max_reuse_distance: int = job_field(
+        1_000_000_000, help="ZeRO-3: a param reused this soon is not released.",
+        group="parallel", unit="elements", cli=False,
+        keys={"deepspeed": ("zero_optimization.stage3_max_reuse_distance",
+                            "zero_optimization.max_reuse_distance")})
     """ZeRO-3: a param reused within this many elements is not released (default 1e9)."""
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int = job_field(
+        1_000_000_000, help="ZeRO-3: elements per optimizer sub-group stepped at once.",
+        group="parallel", unit="elements", cli=False,
+        keys={"deepspeed": ("zero_optimization.sub_group_size",)})
     """ZeRO-3: elements per optimizer sub-group stepped at once (default 1e9)."""
-    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_optimizer: Literal["none", "cpu"] = job_field(
+        "none", help="ZeRO-Offload: optimizer state and fp32 master weights on the CPU.",
+        group="parallel", keys={"deepspeed": ("zero_optimization.offload_optimizer",)},
+        doc="`none` or `cpu` (ZeRO-Offload: fp32 master weights, optimizer state and fp32 "
+        "grads on the CPU; a DeepSpeed `offload_optimizer.device` of `nvme` frees the GPU the "
+        "same way)")
     """ZeRO-Offload: fp32 master weights, optimizer state and fp32 grads on the CPU."""
-    offload_param: Literal["none", "cpu"] = "none"
+    offload_param: Literal["none", "cpu"] = job_field(
+        "none", help="ZeRO-Infinity (zero3 only): parameter partitions on the CPU.",
+        group="parallel", keys={"deepspeed": ("zero_optimization.offload_param",)})
     """ZeRO-Infinity (stage 3 only): parameter partitions on the CPU."""
 
     # --- PyTorch FSDP2 (torch/distributed/fsdp/_fully_shard) ---
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = job_field(
+        True, help="FSDP2: free unsharded params after each unit's forward.", group="parallel",
+        cli=False, keys={"training_args": ("fsdp",)})
     """FSDP2: free unsharded params after each unit's forward (fully_shard default True)."""
-    mp_param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    mp_param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = job_field(
+        "auto", help="FSDP2 MixedPrecisionPolicy.param_dtype (auto: the compute dtype).",
+        group="parallel", cli=False)
     """FSDP2 MixedPrecisionPolicy.param_dtype; auto = the spec's compute dtype."""
-    mp_reduce_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    mp_reduce_dtype: Literal["auto", "fp32", "bf16", "fp16"] = job_field(
+        "auto", help="FSDP2 MixedPrecisionPolicy.reduce_dtype (auto: param_dtype).",
+        group="parallel", cli=False)
     """FSDP2 MixedPrecisionPolicy.reduce_dtype; auto = param_dtype (FSDP2's None)."""
 
     def __post_init__(self) -> None:

@@ -1,27 +1,18 @@
 """The job's loop and technique fields that every measured row records and a sweep can vary.
 
-One table instead of a copy in the dataset schema, the row writer and the sweep's axes (each
-technique used to add itself to all three): a field added here is a dataset column (with the
-default older parts read back with), a `hybridmem collect` sweep axis of the same name, and a
-`TrainingSpec` field passed through unchanged. `datasets/README.md` documents each column.
+Derived from the job schema: a field declared with `recorded=<pandas dtype>`
+(`hybridmem.job.field.job_field`) is a dataset column (with the default older parts read back
+with), a `hybridmem collect` sweep axis of the same name, and a `TrainingSpec` field passed
+through unchanged; the columns come in the order the fields were added (`added=`), so the
+dataset's column order never moves. `datasets/README.md` documents each column.
 """
 
 from __future__ import annotations
 
-RECORDED: dict[str, tuple[str, object]] = {
-    # field: (pandas dtype of its column, default = the spec's default)
-    "loop": ("string", "trainer"),  # what outlives the forward (spec.LOOPS)
-    "max_grad_norm": ("float64", 0.0),  # clip_grad_norm_ before the step; 0 = off
-    "grad_accum": ("int64", 1),  # micro-steps per optimizer step
-    "empty_cache_steps": ("int64", 0),  # torch.cuda.empty_cache() cadence (spec.empty_cache_at)
-    "grad_ckpt_policy": ("string", "full"),  # which layers --grad-ckpt checkpoints
-    "optimizer_in_backward": ("bool", False),  # docs/savers.md
-    "quantize": ("string", "none"),  # bitsandbytes base weights (docs/quantize.md)
-    "liger": ("bool", False),  # Liger kernels (docs/loss.md)
-    "chunked_ce": ("int64", 0),  # torchtune chunked cross-entropy chunks; 0 = off
-    "offload_activations": ("string", "none"),  # saved activations on the host (docs/savers.md)
-    "packing": ("bool", False),  # padding-free packed batches (docs/savers.md)
-}
+from hybridmem.job.schema import recorded_fields as _recorded
+
+RECORDED: dict[str, tuple[str, object]] = {m.name: (m.recorded, m.default) for m in _recorded()}
+"""field: (pandas dtype of its column, default = the spec's default)."""
 
 _CAST = {"string": str, "float64": float, "int64": int, "bool": bool}
 

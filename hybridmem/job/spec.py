@@ -11,10 +11,15 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal, get_args
 
 from hybridmem.errors import SpecError
+from hybridmem.job.field import added_defaults, job_field
 from hybridmem.job.loss import check_loss_spec
 from hybridmem.job.images import normalize_image_size
+from hybridmem.job.offload_rules import MODES as OFFLOAD_MODES
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.job.precision import POLICIES, PrecisionPolicy  # noqa: F401 (read as spec.POLICIES)
+from hybridmem.job.quantize import COMPUTE_DTYPES as QUANT_COMPUTE_DTYPES
+from hybridmem.job.quantize import QUANTIZE
+from hybridmem.job.quantize import STORAGE_DTYPES as QUANT_STORAGE_DTYPES
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
 # one entry per rule of `hybridmem.job.optimizers.OPTIMIZERS` (tests/test_optimizers.py checks)
@@ -100,20 +105,37 @@ def ckpt_layer(spec: "TrainingSpec", index: int) -> bool:
 class LoraSpec:
     """LoRA adapters as PEFT builds them (adapter weights in fp32 by default)."""
 
-    r: int = 8
+    r: int = job_field(
+        8, help="LoRA rank.", group="adapters", cli="--lora-r", keys={
+            "peft": ("r",), "training_args": ("lora_r",)})
     """Adapter rank."""
-    alpha: float = 16.0
+    alpha: float = job_field(
+        16.0, help="LoRA alpha (scale alpha / r; no memory effect).", group="adapters",
+        cli="--lora-alpha", keys={"peft": ("lora_alpha",), "training_args": ("lora_alpha",)})
     """Scaling numerator (scale = alpha / r); changes no memory, kept for the record."""
-    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    targets: tuple[str, ...] = job_field(
+        DEFAULT_LORA_TARGETS, help="Comma-separated module names that get adapters.",
+        group="adapters", cli="--lora-targets", keys={"peft": ("target_modules",)},
+        doc="module-name suffixes that get adapters (PEFT `target_modules`); default: every "
+        "LLM linear layer but `lm_head` (`q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+        "down_proj`, LLaVA's `find_all_linear_names`)")
     """Module-name suffixes that get adapters (PEFT `target_modules`)."""
-    dropout: float = 0.0
+    dropout: float = job_field(
+        0.0, help="LoRA dropout (> 0 saves a mask and the dropped input per adapted layer).",
+        group="adapters", cli=False, keys={"peft": ("lora_dropout",)})
     """LoRA dropout; > 0 saves a dropout mask and the dropped input per adapted layer."""
-    use_dora: bool = False
+    use_dora: bool = job_field(
+        False, help="DoRA: a magnitude vector per adapted layer, the weight norm in forward.",
+        group="adapters", cli=False, keys={"peft": ("use_dora",)}, added=18)
     """DoRA (PEFT `use_dora`): a trainable magnitude vector per adapted layer and the weight
     norm computed in every forward."""
-    use_rslora: bool = False
+    use_rslora: bool = job_field(
+        False, help="rsLoRA scaling alpha / sqrt(r) (no memory effect).", group="adapters",
+        cli=False, keys={"peft": ("use_rslora",)}, added=19)
     """rsLoRA scaling alpha / sqrt(r); changes no memory, kept for the record."""
-    modules_to_save: tuple[str, ...] = ()
+    modules_to_save: tuple[str, ...] = job_field(
+        (), help="Modules trained in full next to the adapters (a trainable copy).",
+        group="adapters", cli=False, keys={"peft": ("modules_to_save",)}, added=20)
     """Modules trained in full next to the adapters (PEFT `modules_to_save`: a trainable copy)."""
 
     def __post_init__(self) -> None:
@@ -131,77 +153,261 @@ class LoraSpec:
 class TrainingSpec:
     """One training configuration whose per-GPU peak memory we predict."""
 
-    model: str
+    model: str = job_field(
+        help="Preset name or path to a HF config.json (or its folder).", group="model",
+        echo=True,
+        doc="preset (`llava-1.5-7b`, `llava-1.5-13b`, `llava-v1.6-mistral-7b`, "
+        "`llava-onevision-qwen2-7b-ov-hf`, `qwen2-vl-7b-instruct`, `qwen2.5-vl-7b-instruct`, "
+        "`qwen3-vl-8b-instruct`, `qwen3-vl-30b-a3b-instruct`, `idefics3-8b-llama3`, "
+        "`mistral-small-3.1-24b-instruct-2503`, `pixtral-12b`, `internvl3-2b-hf`, "
+        "`internvl3-8b-hf`, `gemma-3-4b-it`, `llama-3.2-3b`, `qwen2-7b`, `qwen3-8b`, `phi-4`, "
+        "`gemma-2-9b`, `mixtral-8x7b-v0.1`, `qwen3-30b-a3b`, `tiny-llava`, …; `hybridmem "
+        "models` lists every preset with its family, parameter count and tiers) or a path to a "
+        "HF `config.json` / its folder; nothing is downloaded. `model_type` `llava` (CLIP, "
+        "SigLIP or Pixtral tower), `llava_next`, `llava_onevision`, `qwen2_vl`, `qwen2_5_vl`, "
+        "`qwen3_vl`, `qwen3_vl_moe`, `idefics3`, `smolvlm`, `internvl`, `mistral3`, `gemma3` "
+        "(VLMs with their image-token rule, [docs/vlm-families.md](docs/vlm-families.md)) and "
+        "`llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3_text`, `mixtral`, "
+        "`qwen3_moe` (decoders, [docs/families.md](docs/families.md); Gemma 2 needs `--attn "
+        "eager`, the MoE families full bf16): every tier (closed forms). Any other `model_type` "
+        "the installed transformers builds as `AutoModelForCausalLM` or "
+        "`AutoModelForImageTextToText` (GPT-2, OPT, PaliGemma, Mllama, …): trace tier only, "
+        "which `predict` picks without `--method` (and says so in the notes); `--method "
+        "analytic` refuses it in one line; `--method hybrid` answers with the trace tier and "
+        "says so. Those VLMs are priced on text-only batches (`--images-per-sample 0`: the "
+        "vision tower and projector hold weights but run no forward); the default LoRA targets "
+        "are the family's own language-model linears "
+        "([docs/trace.md](docs/trace.md#which-models))")
     """Preset name (see `hybridmem.models.PRESETS`) or path to a HF config.json / folder."""
-    micro_batch: int = 1
+    micro_batch: int = job_field(
+        1, help="Samples per GPU per step.", group="batch", unit="samples", feature=True,
+        echo=True, keys={"training_args": ("per_device_train_batch_size",),
+                         "deepspeed": ("train_micro_batch_size_per_gpu",)},
+        doc="the per-GPU batch (a TrainingArguments file without "
+        "`per_device_train_batch_size` means Trainer's 8; DeepSpeed's `\"auto\"` takes it "
+        "from there)")
     """Samples per GPU per step."""
-    seq_len: int = 2048
+    seq_len: int = job_field(
+        2048, help="Tokens per sample, image tokens included.", group="batch", unit="tokens",
+        feature=True, echo=True,
+        keys={"training_args": ("model_max_length", "max_seq_length", "max_length")},
+        doc="tokens per sample **including image tokens** (as LLaVA's `model_max_length` "
+        "counts them; TRL SFTConfig's `max_length`, `max_seq_length` before TRL 0.20, "
+        "truncates every sample to it)")
     """Tokens per sample incl. image tokens (LLaVA's `model_max_length` counts both)."""
-    images_per_sample: int | None = None
+    images_per_sample: int | None = job_field(
+        None, help="Images per sample (default: 1 for multimodal models, 0 for LLMs).",
+        group="batch", unit="images",
+        doc="default 1 image at the tower's native size for multimodal models, 0 for LLMs")
     """Images per sample; None means 1 for a multimodal model and 0 for a decoder LLM."""
-    image_size: int | str | None = None
+    image_size: int | str | None = job_field(
+        None, help="Image side in pixels, or HxW (default: the vision tower's).",
+        group="batch", unit="pixels",
+        doc="the image side in pixels, default the tower's native size; `--image-size HxW` for "
+        "native-resolution families (Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the patch grid, the 2×2 "
+        "merge and window attention follow from it; Mistral-3 and pixtral-12b: the input image, "
+        "shrunk to the longest edge, default a longest-edge square; "
+        "[docs/vlm-families.md](docs/vlm-families.md)) and the image-splitting ones (Idefics3 / "
+        "SmolVLM: the tile grid of the resized image, default the size the checkpoint records, "
+        "else 4 tiles; InternVL: the 1-12-tile grid of the input image's aspect ratio, plus a "
+        "thumbnail, default one tile)")
     """Input image side in pixels, or "HxW" (Qwen2-VL / Qwen2.5-VL: native dynamic
     resolution); None means the vision tower's native size. A square is stored as an int."""
-    precision: Precision = "bf16-mixed"
+    precision: Precision = job_field(
+        "bf16-mixed", help="Where params, grads and optimizer state live.", group="precision",
+        feature=True, echo=True, keys={"training_args": ("bf16", "fp16"),
+                                       "deepspeed": ("bf16", "fp16", "bfloat16")},
+        doc="`fp32`, `bf16`, `fp16` (pure), `bf16-mixed`, `fp16-mixed` (fp32 params + "
+        "autocast), `bf16-master` (bf16 params/grads + fp32 master weights and state). "
+        "TrainingArguments `bf16` / `fp16` are autocast (`bf16-mixed`); DeepSpeed's are "
+        "`bf16-master`")
     """Where params, grads and optimizer state live (pure, autocast-mixed, master-weights)."""
-    optimizer: Optimizer = "adamw"
+    optimizer: Optimizer = job_field(
+        "adamw", help="Optimizer (adamw: torch's foreach AdamW).", group="precision",
+        feature=True, echo=True, keys={"training_args": ("optim", "optim_args"),
+                                       "deepspeed": ("optimizer",)},
+        doc="`adamw` (foreach), `adamw-fused`, `adamw-8bit`, `paged-adamw-8bit`, `paged-adamw` "
+        "(bitsandbytes paged: states of ≥ 10^5 elements in CUDA unified memory, outside the "
+        "allocator: `paged_bytes`, in the device peak, never the cause of a does-not-fit), "
+        "`sgd`, `sgd-momentum`, `adafactor` (torch), `hf-adafactor` (transformers' Adafactor, "
+        "`optim=adafactor`), `lion` (lion-pytorch), `lion-32bit`, `lion-8bit`, `paged-lion`, "
+        "`paged-lion-8bit` (bitsandbytes), `lora-fa` (peft `create_lorafa_optimizer`: LoRA-FA, "
+        "`lora_A` frozen, AdamW on `lora_B`; `--train lora` only). TrainingArguments' `optim` "
+        "names map onto these (`adamw_torch_fused`, `adamw_bnb_8bit`, `paged_adamw_8bit`, "
+        "`paged_adamw_32bit`, `lion_8bit`, ...); `galore_*` and names transformers 5.x dropped "
+        "are refused in one line (docs/design.md \"Optimizers\"); a DeepSpeed `optimizer` block "
+        "is DeepSpeed's FusedAdam / FusedLion")
     """Optimizer; `adamw` is torch's foreach AdamW, the CUDA default; `lora-fa` is peft's
     `create_lorafa_optimizer` (LoRA-FA: lora_A frozen, AdamW on lora_B), train='lora' only."""
-    grad_ckpt: bool = False
+    grad_ckpt: bool = job_field(
+        False, help="Activation (gradient) checkpointing.", group="savers", feature=True,
+        keys={"training_args": ("activation_checkpointing", "gradient_checkpointing")},
+        doc="activation (gradient) checkpointing of the decoder / encoder layers, as Trainer "
+        "reads `activation_checkpointing` (or the deprecated `gradient_checkpointing`)")
     """Activation (gradient) checkpointing of the decoder / encoder layers (`grad_ckpt_policy`)."""
-    grad_ckpt_policy: str = "full"
+    grad_ckpt_policy: str = job_field(
+        "full", help="Which layers --grad-ckpt checkpoints (every:N: layers 0, N, 2N, ...).",
+        group="savers", choices=CKPT_POLICIES, added=6, recorded="string",
+        keys={"training_args": ("activation_checkpointing_kwargs",
+                                "gradient_checkpointing_kwargs")},
+        doc="with `--grad-ckpt`: `full` (default: every decoder / encoder layer) or `every:N` "
+        "(layer-level selective checkpointing: the checkpointable layers 0, N, 2N, ... counted "
+        "over the whole model in module order, vision encoder layers then decoder layers, as "
+        "transformers' `activation_checkpointing_enable(every_n_layers=N)`, which "
+        "`activation_checkpointing_kwargs.every_n_layers` sets; the others keep all their saved "
+        "tensors). Both tiers and the CUDA harness pick the layers by one rule "
+        "(`hybridmem.job.spec.ckpt_layer`). `ops`: op-level selective checkpointing of every "
+        "layer as torchtitan's `_apply_op_sac` (matmul / SDPA outputs kept except every second "
+        "mm, the rest recomputed; analytic tier without adapters, trace tier for all; "
+        "[docs/savers.md](docs/savers.md))")
     """Which layers `grad_ckpt` checkpoints: `full` (every one) or `every:N` (layers 0, N, 2N,
     ... counted over all checkpointable layers in module order; `ckpt_layer`)."""
-    train: Trainable = "full"
+    train: Trainable = job_field(
+        "full", help="Which parameters are trained (peft comes with --peft-config).",
+        group="adapters", feature=True, echo=True,
+        keys={"training_args": ("tune_mm_mlp_adapter", "lora_enable")},
+        doc="`full`, `llm+projector` (LLaVA stage 2), `projector` (stage 1, LLaVA's "
+        "`tune_mm_mlp_adapter`), `lora` (`--lora-r`, `--lora-alpha`, `--lora-targets "
+        "q_proj,v_proj`; LLaVA's `lora_enable`), `peft` (set by `--peft-config`)")
     """Which parameters are trained."""
     lora: LoraSpec | None = None
     """LoRA settings; required and only meaningful with `train='lora'`."""
-    attn: Attention = "sdpa"
+    attn: Attention = job_field(
+        "sdpa", help="Attention implementation (transformers attn_implementation).",
+        group="model", feature=True, echo=True,
+        keys={"training_args": ("attn_implementation",)})
     """Attention implementation (`attn_implementation` in transformers)."""
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     """Data parallelism; the default is one GPU."""
-    loop: Loop = "trainer"
+    loop: Loop = job_field(
+        "trainer", help="What outlives the forward: trainer (the loss) or custom (outputs).",
+        group="loop", feature=True, added=1, recorded="string",
+        doc="`trainer` (default: only the loss outlives the forward, as "
+        "`Trainer.training_step`; a TrainingArguments file means it) or `custom` (`outputs = "
+        "model(**batch); outputs.loss.backward()`: the output object, logits included, lives "
+        "until the next forward returns)")
     """What outlives the forward: `trainer` (the loss only) or `custom` (the whole output)."""
-    max_grad_norm: float = 0.0
+    max_grad_norm: float = job_field(
+        0.0, help="clip_grad_norm_ before the step; 0 = off.", group="loop", feature=True,
+        added=2, recorded="float64", keys={"training_args": ("max_grad_norm",)},
+        doc="`clip_grad_norm_` before the step (foreach norms; 0 = off, the default; a "
+        "TrainingArguments file means Trainer's 1.0 unless it says otherwise)")
     """`clip_grad_norm_(max_norm)` before the step (foreach norms); 0 = no clipping."""
-    grad_accum: int = 1
+    grad_accum: int = job_field(
+        1, help="Micro-steps accumulated per optimizer step.", group="batch", unit="steps",
+        feature=True, echo=True, added=3, recorded="int64",
+        keys={"training_args": ("gradient_accumulation_steps",)},
+        doc="N micro-steps accumulating into the grads per optimizer step (the peak over them)")
     """Micro-steps whose gradients accumulate before one optimizer step."""
-    empty_cache_steps: int = 0
+    empty_cache_steps: int = job_field(
+        0, help="torch.cuda.empty_cache() every N steps where the loop calls it; 0 = never.",
+        group="loop", unit="steps", feature=True, added=5, recorded="int64",
+        keys={"training_args": ("torch_empty_cache_steps",)},
+        doc="`torch.cuda.empty_cache()` every N steps, where the loop calls it: `trainer` after "
+        "the forward (before backward) when `global_step % N == 0` (Trainer's "
+        "`torch_empty_cache_steps`), `custom` after `optimizer.step()` when `step % N == 0` "
+        "with steps from 1 (the peft MetaMathQA benchmark); 0 = never (default). Changes "
+        "reserved memory only; both tiers simulate 2 steps, so under `custom` only N = 1 "
+        "empties before the second step, under `trainer` N = 1 empties in both and N >= 2 in "
+        "the first")
     """`torch.cuda.empty_cache()` every N optimizer steps, where the loop calls it
     (`empty_cache_at`); 0 = never (Trainer's `torch_empty_cache_steps=None`)."""
-    optimizer_in_backward: bool = False
+    optimizer_in_backward: bool = job_field(
+        False, help="Step each parameter inside backward as its gradient is ready.",
+        group="savers", feature=True, added=7, recorded="bool",
+        doc="the step fused into backward per parameter, as torchtune's "
+        "`register_optim_in_bwd_hooks` (one optimizer per parameter, stepped and zeroed in its "
+        "post-accumulate-grad hook): gradients are never all alive, the peak leaves the "
+        "optimizer step. Refused (exit 2, one line) with `--grad-accum` > 1, `--max-grad-norm` "
+        "> 0, `lora-fa`, `fp16-mixed`, `bf16-master` and any multi-GPU strategy. Both tiers "
+        "and the harness; [docs/savers.md](docs/savers.md)")
     """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
     `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
-    liger: bool = False
+    liger: bool = job_field(
+        False, help="Liger kernels as use_liger_kernel=True applies them.", group="savers",
+        feature=True, added=14, recorded="bool",
+        keys={"training_args": ("use_liger_kernel", "liger_kernel_config")},
+        doc="Liger kernels as `use_liger_kernel=True` applies them (fused linear cross-entropy: "
+        "no logits; RMSNorm, SwiGLU, RoPE; llama / mistral / qwen2 / LLaVA text models); not "
+        "with `--chunked-ce`. [docs/loss.md](docs/loss.md)")
     """Liger kernels as transformers' `use_liger_kernel=True` applies them (fused linear
     cross-entropy, RMSNorm, SwiGLU, RoPE; `hybridmem.job.loss`)."""
-    chunked_ce: int = 0
+    chunked_ce: int = job_field(
+        0, help="Chunked cross-entropy (torchtune): the logits in N chunks; 0 = off.",
+        group="savers", unit="chunks", feature=True, added=15, recorded="int64",
+        doc="torchtune's chunked cross-entropy (`CEWithChunkedOutputLoss`): the logits upcast "
+        "to fp32 one chunk at a time; 0 = off (default). Not with `--liger`. "
+        "[docs/loss.md](docs/loss.md)")
     """Chunked cross-entropy (torchtune `CEWithChunkedOutputLoss`): the logits in N chunks,
     each upcast to fp32 inside the loss; 0 = off (HF's `ForCausalLMLoss`)."""
-    offload_activations: str = "none"
+    offload_activations: str = job_field(
+        "none", help="Saved activations in host memory.", group="savers",
+        choices=OFFLOAD_MODES, feature=True, added=16, recorded="string",
+        keys={"training_args": ("activation_offloading", "activation_checkpointing_kwargs",
+                                "gradient_checkpointing_kwargs")},
+        doc="saved activations kept in host memory: `all` as TRL SFTConfig "
+        "`activation_offloading` (every saved tensor >= 1 KiB except the lm_head's, a 5-tensor "
+        "forward stash and a two-node backward buffer stay on the GPU), `ckpt-inputs` as "
+        "transformers' checkpointing `offload=True` (`activation_checkpointing_kwargs.offload`: "
+        "the checkpointed layers' inputs; needs `--grad-ckpt`). Both tiers and the harness; "
+        "[docs/savers.md](docs/savers.md)")
     """Saved activations kept in host memory (`hybridmem.job.offload`): `all` (TRL
     `activation_offloading`, the whole step) or `ckpt-inputs` (transformers' checkpointing
     `offload=True`: the checkpointed layers' inputs); `none` keeps them on the GPU."""
-    packing: bool = False
+    packing: bool = job_field(
+        False, help="Padding-free packed batches (TRL padding_free / packing); text-only.",
+        group="savers", feature=True, added=17, recorded="bool",
+        keys={"training_args": ("padding_free", "packing")},
+        doc="padding-free packed batches as TRL's `padding_free` / `packing` collator: the "
+        "micro-batch in one row with restarting position ids, no padding; sdpa gets a "
+        "block-diagonal L x L mask (and loses GQA-in-SDPA), eager's scores are quadratic in the "
+        "packed length, flash_attention_2 runs varlen. Text-only. Both tiers and the harness; "
+        "[docs/savers.md](docs/savers.md)")
     """Padding-free packed batches (TRL `padding_free` / `packing`; `hybridmem.job.packing`):
     the micro-batch's sequences in one row with restarting position ids, no padding."""
-    peft_config: str | None = None
+    peft_config: str | None = job_field(
+        None, help="Canonical JSON of a non-LoRA PEFT adapter config (from --peft-config).",
+        group="adapters", cli=False, added=4)
     """Canonical JSON of a PEFT `adapter_config.json` for a non-LoRA method; needs
     `train='peft'` (LoRA/DoRA configs become `train='lora'` with `lora`)."""
-    quantize: str = "none"
+    quantize: str = job_field(
+        "none", help="Frozen base weights quantised with bitsandbytes (needs lora or peft).",
+        group="precision", choices=QUANTIZE, added=8, recorded="string",
+        keys={"bnb": ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "quant_method")},
+        doc="the frozen base's linear layers (all but `lm_head`, as transformers' bitsandbytes "
+        "integration; `llm_int8_skip_modules` replaces that) stored as bitsandbytes 4-bit "
+        "(NF4/FP4, `--quantize` means double quantisation on) or LLM.int8, dequantised per "
+        "layer in forward and backward; a `BitsAndBytesConfig` JSON (`--quantization-config`) "
+        "or a `quantization_config` inside the model's config.json says the same. With "
+        "`--train full` / `llm+projector` exit 2. Both tiers and the harness; "
+        "[docs/quantize.md](docs/quantize.md)")
     """Frozen base weights quantised with bitsandbytes: `none`, `nf4`, `fp4` (4-bit, QLoRA) or
     `int8` (LLM.int8); rules in `hybridmem.job.quantize`. Needs train lora or peft."""
-    quant_double_quant: bool = True
+    quant_double_quant: bool = job_field(
+        True, help="4-bit: nested quantisation of the absmax (bnb_4bit_use_double_quant).",
+        group="precision", cli=False, added=9, keys={"bnb": ("bnb_4bit_use_double_quant",)})
     """4-bit: `bnb_4bit_use_double_quant` (uint8 absmax + nested state; the QLoRA recipe's
     choice; a BitsAndBytesConfig file without the key gets transformers' default False)."""
-    quant_compute_dtype: str | None = None
+    quant_compute_dtype: str | None = job_field(
+        None, help="4-bit compute dtype (bnb_4bit_compute_dtype); default: the precision's.",
+        group="precision", cli=False, added=10, choices=QUANT_COMPUTE_DTYPES,
+        keys={"bnb": ("bnb_4bit_compute_dtype",)})
     """4-bit `bnb_4bit_compute_dtype` (float32, bfloat16, float16); None: the precision's."""
-    quant_storage: str = "uint8"
+    quant_storage: str = job_field(
+        "uint8", help="4-bit storage dtype of the packed weights (bnb_4bit_quant_storage).",
+        group="precision", cli=False, added=11, choices=QUANT_STORAGE_DTYPES,
+        keys={"bnb": ("bnb_4bit_quant_storage",)})
     """4-bit `bnb_4bit_quant_storage`: dtype of the packed weight tensor."""
-    quant_skip: tuple[str, ...] | None = None
+    quant_skip: tuple[str, ...] | None = job_field(
+        None, help="Modules left unquantised (llm_int8_skip_modules; default: lm_head).",
+        group="precision", cli=False, added=12, keys={"bnb": ("llm_int8_skip_modules",)})
     """`llm_int8_skip_modules`: modules left unquantised; None: transformers' default
     (lm_head). Given, it replaces the default (lm_head is then quantised unless listed)."""
-    kbit_prep: bool = True
+    kbit_prep: bool = job_field(
+        True, help="With --quantize: peft prepare_model_for_kbit_training ran.",
+        group="precision", added=13,
+        doc="with `--quantize`: peft's `prepare_model_for_kbit_training` cast the other "
+        "weights to fp32 (default on)")
     """peft `prepare_model_for_kbit_training` applied (fp16/bf16 non-quantised params cast to
     fp32); only read with `quantize`."""
 
@@ -318,16 +524,9 @@ class TrainingSpec:
         return cls(**data)
 
 
-# Spec and LoRA fields added after the first dataset rows, with their defaults (see `to_dict`).
-ADDED_DEFAULTS: dict[str, object] = {
-    "loop": "trainer", "max_grad_norm": 0.0, "grad_accum": 1, "peft_config": None,
-    "empty_cache_steps": 0, "grad_ckpt_policy": "full",
-    "optimizer_in_backward": False,
-    "quantize": "none", "quant_double_quant": True, "quant_compute_dtype": None,
-    "quant_storage": "uint8", "quant_skip": None, "kbit_prep": True,
-    "liger": False, "chunked_ce": 0, "offload_activations": "none", "packing": False,
-    "use_dora": False, "use_rslora": False, "modules_to_save": (),
-}
+# Spec and LoRA fields added after the first dataset rows, with their defaults (see `to_dict`):
+# the fields declared with `added=`.
+ADDED_DEFAULTS: dict[str, object] = added_defaults(TrainingSpec, LoraSpec, ParallelSpec)
 
 
 EmptyCacheAt = Literal["after_forward", "after_step"]

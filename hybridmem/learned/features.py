@@ -22,6 +22,7 @@ from hybridmem.adapters import peft_type
 from hybridmem.errors import SpecError
 from hybridmem.job.images import parse_image_size
 from hybridmem.job.quantize import BITS
+from hybridmem.job.schema import feature_values
 from hybridmem.prediction import Prediction
 from hybridmem.job.spec import TrainingSpec, ckpt_every
 
@@ -116,35 +117,19 @@ def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
     # base estimate accounts for.
     per_image = (height // patch) * (width // patch) if patch else 0
     return {
-        "micro_batch": spec.micro_batch,
-        "seq_len": spec.seq_len,
+        # every job field declared with `feature=True` (hybridmem/job/schema.py), as it is
+        **feature_values(spec),
+        # and what needs the model config or more than one field
         "tokens": spec.micro_batch * spec.seq_len,
         "images_per_sample": images,
         "image_size": size,
         "image_tokens": images * per_image,
-        "precision": spec.precision,
-        "optimizer": spec.optimizer,
-        "train": spec.train,
-        "attn": spec.attn,
-        "grad_ckpt": int(spec.grad_ckpt),
         # share of layers checkpointed: 1 for `full`, 1/N for `every:N`, 0 without --grad-ckpt
         "ckpt_share": (1.0 / ckpt_every(spec.grad_ckpt_policy)) if spec.grad_ckpt else 0.0,
-        "empty_cache_steps": spec.empty_cache_steps,
         "lora_r": spec.lora.r if spec.lora is not None else 0,
         "peft_type": peft_type(spec) or "none",
-        "loop": spec.loop,
-        "max_grad_norm": spec.max_grad_norm,
-        "grad_accum": spec.grad_accum,
-        # the memory savers (hybridmem/job/): bits of a quantised base weight (`quantize.BITS`),
-        # fused / chunked loss, step in backward
+        # bits of a quantised base weight (0 = not quantised; `job.quantize.BITS`)
         "quant_bits": BITS[spec.quantize],
-        "liger": int(spec.liger),
-        "chunked_ce": spec.chunked_ce,
-        "optimizer_in_backward": int(spec.optimizer_in_backward),
-        "offload_activations": spec.offload_activations,
-        "packing": int(spec.packing),
-        "world_size": spec.parallel.world_size,
-        "strategy": spec.parallel.strategy,
     }
 
 

@@ -1,4 +1,5 @@
-"""Pure functions behind the `hybridmem predict` parallel options (the lead's CLI calls them).
+"""Pure functions behind `hybridmem predict`: the options -> the TrainingSpec, the fit advice ->
+console lines.
 
 `spec_from_cli` takes the raw option values (None = not given on the command line) and returns
 the TrainingSpec; `fit_lines` turns `smallest_fitting_setup`'s answer into console lines.
@@ -15,8 +16,9 @@ GiB = 2**30
 def spec_from_cli(*, model: str, recipe: str | None = None, deepspeed: str | None = None,
                   training_args: str | None = None, **values: object) -> TrainingSpec:
     """Recipe < training args < DeepSpeed JSON < explicit flags. `values` are the other
-    options by TrainingSpec / ParallelSpec field name (micro_batch, precision, world_size,
-    strategy, zero_stage, offload_optimizer, lora_r, ...); None means "not given"."""
+    options by job-schema key (`hybridmem.job.schema.BY_KEY`: micro_batch, precision,
+    world_size, strategy, lora_r, ...), plus zero_stage, peft_config and quantization_config
+    (files); None means "not given"."""
     return spec_from_inputs(recipe=recipe, deepspeed=deepspeed, training_args=training_args,
                             overrides={"model": model, **values})
 

@@ -6,21 +6,27 @@ way transformers does it (`integrations/deepspeed.py`, `HfTrainerDeepSpeedConfig
 `trainer_config_process` fills batch size and bf16/fp16 from the TrainingArguments, and
 `trainer_config_finalize` fills the hidden-size based keys from the model config.
 
-Every problem is a one-line SpecError (malformed JSON, an "auto" that cannot be resolved,
-contradictory options).
+Which key sets which field comes from the job schema (`hybridmem.job.schema.config_keys`):
+a declared key is copied onto its field, the conversions below read the keys that need more and
+declare them; any other key is known to the file's library or a warning
+(`hybridmem.parallel.config_keys`). Every problem is a one-line SpecError (malformed JSON, an
+"auto" that cannot be resolved, contradictory options).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
-from hybridmem.adapters import spec_fields
+from hybridmem.adapters import read_adapter_config, spec_fields
 from hybridmem.errors import SpecError
+from hybridmem.job import schema
 from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
 from hybridmem.job.loss import check_liger_config
 from hybridmem.models.loader import read_json_object
+from hybridmem.parallel import config_keys
 from hybridmem.parallel.recipes import RECIPES
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.validate import check_parallel
@@ -36,11 +42,6 @@ HF_DEFAULTS: dict = {"per_device_train_batch_size": HF_DEFAULT_BATCH, "bf16": Fa
 # FusedLion (deepspeed/ops/lion/fused_lion.py) keeps `exp_avg` (zeros_like the fp32 partition)
 # and updates in place, as bitsandbytes' 32-bit Lion does: our `lion-32bit`.
 DS_OPTIMS: dict[str, str] = {"adam": "adamw-fused", "adamw": "adamw-fused", "lion": "lion-32bit"}
-DS_ZERO_KEYS: tuple[str, ...] = (
-    "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "overlap_comm",
-    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-    "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size",
-)
 # TrainingArguments `fsdp` options -> FSDP settings (FSDP1 names; SHARD_GRAD_OP keeps params
 # unsharded between forward and backward = FSDP2 reshard_after_forward=False)
 FSDP_OPTIONS: dict[str, dict] = {
@@ -49,19 +50,22 @@ FSDP_OPTIONS: dict[str, dict] = {
     "no_shard": {"strategy": "ddp"},
     "auto_wrap": {},
 }
-SPEC_KEYS = ("model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
-             "optimizer", "grad_ckpt", "grad_ckpt_policy", "train", "attn", "loop", "max_grad_norm", "grad_accum",
-             "empty_cache_steps", "optimizer_in_backward", "quantize", "kbit_prep", "liger",
-             "chunked_ce", "offload_activations", "packing")
+OPTION_FILES: tuple[str, ...] = ("peft_config", "quantization_config")
+"""Overrides that name a file to read (the `--peft-config` / `--quantization-config` options),
+not a job field's value."""
 # TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
 HF_DEFAULT_MAX_GRAD_NORM = 1.0
-LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_targets": "targets"}
 
 
 def _read_json(source: str | os.PathLike | dict, field: str) -> dict:
     if isinstance(source, dict):
         return json.loads(json.dumps(source))  # a private deep copy
     return read_json_object(source, field)
+
+
+def _where(source: object, default: str) -> str:
+    """How a warning names the file: its path, else what it came from."""
+    return default if isinstance(source, dict) else os.fspath(source)
 
 
 def _count(field: str, value: object) -> int:
@@ -78,68 +82,6 @@ def _norm(field: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise SpecError(field, value, reason="must be a number >= 0 (0 = no clipping)")
     return float(value)
-
-
-def _empty_cache_steps(value: object) -> int:
-    """TrainingArguments `torch_empty_cache_steps`: None = never (our 0), else an int > 0
-    (`TrainingArguments.__post_init__` rejects anything else, training_args.py)."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise SpecError("training_args.torch_empty_cache_steps", value,
-                        reason="must be null or an integer > 0")
-    return value
-
-
-def _checkpointing(args: dict) -> dict:
-    """`grad_ckpt` / `grad_ckpt_policy` from TrainingArguments' checkpointing fields.
-
-    transformers 5.x: `activation_checkpointing` (+ `_kwargs`), with `gradient_checkpointing*`
-    as deprecated aliases used only when the new name is unset (training_args.py
-    `__post_init__`); Trainer pops `every_n_layers` (default 1) and `offload` from the kwargs and
-    calls `activation_checkpointing_enable(every_n_layers=...)` (trainer.py)."""
-    out: dict = {}
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if args.get(name) is not None:
-            out["grad_ckpt"] = _flag(f"training_args.{name}", args[name])
-            break
-    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
-        kwargs = args.get(name)
-        if kwargs is None:
-            continue
-        if isinstance(kwargs, str):
-            try:
-                kwargs = json.loads(kwargs)
-            except json.JSONDecodeError:
-                raise SpecError(f"training_args.{name}", kwargs, reason="is not a JSON object") from None
-        if not isinstance(kwargs, dict):
-            raise SpecError(f"training_args.{name}", kwargs, reason="must be an object")
-        if kwargs.get("offload") is not None:  # save_on_cpu around each checkpoint call
-            if _flag(f"training_args.{name}.offload", kwargs["offload"]) and out.get("grad_ckpt"):
-                out["offload_activations"] = "ckpt-inputs"
-        every = kwargs.get("every_n_layers", 1)
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise SpecError(f"training_args.{name}.every_n_layers", every,
-                            reason="must be a positive integer")
-        if out.get("grad_ckpt"):
-            out["grad_ckpt_policy"] = "full" if every == 1 else f"every:{every}"
-        break
-    return out
-
-
-def _liger(args: dict) -> dict:
-    """`use_liger_kernel` (+ `liger_kernel_config`): TrainingArguments fields that TRL's
-    SFTConfig inherits; Trainer applies Liger with them (transformers `integrations/liger.py`).
-    Only Liger's default kernel set is priced (`job.loss.check_liger_config`)."""
-    if args.get("use_liger_kernel") is None:
-        if args.get("liger_kernel_config"):
-            raise SpecError("training_args.liger_kernel_config", args["liger_kernel_config"],
-                            reason="needs use_liger_kernel: true")
-        return {}
-    on = _flag("training_args.use_liger_kernel", args["use_liger_kernel"])
-    if on:
-        check_liger_config(args.get("liger_kernel_config"))
-    return {"liger": on}
 
 
 def _flag(field: str, value: object) -> bool:
@@ -164,40 +106,134 @@ def hidden_size_of(model: str) -> int:
     raise SpecError("model", model, reason="config has no hidden_size to resolve DeepSpeed 'auto'")
 
 
+# ---------------------------------------------------------------- key maps from the schema
+
+@dataclass(frozen=True)
+class Conversion:
+    """A reader's own conversion of some config keys into job fields (keys that need more
+    than a copy: a flag that picks a policy, an "auto", a name map)."""
+
+    reads: tuple[str, ...]
+    fn: Callable[[dict, dict], None]
+    """fn(config, out): reads `reads` from the config, writes out["spec" | "parallel" |
+    "lora"] (and out["deepspeed"], a nested DeepSpeed config)."""
+
+
+CONVERSIONS: dict[str, list[Conversion]] = {"training_args": [], "deepspeed": []}
+"""Per source, in the order they apply (a later one wins on the same field)."""
+
+
+def converts(source: str, *reads: str):
+    """Register the decorated `fn(config, out)` as the conversion of `reads` keys of `source`;
+    each key must be declared on the fields it sets (tests/test_job_schema.py checks)."""
+    def register(fn):
+        CONVERSIONS[source].append(Conversion(reads, fn))
+        return fn
+    return register
+
+
+def used_keys(source: str) -> set[str]:
+    """Keys of `source` the readers use: declared on a job field or read by a conversion."""
+    return set(schema.config_keys(source)) | {
+        k for c in CONVERSIONS.get(source, ()) for k in c.reads}
+
+
+def _typed(field: str, meta, value: object) -> object:
+    """A copied config value checked as the field's type, the error naming the file's key."""
+    tp = schema.value_type(schema.TYPES[meta.key])
+    if tp is bool:
+        return _flag(field, value)
+    if tp is int:
+        return _count(field, value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise SpecError(field, value, reason="must be a number >= 0")
+        return float(value)
+    return value
+
+
+def _copy_declared(source: str, cfg: dict, out: dict) -> None:
+    """Copy every declared top-level key of `source` that no conversion reads onto its fields,
+    in declaration order; a missing or null key sets nothing."""
+    claimed = {k for c in CONVERSIONS[source] for k in c.reads}
+    for key, metas in schema.config_keys(source).items():
+        if key in claimed or "." in key or cfg.get(key) is None:
+            continue
+        for meta in metas:
+            out[meta.owner][meta.name] = _typed(f"{source}.{key}", meta, cfg[key])
+
+
 # ---------------------------------------------------------------- TrainingArguments
 
-def from_training_args(source: str | os.PathLike | dict) -> dict:
-    """HF TrainingArguments fields (a JSON object, e.g. `args.to_json_string()`) -> layered kwargs.
+@converts("training_args", "activation_checkpointing", "gradient_checkpointing",
+          "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+def _checkpointing(args: dict, out: dict) -> None:
+    """`grad_ckpt` / `grad_ckpt_policy` from TrainingArguments' checkpointing fields.
 
-    Also reads TRL SFTConfig's `max_length` (`max_seq_length`), LLaVA's TrainingArguments
-    extensions (`model_max_length`, `lora_enable`,
-    `lora_r`, `lora_alpha`, `tune_mm_mlp_adapter`) and `attn_implementation`. The world size is
-    not a TrainingArguments field: a `world_size` key, else $WORLD_SIZE, else unset.
-    Returns {"spec": ..., "parallel": ..., "lora": ..., "deepspeed": dict | None, "hf": ...}.
-    """
-    args = _read_json(source, "training_args")
-    spec: dict = {}
-    parallel: dict = {}
-    lora: dict = {}
-    if "per_device_train_batch_size" in args:
-        spec["micro_batch"] = args["per_device_train_batch_size"]
-    spec.update(_checkpointing(args))
-    # TRL SFTConfig `activation_offloading` (trl/trainer/sft_config.py): SFTTrainer wraps each
-    # training_step in get_act_offloading_ctx_manager(model) (hybridmem.job.offload "all");
-    # it takes precedence over the checkpoint-inputs-only variant, whose inputs it offloads too
+    transformers 5.x: `activation_checkpointing` (+ `_kwargs`), with `gradient_checkpointing*`
+    as deprecated aliases used only when the new name is unset (training_args.py
+    `__post_init__`); Trainer pops `every_n_layers` (default 1) and `offload` from the kwargs and
+    calls `activation_checkpointing_enable(every_n_layers=...)` (trainer.py)."""
+    spec = out["spec"]
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if args.get(name) is not None:
+            spec["grad_ckpt"] = _flag(f"training_args.{name}", args[name])
+            break
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        kwargs = args.get(name)
+        if kwargs is None:
+            continue
+        if isinstance(kwargs, str):
+            try:
+                kwargs = json.loads(kwargs)
+            except json.JSONDecodeError:
+                raise SpecError(f"training_args.{name}", kwargs, reason="is not a JSON object") from None
+        if not isinstance(kwargs, dict):
+            raise SpecError(f"training_args.{name}", kwargs, reason="must be an object")
+        if kwargs.get("offload") is not None:  # save_on_cpu around each checkpoint call
+            if _flag(f"training_args.{name}.offload", kwargs["offload"]) and spec.get("grad_ckpt"):
+                spec["offload_activations"] = "ckpt-inputs"
+        every = kwargs.get("every_n_layers", 1)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise SpecError(f"training_args.{name}.every_n_layers", every,
+                            reason="must be a positive integer")
+        if spec.get("grad_ckpt"):
+            spec["grad_ckpt_policy"] = "full" if every == 1 else f"every:{every}"
+        break
+
+
+@converts("training_args", "activation_offloading")
+def _offloading(args: dict, out: dict) -> None:
+    """TRL SFTConfig `activation_offloading` (trl/trainer/sft_config.py): SFTTrainer wraps each
+    training_step in get_act_offloading_ctx_manager(model) (hybridmem.job.offload "all"); it
+    takes precedence over the checkpoint-inputs-only variant, whose inputs it offloads too."""
     if args.get("activation_offloading") is not None and _flag(
             "training_args.activation_offloading", args["activation_offloading"]):
-        spec["offload_activations"] = "all"
-    # TRL SFTConfig `padding_free` / `packing` (sft_trainer.py: packing, or padding_free, makes
-    # the collator `DataCollatorForLanguageModeling(padding_free=True)`; hybridmem.job.packing)
+        out["spec"]["offload_activations"] = "all"
+
+
+@converts("training_args", "padding_free", "packing")
+def _packing(args: dict, out: dict) -> None:
+    """TRL SFTConfig `padding_free` / `packing` (sft_trainer.py: packing, or padding_free, makes
+    the collator `DataCollatorForLanguageModeling(padding_free=True)`; hybridmem.job.packing)."""
     for key in ("padding_free", "packing"):
         if args.get(key) is not None and _flag(f"training_args.{key}", args[key]):
-            spec["packing"] = True
+            out["spec"]["packing"] = True
+
+
+@converts("training_args", "bf16", "fp16")
+def _autocast(args: dict, out: dict) -> None:
+    """Trainer's `bf16` / `fp16`: fp32 weights under autocast."""
     bf16, fp16 = bool(args.get("bf16")), bool(args.get("fp16"))
     if bf16 and fp16:
         raise SpecError("training_args.fp16", True, reason="bf16 and fp16 cannot both be set")
     if "bf16" in args or "fp16" in args:
-        spec["precision"] = "bf16-mixed" if bf16 else "fp16-mixed" if fp16 else "fp32"
+        out["spec"]["precision"] = "bf16-mixed" if bf16 else "fp16-mixed" if fp16 else "fp32"
+
+
+@converts("training_args", "optim", "optim_args")
+def _optim(args: dict, out: dict) -> None:
+    """`optim` (+ `optim_args`) -> our optimizer name (`job.optimizers.from_hf`)."""
     optim = str(args.get("optim", HF_DEFAULT_OPTIM))
     optim_args = args.get("optim_args")
     if optim_args is not None and not isinstance(optim_args, str):
@@ -205,50 +241,115 @@ def from_training_args(source: str | os.PathLike | dict) -> dict:
                         reason='a string "key=value,key=value" as TrainingArguments takes it')
     name = from_hf(optim, optim_args)
     if "optim" in args:
-        spec["optimizer"] = name
-    if "model_max_length" in args:
-        spec["seq_len"] = args["model_max_length"]
-    # TRL's SFTConfig (a TrainingArguments subclass): `max_length` (trl/trainer/sft_config.py,
-    # TRL >= 0.20; `max_seq_length` before) truncates each sample, so it is the sequence length
-    # a worst-case batch has; None there means no truncation (nothing to read)
-    for key in ("max_seq_length", "max_length"):
-        if args.get(key) is not None:
-            spec["seq_len"] = _count(f"training_args.{key}", args[key])
-    # a TrainingArguments file describes a Trainer run: only the loss outlives the forward,
-    # gradients clipped at max_grad_norm (0 = off, as Trainer reads it) and accumulated
-    spec["loop"] = "trainer"
-    spec["max_grad_norm"] = _norm("training_args.max_grad_norm",
-                                  args.get("max_grad_norm", HF_DEFAULT_MAX_GRAD_NORM))
-    if "gradient_accumulation_steps" in args:
-        spec["grad_accum"] = _count("training_args.gradient_accumulation_steps",
-                                    args["gradient_accumulation_steps"])
-    if "torch_empty_cache_steps" in args:
-        spec["empty_cache_steps"] = _empty_cache_steps(args["torch_empty_cache_steps"])
-    if "attn_implementation" in args:
-        spec["attn"] = args["attn_implementation"]
-    spec.update(_liger(args))
+        out["spec"]["optimizer"] = name
+
+
+@converts("training_args", "max_grad_norm")
+def _trainer_loop(args: dict, out: dict) -> None:
+    """A TrainingArguments file describes a Trainer run: only the loss outlives the forward,
+    gradients clipped at max_grad_norm (0 = off, as Trainer reads it; Trainer's default 1.0)."""
+    out["spec"]["loop"] = "trainer"
+    out["spec"]["max_grad_norm"] = _norm("training_args.max_grad_norm",
+                                         args.get("max_grad_norm", HF_DEFAULT_MAX_GRAD_NORM))
+
+
+@converts("training_args", "torch_empty_cache_steps")
+def _empty_cache_steps(args: dict, out: dict) -> None:
+    """TrainingArguments `torch_empty_cache_steps`: None = never (our 0), else an int > 0
+    (`TrainingArguments.__post_init__` rejects anything else, training_args.py)."""
+    if "torch_empty_cache_steps" not in args:
+        return
+    value = args["torch_empty_cache_steps"]
+    if value is None:
+        out["spec"]["empty_cache_steps"] = 0
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError("training_args.torch_empty_cache_steps", value,
+                        reason="must be null or an integer > 0")
+    out["spec"]["empty_cache_steps"] = value
+
+
+@converts("training_args", "use_liger_kernel", "liger_kernel_config")
+def _liger(args: dict, out: dict) -> None:
+    """`use_liger_kernel` (+ `liger_kernel_config`): TrainingArguments fields that TRL's
+    SFTConfig inherits; Trainer applies Liger with them (transformers `integrations/liger.py`).
+    Only Liger's default kernel set is priced (`job.loss.check_liger_config`)."""
+    if args.get("use_liger_kernel") is None:
+        if args.get("liger_kernel_config"):
+            raise SpecError("training_args.liger_kernel_config", args["liger_kernel_config"],
+                            reason="needs use_liger_kernel: true")
+        return
+    on = _flag("training_args.use_liger_kernel", args["use_liger_kernel"])
+    if on:
+        check_liger_config(args.get("liger_kernel_config"))
+    out["spec"]["liger"] = on
+
+
+@converts("training_args", "tune_mm_mlp_adapter", "lora_enable", "lora_r", "lora_alpha")
+def _llava_training(args: dict, out: dict) -> None:
+    """LLaVA's `tune_mm_mlp_adapter` (the projector alone) and `lora_enable` (+ `lora_r`,
+    `lora_alpha`; haotian-liu/LLaVA llava/train/train.py)."""
     if args.get("tune_mm_mlp_adapter"):
-        spec["train"] = "projector"
+        out["spec"]["train"] = "projector"
     if args.get("lora_enable"):
-        spec["train"] = "lora"
-        lora.update({k: args[f"lora_{k}"] for k in ("r", "alpha") if f"lora_{k}" in args})
+        out["spec"]["train"] = "lora"
+        out["lora"].update({k: args[f"lora_{k}"] for k in ("r", "alpha") if f"lora_{k}" in args})
+
+
+@converts("training_args", "world_size")
+def _world_size(args: dict, out: dict) -> None:
+    """The world size is not a TrainingArguments field: a `world_size` key, else $WORLD_SIZE
+    (torchrun's), else unset."""
     ws = args.get("world_size", os.environ.get("WORLD_SIZE"))
     if ws is not None:
         try:
-            parallel["world_size"] = int(ws)
+            out["parallel"]["world_size"] = int(ws)
         except (TypeError, ValueError):
             raise SpecError("training_args.world_size", ws, reason="must be an integer") from None
-    parallel.update(_fsdp_options(args.get("fsdp")))
+
+
+@converts("training_args", "fsdp", "deepspeed")
+def _sharding(args: dict, out: dict) -> None:
+    """`fsdp` options (FSDP_OPTIONS) and `deepspeed` (a config path or object, read as a
+    DeepSpeed JSON); not both."""
+    out["parallel"].update(_fsdp_options(args.get("fsdp")))
     ds = args.get("deepspeed") or None
-    if ds is not None and parallel.get("strategy") == "fsdp":
+    if ds is not None and out["parallel"].get("strategy") == "fsdp":
         raise SpecError("training_args.fsdp", args.get("fsdp"),
                         reason="FSDP and DeepSpeed cannot both be set")
+    out["deepspeed_where"] = None if ds is None or isinstance(ds, dict) else os.fspath(ds)
     if ds is not None and not isinstance(ds, dict):
         ds = _read_json(ds, "training_args.deepspeed")
-    hf = {"per_device_train_batch_size": args.get("per_device_train_batch_size", HF_DEFAULT_BATCH),
-          "bf16": bf16, "fp16": fp16,
-          "gradient_accumulation_steps": args.get("gradient_accumulation_steps", 1)}
-    return {"spec": spec, "parallel": parallel, "lora": lora, "deepspeed": ds, "hf": hf}
+    out["deepspeed"] = ds
+
+
+def from_training_args(source: str | os.PathLike | dict, where: str | None = None) -> dict:
+    """HF TrainingArguments fields (a JSON object, e.g. `args.to_json_string()`) -> layered kwargs.
+
+    The keys the job schema declares for "training_args" are copied onto their fields (TRL
+    SFTConfig's `max_length`, LLaVA's `model_max_length`, ...), the conversions above read the
+    rest; any other key is checked (`config_keys.check_keys`): a TrainingArguments / SFTConfig
+    / LLaVA field changes no memory, anything else is a warning naming the nearest key.
+    Returns {"spec": ..., "parallel": ..., "lora": ..., "deepspeed": dict | None,
+    "deepspeed_where": its path | None, "hf": ...};
+    "hf" holds the TrainingArguments values (Trainer's defaults where the file is silent) that
+    resolve DeepSpeed "auto" keys, and "_given": whether the file set the batch size.
+    """
+    args = _read_json(source, "training_args")
+    where = where or _where(source, "training_args")
+    config_keys.check_keys("training_args", args, where, used=used_keys("training_args"),
+                           known=config_keys.training_args_known)
+    config_keys.unpriced("training_args", args, where, config_keys.TRAINING_ARGS_UNPRICED)
+    out: dict = {"spec": {}, "parallel": {}, "lora": {}, "deepspeed": None}
+    _copy_declared("training_args", args, out)
+    for conversion in CONVERSIONS["training_args"]:
+        conversion.fn(args, out)
+    batch = args.get("per_device_train_batch_size")
+    out["hf"] = {"per_device_train_batch_size": HF_DEFAULT_BATCH if batch is None else batch,
+                 "bf16": bool(args.get("bf16")), "fp16": bool(args.get("fp16")),
+                 "gradient_accumulation_steps": args.get("gradient_accumulation_steps", 1),
+                 "_given": batch is not None}
+    return out
 
 
 def _fsdp_options(value: object) -> dict:
@@ -270,24 +371,48 @@ def _fsdp_options(value: object) -> dict:
 
 # ---------------------------------------------------------------- DeepSpeed JSON
 
+ZERO = "zero_optimization."
+# "auto" keys transformers fills from the model's hidden size h (integrations/deepspeed.py
+# `trainer_config_finalize`), by the key it fills; stage-3 ones only with stage 3
+AUTO_HIDDEN: dict[str, object] = {"reduce_bucket_size": lambda h: h * h}
+AUTO_HIDDEN_STAGE3: dict[str, object] = {
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def zero_keys() -> dict[str, object]:
+    """`zero_optimization` key -> the ParallelSpec field it is copied onto (schema-declared
+    keys; `stage` and the offload blocks are conversions)."""
+    return {key[len(ZERO):]: metas[0] for key, metas in schema.config_keys("deepspeed").items()
+            if key.startswith(ZERO) and key not in (ZERO + "stage", ZERO + "offload_optimizer",
+                                                     ZERO + "offload_param")}
+
+
 def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | None = None,
-                        hf: dict | None = None) -> dict:
+                        hf: dict | None = None, where: str | None = None) -> dict:
     """A DeepSpeed config -> layered kwargs, "auto" resolved from `hf` (TrainingArguments values,
-    HF defaults when None) and `hidden_size` (the model's; needed only for hidden-size keys)."""
+    HF defaults when None) and `hidden_size` (the model's; needed only for hidden-size keys).
+    Keys neither read nor DeepSpeed's own are warnings (`config_keys`)."""
     cfg = _read_json(source, "deepspeed")
+    where = where or _where(source, "deepspeed")
     hf = hf or HF_DEFAULTS
+    used = used_keys("deepspeed")
+    config_keys.check_keys("deepspeed", cfg, where, used={k.split(".")[0] for k in used},
+                           known=lambda: config_keys.DEEPSPEED_KEYS)
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise SpecError("deepspeed.zero_optimization", zero, reason="must be a JSON object")
+    config_keys.check_keys("deepspeed", zero, where, prefix=ZERO,
+                           used={k[len(ZERO):] for k in used if k.startswith(ZERO)},
+                           known=lambda: config_keys.ZERO_KEYS)
+    config_keys.unpriced("deepspeed", zero, where, config_keys.ZERO_UNPRICED)
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise SpecError("deepspeed.zero_optimization.stage", stage, [0, 1, 2, 3])
     parallel: dict = {"strategy": f"zero{stage}" if stage else "ddp"}
-    auto_hidden = {"reduce_bucket_size": lambda h: h * h}
-    if stage == 3:
-        auto_hidden.update(stage3_prefetch_bucket_size=lambda h: int(0.9 * h * h),
-                           stage3_param_persistence_threshold=lambda h: 10 * h)
-    for key in DS_ZERO_KEYS:
+    auto_hidden = {**AUTO_HIDDEN, **(AUTO_HIDDEN_STAGE3 if stage == 3 else {})}
+    for key, meta in zero_keys().items():
         if key not in zero:
             continue
         value = zero[key]
@@ -299,9 +424,7 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
                 raise SpecError(f"deepspeed.zero_optimization.{key}", "auto",
                                 reason="needs the model's hidden size: give --model")
             value = auto_hidden[key](hidden_size)
-        field = f"deepspeed.zero_optimization.{key}"
-        parallel[key] = (_flag(field, value) if key in ("contiguous_gradients", "overlap_comm")
-                         else _count(field, value))
+        parallel[meta.name] = _typed(f"deepspeed.zero_optimization.{key}", meta, value)
     for key in ("offload_optimizer", "offload_param"):
         block = zero.get(key) or {}
         if not isinstance(block, dict):
@@ -333,10 +456,11 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
 def _ds_precision(cfg: dict, hf: dict) -> str:
     """bf16/fp16 "auto" from the TrainingArguments (`trainer_config_process`). DeepSpeed then
     holds the model in 16 bits with an fp32 master partition: priced as bf16-master (fp16 has the
-    same bytes); without either, everything is fp32."""
+    same bytes); without either, everything is fp32. `bfloat16` is DeepSpeed's older name of the
+    bf16 block, read when `bf16` is absent (runtime/config.py `get_bfloat16_config`)."""
     enabled = {}
     for key in ("bf16", "fp16"):
-        block = cfg.get(key, {})
+        block = cfg.get(key, cfg.get("bfloat16", {}) if key == "bf16" else {})
         value = block.get("enabled", False) if isinstance(block, dict) else block
         enabled[key] = hf[key] if value == "auto" else _flag(f"deepspeed.{key}.enabled", value)
     if enabled["bf16"] and enabled["fp16"]:
@@ -363,10 +487,18 @@ def _world_size_from_batch(cfg: dict, micro: int, hf: dict) -> int | None:
 # ---------------------------------------------------------------- merging
 
 def _layer_overrides(overrides: dict) -> dict:
+    """Explicit values by job-schema key (`hybridmem.job.schema.BY_KEY`: TrainingSpec and
+    ParallelSpec field names, `lora_<field>` for LoRA settings), plus the files given as
+    options (`peft_config`, `quantization_config`) and `zero_stage`."""
     spec, parallel, lora = {}, {}, {}
-    pfields = set(ParallelSpec.__dataclass_fields__)
     if overrides.get("peft_config") is not None:  # first, so --lora-* flags refine it
-        adapter = spec_fields(overrides["peft_config"])
+        source = overrides["peft_config"]
+        cfg = read_adapter_config(source)
+        known = config_keys.peft_known(cfg["peft_type"])
+        if known is not None:
+            config_keys.check_keys("peft", cfg, _where(source, "peft_config"),
+                                   used=used_keys("peft"), known=lambda: known)
+        adapter = spec_fields(cfg)
         if overrides.get("train") not in (None, adapter["train"]):
             raise SpecError("train", overrides["train"], [adapter["train"]],
                             reason="--peft-config sets the trained parameters")
@@ -376,26 +508,33 @@ def _layer_overrides(overrides: dict) -> dict:
         else:
             spec["peft_config"] = adapter["peft_config"]
     spec.update(_quantization(overrides))
+    layer = {"spec": spec, "parallel": parallel, "lora": lora}
     for key, value in overrides.items():
-        if value is None or key in ("peft_config", "quantization_config"):
+        if value is None or key in OPTION_FILES:
             continue
-        if key in SPEC_KEYS:
-            spec[key] = value
-        elif key in LORA_KEYS:
-            if key == "lora_targets":
-                value = tuple(t.strip() for t in value.split(",") if t.strip()) \
-                    if isinstance(value, str) else tuple(value)
-            lora[LORA_KEYS[key]] = value
+        meta = schema.BY_KEY.get(key)
+        if meta is not None:
+            layer[meta.owner][meta.name] = schema.parse_cli(meta, value)
         elif key == "zero_stage":
             if value not in (1, 2, 3):
                 raise SpecError("zero_stage", value, [1, 2, 3])
             parallel["strategy"] = f"zero{value}"
-        elif key in pfields:
-            parallel[key] = value
         else:
-            raise SpecError("overrides", key, sorted((*SPEC_KEYS, *LORA_KEYS, "zero_stage",
-                                                      "peft_config", *pfields)))
-    return {"spec": spec, "parallel": parallel, "lora": lora}
+            raise SpecError("overrides", key, sorted((*schema.BY_KEY, "zero_stage", *OPTION_FILES)))
+    return layer
+
+
+def _bnb_dict(source: str | os.PathLike | dict) -> dict:
+    """The BitsAndBytesConfig object of `--quantization-config`: the JSON itself, or the
+    `quantization_config` of a model's config.json (a file or its folder)."""
+    if isinstance(source, dict):
+        return source
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    data = read_json_object(path, "quantization_config")
+    if "quantization_config" in data and "load_in_4bit" not in data \
+            and "_load_in_4bit" not in data:
+        data = data["quantization_config"]  # a model config.json
+    return data
 
 
 def _quantization(overrides: dict) -> dict:
@@ -407,7 +546,11 @@ def _quantization(overrides: dict) -> dict:
 
     out: dict = {}
     if overrides.get("quantization_config") is not None:
-        out = from_bnb_config(overrides["quantization_config"])
+        source = overrides["quantization_config"]
+        data = _bnb_dict(source)
+        config_keys.check_keys("bnb", data, _where(source, "quantization_config"),
+                               used=used_keys("bnb"), known=config_keys.bnb_known)
+        out = from_bnb_config(data)
     elif overrides.get("model"):
         from hybridmem.models import load_config
 
@@ -432,40 +575,45 @@ def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict 
                  training_args: str | os.PathLike | dict | None = None,
                  overrides: dict | None = None) -> dict:
     """TrainingSpec keyword arguments from the inputs; explicit `overrides` win over files, files
-    over the recipe. `overrides` take TrainingSpec field names, lora_r/lora_alpha/lora_targets,
-    ParallelSpec field names and zero_stage; None values are ignored."""
+    over the recipe, and a file read as a Trainer run (a recipe, TrainingArguments) starts from
+    Trainer's default batch. `overrides` take job-schema keys (`_layer_overrides`); None values
+    are ignored."""
     over = _layer_overrides(overrides or {})
     layers: list[dict] = []
-    ds_sources: list = []
+    ds_sources: list[tuple] = []  # (DeepSpeed config, where it came from)
     hf: dict | None = None
+    if recipe is not None or training_args is not None:
+        # a Trainer run: TrainingArguments' own default batch where no file sets one
+        layers.append({"spec": {"micro_batch": HF_DEFAULT_BATCH}, "parallel": {}, "lora": {}})
     if recipe is not None:
         if recipe not in RECIPES:
             raise SpecError("recipe", recipe, sorted(RECIPES))
-        ta = from_training_args(RECIPES[recipe]["training_args"])
+        ta = from_training_args(RECIPES[recipe]["training_args"], where=f"recipe {recipe}")
         ta["spec"].update(RECIPES[recipe].get("spec", {}))
         layers.append(ta)
-        hf = ta["hf"]
-        ds_sources.append(RECIPES[recipe]["deepspeed"])
+        hf = {**ta["hf"], "_given": False}
+        ds_sources.append((RECIPES[recipe]["deepspeed"], f"recipe {recipe} (DeepSpeed)"))
     if training_args is not None:
         ta = from_training_args(training_args)
         layers.append(ta)
-        hf = {**ta["hf"], "_given": "micro_batch" in ta["spec"]}
+        hf = ta["hf"]
         if ta["deepspeed"] is not None:
-            ds_sources.append(ta["deepspeed"])
+            ds_sources.append((ta["deepspeed"], ta["deepspeed_where"] or "training_args.deepspeed"))
         elif ta["parallel"].get("strategy") == "fsdp":
             ds_sources.clear()  # the user's own args replace the recipe's DeepSpeed config
     if deepspeed is not None:
         if any(layer["parallel"].get("strategy") == "fsdp" for layer in layers[-1:]):
             raise SpecError("deepspeed", str(deepspeed),
                             reason="FSDP (training args) and DeepSpeed cannot both be set")
-        ds_sources.append(deepspeed)
+        ds_sources.append((deepspeed, None))
     if "micro_batch" in over["spec"]:
         hf = {**(hf or HF_DEFAULTS), "per_device_train_batch_size": over["spec"]["micro_batch"],
               "_given": False}
     if ds_sources:
         model = over["spec"].get("model")
         hidden = hidden_size_of(model) if model else None
-        layers.append(from_deepspeed_json(ds_sources[-1], hidden_size=hidden, hf=hf))
+        source, where = ds_sources[-1]
+        layers.append(from_deepspeed_json(source, hidden_size=hidden, hf=hf, where=where))
     layers.append(over)
     return _combine(layers, over)
 
