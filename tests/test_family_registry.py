@@ -44,7 +44,7 @@ def test_decoder_defaults_are_the_config_class_defaults(model_type):
 
 
 def test_the_tuples_other_modules_export_are_views_of_the_registry():
-    from hybridmem.job.images import HXW_FAMILIES, IMAGE_FAMILIES
+    from hybridmem.families.common.images import HXW_FAMILIES, IMAGE_FAMILIES
     from hybridmem.models.decoder import MOE_TYPES, QK_NORM_TYPES
     from hybridmem.models.loader import DECODER_TYPES, MULTIMODAL_TYPES
 
@@ -83,3 +83,54 @@ def test_the_registry_imports_neither_torch_nor_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["0", "0"]
+
+
+def test_a_layer_kind_no_family_registered_is_an_error_naming_it(monkeypatch):
+    """The analytic tier prices a layer by its family's registered closed form
+    (`Family.layer_kinds`); a kind nobody registered is refused, never priced as nothing."""
+    from dataclasses import replace
+
+    from hybridmem import TrainingSpec
+    from hybridmem.families import UnpricedLayerKind
+    from hybridmem.models import build_graph
+
+    E = importlib.import_module("hybridmem.analytic.estimate")
+    spec = TrainingSpec(model="tiny-llava", micro_batch=1, seq_len=700)
+    graph = build_graph(spec)
+    renamed = tuple(replace(m, layers=tuple(
+        replace(layer, kind="made_up_norm") if layer.kind == "layernorm" else layer
+        for layer in m.layers)) for m in graph.modules)
+    monkeypatch.setattr(E, "build_graph", lambda s: replace(graph, modules=renamed))
+    with pytest.raises(UnpricedLayerKind, match="'made_up_norm'"):
+        E.estimate(spec)
+
+
+def test_every_layer_of_every_preset_graph_has_a_registered_kind():
+    from hybridmem import TrainingSpec
+    from hybridmem.families import layer_kinds
+    from hybridmem.models import build_graph, preset_names
+
+    made = set()
+    for name in preset_names():
+        for _, layer in build_graph(TrainingSpec(model=name, micro_batch=1,
+                                                 seq_len=8192)).layers():
+            made |= {layer.kind, layer.formula or layer.kind}
+    assert made <= set(layer_kinds())
+
+
+def test_a_kind_two_families_register_differently_is_refused(monkeypatch):
+    from dataclasses import replace
+
+    from hybridmem.families import LayerKind, layer_kinds
+
+    llama, mistral = REGISTRY["llama"], REGISTRY["mistral"]
+    monkeypatch.setitem(REGISTRY, "mistral", replace(
+        mistral, layer_kinds=lambda: {"rmsnorm": LayerKind(lambda *a: None)}))
+    layer_kinds.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="'rmsnorm' registered twice"):
+            layer_kinds()
+    finally:
+        monkeypatch.setitem(REGISTRY, "mistral", mistral)
+        layer_kinds.cache_clear()
+    assert layer_kinds()["rmsnorm"] == llama.layer_kinds()["rmsnorm"]

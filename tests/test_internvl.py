@@ -16,7 +16,7 @@ import torch
 
 from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
-from hybridmem.job.images import image_plan
+from hybridmem.families.common.images import image_plan
 from hybridmem.models import build_graph, load_config
 from hybridmem.models.internvl import optimal_grid
 from hybridmem.job.spec import TrainingSpec
@@ -148,9 +148,10 @@ def test_parts_equal_the_meta_model():
 def _variant(tmp_path, top: dict | None = None, **vision) -> str:
     """tiny-internvl with other vision_config / top-level values, as a config.json path."""
     import json
-    from importlib import resources
 
-    d = json.loads((resources.files("hybridmem.models") / "presets" / f"{TINY}.json").read_text())
+    from hybridmem.models.loader import load_config_dict
+
+    d = load_config_dict(TINY)[1]
     d["vision_config"].update(vision)
     d.update(top or {})
     path = tmp_path / "config.json"
@@ -220,11 +221,9 @@ def _mid_config(**vision):
     """internvl3-1b-hf's vision side (448-px tiles, 1025 tokens, width 1024, projector to
     896) with 2 InternViT layers and a 1-layer LM: real-sized widths, CPU-sized depth."""
     import json
-    from importlib import resources
-    from hybridmem.models.loader import load_config_data
+    from hybridmem.models.loader import load_config_data, load_config_dict
 
-    d = json.loads((resources.files("hybridmem.models") / "presets" /
-                    "internvl3-1b-hf.json").read_text())
+    d = load_config_dict("internvl3-1b-hf")[1]
     d["vision_config"].update(num_hidden_layers=2, **vision)
     d["text_config"].update(num_hidden_layers=1, vocab_size=1024)
     d.update(image_token_id=1000)

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.job.images import image_plan
+from hybridmem.families.common.images import image_plan
 from hybridmem.models import build_graph, load_config
 from hybridmem.models.loader import load_config_dict, load_config_data
 from hybridmem.job.spec import TrainingSpec

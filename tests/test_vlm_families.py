@@ -13,7 +13,8 @@ import torch
 
 from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
-from hybridmem.job.images import check_seq_len, image_plan, smart_resize
+from hybridmem.families.common.images import image_plan
+from hybridmem.job.images import check_seq_len, smart_resize
 from hybridmem.models import build_graph, load_config
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner
@@ -220,7 +221,7 @@ def _gemma3_vision_real(config, n: int, dtype, tower_trains: bool) -> int:
 def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool,
                             vision_modules=None) -> int:
     """`vision_modules`: the family's (config, n) -> tower + projector modules (Gemma 3's)."""
-    from hybridmem.analytic.activations import Ctx
+    from hybridmem.families.common.activations import Ctx
     from hybridmem.analytic.estimate import FORMULAS
     from hybridmem.models import gemma3
 
@@ -338,12 +339,9 @@ def test_gemma3_real_sized_analytic_within_3_percent(kw):
 def _mid_gemma3():
     """gemma-3-4b-it's vision side at 448 px (32 x 32 patches pooled 2 x 2 to 256 tokens),
     2 SigLIP layers, a 1-layer LM: real-sized widths, CPU-sized depth."""
-    import json
-    from importlib import resources
-    from hybridmem.models.loader import load_config_data
+    from hybridmem.models.loader import load_config_data, load_config_dict
 
-    path = resources.files("hybridmem.models") / "presets" / "gemma-3-4b-it.json"
-    d = json.loads(path.read_text())
+    d = load_config_dict("gemma-3-4b-it")[1]
     d["vision_config"].update(num_hidden_layers=2, image_size=448)
     d["text_config"].update(num_hidden_layers=1, vocab_size=1024)
     d.update(image_token_index=1000, boi_token_index=1001, eoi_token_index=1002)

@@ -18,7 +18,7 @@ SigLIP residual stream and CUDA autocast's fp32 LayerNorm):
 
 from __future__ import annotations
 
-from hybridmem.analytic.activations import FP32, Acts, Ctx, Saved
+from hybridmem.families.common.activations import FP32, Acts, Ctx, Saved
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer
 

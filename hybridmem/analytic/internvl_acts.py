@@ -20,10 +20,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.analytic.activations import FP32, Acts, Ctx, Saved
+from hybridmem.families.common.activations import FP32, Acts, Ctx, Saved
 from hybridmem.allocator.alloc import t
-from hybridmem.analytic.vision_acts import layernorm
+from hybridmem.analytic.vision_acts import encoder_layer as clip_layer, layernorm
 from hybridmem.models.graph import Layer
+
+
+def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """`InternVLVisionLayer`: CLIP's encoder layer with InternViT's layer scale and norm
+    options (`with_layer_scale`)."""
+    return with_layer_scale(clip_layer(layer, c, need_in, need_w), layer, c, need_w)
 
 
 def with_layer_scale(acts: Acts, layer: Layer, c: Ctx, need_w: bool) -> Acts:

@@ -2,7 +2,7 @@
 tables and block mask, Pixtral blocks, `Mistral3MultiModalProjector`.
 
 Op by op from transformers 5.24 `modeling_pixtral.py` / `modeling_mistral3.py` and
-`tools/autograd/derivatives.yaml` (the rules `hybridmem.analytic.activations` lists):
+`tools/autograd/derivatives.yaml` (the rules `hybridmem.families.common.activations` lists):
 
 - the patch conv runs in the compute dtype; `ln_pre` (PixtralRMSNorm = LlamaRMSNorm's code)
   multiplies its fp32 weight into the normalised bf16 input under autocast, so the tower's
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridmem.analytic import text_acts as TA
-from hybridmem.analytic.activations import FP32, INT64, Acts, Ctx, Saved, amp_copies, linear_inputs
+from hybridmem.families.common.activations import FP32, INT64, Acts, Ctx, Saved, amp_copies, linear_inputs
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer
 

@@ -3,7 +3,7 @@
 the 2-D rotary tables and the vision blocks are Qwen2-VL's (`analytic/qwen_vl_acts.py`).
 
 Op by op from transformers 5.24 `modeling_qwen3_vl.py` and PyTorch's
-`tools/autograd/derivatives.yaml` (as `hybridmem.analytic.activations` says):
+`tools/autograd/derivatives.yaml` (as `hybridmem.families.common.activations` says):
 
 - `pos_embed(idx) * weights[:, :, None]` then `.sum(1)`: the embedding output (patches, 4, E)
   is in the parameter dtype (embeddings are not autocast), the product in fp32 (the weights
@@ -20,7 +20,7 @@ Op by op from transformers 5.24 `modeling_qwen3_vl.py` and PyTorch's
 
 from __future__ import annotations
 
-from hybridmem.analytic.activations import FP32, INT64, Acts, Ctx, Saved, linear_inputs
+from hybridmem.families.common.activations import FP32, INT64, Acts, Ctx, Saved, linear_inputs
 from hybridmem.allocator.alloc import t
 from hybridmem.analytic.qwen_vl_acts import _norm_out
 from hybridmem.models.graph import Layer

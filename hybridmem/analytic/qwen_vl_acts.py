@@ -2,7 +2,7 @@
 rotary tables, vision blocks over the packed patch sequence, the PatchMerger.
 
 Op by op from transformers 5.24 `modeling_qwen2_vl.py` / `modeling_qwen2_5_vl.py` and
-PyTorch's `tools/autograd/derivatives.yaml` (as `hybridmem.analytic.activations` says):
+PyTorch's `tools/autograd/derivatives.yaml` (as `hybridmem.families.common.activations` says):
 
 - the tower's residual stream is the patch conv's output dtype: the compute dtype (bf16 under
   autocast: conv and linears run in bf16 and bf16 + bf16 stays bf16), unlike CLIP's fp32 stream;
@@ -19,7 +19,7 @@ PyTorch's `tools/autograd/derivatives.yaml` (as `hybridmem.analytic.activations`
 
 from __future__ import annotations
 
-from hybridmem.analytic.activations import (
+from hybridmem.families.common.activations import (
     FP32, LSE_ALIGN_EFFICIENT, TWO_TENSOR_ACTS, Acts, Ctx, Saved, linear_inputs,
 )
 from hybridmem.allocator.alloc import t

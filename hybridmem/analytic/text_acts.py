@@ -1,15 +1,15 @@
 """Activation formulas of the decoder LLM: Llama/Mistral/Qwen2 layers, final norm, lm_head
-with the loss, token embedding, rotary tables (sources: `hybridmem.analytic.activations`)."""
+with the loss, token embedding, rotary tables (sources: `hybridmem.families.common.activations`)."""
 
 from __future__ import annotations
 
-from hybridmem.analytic.activations import (
+from hybridmem.families.common.activations import (
     FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward,
     dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs, quant_transients,
 )
 from hybridmem.analytic import gemma3_acts as GA
 from hybridmem.allocator.alloc import t
-from hybridmem.analytic.eager_top import backward_top, forward_top
+from hybridmem.families.common.eager_top import backward_top, forward_top
 from hybridmem.job.loss import LIGER_SM_COUNT, flce_chunks, torch_chunks
 from hybridmem.models.graph import Layer
 

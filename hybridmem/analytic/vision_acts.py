@@ -1,13 +1,13 @@
 """Activation formulas of the vision side: CLIP/SigLIP encoder layers and LayerNorms, patch
-embeddings, the LLaVA projector (sources: `hybridmem.analytic.activations`)."""
+embeddings, the LLaVA projector (sources: `hybridmem.families.common.activations`)."""
 
 from __future__ import annotations
 
-from hybridmem.analytic.activations import (
+from hybridmem.families.common.activations import (
     FP32, TWO_TENSOR_ACTS, Acts, Ctx, Saved, amp_copies, attention_core, linear_inputs,
 )
 from hybridmem.allocator.alloc import t
-from hybridmem.analytic.eager_top import backward_top, forward_top
+from hybridmem.families.common.eager_top import backward_top, forward_top
 from hybridmem.models.graph import Layer
 
 
@@ -48,15 +48,11 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                        o_saved + t(N * h, e) + (t(probs, e) if e != FP32 else 0), sum(bwd_parts))
     bwd_parts, bwd_freed = top or (bwd_parts, 0)
     bwd_mlp_parts = (t(N * h, sb), t(N * f, e), t(N * f, e))
-    acts = Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
                 ckpt_saved=t(N * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
                 bwd_extra=sum(bwd_parts), mlp_saved=sv.total - attn_part,
                 bwd_mlp=sum(bwd_mlp_parts), fwd_parts=fwd_parts, bwd_parts=bwd_parts,
                 bwd_mlp_parts=bwd_mlp_parts, fwd_after_top=after_top, bwd_top_freed=bwd_freed)
-    if d.get("layer_scale"):  # InternViT (models/internvl.py): lambda_1 / lambda_2
-        from hybridmem.analytic.internvl_acts import with_layer_scale
-        return with_layer_scale(acts, layer, c, need_w)
-    return acts
 
 
 def layernorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
@@ -134,8 +130,3 @@ def vision_embeddings(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts
     leaf = t(patches, c.e) if c.ckpt and not need_w else 0
     return Acts(saved=saved + leaf, fwd_extra=t(N * h, c.e) + t(N * h, c.stream),
                 bwd_extra=(t(N * h, c.stream) if need_w else 0) + leaf)
-
-
-def image_merge(b: int, s: int) -> int:
-    """`masked_scatter` of image features saves the (b, s, 1) bool mask."""
-    return t(b * s, 1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -98,9 +99,33 @@ class Family:
     decoder's graph as is."""
     meta_patches: Callable | None = None
     """() -> a context manager the trace needs under meta tensors (data-dependent helpers)."""
+    layer_kinds: Callable[[], Mapping[str, LayerKind]] | None = None
+    """() -> {layer kind: `LayerKind`} for the layers its graph makes (and the formula variants
+    its layers name, `models.graph.Layer.formula`): how the analytic tier prices them."""
 
     def has(self, trait: str) -> bool:
         return trait in self.traits
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKind:
+    """How the analytic tier prices one layer kind (`models.graph.Layer.kind`)."""
+
+    acts: Callable
+    """The closed form of what the layer keeps for backward: (layer, `Ctx`, need_in, need_w)
+    -> `Acts` (the decoder's `embedding` takes the tied grad and whether image features are
+    merged too, its `rotary` (layer, ctx, active))."""
+    checkpointed: bool = False
+    """A `GradientCheckpointingLayer` in transformers: `--grad-ckpt` recomputes it."""
+    linear: bool = False
+    """Its 2-D weights are `nn.Linear`s (bitsandbytes' `replace_with_bnb_linear` converts them)."""
+    sac_as: Callable | None = None
+    """(layer) -> the layer as the shared kind whose op-level checkpointing cache it has
+    (`analytic.sac`; Pixtral's block is a Llama decoder layer over one packed sequence)."""
+
+
+class UnpricedLayerKind(LookupError):
+    """A graph made a layer of a kind no family registered closed forms for."""
 
 
 def check_sub_config(data: dict, key: str, allowed: tuple[str, ...], default: str) -> None:
@@ -129,6 +154,28 @@ def _discover() -> dict[str, Family]:
 
 
 REGISTRY: dict[str, Family] = _discover()
+
+
+@lru_cache(maxsize=1)
+def layer_kinds() -> dict[str, LayerKind]:
+    """Every registered layer kind (`Family.layer_kinds`); a kind two families register
+    differently is refused."""
+    out: dict[str, LayerKind] = {}
+    for mt, fam in REGISTRY.items():
+        for kind, lk in (fam.layer_kinds() if fam.layer_kinds is not None else {}).items():
+            if out.setdefault(kind, lk) != lk:
+                raise RuntimeError(f"layer kind {kind!r} registered twice ({mt})")
+    return out
+
+
+def layer_kind(kind: str) -> LayerKind:
+    """The registered `LayerKind`; a kind no family registered is an error naming it (never
+    priced as keeping nothing)."""
+    try:
+        return layer_kinds()[kind]
+    except KeyError:
+        raise UnpricedLayerKind(f"layer kind {kind!r}: no family registers closed forms for it "
+                                "(hybridmem/families/<family>/, Family.layer_kinds)") from None
 
 
 def family(model_type: str | None) -> Family | None:

@@ -63,8 +63,15 @@ def lm_graph(cfg, spec, lm, images: int, plan):
     return image_masks(lm, images * plan.tokens)
 
 
+def layer_kinds() -> dict:
+    from hybridmem.analytic import gemma3_acts as GA
+    from hybridmem.families import LayerKind
+
+    return {"gemma3_projector": LayerKind(GA.mm_projector)}
+
+
 FAMILIES = (
     Family("gemma3", VLM, "modeling_gemma3.py", check_config=check_config,
            light_config=light_config, image_plan=image_plan, text_extras=text_extras,
-           vision_graph=vision_graph, lm_graph=lm_graph),
+           vision_graph=vision_graph, lm_graph=lm_graph, layer_kinds=layer_kinds),
 )

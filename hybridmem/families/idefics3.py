@@ -55,9 +55,17 @@ def meta_patches():
     return split_images_on_meta()
 
 
+def layer_kinds() -> dict:
+    from hybridmem.analytic import gemma3_acts as GA
+    from hybridmem.families import LayerKind
+
+    return {"pixel_shuffle_projector": LayerKind(GA.pixel_shuffle_projector)}
+
+
 _COMMON = dict(check_config=check_text_config, light_config=light_config, image_plan=image_plan,
                hw_images=True, pixel_inputs=pixel_inputs, pixel_mask=True,
-               vision_graph=vision_graph, lm_prefix="model.text_model", meta_patches=meta_patches)
+               vision_graph=vision_graph, lm_prefix="model.text_model", meta_patches=meta_patches,
+               layer_kinds=layer_kinds)
 FAMILIES = (
     Family("idefics3", VLM, "modeling_idefics3.py", **_COMMON),
     Family("smolvlm", VLM, "modeling_smolvlm.py", **_COMMON),

@@ -53,9 +53,19 @@ def vision_seq(vc) -> int:
     return tokens_per_crop(vc)
 
 
+def layer_kinds() -> dict:
+    """InternViT's layers (CLIP's with layer scale), its final norm and projector."""
+    from hybridmem.analytic import internvl_acts as IA
+    from hybridmem.families import LayerKind
+
+    return {"internvl_encoder_layer": LayerKind(IA.encoder_layer, checkpointed=True, linear=True),
+            "internvl_final_norm": LayerKind(IA.final_norm),
+            "internvl_projector": LayerKind(IA.projector, linear=True)}
+
+
 FAMILIES = (
     Family("internvl", VLM, "modeling_internvl.py", check_config=check_text_config,
            light_config=light_config, image_plan=image_plan, hw_images=True,
            pixel_inputs=pixel_inputs,
-           vision_graph=vision_graph, vision_seq=vision_seq),
+           vision_graph=vision_graph, vision_seq=vision_seq, layer_kinds=layer_kinds),
 )

@@ -50,7 +50,7 @@ def image_plan(cfg, hw):
 
 def anyres_pixels(config, plan, n_images, dtype, device=None, host_shapes=False) -> dict:
     """LlavaNextImageProcessor: (images, crops, C, H, W) and `image_sizes` (a list under the
-    trace: `job.images.pixel_inputs`)."""
+    trace: `families.common.images.pixel_inputs`)."""
     import torch
 
     native, side = config.vision_config.image_size, plan.size[0]
@@ -84,7 +84,20 @@ def vision_seq(vc) -> int:
     return 0 if vc.model_type == PIXTRAL else tokens_per_crop(vc)
 
 
-_COMMON = dict(check_config=check_config, image_plan=image_plan, vision_graph=vision_graph)
+def layer_kinds() -> dict:
+    """CLIP / SigLIP towers and the projector (`analytic/vision_acts.py`)."""
+    from hybridmem.analytic import vision_acts as VA
+    from hybridmem.families import LayerKind
+    from hybridmem.families.common.activations import keeps_nothing
+
+    return {"vision_embeddings": LayerKind(VA.vision_embeddings),
+            "encoder_layer": LayerKind(VA.encoder_layer, checkpointed=True, linear=True),
+            "layernorm": LayerKind(VA.layernorm), "projector": LayerKind(VA.projector, linear=True),
+            "image_newline": LayerKind(keeps_nothing), "pooling_head": LayerKind(keeps_nothing)}
+
+
+_COMMON = dict(check_config=check_config, image_plan=image_plan, vision_graph=vision_graph,
+               layer_kinds=layer_kinds)
 FAMILIES = (
     Family("llava", VLM, "modeling_llava.py", hw_images=_pixtral, pixel_inputs=llava_pixels,
            vision_seq=vision_seq, meta_patches=mistral3.meta_patches, **_COMMON),

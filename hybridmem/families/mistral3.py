@@ -64,9 +64,21 @@ def meta_patches():
     return sizes_on_meta()
 
 
+def layer_kinds() -> dict:
+    """The Pixtral tower and Mistral-3's projector (`analytic/mistral3_acts.py`)."""
+    from hybridmem.analytic import mistral3_acts as MA
+    from hybridmem.families import LayerKind
+
+    return {"pixtral_patch_conv": LayerKind(MA.patch_conv), "pixtral_ln_pre": LayerKind(MA.ln_pre),
+            "pixtral_rotary": LayerKind(MA.rotary),
+            "pixtral_block": LayerKind(MA.block, checkpointed=True, linear=True,
+                                       sac_as=MA.as_decoder),
+            "pixtral_projector": LayerKind(MA.projector, linear=True)}
+
+
 FAMILIES = (
     Family("mistral3", VLM, "modeling_mistral3.py", check_config=check_config,
            light_config=light_config, image_plan=image_plan, hw_images=True,
            pixel_inputs=pixel_inputs, vision_graph=vision_graph, vision_seq=vision_seq,
-           meta_patches=meta_patches),
+           meta_patches=meta_patches, layer_kinds=layer_kinds),
 )

@@ -97,8 +97,20 @@ def meta_patches():
     return grid_helpers_on_meta()
 
 
+def layer_kinds() -> dict:
+    """The packed vision tower and mergers (`analytic/qwen_vl_acts.py`, `qwen3_vl_acts.py`)."""
+    from hybridmem.analytic import qwen3_vl_acts as Q3, qwen_vl_acts as QA
+    from hybridmem.families import LayerKind
+
+    return {"qwen_patch_embed": LayerKind(QA.patch_embed),
+            "qwen_vision_rotary": LayerKind(QA.vision_rotary),
+            "qwen_vision_block": LayerKind(QA.vision_block, checkpointed=True),
+            "patch_merger": LayerKind(QA.patch_merger), "qwen3_pos_embed": LayerKind(Q3.pos_embed),
+            "qwen3_merger": LayerKind(Q3.merger), "deepstack_add": LayerKind(Q3.deepstack_add)}
+
+
 _COMMON = dict(hw_images=True, pixel_inputs=pixel_inputs, text_extras=text_extras,
-               image_wrap=image_wrap, meta_patches=meta_patches)
+               image_wrap=image_wrap, meta_patches=meta_patches, layer_kinds=layer_kinds)
 _QWEN2 = dict(_COMMON, full_config=True, image_plan=image_plan, vision_graph=vision_graph)
 # Qwen3VLTextConfig / Qwen3VLMoeTextConfig defaults (configuration_qwen3_vl(_moe).py)
 _QWEN3_TEXT = {

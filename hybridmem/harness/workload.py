@@ -115,11 +115,10 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
     """input_ids / labels of shape (micro_batch, seq_len), plus the family's pixel inputs
     (LLaVA pixel_values, LLaVA-NeXT image_sizes, Qwen-VL pixel patches + image_grid_thw +
     mm_token_type_ids), all on `device`: the same builder and the same image-token rule as the
-    trace tier and the analytic graph (`hybridmem.job.images`). `model` is not read (a ZeRO-3
+    trace tier and the analytic graph (`hybridmem.families.common.images`). `model` is not read (a ZeRO-3
     model cannot run outside its engine; the rule needs none)."""
-    from hybridmem.job.images import (
-        check_seq_len, image_plan, images_in_batch, pixel_inputs, text_inputs,
-    )
+    from hybridmem.families.common.images import image_plan, pixel_inputs, text_inputs
+    from hybridmem.job.images import check_seq_len, images_in_batch
 
     from hybridmem.job import packing
 

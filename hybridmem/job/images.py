@@ -1,16 +1,15 @@
-"""The one image-token rule per VLM family, and the one seq-len check every tier applies.
+"""The model-free pieces of the image-token rule, and the one seq-len check every tier applies.
 
 Why one module: the analytic graph (`models/build.py`), the trace tier's batch
 (`trace/inputs.py`), the CUDA harness's batch (`harness/workload.py`) and the sweep planner
 (`harness/sweep.py`) each used to count image tokens their own way (asking the model and
 counting list outputs two different ways, or a closed form) and to check them against
-`seq_len` with two thresholds. They now all call `image_plan` and `check_seq_len`.
+`seq_len` with two thresholds. They now all call `families.common.images.image_plan` (the
+family's `Family.image_plan`) and `check_seq_len`.
 
-Each family's rule is its `Family.image_plan` (`hybridmem/families/<family>.py`, with the
-transformers 5.24 modeling / image-processing code it follows; docs/vlm-families.md has the
-table); the shared pieces live here: `smart_resize` (Qwen-VL's processor) and `split_plan`
-(Idefics3's image splitting + pixel shuffle). The pixel inputs each processor makes are
-`Family.pixel_inputs`, the token-type ids `Family.text_extras`.
+Here: what a plan is (`ImagePlan`), the `image_size` forms, the seq-len check, the placeholder
+id; and two processors' rules restated (`smart_resize`: Qwen-VL, `split_plan`: Idefics3).
+Nothing here asks the family registry (the job layer sits below the families).
 
 Works on both config kinds the project builds (the light `SimpleNamespace` and a
 transformers `PretrainedConfig`): it reads attributes only.
@@ -23,20 +22,6 @@ import re
 from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
-
-
-def _declared(where) -> tuple[str, ...]:
-    from hybridmem.families import types
-
-    return types(where=where)
-
-
-IMAGE_FAMILIES: tuple[str, ...] = _declared(lambda f: f.image_plan is not None)
-"""model_types with an image-token rule (`hybridmem/families/`): their batches carry images
-(other image-text-to-text families are priced on text-only batches)."""
-HXW_FAMILIES: tuple[str, ...] = _declared(lambda f: f.hw_images is True)
-"""`image_size` may be `HxW`: native dynamic resolution (Qwen-VL: the patch grid) or image
-splitting (Idefics3, SmolVLM: the image after the processor's resize)."""
 
 # transformers image_processing_qwen2_vl.py `Qwen2VLImageProcessor.size` defaults:
 # shortest_edge = 56 * 56 (min_pixels), longest_edge = 28 * 28 * 1280 (max_pixels)
@@ -175,29 +160,6 @@ def split_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
                      grid=(0, crops, per_tile))
 
 
-def image_plan(cfg, image_size: object = None) -> ImagePlan:
-    """The family's rule (`Family.image_plan`): tokens per image (and what the tower sees) at
-    `image_size`."""
-    from hybridmem.families import family
-
-    mt = cfg.model_type
-    fam = family(mt)
-    if fam is None or fam.image_plan is None:
-        raise SpecError("model_type", mt, IMAGE_FAMILIES, reason="no image-token rule")
-    hw = parse_image_size(image_size)
-    if not (fam.hw_images(cfg) if callable(fam.hw_images) else fam.hw_images):
-        square_only(cfg, hw)
-    return fam.image_plan(cfg, hw)
-
-
-def square_only(cfg, hw: tuple[int, int] | None) -> None:
-    """The one-line refusal of `HxW` for a tower that takes a square side."""
-    if hw is not None and hw[0] != hw[1]:
-        raise SpecError("image_size", f"{hw[0]}x{hw[1]}", reason="HxW needs a native-resolution "
-                        f"or image-splitting family ({', '.join(HXW_FAMILIES)}) or a Pixtral "
-                        f"tower; {cfg.model_type} takes a square side")
-
-
 def check_seq_len(seq_len: int, images: int, plan: ImagePlan | None) -> int:
     """Image tokens per sample; SpecError unless at least one text token (BOS) fits beside
     them (the collators put BOS first: haotian-liu/LLaVA `preprocess`, Qwen2-VL's chat
@@ -226,58 +188,6 @@ def images_in_batch(spec, multimodal: bool) -> int:
     return 1 if spec.images_per_sample is None else spec.images_per_sample
 
 
-def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
-                 host_shapes: bool = False) -> dict:
-    """The processor's pixel outputs for `n_images` images of `plan` (zeros: values change no
-    memory). `host_shapes`: the integer shape inputs whose values the model code reads
-    (`.tolist()`) stay readable under meta / fake tensors: Qwen-VL's `image_grid_thw` on the
-    CPU, LLaVA-NeXT's `image_sizes` a list (the trace tier; 16-24 B each on a GPU)."""
-    import torch
-
-    from hybridmem.families import family
-
-    fam = family(config.model_type)
-    if fam is not None and fam.pixel_inputs is not None:
-        return fam.pixel_inputs(config, plan, n_images, dtype, device, host_shapes)
-    side = plan.size[0]
-    return {"pixel_values": torch.zeros(n_images, 3, side, side, dtype=dtype, device=device)}
-
-
 IGNORE_INDEX = -100  # HF / LLaVA label value left out of the loss
 
 
-def text_inputs(config, batch: int, seq_len: int, image_tokens: int, device=None,
-                images: int = 1) -> dict:
-    """input_ids / labels (and the family's token type ids) of shape (batch, seq_len): BOS,
-    then each of `images` images' tokens (`image_tokens` in all, masked out of the labels,
-    haotian-liu/LLaVA `preprocess`) between the family's marker tokens (`Family.image_wrap`,
-    Qwen-VL: one run per image for its M-RoPE), then text. Token 1 stands for BOS/text (any id
-    the vocabulary has)."""
-    import torch
-
-    from hybridmem.families import family
-
-    ids = torch.ones(batch, seq_len, dtype=torch.long, device=device)
-    labels = torch.ones(batch, seq_len, dtype=torch.long, device=device)
-    out = {}
-    if image_tokens:
-        fam = family(config.model_type)
-        row = torch.tensor(_image_row(config, fam, image_tokens, images), dtype=torch.long)
-        if len(row) > seq_len:  # check_seq_len refuses these first unless plan.markers is off
-            raise ValueError(f"{config.model_type}: {len(row)} BOS, image and marker tokens "
-                             f"exceed seq_len {seq_len} (its image_wrap vs ImagePlan.markers)")
-        ids[:, :len(row)] = row.to(device)
-        mask = ids == image_token_id(config)
-        labels[mask] = IGNORE_INDEX
-        if fam is not None and fam.text_extras is not None:  # token type ids
-            out.update(fam.text_extras(config, mask.long()))
-    return {**out, "input_ids": ids, "labels": labels}
-
-
-def _image_row(config, fam, image_tokens: int, images: int) -> list[int]:
-    """BOS (1) and each image's placeholder tokens between its marker tokens."""
-    per, rest = divmod(image_tokens, images)
-    if rest:
-        raise ValueError(f"{image_tokens} image tokens are no whole number of {images} images")
-    before, after = fam.image_wrap(config) if fam is not None and fam.image_wrap else ((), ())
-    return [1, *([*before, *[image_token_id(config)] * per, *after] * images)]

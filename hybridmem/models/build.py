@@ -13,8 +13,9 @@ from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
 from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
-from hybridmem.families import DECODER, family
-from hybridmem.job.images import check_seq_len, image_plan
+from hybridmem.families import DECODER, family, layer_kind
+from hybridmem.families.common.images import image_plan
+from hybridmem.job.images import check_seq_len
 from hybridmem.models.llava import ImageLayout
 from hybridmem.models.light import light_config
 from hybridmem.models.vision import tokens_per_crop
@@ -187,12 +188,6 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
     return out
 
 
-# layer kinds whose 2-D `.weight`s are nn.Linear modules (embeddings, patch/position
-# embeddings are not: transformers' `replace_with_bnb_linear` converts nn.Linear only)
-LINEAR_KINDS = ("decoder_layer", "encoder_layer", "projector", "lm_head", "internvl_projector",
-                "pixtral_block", "pixtral_projector")
-
-
 def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
     """Mark the Linear weights bitsandbytes quantises (`hybridmem.job.quantize`)."""
     quant = quant_of(spec)
@@ -204,7 +199,10 @@ def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
         for layer in m.layers:
             names = tuple(
                 p.name for p in layer.params
-                if layer.kind in LINEAR_KINDS and p.name.endswith("weight") and len(p.shape) == 2
+                # 2-D weights of nn.Linear modules (`LayerKind.linear`; embeddings, patch /
+                # position embeddings are not: `replace_with_bnb_linear` converts nn.Linear only)
+                if layer_kind(layer.kind).linear and p.name.endswith("weight")
+                and len(p.shape) == 2
                 and quant.converts(".".join(x for x in (m.prefix, layer.scope,
                                                         p.name[: -len(".weight")]
                                                         if p.name != "weight" else "") if x)))
@@ -237,7 +235,7 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         layout = ImageLayout(crops=0, features_per_crop=0, tokens=0)
         plan_grid = False
     else:
-        plan = image_plan(cfg, spec.image_size)  # the one rule (hybridmem/job/images.py)
+        plan = image_plan(cfg, spec.image_size)  # the one rule (hybridmem/families/common/images.py)
         check_seq_len(spec.seq_len, images, plan)
         plan_grid = bool(plan.grid[0])
         modules, layout = fam.vision_graph(cfg, spec, images, plan)  # the family's parts

@@ -44,7 +44,12 @@ class Layer:
     name: str
     """Dotted path below the top-level module, e.g. `layers.3`."""
     kind: str
-    """Activation formula key: decoder_layer, encoder_layer, embedding, ... (see analytic)."""
+    """What the layer is: decoder_layer, encoder_layer, embedding, ... (a kind a family
+    registers, `hybridmem.families.LayerKind`); the key of its closed form unless `formula`
+    names another."""
+    formula: str = ""
+    """A family's own closed form for a layer of a shared kind (InternViT's layer-scaled
+    encoder layer), registered under this name; empty: the kind's."""
     scope: str = ""
     """Prefix of the parameter names inside the module, e.g. `layers.3` (empty: none)."""
     params: tuple[ParamTensor, ...] = ()

@@ -80,7 +80,7 @@ def tiles_per_image(cfg, height: int, width: int) -> int:
 
 
 def image_plan(cfg, hw: tuple[int, int] | None):
-    """The family's one image rule (`hybridmem.job.images.image_plan` dispatches here) for an
+    """The family's one image rule (`hybridmem.families.common.images.image_plan` dispatches here) for an
     input image of (height, width) px: the grid follows its aspect ratio (`optimal_grid`), the
     tiles are always the tower's size. With no size the image is one tile (an assumption: the
     processor takes any input size)."""
@@ -204,11 +204,11 @@ def vision_modules(cfg, n_tiles: int, runs: bool = True) -> list[Module]:
     params = layer_params(vc)
     for i in range(vc.num_hidden_layers):
         tower.append(Layer(name=f"encoder.layer.{i}", kind="encoder_layer", params=params,
-                           scope=f"encoder.layer.{i}", runs=runs,
+                           formula="internvl_encoder_layer", scope=f"encoder.layer.{i}", runs=runs,
                            dims=dict(base, heads=vc.num_attention_heads,
                                      head_dim=h // vc.num_attention_heads,
                                      ffn=vc.intermediate_size, act=vc.hidden_act,
-                                     layer_scale=True, qk_norm=vc.use_qk_norm,
+                                     qk_norm=vc.use_qk_norm,
                                      rms=vc.norm_type == "rms_norm")))
     # use_mean_pooling: `layernorm` is nn.Identity; its output (last_hidden_state) is held by
     # `image_outputs` either way

@@ -9,7 +9,7 @@ RoPE. Blocks are Llama-like: RMSNorm, q/k/v/o without bias, SwiGLU. The projecto
 (`Mistral3MultiModalProjector`) is RMSNorm -> `Mistral3PatchMerger` (unfold of every
 m x m patches, `merging_layer` E·m² -> E, no bias) -> linear_1 - GELU - linear_2.
 
-The rule (`pixtral_plan`, read by `hybridmem.job.images.image_plan`): the processor
+The rule (`pixtral_plan`, read by `hybridmem.families.common.images.image_plan`): the processor
 (`image_processing_pixtral.get_resize_output_image_size`) shrinks an image whose longer side
 exceeds `longest_edge` (floor of each side / ratio), then rounds each side UP to a whole
 number of merged patches (`patch_size * spatial_merge_size`, set by

@@ -207,7 +207,7 @@ QWEN_VL_MODULES = ("transformers.models.qwen2_vl.modeling_qwen2_vl",
 def grid_helpers_on_meta():
     """Run Qwen-VL's data-dependent helpers on meta tensors as a CUDA run would, shapes exact.
 
-    The batch keeps `image_grid_thw` on the CPU (`job.images.pixel_inputs(host_shapes=True)`),
+    The batch keeps `image_grid_thw` on the CPU (`Family.pixel_inputs(host_shapes=True)`),
     so `get_vision_attention_seqlens` (cu_seqlens, read by `.tolist()` in the per-image SDPA
     split) runs as is; the helpers whose outputs meet meta tensors are moved to meta
     (`get_vision_position_ids` -> (patches, 2) int64, `get_vision_window_index`'s
@@ -271,7 +271,7 @@ SPLIT_IMAGE_MODULES = ("transformers.models.idefics3.modeling_idefics3",
 
 class _AllImagesReal(TorchFunctionMode):
     """`x[real_images_inds]` with a bool row index on meta -> a copy of every row (the index
-    op's new tensor: the batch has no padding images, `job.images.pixel_inputs`);
+    op's new tensor: the batch has no padding images, `Family.pixel_inputs`);
     `.tolist()` of the per-sample real-image counts -> `images` each."""
 
     def __init__(self, images: int):

@@ -5,7 +5,7 @@ Why: `Mistral3Model.get_image_features` (and `LlavaModel.get_image_features` giv
 `image_sizes`) splits the projected features per image by
 `(torch.as_tensor(image_sizes, device=features.device) // ratio).prod(-1).tolist()`; on meta
 that `.tolist()` has no values. The trace batch keeps `image_sizes` a host list
-(`job.images.pixel_inputs(host_shapes=True)`), so the tensor made from it is put on the CPU,
+(`Family.pixel_inputs(host_shapes=True)`), so the tensor made from it is put on the CPU,
 where its values exist (a CUDA run makes the same two (images, 2) / (images,) int64 tensors on
 the device: 512 B blocks, freed before the next op). The placeholder count check, which reads
 a meta value, is a no-op: the batch has exactly the rule's image tokens.

@@ -364,3 +364,14 @@ def _matmul_tops(deq: list[int], top: list[int], n_a: int, n_out: int, cb: int, 
     back = [t(n_out, ib)] if cb != ib else []
     return max([a_cast + top, a_cast + [deq[-1]] + out, (a_cast if held else []) + out + back,
                 (back or out) + after], key=sum)
+
+
+def image_merge(b: int, s: int) -> int:
+    """`masked_scatter` of image features saves the (b, s, 1) bool mask."""
+    return t(b * s, 1)
+
+
+def keeps_nothing(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """A layer kind that saves nothing for backward (LLaVA-NeXT's image_newline: expand +
+    cat; SigLIP's pooling head: off the grad path)."""
+    return Acts()
