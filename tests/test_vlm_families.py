@@ -222,7 +222,7 @@ def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool,
                             vision_modules=None) -> int:
     """`vision_modules`: the family's (config, n) -> tower + projector modules (Gemma 3's)."""
     from hybridmem.families.common.activations import Ctx
-    from hybridmem.analytic.estimate import FORMULAS
+    from hybridmem.families import layer_kind
     from hybridmem.models import gemma3
 
     vision_modules = vision_modules or gemma3.vision_modules
@@ -231,9 +231,8 @@ def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool,
     for module in vision_modules(config, n):
         need_w = tower_trains or module.name == "multi_modal_projector"
         for layer in module.layers:
-            if layer.kind in FORMULAS:
-                acts = FORMULAS[layer.kind](layer, c, tower_trains, need_w)
-                total += acts.saved + acts.held
+            acts = layer_kind(layer.formula or layer.kind).acts(layer, c, tower_trains, need_w)
+            total += acts.saved + acts.held
     return total
 
 

@@ -4,8 +4,9 @@ GELU, Linear), a Qwen2 / Qwen3 LM; the processor tiles every image into 1-12 vis
 by aspect ratio plus a thumbnail (`GotOcr2ImageProcessor.crop_to_patches`), so `--image-size`
 may be `HxW` (the input image; `hw_images`).
 
-Rules, config (no transformers import) and graph: `models/internvl.py`; activations
-`analytic/internvl_acts.py` and `analytic/vision_acts.py`.
+This folder: the tiling rule, the config (no transformers import) and the graph (`model.py`);
+the closed forms (`acts.py`: CLIP's encoder layer plus layer scale, the final norm, the
+projector); the presets (`presets/`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from hybridmem.families.llava import check_text_config
 
 
 def light_config(data: dict):
-    from hybridmem.models.internvl import light_config as internvl_config
+    from hybridmem.families.internvl.model import light_config as internvl_config
 
     return internvl_config(data)
 
 
 def image_plan(cfg, hw):
-    from hybridmem.models.internvl import image_plan as internvl_plan
+    from hybridmem.families.internvl.model import image_plan as internvl_plan
 
     return internvl_plan(cfg, hw)
 
@@ -30,7 +31,7 @@ def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) 
     """InternVLProcessor: every image's tiles in one (tiles, C, tile, tile) tensor."""
     import torch
 
-    from hybridmem.models.internvl import tile_side
+    from hybridmem.families.internvl.model import tile_side
 
     tile = tile_side(config.vision_config)
     return {"pixel_values": torch.zeros(n_images * plan.crops, 3, tile, tile, dtype=dtype,
@@ -39,7 +40,7 @@ def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) 
 
 def vision_graph(cfg, spec, images, plan):
     """Tiles + thumbnail through the tower, pixel shuffle, the projector."""
-    from hybridmem.models import internvl
+    from hybridmem.families.internvl import model as internvl
     from hybridmem.models.llava import ImageLayout
 
     modules = internvl.vision_modules(cfg, spec.micro_batch * images * plan.crops,
@@ -48,14 +49,14 @@ def vision_graph(cfg, spec, images, plan):
 
 
 def vision_seq(vc) -> int:
-    from hybridmem.models.internvl import tokens_per_crop
+    from hybridmem.families.internvl.model import tokens_per_crop
 
     return tokens_per_crop(vc)
 
 
 def layer_kinds() -> dict:
     """InternViT's layers (CLIP's with layer scale), its final norm and projector."""
-    from hybridmem.analytic import internvl_acts as IA
+    from hybridmem.families.internvl import acts as IA
     from hybridmem.families import LayerKind
 
     return {"internvl_encoder_layer": LayerKind(IA.encoder_layer, checkpointed=True, linear=True),
