@@ -80,8 +80,8 @@ def _vision(data: dict | None) -> SimpleNamespace:
     if data is None:
         data = LLAVA_VISION
     kind = data.get("model_type", "clip_vision_model")
-    if kind == "pixtral":  # LLaVA with a Pixtral tower (pixtral-12b; models/mistral3_config.py)
-        from hybridmem.models.mistral3_config import PIXTRAL_DEFAULTS as defaults
+    if kind == "pixtral":  # LLaVA with a Pixtral tower (pixtral-12b; families/mistral3/config.py)
+        from hybridmem.families.mistral3.config import PIXTRAL_DEFAULTS as defaults
     else:
         defaults = VISION_DEFAULTS[kind]
     vc = _sub({**data, "model_type": kind}, defaults, "vision_config.")

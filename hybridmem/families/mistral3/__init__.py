@@ -4,8 +4,9 @@ merger, Linear-GELU-Linear), a Mistral LM; the processor adds one [IMG_BREAK] / 
 row of image tokens (`ImagePlan.markers`). LLaVA with a Pixtral tower (pixtral-12b) shares the
 tower, the rule and the pixel inputs (`llava.py` dispatches here).
 
-Rules and graph: `models/mistral3.py` (config without transformers: `models/mistral3_config.py`);
-activations `analytic/mistral3_acts.py`; meta-trace helpers `trace/mistral3.py`.
+This folder: the rule and the graph (`model.py`), the config without transformers
+(`config.py`), the closed forms (`acts.py`), the meta-trace helpers (`meta.py`), the presets
+(`presets/`; pixtral-12b is a LLaVA preset).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ def check_config(data: dict) -> None:
 
 def light_config(data: dict):
     from hybridmem.models import light
-    from hybridmem.models.mistral3_config import light_mistral3
+    from hybridmem.families.mistral3.config import light_mistral3
 
     return light_mistral3(data, light._text, light._sub)
 
 
 def image_plan(cfg, hw):
-    from hybridmem.models.mistral3 import pixtral_plan
+    from hybridmem.families.mistral3.model import pixtral_plan
 
     return pixtral_plan(cfg, hw)
 
@@ -47,7 +48,7 @@ def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) 
 
 def vision_graph(cfg, spec, images, plan):
     """One packed patch sequence per step (Mistral-3, pixtral-12b)."""
-    from hybridmem.models import mistral3
+    from hybridmem.families.mistral3 import model as mistral3
     from hybridmem.models.llava import ImageLayout
 
     modules = mistral3.vision_modules(cfg, plan, spec.micro_batch * images, runs=images > 0)
@@ -59,14 +60,14 @@ def vision_seq(vc) -> int:
 
 
 def meta_patches():
-    from hybridmem.trace.mistral3 import sizes_on_meta
+    from hybridmem.families.mistral3.meta import sizes_on_meta
 
     return sizes_on_meta()
 
 
 def layer_kinds() -> dict:
-    """The Pixtral tower and Mistral-3's projector (`analytic/mistral3_acts.py`)."""
-    from hybridmem.analytic import mistral3_acts as MA
+    """The Pixtral tower and Mistral-3's projector (`acts.py`)."""
+    from hybridmem.families.mistral3 import acts as MA
     from hybridmem.families import LayerKind
 
     return {"pixtral_patch_conv": LayerKind(MA.patch_conv), "pixtral_ln_pre": LayerKind(MA.ln_pre),
