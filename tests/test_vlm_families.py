@@ -14,7 +14,8 @@ import torch
 from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
 from hybridmem.families.common.images import image_plan
-from hybridmem.job.images import check_seq_len, smart_resize
+from hybridmem.families.qwen_vl.resize import smart_resize
+from hybridmem.job.images import check_seq_len
 from hybridmem.models import build_graph, load_config
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner

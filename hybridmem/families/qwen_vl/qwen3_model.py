@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from hybridmem.job.images import ImagePlan
 from hybridmem.models.graph import Layer, Module, ParamTensor as T, linear
-from hybridmem.models.qwen_vl import _norm
+from hybridmem.families.qwen_vl.model import _norm
 
 
 def _ln(prefix: str, e: int) -> tuple[T, ...]:

@@ -3,10 +3,10 @@ packed vision sequence with 2-D rotary, a patch merger, a Qwen text model with M
 Qwen3-VL adds learned position embeddings and DeepStack mergers feeding early LM layers, with
 a dense or a mixture-of-experts Qwen3 LM.
 
-Rules: image size `job/images.smart_resize`; graph `models/qwen_vl.py`, `models/qwen3_vl.py`
-(config without transformers: `models/qwen3_vl_config.py`); activations
-`analytic/qwen_vl_acts.py`, `analytic/qwen3_vl_acts.py`; meta-trace helpers
-`trace/corrections.grid_helpers_on_meta` (`trace/qwen3_vl.py`).
+This folder: the image size (`resize.py`), the graphs (`model.py`, Qwen3-VL's
+`qwen3_model.py`; its config without transformers `qwen3_config.py`), the closed forms
+(`acts.py`, `qwen3_acts.py`), the meta-trace helpers (`meta.py`, DeepStack's `deepstack.py`),
+the presets (`presets/`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ def image_plan(cfg, hw, qwen3: bool = False):
     """smart_resize to multiples of patch x merge within the processor's pixel range;
     grid_thw = (1, H/p, W/p) (one temporal patch: the processor repeats the image to
     `temporal_patch_size` frames); the merger turns every merge² patches into one LM token."""
-    from hybridmem.job import images as I
+    from hybridmem.families.qwen_vl import resize as R
+    from hybridmem.job.images import ImagePlan
 
     vc = cfg.vision_config
     p, m = vc.patch_size, vc.spatial_merge_size
-    lo, hi = ((I.QWEN3_MIN_PIXELS, I.QWEN3_MAX_PIXELS) if qwen3
-              else (I.QWEN_MIN_PIXELS, I.QWEN_MAX_PIXELS))
-    h, w = I.smart_resize(*(hw or I.QWEN_DEFAULT_SIZE), factor=p * m, min_pixels=lo,
+    lo, hi = ((R.QWEN3_MIN_PIXELS, R.QWEN3_MAX_PIXELS) if qwen3
+              else (R.QWEN_MIN_PIXELS, R.QWEN_MAX_PIXELS))
+    h, w = R.smart_resize(*(hw or R.QWEN_DEFAULT_SIZE), factor=p * m, min_pixels=lo,
                           max_pixels=hi)
     grid = (1, h // p, w // p)
-    return I.ImagePlan(cfg.model_type, tokens=grid[1] * grid[2] // (m * m), size=(h, w),
+    return ImagePlan(cfg.model_type, tokens=grid[1] * grid[2] // (m * m), size=(h, w),
                        grid=grid, markers=len(WRAP))
 
 
@@ -65,20 +66,20 @@ def text_extras(config, image_mask) -> dict:
 
 
 def vision_graph(cfg, spec, images, plan):
-    from hybridmem.models.qwen_vl import modules
+    from hybridmem.families.qwen_vl.model import modules
 
     return modules(cfg, spec, images, plan)
 
 
 def qwen3_light_config(data: dict):
-    from hybridmem.models.qwen3_vl_config import light_qwen3_vl
+    from hybridmem.families.qwen_vl.qwen3_config import light_qwen3_vl
 
     return light_qwen3_vl(data)
 
 
 def qwen3_vision_graph(cfg, spec, images, plan):
     """`model.visual` and its mergers incl. DeepStack's."""
-    from hybridmem.models import qwen3_vl
+    from hybridmem.families.qwen_vl import qwen3_model as qwen3_vl
     from hybridmem.models.llava import ImageLayout
 
     return (qwen3_vl.vision_modules(cfg, spec.micro_batch, images, plan),
@@ -86,20 +87,20 @@ def qwen3_vision_graph(cfg, spec, images, plan):
 
 
 def qwen3_lm_graph(cfg, spec, lm, images, plan):
-    from hybridmem.models.qwen3_vl import with_deepstack
+    from hybridmem.families.qwen_vl.qwen3_model import with_deepstack
 
     return with_deepstack(lm, cfg, spec.micro_batch, images, plan)
 
 
 def meta_patches():
-    from hybridmem.trace.corrections import grid_helpers_on_meta
+    from hybridmem.families.qwen_vl.meta import grid_helpers_on_meta
 
     return grid_helpers_on_meta()
 
 
 def layer_kinds() -> dict:
-    """The packed vision tower and mergers (`analytic/qwen_vl_acts.py`, `qwen3_vl_acts.py`)."""
-    from hybridmem.analytic import qwen3_vl_acts as Q3, qwen_vl_acts as QA
+    """The packed vision tower and mergers (`acts.py`, `qwen3_acts.py`)."""
+    from hybridmem.families.qwen_vl import acts as QA, qwen3_acts as Q3
     from hybridmem.families import LayerKind
 
     return {"qwen_patch_embed": LayerKind(QA.patch_embed),

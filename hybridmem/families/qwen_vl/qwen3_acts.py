@@ -1,6 +1,6 @@
 """Activation formulas of Qwen3-VL's own parts: the resampled learned position embedding, the
 (DeepStack) patch mergers, and DeepStack's addition into the first LM layers. The patch embed,
-the 2-D rotary tables and the vision blocks are Qwen2-VL's (`analytic/qwen_vl_acts.py`).
+the 2-D rotary tables and the vision blocks are Qwen2-VL's (`acts.py`).
 
 Op by op from transformers 5.24 `modeling_qwen3_vl.py` and PyTorch's
 `tools/autograd/derivatives.yaml` (as `hybridmem.families.common.activations` says):
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from hybridmem.families.common.activations import FP32, INT64, Acts, Ctx, Saved, linear_inputs
 from hybridmem.allocator.alloc import t
-from hybridmem.analytic.qwen_vl_acts import _norm_out
+from hybridmem.families.qwen_vl.acts import _norm_out
 from hybridmem.models.graph import Layer
 
 LINEARS = ("linear_fc1.", "linear_fc2.")  # a merger's linears (cast under autocast)
