@@ -3,10 +3,10 @@ global image, a SigLIP-like tower, the pixel-shuffle connector, a Llama text mod
 `model.text_model`. SmolVLM's modeling and image processing are Idefics3's
 (`modular_smolvlm.py`); SmolVLM-256M/500M are even published as `idefics3`.
 
-Rules: `job/images.split_plan` (tiles, tokens per tile; `job/split_resize.py`); config
-`models/split_config.py` (no transformers import); graph `models/idefics3.py`; activations
-`analytic/gemma3_acts.py` (connector); meta-trace helpers
-`trace/corrections.split_images_on_meta`.
+This folder: the split-image rule (`plan.py`: tiles, tokens per tile; the processor's resize
+in `split_resize.py`), the config (`config.py`, no transformers import), the graph
+(`model.py`), the connector's closed form (`acts.py`; the tower is CLIP's encoder layer), the
+meta-trace helpers (`meta.py`), the presets (`presets/`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from hybridmem.families.llava import check_text_config
 
 def light_config(data: dict):
     from hybridmem.models import light
-    from hybridmem.models.split_config import split_config
+    from hybridmem.families.idefics3.config import split_config
 
     return split_config(data, light._text, light._sub)
 
 
 def image_plan(cfg, hw):
-    from hybridmem.job.images import split_plan
+    from hybridmem.families.idefics3.plan import split_plan
 
     return split_plan(cfg, hw)
 
@@ -41,7 +41,7 @@ def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) 
 
 
 def vision_graph(cfg, spec, images, plan):
-    from hybridmem.models import idefics3
+    from hybridmem.families.idefics3 import model as idefics3
     from hybridmem.models.llava import ImageLayout
 
     modules = idefics3.vision_modules(cfg, spec.micro_batch * images * plan.crops,
@@ -50,16 +50,16 @@ def vision_graph(cfg, spec, images, plan):
 
 
 def meta_patches():
-    from hybridmem.trace.corrections import split_images_on_meta
+    from hybridmem.families.idefics3.meta import split_images_on_meta
 
     return split_images_on_meta()
 
 
 def layer_kinds() -> dict:
-    from hybridmem.analytic import gemma3_acts as GA
     from hybridmem.families import LayerKind
+    from hybridmem.families.idefics3.acts import pixel_shuffle_projector
 
-    return {"pixel_shuffle_projector": LayerKind(GA.pixel_shuffle_projector)}
+    return {"pixel_shuffle_projector": LayerKind(pixel_shuffle_projector)}
 
 
 _COMMON = dict(check_config=check_text_config, light_config=light_config, image_plan=image_plan,

@@ -2,7 +2,7 @@
 
 Why: the tile grid of a non-square image depends on the processors' exact rounding (the
 second side is derived from the first side's rounded value and the aspect ratio), so
-`job.images` restates it rather than approximating it with two independent ceilings.
+`plan.py` restates it rather than approximating it with two independent ceilings.
 transformers 5.24 `image_processing_smolvlm.py` (`image_processing_idefics3.py` is the same):
 `get_resize_output_image_size` and `resize_for_vision_encoder`. tests/test_smolvlm.py checks
 the grid against `SmolVLMImageProcessorPil`.
