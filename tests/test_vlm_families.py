@@ -224,7 +224,7 @@ def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool,
     """`vision_modules`: the family's (config, n) -> tower + projector modules (Gemma 3's)."""
     from hybridmem.families.common.activations import Ctx
     from hybridmem.families import layer_kind
-    from hybridmem.models import gemma3
+    from hybridmem.families.gemma3 import model as gemma3
 
     vision_modules = vision_modules or gemma3.vision_modules
     c = Ctx(e=e, stream=e, amp=False, attn="sdpa")
@@ -239,7 +239,7 @@ def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool,
 
 @pytest.mark.parametrize("model", ["tiny-gemma3", "gemma-3-4b-it"])
 def test_gemma3_vision_params_equal_the_meta_model_per_tensor(model):
-    from hybridmem.models.gemma3 import vision_modules
+    from hybridmem.families.gemma3.model import vision_modules
 
     ref = {k: p.numel() for k, p in _meta_model(model).named_parameters()
            if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
@@ -254,7 +254,7 @@ def test_gemma3_preset_total():
     count is 4,300,079,472 (vision 416,866,032 + projector 2,950,272, the rest the LM)."""
     m = _meta_model("gemma-3-4b-it")
     assert sum(p.numel() for p in m.parameters()) == 4_300_079_472
-    from hybridmem.models.gemma3 import vision_modules
+    from hybridmem.families.gemma3.model import vision_modules
     got = [sum(p.numel for layer in mod.layers for p in layer.params)
            for mod in vision_modules(load_config("gemma-3-4b-it"), 1)]
     assert got == [sum(p.numel() for n, p in m.named_parameters() if n.startswith(pre))
@@ -366,7 +366,7 @@ def test_gemma3_every_tier_counts_the_same_image_tokens():
     rule."""
     import transformers
     from hybridmem.harness.workload import make_batch as harness_batch
-    from hybridmem.models.gemma3 import vision_modules
+    from hybridmem.families.gemma3.model import vision_modules
 
     spec = TrainingSpec(model="tiny-gemma3", micro_batch=2, seq_len=64)
     config = load_config(spec.model)

@@ -7,7 +7,7 @@ from hybridmem.families.common.activations import (
     FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward,
     dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs, quant_transients,
 )
-from hybridmem.analytic import gemma3_acts as GA
+from hybridmem.families.gemma3 import acts as GA
 from hybridmem.allocator.alloc import t
 from hybridmem.families.common.eager_top import backward_top, forward_top
 from hybridmem.job.loss import LIGER_SM_COUNT, flce_chunks, torch_chunks
@@ -46,7 +46,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                            qkv=B * (qd + 2 * kvd) if fused else 0,
                            softcap=bool(d.get("attn_softcap")),
                            rep_kv=bool(d.get("masked")) and c.attn == "sdpa")
-    mask_bytes = GA.image_mask_saved(d, c)  # Gemma 3 VLM with images (gemma3_acts)
+    mask_bytes = GA.image_mask_saved(d, c)  # Gemma 3 VLM with images (families/gemma3)
     sv.add(mask_bytes, 1, cond=mask_bytes > 0)
     at_probs = sv.total  # eager: saved up to the probs and their cast (`eager_top`)
     before_o = sv.total

@@ -56,7 +56,7 @@ LM has (modeling_gemma3.py)."""
 
 
 def image_mask_saved(d: dict, c: Ctx) -> int:
-    """One decoder layer's SDPA on the VLM's bool mask (`models.gemma3.image_masks`): torch
+    """One decoder layer's SDPA on the VLM's bool mask (`model.image_masks`): torch
     converts it per call to an additive mask in the query dtype over its (b, 1, s, s) shape
     (attention.cpp `convert_boolean_attn_mask`), which the kernel saves for its backward."""
     if not d.get("image_masks") or c.attn != "sdpa":

@@ -2,8 +2,8 @@
 `mm_tokens_per_image` soft tokens), the gemma3_text LM (`decoders.py`) whose masks, on a batch
 with images, are built per layer (bidirectional over image tokens).
 
-Rules: graph and config `models/gemma3.py`; activations `analytic/gemma3_acts.py` and the
-gemma3_text decoder's (`analytic/text_acts.py`).
+This folder: the graph and config (`model.py`), the closed forms (`acts.py`: the projector,
+the per-layer image masks the gemma3_text decoder layer adds), the presets (`presets/`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hybridmem.families import VLM, Family
 def check_config(data: dict) -> None:
     """The sub-configs the closed forms price: a SigLIP tower and the Gemma 3 text LM."""
     from hybridmem.families import check_sub_config
-    from hybridmem.models.gemma3 import TEXT_TYPE, VISION_TYPE
+    from hybridmem.families.gemma3.model import TEXT_TYPE, VISION_TYPE
 
     check_sub_config(data, "text_config", (TEXT_TYPE,), TEXT_TYPE)
     check_sub_config(data, "vision_config", (VISION_TYPE,), VISION_TYPE)
@@ -22,7 +22,7 @@ def check_config(data: dict) -> None:
 
 def light_config(data: dict):
     from hybridmem.models import light
-    from hybridmem.models.gemma3 import light_config as gemma3_config
+    from hybridmem.families.gemma3.model import light_config as gemma3_config
 
     return gemma3_config(data, light._vision, light._text)
 
@@ -49,7 +49,7 @@ def text_extras(config, image_mask) -> dict:
 
 def vision_graph(cfg, spec, images, plan):
     """One native-size crop per image, pooled tokens."""
-    from hybridmem.models import gemma3
+    from hybridmem.families.gemma3 import model as gemma3
     from hybridmem.models.llava import ImageLayout
 
     gemma3.check_attn(spec.attn)
@@ -58,13 +58,13 @@ def vision_graph(cfg, spec, images, plan):
 
 
 def lm_graph(cfg, spec, lm, images: int, plan):
-    from hybridmem.models.gemma3 import image_masks
+    from hybridmem.families.gemma3.model import image_masks
 
     return image_masks(lm, images * plan.tokens)
 
 
 def layer_kinds() -> dict:
-    from hybridmem.analytic import gemma3_acts as GA
+    from hybridmem.families.gemma3 import acts as GA
     from hybridmem.families import LayerKind
 
     return {"gemma3_projector": LayerKind(GA.mm_projector)}
