@@ -26,6 +26,7 @@ def test_every_family_is_one_transformers_builds_as_its_kind(model_type):
     assert transformers_types()[model_type] == expected
     if fam.kind == VLM:  # the analytic graph needs the family's parts
         assert fam.image_plan is not None and fam.vision_graph is not None
+        assert fam.vision_seq is not None and (fam.light_config is not None or fam.full_config)
     if fam.kind == DECODER:
         assert fam.text_defaults and fam.image_plan is None
 

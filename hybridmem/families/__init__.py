@@ -87,10 +87,10 @@ class Family:
     template puts around every image (Qwen-VL's vision_start / vision_end; counted in
     `ImagePlan.markers`); None: the images' tokens lie in one run."""
     vision_graph: Callable | None = None
-    """(cfg, spec, images, plan) -> (vision modules, `models.llava.ImageLayout`)."""
+    """(cfg, spec, images, plan) -> (vision modules, `models.graph.ImageLayout`)."""
     vision_seq: Callable | None = None
-    """(vision_config) -> tokens the tower sees per crop; None: `models.vision.tokens_per_crop`
-    (0 for the packed native-resolution families)."""
+    """(vision_config) -> tokens the tower sees per crop (0 for the packed native-resolution
+    towers)."""
     lm_prefix: str = "model.language_model"
     """Where its language model sits in the transformers module tree."""
     lm_graph: Callable | None = None

@@ -65,7 +65,7 @@ class ImagePlan:
     grid: tuple[int, int, int] = (0, 0, 0)
     """Qwen-VL: grid_thw in patches (temporal, height, width); 0s elsewhere."""
     layout: object | None = None
-    """LLaVA / LLaVA-NeXT: the `models.llava.ImageLayout` (crops, features, newlines)."""
+    """LLaVA / LLaVA-NeXT: the `models.graph.ImageLayout` (crops, features, newlines)."""
     markers: int = 0
     """Text tokens the processor adds per image beside `tokens` (Pixtral: one [IMG_BREAK] per
     row, the last one [IMG_END]); they take sequence positions but are no image features."""

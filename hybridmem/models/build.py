@@ -12,13 +12,11 @@ from dataclasses import replace
 from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
 from hybridmem.models.decoder import language_model_layers, lm_head_layer
-from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
+from hybridmem.models.graph import ImageLayout, Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.families import DECODER, family, layer_kind
 from hybridmem.families.common.images import image_plan
 from hybridmem.job.images import check_seq_len
-from hybridmem.models.llava import ImageLayout
 from hybridmem.models.light import light_config
-from hybridmem.models.vision import tokens_per_crop
 from hybridmem.job.spec import DEFAULT_LORA_TARGETS, POLICIES, LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
@@ -233,11 +231,9 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
             raise SpecError("image_size", spec.image_size, reason=f"{name} takes no images")
         modules = list(_decoder_modules(cfg, spec, "model"))
         layout = ImageLayout(crops=0, features_per_crop=0, tokens=0)
-        plan_grid = False
     else:
-        plan = image_plan(cfg, spec.image_size)  # the one rule (hybridmem/families/common/images.py)
+        plan = image_plan(cfg, spec.image_size)  # the one rule (families/common/images.py)
         check_seq_len(spec.seq_len, images, plan)
-        plan_grid = bool(plan.grid[0])
         modules, layout = fam.vision_graph(cfg, spec, images, plan)  # the family's parts
         lm, head = _decoder_modules(cfg, spec, fam.lm_prefix)
         if fam.lm_graph is not None:
@@ -251,6 +247,5 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         vocab_size=tc.vocab_size, text_hidden=tc.hidden_size, micro_batch=spec.micro_batch,
         seq_len=spec.seq_len, image_tokens=images * layout.tokens,
         vision_batch=spec.micro_batch * images * layout.crops,
-        vision_seq=(fam.vision_seq(vc) if fam.vision_seq is not None
-                    else tokens_per_crop(vc) if vc is not None and not plan_grid else 0),
+        vision_seq=fam.vision_seq(vc) if multimodal else 0,  # the family's tower
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))

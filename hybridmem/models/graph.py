@@ -156,3 +156,18 @@ class ModelGraph:
         for m in self.modules:
             for layer in m.layers:
                 yield m.name, layer
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLayout:
+    """What a VLM family's vision side hands the language model, per image
+    (`Family.vision_graph`)."""
+
+    crops: int
+    """Crops per image the vision tower encodes (1 for LLaVA-1.5; tiles + 1 base for NeXT)."""
+    features_per_crop: int
+    """Tokens per crop entering the projector (after the select strategy)."""
+    tokens: int
+    """Image tokens per image in the language model's sequence."""
+    newlines: int = 0
+    """`image_newline` tokens among them (LLaVA-NeXT)."""

@@ -22,7 +22,7 @@ weight W + scale B@A (fp32) in every forward to take its (detached) column norm.
 
 Tokens: B = micro_batch x seq (language model), N = crops x tokens per crop (vision tower).
 This module holds the shared pieces; the formulas are in `text_acts` (decoder LLM, loss) and
-`vision_acts` (vision tower, projector).
+`families/llava/acts.py` (vision tower, projector).
 """
 
 from __future__ import annotations

@@ -21,10 +21,11 @@ def check_config(data: dict) -> None:
 
 
 def light_config(data: dict):
-    from hybridmem.models import light
     from hybridmem.families.gemma3.model import light_config as gemma3_config
+    from hybridmem.families.llava.config import vision_config
+    from hybridmem.models import light
 
-    return gemma3_config(data, light._vision, light._text)
+    return gemma3_config(data, vision_config, light._text)
 
 
 def image_plan(cfg, hw):
@@ -50,11 +51,17 @@ def text_extras(config, image_mask) -> dict:
 def vision_graph(cfg, spec, images, plan):
     """One native-size crop per image, pooled tokens."""
     from hybridmem.families.gemma3 import model as gemma3
-    from hybridmem.models.llava import ImageLayout
+    from hybridmem.models.graph import ImageLayout
 
     gemma3.check_attn(spec.attn)
     modules = gemma3.vision_modules(cfg, spec.micro_batch * images, runs=images > 0)
     return modules, ImageLayout(crops=1, features_per_crop=0, tokens=plan.tokens)
+
+
+def vision_seq(vc) -> int:
+    from hybridmem.families.llava.vision import tokens_per_crop
+
+    return tokens_per_crop(vc)  # SigLIP's patches
 
 
 def lm_graph(cfg, spec, lm, images: int, plan):
@@ -73,5 +80,6 @@ def layer_kinds() -> dict:
 FAMILIES = (
     Family("gemma3", VLM, "modeling_gemma3.py", check_config=check_config,
            light_config=light_config, image_plan=image_plan, text_extras=text_extras,
-           vision_graph=vision_graph, lm_graph=lm_graph, layer_kinds=layer_kinds),
+           vision_graph=vision_graph, vision_seq=vision_seq, lm_graph=lm_graph,
+           layer_kinds=layer_kinds),
 )

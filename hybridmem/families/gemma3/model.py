@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from hybridmem.errors import SpecError
 from hybridmem.models.graph import Layer, Module, ParamTensor as T
-from hybridmem.models.vision import vision_layers
+from hybridmem.families.llava.vision import vision_layers
 
 # configuration_gemma3.Gemma3Config class defaults (the fields the graph reads)
 DEFAULTS = dict(mm_tokens_per_image=256, boi_token_index=255_999, eoi_token_index=256_000,

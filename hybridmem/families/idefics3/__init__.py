@@ -42,11 +42,17 @@ def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) 
 
 def vision_graph(cfg, spec, images, plan):
     from hybridmem.families.idefics3 import model as idefics3
-    from hybridmem.models.llava import ImageLayout
+    from hybridmem.models.graph import ImageLayout
 
     modules = idefics3.vision_modules(cfg, spec.micro_batch * images * plan.crops,
                                       runs=images > 0)
     return modules, ImageLayout(crops=plan.crops, features_per_crop=0, tokens=plan.tokens)
+
+
+def vision_seq(vc) -> int:
+    from hybridmem.families.llava.vision import tokens_per_crop
+
+    return tokens_per_crop(vc)  # the SigLIP-like tower's patches per tile
 
 
 def meta_patches():
@@ -64,8 +70,8 @@ def layer_kinds() -> dict:
 
 _COMMON = dict(check_config=check_text_config, light_config=light_config, image_plan=image_plan,
                hw_images=True, pixel_inputs=pixel_inputs, pixel_mask=True,
-               vision_graph=vision_graph, lm_prefix="model.text_model", meta_patches=meta_patches,
-               layer_kinds=layer_kinds)
+               vision_graph=vision_graph, vision_seq=vision_seq, lm_prefix="model.text_model",
+               meta_patches=meta_patches, layer_kinds=layer_kinds)
 FAMILIES = (
     Family("idefics3", VLM, "modeling_idefics3.py", **_COMMON),
     Family("smolvlm", VLM, "modeling_smolvlm.py", **_COMMON),

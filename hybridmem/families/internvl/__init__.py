@@ -41,7 +41,7 @@ def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) 
 def vision_graph(cfg, spec, images, plan):
     """Tiles + thumbnail through the tower, pixel shuffle, the projector."""
     from hybridmem.families.internvl import model as internvl
-    from hybridmem.models.llava import ImageLayout
+    from hybridmem.models.graph import ImageLayout
 
     modules = internvl.vision_modules(cfg, spec.micro_batch * images * plan.crops,
                                       runs=images > 0)

@@ -1,7 +1,7 @@
 """Activation formulas of InternVL's vision side (transformers 5.24 `modeling_internvl.py`),
 op by op with PyTorch's `tools/autograd/derivatives.yaml`.
 
-- `InternVLVisionLayer` (LayerNorm, no q/k norm: InternViT-300M) is CLIP's encoder layer (`vision_acts.encoder_layer`: LayerNorm,
+- `InternVLVisionLayer` (LayerNorm, no q/k norm: InternViT-300M) is CLIP's encoder layer (`llava.acts.encoder_layer`: LayerNorm,
   q/k/v linears, SDPA, projection_layer, LayerNorm, fc1 - GELU - fc2) plus layer scale:
   `lambda_1 * attention_output` and `lambda_2 * layer_output` save the branch outputs (the
   matmul dtype) for the lambdas' grads, and make a stream-dtype product before each residual
@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from hybridmem.families.common.activations import FP32, Acts, Ctx, Saved
 from hybridmem.allocator.alloc import t
-from hybridmem.analytic.vision_acts import encoder_layer as clip_layer, layernorm
+from hybridmem.families.llava.acts import encoder_layer as clip_layer, layernorm
 from hybridmem.models.graph import Layer
 
 
@@ -33,7 +33,7 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
 
 
 def with_layer_scale(acts: Acts, layer: Layer, c: Ctx, need_w: bool) -> Acts:
-    """`vision_acts.encoder_layer`'s result plus what InternViT adds: each lambda mul saves the
+    """`llava.acts.encoder_layer`'s result plus what InternViT adds: each lambda mul saves the
     branch output (N x h, matmul dtype) when the lambda trains; forward, the stream-dtype
     product before the residual add; backward, the product's grad w.r.t. the branch and the
     lambda's per-element product (reduced to h). Then the norm options (`_norm_options`)."""
@@ -82,7 +82,7 @@ def _norm_options(d: dict, c: Ctx, N: int, h: int, need_w: bool
 
 def final_norm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     """nn.Identity (use_mean_pooling): the held last_hidden_state; else a LayerNorm on the
-    feature path (`vision_acts.layernorm`, `feeds`)."""
+    feature path (`llava.acts.layernorm`, `feeds`)."""
     d = layer.dims
     if not d.get("identity"):
         return layernorm(layer, c, need_in, need_w)

@@ -80,7 +80,7 @@ def tiles_per_image(cfg, height: int, width: int) -> int:
 
 
 def image_plan(cfg, hw: tuple[int, int] | None):
-    """The family's one image rule (`hybridmem.families.common.images.image_plan` dispatches here) for an
+    """The family's one image rule (`families.common.images.image_plan` dispatches here) for an
     input image of (height, width) px: the grid follows its aspect ratio (`optimal_grid`), the
     tiles are always the tower's size. With no size the image is one tile (an assumption: the
     processor takes any input size)."""

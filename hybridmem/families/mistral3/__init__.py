@@ -49,7 +49,7 @@ def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) 
 def vision_graph(cfg, spec, images, plan):
     """One packed patch sequence per step (Mistral-3, pixtral-12b)."""
     from hybridmem.families.mistral3 import model as mistral3
-    from hybridmem.models.llava import ImageLayout
+    from hybridmem.models.graph import ImageLayout
 
     modules = mistral3.vision_modules(cfg, plan, spec.micro_batch * images, runs=images > 0)
     return modules, ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)

@@ -43,7 +43,7 @@ def patch_conv(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     stays referenced by `patch_embeds_list` through the tower's forward. Under checkpointing
     `enable_input_require_grads` hooks the conv (PixtralVisionModel.get_input_embeddings): a
     frozen conv's output is a grad-requiring leaf kept through backward, with a .grad
-    (`vision_acts.vision_embeddings` has the same rule)."""
+    (`llava.acts.vision_embeddings` has the same rule)."""
     d = layer.dims
     n, h = d["n"], d["h"]
     if not layer.runs or n == 0:

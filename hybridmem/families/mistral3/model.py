@@ -107,7 +107,7 @@ def projector_layer(cfg, plan: ImagePlan, n_images: int, runs: bool = True) -> L
 
 def llava_projector_layer(cfg, plan: ImagePlan, n_images: int, runs: bool = True) -> Layer:
     """LLaVA's `LlavaMultiModalProjector` over the tower's patches (pixtral-12b: no merger,
-    one token per patch, "full" features): the `vision_acts.projector` formula."""
+    one token per patch, "full" features): the `llava.acts.projector` formula."""
     e, th = cfg.vision_config.hidden_size, cfg.text_config.hidden_size
     bias = bool(getattr(cfg, "multimodal_projector_bias", True))
     return Layer(name="projector", kind="projector", runs=runs,

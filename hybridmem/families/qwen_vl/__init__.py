@@ -71,6 +71,10 @@ def vision_graph(cfg, spec, images, plan):
     return modules(cfg, spec, images, plan)
 
 
+def vision_seq(vc) -> int:
+    return 0  # a packed sequence of every image's patches, no fixed tokens per crop
+
+
 def qwen3_light_config(data: dict):
     from hybridmem.families.qwen_vl.qwen3_config import light_qwen3_vl
 
@@ -80,7 +84,7 @@ def qwen3_light_config(data: dict):
 def qwen3_vision_graph(cfg, spec, images, plan):
     """`model.visual` and its mergers incl. DeepStack's."""
     from hybridmem.families.qwen_vl import qwen3_model as qwen3_vl
-    from hybridmem.models.llava import ImageLayout
+    from hybridmem.models.graph import ImageLayout
 
     return (qwen3_vl.vision_modules(cfg, spec.micro_batch, images, plan),
             ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens))
@@ -111,7 +115,8 @@ def layer_kinds() -> dict:
 
 
 _COMMON = dict(hw_images=True, pixel_inputs=pixel_inputs, text_extras=text_extras,
-               image_wrap=image_wrap, meta_patches=meta_patches, layer_kinds=layer_kinds)
+               image_wrap=image_wrap, vision_seq=vision_seq, meta_patches=meta_patches,
+               layer_kinds=layer_kinds)
 _QWEN2 = dict(_COMMON, full_config=True, image_plan=image_plan, vision_graph=vision_graph)
 # Qwen3VLTextConfig / Qwen3VLMoeTextConfig defaults (configuration_qwen3_vl(_moe).py)
 _QWEN3_TEXT = {

@@ -114,7 +114,7 @@ def modules(cfg, spec, images: int, plan: ImagePlan):
     from dataclasses import replace
 
     from hybridmem.models.graph import Module
-    from hybridmem.models.llava import ImageLayout
+    from hybridmem.models.graph import ImageLayout
 
     n_images = spec.micro_batch * images
     runs = images > 0

@@ -2,9 +2,11 @@
 Linear-act-Linear projector and a decoder family from `decoders.py`. LLaVA also takes a
 Pixtral tower (pixtral-12b): its rule, pixel inputs and graph are Mistral-3's (`mistral3.py`).
 
-Rules: `models/llava.py` (image layout: CLS dropped under `default`, anyres tiles + base crop,
-unpadding, one newline per row; OneVision's anyres_max_N downsampling); graph
-`models/llava.vision_modules`; activations `analytic/vision_acts.py`.
+This folder: the image layout (CLS dropped under `default`, anyres tiles + base crop,
+unpadding, one newline per row; OneVision's anyres_max_N downsampling) and the graph
+(`model.py`), the CLIP / SigLIP towers (`vision.py`; also Gemma 3's and Idefics3's), the
+config without transformers (`config.py`), the closed forms (`acts.py`), the presets
+(`presets/`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from hybridmem.families import DECODER, VLM, Family, check_sub_config, mistral3
 
 VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
-"""Vision towers with closed forms (`models/vision.py`)."""
+"""Vision towers with closed forms (`vision.py`)."""
 PIXTRAL = "pixtral"
 """LLaVA (not -NeXT / -OneVision) also takes a Pixtral tower (pixtral-12b)."""
 
@@ -38,7 +40,7 @@ def check_text_config(data: dict, default: str = "llama") -> None:
 
 def image_plan(cfg, hw):
     from hybridmem.job.images import ImagePlan
-    from hybridmem.models.llava import image_layout
+    from hybridmem.families.llava.model import image_layout
 
     if _pixtral(cfg):
         return mistral3.image_plan(cfg, hw)
@@ -71,7 +73,7 @@ def llava_pixels(config, plan, n_images, dtype, device=None, host_shapes=False) 
 
 
 def vision_graph(cfg, spec, images, plan):
-    from hybridmem.models.llava import vision_modules
+    from hybridmem.families.llava.model import vision_modules
 
     if _pixtral(cfg):
         return mistral3.vision_graph(cfg, spec, images, plan)
@@ -79,14 +81,22 @@ def vision_graph(cfg, spec, images, plan):
 
 
 def vision_seq(vc) -> int:
-    from hybridmem.models.vision import tokens_per_crop
+    """Tokens per crop of a CLIP / SigLIP tower (patches, + CLS for CLIP); 0 for Pixtral's
+    packed sequence."""
+    from hybridmem.families.llava.vision import tokens_per_crop
 
     return 0 if vc.model_type == PIXTRAL else tokens_per_crop(vc)
 
 
+def light_config(data: dict):
+    from hybridmem.families.llava.config import light_llava
+
+    return light_llava(data)
+
+
 def layer_kinds() -> dict:
-    """CLIP / SigLIP towers and the projector (`analytic/vision_acts.py`)."""
-    from hybridmem.analytic import vision_acts as VA
+    """CLIP / SigLIP towers and the projector (`acts.py`)."""
+    from hybridmem.families.llava import acts as VA
     from hybridmem.families import LayerKind
     from hybridmem.families.common.activations import keeps_nothing
 
@@ -97,11 +107,12 @@ def layer_kinds() -> dict:
 
 
 _COMMON = dict(check_config=check_config, image_plan=image_plan, vision_graph=vision_graph,
-               layer_kinds=layer_kinds)
+               vision_seq=vision_seq, layer_kinds=layer_kinds)
 FAMILIES = (
     Family("llava", VLM, "modeling_llava.py", hw_images=_pixtral, pixel_inputs=llava_pixels,
-           vision_seq=vision_seq, meta_patches=mistral3.meta_patches, **_COMMON),
-    Family("llava_next", VLM, "modeling_llava_next.py", pixel_inputs=anyres_pixels, **_COMMON),
+           light_config=light_config, meta_patches=mistral3.meta_patches, **_COMMON),
+    Family("llava_next", VLM, "modeling_llava_next.py", pixel_inputs=anyres_pixels,
+           light_config=light_config, **_COMMON),
     # configuration_llava_onevision.py: SigLIP so400m, "full" features of layer -1, 36
     # pinpoints by default: transformers' config class fills them
     Family("llava_onevision", VLM, "modeling_llava_onevision.py", full_config=True,

@@ -9,23 +9,13 @@ Counting follows transformers 5.x `modeling_llava.py` (`get_image_features`: hid
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from hybridmem.errors import SpecError
-from hybridmem.models.graph import Layer, Module, ParamTensor as T, linear
-from hybridmem.models.vision import has_cls, patches_per_side, tokens_per_crop, vision_layers
-
-
-@dataclass(frozen=True, slots=True)
-class ImageLayout:
-    crops: int
-    """Crops per image the vision tower encodes (1 for LLaVA-1.5; tiles + 1 base for NeXT)."""
-    features_per_crop: int
-    """Tokens per crop entering the projector (after the select strategy)."""
-    tokens: int
-    """Image tokens per image in the language model's sequence."""
-    newlines: int = 0
-    """`image_newline` tokens among them (LLaVA-NeXT)."""
+from hybridmem.families.llava.vision import (
+    has_cls, patches_per_side, tokens_per_crop, vision_layers,
+)
+from hybridmem.models.graph import ImageLayout, Layer, Module, ParamTensor as T, linear
 
 
 def features_per_crop(cfg) -> int:
