@@ -50,7 +50,7 @@ def trace_only_reason(spec) -> str | None:
     model_type = model_type_of(spec.model)
     if not is_analytic(model_type):
         return f"model_type={model_type!r} has no closed form in the analytic tier"
-    from hybridmem.models.decoder import MOE_TYPES
+    from hybridmem.families.decoders.model import MOE_TYPES
 
     if model_type in MOE_TYPES and (spec.train != "full" or spec.precision != "bf16"):
         # the MoE closed forms are full bf16 only (analytic.estimate._setup, docs/families.md)

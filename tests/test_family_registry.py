@@ -1,8 +1,8 @@
 """The family registry (`hybridmem/families/`, docs/design.md "Families"): one record per
-model_type, read by every tier; adding a family is one file.
+model_type, read by every tier; adding a family is one folder.
 
 Oracles: transformers' own Auto mappings and config classes (kind, defaults), and a family
-file written by the test (discovery, duplicate refusal).
+folder written by the test (discovery, duplicate refusal).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_decoder_defaults_are_the_config_class_defaults(model_type):
 
 def test_the_tuples_other_modules_export_are_views_of_the_registry():
     from hybridmem.families.common.images import HXW_FAMILIES, IMAGE_FAMILIES
-    from hybridmem.models.decoder import MOE_TYPES, QK_NORM_TYPES
+    from hybridmem.families.decoders.model import MOE_TYPES, QK_NORM_TYPES
     from hybridmem.models.loader import DECODER_TYPES, MULTIMODAL_TYPES
 
     assert set(MULTIMODAL_TYPES) == {m for m, f in REGISTRY.items() if f.kind == VLM}
@@ -56,19 +56,21 @@ def test_the_tuples_other_modules_export_are_views_of_the_registry():
     assert "qwen3" in QK_NORM_TYPES and "llama" not in QK_NORM_TYPES
 
 
-def test_a_family_file_is_all_it_takes(tmp_path, monkeypatch):
-    """A new file in the package is discovered; a model_type declared twice is refused."""
+def test_a_family_folder_is_all_it_takes(tmp_path, monkeypatch):
+    """A new folder in the package is discovered; a model_type declared twice is refused."""
     name = "hybridmem.families.zz_test_family"
-    path = tmp_path / "zz_test_family.py"
+    folder = tmp_path / "zz_test_family"
+    folder.mkdir()
+    path = folder / "__init__.py"
     monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
     path.write_text(textwrap.dedent("""
         from hybridmem.families import DECODER, Family
-        FAMILIES = (Family("olmo2", DECODER, "modeling_olmo2.py",
+        FAMILIES = (Family("granite", DECODER, "modeling_granite.py",
                            text_defaults=dict(hidden_size=4096)),)
     """))
     monkeypatch.delitem(sys.modules, name, raising=False)
     found = families._discover()
-    assert found["olmo2"].source == "modeling_olmo2.py" and set(REGISTRY) < set(found)
+    assert found["granite"].source == "modeling_granite.py" and set(REGISTRY) < set(found)
     path.write_text("from hybridmem.families import DECODER, Family\n"
                     "FAMILIES = (Family('llama', DECODER, 'x.py'),)\n")
     sys.modules.pop(name)

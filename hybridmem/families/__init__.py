@@ -1,20 +1,18 @@
-"""The model families hybridmem prices: one `Family` record per transformers `model_type`,
-declared in one file of this package per family (issue 11 §1: adding a family is one file
-plus its tests).
+"""The model families hybridmem prices, one folder each (`hybridmem/families/<family>/`, the
+layout of torchtitan's `models/<name>/`), and the registry the tiers read them through.
 
-Why a registry: what a family *is* — which sub-configs it nests, what its published config
-leaves to transformers' defaults, its image-token rule, the pixel inputs its processor makes,
-its vision parts in the analytic graph, where its language model sits, the corrections its
-code needs under meta tensors — used to be spread over per-family tuples and `if model_type
-== ...` branches in `models/loader.py`, `models/light.py`, `models/build.py`,
-`job/images.py`, `trace/runner.py` and `models/decoder.py`. Those modules now ask this
-registry; the tuples they export are views of it.
+A family folder holds everything about the family: its `Family` records (`FAMILIES` in its
+`__init__.py`, one per transformers `model_type`, and the small hook functions they point at),
+its config reading and its presets (`presets/*.json`), its layer graph, its closed forms (the
+`LayerKind`s its layers are priced by), its image-token rule and its meta-trace patches. The
+tiers keep the shared mechanisms (the analytic timeline and alloc/free stream, the trace
+runner) and reach a family only through its record; `common/` holds what the closed forms
+share. Adding a family is its folder plus its tests.
 
-A family file holds `FAMILIES = (Family(...), ...)` and the small hook functions the records
-point at; hooks import their implementation lazily, so importing the registry imports
-neither torch nor transformers (the analytic tier must not: tests/test_models.py). Families
-not declared here are still priced: the trace tier builds any transformers causal-LM or
-image-text-to-text `model_type` (docs/trace.md "Which models").
+Hooks import their implementation lazily, so importing the registry imports neither torch nor
+transformers (the analytic tier must not: tests/test_models.py). Families not declared here
+are still priced: the trace tier builds any transformers causal-LM or image-text-to-text
+`model_type` (docs/trace.md "Which models").
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ VLM = "vlm"
 DECODER = "decoder"
 
 # Decoder traits (`Family.traits`) the decoder graph and its activation formulas switch on
-# (models/decoder.py, analytic/text_acts.py; docs/families.md):
+# (decoders/model.py, decoders/acts.py; docs/families.md):
 QK_NORM = "qk_norm"   # RMSNorm over head_dim on q and k (modeling_qwen3.Qwen3Attention)
 FUSED = "fused"       # one qkv_proj and one gate_up_proj whose outputs are sliced (modeling_phi3)
 GEMMA = "gemma"       # four (1 + weight) norms per layer, scaled embedding (modeling_gemma2)
@@ -93,6 +91,10 @@ class Family:
     towers)."""
     lm_prefix: str = "model.language_model"
     """Where its language model sits in the transformers module tree."""
+    lm_layers: Callable | None = None
+    """Decoder: (text config, micro_batch, seq_len) -> its base model's layers (embed_tokens,
+    rotary, decoder layers, norm) where they are not the shared decoder graph's
+    (`decoders/model.py language_model_layers`); None: that graph."""
     lm_graph: Callable | None = None
     """(cfg, spec, lm Module, images per sample, plan) -> the LM as the family runs it on a
     batch with images (Gemma 3's per-layer masks, Qwen3-VL's DeepStack adds); None: the
@@ -142,11 +144,13 @@ def check_sub_config(data: dict, key: str, allowed: tuple[str, ...], default: st
 def _discover() -> dict[str, Family]:
     found: dict[str, Family] = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not info.ispkg:  # a family is a folder; `common/` declares none
+            continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         for fam in getattr(module, "FAMILIES", ()):
             if fam.model_type in found:
                 raise RuntimeError(f"model_type {fam.model_type!r} declared twice "
-                                   f"(hybridmem/families/{info.name}.py)")
+                                   f"(hybridmem/families/{info.name}/)")
             if fam.kind not in (VLM, DECODER) or not set(fam.traits) <= set(TRAITS):
                 raise RuntimeError(f"{fam.model_type}: bad kind {fam.kind!r} or traits")
             found[fam.model_type] = fam

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
-from hybridmem.models.decoder import language_model_layers, lm_head_layer
+from hybridmem.families.decoders.model import language_model_layers, lm_head_layer
 from hybridmem.models.graph import ImageLayout, Layer, ModelGraph, Module, ParamTensor as T, linear
 from hybridmem.families import DECODER, family, layer_kind
 from hybridmem.families.common.images import image_plan
@@ -76,8 +76,11 @@ LORA_MODULES = ("language_model", "lm_head")
 def _decoder_modules(cfg, spec: TrainingSpec, lm_prefix: str) -> tuple[Module, Module]:
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     tc = getattr(cfg, "text_config", cfg)
+    own = family(tc.model_type)  # a decoder family with its own layers (`Family.lm_layers`)
+    layers = own.lm_layers if own is not None and own.lm_layers is not None \
+        else language_model_layers
     lm = Module(name="language_model", prefix=lm_prefix,
-                layers=language_model_layers(tc, spec.micro_batch, spec.seq_len))
+                layers=layers(tc, spec.micro_batch, spec.seq_len))
     head = Module(name="lm_head", prefix="lm_head",
                   layers=(lm_head_layer(tc, spec.micro_batch, spec.seq_len, tied),))
     return lm, head

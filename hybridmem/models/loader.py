@@ -1,7 +1,8 @@
 """Model configs from shipped presets or local files: never from a hub.
 
-A model is named by a preset (a HF `config.json` shipped in `presets/`) or by a path to a
-config.json or to a folder holding one. The result is a `transformers.PretrainedConfig`.
+A model is named by a preset (a HF `config.json` shipped in a family folder,
+`hybridmem/families/<family>/presets/`) or by a path to a config.json or to a folder holding
+one. The result is a `transformers.PretrainedConfig`.
 """
 
 from __future__ import annotations
@@ -75,15 +76,11 @@ def analytic_refusal(model_type: str) -> SpecError:
 @lru_cache(maxsize=1)
 def _presets() -> dict[str, tuple[str, Path]]:
     """Preset name -> (the family folder that ships it, its config.json): the file stems of
-    `hybridmem/families/<family>/presets/*.json`, and of `models/presets/` for the families
-    not in a folder yet. A name shipped twice is refused."""
-    roots = [("", resources.files("hybridmem.models") / "presets")]
-    roots += [(d.name, d / "presets") for d in resources.files("hybridmem.families").iterdir()
-              if d.is_dir() and (d / "presets").is_dir()]
+    `hybridmem/families/<family>/presets/*.json`. A name shipped twice is refused."""
+    roots = [(d.name, d / "presets") for d in resources.files("hybridmem.families").iterdir()
+             if d.is_dir() and (d / "presets").is_dir()]
     out: dict[str, tuple[str, Path]] = {}
     for folder, root in roots:
-        if not root.is_dir():
-            continue
         for p in root.iterdir():
             if p.name.endswith(".json"):
                 name = p.name[:-5]

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from hybridmem.adapters import build_error, build_peft_config, lora_llm_pattern
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
-from hybridmem.models.decoder import MOE_TYPES
+from hybridmem.families.decoders.model import MOE_TYPES
 from hybridmem.models.loader import auto_class, is_analytic
 from hybridmem.job.spec import DEFAULT_LORA_TARGETS, TrainingSpec
 from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype

@@ -21,7 +21,7 @@ also saves the base output and lora_B's output for the magnitude's grad, and bui
 weight W + scale B@A (fp32) in every forward to take its (detached) column norm.
 
 Tokens: B = micro_batch x seq (language model), N = crops x tokens per crop (vision tower).
-This module holds the shared pieces; the formulas are in `text_acts` (decoder LLM, loss) and
+This module holds the shared pieces; the formulas are in `families/decoders/acts.py` (decoder LLM, loss) and
 `families/llava/acts.py` (vision tower, projector).
 """
 
@@ -318,7 +318,7 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
     sequence number): lora_A's input grad (`tokens x in`, the input's dtype) is alive through
     the base backward, whose input grad is then summed with it into a new tensor (autograd's
     input buffer, out of place), when `staged` (the caller subtracts what the adapter branch
-    freed: `text_acts.quant_mlp_backward`)."""
+    freed: `decoders.acts.quant_mlp_backward`)."""
     q = c.quant
     if q is None or not layer.quantized:
         return (), (), ()

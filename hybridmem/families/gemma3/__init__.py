@@ -1,5 +1,5 @@
 """Gemma 3 (docs/vlm-families.md): a SigLIP tower, `Gemma3MultiModalProjector` (pooling to
-`mm_tokens_per_image` soft tokens), the gemma3_text LM (`decoders.py`) whose masks, on a batch
+`mm_tokens_per_image` soft tokens), the gemma3_text LM (`families/decoders/`) whose masks, on a batch
 with images, are built per layer (bidirectional over image tokens).
 
 This folder: the graph and config (`model.py`), the closed forms (`acts.py`: the projector,

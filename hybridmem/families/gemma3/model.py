@@ -9,7 +9,7 @@ average-pooled on the patch grid to `mm_tokens_per_image` soft tokens
 hidden, no bias). Every image is one crop at `vision_config.image_size` (896 px: 64 x 64
 patches -> 16 x 16 = 256 tokens; `hybridmem.job.images`).
 
-The language model is the `gemma3_text` decoder (`models/decoder.py`) at
+The language model is the `gemma3_text` decoder (`families/decoders/model.py`) at
 `model.language_model`, with one difference the VLM makes (`image_masks`): a training batch
 with images carries `token_type_ids`, and `Gemma3Model.forward` then builds both attention
 masks itself (`create_masks_for_vision_model`: full = OR(causal, bidirectional image blocks),

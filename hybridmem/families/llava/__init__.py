@@ -1,5 +1,5 @@
 """LLaVA, LLaVA-NeXT and LLaVA-OneVision (docs/vlm-families.md): a CLIP / SigLIP tower, a
-Linear-act-Linear projector and a decoder family from `decoders.py`. LLaVA also takes a
+Linear-act-Linear projector and a decoder family from `families/decoders/`. LLaVA also takes a
 Pixtral tower (pixtral-12b): its rule, pixel inputs and graph are Mistral-3's (`mistral3.py`).
 
 This folder: the image layout (CLS dropped under `default`, anyres tiles + base crop,
@@ -32,7 +32,7 @@ def check_config(data: dict) -> None:
 
 def check_text_config(data: dict, default: str = "llama") -> None:
     """`text_config.model_type` (default `default`, the config class's) must be a decoder
-    family with closed forms: the LM is priced by `decoders.py`."""
+    family with closed forms: the LM is priced by `families/decoders/`."""
     from hybridmem.families import types
 
     check_sub_config(data, "text_config", types(DECODER), default)

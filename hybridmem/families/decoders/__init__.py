@@ -3,8 +3,10 @@
 `text_defaults` are the defaults of the transformers 5.x config class (`configuration_<family>.py`)
 for the fields the light parser reads (`models/light.py`; tests/test_models.py checks the
 result against models built from the real transformers configs). `traits` are the switches
-the one decoder code path reads (`models/decoder.py`, `analytic/text_acts.py`). A new decoder
-family with Llama-like layers is one record here plus its tests.
+the one decoder code path reads: the layer graph (`model.py`) and the closed forms (`acts.py`)
+of the layers every decoder family and every VLM's language model are built from; the presets
+are in `presets/`. A new decoder family with Llama-like layers is one record here plus its
+tests; one whose layers differ is its own folder that brings them (`Family.lm_layers`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ from __future__ import annotations
 from hybridmem.families import DECODER, FUSED, GEMMA, MOE, NO_SDPA, QK_NORM, QKV_BIAS, Family
 
 
-
 def layer_kinds() -> dict:
-    """The decoder's layers (`analytic/text_acts.py`)."""
-    from hybridmem.analytic import text_acts as TA
+    """The decoder's layers (`acts.py`)."""
+    from hybridmem.families.decoders import acts as TA
     from hybridmem.families import LayerKind
 
     return {"embedding": LayerKind(TA.embedding), "rotary": LayerKind(TA.rotary),

@@ -15,7 +15,7 @@ from hybridmem.families import FUSED, GEMMA, MOE, NO_SDPA, QK_NORM, QKV_BIAS, wi
 from hybridmem.models.graph import Layer, ParamTensor as T, linear as _linear
 
 FP32 = 4
-# Per-family switches (`Family.traits`, hybridmem/families/decoders.py), as model_type tuples.
+# Per-family switches (`Family.traits`, hybridmem/families/decoders/), as model_type tuples.
 # Qwen2 and the Qwen2-VL / Qwen2.5-VL text models (Qwen2VLAttention: the same q/k/v biases)
 QWEN2_TEXT = with_trait(QKV_BIAS)
 
