@@ -3,7 +3,7 @@ the real transformers step under meta/fake tensors, equal to a real CPU run on t
 tests/test_trace.py) on the tensor part of the peak: allocated minus the two cuBLAS
 workspaces both tiers add (64 MiB would hide any error on models this small).
 
-What it checks: `analytic.eager_top`'s forward top (every tensor saved up to the probs, one
+What it checks: `families.common.eager_top`'s forward top (every tensor saved up to the probs, one
 scores tensor and the attention call's arguments; not the whole layer plus two probs) and
 backward top (two fp32 probs and the v grad after o_proj's input, v and the probs cast were
 released), the eager float mask of every decoder family (held through backward under

@@ -1,8 +1,8 @@
 """The family registry (`hybridmem/families/`, docs/design.md "Families"): one record per
-model_type, read by every tier; adding a family is one file.
+model_type, read by every tier; adding a family is one folder.
 
 Oracles: transformers' own Auto mappings and config classes (kind, defaults), and a family
-file written by the test (discovery, duplicate refusal).
+folder written by the test (discovery, duplicate refusal).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def test_every_family_is_one_transformers_builds_as_its_kind(model_type):
     assert transformers_types()[model_type] == expected
     if fam.kind == VLM:  # the analytic graph needs the family's parts
         assert fam.image_plan is not None and fam.vision_graph is not None
+        assert fam.vision_seq is not None and (fam.light_config is not None or fam.full_config)
     if fam.kind == DECODER:
         assert fam.text_defaults and fam.image_plan is None
 
@@ -44,8 +45,8 @@ def test_decoder_defaults_are_the_config_class_defaults(model_type):
 
 
 def test_the_tuples_other_modules_export_are_views_of_the_registry():
-    from hybridmem.job.images import HXW_FAMILIES, IMAGE_FAMILIES
-    from hybridmem.models.decoder import MOE_TYPES, QK_NORM_TYPES
+    from hybridmem.families.common.images import HXW_FAMILIES, IMAGE_FAMILIES
+    from hybridmem.families.decoders.model import MOE_TYPES, QK_NORM_TYPES
     from hybridmem.models.loader import DECODER_TYPES, MULTIMODAL_TYPES
 
     assert set(MULTIMODAL_TYPES) == {m for m, f in REGISTRY.items() if f.kind == VLM}
@@ -55,19 +56,21 @@ def test_the_tuples_other_modules_export_are_views_of_the_registry():
     assert "qwen3" in QK_NORM_TYPES and "llama" not in QK_NORM_TYPES
 
 
-def test_a_family_file_is_all_it_takes(tmp_path, monkeypatch):
-    """A new file in the package is discovered; a model_type declared twice is refused."""
+def test_a_family_folder_is_all_it_takes(tmp_path, monkeypatch):
+    """A new folder in the package is discovered; a model_type declared twice is refused."""
     name = "hybridmem.families.zz_test_family"
-    path = tmp_path / "zz_test_family.py"
+    folder = tmp_path / "zz_test_family"
+    folder.mkdir()
+    path = folder / "__init__.py"
     monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
     path.write_text(textwrap.dedent("""
         from hybridmem.families import DECODER, Family
-        FAMILIES = (Family("olmo2", DECODER, "modeling_olmo2.py",
+        FAMILIES = (Family("granite", DECODER, "modeling_granite.py",
                            text_defaults=dict(hidden_size=4096)),)
     """))
     monkeypatch.delitem(sys.modules, name, raising=False)
     found = families._discover()
-    assert found["olmo2"].source == "modeling_olmo2.py" and set(REGISTRY) < set(found)
+    assert found["granite"].source == "modeling_granite.py" and set(REGISTRY) < set(found)
     path.write_text("from hybridmem.families import DECODER, Family\n"
                     "FAMILIES = (Family('llama', DECODER, 'x.py'),)\n")
     sys.modules.pop(name)
@@ -83,3 +86,54 @@ def test_the_registry_imports_neither_torch_nor_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["0", "0"]
+
+
+def test_a_layer_kind_no_family_registered_is_an_error_naming_it(monkeypatch):
+    """The analytic tier prices a layer by its family's registered closed form
+    (`Family.layer_kinds`); a kind nobody registered is refused, never priced as nothing."""
+    from dataclasses import replace
+
+    from hybridmem import TrainingSpec
+    from hybridmem.families import UnpricedLayerKind
+    from hybridmem.models import build_graph
+
+    E = importlib.import_module("hybridmem.analytic.estimate")
+    spec = TrainingSpec(model="tiny-llava", micro_batch=1, seq_len=700)
+    graph = build_graph(spec)
+    renamed = tuple(replace(m, layers=tuple(
+        replace(layer, kind="made_up_norm") if layer.kind == "layernorm" else layer
+        for layer in m.layers)) for m in graph.modules)
+    monkeypatch.setattr(E, "build_graph", lambda s: replace(graph, modules=renamed))
+    with pytest.raises(UnpricedLayerKind, match="'made_up_norm'"):
+        E.estimate(spec)
+
+
+def test_every_layer_of_every_preset_graph_has_a_registered_kind():
+    from hybridmem import TrainingSpec
+    from hybridmem.families import layer_kinds
+    from hybridmem.models import build_graph, preset_names
+
+    made = set()
+    for name in preset_names():
+        for _, layer in build_graph(TrainingSpec(model=name, micro_batch=1,
+                                                 seq_len=8192)).layers():
+            made |= {layer.kind, layer.formula or layer.kind}
+    assert made <= set(layer_kinds())
+
+
+def test_a_kind_two_families_register_differently_is_refused(monkeypatch):
+    from dataclasses import replace
+
+    from hybridmem.families import LayerKind, layer_kinds
+
+    llama, mistral = REGISTRY["llama"], REGISTRY["mistral"]
+    monkeypatch.setitem(REGISTRY, "mistral", replace(
+        mistral, layer_kinds=lambda: {"rmsnorm": LayerKind(lambda *a: None)}))
+    layer_kinds.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="'rmsnorm' registered twice"):
+            layer_kinds()
+    finally:
+        monkeypatch.setitem(REGISTRY, "mistral", mistral)
+        layer_kinds.cache_clear()
+    assert layer_kinds()["rmsnorm"] == llama.layer_kinds()["rmsnorm"]

@@ -16,9 +16,9 @@ import torch
 
 from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
-from hybridmem.job.images import image_plan
+from hybridmem.families.common.images import image_plan
 from hybridmem.models import build_graph, load_config
-from hybridmem.models.internvl import optimal_grid
+from hybridmem.families.internvl.model import optimal_grid
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner
 from test_trace import real_cpu_peak
@@ -90,7 +90,7 @@ def test_hxw_hand_count():
 
 def test_image_seq_length_must_match_the_tower():
     import copy
-    from hybridmem.models.internvl import image_plan as rule
+    from hybridmem.families.internvl.model import image_plan as rule
 
     cfg = copy.deepcopy(load_config(TINY))
     cfg.image_seq_length = 5
@@ -148,9 +148,10 @@ def test_parts_equal_the_meta_model():
 def _variant(tmp_path, top: dict | None = None, **vision) -> str:
     """tiny-internvl with other vision_config / top-level values, as a config.json path."""
     import json
-    from importlib import resources
 
-    d = json.loads((resources.files("hybridmem.models") / "presets" / f"{TINY}.json").read_text())
+    from hybridmem.models.loader import load_config_dict
+
+    d = load_config_dict(TINY)[1]
     d["vision_config"].update(vision)
     d.update(top or {})
     path = tmp_path / "config.json"
@@ -220,11 +221,9 @@ def _mid_config(**vision):
     """internvl3-1b-hf's vision side (448-px tiles, 1025 tokens, width 1024, projector to
     896) with 2 InternViT layers and a 1-layer LM: real-sized widths, CPU-sized depth."""
     import json
-    from importlib import resources
-    from hybridmem.models.loader import load_config_data
+    from hybridmem.models.loader import load_config_data, load_config_dict
 
-    d = json.loads((resources.files("hybridmem.models") / "presets" /
-                    "internvl3-1b-hf.json").read_text())
+    d = load_config_dict("internvl3-1b-hf")[1]
     d["vision_config"].update(num_hidden_layers=2, **vision)
     d["text_config"].update(num_hidden_layers=1, vocab_size=1024)
     d.update(image_token_id=1000)
@@ -261,7 +260,7 @@ def test_vision_activations_equal_a_real_cpu_forward(config, dtype, e, tower):
     equal a real CPU forward up to the hand-derived CUDA-vs-CPU kernel differences (measured:
     mid fp32 with the tower +7,168 B, bf16 +34,816 B / +2,048 B; the rest 0)."""
     cfg = _mid_config() if config == "mid" else load_config(TINY)
-    from hybridmem.models.internvl import vision_modules
+    from hybridmem.families.internvl.model import vision_modules
 
     want = _gemma3_vision_real(cfg, 2, dtype, tower) + _cuda_minus_cpu(cfg, 2, dtype, tower)
     assert _gemma3_vision_analytic(cfg, 2, e, tower, vision_modules) == want
@@ -294,7 +293,7 @@ def test_norm_options_vision_activations_equal_a_real_cpu_forward(tmp_path, conf
                                                                   dtype, e):
     """Exact on both (mid: InternVL3-1B widths, measured 0 B apart after the kernel
     differences, docs/vlm-families.md)."""
-    from hybridmem.models.internvl import vision_modules
+    from hybridmem.families.internvl.model import vision_modules
 
     cfg = (_mid_config(**options) if config == "mid"
            else load_config(_variant(tmp_path, **options)))

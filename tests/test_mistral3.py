@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.job.images import check_seq_len, image_plan
+from hybridmem.families.common.images import image_plan
+from hybridmem.job.images import check_seq_len
 from hybridmem.models import build_graph, load_config
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import runner
@@ -138,7 +139,7 @@ def test_pixtral_llava_trace_equals_a_real_cpu_run(kw):
                                 dict(precision="bf16-mixed", train="lora"),
                                 # the tower's blocks in the op-level policy's cached set and
                                 # its linears quantised, as the LM's (analytic/sac.py,
-                                # models/build.py LINEAR_KINDS)
+                                # LayerKind.linear)
                                 dict(precision="bf16", grad_ckpt=True, grad_ckpt_policy="ops"),
                                 dict(precision="bf16-mixed", train="lora", quantize="nf4")])
 def test_analytic_within_3_percent_of_trace(kw):

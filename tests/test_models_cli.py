@@ -19,6 +19,9 @@ def test_models_lists_every_preset_with_its_tiers(capsys):
         analytic = fam is not None
         assert (r["params"] is not None) == analytic and ("analytic" in r["tiers"]) == analytic
         assert r["kind"] == fam.kind
+        # shipped by the folder that declares its model_type (hybridmem/families/<family>/)
+        folder = __import__(f"hybridmem.families.{r['family']}", fromlist=["FAMILIES"])
+        assert r["model_type"] in {f.model_type for f in folder.FAMILIES}
     # hand derivation (tiny-llama.json): embed 128x64 + lm_head 128x64 + final norm 64 + 2
     # layers x (q 64x64 + k, v 32x64 + o 64x64 + gate, up, down 128x64 + 2 norms 64) = 90432
     assert rows["tiny-llama"]["params"] == 2 * 8192 + 64 + 2 * (4096 + 2 * 2048 + 4096

@@ -1,6 +1,6 @@
 """Several images per sample (`images_per_sample` 2) on every image family's tiny preset.
 
-The batch (`job.images.text_inputs`, shared by the trace tier and the CUDA harness) lays the
+The batch (`families.common.images.text_inputs`, shared by the trace tier and the CUDA harness) lays the
 images out as the family's chat template does: Qwen-VL wraps each image's tokens in
 vision_start / vision_end (its M-RoPE `get_rope_index` reads one run of image tokens per
 image grid), so a real forward runs. Oracles: a real (non-fake) CPU training step counting live
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from hybridmem.errors import SpecError
-from hybridmem.job.images import check_seq_len, image_plan, image_token_id
+from hybridmem.families.common.images import image_plan
+from hybridmem.job.images import check_seq_len, image_token_id
 from hybridmem.models import build_graph, load_config
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import runner

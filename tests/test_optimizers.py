@@ -117,10 +117,9 @@ def test_trace_equals_analytic_on_optimizer_bytes(name):
 
 def _big_vocab(tmp_path) -> str:
     """tiny-llama with a 2048-token vocabulary: embed / lm_head 2048 x 64 = 131072 >= 1e5."""
-    from importlib import resources
+    from hybridmem.models.loader import load_config_dict
 
-    cfg = json.loads((resources.files("hybridmem.models") / "presets" / "tiny-llama.json")
-                     .read_text())
+    cfg = load_config_dict("tiny-llama")[1]
     cfg["vocab_size"] = 2048
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))

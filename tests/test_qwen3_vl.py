@@ -13,7 +13,7 @@ import torch
 
 from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
-from hybridmem.job.images import image_plan
+from hybridmem.families.common.images import image_plan
 from hybridmem.models import build_graph, load_config
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner

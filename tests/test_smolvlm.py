@@ -15,7 +15,7 @@ import json
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.job.images import image_plan
+from hybridmem.families.common.images import image_plan
 from hybridmem.models import build_graph, load_config
 from hybridmem.models.loader import load_config_dict, load_config_data
 from hybridmem.job.spec import TrainingSpec
@@ -118,7 +118,7 @@ def test_a_crop_size_other_than_the_tile_is_one_line():
 
 def test_two_images_per_sample_trace_equals_a_real_cpu_run():
     """Two images per sample: `get_image_features` splits the features by per-sample image
-    counts (`.tolist()`, answered on meta by `corrections.split_images_on_meta`)."""
+    counts (`.tolist()`, answered on meta by `families.idefics3.meta.split_images_on_meta`)."""
     from hybridmem.trace import runner
     from test_trace import real_cpu_peak
 

@@ -159,10 +159,9 @@ def test_lora_trace_trains_only_adapters():
 @pytest.fixture
 def tiny_next(tmp_path):
     """A tiny LLaVA-NeXT (anyres) config derived from the tiny-llava preset."""
-    from importlib import resources
+    from hybridmem.models.loader import load_config_dict
 
-    cfg = json.loads((resources.files("hybridmem.models") / "presets" / "tiny-llava.json")
-                     .read_text())
+    cfg = load_config_dict("tiny-llava")[1]
     cfg.pop("_source")
     cfg.update(model_type="llava_next", architectures=["LlavaNextForConditionalGeneration"],
                image_grid_pinpoints=[[30, 60], [60, 30], [60, 60]])

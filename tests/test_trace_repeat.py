@@ -11,16 +11,13 @@ import json
 
 import pytest
 
-from hybridmem.models.loader import load_config
+from hybridmem.models.loader import load_config, load_config_dict
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate, repeat
 
-PRESETS = "hybridmem/models/presets"
-
 
 def _config(tmp_path, name: str, text: int, vision: int | None = None) -> str:
-    with open(f"{PRESETS}/{name}.json") as f:
-        data = json.load(f)
+    data = load_config_dict(name)[1]
     if "text_config" in data:
         data["text_config"]["num_hidden_layers"] = text
         data["vision_config"]["num_hidden_layers"] = vision
@@ -122,8 +119,7 @@ def test_plan_keeps_the_checkpointing_phase(tmp_path):
 
 def _family_config(tmp_path, name: str, text: int, vision: int | None, edit=None) -> str:
     """A tiny preset (hand-made) with its stacks lengthened; `edit` changes it further."""
-    with open(f"{PRESETS}/{name}.json") as f:
-        data = json.load(f)
+    data = load_config_dict(name)[1]
     tc = data.get("text_config", data)
     tc["num_hidden_layers"] = text
     tc.pop("layer_types", None)  # re-derived for the new count by the config class

@@ -13,7 +13,9 @@ import torch
 
 from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
-from hybridmem.job.images import check_seq_len, image_plan, smart_resize
+from hybridmem.families.common.images import image_plan
+from hybridmem.families.qwen_vl.resize import smart_resize
+from hybridmem.job.images import check_seq_len
 from hybridmem.models import build_graph, load_config
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner
@@ -220,9 +222,9 @@ def _gemma3_vision_real(config, n: int, dtype, tower_trains: bool) -> int:
 def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool,
                             vision_modules=None) -> int:
     """`vision_modules`: the family's (config, n) -> tower + projector modules (Gemma 3's)."""
-    from hybridmem.analytic.activations import Ctx
-    from hybridmem.analytic.estimate import FORMULAS
-    from hybridmem.models import gemma3
+    from hybridmem.families.common.activations import Ctx
+    from hybridmem.families import layer_kind
+    from hybridmem.families.gemma3 import model as gemma3
 
     vision_modules = vision_modules or gemma3.vision_modules
     c = Ctx(e=e, stream=e, amp=False, attn="sdpa")
@@ -230,15 +232,14 @@ def _gemma3_vision_analytic(config, n: int, e: int, tower_trains: bool,
     for module in vision_modules(config, n):
         need_w = tower_trains or module.name == "multi_modal_projector"
         for layer in module.layers:
-            if layer.kind in FORMULAS:
-                acts = FORMULAS[layer.kind](layer, c, tower_trains, need_w)
-                total += acts.saved + acts.held
+            acts = layer_kind(layer.formula or layer.kind).acts(layer, c, tower_trains, need_w)
+            total += acts.saved + acts.held
     return total
 
 
 @pytest.mark.parametrize("model", ["tiny-gemma3", "gemma-3-4b-it"])
 def test_gemma3_vision_params_equal_the_meta_model_per_tensor(model):
-    from hybridmem.models.gemma3 import vision_modules
+    from hybridmem.families.gemma3.model import vision_modules
 
     ref = {k: p.numel() for k, p in _meta_model(model).named_parameters()
            if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
@@ -253,7 +254,7 @@ def test_gemma3_preset_total():
     count is 4,300,079,472 (vision 416,866,032 + projector 2,950,272, the rest the LM)."""
     m = _meta_model("gemma-3-4b-it")
     assert sum(p.numel() for p in m.parameters()) == 4_300_079_472
-    from hybridmem.models.gemma3 import vision_modules
+    from hybridmem.families.gemma3.model import vision_modules
     got = [sum(p.numel for layer in mod.layers for p in layer.params)
            for mod in vision_modules(load_config("gemma-3-4b-it"), 1)]
     assert got == [sum(p.numel() for n, p in m.named_parameters() if n.startswith(pre))
@@ -338,12 +339,9 @@ def test_gemma3_real_sized_analytic_within_3_percent(kw):
 def _mid_gemma3():
     """gemma-3-4b-it's vision side at 448 px (32 x 32 patches pooled 2 x 2 to 256 tokens),
     2 SigLIP layers, a 1-layer LM: real-sized widths, CPU-sized depth."""
-    import json
-    from importlib import resources
-    from hybridmem.models.loader import load_config_data
+    from hybridmem.models.loader import load_config_data, load_config_dict
 
-    path = resources.files("hybridmem.models") / "presets" / "gemma-3-4b-it.json"
-    d = json.loads(path.read_text())
+    d = load_config_dict("gemma-3-4b-it")[1]
     d["vision_config"].update(num_hidden_layers=2, image_size=448)
     d["text_config"].update(num_hidden_layers=1, vocab_size=1024)
     d.update(image_token_index=1000, boi_token_index=1001, eoi_token_index=1002)
@@ -368,7 +366,7 @@ def test_gemma3_every_tier_counts_the_same_image_tokens():
     rule."""
     import transformers
     from hybridmem.harness.workload import make_batch as harness_batch
-    from hybridmem.models.gemma3 import vision_modules
+    from hybridmem.families.gemma3.model import vision_modules
 
     spec = TrainingSpec(model="tiny-gemma3", micro_batch=2, seq_len=64)
     config = load_config(spec.model)

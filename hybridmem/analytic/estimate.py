@@ -13,15 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from hybridmem.analytic import (
-    activations as A, gemma3_acts as GA, offloaded, packed, qwen3_vl_acts as Q3,
-    qwen_vl_acts as QA, sac, scope, text_acts as TA, vision_acts as VA,
-)
-from hybridmem.analytic import internvl_acts as IA
-from hybridmem.analytic import mistral3_acts as MA
+from hybridmem.analytic import offloaded, packed, sac, scope
+from hybridmem.families.common import activations as A
 from hybridmem.job import packing
 from hybridmem.allocator.alloc import t
-from hybridmem.families import family
+from hybridmem.families import family, layer_kind
 from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.allocator.reserved import (
     FROM_GPU, allocator_extras, bounded, capacity_notes, capacity_source, gpu_capacity,
@@ -47,15 +43,11 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
-from hybridmem.models.decoder import NO_SDPA_TYPES
+from hybridmem.families.decoders.model import NO_SDPA_TYPES
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
 from hybridmem.job.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
-
-# GradientCheckpointingLayer subclasses (Qwen2VLVisionBlock / Qwen2_5_VLVisionBlock too)
-CHECKPOINTED = ("decoder_layer", "encoder_layer", "qwen_vision_block", "pixtral_block")
-
 
 @dataclass(frozen=True, slots=True)
 class Priced:
@@ -98,22 +90,6 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  ce_chunks=spec.chunked_ce, param=policy.param_bytes)
 
 
-# layer kind -> activation formula (need_in, need_w); kinds not listed keep nothing for
-# backward (image_newline: expand + cat; SigLIP's pooling head: off the grad path)
-FORMULAS = {
-    "decoder_layer": TA.decoder_layer, "encoder_layer": VA.encoder_layer,
-    "layernorm": VA.layernorm, "rmsnorm": TA.rmsnorm, "lm_head": TA.lm_head,
-    "projector": VA.projector, "vision_embeddings": VA.vision_embeddings,
-    "qwen_vision_block": QA.vision_block, "qwen_patch_embed": QA.patch_embed,
-    "qwen_vision_rotary": QA.vision_rotary, "patch_merger": QA.patch_merger,
-    "gemma3_projector": GA.mm_projector, "pixel_shuffle_projector": GA.pixel_shuffle_projector,
-    "qwen3_pos_embed": Q3.pos_embed, "qwen3_merger": Q3.merger, "deepstack_add": Q3.deepstack_add,
-    "internvl_projector": IA.projector, "internvl_final_norm": IA.final_norm,
-    "pixtral_patch_conv": MA.patch_conv, "pixtral_ln_pre": MA.ln_pre,
-    "pixtral_rotary": MA.rotary, "pixtral_block": MA.block, "pixtral_projector": MA.projector,
-}
-
-
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
     acts = _formula_acts(layer, c, need_in, need_w, tied_grad, merged)
@@ -129,12 +105,13 @@ def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
 
 def _formula_acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
                   merged: bool) -> A.Acts:
+    # the family's closed form (`Family.layer_kinds`); an unregistered kind is an error
+    formula = layer_kind(layer.formula or layer.kind).acts
     if layer.kind == "embedding":
-        return TA.embedding(layer, c, need_in, need_w, tied_grad, merged)
+        return formula(layer, c, need_in, need_w, tied_grad, merged)
     if layer.kind == "rotary":
-        return TA.rotary(layer, c, need_in)
-    formula = FORMULAS.get(layer.kind)
-    return formula(layer, c, need_in, need_w) if formula else A.Acts()
+        return formula(layer, c, need_in)
+    return formula(layer, c, need_in, need_w)
 
 
 MLP_OUT = ("mlp.down_proj.", "mlp.fc2.")
@@ -204,15 +181,15 @@ def price(graph: ModelGraph, spec: TrainingSpec) -> list[Priced]:
             flow["lm"] |= need_w or lora
         acts = _acts(layer, c, need_in, need_w, tied_grad, graph.image_tokens > 0)
         if layer.kind == "embedding" and graph.image_tokens and flow["lm"]:
-            acts = replace(acts, saved=acts.saved + VA.image_merge(graph.micro_batch,
-                                                                  graph.seq_len))
+            acts = replace(acts, saved=acts.saved + A.image_merge(graph.micro_batch,
+                                                                 graph.seq_len))
         grad, waste = st.grad, st.waste_grad
         if tied_w and layer.kind == "embedding":
             grad, waste = grad - tied_grad, 0      # the tied weight's grad appears at lm_head
         if tied_w and layer.kind == "lm_head":
             grad += tied_grad
         ckpt = False
-        if layer.kind in CHECKPOINTED:
+        if layer_kind(layer.kind).checkpointed:
             ckpt = ckpt_layer(spec, ordinal)  # --grad-ckpt-policy: full or every:N
             ordinal += 1
         tie = (tied_grad if layer.kind == "lm_head" else -tied_grad) \
@@ -245,17 +222,17 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
         # Idefics3's bool pixel_attention_mask (crops, tile, tile), `Family.pixel_inputs`
         out += t(graph.vision_batch * emb["side"] ** 2, 1)
     if graph.image_tokens and family(graph.model_type).text_extras is not None:
-        out += tokens  # token type ids (b, s) int64 (`Family.text_extras`, job.images.text_inputs)
+        out += tokens  # token type ids (b, s) int64 (`Family.text_extras`, families.common.images.text_inputs)
     patches = next((l.dims for m, l in graph.layers() if l.kind == "qwen_patch_embed"), None)
     if patches and graph.image_tokens:
-        # Qwen-VL (job.images.pixel_inputs): pixel patches in the model dtype and image_grid_thw
+        # Qwen-VL (`Family.pixel_inputs`): pixel patches in the model dtype and image_grid_thw
         # (images, 3) int64
         pix = POLICIES[spec.precision].param_bytes
         out += t(patches["n"] * patches["row"], pix)
         out += t(3 * patches["images"], A.INT64)
     conv = next((l.dims for m, l in graph.layers() if l.kind == "pixtral_patch_conv"), None)
     if conv and graph.image_tokens:
-        # Mistral-3 (job.images.pixel_inputs): (images, C, H, W) in the model dtype and the
+        # Mistral-3 (`Family.pixel_inputs`): (images, C, H, W) in the model dtype and the
         # (images, 2) int64 image_sizes
         pix = POLICIES[spec.precision].param_bytes
         out += t(conv["images"] * conv["channels"] * conv["h_px"] * conv["w_px"], pix)

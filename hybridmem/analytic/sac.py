@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.analytic.activations import FP32, LSE_ALIGN_EFFICIENT
+from hybridmem.families.common.activations import FP32, LSE_ALIGN_EFFICIENT
 from hybridmem.allocator.alloc import t
+from hybridmem.families import layer_kind
 
 
 def _lse(c, b: int, s: int, heads: int) -> int:
@@ -41,9 +42,9 @@ def cached(layer, c) -> tuple[int, int, int]:
         overlap_mm = t(B * kvd, e) + t(B * d["ffn"], e)
         attn = 0 if c.attn == "eager" else t(B * qd, e) + _lse(c, d["b"], d["s"], d["heads"])
         return mm + attn, overlap_mm + attn, t(B * d["ffn"], e)
-    if layer.kind == "pixtral_block":  # a Llama layer over (1, N): analytic/mistral3_acts.py
-        from hybridmem.analytic.mistral3_acts import as_decoder
-        return cached(as_decoder(layer), c)
+    sac_as = layer_kind(layer.kind).sac_as  # Pixtral's block: a Llama layer over (1, N)
+    if sac_as is not None:
+        return cached(sac_as(layer), c)
     if layer.kind == "encoder_layer" and c.attn != "eager":
         N = d["n"] * d["t"]
         attn = t(N * d["h"], e) + _lse(c, d["n"], d["t"], d["heads"])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridmem.analytic.activations import Acts
+from hybridmem.families.common.activations import Acts
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,8 @@ def _count(n: int) -> str:
 def models_command(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per preset, a list."),
 ) -> None:
-    """List the shipped model presets: family, kind, parameters, which tiers price them."""
+    """List the shipped model presets: family folder, model_type, kind, parameters, which tiers
+    price them."""
     from hybridmem.models.catalog import catalog
 
     rows = catalog()
@@ -27,11 +28,11 @@ def models_command(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("preset", "model_type", "kind", "params", "tiers", box=None)
+    table = Table("preset", "family", "model_type", "kind", "params", "tiers", box=None)
     for r in rows:
         params = "-" if r.params is None else _count(r.params)
-        table.add_row(r.name, r.model_type, r.kind, params, ", ".join(r.tiers))
-    Console(width=100).print(table)
+        table.add_row(r.name, r.family, r.model_type, r.kind, params, ", ".join(r.tiers))
+    Console(width=112).print(table)
     typer.echo("Any other transformers causal-LM / image-text-to-text config.json: "
                "--model path/to/config.json (trace tier).")
 

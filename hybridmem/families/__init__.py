@@ -1,26 +1,25 @@
-"""The model families hybridmem prices: one `Family` record per transformers `model_type`,
-declared in one file of this package per family (issue 11 §1: adding a family is one file
-plus its tests).
+"""The model families hybridmem prices, one folder each (`hybridmem/families/<family>/`, the
+layout of torchtitan's `models/<name>/`), and the registry the tiers read them through.
 
-Why a registry: what a family *is* — which sub-configs it nests, what its published config
-leaves to transformers' defaults, its image-token rule, the pixel inputs its processor makes,
-its vision parts in the analytic graph, where its language model sits, the corrections its
-code needs under meta tensors — used to be spread over per-family tuples and `if model_type
-== ...` branches in `models/loader.py`, `models/light.py`, `models/build.py`,
-`job/images.py`, `trace/runner.py` and `models/decoder.py`. Those modules now ask this
-registry; the tuples they export are views of it.
+A family folder holds everything about the family: its `Family` records (`FAMILIES` in its
+`__init__.py`, one per transformers `model_type`, and the small hook functions they point at),
+its config reading and its presets (`presets/*.json`), its layer graph, its closed forms (the
+`LayerKind`s its layers are priced by), its image-token rule and its meta-trace patches. The
+tiers keep the shared mechanisms (the analytic timeline and alloc/free stream, the trace
+runner) and reach a family only through its record; `common/` holds what the closed forms
+share. Adding a family is its folder plus its tests.
 
-A family file holds `FAMILIES = (Family(...), ...)` and the small hook functions the records
-point at; hooks import their implementation lazily, so importing the registry imports
-neither torch nor transformers (the analytic tier must not: tests/test_models.py). Families
-not declared here are still priced: the trace tier builds any transformers causal-LM or
-image-text-to-text `model_type` (docs/trace.md "Which models").
+Hooks import their implementation lazily, so importing the registry imports neither torch nor
+transformers (the analytic tier must not: tests/test_models.py). Families not declared here
+are still priced: the trace tier builds any transformers causal-LM or image-text-to-text
+`model_type` (docs/trace.md "Which models").
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -28,7 +27,7 @@ VLM = "vlm"
 DECODER = "decoder"
 
 # Decoder traits (`Family.traits`) the decoder graph and its activation formulas switch on
-# (models/decoder.py, analytic/text_acts.py; docs/families.md):
+# (decoders/model.py, decoders/acts.py; docs/families.md):
 QK_NORM = "qk_norm"   # RMSNorm over head_dim on q and k (modeling_qwen3.Qwen3Attention)
 FUSED = "fused"       # one qkv_proj and one gate_up_proj whose outputs are sliced (modeling_phi3)
 GEMMA = "gemma"       # four (1 + weight) norms per layer, scaled embedding (modeling_gemma2)
@@ -86,21 +85,49 @@ class Family:
     template puts around every image (Qwen-VL's vision_start / vision_end; counted in
     `ImagePlan.markers`); None: the images' tokens lie in one run."""
     vision_graph: Callable | None = None
-    """(cfg, spec, images, plan) -> (vision modules, `models.llava.ImageLayout`)."""
+    """(cfg, spec, images, plan) -> (vision modules, `models.graph.ImageLayout`)."""
     vision_seq: Callable | None = None
-    """(vision_config) -> tokens the tower sees per crop; None: `models.vision.tokens_per_crop`
-    (0 for the packed native-resolution families)."""
+    """(vision_config) -> tokens the tower sees per crop (0 for the packed native-resolution
+    towers)."""
     lm_prefix: str = "model.language_model"
     """Where its language model sits in the transformers module tree."""
+    lm_layers: Callable | None = None
+    """Decoder: (text config, micro_batch, seq_len) -> its base model's layers (embed_tokens,
+    rotary, decoder layers, norm) where they are not the shared decoder graph's
+    (`decoders/model.py language_model_layers`); None: that graph."""
     lm_graph: Callable | None = None
     """(cfg, spec, lm Module, images per sample, plan) -> the LM as the family runs it on a
     batch with images (Gemma 3's per-layer masks, Qwen3-VL's DeepStack adds); None: the
     decoder's graph as is."""
     meta_patches: Callable | None = None
     """() -> a context manager the trace needs under meta tensors (data-dependent helpers)."""
+    layer_kinds: Callable[[], Mapping[str, LayerKind]] | None = None
+    """() -> {layer kind: `LayerKind`} for the layers its graph makes (and the formula variants
+    its layers name, `models.graph.Layer.formula`): how the analytic tier prices them."""
 
     def has(self, trait: str) -> bool:
         return trait in self.traits
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKind:
+    """How the analytic tier prices one layer kind (`models.graph.Layer.kind`)."""
+
+    acts: Callable
+    """The closed form of what the layer keeps for backward: (layer, `Ctx`, need_in, need_w)
+    -> `Acts` (the decoder's `embedding` takes the tied grad and whether image features are
+    merged too, its `rotary` (layer, ctx, active))."""
+    checkpointed: bool = False
+    """A `GradientCheckpointingLayer` in transformers: `--grad-ckpt` recomputes it."""
+    linear: bool = False
+    """Its 2-D weights are `nn.Linear`s (bitsandbytes' `replace_with_bnb_linear` converts them)."""
+    sac_as: Callable | None = None
+    """(layer) -> the layer as the shared kind whose op-level checkpointing cache it has
+    (`analytic.sac`; Pixtral's block is a Llama decoder layer over one packed sequence)."""
+
+
+class UnpricedLayerKind(LookupError):
+    """A graph made a layer of a kind no family registered closed forms for."""
 
 
 def check_sub_config(data: dict, key: str, allowed: tuple[str, ...], default: str) -> None:
@@ -117,11 +144,13 @@ def check_sub_config(data: dict, key: str, allowed: tuple[str, ...], default: st
 def _discover() -> dict[str, Family]:
     found: dict[str, Family] = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not info.ispkg:  # a family is a folder; `common/` declares none
+            continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         for fam in getattr(module, "FAMILIES", ()):
             if fam.model_type in found:
                 raise RuntimeError(f"model_type {fam.model_type!r} declared twice "
-                                   f"(hybridmem/families/{info.name}.py)")
+                                   f"(hybridmem/families/{info.name}/)")
             if fam.kind not in (VLM, DECODER) or not set(fam.traits) <= set(TRAITS):
                 raise RuntimeError(f"{fam.model_type}: bad kind {fam.kind!r} or traits")
             found[fam.model_type] = fam
@@ -129,6 +158,28 @@ def _discover() -> dict[str, Family]:
 
 
 REGISTRY: dict[str, Family] = _discover()
+
+
+@lru_cache(maxsize=1)
+def layer_kinds() -> dict[str, LayerKind]:
+    """Every registered layer kind (`Family.layer_kinds`); a kind two families register
+    differently is refused."""
+    out: dict[str, LayerKind] = {}
+    for mt, fam in REGISTRY.items():
+        for kind, lk in (fam.layer_kinds() if fam.layer_kinds is not None else {}).items():
+            if out.setdefault(kind, lk) != lk:
+                raise RuntimeError(f"layer kind {kind!r} registered twice ({mt})")
+    return out
+
+
+def layer_kind(kind: str) -> LayerKind:
+    """The registered `LayerKind`; a kind no family registered is an error naming it (never
+    priced as keeping nothing)."""
+    try:
+        return layer_kinds()[kind]
+    except KeyError:
+        raise UnpricedLayerKind(f"layer kind {kind!r}: no family registers closed forms for it "
+                                "(hybridmem/families/<family>/, Family.layer_kinds)") from None
 
 
 def family(model_type: str | None) -> Family | None:

@@ -180,7 +180,8 @@ def _image_tokens(spec: TrainingSpec) -> int:
     """Image tokens per sample, as the model graph counts them (0 for a decoder)."""
     if not spec.images_per_sample:
         return 0
-    from hybridmem.job.images import check_seq_len, image_plan
+    from hybridmem.families.common.images import image_plan
+    from hybridmem.job.images import check_seq_len
     from hybridmem.models.loader import load_config
 
     plan = image_plan(load_config(spec.model), spec.image_size)

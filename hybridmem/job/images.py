@@ -1,16 +1,15 @@
-"""The one image-token rule per VLM family, and the one seq-len check every tier applies.
+"""The model-free pieces of the image-token rule, and the one seq-len check every tier applies.
 
 Why one module: the analytic graph (`models/build.py`), the trace tier's batch
 (`trace/inputs.py`), the CUDA harness's batch (`harness/workload.py`) and the sweep planner
 (`harness/sweep.py`) each used to count image tokens their own way (asking the model and
 counting list outputs two different ways, or a closed form) and to check them against
-`seq_len` with two thresholds. They now all call `image_plan` and `check_seq_len`.
+`seq_len` with two thresholds. They now all call `families.common.images.image_plan` (the
+family's `Family.image_plan`) and `check_seq_len`.
 
-Each family's rule is its `Family.image_plan` (`hybridmem/families/<family>.py`, with the
-transformers 5.24 modeling / image-processing code it follows; docs/vlm-families.md has the
-table); the shared pieces live here: `smart_resize` (Qwen-VL's processor) and `split_plan`
-(Idefics3's image splitting + pixel shuffle). The pixel inputs each processor makes are
-`Family.pixel_inputs`, the token-type ids `Family.text_extras`.
+Here: what a plan is (`ImagePlan`), the `image_size` forms, the seq-len check, the placeholder
+id. The families' own rules live in their folders (`hybridmem/families/<family>/`).
+Nothing here asks the family registry (the job layer sits below the families).
 
 Works on both config kinds the project builds (the light `SimpleNamespace` and a
 transformers `PretrainedConfig`): it reads attributes only.
@@ -23,32 +22,6 @@ import re
 from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
-
-
-def _declared(where) -> tuple[str, ...]:
-    from hybridmem.families import types
-
-    return types(where=where)
-
-
-IMAGE_FAMILIES: tuple[str, ...] = _declared(lambda f: f.image_plan is not None)
-"""model_types with an image-token rule (`hybridmem/families/`): their batches carry images
-(other image-text-to-text families are priced on text-only batches)."""
-HXW_FAMILIES: tuple[str, ...] = _declared(lambda f: f.hw_images is True)
-"""`image_size` may be `HxW`: native dynamic resolution (Qwen-VL: the patch grid) or image
-splitting (Idefics3, SmolVLM: the image after the processor's resize)."""
-
-# transformers image_processing_qwen2_vl.py `Qwen2VLImageProcessor.size` defaults:
-# shortest_edge = 56 * 56 (min_pixels), longest_edge = 28 * 28 * 1280 (max_pixels)
-QWEN_MIN_PIXELS = 56 * 56
-QWEN_MAX_PIXELS = 28 * 28 * 1280
-# Qwen/Qwen3-VL-*-Instruct preprocessor_config.json (Qwen2VLImageProcessorFast, patch_size 16,
-# merge_size 2): size = {"shortest_edge": 65536, "longest_edge": 16777216}
-QWEN3_MIN_PIXELS = 65536
-QWEN3_MAX_PIXELS = 16777216
-QWEN_DEFAULT_SIZE = (448, 448)
-"""Qwen2-VL has no native size; an assumed default (16 x 16 merged tokens = 256 per image)."""
-QWEN_MAX_ASPECT = 200  # smart_resize: "absolute aspect ratio must be smaller than 200"
 
 _HXW = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
@@ -92,7 +65,7 @@ class ImagePlan:
     grid: tuple[int, int, int] = (0, 0, 0)
     """Qwen-VL: grid_thw in patches (temporal, height, width); 0s elsewhere."""
     layout: object | None = None
-    """LLaVA / LLaVA-NeXT: the `models.llava.ImageLayout` (crops, features, newlines)."""
+    """LLaVA / LLaVA-NeXT: the `models.graph.ImageLayout` (crops, features, newlines)."""
     markers: int = 0
     """Text tokens the processor adds per image beside `tokens` (Pixtral: one [IMG_BREAK] per
     row, the last one [IMG_END]); they take sequence positions but are no image features."""
@@ -107,95 +80,6 @@ class ImagePlan:
         """Idefics3 / SmolVLM: tiles + global image per image; InternVL: tiles + thumbnail
         (`grid[1]`; grid[0] stays 0)."""
         return self.grid[1]
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int = QWEN_MIN_PIXELS,
-                 max_pixels: int = QWEN_MAX_PIXELS) -> tuple[int, int]:
-    """transformers `image_processing_qwen2_vl.smart_resize`, restated (that module needs
-    torchvision); tests/test_vlm_images.py checks it against the original where it imports."""
-    if max(height, width) / min(height, width) > QWEN_MAX_ASPECT:
-        raise SpecError("image_size", f"{height}x{width}",
-                        reason=f"aspect ratio must be below {QWEN_MAX_ASPECT} (smart_resize)")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-SPLIT_DEFAULT_TILES = 4
-"""Idefics3ImageProcessor / SmolVLMImageProcessor `size = {"longest_edge": 4 * 364}` with
-`max_image_size` 364 (the vision tile): without a recorded size, 4 x the tile."""
-
-
-def split_default_side(vc) -> int:
-    """The processor's resize side when `--image-size` is not given: the SmolVLM checkpoints
-    record their processor's `size` / `max_image_size` in `vision_config` of config.json
-    (SmolVLM-256M: 2048 / 512, SmolVLM2-2.2B: 1536 / 384, the presets' transcription);
-    Idefics3-8B does not (the class default, 4 tiles)."""
-    side = _longest_edge(vc, "size")
-    return SPLIT_DEFAULT_TILES * vc.image_size if side is None else side
-
-
-def _longest_edge(vc, key: str) -> int | None:
-    value = getattr(vc, key, None)
-    if value is None:
-        return None
-    edge = value.get("longest_edge") if isinstance(value, dict) else None
-    if isinstance(edge, bool) or not isinstance(edge, int) or edge <= 0:
-        raise SpecError(f"vision_config.{key}", value, reason='give {"longest_edge": <pixels>}')
-    return edge
-
-
-def split_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
-    """Idefics3-style splitting (`processing_idefics3` `image_seq_len`)."""
-    from hybridmem.job.split_resize import resized, tile_grid
-
-    vc = cfg.vision_config
-    tile = vc.image_size
-    crop = _longest_edge(vc, "max_image_size")
-    if crop is not None and crop != tile:  # the processor's crops must be the tower's tiles
-        raise SpecError("vision_config.max_image_size", crop, (tile,),
-                        reason="crops of another size than vision_config.image_size")
-    if hw is None:
-        hw = (split_default_side(vc),) * 2
-    # the processor's resize to its longest edge (the image size given: max(H, W)), then
-    # resize_for_vision_encoder to whole tiles (`job/split_resize.py`)
-    h, w = resized(*hw, longest_edge=max(hw))
-    rows, cols = tile_grid(h, w, tile)
-    crops = rows * cols + (1 if rows * cols > 1 else 0)  # + the global image
-    per_tile = (tile // vc.patch_size) ** 2 // cfg.scale_factor ** 2
-    return ImagePlan(cfg.model_type, tokens=crops * per_tile, size=(h, w),
-                     grid=(0, crops, per_tile))
-
-
-def image_plan(cfg, image_size: object = None) -> ImagePlan:
-    """The family's rule (`Family.image_plan`): tokens per image (and what the tower sees) at
-    `image_size`."""
-    from hybridmem.families import family
-
-    mt = cfg.model_type
-    fam = family(mt)
-    if fam is None or fam.image_plan is None:
-        raise SpecError("model_type", mt, IMAGE_FAMILIES, reason="no image-token rule")
-    hw = parse_image_size(image_size)
-    if not (fam.hw_images(cfg) if callable(fam.hw_images) else fam.hw_images):
-        square_only(cfg, hw)
-    return fam.image_plan(cfg, hw)
-
-
-def square_only(cfg, hw: tuple[int, int] | None) -> None:
-    """The one-line refusal of `HxW` for a tower that takes a square side."""
-    if hw is not None and hw[0] != hw[1]:
-        raise SpecError("image_size", f"{hw[0]}x{hw[1]}", reason="HxW needs a native-resolution "
-                        f"or image-splitting family ({', '.join(HXW_FAMILIES)}) or a Pixtral "
-                        f"tower; {cfg.model_type} takes a square side")
 
 
 def check_seq_len(seq_len: int, images: int, plan: ImagePlan | None) -> int:
@@ -233,58 +117,6 @@ def images_in_batch(spec, multimodal: bool) -> int:
     return 1 if spec.images_per_sample is None else spec.images_per_sample
 
 
-def pixel_inputs(config, plan: ImagePlan, n_images: int, dtype, device=None,
-                 host_shapes: bool = False) -> dict:
-    """The processor's pixel outputs for `n_images` images of `plan` (zeros: values change no
-    memory). `host_shapes`: the integer shape inputs whose values the model code reads
-    (`.tolist()`) stay readable under meta / fake tensors: Qwen-VL's `image_grid_thw` on the
-    CPU, LLaVA-NeXT's `image_sizes` a list (the trace tier; 16-24 B each on a GPU)."""
-    import torch
-
-    from hybridmem.families import family
-
-    fam = family(config.model_type)
-    if fam is not None and fam.pixel_inputs is not None:
-        return fam.pixel_inputs(config, plan, n_images, dtype, device, host_shapes)
-    side = plan.size[0]
-    return {"pixel_values": torch.zeros(n_images, 3, side, side, dtype=dtype, device=device)}
-
-
 IGNORE_INDEX = -100  # HF / LLaVA label value left out of the loss
 
 
-def text_inputs(config, batch: int, seq_len: int, image_tokens: int, device=None,
-                images: int = 1) -> dict:
-    """input_ids / labels (and the family's token type ids) of shape (batch, seq_len): BOS,
-    then each of `images` images' tokens (`image_tokens` in all, masked out of the labels,
-    haotian-liu/LLaVA `preprocess`) between the family's marker tokens (`Family.image_wrap`,
-    Qwen-VL: one run per image for its M-RoPE), then text. Token 1 stands for BOS/text (any id
-    the vocabulary has)."""
-    import torch
-
-    from hybridmem.families import family
-
-    ids = torch.ones(batch, seq_len, dtype=torch.long, device=device)
-    labels = torch.ones(batch, seq_len, dtype=torch.long, device=device)
-    out = {}
-    if image_tokens:
-        fam = family(config.model_type)
-        row = torch.tensor(_image_row(config, fam, image_tokens, images), dtype=torch.long)
-        if len(row) > seq_len:  # check_seq_len refuses these first unless plan.markers is off
-            raise ValueError(f"{config.model_type}: {len(row)} BOS, image and marker tokens "
-                             f"exceed seq_len {seq_len} (its image_wrap vs ImagePlan.markers)")
-        ids[:, :len(row)] = row.to(device)
-        mask = ids == image_token_id(config)
-        labels[mask] = IGNORE_INDEX
-        if fam is not None and fam.text_extras is not None:  # token type ids
-            out.update(fam.text_extras(config, mask.long()))
-    return {**out, "input_ids": ids, "labels": labels}
-
-
-def _image_row(config, fam, image_tokens: int, images: int) -> list[int]:
-    """BOS (1) and each image's placeholder tokens between its marker tokens."""
-    per, rest = divmod(image_tokens, images)
-    if rest:
-        raise ValueError(f"{image_tokens} image tokens are no whole number of {images} images")
-    before, after = fam.image_wrap(config) if fam is not None and fam.image_wrap else ((), ())
-    return [1, *([*before, *[image_token_id(config)] * per, *after] * images)]

@@ -1,7 +1,7 @@
 """How the loss is computed: HF's `ForCausalLMLoss`, Liger's fused linear cross-entropy
 (`--liger`) or torchtune's chunked cross-entropy (`--chunked-ce N`); the one home of their rules.
 
-Why here: the analytic tier (`hybridmem/analytic/text_acts.py`), the trace tier and the CUDA
+Why here: the analytic tier (`hybridmem/families/decoders/acts.py`), the trace tier and the CUDA
 harness must agree on which kernels a technique swaps in and what each keeps alive; they read
 these rules (and run `hybridmem.job.liger` / `chunked_loss_forward` below) instead of keeping
 copies. Sources, read at liger-kernel 0.8.5 (PyPI) and torchtune 0.6.1 (PyPI):

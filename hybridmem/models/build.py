@@ -12,13 +12,12 @@ from dataclasses import replace
 from hybridmem.job.lora_targets import default_targets
 from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
-from hybridmem.models.decoder import language_model_layers, lm_head_layer
-from hybridmem.models.graph import Layer, ModelGraph, Module, ParamTensor as T, linear
-from hybridmem.families import DECODER, family
-from hybridmem.job.images import check_seq_len, image_plan, images_in_batch
-from hybridmem.models.llava import ImageLayout
+from hybridmem.families.decoders.model import language_model_layers, lm_head_layer
+from hybridmem.models.graph import ImageLayout, Layer, ModelGraph, Module, ParamTensor as T, linear
+from hybridmem.families import DECODER, family, layer_kind
+from hybridmem.families.common.images import image_plan
+from hybridmem.job.images import check_seq_len, images_in_batch
 from hybridmem.models.light import light_config
-from hybridmem.models.vision import tokens_per_crop
 from hybridmem.job.spec import POLICIES, LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
@@ -78,8 +77,11 @@ LORA_MODULES = ("language_model", "lm_head")
 def _decoder_modules(cfg, spec: TrainingSpec, lm_prefix: str) -> tuple[Module, Module]:
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     tc = getattr(cfg, "text_config", cfg)
+    own = family(tc.model_type)  # a decoder family with its own layers (`Family.lm_layers`)
+    layers = own.lm_layers if own is not None and own.lm_layers is not None \
+        else language_model_layers
     lm = Module(name="language_model", prefix=lm_prefix,
-                layers=language_model_layers(tc, spec.micro_batch, spec.seq_len))
+                layers=layers(tc, spec.micro_batch, spec.seq_len))
     head = Module(name="lm_head", prefix="lm_head",
                   layers=(lm_head_layer(tc, spec.micro_batch, spec.seq_len, tied),))
     return lm, head
@@ -169,12 +171,6 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
     return out
 
 
-# layer kinds whose 2-D `.weight`s are nn.Linear modules (embeddings, patch/position
-# embeddings are not: transformers' `replace_with_bnb_linear` converts nn.Linear only)
-LINEAR_KINDS = ("decoder_layer", "encoder_layer", "projector", "lm_head", "internvl_projector",
-                "pixtral_block", "pixtral_projector")
-
-
 def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
     """Mark the Linear weights bitsandbytes quantises (`hybridmem.job.quantize`)."""
     quant = quant_of(spec)
@@ -186,7 +182,10 @@ def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
         for layer in m.layers:
             names = tuple(
                 p.name for p in layer.params
-                if layer.kind in LINEAR_KINDS and p.name.endswith("weight") and len(p.shape) == 2
+                # 2-D weights of nn.Linear modules (`LayerKind.linear`; embeddings, patch /
+                # position embeddings are not: `replace_with_bnb_linear` converts nn.Linear only)
+                if layer_kind(layer.kind).linear and p.name.endswith("weight")
+                and len(p.shape) == 2
                 and quant.converts(".".join(x for x in (m.prefix, layer.scope,
                                                         p.name[: -len(".weight")]
                                                         if p.name != "weight" else "") if x)))
@@ -215,11 +214,9 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
                             reason=f"{cfg.model_type} has no vision tower or projector")
         modules = list(_decoder_modules(cfg, spec, "model"))
         layout = ImageLayout(crops=0, features_per_crop=0, tokens=0)
-        plan_grid = False
     else:
-        plan = image_plan(cfg, spec.image_size)  # the one rule (hybridmem/job/images.py)
+        plan = image_plan(cfg, spec.image_size)  # the one rule (families/common/images.py)
         check_seq_len(spec.seq_len, images, plan)
-        plan_grid = bool(plan.grid[0])
         modules, layout = fam.vision_graph(cfg, spec, images, plan)  # the family's parts
         lm, head = _decoder_modules(cfg, spec, fam.lm_prefix)
         if fam.lm_graph is not None:
@@ -233,6 +230,5 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
         vocab_size=tc.vocab_size, text_hidden=tc.hidden_size, micro_batch=spec.micro_batch,
         seq_len=spec.seq_len, image_tokens=images * layout.tokens,
         vision_batch=spec.micro_batch * images * layout.crops,
-        vision_seq=(fam.vision_seq(vc) if fam.vision_seq is not None
-                    else tokens_per_crop(vc) if vc is not None and not plan_grid else 0),
+        vision_seq=fam.vision_seq(vc) if multimodal else 0,  # the family's tower
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))

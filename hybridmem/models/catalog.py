@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hybridmem.families import VLM, family
-from hybridmem.models.loader import load_config_dict, preset_names, validate_types
+from hybridmem.models.loader import load_config_dict, preset_folder, preset_names, validate_types
 
 TRACE_ONLY = ("trace",)
 ALL_TIERS = ("analytic", "trace", "hybrid")
@@ -21,6 +21,8 @@ ALL_TIERS = ("analytic", "trace", "hybrid")
 @dataclass(frozen=True, slots=True)
 class PresetInfo:
     name: str
+    family: str
+    """The family folder that ships it (`hybridmem/families/<family>/presets/`)."""
     model_type: str
     kind: str
     """"vlm" or "decoder"."""
@@ -48,7 +50,7 @@ def preset_info(name: str) -> PresetInfo:
     fam = family(model_type)
     analytic = fam is not None  # every declared family has closed forms
     kind = fam.kind if fam is not None else ("vlm" if "vision_config" in data else "decoder")
-    return PresetInfo(name=name, model_type=model_type, kind=kind,
+    return PresetInfo(name=name, family=preset_folder(name), model_type=model_type, kind=kind,
                       params=_params(name) if analytic else None,
                       tiers=ALL_TIERS if analytic else TRACE_ONLY,
                       source=str(data.get("_source", "")))

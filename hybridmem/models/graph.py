@@ -44,7 +44,12 @@ class Layer:
     name: str
     """Dotted path below the top-level module, e.g. `layers.3`."""
     kind: str
-    """Activation formula key: decoder_layer, encoder_layer, embedding, ... (see analytic)."""
+    """What the layer is: decoder_layer, encoder_layer, embedding, ... (a kind a family
+    registers, `hybridmem.families.LayerKind`); the key of its closed form unless `formula`
+    names another."""
+    formula: str = ""
+    """A family's own closed form for a layer of a shared kind (InternViT's layer-scaled
+    encoder layer), registered under this name; empty: the kind's."""
     scope: str = ""
     """Prefix of the parameter names inside the module, e.g. `layers.3` (empty: none)."""
     params: tuple[ParamTensor, ...] = ()
@@ -151,3 +156,18 @@ class ModelGraph:
         for m in self.modules:
             for layer in m.layers:
                 yield m.name, layer
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLayout:
+    """What a VLM family's vision side hands the language model, per image
+    (`Family.vision_graph`)."""
+
+    crops: int
+    """Crops per image the vision tower encodes (1 for LLaVA-1.5; tiles + 1 base for NeXT)."""
+    features_per_crop: int
+    """Tokens per crop entering the projector (after the select strategy)."""
+    tokens: int
+    """Image tokens per image in the language model's sequence."""
+    newlines: int = 0
+    """`image_newline` tokens among them (LLaVA-NeXT)."""

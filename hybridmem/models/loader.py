@@ -1,7 +1,8 @@
 """Model configs from shipped presets or local files: never from a hub.
 
-A model is named by a preset (a HF `config.json` shipped in `presets/`) or by a path to a
-config.json or to a folder holding one. The result is a `transformers.PretrainedConfig`.
+A model is named by a preset (a HF `config.json` shipped in a family folder,
+`hybridmem/families/<family>/presets/`) or by a path to a config.json or to a folder holding
+one. The result is a `transformers.PretrainedConfig`.
 """
 
 from __future__ import annotations
@@ -72,10 +73,31 @@ def analytic_refusal(model_type: str) -> SpecError:
                      reason="this family has no closed forms here")
 
 
+@lru_cache(maxsize=1)
+def _presets() -> dict[str, tuple[str, Path]]:
+    """Preset name -> (the family folder that ships it, its config.json): the file stems of
+    `hybridmem/families/<family>/presets/*.json`. A name shipped twice is refused."""
+    roots = [(d.name, d / "presets") for d in resources.files("hybridmem.families").iterdir()
+             if d.is_dir() and (d / "presets").is_dir()]
+    out: dict[str, tuple[str, Path]] = {}
+    for folder, root in roots:
+        for p in root.iterdir():
+            if p.name.endswith(".json"):
+                name = p.name[:-5]
+                if name in out:
+                    raise RuntimeError(f"preset {name!r} shipped twice ({folder}, {out[name][0]})")
+                out[name] = (folder, Path(str(p)))
+    return out
+
+
 def preset_names() -> tuple[str, ...]:
-    """Names of the shipped presets (file stems of `presets/*.json`)."""
-    root = resources.files("hybridmem.models") / "presets"
-    return tuple(sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json")))
+    """Names of the shipped presets (file stems of every family folder's `presets/*.json`)."""
+    return tuple(sorted(_presets()))
+
+
+def preset_folder(name: str) -> str:
+    """The family folder (`hybridmem/families/<folder>/`) that ships preset `name`."""
+    return _presets()[name][0]
 
 
 def read_json_object(path: str | Path, field: str) -> dict:
@@ -101,9 +123,8 @@ def read_json_object(path: str | Path, field: str) -> dict:
 
 def load_config_dict(model: str) -> tuple[str, dict]:
     """(display name, raw config dict) for a preset name or a config path."""
-    if model in preset_names():
-        path = Path(str(resources.files("hybridmem.models") / "presets" / f"{model}.json"))
-        return model, read_json_object(path, "model")
+    if model in _presets():
+        return model, read_json_object(_presets()[model][1], "model")
     path = Path(model).expanduser()
     if path.is_dir():
         path = path / "config.json"

@@ -2,7 +2,8 @@
 
 VLMs replace each image token of `input_ids` by one projected image feature (`masked_scatter`
 in `get_placeholder_mask`); how many there are per image and what pixel inputs go with them is
-the family's one rule (`hybridmem.job.images`), shared with the analytic graph and the harness.
+the family's one rule (`hybridmem.families.common.images`), shared with the analytic graph and
+the harness.
 No attention mask is passed: an unpadded batch, the common training case, for which HF uses
 the causal kernel path instead of materialising a (B, 1, S, S) mask.
 """
@@ -13,16 +14,15 @@ import torch
 from torch import nn
 
 from hybridmem.errors import SpecError
-from hybridmem.job.images import (
-    IMAGE_FAMILIES, check_seq_len, image_plan, images_in_batch, pixel_inputs, text_inputs,
-)
+from hybridmem.families.common.images import IMAGE_FAMILIES, image_plan, pixel_inputs, text_inputs
+from hybridmem.job.images import check_seq_len, images_in_batch
 from hybridmem.models.loader import is_multimodal
 from hybridmem.job.spec import TrainingSpec
 
 
 def has_image_rule(config) -> bool:
-    """Whether the one image-token rule (`hybridmem.job.images`) knows this family; other
-    image-text-to-text families are priced on text-only batches."""
+    """Whether the one image-token rule (`hybridmem.families.common.images`) knows this
+    family; other image-text-to-text families are priced on text-only batches."""
     return config.model_type in IMAGE_FAMILIES
 
 
@@ -55,11 +55,11 @@ def batch_notes(spec: TrainingSpec, config) -> list[str]:
 def make_batch(spec: TrainingSpec, config, model: nn.Module | None, dtype: torch.dtype,
                device=None, host_shapes: bool = True) -> tuple[dict, int]:
     """input_ids, labels (and pixel inputs in `dtype`) of shape (micro_batch, seq_len) on
-    `device`; image tokens per sample, by the family's one rule (`job.images.image_plan`).
+    `device`; image tokens per sample, by the family's one rule (`families.common.images.image_plan`).
     The one batch builder of the trace tier and the CUDA harness. `model` is not read (tests
     check the rule against `get_image_features`; a ZeRO-3 model cannot run outside its
     engine). `host_shapes`: grid_thw / image_sizes stay readable, as the model code reads
-    their values under fake tensors (`job.images.pixel_inputs`). A packed batch
+    their values under fake tensors (`families.common.images.pixel_inputs`). A packed batch
     (`job.packing`) is one row of all the tokens."""
     from hybridmem.job import packing
 

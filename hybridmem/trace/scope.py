@@ -23,7 +23,7 @@ def refusal(spec) -> SpecError | None:
     the experts' weights must be bf16, which they are under a bf16 precision unless peft's
     `prepare_model_for_kbit_training` casts every unquantised parameter (the 3-D experts are not
     nn.Linear, so not quantised) to fp32."""
-    from hybridmem.models.decoder import MOE_TYPES
+    from hybridmem.families.decoders.model import MOE_TYPES
     from hybridmem.models.loader import model_type_of
 
     model_type = model_type_of(spec.model)

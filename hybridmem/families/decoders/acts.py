@@ -1,0 +1,511 @@
+"""Activation formulas of the decoder LLM: Llama/Mistral/Qwen2 layers, final norm, lm_head
+with the loss, token embedding, rotary tables (sources: `hybridmem.families.common.activations`)."""
+
+from __future__ import annotations
+
+from hybridmem.families.common.activations import (
+    FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward,
+    dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs, quant_transients,
+)
+from hybridmem.families.gemma3 import acts as GA
+from hybridmem.allocator.alloc import t
+from hybridmem.families.common.eager_top import backward_top, forward_top
+from hybridmem.job.loss import LIGER_SM_COUNT, flce_chunks, torch_chunks
+from hybridmem.models.graph import Layer
+
+
+def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """Llama/Mistral/Qwen2 decoder layer: RMSNorm, GQA attention with RoPE, SwiGLU MLP."""
+    d = layer.dims
+    b, s, h, f = d["b"], d["s"], d["h"], d["ffn"]
+    B, qd, kvd = b * s, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    lora = bool(layer.lora)
+    active = need_in or need_w or lora
+    if not active or not layer.runs:
+        return Acts()
+    e, sb = c.e, c.stream
+    sv = Saved()
+    fused = bool(d.get("fused"))  # Phi-3: one qkv_proj, one gate_up_proj (decoder.FUSED_TYPES)
+    QKV, GU = ("q_proj", "k_proj", "v_proj", "qkv_proj"), ("gate_proj", "up_proj", "gate_up_proj")
+    n_qkv = adapters_on(layer, QKV)
+    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, GU)
+    n_down = adapters_on(layer, ("down_proj",))
+    gem = bool(d.get("gemma"))  # Gemma 2: four (1 + weight) fp32 norms (decoder.GEMMA_TYPES)
+    norm = gemma_norm_saved if gem else _norm_saved
+    # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
+    norm(sv, c, B, h, need_in, need_w)
+    linear_inputs(sv, c, B * h, sb, 1 if fused else 3, need_w, n_qkv, shared=False,
+                  in_grad=need_in)
+    lora_outputs(sv, c, B, n_qkv)
+    dora_saved(sv, c, B, dora_linears(layer, QKV), need_in)
+    if d.get("qk_norm"):
+        for proj, width, rows in (("q_proj", qd, d["heads"]), ("k_proj", kvd, d["kv_heads"])):
+            grad = need_in or need_w or adapters_on(layer, (proj,)) > 0
+            head_norm(sv, c, B, width, rows, grad, need_w, gemma=gem)
+    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd,
+                           qkv=B * (qd + 2 * kvd) if fused else 0,
+                           softcap=bool(d.get("attn_softcap")),
+                           rep_kv=bool(d.get("masked")) and c.attn == "sdpa")
+    mask_bytes = GA.image_mask_saved(d, c)  # Gemma 3 VLM with images (families/gemma3)
+    sv.add(mask_bytes, 1, cond=mask_bytes > 0)
+    at_probs = sv.total  # eager: saved up to the probs and their cast (`eager_top`)
+    before_o = sv.total
+    # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
+    linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
+                  in_grad=need_in or n_qkv > 0, bnb="self_attn.o_proj.weight" in layer.quantized)
+    lora_outputs(sv, c, B, n_o)
+    dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
+    o_saved = sv.total - before_o
+    if gem:  # post_attention_layernorm on the attention output, before the residual add
+        gemma_norm_saved(sv, c, B, h, True, need_w)
+    attn_part = sv.total
+    # post-attention RMSNorm on the residual h1 (always on the grad path once active; Gemma's
+    # pre_feedforward_layernorm)
+    norm(sv, c, B, h, True, need_w, hf_in=FP32)
+    sparse = bool(d.get("moe"))  # Mixtral / Qwen3-MoE sparse block (decoder.MOE_TYPES)
+    if sparse:
+        moe_fwd, moe_bwd = moe_saved(sv, c, d, need_w)
+    else:
+        linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False)
+        lora_outputs(sv, c, B, n_gu)
+        dora_saved(sv, c, B, dora_linears(layer, GU), True)
+    # a quantised gate/up returns its input's dtype (bnb Linear4bit `.to(inp_dtype)`): the
+    # stream's, fp32 under autocast
+    quant_gu = {"mlp.gate_proj.weight", "mlp.gate_up_proj.weight"} & set(layer.quantized)
+    mlp_e = sb if quant_gu else e
+    # gate output (SiLU input), SiLU output, up output (mul operands); fused: gate and up are
+    # `chunk` views of one B x 2f output, the same bytes; Liger's SiLUMul saves a and b only
+    # and recomputes silu in backward (liger_kernel/ops/swiglu.py)
+    m_saved = 0
+    if not sparse:
+        sv.add(B * f, mlp_e, times=2 if c.liger else 3)
+        m_saved = sv.total
+        linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
+        m_saved = sv.total - m_saved  # down_proj's input as its adapter saves it
+        lora_outputs(sv, c, B, n_down)
+        dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
+    if gem:  # post_feedforward_layernorm on the MLP output
+        gemma_norm_saved(sv, c, B, h, True, need_w)
+    copies, cache = amp_copies(layer, c, active, need_w)
+    # forward transients: RoPE's rotated q, k (fp32 under autocast), eager's two probs casts
+    rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
+    if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
+        rope_parts = []
+    fwd_parts = tuple(rope_parts)
+    if c.amp:
+        # the MLP's high point (down_proj's forward) when larger than RoPE's fp32 copies (always
+        # with Liger's in-place RoPE): the post-attention norm's fp32 output (read by the
+        # linears through their bf16 casts, so not saved; the layer's local keeps it), SiLU x
+        # up when down_proj's frozen weight does not save it, and with an adapter PEFT
+        # lora.Linear.forward's base result, fp32 `_cast_input_dtype` copy of the input,
+        # lora_B's output and its scaled copy. A checkpointed layer reaches it again in its
+        # recompute, the output's grad waiting (trace tier, tiny-llama LoRA bf16-mixed b2 s64
+        # checkpointed: the step's peak, at down_proj's lora_A in the recompute)
+        mlp_parts = (t(B * h, FP32), *([t(B * f, e)] if not need_w else ()),
+                     *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
+        fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
+    if sparse and sum(moe_fwd) > sum(fwd_parts):
+        fwd_parts = moe_fwd
+    dora = dora_forward(c, dora_linears(layer))
+    fwd_parts = dora if sum(dora) > sum(fwd_parts) else fwd_parts  # not alive together
+    # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
+    # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
+    mlp_bwd = 2 * t(B * f, e)
+    # ... unless nothing saves m (frozen down_proj without an adapter): then grad(m) is one
+    # more (trace tier, tiny-llava projector fp32 checkpointed: the step's peak)
+    grad_m = 0 if sparse or c.liger else max(0, t(B * f, e) - m_saved)
+    mlp_bwd += grad_m
+    if c.liger:  # SiLUMul backward writes da, db into a's and b's storage: grad(c) only
+        mlp_bwd = t(B * f, e)
+    if sparse:
+        mlp_bwd = sum(moe_bwd)
+    # Gemma's post_feedforward_layernorm backward runs first, before any MLP grad: the fp32
+    # `_norm` chain (`x * rsqrt(x.pow(2).mean(-1) + eps)`: mean's expand, pow's `2 * x` and
+    # its product, beside the rsqrt product's grad), four B x h fp32 tensors at its top (trace
+    # tier, tiny-gemma2 eager bf16 s64 b2 checkpointed: the step's peak). Counted under eager
+    # only for now: Gemma 3 under SDPA has the same chain, but adding it there moves the SDPA
+    # numbers (tiny-gemma3-text bf16-mixed ckpt b2 +0.8 -> +2.7 %), left to a separate change
+    gem_bwd = 4 * t(B * h, FP32) if gem and probs else 0
+    if gem_bwd > mlp_bwd:
+        mlp_bwd = gem_bwd
+    attn_bwd = 3 * t(B * qd, e)  # eager's probs grads: `backward_top` below
+    qkv_out = qd + 2 * kvd if fused else qd  # widest attention-input linear's output
+    if fused:
+        # q/k/v are slices of one output: each slice's backward (`slice_backward`) makes a
+        # zero-filled full-size grad, added into autograd's input buffer of the fused output
+        attn_bwd += 2 * t(B * qkv_out, e)
+    if not c.amp and e != FP32:
+        # the fp32 adapter branch: its output grad is cast to fp32 (B x out) and lora_A returns
+        # an fp32 input grad (B x in) before the cast back (PEFT lora.Linear in bf16 models)
+        if n_gu or n_down:
+            mlp_bwd += t(B * f * (2 if fused else 1), FP32) + t(B * h, FP32)
+        if n_qkv or n_o:
+            attn_bwd += t(B * qkv_out, FP32) + t(B * h, FP32)
+    elif c.amp:
+        # autocast: lora_A's bf16 input grad is cast back to the fp32 stream (B x in)
+        mlp_bwd += t(B * h, FP32) if (n_gu or n_down) else 0
+        attn_bwd += t(B * h, FP32) if (n_qkv or n_o) else 0
+    if c.attn == "flash_attention_2":
+        attn_bwd += t(B * qd, FP32)  # dq_accum (fp32) inside flash-attn backward
+    soft = []
+    if probs and c.ckpt:
+        # eager under checkpointing: the float masks (one per layer type, b x s x s in the
+        # embeddings' dtype) are held by the checkpoints' inputs through the backward. Gemma
+        # 2's tanh_backward runs after softmax's fp32 grads are freed: no higher point
+        soft = [t(b * s * s, sb)] * d.get("mask_types", 1)
+        attn_bwd += sum(soft)
+    staged = c.quant is not None and c.quant.four_bit and not (sparse or gem or c.liger)
+    q_fwd, q_mlp, q_attn = quant_transients(
+        layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora, staged=staged)
+    bwd_parts = (t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *soft, *q_attn)
+    bwd_extra = 2 * t(B * h, sb) + attn_bwd + sum(q_attn)
+    # eager: the probs' backward (`eager_top.backward_top`), after o_proj's input, v (a
+    # repeat_kv copy, or the projection's output) and the probs cast were released
+    v_saved = t(B * qd if kvd < qd else (B * (qd + 2 * kvd) if fused else B * kvd), e)
+    top = backward_top(probs, e, t(B * h, sb), t(B * qd, e),
+                       o_saved + v_saved + (t(probs, e) if e != FP32 else 0),
+                       bwd_extra, tuple(soft))
+    bwd_freed = 0
+    if top:
+        bwd_parts, bwd_freed = top
+        bwd_extra = sum(bwd_parts)
+    bwd_mlp, bwd_mlp_parts = t(B * h, sb) + mlp_bwd + sum(q_mlp), (
+        t(B * h, sb), *(moe_bwd if sparse else [t(B * h, FP32)] * 4 if gem_bwd == mlp_bwd else
+                        [t(B * f, e)] * (1 if c.liger else 2)), *([grad_m] if grad_m else ()),
+        *q_mlp)
+    if q_mlp and staged:  # MatMul4Bit's order (MatMul8bitLt keeps its input in ctx)
+        bwd_mlp, bwd_mlp_parts = quant_mlp_backward(t(B * h, sb), t(B * f, mlp_e), m_saved,
+                                                    q_mlp)
+    fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
+    # eager's with-grad top in a recompute (scores beside the saved half) is not priced yet
+    recompute_extra = 0 if probs else sum(fwd_parts)
+    fwd_parts, after_top = eager_forward(c, probs, at_probs, sv.total, fwd_parts, B, qd, kvd)
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+                ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
+                # both norms' fp32 inputs, saved twice each (TRL's offloader keeps the second
+                # copy on the GPU); Liger's RMSNorm saves its input once
+                shared=0 if c.liger else t(B * h, FP32) * (int(need_in) + 1),
+                bwd_extra=bwd_extra, bwd_top_freed=bwd_freed,
+                mlp_saved=sv.total - attn_part,
+                bwd_mlp=bwd_mlp,
+                # the input norm's fp32 input is the layer input when the stream is fp32
+                # (`_norm_saved`, `gemma_norm_saved`); Liger's saves X too, not priced so yet;
+                # eager keeps the older recompute (its scores top unpriced, docs/quantize.md)
+                ckpt_alias=t(B * h, FP32) if sb == FP32 and need_in and not (c.liger or probs)
+                else 0,
+                recompute_extra=recompute_extra,
+                fwd_parts=fwd_parts,
+                bwd_parts=bwd_parts,
+                fwd_after_top=after_top,
+                bwd_mlp_parts=bwd_mlp_parts)
+
+
+def quant_mlp_backward(grad_out: int, act: int, m_saved: int, q_mlp: tuple[int, ...]
+                       ) -> tuple[int, tuple[int, ...]]:
+    """(bytes, tensors) on top of `saved` at the high point of a quantised SwiGLU MLP's
+    backward: the layer output's grad `grad_out`, then the larger of two stages, both after
+    down_proj's adapter branch freed the input it saved (`m_saved`; `quant_transients`):
+    down_proj's base backward with the adapter's input grad (`q_mlp`, the largest quantised
+    MLP linear's), or the gated product's backward: grad(m) with grad(act), grad(up) (three
+    `act`-sized tensors: a quantised gate/up returns the stream's dtype, fp32 under autocast
+    or kbit prep). Measured (trace tier, tiny-llama nf4 LoRA b2 s64, bf16 and bf16-mixed,
+    checkpointed): both stages reach the step's peak, at equal bytes."""
+    parts = max([act] * 3, list(q_mlp), key=sum)
+    return grad_out + sum(parts) - m_saved, (grad_out, *parts)
+
+
+def eager_forward(c: Ctx, probs: int, at_probs: int, total: int, other: tuple[int, ...],
+                  B: int, qd: int, kvd: int) -> tuple[tuple[int, ...], int]:
+    """A decoder layer's forward top under eager attention (`eager_top.forward_top`): the
+    scores are the `+ mask` output (the float mask has the stream's dtype, so fp32 under
+    autocast); under autocast `.to(q.dtype)` is a no-op (RoPE's q is fp32) and the bf16 cast
+    is `matmul`'s, made after the scores died. Alive beside them, not saved: the attention
+    call's arguments (modeling_llama.LlamaAttention.forward locals): RoPE's q (matmul saves a
+    contiguous copy) and, when repeat_kv copies them, RoPE's k and the projection's v."""
+    if not probs:
+        return other, 0
+    score_bytes = max(c.e, c.stream)
+    if c.amp:
+        at_probs -= t(probs, c.e)
+    rope_e = FP32 if c.amp else c.e
+    args = (t(B * qd, rope_e), *((t(B * kvd, rope_e), t(B * kvd, c.e)) if kvd < qd else ()))
+    return forward_top(probs, score_bytes, at_probs, total, other, c.ckpt, c.e, args)
+
+
+def _norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
+                hf_in: int | None = None) -> None:
+    """What an RMSNorm saves. transformers LlamaRMSNorm: the fp32 input (`hf_in`; an upcast
+    copy in a pure half run, else the stream tensor) and rsqrt when the input needs a grad, the
+    normalised input for the weight grad. LigerRMSNormFunction (liger_kernel/ops/rms_norm.py):
+    X itself (stream dtype) and RSTD (rows, fp32) whenever it is on the grad path."""
+    if c.liger:
+        sv.add(B * h, c.stream, need_in or need_w)
+        sv.add(B, FP32, need_in or need_w)
+        return
+    sv.add(B * h, hf_in or FP32, need_in)
+    sv.add(B, FP32, need_in)
+    sv.add(B * h, c.stream, need_w)
+
+
+def moe_saved(sv: Saved, c: Ctx, d: dict, need_w: bool) -> tuple[list[int], list[int]]:
+    """What a sparse MoE block saves, and its (forward, backward) high points; S = tokens x
+    top_k routed rows. Every expert's weights are parameters; activations are the routed
+    rows only. transformers' default experts (`integrations/moe.py
+    grouped_mm_experts_forward`: sort the (token, slot) pairs by expert, one grouped matmul per
+    projection over all S rows, offsets from `histc`) process exactly S rows whatever the
+    routing, so the bytes do not depend on which experts are picked: a closed form with no
+    routing assumption (the meta-tensor trace records the same ops).
+
+    Router (MixtralTopKRouter / Qwen3MoeTopKRouter): its input (the norm's output) for the
+    weight grad, softmax's fp32 output (B x E), topk's int64 indices (B x k), and with the
+    renormalisation (`/=`: in place) the sum (B, fp32) and a clone of the top values (B x k
+    fp32). Experts: the sort permutation and `perm // k` (S int64, saved by two `index` ops),
+    the gathered rows (S x h), the routing weights in the sorted order (S; fp32 for Mixtral,
+    cast back to the compute dtype for Qwen3-MoE), the offsets (E int32), the gate_up output
+    (S x 2f, gate and up are `chunk` views), SiLU's output and the product (S x f each), the
+    down output (S x h, saved by the weighting multiply) and the inverse permutation (S
+    int64). Forward top: the weighted rows (S x h, promoted to fp32 by Mixtral's fp32
+    weights) and their un-permuted copy, then the (B x h) sum. Backward top: the
+    un-permute's and the multiply's S x h grads with the compute-dtype cast."""
+    B, h, f = d["b"] * d["s"], d["h"], d["ffn"]
+    n, k = d["experts"], d["top_k"]
+    S, e = B * k, c.e
+    w = FP32 if d.get("router_fp32_weights") else e
+    linear_inputs(sv, c, B * h, c.stream, 1, need_w, 0, shared=False)   # router input
+    sv.add(B * n, FP32)                                                 # softmax output
+    sv.add(B * k, INT64)                                                # topk indices
+    sv.add(B, FP32, cond=bool(d.get("router_norm")))                    # the sum
+    sv.add(B * k, FP32, cond=bool(d.get("router_norm")))                # in-place div's self
+    sv.add(S, INT64, times=2)                                           # perm, perm // k
+    sv.add(S * h, e)                                                    # gathered rows
+    sv.add(S, w)                                                        # sorted weights
+    sv.add(n, 4)                                                        # offsets (int32)
+    sv.add(S * 2 * f, e)                                                # gate_up output
+    sv.add(S * f, e, times=2)                                           # silu, product
+    sv.add(S * h, e)                                                    # down output
+    sv.add(S, INT64)                                                    # inverse perm
+    fwd = [t(S * h, w), t(S * h, w), t(B * h, w)]
+    bwd = [t(S * h, w), t(S * h, w), t(S * h, e)]
+    return fwd, bwd
+
+
+def gemma_norm_saved(sv: Saved, c: Ctx, B: int, h: int, need_in: bool, need_w: bool,
+                     hf_in: int | None = None) -> None:
+    """What a Gemma RMSNorm saves (modeling_gemma2.Gemma2RMSNorm.forward:
+    `_norm(x.float()) * (1.0 + weight.float())`, then `.type_as(x)`): the fp32 input (an
+    upcast copy unless x is fp32) and rsqrt when the input needs a grad, the fp32 normalised
+    tensor for the weight grad (the weight multiply runs in fp32, before the cast), and
+    `1 + weight` (h, fp32) for the input's grad. `hf_in` is unused: the input is always
+    saved in fp32."""
+    sv.add(B * h, FP32, need_in)
+    sv.add(B, FP32, need_in)
+    sv.add(B * h, FP32, need_w)
+    sv.add(h, FP32, need_in)
+
+
+def head_norm(sv: Saved, c: Ctx, tokens: int, width: int, rows: int, grad: bool,
+              need_w: bool, gemma: bool = False) -> None:
+    """Qwen3's q_norm / k_norm (`Qwen3RMSNorm(head_dim)` on the projection's output viewed as
+    tokens x heads x head_dim; modeling_qwen3.Qwen3RMSNorm.forward): `.to(float32)` (a copy in
+    bf16, the projection's output itself in fp32) saved by `pow` and the rsqrt mul, the rsqrt
+    (one fp32 per head row), and the normalised tensor cast back to the projection's dtype,
+    saved by `weight * x` for the weight's grad. `grad`: the projection's output requires grad."""
+    if gemma:  # Gemma3RMSNorm(head_dim): the weight multiply in fp32 (`gemma_norm_saved`)
+        gemma_norm_saved(sv, c, tokens * rows, width // rows, grad, need_w)
+        return
+    sv.add(tokens * width, FP32, grad)
+    sv.add(tokens * rows, FP32, grad)
+    sv.add(tokens * width, c.e, grad and need_w)
+
+
+def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """Final RMSNorm: fp32 input, rsqrt; normalised input for the weight grad.
+
+    Forward transients (transformers LlamaRMSNorm.forward: `hidden * rsqrt(var + eps)` in fp32,
+    then `.to(input_dtype)`): the fp32 normalised tensor and its cast are alive together; the
+    cast is the weight grad's saved input when the weight trains, else it dies after the
+    weight multiply. They are freed before the lm_head runs, which decides which cached block
+    the lm_head's and the loss's tensors reuse (the allocator simulator's order)."""
+    d = layer.dims
+    B, h = d["b"] * d["s"], d["h"]
+    if not (need_in or need_w):
+        return Acts()
+    sv = Saved()
+    if d.get("gemma"):
+        # Gemma2RMSNorm: the weight multiply runs in fp32 (`gemma_norm_saved`); its fp32 output
+        # and, unless the weight trains, the fp32 normalised tensor are transient, with the
+        # `.type_as` cast as the lm_head's input
+        gemma_norm_saved(sv, c, B, h, need_in, need_w)
+        fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
+            (t(B * h, FP32),) if not need_w else ())
+        return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd_parts),
+                    fwd_parts=fwd_parts, bwd_extra=2 * t(B * h, c.stream))
+    _norm_saved(sv, c, B, h, need_in, need_w)
+    if c.liger:
+        # Liger: Y is the only new forward tensor (counted by the lm_head, its one reader);
+        # backward: dX written into dY (in place), `_dW` partials (sm_count, H) fp32
+        dw = (t(LIGER_SM_COUNT * h, FP32),) if need_w else ()
+        return Acts(saved=sv.total, parts=tuple(sv.sizes),
+                    bwd_extra=t(B * h, c.stream) + sum(dw),
+                    bwd_parts=(t(B * h, c.stream), *dw))
+    fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
+        (t(B * h, c.stream),) if not need_w else ())
+    return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd_parts),
+                fwd_parts=fwd_parts, bwd_extra=2 * t(B * h, c.stream))
+
+
+def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """Output projection + ForCausalLMLoss: `logits.float()` then cross_entropy.
+
+    Saved: the head's input (weight grad) and log_softmax's fp32 output (B x V). Forward
+    transient: the logits (compute dtype) and their fp32 upcast, alive while log_softmax writes
+    its output. Backward: nll_loss's grad (B x V fp32) and log_softmax's grad input (fp32)
+    coexist, then the cast back to the compute dtype, then the head's input grad.
+    """
+    d = layer.dims
+    B, h, V = d["b"] * d["s"], d["h"], d["vocab"]
+    lora = bool(layer.lora)
+    active = need_in or need_w or lora
+    if not active:
+        return Acts()
+    e = c.e
+    if c.liger:
+        return liger_head(d, c, need_in, need_w)
+    sv = Saved()
+    n_lora = len(lora_matrices(layer)) // 2
+    linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False, in_grad=need_in)
+    lora_outputs(sv, c, B, n_lora)
+    dora_saved(sv, c, B, dora_linears(layer), need_in)
+    cap = bool(d.get("final_softcap"))
+    # Gemma 2's final-logit softcap (Gemma2ForCausalLM.forward: `tanh(logits / cap) * cap`):
+    # tanh saves its output (compute dtype); the division and the multiply make new tensors
+    sv.add(B * V, e, cond=cap)
+    sv.add(B * V, FP32)  # log_softmax output
+    sv.add(B, INT64)     # shift_labels (`labels[..., 1:].contiguous()`), nll_loss's target
+    sv.add(1, FP32, times=2)  # nll_loss output and total_weight
+    copies = cache = 0
+    if c.amp:
+        w = t(V * h, 2)
+        copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
+        cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
+    if c.ce_chunks:
+        return chunked_head(d, c, sv, copies, cache, need_in, need_w)
+    fwd_parts = (t(B * V, e), *([t(B * V, FP32)] if e != FP32 else []))
+    # the backward's three stages (docstring): the loss's two (the larger sets the transient)
+    # run before the head's weight grad exists, so they are the first stage of a two-stage
+    # backward (`bwd_mlp`; estimate.price gives lm_head grad_mlp = (0, grad)), the head's
+    # matmuls, which make that grad, the second
+    loss_parts = max(([t(B * V, FP32)] * 2,
+                      [t(B * V, FP32)] + ([t(B * V, e)] if e != FP32 else [])), key=sum)
+    bwd_parts = [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])
+    if cap:  # the softcap's backward: tanh_backward's grad beside the incoming one
+        bwd_parts = max(bwd_parts, [t(B * V, e)] * 2, key=sum)
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+                cache=cache, fwd_extra=sum(fwd_parts), bwd_extra=sum(bwd_parts),
+                bwd_mlp=sum(loss_parts), bwd_mlp_parts=tuple(loss_parts),
+                fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
+
+
+def chunked_head(d: dict, c: Ctx, sv: Saved, copies: int, cache: int, need_in: bool,
+                 need_w: bool) -> Acts:
+    """lm_head + torchtune's `CEWithChunkedOutputLoss` over `c.ce_chunks` chunks of the
+    sequence (`h.chunk(N, dim=1)`, sizes `torch_chunks`; hybridmem.job.loss).
+
+    `sv` holds the head's saved input (per chunk, the same bytes as one projection); the
+    chunks' log_softmax outputs (fp32) are saved in place of the single (B x V) one, and each
+    chunk's `.float()` copy dies after its log_softmax. Forward high point: all N logits chunks
+    (compute dtype, alive until the loss returns) + the last chunk's fp32 upcast. Backward:
+    every chunk's loss backward runs before any projection's (autograd runs the higher sequence
+    numbers first), the first of them (the last chunk) with nll_loss's and log_softmax's fp32
+    grads, then its cast to the compute dtype (a projection's grad input, freed in its turn).
+    """
+    b, s, h, V = d["b"], d["s"], d["h"], d["vocab"]
+    e = c.e
+    rows = [b * n for n in torch_chunks(s, c.ce_chunks)]
+    parts = list(sv.sizes)
+    ls = [t(r * V, FP32) for r in rows]
+    idx = parts.index(t(b * s * V, FP32))  # HF's single log_softmax output -> one per chunk
+    parts[idx:idx + 1] = ls
+    if c.amp and need_in and not need_w:
+        # a frozen weight's autocast cast is not cached: each chunk's projection saves its own
+        copies += (len(rows) - 1) * t(V * h, 2)
+    saved = sum(parts) + copies
+    logits = [t(r * V, e) for r in rows]
+    last = rows[-1]
+    fwd_parts = (*logits, *([t(last * V, FP32)] if e != FP32 else []))
+    bwd_parts = max(([t(last * V, FP32)] * 2,
+                     [t(last * V, FP32)] + ([t(last * V, e)] if e != FP32 else [])), key=sum)
+    return Acts(saved=saved, parts=(copies, *parts), cache=cache, fwd_extra=sum(fwd_parts),
+                bwd_extra=sum(bwd_parts), fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
+
+
+def liger_head(d: dict, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """lm_head + loss under Liger (`lce_forward` -> `LigerForCausalLMLoss` ->
+    `LigerFusedLinearCrossEntropyFunction`; the rules are `hybridmem.job.liger`'s docstring).
+
+    Saved: grad_input (B x H, the input's = the stream dtype) and, when both the input and the
+    weight need grads, grad_weight (V x H, the weight's dtype; it becomes the weight's .grad at
+    backward: `grad_in_saved`). Forward transients: the final norm's output (read only here),
+    the padded and shifted labels (int64), loss_1d (fp32), the target mask and its count, then
+    per chunk (`flce_chunk_size`, the first is the largest): under autocast the cached bf16
+    copy of a trainable weight (`grad_logits @ weight`), the input chunk's cast, the
+    transposed weight's cast (a view: not cached) and the chunk's logits; without autocast one
+    persistent (chunk x V) logits buffer, and in fp32 the `mm(grad_logits.t(), input)` weight
+    product. Backward: a 0-dim tensor (`torch.tensor(1.0)` for the comparison)."""
+    b, s, h, V = d["b"], d["s"], d["h"], d["vocab"]
+    B = b * s
+    e = c.e
+    rows = flce_chunks(B, h, V)[0]
+    sv = Saved()
+    sv.add(B * h, c.stream)                          # grad_input
+    grad_w = t(V * h, c.param) if need_in and need_w else 0
+    sv.add(V * h, c.param, cond=grad_w > 0)          # grad_weight
+    fwd = [t(B * h, c.stream), t(b * (s + 1), INT64), t(B, INT64), t(B, FP32), t(B, 1),
+           t(1, INT64)]
+    if c.amp:
+        if need_w:
+            fwd.append(t(V * h, 2))                      # autocast cache of the weight cast
+        fwd += [t(rows * h, 2), t(V * h, 2), t(rows * V, 2)]
+    else:
+        fwd.append(t(rows * V, e))                       # logits_storage
+        if grad_w and e == FP32:
+            fwd.append(t(V * h, FP32))                   # legacy dW product
+    return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd),
+                fwd_parts=tuple(fwd), bwd_extra=t(1, FP32), bwd_parts=(t(1, FP32),),
+                grad_in_saved=grad_w)
+
+
+def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0,
+              merged: bool = False) -> Acts:
+    """Token embedding: saves only the ids (a batch input). Backward of a tied weight makes a
+    second grad buffer before accumulating into the existing one. Frozen under checkpointing,
+    its output is a grad-requiring leaf (see `vision_embeddings`) that gets a .grad; it is kept
+    anyway as the first layer's checkpointed input, unless image features were `merged` into a
+    new tensor (LLaVA), which leaves the leaf as an extra tensor."""
+    d = layer.dims
+    B, h = d["b"] * d["s"], d["h"]
+    leaf = t(B * h, c.stream) if c.ckpt and not need_w else 0
+    return Acts(saved=leaf if merged else 0, fwd_extra=2 * t(B * h, c.stream),
+                bwd_extra=(tied_grad if need_w else 0) + leaf)
+
+
+def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
+    """cos/sin (1, s, head_dim) in the stream dtype (`position_ids` is one arange row shared by
+    the batch): computed once per forward, saved by every layer's RoPE."""
+    d = layer.dims
+    if not active:
+        return Acts()
+    # under eager, Gemma builds a float mask per layer type present (causal, sliding window),
+    # b x 1 x s x s in the embeddings' dtype each (masking_utils `create_causal_mask` /
+    # `create_sliding_window_causal_mask`, eager: `eager_mask`), held by the model's forward
+    # until it returns (`held`: released at the forward's end)
+    mask = t(d["b"] * d["s"] * d["s"], c.stream)
+    masks = d.get("mask_types", 0) * mask if c.attn == "eager" else 0
+    # SDPA (Gemma 3): the sliding mask, once built (`sliding_masked`), is an input SDPA saves
+    # in every sliding layer: alive until the last of them ran backward, as cos/sin
+    sdpa_mask = mask if c.attn == "sdpa" and d.get("sliding_masked") else 0
+    if d.get("image_masks") and c.attn == "sdpa":  # Gemma 3 VLM with images: per-layer masks
+        sdpa_mask, masks = GA.image_bool_masks(d, c)
+    # one cos/sin pair per RoPE table (Gemma 3: the local and the global base)
+    return Acts(saved=2 * d.get("rope_tables", 1) * t(d["s"] * d["head_dim"], c.stream)
+                + sdpa_mask, held=masks)

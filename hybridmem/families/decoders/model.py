@@ -1,0 +1,231 @@
+"""Decoder LLMs (Llama, Mistral, Qwen2, Qwen3, ...) as layers, following transformers 5.x
+`modeling_<family>.py` parameter by parameter; one code path, per-family switches read from the
+config (`qk_norm`, ...; docs/families.md).
+
+Differences that change memory: grouped-query attention (`num_key_value_heads`), an explicit
+`head_dim` (may differ from hidden/heads), Qwen2's q/k/v biases (hard-coded `bias=True`, o_proj
+without), Llama's optional `attention_bias` / `mlp_bias`, tied input/output embeddings, Qwen3's
+RMSNorm over head_dim on q and k (`Qwen3Attention.q_norm` / `k_norm`), Phi-3's fused
+projections, Gemma's four norms per layer, scaled embedding and logit softcapping.
+"""
+
+from __future__ import annotations
+
+from hybridmem.families import FUSED, GEMMA, MOE, NO_SDPA, QK_NORM, QKV_BIAS, with_trait
+from hybridmem.models.graph import Layer, ParamTensor as T, linear as _linear
+
+FP32 = 4
+# Per-family switches (`Family.traits`, hybridmem/families/decoders/), as model_type tuples.
+# Qwen2 and the Qwen2-VL / Qwen2.5-VL text models (Qwen2VLAttention: the same q/k/v biases)
+QWEN2_TEXT = with_trait(QKV_BIAS)
+
+
+def head_dim(tc) -> int:
+    """`head_dim` from the config, else hidden / heads (as the attention modules compute it)."""
+    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
+
+def kv_heads(tc) -> int:
+    return getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+
+
+# families whose attention RMS-normalises q and k over head_dim before RoPE
+# (modeling_qwen3.Qwen3Attention.q_norm / k_norm)
+QK_NORM_TYPES = with_trait(QK_NORM)  # Gemma 3: (1 + weight) norms
+# families with one fused q/k/v projection and one fused gate/up projection, whose q, k, v and
+# gate, up are views (slices / `chunk`) of the fused output (modeling_phi3.Phi3Attention, Phi3MLP)
+FUSED_TYPES = with_trait(FUSED)
+# Gemma 2 / Gemma 3 text: four RMSNorms per layer (post-attention on the attention output,
+# pre/post feed-forward), `(1 + weight)` RMSNorms in fp32, the embedding scaled by sqrt(hidden)
+# (modeling_gemma2.Gemma2DecoderLayer, Gemma2RMSNorm, Gemma2TextScaledWordEmbedding)
+GEMMA_TYPES = with_trait(GEMMA)
+# mixture-of-experts families: a router (`mlp.gate.weight`, E x h) and every expert's fused
+# weights as 3-D parameters (`mlp.experts.gate_up_proj` E x 2f x h, `mlp.experts.down_proj`
+# E x h x f; modeling_mixtral.MixtralExperts / MixtralTopKRouter, modeling_qwen3_moe likewise)
+MOE_TYPES = with_trait(MOE)
+# Qwen3-MoE's layer rule and expert fields (Qwen3-VL-MoE's text model: modeling_qwen3_vl_moe
+# Qwen3VLMoeTextDecoderLayer, the same `mlp_only_layers` / `decoder_sparse_step` test)
+QWEN3_MOE_TEXT = ("qwen3_moe", "qwen3_vl_moe_text")
+# families whose transformers code refuses SDPA (`_supports_sdpa = False`: softcapping)
+NO_SDPA_TYPES = with_trait(NO_SDPA)
+
+
+def qk_norm(tc) -> bool:
+    """Whether the attention has `q_norm` / `k_norm` (RMSNorm(head_dim)) weights."""
+    return tc.model_type in QK_NORM_TYPES
+
+
+def layer_types(tc) -> list[str]:
+    """Per-layer attention types: `layer_types` from the config, else Gemma 3's default
+    (configuration_gemma3.Gemma3TextConfig: sliding unless (i + 1) % sliding_window_pattern
+    == 0, pattern 6); one type for the other families."""
+    types = getattr(tc, "layer_types", None)
+    if types:
+        return list(types)
+    if tc.model_type == "gemma3_text":
+        pattern = getattr(tc, "sliding_window_pattern", None) or 6
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(tc.num_hidden_layers)]
+    return ["full_attention"] * tc.num_hidden_layers
+
+
+def rope_tables(tc) -> tuple[str, ...]:
+    """Layer types with their own RoPE table (Gemma3RotaryEmbedding: `{type}_inv_freq` per
+    type present, a local and a global base; one unnamed table elsewhere)."""
+    return tuple(sorted(set(layer_types(tc)))) if tc.model_type == "gemma3_text" else ("",)
+
+
+def gemma(tc) -> bool:
+    """Whether the layers are Gemma's (four `(1 + weight)` norms, a scaled embedding)."""
+    return tc.model_type in GEMMA_TYPES
+
+
+def softcaps(tc) -> tuple[float | None, float | None]:
+    """(attention-logit, final-logit) softcapping (`tanh(x / cap) * cap`; Gemma 2's
+    `attn_logit_softcapping` / `final_logit_softcapping`, None = off)."""
+    return (getattr(tc, "attn_logit_softcapping", None),
+            getattr(tc, "final_logit_softcapping", None))
+
+
+def activation(tc) -> str:
+    """The MLP activation's name (Gemma calls the field `hidden_activation`)."""
+    return getattr(tc, "hidden_activation", None) or tc.hidden_act
+
+
+def moe(tc) -> tuple[int, int, int]:
+    """(experts, top_k, expert intermediate size); (0, 0, 0) for a dense family. Mixtral:
+    `num_local_experts`, `intermediate_size`; Qwen3-MoE: `num_experts`,
+    `moe_intermediate_size` (configuration_mixtral.py, configuration_qwen3_moe.py)."""
+    if tc.model_type == "mixtral":
+        return tc.num_local_experts, tc.num_experts_per_tok, tc.intermediate_size
+    if tc.model_type in QWEN3_MOE_TEXT:
+        return tc.num_experts, tc.num_experts_per_tok, tc.moe_intermediate_size
+    return 0, 0, 0
+
+
+def moe_layer(tc, i: int) -> bool:
+    """Whether layer `i` has the sparse MoE block (Qwen3MoeDecoderLayer.__init__: not in
+    `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; Mixtral: every layer)."""
+    if tc.model_type in QWEN3_MOE_TEXT:
+        return (i not in (getattr(tc, "mlp_only_layers", None) or []) and tc.num_experts > 0
+                and (i + 1) % (getattr(tc, "decoder_sparse_step", 1) or 1) == 0)
+    return tc.model_type in MOE_TYPES
+
+
+def _biases(tc) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, o_proj bias, mlp bias) per family."""
+    if tc.model_type in QWEN2_TEXT:
+        return True, False, False  # modeling_qwen2.Qwen2Attention: bias=True on q/k/v only
+    attn = bool(getattr(tc, "attention_bias", False))
+    return attn, attn, bool(getattr(tc, "mlp_bias", False))
+
+
+def fused(tc) -> bool:
+    """Whether q/k/v and gate/up are one Linear each (`qkv_proj`, `gate_up_proj`)."""
+    return tc.model_type in FUSED_TYPES
+
+
+def rotary_dim(tc) -> int:
+    """Rotated channels per head: head_dim x `partial_rotary_factor` (Phi-3 reads it from
+    `rope_parameters`, filled from the top-level key; modeling_phi3
+    `Phi3RotaryEmbedding.compute_default_rope_parameters`: `int(head_dim * factor)`)."""
+    rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(tc, "partial_rotary_factor", 1.0))
+    return int(head_dim(tc) * (1.0 if factor is None else factor))
+
+
+def decoder_layer_params(tc, sparse: bool = False) -> tuple[T, ...]:
+    h, f, d = tc.hidden_size, tc.intermediate_size, head_dim(tc)
+    q, kv = tc.num_attention_heads * d, kv_heads(tc) * d
+    qkv_b, o_b, mlp_b = _biases(tc)
+    if fused(tc):  # modeling_phi3: Phi3Attention.qkv_proj, Phi3MLP.gate_up_proj (no biases)
+        attn = _linear("self_attn.qkv_proj", q + 2 * kv, h, False)
+        mlp = _linear("mlp.gate_up_proj", 2 * f, h, False)
+    else:
+        attn = (_linear("self_attn.q_proj", q, h, qkv_b) + _linear("self_attn.k_proj", kv, h, qkv_b)
+                + _linear("self_attn.v_proj", kv, h, qkv_b))
+        mlp = _linear("mlp.gate_proj", f, h, mlp_b) + _linear("mlp.up_proj", f, h, mlp_b)
+    if sparse:
+        n, _, fe = moe(tc)
+        mlp = (T("mlp.gate.weight", (n, h)), T("mlp.experts.gate_up_proj", (n, 2 * fe, h)),
+               T("mlp.experts.down_proj", (n, h, fe)))
+    else:
+        mlp = mlp + _linear("mlp.down_proj", h, f, mlp_b)
+    return (attn + _linear("self_attn.o_proj", h, q, o_b) + mlp
+            + ((T("self_attn.q_norm.weight", (d,)), T("self_attn.k_norm.weight", (d,)))
+               if qk_norm(tc) else ())
+            + (T("input_layernorm.weight", (h,)), T("post_attention_layernorm.weight", (h,)))
+            + ((T("pre_feedforward_layernorm.weight", (h,)),
+                T("post_feedforward_layernorm.weight", (h,))) if gemma(tc) else ()))
+
+
+def decoder_dims(tc, batch: int, seq: int) -> dict:
+    return dict(b=batch, s=seq, h=tc.hidden_size, heads=tc.num_attention_heads,
+                kv_heads=kv_heads(tc), head_dim=head_dim(tc), ffn=tc.intermediate_size,
+                vocab=tc.vocab_size, act=activation(tc),
+                attn_dropout=float(getattr(tc, "attention_dropout", 0.0) or 0.0),
+                qk_norm=qk_norm(tc), fused=fused(tc), gemma=gemma(tc),
+                attn_softcap=bool(softcaps(tc)[0]), final_softcap=bool(softcaps(tc)[1]),
+                moe=False, rope_tables=len(rope_tables(tc)),
+                mask_types=len(set(layer_types(tc))),  # eager: a float mask per type (masking_utils)
+                sliding_masked=_sliding_masked(tc, seq))
+
+
+def _sliding_masked(tc, seq: int) -> bool:
+    """Whether Gemma 3's sliding layers get a materialised mask under SDPA: masking_utils
+    `sdpa_mask` skips it (is_causal) only while kv_length < the window
+    (`_ignore_causal_mask_sdpa`, `local_attention_size`); full layers always skip it."""
+    window = getattr(tc, "sliding_window", None)
+    return (tc.model_type == "gemma3_text" and bool(window) and seq >= window
+            and "sliding_attention" in layer_types(tc))
+
+
+def moe_dims(tc, dims: dict) -> dict:
+    """A sparse layer's dims: experts, top_k, the experts' intermediate size as `ffn`, and
+    the router's rules (Mixtral: softmax of an fp32 copy, always renormalised, fp32 weights;
+    Qwen3-MoE: softmax(dtype=float), renormalised if `norm_topk_prob`, weights cast back)."""
+    n, k, fe = moe(tc)
+    mix = tc.model_type == "mixtral"
+    return dict(dims, moe=True, experts=n, top_k=k, ffn=fe, router_copy=mix,
+                # Qwen3VLMoeTextTopKRouter renormalises always (no norm_topk_prob test)
+                router_norm=mix or tc.model_type == "qwen3_vl_moe_text"
+                or bool(getattr(tc, "norm_topk_prob", False)),
+                router_fp32_weights=mix)
+
+
+def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
+    """Layers of the base model (`model.*` in a CausalLM): embed_tokens, decoder layers, norm."""
+    h = tc.hidden_size
+    dims = decoder_dims(tc, batch, seq)
+    rot = len(range(0, rotary_dim(tc), 2))  # inv_freq = 1 / base ** (arange(0, dim, 2) / dim)
+    # Gemma2TextScaledWordEmbedding.embed_scale: a 0-dim non-persistent buffer (sqrt(hidden)),
+    # `torch.tensor(embed_scale)` in the default dtype = the parameters' (itemsize None)
+    scale = (T("embed_tokens.embed_scale", ()),) if gemma(tc) else ()
+    layers = [Layer(name="embed_tokens", kind="embedding",
+                    params=(T("embed_tokens.weight", (tc.vocab_size, h)),), buffers=scale,
+                    dims=dims)]
+    # forward order: LlamaModel.forward embeds, then computes cos/sin once, then runs the layers
+    tables = [f"{ty}_" if ty else "" for ty in rope_tables(tc)]
+    layers.append(Layer(name="rotary_emb", kind="rotary",
+                        buffers=tuple(T(f"rotary_emb.{ty}{name}", (rot,), FP32) for ty in tables
+                                      for name in ("inv_freq", "original_inv_freq")),
+                        dims=dims))
+    dense, sparse = decoder_layer_params(tc), None
+    for i in range(tc.num_hidden_layers):
+        if moe_layer(tc, i):
+            sparse = sparse or decoder_layer_params(tc, sparse=True)
+            layers.append(Layer(name=f"layers.{i}", kind="decoder_layer", params=sparse,
+                                scope=f"layers.{i}", dims=moe_dims(tc, dims)))
+        else:
+            masked = dims["sliding_masked"] and layer_types(tc)[i] == "sliding_attention"
+            layers.append(Layer(name=f"layers.{i}", kind="decoder_layer", params=dense,
+                                scope=f"layers.{i}", dims=dict(dims, masked=masked)))
+    layers.append(Layer(name="norm", kind="rmsnorm", params=(T("norm.weight", (h,)),), dims=dims))
+    return tuple(layers)
+
+
+def lm_head_layer(tc, batch: int, seq: int, tied: bool) -> Layer:
+    """The output projection; tied to embed_tokens it owns no parameter (counted there)."""
+    params = () if tied else (T("weight", (tc.vocab_size, tc.hidden_size)),)
+    return Layer(name="lm_head", kind="lm_head", params=params,
+                 dims=dict(decoder_dims(tc, batch, seq), tied=tied))
