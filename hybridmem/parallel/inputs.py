@@ -177,7 +177,7 @@ def used_keys(source: str) -> set[str]:
         k for c in CONVERSIONS.get(source, ()) for k in c.reads}
 
 
-def _typed(field: str, meta, value: object) -> object:
+def typed_value(field: str, meta, value: object) -> object:
     """A copied config value checked as the field's type, the error naming the file's key."""
     tp = schema.value_type(schema.TYPES[meta.key])
     if tp is bool:
@@ -199,7 +199,7 @@ def _copy_declared(source: str, cfg: dict, out: dict) -> None:
         if key in claimed or "." in key or cfg.get(key) is None:
             continue
         for meta in metas:
-            out[meta.owner][meta.name] = _typed(f"{source}.{key}", meta, cfg[key])
+            out[meta.owner][meta.name] = typed_value(f"{source}.{key}", meta, cfg[key])
             out.setdefault("sources", {})[meta.key] = f"{out.get('where', source)}: {key}"
 
 
@@ -490,7 +490,7 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
                 raise SpecError(f"deepspeed.zero_optimization.{key}", "auto",
                                 reason="needs the model's hidden size: give --model")
             value = auto_hidden[key](hidden_size)
-        parallel[meta.name] = _typed(f"deepspeed.zero_optimization.{key}", meta, value)
+        parallel[meta.name] = typed_value(f"deepspeed.zero_optimization.{key}", meta, value)
         sources[meta.name] = f"{where}: {ZERO}{key}"
     for key in ("offload_optimizer", "offload_param"):
         block = zero.get(key) or {}
