@@ -154,9 +154,9 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
           "fp16": False, "gradient_accumulation_steps": spec.get("grad_accum", 1),
           "_given": False}
     layer = out.data
-    if any(k in raw for k in ("fsdp_reshard_after_forward", "fsdp_cpu_offload")):
-        # a _distributed recipe: FSDP2 (`training.shard_model`) across the GPUs it runs on
-        layer["multi_gpu_strategy"] = "fsdp"
+    # on more than one GPU torchtune runs a _distributed recipe, which shards the model with
+    # FSDP2 (`training.shard_model`, fully_shard); it has no DDP recipe
+    layer["multi_gpu_strategy"] = "fsdp"
     return LauncherConfig(NAME, model, [layer], hf)
 
 
