@@ -20,6 +20,7 @@ from hybridmem.models import hub
 from hybridmem.models.loader import preset_names
 from hybridmem.parallel.config_keys import collect_warnings
 from hybridmem.parallel.inputs import resolve_inputs, spec_from_inputs
+from hybridmem.parallel.resolve import resolve
 from hybridmem.parallel.launchers import detect, read_config
 
 # hiyouga/LLaMA-Factory examples/train_lora/llama3_lora_sft.yaml (model: its
@@ -319,7 +320,7 @@ def _read(tmp_path, name: str, text: str, **overrides):
     """(spec, sources, warnings) of a config file, `overrides` as flags on top."""
     path = _write(tmp_path, name, text)
     with collect_warnings() as caught:
-        resolved = resolve_inputs(config=path, overrides=overrides)
+        resolved = resolve(config=path, overrides=overrides)
     return resolved.spec, resolved.sources, list(caught), path
 
 

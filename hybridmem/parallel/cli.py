@@ -7,7 +7,8 @@ the TrainingSpec; `fit_lines` turns `smallest_fitting_setup`'s answer into conso
 
 from __future__ import annotations
 
-from hybridmem.parallel.inputs import Resolved, resolve_inputs
+from hybridmem.parallel.inputs import Resolved
+from hybridmem.parallel.resolve import resolve
 from hybridmem.job.spec import TrainingSpec
 
 GiB = 2**30
@@ -21,9 +22,9 @@ def resolve_cli(*, model: str | None = None, recipe: str | None = None,
     each field came from. `values` are the other options by job-schema key
     (`hybridmem.job.schema.BY_KEY`: micro_batch, precision, world_size, strategy, lora_r, ...),
     plus zero_stage, peft_config and quantization_config (files); None means "not given"."""
-    return resolve_inputs(recipe=recipe, deepspeed=deepspeed, training_args=training_args,
-                          overrides={"model": model, **values}, config=config,
-                          config_format=config_format)
+    return resolve(recipe=recipe, deepspeed=deepspeed, training_args=training_args,
+                   overrides={"model": model, **values}, config=config,
+                   config_format=config_format)
 
 
 def spec_from_cli(**options: object) -> TrainingSpec:

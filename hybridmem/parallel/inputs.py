@@ -12,8 +12,9 @@ declare them; any other key is known to the file's library or a warning
 (`hybridmem.parallel.config_keys`). Every problem is a one-line SpecError (malformed JSON, an
 "auto" that cannot be resolved, contradictory options).
 
-A launcher's own config file (`--config`: LLaMA-Factory, axolotl, torchtune YAML;
-`hybridmem.parallel.launchers`) is one more layer, above a recipe and below the other files:
+A launcher's own config file (`--config`: LLaMA-Factory, axolotl, torchtune YAML, read by
+`hybridmem.parallel.launchers`, which builds on the readers here; `hybridmem.parallel.resolve`
+joins the two) is one more layer, above a recipe and below the other files:
 its launcher's defaults, then its keys. Each layer says where each field it sets came from
 (`sources`: flat key -> "FILE: key", "flag --x", "launcher default (...)"), and
 `resolve_inputs` returns those of the fields the job does not leave at the schema default.
@@ -696,12 +697,13 @@ class Resolved:
 
 def resolve_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
                    training_args: str | os.PathLike | dict | None = None,
-                   overrides: dict | None = None, config: str | os.PathLike | None = None,
-                   config_format: str | None = None) -> Resolved:
+                   overrides: dict | None = None, launched=None) -> Resolved:
     """The validated TrainingSpec of the inputs (parallel settings checked against the rest) and
-    its fields' sources. Layers, lowest first: recipe < launcher config (`--config`: its
-    launcher's defaults, then its keys) < training args < DeepSpeed < explicit overrides."""
-    kwargs, sources = _merge(recipe, deepspeed, training_args, overrides, config, config_format)
+    its fields' sources. Layers, lowest first: recipe < launcher config (`launched`: a
+    `hybridmem.parallel.launchers.LauncherConfig`, its launcher's defaults and its keys) <
+    training args < DeepSpeed < explicit overrides (`hybridmem.parallel.resolve` reads a
+    `--config` file and calls this)."""
+    kwargs, sources = _merge(recipe, deepspeed, training_args, overrides, launched)
     if "model" not in kwargs:
         raise SpecError("model", None, reason="give --model (or a --config that names one)")
     spec = TrainingSpec(**kwargs)
@@ -711,24 +713,16 @@ def resolve_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dic
 
 def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
                  training_args: str | os.PathLike | dict | None = None,
-                 overrides: dict | None = None, config: str | os.PathLike | None = None,
-                 config_format: str | None = None) -> dict:
+                 overrides: dict | None = None) -> dict:
     """TrainingSpec keyword arguments from the inputs; explicit `overrides` win over files, files
     over the recipe, and a file read as a Trainer run (a recipe, TrainingArguments) starts from
     Trainer's default batch. `overrides` take job-schema keys (`_layer_overrides`); None values
     are ignored."""
-    return _merge(recipe, deepspeed, training_args, overrides, config, config_format)[0]
+    return _merge(recipe, deepspeed, training_args, overrides, None)[0]
 
 
-def _merge(recipe, deepspeed, training_args, overrides, config, config_format) -> tuple[dict, dict]:
+def _merge(recipe, deepspeed, training_args, overrides, launched) -> tuple[dict, dict]:
     overrides = overrides or {}
-    launched = None
-    if config is None and config_format is not None:
-        raise SpecError("config_format", config_format, reason="needs --config FILE")
-    if config is not None:
-        from hybridmem.parallel.launchers import read_config
-
-        launched = read_config(config, config_format)
     over = _layer_overrides(overrides, overrides.get("model") or (launched and launched.model))
     layers: list[dict] = []
     ds_sources: list[tuple] = []  # (DeepSpeed config, where it came from)
@@ -852,8 +846,6 @@ def _non_default(spec: TrainingSpec, sources: dict) -> dict:
 
 def spec_from_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
                      training_args: str | os.PathLike | dict | None = None,
-                     overrides: dict | None = None, config: str | os.PathLike | None = None,
-                     config_format: str | None = None) -> TrainingSpec:
+                     overrides: dict | None = None) -> TrainingSpec:
     """`resolve_inputs`' TrainingSpec (parallel settings checked against the rest)."""
-    return resolve_inputs(recipe, deepspeed, training_args, overrides, config,
-                          config_format).spec
+    return resolve_inputs(recipe, deepspeed, training_args, overrides).spec
