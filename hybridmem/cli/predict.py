@@ -67,6 +67,16 @@ OTHER_OPTIONS: tuple[CliOption, ...] = (
               "naming the nearest known key"),
     CliOption("deepspeed", ("--deepspeed",), Optional[str],
               "DeepSpeed config JSON ('auto' resolved as transformers does).", FILES_PANEL),
+    CliOption("config", ("--config",), Optional[str],
+              "A launcher's training YAML: LLaMA-Factory, axolotl or torchtune.", FILES_PANEL,
+              doc="a launcher's own training YAML (LLaMA-Factory `llamafactory-cli train`, "
+              "axolotl, torchtune recipe configs), read as that launcher reads it: its "
+              "defaults where the file is silent, its model (a hub id names its preset), "
+              "its `deepspeed` / `fsdp_config`; flags and the other files override it. Every "
+              "key is read, known to the launcher, or a warning naming the nearest key"),
+    CliOption("config_format", ("--config-format",), Optional[str],
+              "llamafactory, axolotl or torchtune (default: told by the file's keys).",
+              FILES_PANEL),
     CliOption("gpu", ("--gpu",), Optional[str],
               "GPU from the catalogue, e.g. h100-80gb, a100-40gb, h200.", OUTPUT_PANEL,
               doc="catalogue in `hybridmem/gpus.py` (A100 40/80 GB, H100, H200, L40S, RTX "
@@ -104,7 +114,7 @@ def option_params() -> list[tuple[str, str, object, object]]:
             if not meta.cli:
                 continue
             tp = schema.value_type(schema.TYPES[meta.key])
-            required = meta.name == "model"
+            required = False  # --model, or a --config that names the model
             info = typer.Option(... if required else None, *meta.cli,
                                 help=schema.option_help(meta),
                                 metavar=meta.unit.upper() if meta.unit else None,
@@ -138,7 +148,7 @@ def predict_command(**values) -> None:
     from hybridmem.predict import choose_method, predict
     from hybridmem.report import plot as save_plot, render
 
-    from hybridmem.parallel.cli import fit_lines, spec_from_cli
+    from hybridmem.parallel.cli import fit_lines, resolve_cli
     from hybridmem.parallel.config_keys import collect_warnings
     from hybridmem.parallel.fit import smallest_fitting_setup
 
@@ -149,7 +159,8 @@ def predict_command(**values) -> None:
     # of `values` are the job fields by schema key, --peft-config, --quantization-config and
     # --zero-stage
     with collect_warnings() as config_warnings:
-        spec = spec_from_cli(**values)
+        resolved = resolve_cli(**values)
+    spec = resolved.spec
     for warning in config_warnings:  # keys of the user's files that were not read
         typer.echo(f"warning: {warning}", err=True)
     target = resolve_gpu(gpu, gpu_mem)
@@ -160,7 +171,8 @@ def predict_command(**values) -> None:
             raise SpecError("timeline", timeline, reason="--timeline needs --method trace")
         options["timeline"] = timeline
     result = predict(spec, method=method, gpu=target, find_max_batch=find_max_batch, **options)
-    result = dataclasses.replace(result, job={**result.job, "warnings": list(config_warnings)})
+    result = dataclasses.replace(result, job={**result.job, "warnings": list(config_warnings),
+                                              "sources": resolved.sources})
     advice = None
     if target is not None and (spec.parallel.strategy != "none" or not result.fits):
         advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=chosen, gpu=target))

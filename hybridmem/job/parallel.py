@@ -123,15 +123,15 @@ class ParallelSpec:
     # --- PyTorch FSDP2 (torch/distributed/fsdp/_fully_shard) ---
     reshard_after_forward: bool = job_field(
         True, help="FSDP2: free unsharded params after each unit's forward.", group="parallel",
-        cli=False, keys={"training_args": ("fsdp",)})
+        cli=False, keys={"training_args": ("fsdp", "fsdp_config")})
     """FSDP2: free unsharded params after each unit's forward (fully_shard default True)."""
     mp_param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = job_field(
         "auto", help="FSDP2 MixedPrecisionPolicy.param_dtype (auto: the compute dtype).",
-        group="parallel", cli=False)
+        group="parallel", cli=False, keys={"training_args": ("fsdp_config",)})
     """FSDP2 MixedPrecisionPolicy.param_dtype; auto = the spec's compute dtype."""
     mp_reduce_dtype: Literal["auto", "fp32", "bf16", "fp16"] = job_field(
         "auto", help="FSDP2 MixedPrecisionPolicy.reduce_dtype (auto: param_dtype).",
-        group="parallel", cli=False)
+        group="parallel", cli=False, keys={"training_args": ("fsdp_config",)})
     """FSDP2 MixedPrecisionPolicy.reduce_dtype; auto = param_dtype (FSDP2's None)."""
 
     def __post_init__(self) -> None:

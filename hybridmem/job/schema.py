@@ -171,9 +171,10 @@ def job_dict(spec: TrainingSpec) -> dict:
     return out
 
 
-JOB_EXTRAS: tuple[str, ...] = ("warnings",)
-"""Keys the `job` object may carry besides fields (the config readers' warnings); ignored by
-`spec_from_job`."""
+JOB_EXTRAS: tuple[str, ...] = ("warnings", "sources")
+"""Keys the `job` object may carry besides fields (the config readers' warnings; `sources`:
+flat key -> where each non-default field came from, `hybridmem.parallel.inputs.Resolved`);
+ignored by `spec_from_job`."""
 
 
 def _tuples(cls: type, data: dict) -> dict:
@@ -229,10 +230,29 @@ ECHO_WIDTH = 48
 """Longest value the echo shows whole (a PEFT config's JSON is cut)."""
 
 
+def _source_note(source: str | None, flags: bool) -> str:
+    """" (train.yaml: cutoff_len)" for a field's source as the echo shows it: a file by its
+    name, a launcher's default as "NAME default"; flags only when `flags` (a file is in play,
+    so a bare value could be either)."""
+    if source is None or (source.startswith("flag ") and not flags):
+        return ""
+    if source.startswith("launcher default (") and ")" in source:
+        name, _, rest = source[len("launcher default ("):].partition(")")
+        source = f"{name} default" + (f": {rest.strip()[1:-1]}" if rest.strip() else "")
+    head, sep, tail = source.partition(": ")
+    if sep and ("/" in head or "\\" in head):
+        source = head.replace("\\", "/").rsplit("/", 1)[-1] + sep + tail
+    return f" ({source})"
+
+
 def echo_lines(job: dict) -> list[str]:
     """The job as priced, one line per group: the `echo` fields always, the others when they
     are not at their default (LoRA settings only when training LoRA), e.g.
-    `model: llava-1.5-7b attn=sdpa` / `batch: micro_batch=8 seq_len=2048 grad_accum=1`."""
+    `model: llava-1.5-7b attn=sdpa` / `batch: micro_batch=8 seq_len=2048 grad_accum=1`; a
+    field with a recorded source says it, `micro_batch=4 (train.yaml:
+    per_device_train_batch_size)` (flags only beside a file)."""
+    sources = job.get("sources") or {}
+    flags = any(not s.startswith("flag ") for s in sources.values())
     lines = []
     for group, metas in by_group().items():
         parts = []
@@ -240,11 +260,12 @@ def echo_lines(job: dict) -> list[str]:
             if meta.owner == "lora" and job.get("lora") is None:
                 continue
             value = _value(meta, job)
+            note = _source_note(sources.get(meta.key), flags)
             if meta.name == "model":
-                parts.append(_shown(value))
+                parts.append(_shown(value) + note)
             elif meta.echo or value != _plain(meta.default) \
                     or meta.owner == "lora" and meta.name in ("r", "alpha"):
-                parts.append(f"{meta.key}={_shown(value)}")
+                parts.append(f"{meta.key}={_shown(value)}{note}")
         if parts:
             lines.append(f"{group}: " + " ".join(parts))
     return lines

@@ -15,6 +15,7 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 
 from hybridmem.families import DECODER, VLM, family, types
+from hybridmem.models.hub import resolve as resolve_hub_id
 
 # model_type values with closed forms (`hybridmem/families/`, one file per family); the trace
 # tier prices every other transformers causal-LM / image-text-to-text family.
@@ -122,7 +123,8 @@ def read_json_object(path: str | Path, field: str) -> dict:
 
 
 def load_config_dict(model: str) -> tuple[str, dict]:
-    """(display name, raw config dict) for a preset name or a config path."""
+    """(display name, raw config dict) for a preset name, a hub id or a config path."""
+    model = resolve_hub_id(model)  # a hub id names its preset (models/hub.py); nothing downloads
     if model in _presets():
         return model, read_json_object(_presets()[model][1], "model")
     path = Path(model).expanduser()

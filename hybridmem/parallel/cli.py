@@ -7,20 +7,29 @@ the TrainingSpec; `fit_lines` turns `smallest_fitting_setup`'s answer into conso
 
 from __future__ import annotations
 
-from hybridmem.parallel.inputs import spec_from_inputs
+from hybridmem.parallel.inputs import Resolved
+from hybridmem.parallel.resolve import resolve
 from hybridmem.job.spec import TrainingSpec
 
 GiB = 2**30
 
 
-def spec_from_cli(*, model: str, recipe: str | None = None, deepspeed: str | None = None,
-                  training_args: str | None = None, **values: object) -> TrainingSpec:
-    """Recipe < training args < DeepSpeed JSON < explicit flags. `values` are the other
-    options by job-schema key (`hybridmem.job.schema.BY_KEY`: micro_batch, precision,
-    world_size, strategy, lora_r, ...), plus zero_stage, peft_config and quantization_config
-    (files); None means "not given"."""
-    return spec_from_inputs(recipe=recipe, deepspeed=deepspeed, training_args=training_args,
-                            overrides={"model": model, **values})
+def resolve_cli(*, model: str | None = None, recipe: str | None = None,
+                deepspeed: str | None = None, training_args: str | None = None,
+                config: str | None = None, config_format: str | None = None,
+                **values: object) -> Resolved:
+    """Recipe < launcher config < training args < DeepSpeed JSON < explicit flags, and where
+    each field came from. `values` are the other options by job-schema key
+    (`hybridmem.job.schema.BY_KEY`: micro_batch, precision, world_size, strategy, lora_r, ...),
+    plus zero_stage, peft_config and quantization_config (files); None means "not given"."""
+    return resolve(recipe=recipe, deepspeed=deepspeed, training_args=training_args,
+                   overrides={"model": model, **values}, config=config,
+                   config_format=config_format)
+
+
+def spec_from_cli(**options: object) -> TrainingSpec:
+    """`resolve_cli`'s TrainingSpec."""
+    return resolve_cli(**options).spec
 
 
 def _describe(option: dict) -> str:

@@ -11,6 +11,13 @@ a declared key is copied onto its field, the conversions below read the keys tha
 declare them; any other key is known to the file's library or a warning
 (`hybridmem.parallel.config_keys`). Every problem is a one-line SpecError (malformed JSON, an
 "auto" that cannot be resolved, contradictory options).
+
+A launcher's own config file (`--config`: LLaMA-Factory, axolotl, torchtune YAML, read by
+`hybridmem.parallel.launchers`, which builds on the readers here; `hybridmem.parallel.resolve`
+joins the two) is one more layer, above a recipe and below the other files:
+its launcher's defaults, then its keys. Each layer says where each field it sets came from
+(`sources`: flat key -> "FILE: key", "flag --x", "launcher default (...)"), and
+`resolve_inputs` returns those of the fields the job does not leave at the schema default.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
 from hybridmem.job.loss import check_liger_config
+from hybridmem.models import hub
 from hybridmem.models.loader import read_json_object
-from hybridmem.parallel import config_keys
+from hybridmem.parallel import config_keys, fsdp_config
 from hybridmem.parallel.recipes import RECIPES
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.validate import check_parallel
@@ -55,6 +63,8 @@ OPTION_FILES: tuple[str, ...] = ("peft_config", "quantization_config")
 not a job field's value."""
 # TrainingArguments.max_grad_norm default (transformers training_args.py): Trainer clips at 1.0
 HF_DEFAULT_MAX_GRAD_NORM = 1.0
+TRAINER_DEFAULT = "launcher default (HF Trainer)"
+"""The source of a field a TrainingArguments file sets without naming it (Trainer's default)."""
 
 
 def _read_json(source: str | os.PathLike | dict, field: str) -> dict:
@@ -66,6 +76,36 @@ def _read_json(source: str | os.PathLike | dict, field: str) -> dict:
 def _where(source: object, default: str) -> str:
     """How a warning names the file: its path, else what it came from."""
     return default if isinstance(source, dict) else os.fspath(source)
+
+
+OWNER_PARTS: tuple[str, ...] = ("spec", "parallel", "lora")
+
+
+def flat_key(owner: str, name: str) -> str:
+    """The job-schema key of a layer entry: LoRA settings are `lora_<name>`."""
+    return f"lora_{name}" if owner == "lora" else name
+
+
+def layer_values(layer: dict) -> dict:
+    """flat key -> value of every field a layer sets."""
+    return {flat_key(o, n): v for o in OWNER_PARTS for n, v in layer.get(o, {}).items()}
+
+
+def attribute(out: dict, before: dict, before_sources: dict, where: str, given: list[str],
+              source: str, default: str) -> None:
+    """Name the source of every field of layer `out` that changed since `before`
+    (`layer_values`) and whose source was not set meanwhile: "WHERE: key" with the `given` file
+    keys the schema declares for that field under `source` (all of `given` when it declares
+    none of them), else `default` (the reader's default, no key given)."""
+    sources = out.setdefault("sources", {})
+    for key, value in layer_values(out).items():
+        if (key in before and before[key] == value) \
+                or sources.get(key) != before_sources.get(key):
+            continue
+        meta = schema.BY_KEY.get(key)
+        own = [k for k in given if meta is not None and k in meta.keys.get(source, ())]
+        keys = own or given
+        sources[key] = f"{where}: {'/'.join(keys)}" if keys else default
 
 
 def _count(field: str, value: object) -> int:
@@ -138,7 +178,7 @@ def used_keys(source: str) -> set[str]:
         k for c in CONVERSIONS.get(source, ()) for k in c.reads}
 
 
-def _typed(field: str, meta, value: object) -> object:
+def typed_value(field: str, meta, value: object) -> object:
     """A copied config value checked as the field's type, the error naming the file's key."""
     tp = schema.value_type(schema.TYPES[meta.key])
     if tp is bool:
@@ -160,7 +200,8 @@ def _copy_declared(source: str, cfg: dict, out: dict) -> None:
         if key in claimed or "." in key or cfg.get(key) is None:
             continue
         for meta in metas:
-            out[meta.owner][meta.name] = _typed(f"{source}.{key}", meta, cfg[key])
+            out[meta.owner][meta.name] = typed_value(f"{source}.{key}", meta, cfg[key])
+            out.setdefault("sources", {})[meta.key] = f"{out.get('where', source)}: {key}"
 
 
 # ---------------------------------------------------------------- TrainingArguments
@@ -312,7 +353,7 @@ def _world_size(args: dict, out: dict) -> None:
 def _sharding(args: dict, out: dict) -> None:
     """`fsdp` options (FSDP_OPTIONS) and `deepspeed` (a config path or object, read as a
     DeepSpeed JSON); not both."""
-    out["parallel"].update(_fsdp_options(args.get("fsdp")))
+    out["parallel"].update(fsdp_options(args.get("fsdp")))
     ds = args.get("deepspeed") or None
     if ds is not None and out["parallel"].get("strategy") == "fsdp":
         raise SpecError("training_args.fsdp", args.get("fsdp"),
@@ -321,6 +362,25 @@ def _sharding(args: dict, out: dict) -> None:
     if ds is not None and not isinstance(ds, dict):
         ds = _read_json(ds, "training_args.deepspeed")
     out["deepspeed"] = ds
+
+
+@converts("training_args", "fsdp_config")
+def _fsdp_config(args: dict, out: dict) -> None:
+    """`fsdp_config` (an object, or a path to a JSON one, as TrainingArguments takes it) of an
+    `fsdp` run: reshard_after_forward, checkpointing, a mixed-precision policy
+    (`hybridmem.parallel.fsdp_config`). Without `fsdp` transformers ignores it ("useful only
+    when --fsdp is specified", training_args.py)."""
+    cfg = args.get("fsdp_config")
+    if not cfg or out["parallel"].get("strategy") != "fsdp":
+        return
+    if isinstance(cfg, (str, os.PathLike)):
+        cfg = _read_json(cfg, "training_args.fsdp_config")
+    where = out.get("where", "training_args")
+    parallel, spec, sources = fsdp_config.read(cfg, where, "training_args.fsdp_config",
+                                               "training_args")
+    out["parallel"].update(parallel)
+    out["spec"].update(spec)
+    out.setdefault("sources", {}).update(sources)
 
 
 def from_training_args(source: str | os.PathLike | dict, where: str | None = None) -> dict:
@@ -340,10 +400,14 @@ def from_training_args(source: str | os.PathLike | dict, where: str | None = Non
     config_keys.check_keys("training_args", args, where, used=used_keys("training_args"),
                            known=config_keys.training_args_known)
     config_keys.unpriced("training_args", args, where, config_keys.TRAINING_ARGS_UNPRICED)
-    out: dict = {"spec": {}, "parallel": {}, "lora": {}, "deepspeed": None}
+    out: dict = {"spec": {}, "parallel": {}, "lora": {}, "deepspeed": None, "where": where,
+                 "sources": {}, "label": where}
     _copy_declared("training_args", args, out)
     for conversion in CONVERSIONS["training_args"]:
+        before, before_sources = layer_values(out), dict(out["sources"])
         conversion.fn(args, out)
+        given = [k for k in conversion.reads if k in args]
+        attribute(out, before, before_sources, where, given, "training_args", TRAINER_DEFAULT)
     batch = args.get("per_device_train_batch_size")
     out["hf"] = {"per_device_train_batch_size": HF_DEFAULT_BATCH if batch is None else batch,
                  "bf16": bool(args.get("bf16")), "fp16": bool(args.get("fp16")),
@@ -352,19 +416,21 @@ def from_training_args(source: str | os.PathLike | dict, where: str | None = Non
     return out
 
 
-def _fsdp_options(value: object) -> dict:
+def fsdp_options(value: object, field: str = "training_args.fsdp") -> dict:
+    """FSDP settings of TrainingArguments' `fsdp` options (a space-separated string or a list,
+    as axolotl's `fsdp` list too)."""
     if not value:
         return {}
     tokens = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) \
         else None
     if tokens is None:
-        raise SpecError("training_args.fsdp", value, sorted(FSDP_OPTIONS))
+        raise SpecError(field, value, sorted(FSDP_OPTIONS))
     out: dict = {}
     for tok in tokens:
         if tok == "offload":
-            raise SpecError("training_args.fsdp", value, reason="FSDP CPU offload is not modelled")
+            raise SpecError(field, value, reason="FSDP CPU offload is not modelled")
         if tok not in FSDP_OPTIONS:
-            raise SpecError("training_args.fsdp", tok, sorted(FSDP_OPTIONS))
+            raise SpecError(field, tok, sorted(FSDP_OPTIONS))
         out.update(FSDP_OPTIONS[tok])
     return out
 
@@ -411,6 +477,7 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
     if stage not in (0, 1, 2, 3):
         raise SpecError("deepspeed.zero_optimization.stage", stage, [0, 1, 2, 3])
     parallel: dict = {"strategy": f"zero{stage}" if stage else "ddp"}
+    sources: dict = {"strategy": f"{where}: {ZERO}stage"}
     auto_hidden = {**AUTO_HIDDEN, **(AUTO_HIDDEN_STAGE3 if stage == 3 else {})}
     for key, meta in zero_keys().items():
         if key not in zero:
@@ -424,7 +491,8 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
                 raise SpecError(f"deepspeed.zero_optimization.{key}", "auto",
                                 reason="needs the model's hidden size: give --model")
             value = auto_hidden[key](hidden_size)
-        parallel[meta.name] = _typed(f"deepspeed.zero_optimization.{key}", meta, value)
+        parallel[meta.name] = typed_value(f"deepspeed.zero_optimization.{key}", meta, value)
+        sources[meta.name] = f"{where}: {ZERO}{key}"
     for key in ("offload_optimizer", "offload_param"):
         block = zero.get(key) or {}
         if not isinstance(block, dict):
@@ -434,9 +502,17 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
             raise SpecError(f"deepspeed.zero_optimization.{key}.device", device, ["none", "cpu", "nvme"])
         # NVMe offload frees the GPU exactly as CPU offload does
         parallel[key] = "none" if device == "none" else "cpu"
+        if key in zero:
+            sources[key] = f"{where}: {ZERO}{key}.device"
     spec: dict = {"precision": _ds_precision(cfg, hf)}
+    on = [k for k in ("bf16", "fp16", "bfloat16") if isinstance(cfg.get(k), dict)
+          and cfg[k].get("enabled", False) is not False]
+    sources["precision"] = f"{where}: {'/'.join(on)}.enabled" if on else \
+        f"{where}: no bf16/fp16 block enabled"
     micro = cfg.get("train_micro_batch_size_per_gpu", "auto")
     spec["micro_batch"] = hf["per_device_train_batch_size"] if micro == "auto" else micro
+    if micro != "auto":
+        sources["micro_batch"] = f"{where}: train_micro_batch_size_per_gpu"
     if micro != "auto" and micro != hf["per_device_train_batch_size"] and hf.get("_given"):
         # transformers `trainer_config_finalize` refuses mismatches between the two files
         raise SpecError("deepspeed.train_micro_batch_size_per_gpu", micro,
@@ -444,13 +520,15 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
     ws = _world_size_from_batch(cfg, spec["micro_batch"], hf)
     if ws is not None:
         parallel["world_size"] = ws
+        sources["world_size"] = f"{where}: train_batch_size"
     opt = cfg.get("optimizer")
     if opt is not None:
         kind = str((opt or {}).get("type", "")).lower() if isinstance(opt, dict) else str(opt)
         if kind not in DS_OPTIMS:
             raise SpecError("deepspeed.optimizer.type", kind, sorted(DS_OPTIMS))
         spec["optimizer"] = DS_OPTIMS[kind]
-    return {"spec": spec, "parallel": parallel, "lora": {}}
+        sources["optimizer"] = f"{where}: optimizer.type"
+    return {"spec": spec, "parallel": parallel, "lora": {}, "sources": sources, "label": where}
 
 
 def _ds_precision(cfg: dict, hf: dict) -> str:
@@ -486,39 +564,70 @@ def _world_size_from_batch(cfg: dict, micro: int, hf: dict) -> int | None:
 
 # ---------------------------------------------------------------- merging
 
-def _layer_overrides(overrides: dict) -> dict:
+def _file_source(where: str, source: str, key: str, data: dict) -> str:
+    """"WHERE: key" for a field read from a `source` file: the file keys the schema declares
+    for it that the file holds (`schema.config_keys`)."""
+    meta = schema.BY_KEY.get(key)
+    keys = [k for k in (meta.keys.get(source, ()) if meta else ()) if k in data]
+    return f"{where}: {'/'.join(keys)}" if keys else where
+
+
+def flag_source(key: str) -> str:
+    """How the job names a value given on the command line: the option it was given as."""
+    meta = schema.BY_KEY.get(key)
+    if meta is not None and meta.cli:
+        return "flag " + meta.cli[0].split("/")[0]
+    return "flag --" + key.replace("_", "-")
+
+
+def _layer_overrides(overrides: dict, model: str | None = None) -> dict:
     """Explicit values by job-schema key (`hybridmem.job.schema.BY_KEY`: TrainingSpec and
     ParallelSpec field names, `lora_<field>` for LoRA settings), plus the files given as
-    options (`peft_config`, `quantization_config`) and `zero_stage`."""
-    spec, parallel, lora = {}, {}, {}
+    options (`peft_config`, `quantization_config`) and `zero_stage`. `model`: the job's model
+    (the flag's, else the launcher config's), whose config.json may hold a quantization_config.
+    A hub id given as `model` becomes its preset (`hybridmem.models.hub`)."""
+    spec, parallel, lora, sources = {}, {}, {}, {}
     if overrides.get("peft_config") is not None:  # first, so --lora-* flags refine it
         source = overrides["peft_config"]
         cfg = read_adapter_config(source)
+        where = _where(source, "peft_config")
         known = config_keys.peft_known(cfg["peft_type"])
         if known is not None:
-            config_keys.check_keys("peft", cfg, _where(source, "peft_config"),
-                                   used=used_keys("peft"), known=lambda: known)
+            config_keys.check_keys("peft", cfg, where, used=used_keys("peft"), known=lambda: known)
         adapter = spec_fields(cfg)
         if overrides.get("train") not in (None, adapter["train"]):
             raise SpecError("train", overrides["train"], [adapter["train"]],
                             reason="--peft-config sets the trained parameters")
         spec["train"] = adapter["train"]
+        sources["train"] = f"{where}: peft_type"
         if adapter["train"] == "lora":
             lora.update({f.name: getattr(adapter["lora"], f.name) for f in fields(LoraSpec)})
+            sources.update({f"lora_{f.name}": _file_source(where, "peft", f"lora_{f.name}", cfg)
+                            for f in fields(LoraSpec)})
         else:
             spec["peft_config"] = adapter["peft_config"]
-    spec.update(_quantization(overrides))
-    layer = {"spec": spec, "parallel": parallel, "lora": lora}
+            sources["peft_config"] = where
+    quant, quant_sources = _quantization(overrides, model)
+    spec.update(quant)
+    sources.update(quant_sources)
+    layer = {"spec": spec, "parallel": parallel, "lora": lora, "sources": sources,
+             "label": "flag"}
     for key, value in overrides.items():
         if value is None or key in OPTION_FILES:
             continue
         meta = schema.BY_KEY.get(key)
         if meta is not None:
-            layer[meta.owner][meta.name] = schema.parse_cli(meta, value)
+            value = schema.parse_cli(meta, value)
+            sources[key] = flag_source(key)
+            if key == "model" and hub.resolve(value) != value:
+                sources[key] += f" ({value})"
+                value = hub.resolve(value)
+            layer[meta.owner][meta.name] = value
         elif key == "zero_stage":
             if value not in (1, 2, 3):
                 raise SpecError("zero_stage", value, [1, 2, 3])
             parallel["strategy"] = f"zero{value}"
+            sources["strategy"] = "flag --zero-stage"
         else:
             raise SpecError("overrides", key, sorted((*schema.BY_KEY, "zero_stage", *OPTION_FILES)))
     return layer
@@ -537,38 +646,69 @@ def _bnb_dict(source: str | os.PathLike | dict) -> dict:
     return data
 
 
-def _quantization(overrides: dict) -> dict:
-    """Quantisation fields from `--quantization-config FILE` (a BitsAndBytesConfig JSON), else
-    from the `quantization_config` inside the model's config.json (a pre-quantised
-    checkpoint's); `--quantize` given alone keeps the spec's defaults (QLoRA: nf4 + double
-    quant). A `--quantize` that contradicts the file is an error naming both."""
+def _quantization(overrides: dict, model: str | None = None) -> tuple[dict, dict]:
+    """Quantisation fields (and their sources) from `--quantization-config FILE` (a
+    BitsAndBytesConfig JSON), else from the `quantization_config` inside the model's
+    config.json (a pre-quantised checkpoint's); `--quantize` given alone keeps the spec's
+    defaults (QLoRA: nf4 + double quant). A `--quantize` that contradicts the file is an error
+    naming both."""
     from hybridmem.job.quantize import from_bnb_config
 
     out: dict = {}
+    where, data = None, {}
+    model = model or overrides.get("model")
     if overrides.get("quantization_config") is not None:
         source = overrides["quantization_config"]
         data = _bnb_dict(source)
-        config_keys.check_keys("bnb", data, _where(source, "quantization_config"),
-                               used=used_keys("bnb"), known=config_keys.bnb_known)
+        where = _where(source, "quantization_config")
+        config_keys.check_keys("bnb", data, where, used=used_keys("bnb"),
+                               known=config_keys.bnb_known)
         out = from_bnb_config(data)
-    elif overrides.get("model"):
+    elif model:
         from hybridmem.models import load_config
 
         try:
-            qc = getattr(load_config(overrides["model"]), "quantization_config", None)
+            qc = getattr(load_config(model), "quantization_config", None)
         except SpecError:
             qc = None  # the model's own error comes where the model is built
         if qc:
-            out = from_bnb_config(qc if isinstance(qc, dict) else qc.to_dict(),
-                                  "model.quantization_config")
+            data = qc if isinstance(qc, dict) else qc.to_dict()
+            where = f"{model} config.json: quantization_config"
+            out = from_bnb_config(data, "model.quantization_config")
     given = overrides.get("quantize")
     if out and given is not None and given != out["quantize"]:
         if given == "none":
-            return {}
+            return {}, {}
         raise SpecError("quantize", given, [out["quantize"], "none"],
                         reason="--quantization-config / the model's quantization_config says "
                         f"{out['quantize']!r}")
-    return out
+    return out, {key: _file_source(where, "bnb", key, data) for key in out}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A job resolved from its inputs, and where each of its non-default fields came from."""
+
+    spec: TrainingSpec
+    sources: dict[str, str]
+    """Flat job-schema key -> "flag --x", "FILE: key", "launcher default (...)", "recipe NAME:
+    key", ...: every field not at the schema default (`job["sources"]` in `--json`)."""
+
+
+def resolve_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
+                   training_args: str | os.PathLike | dict | None = None,
+                   overrides: dict | None = None, launched=None) -> Resolved:
+    """The validated TrainingSpec of the inputs (parallel settings checked against the rest) and
+    its fields' sources. Layers, lowest first: recipe < launcher config (`launched`: a
+    `hybridmem.parallel.launchers.LauncherConfig`, its launcher's defaults and its keys) <
+    training args < DeepSpeed < explicit overrides (`hybridmem.parallel.resolve` reads a
+    `--config` file and calls this)."""
+    kwargs, sources = _merge(recipe, deepspeed, training_args, overrides, launched)
+    if "model" not in kwargs:
+        raise SpecError("model", None, reason="give --model (or a --config that names one)")
+    spec = TrainingSpec(**kwargs)
+    check_parallel(spec)
+    return Resolved(spec, _non_default(spec, sources))
 
 
 def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
@@ -578,13 +718,19 @@ def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict 
     over the recipe, and a file read as a Trainer run (a recipe, TrainingArguments) starts from
     Trainer's default batch. `overrides` take job-schema keys (`_layer_overrides`); None values
     are ignored."""
-    over = _layer_overrides(overrides or {})
+    return _merge(recipe, deepspeed, training_args, overrides, None)[0]
+
+
+def _merge(recipe, deepspeed, training_args, overrides, launched) -> tuple[dict, dict]:
+    overrides = overrides or {}
+    over = _layer_overrides(overrides, overrides.get("model") or (launched and launched.model))
     layers: list[dict] = []
     ds_sources: list[tuple] = []  # (DeepSpeed config, where it came from)
     hf: dict | None = None
     if recipe is not None or training_args is not None:
         # a Trainer run: TrainingArguments' own default batch where no file sets one
-        layers.append({"spec": {"micro_batch": HF_DEFAULT_BATCH}, "parallel": {}, "lora": {}})
+        layers.append({"spec": {"micro_batch": HF_DEFAULT_BATCH}, "parallel": {}, "lora": {},
+                       "label": TRAINER_DEFAULT})
     if recipe is not None:
         if recipe not in RECIPES:
             raise SpecError("recipe", recipe, sorted(RECIPES))
@@ -593,6 +739,13 @@ def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict 
         layers.append(ta)
         hf = {**ta["hf"], "_given": False}
         ds_sources.append((RECIPES[recipe]["deepspeed"], f"recipe {recipe} (DeepSpeed)"))
+    if launched is not None:
+        layers += launched.layers
+        hf = {**launched.hf, "_given": False}
+        if launched.deepspeed is not None:
+            ds_sources.append((launched.deepspeed, launched.deepspeed_where))
+        elif any(layer["parallel"].get("strategy") == "fsdp" for layer in launched.layers):
+            ds_sources.clear()  # the launcher's FSDP replaces the recipe's DeepSpeed config
     if training_args is not None:
         ta = from_training_args(training_args)
         layers.append(ta)
@@ -610,7 +763,7 @@ def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict 
         hf = {**(hf or HF_DEFAULTS), "per_device_train_batch_size": over["spec"]["micro_batch"],
               "_given": False}
     if ds_sources:
-        model = over["spec"].get("model")
+        model = over["spec"].get("model") or (launched and launched.model)
         hidden = hidden_size_of(model) if model else None
         source, where = ds_sources[-1]
         layers.append(from_deepspeed_json(source, hidden_size=hidden, hf=hf, where=where))
@@ -627,14 +780,25 @@ def deepspeed_precision(strategy: str, precision: str) -> str:
     return precision
 
 
-def _combine(layers: list[dict], over: dict) -> dict:
+def _combine(layers: list[dict], over: dict) -> tuple[dict, dict]:
     spec: dict = {}
     parallel: dict = {}
     lora: dict = {}
+    sources: dict = {}
+    values: dict = {}
+    multi_gpu = "ddp"
     for layer in layers:
         spec.update(layer["spec"])
         parallel.update(layer["parallel"])
         lora.update(layer["lora"])
+        multi_gpu = layer.get("multi_gpu_strategy", multi_gpu)
+        said = layer.get("sources", {})
+        for key, value in layer_values(layer).items():
+            if key in said:
+                sources[key] = said[key]
+            elif values.get(key, object()) != value or key not in sources:
+                sources[key] = layer.get("label", "?")
+            values[key] = value
     if parallel.get("strategy") == "fsdp" and any(
             layer["parallel"].get("strategy", "").startswith("zero") for layer in layers):
         if "strategy" not in over["parallel"]:
@@ -642,25 +806,46 @@ def _combine(layers: list[dict], over: dict) -> dict:
                             reason="FSDP and DeepSpeed ZeRO cannot both be set")
     ws = parallel.get("world_size", 1)
     if parallel.get("strategy", "none") == "none" and ws > 1:
-        parallel["strategy"] = "ddp"  # torchrun + HF Trainer without DeepSpeed/FSDP is DDP
+        # torchrun + HF Trainer without DeepSpeed/FSDP is DDP; a launcher's multi-GPU recipe
+        # may say otherwise (torchtune's distributed recipes shard with FSDP2)
+        parallel["strategy"] = multi_gpu
+        sources["strategy"] = (f"{sources.get('world_size', 'world_size')}: "
+                               f"{multi_gpu} across {ws} GPUs")
     if "precision" in spec and "precision" not in over["spec"]:
-        spec["precision"] = deepspeed_precision(str(parallel.get("strategy", "")), spec["precision"])
+        ran = deepspeed_precision(str(parallel.get("strategy", "")), spec["precision"])
+        if ran != spec["precision"]:
+            sources["precision"] = f"{sources.get('precision', '?')} under DeepSpeed ZeRO"
+        spec["precision"] = ran
     if spec.get("train") == "lora":
         spec["lora"] = LoraSpec(**lora)
     elif over["lora"]:
         raise SpecError("train", spec.get("train", "full"), ["lora"],
                         reason="--lora-* options need --train lora")
     spec["parallel"] = ParallelSpec(**parallel)
-    return spec
+    return spec, sources
+
+
+def _non_default(spec: TrainingSpec, sources: dict) -> dict:
+    """The sources of the fields `spec` does not leave at the schema default (and the model)."""
+    job = schema.job_dict(spec)
+    out = {}
+    for meta in schema.FIELDS:
+        if meta.key not in sources:
+            continue
+        if meta.owner == "lora":
+            value = None if job["lora"] is None else job["lora"][meta.name]
+            if value is None:
+                continue
+        else:
+            value = job[meta.name]
+        default = list(meta.default) if isinstance(meta.default, tuple) else meta.default
+        if meta.name == "model" or value != default:
+            out[meta.key] = sources[meta.key]
+    return out
 
 
 def spec_from_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
                      training_args: str | os.PathLike | dict | None = None,
                      overrides: dict | None = None) -> TrainingSpec:
-    """`merge_inputs` -> a validated TrainingSpec (parallel settings checked against the rest)."""
-    kwargs = merge_inputs(recipe, deepspeed, training_args, overrides)
-    if "model" not in kwargs:
-        raise SpecError("model", None, reason="give --model")
-    spec = TrainingSpec(**kwargs)
-    check_parallel(spec)
-    return spec
+    """`resolve_inputs`' TrainingSpec (parallel settings checked against the rest)."""
+    return resolve_inputs(recipe, deepspeed, training_args, overrides).spec

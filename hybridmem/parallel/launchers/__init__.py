@@ -1,0 +1,46 @@
+"""`--config FILE`: a launcher's own training config, read as that launcher reads it.
+
+Why: users launch with LLaMA-Factory (`llamafactory-cli train x.yaml`), axolotl (`axolotl train
+x.yml`) or torchtune (`tune run recipe --config x.yaml`); each fills what the file leaves out
+with its own defaults (LLaMA-Factory checkpoints unless told not to, axolotl's sequence length
+is 512, ...). One module per launcher turns its file into one `merge_inputs` layer, with the
+launcher's defaults where the file is silent and the source of every field; every key of the
+file is read, known to the launcher (no memory effect), or a warning naming the nearest known
+key (`hybridmem.parallel.config_keys`). The dialect is told by the keys (`detect`), or forced.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hybridmem.errors import SpecError
+from hybridmem.parallel.launchers import axolotl, llamafactory, torchtune
+from hybridmem.parallel.launchers.common import LauncherConfig, load_yaml
+
+DIALECTS = {"llamafactory": llamafactory, "axolotl": axolotl, "torchtune": torchtune}
+"""--config-format name -> its reader, in the order `detect` tries them."""
+
+
+def detect(cfg: dict, where: str) -> str:
+    """The dialect a config's keys tell: torchtune's model `_component_`, axolotl's
+    `base_model`, LLaMA-Factory's method keys (`finetuning_type` / `stage` /
+    `model_name_or_path` with `cutoff_len`)."""
+    for name in ("torchtune", "axolotl", "llamafactory"):
+        if DIALECTS[name].detect(cfg):
+            return name
+    raise SpecError("config", where, list(DIALECTS),
+                    reason="cannot tell the launcher from its keys; give --config-format")
+
+
+def read_config(path: str | os.PathLike, config_format: str | None = None) -> LauncherConfig:
+    """The config file at `path`, in `config_format` (else the one its keys tell)."""
+    if config_format is not None and config_format not in DIALECTS:
+        raise SpecError("config_format", config_format, list(DIALECTS))
+    where = os.fspath(path)
+    cfg = load_yaml(path)
+    dialect = config_format or detect(cfg, where)
+    return DIALECTS[dialect].read(cfg, where, Path(where).expanduser().resolve().parent)
+
+
+__all__ = ["DIALECTS", "LauncherConfig", "detect", "read_config"]
