@@ -158,3 +158,18 @@ def test_real_cce_missing_is_one_line():
         pass
     with pytest.raises(ImportError, match="pip install cut-cross-entropy"):
         cce.apply_real(torch.nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(train="lora", grad_ckpt=True, loop="custom")],
+                         ids=["full", "lora-ckpt-custom"])
+def test_trace_equals_real_cpu_run(kw):
+    # the meta-backend trace of the emulation == the same step on real CPU tensors (every
+    # label counted in both: `build_flat_valids` sizes nonzero's output so)
+    from test_trace import real_cpu_peak
+
+    from hybridmem.models import load_config
+    from hybridmem.trace import runner
+
+    spec = tiny(seq_len=64, **kw)
+    tracker, _ = runner.trace(spec, load_config(spec.model), backend="meta")
+    assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(spec)
