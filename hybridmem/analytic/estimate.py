@@ -69,6 +69,19 @@ def liger_applies(spec: TrainingSpec) -> bool:
     return liger_text_type(data["model_type"], text.get("model_type")) is not None
 
 
+def cce_applies(spec: TrainingSpec) -> bool:
+    """`--cut-cross-entropy` on a model the CCE patch handles (`job.cce.check_model`: else a
+    SpecError)."""
+    if not spec.cut_cross_entropy:
+        return False
+    from hybridmem.job.cce import check_model
+    from hybridmem.models.loader import load_config_dict
+
+    _, data = load_config_dict(spec.model)
+    check_model(data["model_type"], (data.get("text_config") or {}).get("model_type"))
+    return True
+
+
 def context(spec: TrainingSpec) -> A.Ctx:
     policy = POLICIES[spec.precision]
     amp = spec.precision.endswith("-mixed")
@@ -87,7 +100,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  dora=bool(spec.lora and spec.lora.use_dora),
                  frozen_a=spec.optimizer == "lora-fa", quant=quant,
                  liger=liger_applies(spec),
-                 ce_chunks=spec.chunked_ce, param=policy.param_bytes)
+                 ce_chunks=spec.chunked_ce, param=policy.param_bytes,
+                 cce=cce_applies(spec))
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
@@ -285,6 +299,9 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
                      "made in the forward), RMSNorm, SwiGLU, RoPE as liger-kernel 0.8.5's "
                      "kernels allocate (docs/loss.md); RMSNorm's (sm_count x H) dW partials "
                      "are not counted")
+    if spec.cut_cross_entropy:
+        notes.append("cut_cross_entropy: no logits; lse, logit_avg and the counted tokens' "
+                     "indices saved, as cut-cross-entropy's kernels allocate (docs/loss.md)")
     if spec.chunked_ce:
         notes.append(f"chunked_ce: the logits in {spec.chunked_ce} chunks, each upcast to fp32 "
                      "inside the loss (torchtune CEWithChunkedOutputLoss)")
@@ -380,7 +397,7 @@ def _loop(graph: ModelGraph, spec: TrainingSpec, stepped) -> dict:
         e = POLICIES[spec.precision].compute_bytes
         logits = sum(t(head["b"] * n * head["vocab"], e)
                      for n in torch_chunks(head["s"], spec.chunked_ce))
-    if liger_applies(spec):  # Liger's lce_forward returns no logits in training
+    if liger_applies(spec) or spec.cut_cross_entropy:  # lce_forward / cce_forward: no logits
         logits = 0
     return {"custom": custom, "logits": logits if custom else 0,
             "loss": t(1, A.FP32) if custom else 0, "grad_accum": spec.grad_accum,

@@ -206,6 +206,13 @@ def apply_loss(model: nn.Module, spec: TrainingSpec, config, device) -> None:
         return
     if spec.chunked_ce:
         loss.apply_chunked_ce(model, spec.chunked_ce)
+    if spec.cut_cross_entropy:  # cut_cross_entropy.transformers.cce_patch (`job.cce`)
+        from hybridmem.job import cce
+
+        try:
+            cce.apply_real(model)
+        except ImportError as err:
+            raise Unavailable(str(err)) from err
     if spec.liger:
         try:
             liger.apply_real(model)

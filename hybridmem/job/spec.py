@@ -340,6 +340,15 @@ class TrainingSpec:
         "[docs/loss.md](docs/loss.md)")
     """Chunked cross-entropy (torchtune `CEWithChunkedOutputLoss`): the logits in N chunks,
     each upcast to fp32 inside the loss; 0 = off (HF's `ForCausalLMLoss`)."""
+    cut_cross_entropy: bool = job_field(
+        False, help="Cut Cross-Entropy (Apple's cut-cross-entropy): the loss without logits.",
+        group="savers", feature=True, added=21, recorded="bool",
+        doc="Cut Cross-Entropy as axolotl's `cut_cross_entropy: true` patches it (apple's "
+        "`cut-cross-entropy`): no logits, only the log-sum-exp per token; bf16 / fp16 weights; "
+        "llama / mistral / qwen2 / LLaVA. Not with `--liger` or `--chunked-ce`. Both tiers and "
+        "the harness; [docs/loss.md](docs/loss.md)")
+    """Cut Cross-Entropy (`hybridmem.job.cce`): the loss from the hidden states and
+    lm_head.weight without (N, V) logits."""
     offload_activations: str = job_field(
         "none", help="Saved activations in host memory.", group="savers",
         choices=OFFLOAD_MODES, feature=True, added=16, recorded="string",
@@ -482,6 +491,9 @@ class TrainingSpec:
         check_quantize(self)
 
         check_loss_spec(self)
+        from hybridmem.job.cce import check_spec as check_cce
+
+        check_cce(self)
 
     def with_(self, **changes: object) -> "TrainingSpec":
         """A copy with some fields changed (validated again)."""

@@ -279,11 +279,15 @@ def apply_loss(model: nn.Module, spec: TrainingSpec, config) -> str | None:
     """`--liger`: the emulated Liger kernels patched into the instance as Trainer's
     `apply_liger_kernel` does (`hybridmem.job.liger`; returns the text model type, whose RoPE
     the run patches, or None where Liger skips the model); `--chunked-ce N`: torchtune's
-    chunked loss (`hybridmem.job.loss.apply_chunked_ce`)."""
+    chunked loss (`hybridmem.job.loss.apply_chunked_ce`); `--cut-cross-entropy`: CCE."""
     from hybridmem.job import liger, loss
 
     if spec.chunked_ce:
         loss.apply_chunked_ce(model, spec.chunked_ce)
+    if spec.cut_cross_entropy:  # the emulated CCE patch (`hybridmem.job.cce`)
+        from hybridmem.job import cce
+
+        cce.emulate(model, config)
     if not spec.liger:
         return None
     text_cfg = getattr(config, "text_config", None)

@@ -62,6 +62,8 @@ class Ctx:
     model type Liger patches; `hybridmem.job.loss`)."""
     ce_chunks: int = 0
     """torchtune's chunked cross-entropy in N chunks (`--chunked-ce N`); 0 = HF's loss."""
+    cce: bool = False
+    """Cut Cross-Entropy replaces the lm_head + loss (`--cut-cross-entropy`; `job.cce`)."""
     param: int = 4
     """Bytes per element of the parameters (Liger's FLCE weight grad has the weight's dtype)."""
 

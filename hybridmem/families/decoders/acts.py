@@ -10,6 +10,7 @@ from hybridmem.families.common.activations import (
 from hybridmem.families.gemma3 import acts as GA
 from hybridmem.allocator.alloc import t
 from hybridmem.families.common.eager_top import backward_top, forward_top
+from hybridmem.job.cce import head_tensors
 from hybridmem.job.loss import LIGER_SM_COUNT, flce_chunks, torch_chunks
 from hybridmem.models.graph import Layer
 
@@ -350,8 +351,16 @@ def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                     bwd_parts=(t(B * h, c.stream), *dw))
     fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
         (t(B * h, c.stream),) if not need_w else ())
+    bwd_extra, bwd_parts = 2 * t(B * h, c.stream), ()
+    if c.cce and c.stream != FP32:
+        # the fp32 chain of its backward (`x * rsqrt(x.pow(2).mean(-1) + eps)`: the rsqrt
+        # product's grad, mean's expand, pow's `2 * x` and its products: five B x h fp32 at its
+        # top, trace tier tiny-llama bf16). Without CCE the loss's backward is the higher point;
+        # counted where CCE's backward leaves it the step's top
+        bwd_parts = (t(B * h, FP32),) * 5
+        bwd_extra = sum(bwd_parts)
     return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd_parts),
-                fwd_parts=fwd_parts, bwd_extra=2 * t(B * h, c.stream))
+                fwd_parts=fwd_parts, bwd_extra=bwd_extra, bwd_parts=bwd_parts)
 
 
 def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
@@ -371,6 +380,8 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     e = c.e
     if c.liger:
         return liger_head(d, c, need_in, need_w)
+    if c.cce:
+        return cce_head(d, c, need_in, need_w)
     sv = Saved()
     n_lora = len(lora_matrices(layer)) // 2
     linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False, in_grad=need_in)
@@ -473,6 +484,17 @@ def liger_head(d: dict, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd),
                 fwd_parts=tuple(fwd), bwd_extra=t(1, FP32), bwd_parts=(t(1, FP32),),
                 grad_in_saved=grad_w)
+
+
+def cce_head(d: dict, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """lm_head + loss under Cut Cross-Entropy (`hybridmem.job.cce.head_tensors`, its docstring
+    cites the kernels): the head's input (e) and valids, lse, logit_avg saved; no logits; the
+    forward's high point is the valids' nonzero output beside its int32 cast; the backward
+    makes e's grad, the locks and the vocab ordering, and lm_head's grad when it trains."""
+    parts = head_tensors(d["b"], d["s"], d["h"], d["vocab"], c.e, need_in, need_w)
+    saved, fwd, bwd = ([t(n, b) for n, b in parts[k]] for k in ("saved", "fwd", "bwd"))
+    return Acts(saved=sum(saved), parts=tuple(saved), fwd_extra=sum(fwd), fwd_parts=tuple(fwd),
+                bwd_extra=sum(bwd), bwd_parts=tuple(bwd))
 
 
 def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0,
