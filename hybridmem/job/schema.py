@@ -171,9 +171,9 @@ def job_dict(spec: TrainingSpec) -> dict:
     return out
 
 
-JOB_EXTRAS: tuple[str, ...] = ("warnings",)
-"""Keys the `job` object may carry besides fields (the config readers' warnings); ignored by
-`spec_from_job`."""
+JOB_EXTRAS: tuple[str, ...] = ("warnings", "defaults")
+"""Keys the `job` object may carry besides fields (the config readers' warnings; the defaults
+the model decided, field -> why: `hybridmem.families.defaults`); ignored by `spec_from_job`."""
 
 
 def _tuples(cls: type, data: dict) -> dict:
