@@ -17,6 +17,7 @@ from hybridmem.job.schema import job_dict
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import is_analytic, model_type_of
 from hybridmem.prediction import Prediction
+from hybridmem.families.defaults import resolve_defaults
 from hybridmem.job.spec import TrainingSpec
 
 # method name -> "module:function" taking a TrainingSpec and returning a Prediction
@@ -230,6 +231,9 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
     # seconds); a family only the trace tier prices is refused by the analytic tier's rule
     if is_analytic(model_type_of(spec.model)):
         light_config(spec.model)
+    # attention and precision the user left open follow the model (families.defaults)
+    filled = resolve_defaults(spec)
+    spec = filled.spec
     choice = choose_method(spec, method)
     method = choice.method
     refused = refusal(method, spec)
@@ -245,9 +249,12 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
     except UnsupportedModelError as err:  # the trace tier could not run the model's code
         raise no_tier(err, spec, "trace") from err
     notes = result.notes if choice.note is None else (*result.notes, choice.note)
+    if filled.defaults.get("attn") and spec.attn != "sdpa":  # the one default worth a note
+        notes = (*notes, f"attn={spec.attn}: {filled.defaults['attn']}")
     # a tier that answered with another one (the hybrid tier's fallbacks) says why itself
     # every answer says what job it priced, with the schema's names
-    result = dataclasses.replace(result, notes=notes, job=job_dict(spec),
+    job = {**job_dict(spec), "defaults": filled.defaults} if filled.defaults else job_dict(spec)
+    result = dataclasses.replace(result, notes=notes, job=job,
                                  extras={"method_reason": choice.reason, **result.extras})
     if gpu is None:
         return result

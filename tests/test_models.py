@@ -311,3 +311,29 @@ def test_malformed_config_values_name_the_field(tmp_path, patch, field):
     path.write_text(json.dumps(data))
     with pytest.raises(SpecError, match=rf"^{field}="):
         build_graph(TrainingSpec(model=str(path), seq_len=64))
+
+
+# Published totals of the common fine-tuning targets: the model cards' / hub safetensors'
+# parameter counts (the hub page's exact "Model size" total). The parametrized meta-device test
+# above pins each graph to transformers' own model; this pins each transcribed config to the
+# published model.
+PUBLISHED_TOTALS = {
+    "llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320, "llama-2-70b": 68_976_648_192,
+    "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
+    "llama-3.1-405b": 405_853_388_800, "llama-3.2-1b": 1_235_814_400,
+    "mistral-7b-v0.3": 7_248_023_552, "mistral-nemo-base-2407": 12_247_782_400,
+    "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
+    "qwen2.5-7b": 7_615_616_512, "qwen2.5-14b": 14_770_033_664, "qwen2.5-32b": 32_763_876_352,
+    "qwen2.5-72b": 72_706_203_648,
+    # Qwen3-1.7B: the hub's 2.03B counts lm_head.weight, stored in the safetensors although
+    # tie_word_embeddings is true; the tied model has 151936 x 2048 fewer
+    "qwen3-1.7b": 2_031_739_904 - 151_936 * 2_048,
+    "qwen3-4b": 4_022_468_096, "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264,
+    "gemma-2-27b": 27_227_128_320, "phi-3.5-mini-instruct": 3_821_079_552,
+    "smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "smollm2-1.7b": 1_711_376_384,
+}
+
+
+@pytest.mark.parametrize("preset,total", sorted(PUBLISHED_TOTALS.items()))
+def test_fine_tuning_presets_match_the_published_size(preset, total):
+    assert build_graph(_spec(preset)).num_params == total

@@ -44,6 +44,7 @@ from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
 from hybridmem.families.decoders.model import NO_SDPA_TYPES
+from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -347,12 +348,14 @@ def timeline(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
              ) -> tuple[ModelGraph, list[Priced], list[Point]]:
     """The graph, every priced layer and every timeline point of two iterations; `workspace`:
     bytes of one cuBLAS workspace (`overheads.cublas_workspace`)."""
+    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
     graph, priced, st = _setup(spec, workspace)
     return graph, priced, walk([p.step for p in priced], st)
 
 
 def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
            ) -> tuple[ModelGraph, list[Priced], Statics]:
+    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
     refused = scope.refusal(spec)  # PEFT methods, families and MoE settings it does not price
     if refused is not None:
         raise refused
@@ -433,6 +436,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     `capacity` says otherwise (bytes, or None: unlimited), the allocator's capacity the stream
     is replayed within (`reserved.bounded`): at a GPU's limit the allocator releases its cache
     instead of reserving more, so whether a job fits depends on it."""
+    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
     ws = cublas_workspace(gpu)
     limit = gpu_capacity(gpu, capacity)
     graph, priced, points = timeline(spec, ws)

@@ -127,11 +127,16 @@ class ParallelSpec:
     """FSDP2: free unsharded params after each unit's forward (fully_shard default True)."""
     mp_param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = job_field(
         "auto", help="FSDP2 MixedPrecisionPolicy.param_dtype (auto: the compute dtype).",
-        group="parallel", cli=False, keys={"training_args": ("fsdp_config",)})
+        group="parallel",
+        doc="FSDP2 `MixedPrecisionPolicy.param_dtype`: the dtype the sharded params are "
+        "all-gathered and computed in (`auto`: the precision's compute dtype). torchtitan / "
+        "accelerate's bf16 FSDP2: `--precision bf16-mixed --mp-param-dtype bf16 "
+        "--mp-reduce-dtype fp32` (fp32 shards, bf16 gathers and activations, fp32 reduce)",
+        keys={"training_args": ("fsdp_config",)})
     """FSDP2 MixedPrecisionPolicy.param_dtype; auto = the spec's compute dtype."""
     mp_reduce_dtype: Literal["auto", "fp32", "bf16", "fp16"] = job_field(
         "auto", help="FSDP2 MixedPrecisionPolicy.reduce_dtype (auto: param_dtype).",
-        group="parallel", cli=False, keys={"training_args": ("fsdp_config",)})
+        group="parallel", keys={"training_args": ("fsdp_config",)})
     """FSDP2 MixedPrecisionPolicy.reduce_dtype; auto = param_dtype (FSDP2's None)."""
 
     def __post_init__(self) -> None:

@@ -33,3 +33,24 @@ POLICIES: dict[str, PrecisionPolicy] = {
     "fp16-mixed": PrecisionPolicy(4, 4, 4, 0, 2),
     "bf16-master": PrecisionPolicy(2, 2, 4, 4, 2),
 }
+
+
+
+def in_words(precision: str, train: str, strategy: str = "none",
+             mp_param_dtype: str = "auto", mp_reduce_dtype: str = "auto") -> str:
+    """The precision as the axes users set: weights dtype, compute (autocast) dtype, adapter
+    dtype, master weights, and FSDP2's gather / reduce dtypes; for the console's job echo."""
+    pol = POLICIES[precision]
+    half = "fp16" if precision.startswith("fp16") else "bf16"
+    weights = "fp32" if pol.param_bytes == 4 else half
+    compute = "fp32" if pol.compute_bytes == 4 else half
+    autocast = pol.param_bytes != pol.compute_bytes  # torch.amp: fp32 params, 16-bit compute
+    parts = [f"weights {weights}", f"compute {compute}" + (" (autocast)" if autocast else "")]
+    if train in ("lora", "peft"):
+        parts.append("adapters fp32 (peft)")  # peft autocast_adapter_dtype=True
+    parts.append("fp32 master weights" if pol.master_bytes else "no master copy")
+    if strategy == "fsdp":
+        gather = compute if mp_param_dtype == "auto" else mp_param_dtype
+        reduce = gather if mp_reduce_dtype == "auto" else mp_reduce_dtype
+        parts.append(f"FSDP2 gather {gather}, reduce {reduce}")
+    return ", ".join(parts)

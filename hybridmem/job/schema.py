@@ -18,6 +18,7 @@ from typing import Literal, get_args, get_origin
 from hybridmem.errors import SpecError
 from hybridmem.job.field import GROUPS, JobField, declared
 from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.precision import in_words
 from hybridmem.job.spec import LoraSpec, TrainingSpec
 
 OWNERS: dict[str, type] = {"spec": TrainingSpec, "lora": LoraSpec, "parallel": ParallelSpec}
@@ -171,10 +172,11 @@ def job_dict(spec: TrainingSpec) -> dict:
     return out
 
 
-JOB_EXTRAS: tuple[str, ...] = ("warnings", "sources")
+JOB_EXTRAS: tuple[str, ...] = ("warnings", "sources", "defaults")
 """Keys the `job` object may carry besides fields (the config readers' warnings; `sources`:
-flat key -> where each non-default field came from, `hybridmem.parallel.inputs.Resolved`);
-ignored by `spec_from_job`."""
+flat key -> where each non-default field came from, `hybridmem.parallel.inputs.Resolved`; the
+defaults the model decided, field -> why: `hybridmem.families.defaults`); ignored by
+`spec_from_job`."""
 
 
 def _tuples(cls: type, data: dict) -> dict:
@@ -266,6 +268,12 @@ def echo_lines(job: dict) -> list[str]:
             elif meta.echo or value != _plain(meta.default) \
                     or meta.owner == "lora" and meta.name in ("r", "alpha"):
                 parts.append(f"{meta.key}={_shown(value)}{note}")
+        if group == "precision" and job.get("precision") is not None:
+            # the axes in words (job.precision.in_words): what `--precision` means here
+            parts.append("(" + in_words(job["precision"], job["train"], job["strategy"],
+                                        job["mp_param_dtype"], job["mp_reduce_dtype"]) + ")")
         if parts:
             lines.append(f"{group}: " + " ".join(parts))
+    for name, why in (job.get("defaults") or {}).items():  # what the model decided, and why
+        lines.append(f"default {name}={job[name]}: {why}")
     return lines

@@ -168,8 +168,8 @@ class TrainingSpec:
         "`qwen3_vl`, `qwen3_vl_moe`, `idefics3`, `smolvlm`, `internvl`, `mistral3`, `gemma3` "
         "(VLMs with their image-token rule, [docs/vlm-families.md](docs/vlm-families.md)) and "
         "`llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3_text`, `mixtral`, "
-        "`qwen3_moe` (decoders, [docs/families.md](docs/families.md); Gemma 2 needs `--attn "
-        "eager`, the MoE families full bf16): every tier (closed forms). Any other `model_type` "
+        "`qwen3_moe` (decoders, [docs/families.md](docs/families.md); Gemma 2 defaults to "
+        "eager attention, the MoE families need full bf16): every tier (closed forms). Any other `model_type` "
         "the installed transformers builds as `AutoModelForCausalLM` or "
         "`AutoModelForImageTextToText` (GPT-2, OPT, PaliGemma, Mllama, …): trace tier only, "
         "which `predict` picks without `--method` (and says so in the notes); `--method "
@@ -213,15 +213,20 @@ class TrainingSpec:
         "thumbnail, default one tile)")
     """Input image side in pixels, or "HxW" (Qwen2-VL / Qwen2.5-VL: native dynamic
     resolution); None means the vision tower's native size. A square is stored as an int."""
-    precision: Precision = job_field(
-        "bf16-mixed", help="Where params, grads and optimizer state live.", group="precision",
+    precision: Precision | None = job_field(
+        None, help="Where params, grads and optimizer state live (default: the model's rule).",
+        group="precision", choices=PRECISIONS,
         feature=True, echo=True, keys={"training_args": ("bf16", "fp16"),
                                        "deepspeed": ("bf16", "fp16", "bfloat16")},
         doc="`fp32`, `bf16`, `fp16` (pure), `bf16-mixed`, `fp16-mixed` (fp32 params + "
         "autocast), `bf16-master` (bf16 params/grads + fp32 master weights and state). "
         "TrainingArguments `bf16` / `fp16` are autocast (`bf16-mixed`); DeepSpeed's are "
-        "`bf16-master`")
-    """Where params, grads and optimizer state live (pure, autocast-mixed, master-weights)."""
+        "`bf16-master`. Default (`hybridmem.families.defaults`): with adapters (`lora`, `peft`) "
+        "the checkpoint's `torch_dtype` as the model is loaded (`bf16`: bf16 weights and "
+        "compute, peft's fp32 adapters; float32 or none given: `fp32`); otherwise `bf16-mixed` "
+        "(fp32 weights + bf16 autocast, Trainer `bf16=True`)")
+    """Where params, grads and optimizer state live (pure, autocast-mixed, master-weights);
+    None: the model's default (`hybridmem.families.defaults.resolve_defaults`)."""
     optimizer: Optimizer = job_field(
         "adamw", help="Optimizer (adamw: torch's foreach AdamW).", group="precision",
         feature=True, echo=True, keys={"training_args": ("optim", "optim_args"),
@@ -272,11 +277,15 @@ class TrainingSpec:
     """Which parameters are trained."""
     lora: LoraSpec | None = None
     """LoRA settings; required and only meaningful with `train='lora'`."""
-    attn: Attention = job_field(
-        "sdpa", help="Attention implementation (transformers attn_implementation).",
-        group="model", feature=True, echo=True,
-        keys={"training_args": ("attn_implementation",)})
-    """Attention implementation (`attn_implementation` in transformers)."""
+    attn: Attention | None = job_field(
+        None, help="Attention implementation (default: the one transformers picks).",
+        group="model", choices=ATTENTIONS, feature=True, echo=True,
+        keys={"training_args": ("attn_implementation",)},
+        doc="`eager`, `sdpa`, `flash_attention_2` (transformers `attn_implementation`); "
+        "default: the one transformers picks for the model (`sdpa`, `eager` where its code "
+        "has no SDPA path, e.g. Gemma 2)")
+    """Attention implementation (`attn_implementation` in transformers); None: the one
+    transformers picks for the model (`hybridmem.families.defaults.resolve_defaults`)."""
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     """Data parallelism; the default is one GPU."""
     loop: Loop = job_field(
@@ -433,10 +442,12 @@ class TrainingSpec:
                             reason="must be a non-negative integer")
         if self.image_size is not None:  # "HxW" / int, stored as an int for a square
             object.__setattr__(self, "image_size", normalize_image_size(self.image_size))
-        _check_choice("precision", self.precision, PRECISIONS)
+        if self.precision is not None:  # None: resolved per model (families.defaults)
+            _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("train", self.train, TRAINABLES)
-        _check_choice("attn", self.attn, ATTENTIONS)
+        if self.attn is not None:  # None: resolved per model (families.defaults)
+            _check_choice("attn", self.attn, ATTENTIONS)
         if (self.precision, self.optimizer) in INVALID_PAIRS:
             raise SpecError("optimizer", self.optimizer,
                             [o for o in OPTIMIZERS if (self.precision, o) not in INVALID_PAIRS],

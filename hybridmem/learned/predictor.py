@@ -240,6 +240,9 @@ def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
     answer again (`predict.PER_RANK_TIERS`)."""
     from hybridmem.learned.features import resolve_base
     from hybridmem.predict import estimator, refusal
+    from hybridmem.families.defaults import resolved
+
+    spec = resolved(spec)  # attn / precision left open follow the model
 
     refused = refusal("analytic", spec) if base_fn is None else None
     if refused is not None:  # no analytic base to correct: the trace tier's answer, said so

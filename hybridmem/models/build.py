@@ -204,6 +204,9 @@ def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
 
 def build_graph(spec: TrainingSpec) -> ModelGraph:
     """Parse the spec's model config into modules -> layers with the spec's shapes."""
+    from hybridmem.families.defaults import resolved  # it reads this package's loader
+
+    spec = resolved(spec)  # attn / precision left open follow the model
     name, cfg = light_config(spec.model)
     fam = family(cfg.model_type)
     multimodal = fam.kind != DECODER

@@ -17,6 +17,28 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 
 HUB_PRESETS: dict[str, str] = {
+    # the most fine-tuned open LLMs (instruct twins share the base's shape fields)
+    "google/gemma-2-27b": "gemma-2-27b", "google/gemma-2-27b-it": "gemma-2-27b",
+    "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",
+    "meta-llama/Llama-2-13b-hf": "llama-2-13b", "meta-llama/Llama-2-13b-chat-hf": "llama-2-13b",
+    "meta-llama/Llama-2-70b-hf": "llama-2-70b", "meta-llama/Llama-2-70b-chat-hf": "llama-2-70b",
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "meta-llama/Llama-3.1-70B": "llama-3.1-70b",
+    "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
+    "meta-llama/Llama-3.1-405B": "llama-3.1-405b",
+    "meta-llama/Llama-3.1-405B-Instruct": "llama-3.1-405b",
+    "meta-llama/Llama-3.2-1B": "llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
+    "mistralai/Mistral-7B-v0.3": "mistral-7b-v0.3",
+    "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b-v0.3",
+    "mistralai/Mistral-Nemo-Base-2407": "mistral-nemo-base-2407",
+    "mistralai/Mistral-Nemo-Instruct-2407": "mistral-nemo-base-2407",
+    "microsoft/Phi-3.5-mini-instruct": "phi-3.5-mini-instruct",
+    **{f"Qwen/Qwen2.5-{size}{tail}": f"qwen2.5-{size.lower()}"
+       for size in ("0.5B", "1.5B", "3B", "7B", "14B", "32B", "72B") for tail in ("", "-Instruct")},
+    **{f"Qwen/Qwen3-{size}{tail}": f"qwen3-{size.lower()}"
+       for size in ("1.7B", "4B", "14B", "32B") for tail in ("", "-Base")},
+    **{f"HuggingFaceTB/SmolLM2-{size}{tail}": f"smollm2-{size.lower()}"
+       for size in ("135M", "360M", "1.7B") for tail in ("", "-Instruct")},
     # decoders
     "google/gemma-2-2b": "gemma-2-2b",
     "google/gemma-2-2b-it": "gemma-2-2b",  # instruct twin: same shape fields

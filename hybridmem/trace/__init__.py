@@ -20,6 +20,7 @@ from hybridmem.allocator.reserved import (
     gpu_capacity,
 )
 from hybridmem.categories import CATEGORIES
+from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
 from hybridmem.job.optimizers import paged_notes
 from hybridmem.models import build_graph, load_config
@@ -82,6 +83,7 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta",
     of one cuBLAS workspace (`allocator.overheads.cublas_workspace`, the analytic tier's too);
     `capacity`: bytes the allocator may reserve (None: unlimited), `_simulate_reserved`.
     """
+    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
     from hybridmem.errors import UnsupportedModelError
     from hybridmem.trace import repeat, runner
 
@@ -128,6 +130,7 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
     the cuBLAS workspace as in the analytic tier (Hopper's when None) and, unless `capacity`
     says otherwise, the allocator capacity the recorded stream is replayed within
     (`analytic.estimate.gpu_capacity`: the GPU's memory minus the CUDA context)."""
+    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
     limit = gpu_capacity(gpu, capacity)
     result = run_trace(spec, backend=backend, workspace=cublas_workspace(gpu), capacity=limit)
     allocated = result.peak_allocated
