@@ -25,7 +25,7 @@ TOL = 0.03  # the issue's bound on analytic vs trace (peak allocated)
 TENSOR_TOL = 0.05  # test_analytic_vs_trace.TOL: tiny tensors are 512 B-rounded, few per layer
 # tiny preset -> the runs the family supports (its transformers code refuses the others)
 TINY = {"tiny-qwen3": {}, "tiny-phi3": {}, "tiny-gemma2": {"attn": "eager"},
-        "tiny-gemma3-text": {}}
+        "tiny-gemma3-text": {}, "tiny-olmo2": {}}
 GRID = [dict(precision=p, train=tr, grad_ckpt=c)
         for p in ("fp32", "bf16", "bf16-mixed") for tr in ("full", "lora") for c in (False, True)]
 # MoE families: full bf16 only in the analytic tier (LoRA on the fused 3-D experts and other
@@ -43,7 +43,10 @@ REAL = [dict(model="qwen3-0.6b", precision="bf16", micro_batch=1, seq_len=1024),
         pytest.param(dict(model="qwen3-30b-a3b", precision="bf16", micro_batch=4,
                           seq_len=4096), marks=pytest.mark.slow),
         pytest.param(dict(model="gemma-3-1b-pt", precision="bf16", micro_batch=1,
-                          seq_len=2048), marks=pytest.mark.slow)]
+                          seq_len=2048), marks=pytest.mark.slow),
+        pytest.param(dict(model="olmo-2-1124-7b", precision="bf16", train="lora",
+                          lora=LoraSpec(r=16), grad_ckpt=True, micro_batch=2, seq_len=2048),
+                     marks=pytest.mark.slow)]
 
 
 def _spec(model: str, **kw) -> TrainingSpec:

@@ -22,7 +22,7 @@ from hybridmem.trace import estimate as trace_estimate, runner
 
 from test_trace import real_cpu_peak
 
-# llama-3.2-3b preset (hybridmem/models/presets/llama-3.2-3b.json): hidden 3072, vocab 128256,
+# llama-3.2-3b preset (hybridmem/families/decoders/presets/llama-3.2-3b.json): hidden 3072, vocab 128256,
 # tied embeddings; micro-batch 4 x seq 2048 = 8192 tokens
 H, V, TOKENS = 3072, 128256, 4 * 2048
 

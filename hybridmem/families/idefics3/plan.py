@@ -44,7 +44,7 @@ def split_plan(cfg, hw: tuple[int, int] | None) -> ImagePlan:
     if hw is None:
         hw = (split_default_side(vc),) * 2
     # the processor's resize to its longest edge (the image size given: max(H, W)), then
-    # resize_for_vision_encoder to whole tiles (`job/split_resize.py`)
+    # resize_for_vision_encoder to whole tiles (`split_resize.py`)
     h, w = resized(*hw, longest_edge=max(hw))
     rows, cols = tile_grid(h, w, tile)
     crops = rows * cols + (1 if rows * cols > 1 else 0)  # + the global image

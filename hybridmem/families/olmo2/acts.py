@@ -1,0 +1,166 @@
+"""Activation formulas of OLMo 2's language model (transformers 5.24 `modeling_olmo2.py`), op by
+op with PyTorch's `tools/autograd/derivatives.yaml`; what differs from the Llama layer of
+`decoders/acts.py`, whose pieces (linear inputs, attention, adapters) it reuses:
+
+- no input norm: q/k/v read the layer input itself (saved once for their weight grads in a
+  pure run; under autocast each linear saves its own bf16 cast);
+- `Olmo2RMSNorm`: `x.to(float32)` (a copy unless x is fp32) saved by `pow` and by the rsqrt
+  multiply, the rsqrt (one fp32 per token), and `weight * normed` runs in fp32 before
+  `.to(input_dtype)`: the fp32 normalised tensor is what the weight's grad saves (Llama's
+  saves the cast-back one). q_norm / k_norm take the projection's whole width;
+  post_attention_layernorm the o_proj output, post_feedforward_layernorm the down_proj output
+  (both in the matmul dtype);
+- the MLP reads the residual stream (attention output + input), as Llama's reads its norm's
+  output: the same bytes;
+- RoPE: `Olmo2RotaryEmbedding` returns fp32 cos / sin (no cast to the activations' dtype),
+  `apply_rotary_pos_emb` casts q and k back (`.to(q_type)`): nothing saved but cos / sin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hybridmem.allocator.alloc import t
+from hybridmem.families.common.activations import (
+    FP32, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward, dora_linears,
+    dora_saved, linear_inputs, lora_outputs, quant_transients,
+)
+from hybridmem.families.common.eager_top import backward_top
+from hybridmem.families.decoders import acts as TA
+from hybridmem.models.graph import Layer
+
+
+def norm_saved(sv: Saved, tokens: int, width: int, grad: bool, need_w: bool) -> None:
+    """What one `Olmo2RMSNorm` over `width` saves: the fp32 input and the rsqrt when its input
+    needs a grad, the fp32 normalised tensor when its weight does."""
+    sv.add(tokens * width, FP32, grad)
+    sv.add(tokens, FP32, grad)
+    sv.add(tokens * width, FP32, need_w)
+
+
+def norm_backward(tokens: int, width: int) -> tuple[int, ...]:
+    """The top of one `Olmo2RMSNorm`'s backward: the fp32 chain `x * rsqrt(x.pow(2).mean(-1) +
+    eps)` (the cast's fp32 grad, the normalised tensor's grad, pow's `2 * x` product and the
+    input's fp32 grad), as Gemma's fp32 norm (`decoders/acts.py`)."""
+    return (t(tokens * width, FP32),) * 4
+
+
+def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """`Olmo2DecoderLayer`: attention with full-width q/k norms and a post-norm, a SwiGLU MLP
+    with a post-norm, each added to the residual stream."""
+    d = layer.dims
+    b, s, h, f = d["b"], d["s"], d["h"], d["ffn"]
+    B, qd, kvd = b * s, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    lora = bool(layer.lora)
+    if not (need_in or need_w or lora) or not layer.runs:
+        return Acts()
+    e, sb = c.e, c.stream
+    sv = Saved()
+    QKV, GU = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+    n_qkv = adapters_on(layer, QKV)
+    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, GU)
+    n_down = adapters_on(layer, ("down_proj",))
+    # q / k / v read the layer input (no pre-norm)
+    linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False, in_grad=need_in)
+    lora_outputs(sv, c, B, n_qkv)
+    dora_saved(sv, c, B, dora_linears(layer, QKV), need_in)
+    for proj, width in (("q_proj", qd), ("k_proj", kvd)):
+        norm_saved(sv, B, width, need_in or need_w or adapters_on(layer, (proj,)) > 0, need_w)
+    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd)
+    at_probs = before_o = sv.total
+    # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
+    linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
+                  in_grad=need_in or n_qkv > 0, bnb="self_attn.o_proj.weight" in layer.quantized)
+    lora_outputs(sv, c, B, n_o)
+    dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
+    o_saved = sv.total - before_o
+    norm_saved(sv, B, h, True, need_w)  # post_attention_layernorm on the attention output
+    attn_part = sv.total
+    # the MLP reads the residual stream h1 = input + normed attention output
+    linear_inputs(sv, c, B * h, sb, 2, need_w, n_gu, shared=False)
+    lora_outputs(sv, c, B, n_gu)
+    dora_saved(sv, c, B, dora_linears(layer, GU), True)
+    quant_gu = {"mlp.gate_proj.weight"} & set(layer.quantized)
+    mlp_e = sb if quant_gu else e  # a quantised gate returns its input's dtype
+    sv.add(B * f, mlp_e, times=3)  # gate output (SiLU input), SiLU output, up output
+    m_saved = sv.total
+    linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
+    m_saved = sv.total - m_saved
+    lora_outputs(sv, c, B, n_down)
+    dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
+    norm_saved(sv, B, h, True, need_w)  # post_feedforward_layernorm on the MLP output
+    copies, cache = amp_copies(layer, c, True, need_w)
+    # forward top, RoPE: the normed q and k (matmul dtype), q's rotated fp32 result, and k's
+    # `k * cos`, `rotate_half(k) * sin` and their fp32 sum (apply_rotary_pos_emb)
+    fwd_parts = (t(B * qd, e), t(B * kvd, e), t(B * qd, FP32), *[t(B * kvd, FP32)] * 3)
+    # ... or, in half precision, down_proj's when larger (also a checkpointed layer's
+    # recompute top, as Llama's under autocast: `decoders/acts.py`): the residual stream h1
+    # (the layer's local until the last add), SiLU x up when down_proj's frozen weight does not
+    # save it, and with an adapter PEFT's base result, fp32 input copy, lora_B's output and its
+    # scaled copy (trace tier, tiny-olmo2 LoRA b2 s64 checkpointed, bf16 and bf16-mixed)
+    mlp_parts = (t(B * h, sb), *([t(B * f, e)] if not need_w else ()),
+                 *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
+    if e != FP32 and sum(mlp_parts) > sum(fwd_parts):
+        fwd_parts = mlp_parts
+    dora = dora_forward(c, dora_linears(layer))
+    fwd_parts = dora if sum(dora) > sum(fwd_parts) else fwd_parts
+    # backward: the MLP half starts with post_feedforward_layernorm's fp32 chain, then
+    # grad(m) with grad(act), grad(up); the attention half with post_attention_layernorm's,
+    # then dq, dk, dv (and q_norm's / k_norm's chains, smaller than post-norm's at h >= qd)
+    grad_m = max(0, t(B * f, e) - m_saved)
+    mlp_stages = [norm_backward(B, h), (t(B * f, e),) * 2 + ((grad_m,) if grad_m else ())]
+    mlp_bwd_parts = max(mlp_stages, key=sum)
+    attn_bwd_parts = max([norm_backward(B, h), (t(B * qd, e),) * 3], key=sum)
+    if c.attn == "flash_attention_2":
+        attn_bwd_parts += (t(B * qd, FP32),)  # dq_accum (fp32) inside flash-attn backward
+    q_fwd, q_mlp, q_attn = quant_transients(layer, c, B, {"o_proj": e, "down_proj": mlp_e},
+                                            lora=lora)
+    bwd_parts = (t(B * h, sb), t(B * h, sb), *attn_bwd_parts, *q_attn)
+    v_saved = t(B * qd if kvd < qd else B * kvd, e)
+    top = backward_top(probs, e, t(B * h, sb), t(B * qd, e),
+                       o_saved + v_saved + (t(probs, e) if e != FP32 else 0), sum(bwd_parts))
+    bwd_freed = 0
+    if top:
+        bwd_parts, bwd_freed = top
+    bwd_mlp_parts = (t(B * h, sb), *mlp_bwd_parts, *q_mlp)
+    fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts
+    fwd_parts, after_top = TA.eager_forward(c, probs, at_probs, sv.total, fwd_parts, B, qd, kvd)
+    fp32_inputs = t(B * qd, FP32) + t(B * kvd, FP32) + 2 * t(B * h, FP32)
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+                ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
+                # each norm's fp32 input is saved twice (pow and the rsqrt multiply)
+                shared=fp32_inputs,
+                bwd_extra=sum(bwd_parts), bwd_top_freed=bwd_freed,
+                mlp_saved=sv.total - attn_part, bwd_mlp=sum(bwd_mlp_parts),
+                # a pure run's q/k/v save the layer input itself: the checkpoint's tensor
+                ckpt_alias=t(B * h, sb) if not c.amp and need_w else 0,
+                recompute_extra=0 if probs else sum(fwd_parts),
+                fwd_parts=fwd_parts, bwd_parts=bwd_parts, fwd_after_top=after_top,
+                bwd_mlp_parts=bwd_mlp_parts)
+
+
+def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
+    """The decoder's rotary tables (`decoders/acts.py rotary`) with cos / sin in fp32 whatever
+    the activations' dtype (`Olmo2RotaryEmbedding.forward` returns them uncast)."""
+    acts = TA.rotary(layer, c, active)
+    if not active:
+        return acts
+    d = layer.dims
+    table = d["s"] * d["head_dim"]
+    return replace(acts, saved=acts.saved + 2 * (t(table, FP32) - t(table, c.stream)))
+
+
+def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """The final `Olmo2RMSNorm` on the residual stream (`norm_saved`). Forward transients: the
+    fp32 product `weight * normed` and its cast back (the lm_head's input), with the
+    normalised tensor when the weight does not save it."""
+    d = layer.dims
+    B, h = d["b"] * d["s"], d["h"]
+    if not (need_in or need_w):
+        return Acts()
+    sv = Saved()
+    norm_saved(sv, B, h, need_in, need_w)
+    fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
+        (t(B * h, FP32),) if not need_w else ())
+    return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd_parts),
+                fwd_parts=fwd_parts, bwd_extra=2 * t(B * h, c.stream))
