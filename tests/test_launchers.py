@@ -609,3 +609,17 @@ def test_a_hub_id_is_a_model_name_everywhere_and_a_local_folder_wins(tmp_path, m
     folder.mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert hub.resolve("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"  # a local folder of that name
+
+
+def test_axolotl_cut_cross_entropy_plugin(tmp_path):
+    # integrations/cut_cross_entropy/args.py: `cut_cross_entropy` defaults to True once the
+    # CutCrossEntropyPlugin is listed; `false` turns it off; without the plugin nothing is patched
+    plugin = "plugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\n"
+    text = AXOLOTL_QLORA.replace("load_in_4bit: true\n", "")
+    text = text.replace("adapter: qlora\n", "adapter: lora\n")
+    spec, sources, warned, path = _read(tmp_path, "cce.yml", text + plugin)
+    assert spec.cut_cross_entropy and sources["cut_cross_entropy"] == f"{path}: plugins"
+    spec, *_ = _read(tmp_path, "off.yml", text + plugin + "cut_cross_entropy: false\n")
+    assert not spec.cut_cross_entropy
+    spec, *_ = _read(tmp_path, "none.yml", text)
+    assert not spec.cut_cross_entropy

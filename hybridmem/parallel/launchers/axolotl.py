@@ -167,7 +167,6 @@ UNPRICED: dict[str, tuple[object, str]] = {
     "chunked_cross_entropy": (None, "axolotl's chunked cross-entropy is not priced"),
     "tiled_mlp": (None, "ALST tiled MLP is not priced"),
     "layer_offloading": (False, "layer offloading is not priced"),
-    "cut_cross_entropy": (None, "Cut Cross-Entropy is not priced"),
     "lora_mlp_kernel": (None, "axolotl's LoRA kernels are not priced"),
     "lora_qkv_kernel": (None, "axolotl's LoRA kernels are not priced"),
     "lora_o_kernel": (None, "axolotl's LoRA kernels are not priced"),
@@ -378,6 +377,12 @@ def _savers(cfg: dict, out: Layer, where: str) -> None:
         # the plugin applies only the kernels set true: Liger's default set is priced
         check_liger_config({k: given.get(k, False) for k in LIGER_DEFAULTS}, f"{where}: liger")
         out.set("liger", True, *(k for k in LIGER if k in cfg))
+    # integrations/cut_cross_entropy/args.py: `cut_cross_entropy` defaults to True once the
+    # plugin is listed in `plugins`; without the plugin the key patches nothing
+    cce_plugin = any(str(p).endswith("CutCrossEntropyPlugin") for p in cfg.get("plugins") or ())
+    if cce_plugin and cfg.get("cut_cross_entropy", True) is not False:
+        out.set("cut_cross_entropy", True,
+                *(("cut_cross_entropy",) if "cut_cross_entropy" in cfg else ("plugins",)))
 
 
 def _optimizer(cfg: dict, out: Layer, where: str) -> None:
