@@ -390,6 +390,32 @@ def test_llamafactory_full_vlm_freezes_the_tower_by_default(tmp_path):
     assert spec.train == "full"
 
 
+def test_llamafactory_deepspeed_path_beside_the_file(tmp_path, monkeypatch):
+    # LLaMA-Factory examples/deepspeed/ds_z3_config.json, named relative to the working
+    # directory the launcher runs in; here found beside the YAML
+    (tmp_path / "ds_z3_config.json").write_text(json.dumps({
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+                 "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 3, "overlap_comm": False, "contiguous_gradients": True,
+                              "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                              "stage3_prefetch_bucket_size": "auto",
+                              "stage3_param_persistence_threshold": "auto",
+                              "stage3_max_live_parameters": 1e9,
+                              "stage3_max_reuse_distance": 1e9,
+                              "stage3_gather_16bit_weights_on_model_save": True}}))
+    monkeypatch.chdir(tmp_path.parent)
+    spec, sources, warned, path = _read(tmp_path, "ds3.yaml",
+                                        LF_LORA + "deepspeed: ds_z3_config.json\n", world_size=4)
+    assert (spec.parallel.strategy, spec.micro_batch) == ("zero3", 1)  # "auto" <- the YAML's
+    # ZeRO holds the bf16 base with fp32 master copies of what trains
+    assert spec.precision == "bf16-master" and warned == []
+    assert sources["strategy"] == f"{tmp_path / 'ds_z3_config.json'}: zero_optimization.stage"
+
+
 # ---------------------------------------------------------------- axolotl
 
 def test_axolotl_qlora_is_the_job_its_source_says(tmp_path):

@@ -34,6 +34,7 @@ from hybridmem.parallel.launchers.common import (
     Layer,
     LauncherConfig,
     flag,
+    is_multimodal,
     local_file,
     model_of,
     names,
@@ -209,6 +210,10 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     model, hub_id = model_of(raw.get("base_model"), where, "base_model")
     out = Layer(where, NAME)
     out.set("model", model, "base_model", note=hub_id)
+    if cfg.get("adapter") and cfg.get("lora_target_linear") and is_multimodal(model):
+        config_keys.warn(f"{where}: axolotl key 'lora_target_linear' also adapts the vision "
+                         "tower's and projector's linears, which are not priced (the LLM's "
+                         "are); give --lora-targets")
     dtype, dtype_keys = _dtype(cfg, where)
     _training(cfg, out, where, dtype, dtype_keys)
     _batch(cfg, out, where)
