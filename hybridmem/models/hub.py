@@ -17,6 +17,8 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 
 HUB_PRESETS: dict[str, str] = {
+    "allenai/OLMo-2-1124-7B": "olmo-2-1124-7b",  # the checkpoint the preset's _source names
+    "allenai/OLMo-2-1124-7B-Instruct": "olmo-2-1124-7b",
     # the most fine-tuned open LLMs (instruct twins share the base's shape fields)
     "google/gemma-2-27b": "gemma-2-27b", "google/gemma-2-27b-it": "gemma-2-27b",
     "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",
