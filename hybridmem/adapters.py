@@ -105,7 +105,7 @@ def peft_type(spec) -> str | None:
 
 
 GROUPS: tuple[str, ...] = ("full", "lora", "dora", "other-peft", "partial")
-"""How accuracy is reported (issue 10): full fine-tuning, LoRA, DoRA, any other PEFT method,
+"""How accuracy is reported: full fine-tuning, LoRA, DoRA, any other PEFT method,
 and partial training of a multimodal model (LLaVA's projector / llm+projector stages)."""
 
 

@@ -1,5 +1,5 @@
 """Running a typer app the way every hybridmem entry point does: bad input is one line on
-stderr and exit code 2, never a traceback (issue #2, "Bad input")."""
+stderr and exit code 2, never a traceback."""
 
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
     tier = getattr(import_module(module), func)
     if method in PER_RANK_TIERS:
         return tier
-    # --- parallel hook (issue 6, hybridmem/parallel): data-parallel specs are priced per rank ---
+    # data-parallel specs are priced per rank (hybridmem/parallel)
     from hybridmem.parallel.estimate import per_rank_aware
     return per_rank_aware(tier)
 

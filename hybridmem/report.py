@@ -97,7 +97,7 @@ def render(pred: Prediction, console=None) -> None:
 BAR_HEIGHT_IN = 0.55
 """Figure inches per module bar: horizontal bars put module names (vision_tower,
 multi_modal_projector, language_model, ...) on the y axis, one per line, so they never
-overlap however many or long they are (issue 11: the x-axis labels of vertical bars did)."""
+overlap however many or long they are (x-axis labels of vertical bars would)."""
 
 
 def figure(pred: Prediction):

@@ -43,7 +43,7 @@ EXTRA = [
     dict(model="tiny-llava", precision="bf16", optimizer="adafactor"),
     dict(model="tiny-llama", precision="fp32", optimizer="lion", seq_len=200),
     dict(model="tiny-llama", precision="bf16", optimizer="sgd-momentum", micro_batch=3),
-    # PEFT adapter configs (issue 10): DoRA, modules_to_save (a trainable copy), both
+    # PEFT adapter configs: DoRA, modules_to_save (a trainable copy), both
     dict(model="tiny-llama", precision="bf16", train="lora",
          lora=LoraSpec(r=4, targets=("q_proj", "v_proj"), use_dora=True)),
     dict(model="tiny-llava", precision="bf16-mixed", train="lora", lora=LoraSpec(r=4, use_dora=True)),

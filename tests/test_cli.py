@@ -139,7 +139,7 @@ def test_cli_and_api_choose_the_same_tier(argv, tier, capsys, monkeypatch):
         tier == "trace")
 
 
-# --- --peft-config (issue 10) --------------------------------------------------------------
+# --- --peft-config --------------------------------------------------------------
 
 def _adapter(tmp_path, **cfg) -> str:
     path = tmp_path / "adapter_config.json"

@@ -1,4 +1,4 @@
-"""Families without closed forms (issue 11): priced by the trace tier, built by transformers.
+"""Families without closed forms: priced by the trace tier, built by transformers.
 (qwen3, phi3, ... have closed forms now, docs/families.md; they stay here as checks of the
 trace tier on their transformers code; gpt2 is the CLI's trace-only example.)
 

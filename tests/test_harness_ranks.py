@@ -41,7 +41,7 @@ def test_worst_numbers_takes_the_max_of_fields_every_rank_reports():
 
 def test_workload_does_not_import_distributed_back():
     """distributed builds on workload; the child, not workload, dispatches a multi-rank spec
-    (issue 11: the two modules imported each other)."""
+    (the two modules must not import each other)."""
     import ast
     from pathlib import Path
 

@@ -2,7 +2,7 @@
 
 A training row of a multi-GPU job and the same job asked about with `predict --method hybrid`
 must be featurised from the same base (the per-rank estimate `predict --method analytic` serves),
-or `hybridmem evaluate` scores a different path than `predict` serves (issue 11). The residual
+or `hybridmem evaluate` scores a different path than `predict` serves. The residual
 model here is a stand-in that records what it is asked and predicts no correction, so the served
 peak must be exactly that per-rank base.
 """

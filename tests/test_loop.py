@@ -1,4 +1,4 @@
-"""The training loop of the spec (issue 10): `loop`, `max_grad_norm`, `grad_accum`.
+"""The training loop of the spec: `loop`, `max_grad_norm`, `grad_accum`.
 
 The trace tier is checked against a real CPU run of each loop written out here as a user
 writes it (not through `runner.train`), to the byte; the analytic tier against the trace tier

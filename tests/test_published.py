@@ -1,4 +1,4 @@
-"""`hybridmem import`: published measurements -> dataset rows (issue 10, part 1)."""
+"""`hybridmem import`: published measurements -> dataset rows."""
 
 from __future__ import annotations
 

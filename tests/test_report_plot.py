@@ -1,4 +1,4 @@
-"""`--plot`: module names must be readable (issue 11: vision_tower / multi_modal_projector /
+"""`--plot`: module names must be readable (vision_tower / multi_modal_projector /
 language_model overlapped on the x axis of vertical bars)."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ CASES = {  # id: (preset, text layers, vision layers, spec fields)
     "llava": ("tiny-llava", 8, 9, {}),
     "llava-ckpt-projector": ("tiny-llava", 9, 8, {"grad_ckpt": True,
                                                   "train": "llm+projector"}),
-    # the memory savers (issue 12) on the fast path: each is a per-layer pattern too
+    # the memory savers on the fast path: each is a per-layer pattern too
     "llama-qlora-ckpt": ("tiny-llama", 9, None, {"train": "lora", "quantize": "nf4",
                                                  "grad_ckpt": True, "precision": "bf16"}),
     "llama-liger": ("tiny-llama", 9, None, {"liger": True}),

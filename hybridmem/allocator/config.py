@@ -14,7 +14,7 @@ from typing import Any
 from hybridmem.errors import SpecError
 
 MiB = 1 << 20
-# Constants of c10/core/AllocatorConfig.h (formerly the top of CUDACachingAllocator.cpp).
+# Constants of c10/core/AllocatorConfig.h (older releases: the top of CUDACachingAllocator.cpp).
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 K_SMALL_SIZE = 1 * MiB  # kSmallSize: largest "small" allocation is 1 MiB
 K_SMALL_BUFFER = 2 * MiB  # kSmallBuffer: "small" allocations are packed in 2 MiB blocks

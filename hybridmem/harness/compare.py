@@ -2,7 +2,7 @@
 
 `python -m hybridmem.harness.compare DATASET [--method analytic] [--csv FILE]` prints the spread
 of (measured device peak - predicted device peak) over `ok` rows, and how the tier classified
-the OOM rows. The device script runs it right after a collection (issue 4's report).
+the OOM rows. The device script runs it right after a collection.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ ADDED_COLUMNS: dict[str, object] = {
     "strategy": "none", "rank_peaks_json": "",
     # the loop and the techniques (hybridmem/job/recorded.py): at the spec's defaults
     **{name: default for name, (_, default) in RECORDED.items()},
-    # imported (published) measurements, issue 10; empty / null in collect's rows
+    # imported (published) measurements; empty / null in collect's rows
     "measurement_id": "", "excluded_reason": "", "group": "", "experiment": "",
     "seq_len_kind": "exact", "published_value_bytes": None, "published_metric": "",
     "steady_allocated_bytes": None, "empty_cache_every_n_steps": None, "measured_at": "",

@@ -1,9 +1,9 @@
 """Activation checkpointing switched on the one way the trace tier and the CUDA harness share.
 
-Both used to enable it differently (the trace tier `activation_checkpointing_enable()`, the harness
-the deprecated `gradient_checkpointing_enable(use_reentrant=False)`); transformers 5.x makes
-both the same call (modeling_utils.py `_activation_checkpointing_enable`: kwargs default
-`{"use_reentrant": False}`), but one function keeps them from drifting again.
+transformers 5.x gives `activation_checkpointing_enable()` and the deprecated
+`gradient_checkpointing_enable(use_reentrant=False)` the same effect (modeling_utils.py
+`_activation_checkpointing_enable`: kwargs default `{"use_reentrant": False}`); one function
+keeps the trace tier and the harness on one call.
 """
 
 from __future__ import annotations

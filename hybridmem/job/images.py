@@ -2,10 +2,9 @@
 
 Why one module: the analytic graph (`models/build.py`), the trace tier's batch
 (`trace/inputs.py`), the CUDA harness's batch (`harness/workload.py`) and the sweep planner
-(`harness/sweep.py`) each used to count image tokens their own way (asking the model and
-counting list outputs two different ways, or a closed form) and to check them against
-`seq_len` with two thresholds. They now all call `families.common.images.image_plan` (the
-family's `Family.image_plan`) and `check_seq_len`.
+(`harness/sweep.py`) must count image tokens alike and check them against `seq_len` with one
+threshold: they all call `families.common.images.image_plan` (the family's
+`Family.image_plan`) and `check_seq_len`.
 
 Here: what a plan is (`ImagePlan`), the `image_size` forms, the seq-len check, the placeholder
 id. The families' own rules live in their folders (`hybridmem/families/<family>/`).

@@ -39,7 +39,7 @@ TRAINABLE_MODULES: dict[str, frozenset[str]] = {
 # fragment; the same names as this graph's modules, so the trace tier and the CUDA harness
 # freeze exactly what the analytic tier prices.
 PARTS: tuple[str, ...] = ("vision_tower", "multi_modal_projector", "image_newline", "lm_head")
-# The same parts in the families the trace tier alone prices (issue 11), read off their
+# The same parts in the families the trace tier alone prices, read off their
 # transformers module trees: fragment -> part, the first match wins, so a projector nested in
 # its vision module (Qwen2-VL / Qwen2.5-VL `model.visual.merger`) is matched before `visual`.
 # None of these fragments occurs in a LLaVA or decoder name the analytic tier prices, so those

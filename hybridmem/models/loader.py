@@ -24,7 +24,7 @@ DECODER_TYPES: tuple[str, ...] = types(DECODER)
 SUPPORTED_TYPES: tuple[str, ...] = MULTIMODAL_TYPES + DECODER_TYPES
 """The families the analytic tier has closed forms for (and the hybrid tier, built on it)."""
 TRACE_ONLY_CHOICE = "any transformers causal-LM / image-text-to-text model_type with --method trace"
-"""The rest of the valid choices, as the one-line error names them (issue 11)."""
+"""The rest of the valid choices, as the one-line error names them."""
 CAUSAL_LM = "AutoModelForCausalLM"
 IMAGE_TEXT_TO_TEXT = "AutoModelForImageTextToText"
 

@@ -15,7 +15,7 @@ weights sit in the autocast cache until autocast exits), while embeddings, resid
 LoRA (PEFT `lora.Linear.forward`): `_cast_input_dtype` casts the input to the fp32 adapter dtype
 (a saved copy when the model runs in bf16), lora_A's output is saved by lora_B. LoRA-FA
 (peft `create_lorafa_optimizer`) freezes lora_A: its input (that copy, or the dropout output)
-is no longer saved, its dropout mask only while the input needs a grad.
+is not saved, its dropout mask only while the input needs a grad.
 DoRA (peft/tuners/lora/dora.py `DoraLinearLayer.forward`, see `dora_saved` / `dora_forward`)
 also saves the base output and lora_B's output for the magnitude's grad, and builds the full
 weight W + scale B@A (fp32) in every forward to take its (detached) column norm.
