@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from hybridmem.errors import SpecError
+from hybridmem.jsonfile import read_json_object
 
 from hybridmem.families import DECODER, VLM, family, types
 from hybridmem.models.hub import resolve as resolve_hub_id
@@ -99,27 +100,6 @@ def preset_names() -> tuple[str, ...]:
 def preset_folder(name: str) -> str:
     """The family folder (`hybridmem/families/<folder>/`) that ships preset `name`."""
     return _presets()[name][0]
-
-
-def read_json_object(path: str | Path, field: str) -> dict:
-    """A JSON object from a file, or a one-line SpecError naming `field` (every JSON input)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError(field, str(path), reason="file not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
-        raise SpecError(field, str(path), reason=f"cannot read it ({reason})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise SpecError(field, str(path),
-                        reason=f"malformed JSON at line {err.lineno} col {err.colno}: {err.msg}") from None
-    if not isinstance(data, dict):
-        raise SpecError(field, str(path), reason="config JSON must be an object")
-    return data
-
 
 
 def load_config_dict(model: str) -> tuple[str, dict]:

@@ -33,7 +33,7 @@ from hybridmem.job import schema
 from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
 from hybridmem.job.loss import check_liger_config
 from hybridmem.models import hub
-from hybridmem.models.loader import read_json_object
+from hybridmem.jsonfile import read_json_object
 from hybridmem.parallel import config_keys, fsdp_config
 from hybridmem.parallel.recipes import RECIPES
 from hybridmem.job.parallel import ParallelSpec

@@ -23,7 +23,7 @@ from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.job.optimizers import from_hf
 from hybridmem.job.spec import DEFAULT_LORA_TARGETS
-from hybridmem.models.loader import read_json_object
+from hybridmem.jsonfile import read_json_object
 from hybridmem.parallel import config_keys, fsdp_config
 from hybridmem.parallel.inputs import (
     HF_DEFAULT_MAX_GRAD_NORM,
