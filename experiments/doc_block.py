@@ -15,6 +15,21 @@ def replace_block(path: Path, block: str, start: str, end: str) -> None:
     path.write_text(pattern.sub(lambda _: f"{start}\n{block}\n{end}", text))
 
 
+def main_for(table, path: Path, start: str, end: str, argv: list[str] | None = None) -> int:
+    """The command line of a doc-block script: print `table()` and write it between the
+    markers of `path` unless `--no-write`."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    block = table()
+    print(block)
+    if not args.no_write:
+        replace_block(path, block, start, end)
+    return 0
+
+
 def write_results(out: Path, meta: dict, caption: str, header: str, rows: list[str]) -> str:
     """`out`.json (the numbers: `meta`) and `out`.md (caption, then the markdown table whose
     header line is `header` with right-aligned columns after the first and `rows` below);

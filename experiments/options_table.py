@@ -13,14 +13,13 @@ the README and the schema disagree.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's package, not whichever is installed
 sys.path.insert(0, str(ROOT / "experiments"))
-from doc_block import replace_block  # noqa: E402
+from doc_block import main_for  # noqa: E402
 
 START, END = "<!-- options:start -->", "<!-- options:end -->"
 SOURCE_LABELS = {"training_args": "TrainingArguments", "deepspeed": "DeepSpeed",
@@ -78,14 +77,7 @@ def table() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args(argv)
-    block = table()
-    print(block)
-    if not args.no_write:
-        replace_block(ROOT / "README.md", block, START, END)
-    return 0
+    return main_for(table, ROOT / "README.md", START, END, argv)
 
 
 if __name__ == "__main__":

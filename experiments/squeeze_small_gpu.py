@@ -10,7 +10,6 @@ commands and checks the README shows exactly these numbers, so the section canno
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -19,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
-from doc_block import replace_block  # noqa: E402
+from doc_block import main_for  # noqa: E402
 
 START, END = "<!-- squeeze:start -->", "<!-- squeeze:end -->"
 GiB = 2**30
@@ -72,14 +71,7 @@ def table() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args(argv)
-    block = table()
-    print(block)
-    if not args.no_write:
-        replace_block(ROOT / "README.md", block, START, END)
-    return 0
+    return main_for(table, ROOT / "README.md", START, END, argv)
 
 
 if __name__ == "__main__":
