@@ -18,7 +18,7 @@ from hybridmem.jsonfile import read_json_object
 from hybridmem.families import DECODER, VLM, family, types
 from hybridmem.models.hub import resolve as resolve_hub_id
 
-# model_type values with closed forms (`hybridmem/families/`, one file per family); the trace
+# model_type values with closed forms (`hybridmem/families/`, one folder per family); the trace
 # tier prices every other transformers causal-LM / image-text-to-text family.
 MULTIMODAL_TYPES: tuple[str, ...] = types(VLM)
 DECODER_TYPES: tuple[str, ...] = types(DECODER)
@@ -128,7 +128,7 @@ def validate_types(data: dict) -> str:
             return model_type  # the trace tier builds it with its own Auto class, sub-configs too
         raise SpecError("model_type", model_type, SUPPORTED_TYPES + (TRACE_ONLY_CHOICE,))
     check = family(model_type).check_config
-    if check is not None:  # sub-config families (hybridmem/families/<family>.py)
+    if check is not None:  # sub-config families (hybridmem/families/<family>/)
         check(data)
     return model_type
 
