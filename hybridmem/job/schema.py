@@ -275,5 +275,6 @@ def echo_lines(job: dict) -> list[str]:
         if parts:
             lines.append(f"{group}: " + " ".join(parts))
     for name, why in (job.get("defaults") or {}).items():  # what the model decided, and why
-        lines.append(f"default {name}={job[name]}: {why}")
+        if (name, job[name]) != ("attn", "sdpa"):  # sdpa: transformers' usual pick, unsaid
+            lines.append(f"default {name}={job[name]}: {why}")
     return lines
