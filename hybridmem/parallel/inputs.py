@@ -552,10 +552,10 @@ def _quantization(overrides: dict) -> dict:
                                used=used_keys("bnb"), known=config_keys.bnb_known)
         out = from_bnb_config(data)
     elif overrides.get("model"):
-        from hybridmem.models import load_config
+        from hybridmem.models.loader import load_config_dict
 
-        try:
-            qc = getattr(load_config(overrides["model"]), "quantization_config", None)
+        try:  # the JSON itself: transformers keeps `quantization_config` as the dict it reads
+            qc = load_config_dict(overrides["model"])[1].get("quantization_config")
         except SpecError:
             qc = None  # the model's own error comes where the model is built
         if qc:
