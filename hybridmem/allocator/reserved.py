@@ -73,14 +73,23 @@ class Bounded:
     capacity (the estimate's reserved bytes then exceed it: the job does not fit)."""
     capacity: int | None = None
     over_capacity: bool = False
-    """The estimate's reserved bytes exceed the capacity: the allocator runs out of memory at
-    the spec's micro-batch (a replay at or below it did, or the estimate between the replayed
-    micro-batches lands above the capacity)."""
+    """The answer's reserved bytes exceed the capacity: the allocator runs out of memory at the
+    spec's micro-batch (a replay at or below it did, or the estimate between the replayed
+    micro-batches lands above the capacity). Set by whoever computes the answer's reserved
+    bytes (`bounded`, the trace tier, a rank's estimate)."""
 
     @property
     def oom(self) -> bool:
         """The JSON `allocator.oom`: the job runs out of memory on the GPU."""
-        return bool(self.oom_batches) or self.over_capacity
+        return self.over_capacity
+
+    @property
+    def completed(self) -> bool:
+        """Every replay the estimate rests on (the 2q probe included) ran within the capacity."""
+        return not self.oom_batches and not self.probe_oom
+
+    probe_oom: bool = False
+    """The replay at the next power of two (the 2q probe of `bounded`) ran out of memory."""
 
 
 def envelope(spec, allocated: int, measure: Callable) -> int:
@@ -151,7 +160,8 @@ def bounded(spec, allocated: int, measure: Callable, capacity: int | None = None
     # allocated bytes (which can sit below the stream's) add up to
     device = max(device, floor)
     return Bounded(device - allocated, retries, tuple(ooms), capacity,
-                   over_capacity=capacity is not None and device > capacity)
+                   over_capacity=capacity is not None and device > capacity,
+                   probe_oom=bool(above))
 
 
 def _at(spec, batch: int, measure: Callable, env: str, capacity: int | None = None,
@@ -175,9 +185,13 @@ def _replayed(spec, measure: Callable, env: str, capacity: int | None = None
     """(allocated, F, num_alloc_retries, ran out of memory, peak reserved) of `spec`'s
     replayed stream."""
     allocated, events = measure(spec)
-    result, oom = capped_replay(events, _config(env), capacity)
+    try:
+        result = replay(events, _config(env), capacity=capacity)
+    except SimulatedOOM:  # as `capped_replay`: the unlimited replay (cached here too), flagged
+        allocated, fragmentation, retries, _, peak = _replayed(spec, measure, env, None)
+        return allocated, fragmentation, retries, True, peak
     return (allocated, result.peak_reserved - result.peak_allocated, result.num_alloc_retries,
-            oom, result.peak_reserved)
+            False, result.peak_reserved)
 
 
 def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:
@@ -190,15 +204,15 @@ def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:
              "fails (CUDACachingAllocator.cpp malloc)"]
     tensors = ("the tensors alone (allocated) exceed it" if allocated > fit.capacity else
                "the tensors alone (allocated) would fit: fragmentation is what misses")
-    if fit.oom_batches:
+    if fit.oom and fit.oom_batches:
         notes.append("does not fit: the simulated allocator runs out of memory even after "
                      "releasing its cached blocks (micro-batch "
                      f"{', '.join(map(str, fit.oom_batches))}); {tensors}; reserved is the "
                      "unlimited replay's")
-    elif fit.over_capacity:
-        notes.append("does not fit: the estimate's reserved bytes exceed the capacity (the "
-                     "replays at smaller micro-batches complete within it, the next power of "
-                     f"two does not); {tensors}")
+    elif fit.oom:
+        notes.append("does not fit: the estimate's reserved bytes exceed the capacity, though "
+                     "the replays at or below this micro-batch complete within it; "
+                     f"{tensors}")
     elif fit.retries:
         notes.append(f"fits only after the allocator released its cache: {fit.retries} "
                      "cudaMalloc retr" + ("y" if fit.retries == 1 else "ies") +
