@@ -87,7 +87,7 @@ def test_parallel_md_breakdown_table(recipe):
                                                gib(peak["device_bytes"], 2))
     assert capacity == gib(recipe["advice"]["gpu_memory_bytes"], 1)
     assert verdict == ("fits" if recipe["advice"]["fits_as_is"] else "does not fit")
-    assert headroom == f"{recipe['fit']['current']['headroom_bytes'] / GiB:+.1f}"
+    assert headroom == f"{recipe['advice']['current']['headroom_bytes'] / GiB:+.1f}"
     (single,) = quoted("docs/parallel.md", r"One GPU would need ([\d.]+) GiB")
     assert single == gib(recipe["single_gpu_device_bytes"], 1)
     gpus, per_gpu, batch, per_batch = quoted(

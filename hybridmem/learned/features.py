@@ -18,7 +18,7 @@ import pandas as pd
 
 from hybridmem.categories import CATEGORIES
 from hybridmem.learned.dataset import config_groups, shape_group
-from hybridmem.learned.registry import major_minor  # noqa: F401 (also this module's name)
+from hybridmem.learned.versions import major_minor  # noqa: F401 (also this module's name)
 from hybridmem.adapters import peft_type
 from hybridmem.errors import SpecError
 from hybridmem.job.images import parse_image_size

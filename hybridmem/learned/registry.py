@@ -20,18 +20,12 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 from hybridmem.errors import SpecError
+from hybridmem.learned.versions import major_minor
 
 FORMAT_VERSION = 1
 """Bump when files or features change incompatibly; older folders are refused with a clear error."""
 
 TARGETS: tuple[str, ...] = ("device", "reserved")
-
-
-def major_minor(text: object) -> str | None:
-    """'2.13.0+cu124' -> '2.13'; None when it cannot be read. Here, not with the features
-    (which import pandas), so that choosing a tier reads the registry without them."""
-    parts = str(text or "").split("+")[0].split(".")
-    return ".".join(parts[:2]) if len(parts) >= 2 and all(p.isdigit() for p in parts[:2]) else None
 
 
 SHIPPED = Path(__file__).resolve().parents[1] / "shipped_models"
