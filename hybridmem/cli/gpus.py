@@ -26,9 +26,10 @@ def gpus_command(
         typer.echo(json.dumps(table, indent=1))
         return
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    out = Table("gpu", "memory GiB", "compute capability", "arch", box=None)
+    out = Table("gpu", Column("memory GiB", justify="right"), "compute capability", "arch",
+                box=None)
     for r in table:
         out.add_row(r["name"], f"{r['memory_gib']:.2f}", r["compute_capability"] or "-",
                     r["arch"])
