@@ -26,8 +26,10 @@ METHODS: dict[str, str] = {
     "trace": "hybridmem.trace:estimate",
     "hybrid": "hybridmem.learned.predictor:estimate",
 }
-# the hybrid tier's own rule for whether a calibrated model applies to this environment
+# the hybrid tier's own rule for whether a calibrated model applies to this environment, and
+# where it looks for models (shipped with hybridmem, or $HYBRIDMEM_MODELS)
 LEARNED_POLICY = "hybridmem.learned.predictor:default_method"
+LEARNED_ROOT = "hybridmem.learned.registry:models_root"
 
 PER_RANK_TIERS: frozenset[str] = frozenset({"hybrid"})
 """Tiers that price a multi-GPU spec per rank themselves: the learned tier's base is already the
@@ -103,14 +105,18 @@ def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
         return Choice("trace", why,
                       note=f"method: trace chosen because {why} (pass --method to override)")
     try:  # by name, as METHODS: the learned tier sits above this module (tests/test_layers.py)
-        module, func = LEARNED_POLICY.split(":")
-        default_method = getattr(import_module(module), func)
+        default_method, models_root = map(_by_name, (LEARNED_POLICY, LEARNED_ROOT))
     except ImportError:  # the `learned` extra is not installed
         return Choice("analytic", "the learned extra is not installed (no hybrid tier)")
     if default_method() == "hybrid":
         return Choice("hybrid", "a GPU-calibrated learned model trained on this torch applies")
     return Choice("analytic", "no GPU-calibrated learned model trained on this torch and CUDA "
-                  "was found (the hybrid tier's default)")
+                  f"in {models_root()} (the models shipped with hybridmem, or $HYBRIDMEM_MODELS)")
+
+
+def _by_name(target: str):
+    module, func = target.split(":")
+    return getattr(import_module(module), func)
 
 
 # Upper end of the micro-batch search; far beyond any GPU today for the smallest presets.

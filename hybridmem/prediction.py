@@ -6,6 +6,9 @@ from dataclasses import asdict, dataclass, field
 
 from hybridmem.categories import CATEGORIES, PHASES
 
+FIT_OUTCOMES: tuple[str, ...] = ("yes", "after-retry", "no")
+"""`Prediction.fit`: fits; fits only after the allocator frees its cache and retries; does not."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModuleMemory:
@@ -76,21 +79,41 @@ class Prediction:
             sum(self.breakdown.values()), self.peak.device_bytes)
 
     @property
+    def fit(self) -> str | None:
+        """The verdict, one of `FIT_OUTCOMES` (None without a GPU): "no" when it does not fit
+        (`fits`); "after-retry" when it fits only because the allocator, at the GPU's limit,
+        frees its cached blocks and retries cudaMalloc (`extras["allocator"]`, the replay within
+        the GPU's capacity: slower steps, each retry synchronizes the device); else "yes"."""
+        if self.fits is None:
+            return None
+        if not self.fits:
+            return "no"
+        allocator = self.extras.get("allocator") or {}
+        return "after-retry" if allocator.get("num_alloc_retries") else "yes"
+
+    @property
     def fits(self) -> bool | None:
         if self.gpu_memory_bytes is None:
             return None
         return self.fits_within(self.gpu_memory_bytes)
 
+    @property
+    def verdict_bytes(self) -> int:
+        """What the fit verdict compares with the GPU: the stated upper bound of the device peak
+        where a tier gives one (`extras["bound_bytes"]`, the learned tier), else the peak."""
+        bound = self.extras.get("bound_bytes")
+        return int(bound) if bound is not None else self.peak.device_bytes
+
     def fits_within(self, memory_bytes: int) -> bool:
-        """Whether the job runs in `memory_bytes` of GPU memory: the device peak without the
+        """Whether the job runs in `memory_bytes` of GPU memory: `verdict_bytes` without the
         paged optimizer state, which is evicted to the host rather than causing an OOM."""
-        return self.peak.device_bytes - self.paged_bytes <= memory_bytes
+        return self.verdict_bytes - self.paged_bytes <= memory_bytes
 
     @property
     def headroom_bytes(self) -> int | None:
         if self.gpu_memory_bytes is None:
             return None
-        return self.gpu_memory_bytes - self.peak.device_bytes
+        return self.gpu_memory_bytes - self.verdict_bytes
 
     def to_dict(self) -> dict:
         """The `--json` object (schema in README.md; names are a contract)."""
@@ -104,6 +127,7 @@ class Prediction:
             "gpu": (None if self.gpu_name is None
                     else {"name": self.gpu_name, "memory_bytes": self.gpu_memory_bytes}),
             "fits": self.fits,
+            "fit": self.fit,
             "headroom_bytes": self.headroom_bytes,
             "max_micro_batch": self.max_micro_batch,
             "notes": list(self.notes),

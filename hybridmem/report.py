@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridmem.categories import CATEGORIES
+from hybridmem.notes import hidden_count, shown, tier_line
 from hybridmem.prediction import Prediction
 
 GiB = 1024**3
@@ -32,22 +33,31 @@ def module_rows(pred: Prediction) -> list[list[str]]:
     return rows
 
 
+VERDICT_WORDS: dict[str, str] = {
+    "yes": "FITS", "after-retry": "FITS AFTER ALLOCATOR RETRIES", "no": "DOES NOT FIT"}
+"""`Prediction.fit` -> the console's verdict word."""
+
+
 def verdict(pred: Prediction) -> str:
-    """One line: fits or not, with headroom, against the chosen GPU."""
-    if pred.fits is None:
+    """One line: the verdict (`Prediction.fit`), with headroom, against the chosen GPU."""
+    if pred.fit is None:
         return "no GPU given (use --gpu NAME or --gpu-mem GIB to check the fit)"
-    word = "FITS" if pred.fits else "DOES NOT FIT"
     head = pred.headroom_bytes
     rel = head / pred.gpu_memory_bytes * 100
-    line = (f"{word} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
+    line = (f"{VERDICT_WORDS[pred.fit]} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
             f"headroom {gib(head)} GiB ({rel:+.1f}%)")
+    if pred.verdict_bytes != pred.peak.device_bytes:  # the learned tier's upper bound decides
+        line += f" against the upper bound {gib(pred.verdict_bytes)} GiB"
+    if pred.fit == "after-retry":
+        line += " - only after the allocator frees its cached blocks and retries (slower steps)"
     if pred.fits and head < 0:  # only the paged optimizer state does not fit (Prediction.fits)
         line += " - the paged optimizer state is partly evicted to host memory (slower steps)"
     return line
 
 
-def render(pred: Prediction, console=None) -> None:
-    """Print the human-readable report with rich."""
+def render(pred: Prediction, console=None, verbose: bool = False) -> None:
+    """Print the human-readable report with rich: every note with `verbose`, else the few that
+    matter (`hybridmem.notes.shown`) and how many more there are."""
     from rich.console import Console
     from rich.table import Table
 
@@ -88,10 +98,16 @@ def render(pred: Prediction, console=None) -> None:
     console.print(verdict(pred))
     if pred.max_micro_batch is not None:
         console.print(f"largest micro-batch that fits: [bold]{pred.max_micro_batch}[/bold]")
-    if "upper_bound_bytes" in pred.extras:
+    if pred.extras.get("upper_bound_bytes") is not None:
         console.print(f"P95 upper bound: {gib(pred.extras['upper_bound_bytes'])} GiB")
-    for note in pred.notes:
-        console.print(f"note: {note}", style="dim")
+    if verbose:
+        lines, more = [tier_line(pred), *pred.notes], 0
+    else:
+        lines, more = shown(pred), hidden_count(pred)
+    for note in lines:
+        console.print(f"note: {note}", style="dim", highlight=False, markup=False)
+    if more:
+        console.print(f"({more} more notes: --verbose)", style="dim", highlight=False)
 
 
 BAR_HEIGHT_IN = 0.55

@@ -56,11 +56,11 @@ def test_readme_multi_gpu_example(recipe):
                                               r"GPUs.*?A100-40GB, ([\d.]+) GiB over")
     assert device == gib(recipe["peak"]["device_bytes"], 1)
     assert int(world) == recipe["world_size"]
-    assert recipe["fit"]["fits_as_is"] is False
-    assert over == gib(-recipe["fit"]["current"]["headroom_bytes"], 1)
+    assert recipe["advice"]["fits_as_is"] is False
+    assert over == gib(-recipe["advice"]["current"]["headroom_bytes"], 1)
     gpus, per_gpu, batch, per_gpu_batch = quoted(
         "README.md", r"here (\d+) GPUs \(([\d.]+) GiB per GPU\) or micro-batch (\d+) \(([\d.]+) GiB")
-    fit = recipe["fit"]
+    fit = recipe["advice"]
     assert (int(gpus), per_gpu) == (fit["world_size"]["world_size"],
                                     gib(fit["world_size"]["peak_bytes"], 1))
     assert (int(batch), per_gpu_batch) == (fit["micro_batch"]["micro_batch"],
@@ -85,15 +85,15 @@ def test_parallel_md_breakdown_table(recipe):
     peak = recipe["peak"]
     assert (phase, int(iteration), device) == (peak["phase"], peak["iteration"],
                                                gib(peak["device_bytes"], 2))
-    assert capacity == gib(recipe["fit"]["gpu_memory_bytes"], 1)
-    assert verdict == ("fits" if recipe["fit"]["fits_as_is"] else "does not fit")
-    assert headroom == f"{recipe['fit']['current']['headroom_bytes'] / GiB:+.1f}"
+    assert capacity == gib(recipe["advice"]["gpu_memory_bytes"], 1)
+    assert verdict == ("fits" if recipe["advice"]["fits_as_is"] else "does not fit")
+    assert headroom == f"{recipe['advice']['current']['headroom_bytes'] / GiB:+.1f}"
     (single,) = quoted("docs/parallel.md", r"One GPU would need ([\d.]+) GiB")
     assert single == gib(recipe["single_gpu_device_bytes"], 1)
     gpus, per_gpu, batch, per_batch = quoted(
         "docs/parallel.md", r"smallest world size, (\d+) GPUs \(([\d.]+) GiB per GPU\), or the "
                             r"largest\s+micro-batch, (\d+) \(([\d.]+) GiB")
-    fit = recipe["fit"]
+    fit = recipe["advice"]
     assert (int(gpus), per_gpu, int(batch), per_batch) == (
         fit["world_size"]["world_size"], gib(fit["world_size"]["peak_bytes"], 1),
         fit["micro_batch"]["micro_batch"], gib(fit["micro_batch"]["peak_bytes"], 1))

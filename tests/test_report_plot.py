@@ -33,3 +33,30 @@ def test_module_labels_do_not_overlap_and_stay_inside_the_figure(model, tmp_path
     plt.close(fig)
     out = plot(pred, tmp_path / "p.png")
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timeline_png_has_title_gib_axis_gpu_limit_and_phase_legend():
+    import matplotlib.pyplot as plt
+
+    from hybridmem.gpus import gpu_by_name
+    from hybridmem.trace.timeline import figure, title_of
+
+    gib = 2**30
+    data = {"event": [0, 10, 20, 30, 40], "allocated": [1 * gib, 3 * gib, 5 * gib, 4 * gib, 2 * gib],
+            "reserved": [2 * gib, 4 * gib, 6 * gib, 6 * gib, 6 * gib],
+            "phases": [{"event": 0, "phase": "forward", "iteration": 0},
+                       {"event": 15, "phase": "backward", "iteration": 0},
+                       {"event": 35, "phase": "optimizer", "iteration": 0}]}
+    spec = TrainingSpec(model="tiny-llama", micro_batch=2, seq_len=1024, grad_ckpt=True)
+    gpu = gpu_by_name("a100-40gb")
+    fig = figure(data, title_of(spec), gpu)
+    ax = fig.axes[0]
+    assert ax.get_title().startswith("tiny-llama: train full, micro-batch 2 x 1024 tokens")
+    assert "grad-ckpt" in ax.get_title()
+    assert ax.get_ylabel() == "GiB"
+    assert max(line.get_ydata()[0] for line in ax.get_lines()
+               if line.get_linestyle() == "--") == pytest.approx(40.0)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"forward", "backward", "optimizer", "allocated", "reserved (simulated)"} <= set(labels)
+    assert "a100-40gb (40.0 GiB)" in labels
+    plt.close(fig)

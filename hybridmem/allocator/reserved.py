@@ -65,11 +65,31 @@ class Bounded:
 
     fragmentation: int
     retries: int = 0
-    """Largest `num_alloc_retries` among the replays the estimate rests on: > 0 means the job
-    fits only because the allocator released its cache at the GPU's limit (slower)."""
+    """Largest `num_alloc_retries` among the replays at or below the spec's micro-batch: > 0
+    means the job fits only because the allocator released its cache at the GPU's limit
+    (slower)."""
     oom_batches: tuple[int, ...] = ()
-    """Micro-batches whose replay ran out of memory within the capacity."""
+    """Micro-batches at or below the spec's whose replay ran out of memory within the
+    capacity (the estimate's reserved bytes then exceed it: the job does not fit)."""
     capacity: int | None = None
+    over_capacity: bool = False
+    """The answer's reserved bytes exceed the capacity: the allocator runs out of memory at the
+    spec's micro-batch (a replay at or below it did, or the estimate between the replayed
+    micro-batches lands above the capacity). Set by whoever computes the answer's reserved
+    bytes (`bounded`, the trace tier, a rank's estimate)."""
+
+    @property
+    def oom(self) -> bool:
+        """The JSON `allocator.oom`: the job runs out of memory on the GPU."""
+        return self.over_capacity
+
+    @property
+    def completed(self) -> bool:
+        """Every replay the estimate rests on (the 2q probe included) ran within the capacity."""
+        return not self.oom_batches and not self.probe_oom
+
+    probe_oom: bool = False
+    """The replay at the next power of two (the 2q probe of `bounded`) ran out of memory."""
 
 
 def envelope(spec, allocated: int, measure: Callable) -> int:
@@ -101,20 +121,28 @@ def bounded(spec, allocated: int, measure: Callable, capacity: int | None = None
     term may exceed it, but an allocator that completes the stream never holds more than
     it may reserve, its cache having been released instead. Still monotone: the replayed
     micro-batches ({1, 2, .., q}, plus 2q when b is not a power of two) only gain members as b
-    grows, so once one OOMs every larger b keeps the uncapped (larger) figure."""
+    grows, so once one OOMs every larger b keeps the uncapped (larger) figure. A replay at
+    <= b that OOMs also floors reserved at its own (unlimited) reserved peak, above the
+    capacity, so "ran out of memory" and "fits" never both hold; the 2q probe's OOM or
+    retries are not b's (it only bounds the estimate)."""
     env = alloc_conf_string()  # the cache key: AllocatorConfig itself may not hash
     _config(env)  # a malformed PYTORCH_ALLOC_CONF raises its SpecError here
     b = spec.micro_batch
     q = 1 << (b.bit_length() - 1)
     device = allocated
-    retries, ooms = 0, []
+    retries, ooms, above = 0, [], []
+    floor = 0  # the largest reserved peak of a replay at <= b that ran out of memory
 
     def at(batch: int, default: int = 0) -> tuple[int, int]:
-        nonlocal retries
-        a, f, r, oom = _at(spec, batch, measure, env, capacity, default)
+        nonlocal retries, floor
+        a, f, r, oom, peak = _at(spec, batch, measure, env, capacity, default)
+        if batch > b:  # the 2q probe: it bounds the estimate, its allocator events are not b's
+            above.extend([batch] if oom else [])
+            return a, f
         retries = max(retries, r)
         if oom:
             ooms.append(batch)
+            floor = max(floor, peak)
         return a, f
 
     for j in range(q.bit_length()):
@@ -125,19 +153,25 @@ def bounded(spec, allocated: int, measure: Callable, capacity: int | None = None
         f_q = at(q)[1]
         f_2q = at(2 * q, default=f_q)[1]
         device = max(device, allocated + min(f_q, f_2q))
-    if capacity is not None and not ooms:
+    if capacity is not None and not ooms and not above:
         device = max(allocated, min(device, capacity))
-    return Bounded(device - allocated, retries, tuple(ooms), capacity)
+    # a replay at <= b that ran out of memory reserved more than the capacity (its unlimited
+    # peak): the job at b, at least as large, does not fit either, whatever the closed form's
+    # allocated bytes (which can sit below the stream's) add up to
+    device = max(device, floor)
+    return Bounded(device - allocated, retries, tuple(ooms), capacity,
+                   over_capacity=capacity is not None and device > capacity,
+                   probe_oom=bool(above))
 
 
 def _at(spec, batch: int, measure: Callable, env: str, capacity: int | None = None,
-        default: int = 0) -> tuple[int, int, int, bool]:
-    """(allocated, F, retries, OOM) at another micro-batch; a batch the spec rejects counts as
-    (0, default, 0, False)."""
+        default: int = 0) -> tuple[int, int, int, bool, int]:
+    """(allocated, F, retries, OOM, reserved peak) at another micro-batch; a batch the spec
+    rejects counts as (0, default, 0, False, 0)."""
     try:
         other = spec.with_(micro_batch=batch)
     except SpecError:
-        return 0, default, 0, False
+        return 0, default, 0, False, 0
     return _replayed(other, measure, env, capacity)
 
 
@@ -147,12 +181,17 @@ def _config(env: str) -> AllocatorConfig:
 
 @lru_cache(maxsize=64)
 def _replayed(spec, measure: Callable, env: str, capacity: int | None = None
-              ) -> tuple[int, int, int, bool]:
-    """(allocated, F, num_alloc_retries, ran out of memory) of `spec`'s replayed stream."""
+              ) -> tuple[int, int, int, bool, int]:
+    """(allocated, F, num_alloc_retries, ran out of memory, peak reserved) of `spec`'s
+    replayed stream."""
     allocated, events = measure(spec)
-    result, oom = capped_replay(events, _config(env), capacity)
+    try:
+        result = replay(events, _config(env), capacity=capacity)
+    except SimulatedOOM:  # as `capped_replay`: the unlimited replay (cached here too), flagged
+        allocated, fragmentation, retries, _, peak = _replayed(spec, measure, env, None)
+        return allocated, fragmentation, retries, True, peak
     return (allocated, result.peak_reserved - result.peak_allocated, result.num_alloc_retries,
-            oom)
+            False, result.peak_reserved)
 
 
 def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:
@@ -163,13 +202,17 @@ def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:
     notes = [f"allocator capacity: {fit.capacity} bytes = {outside}; the stream is replayed "
              "within it, as PyTorch's allocator frees its cache and retries when cudaMalloc "
              "fails (CUDACachingAllocator.cpp malloc)"]
-    if fit.oom_batches:
-        tensors = ("the tensors alone (allocated) exceed it" if allocated > fit.capacity else
-                   "the tensors alone (allocated) would fit: fragmentation is what misses")
+    tensors = ("the tensors alone (allocated) exceed it" if allocated > fit.capacity else
+               "the tensors alone (allocated) would fit: fragmentation is what misses")
+    if fit.oom and fit.oom_batches:
         notes.append("does not fit: the simulated allocator runs out of memory even after "
                      "releasing its cached blocks (micro-batch "
                      f"{', '.join(map(str, fit.oom_batches))}); {tensors}; reserved is the "
                      "unlimited replay's")
+    elif fit.oom:
+        notes.append("does not fit: the estimate's reserved bytes exceed the capacity, though "
+                     "the replays at or below this micro-batch complete within it; "
+                     f"{tensors}")
     elif fit.retries:
         notes.append(f"fits only after the allocator released its cache: {fit.retries} "
                      "cudaMalloc retr" + ("y" if fit.retries == 1 else "ies") +
@@ -204,4 +247,4 @@ def allocator_extras(fit) -> dict:
     if fit.capacity is None:
         return {}
     return {"allocator": {"capacity_bytes": fit.capacity, "num_alloc_retries": fit.retries,
-                          "oom": bool(fit.oom_batches)}}
+                          "oom": fit.oom}}

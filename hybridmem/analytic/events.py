@@ -41,6 +41,7 @@ from hybridmem.allocator.alloc import t
 from hybridmem.allocator.foreach import foreach_norm_scratch
 from hybridmem.analytic.states import state_bytes
 from hybridmem.job.optimizers import rule
+from hybridmem.job.quantize import quant_of
 from hybridmem.job.spec import POLICIES, TrainingSpec, empty_cache_at
 
 # parameters of a transformer layer's MLP half (its grads appear first in backward);
@@ -172,6 +173,20 @@ def _grad_sizes(p, policy) -> tuple[list[int], list[int], int]:
     return mlp, rest, diff
 
 
+def _setup_sizes(layer, policy, quant) -> list[int]:
+    """The tensors a layer holds from setup on, as `states.layer_states` prices them: a
+    quantised weight is the tensors bitsandbytes keeps (`Quant.weight_allocs`), any other
+    tensor its own dtype or the policy's."""
+    sizes = []
+    for q in layer.params:
+        if q.name in layer.quantized:
+            sizes += [t(a.numel, a.itemsize) for a in quant.weight_allocs(*q.shape)]
+        else:
+            sizes.append(t(q.numel, q.itemsize or policy.param_bytes))
+    return sizes + [t(q.numel, q.itemsize or policy.param_bytes)
+                    for q in (*layer.buffers, *layer.lora, *layer.copies)]
+
+
 def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
           marks: list | None = None) -> list[tuple]:
     """The event stream of `iterations` training iterations (see the module docstring).
@@ -183,10 +198,9 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
     policy = POLICIES[spec.precision]
     amp = spec.precision.endswith("-mixed")
     s = Stream()
+    quant = quant_of(spec)
     for p in priced:  # setup: parameters, buffers, adapters; fp32 masters
-        layer = p.layer
-        s.allocs(t(q.numel, q.itemsize or policy.param_bytes)
-                 for q in (*layer.params, *layer.buffers, *layer.lora, *layer.copies))
+        s.allocs(_setup_sizes(p.layer, policy, quant))
     if policy.master_bytes:
         for p in priced:
             if p.layer.trainable:

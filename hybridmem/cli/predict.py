@@ -56,8 +56,8 @@ OTHER_OPTIONS: tuple[CliOption, ...] = (
     CliOption("zero_stage", ("--zero-stage",), Optional[int],
               "DeepSpeed ZeRO stage 1, 2 or 3 (= --strategy zeroN).", "parallel"),
     CliOption("recipe", ("--recipe",), Optional[str],
-              "llava-1.5-pretrain, llava-1.5-finetune, llava-1.5-finetune-lora (official "
-              "LLaVA-1.5 scripts).", FILES_PANEL),
+              "llava-1.5-{pretrain,finetune,finetune-lora} (official LLaVA-1.5 scripts).",
+              FILES_PANEL),
     CliOption("training_args", ("--training-args",), Optional[str],
               "HF TrainingArguments (or TRL SFTConfig) fields as JSON.", FILES_PANEL,
               doc="HF `TrainingArguments` fields as JSON (`args.to_json_string()`; TRL "
@@ -86,9 +86,12 @@ OTHER_OPTIONS: tuple[CliOption, ...] = (
     CliOption("find_max_batch", ("--find-max-batch",), bool,
               "Search the largest micro-batch that fits the GPU.", OUTPUT_PANEL, default=False),
     CliOption("method", ("--method",), Optional[str],
-              "analytic, trace or hybrid (default: hybrid when a GPU-calibrated model in "
-              "models/ was trained on this torch, else analytic; trace for PEFT methods and "
-              "model families only it can price).", OUTPUT_PANEL),
+              "analytic, trace or hybrid (default: chosen per job).",
+              OUTPUT_PANEL,
+              doc="`analytic`, `trace` or `hybrid`; default: hybrid when a GPU-calibrated "
+              "learned model (shipped with hybridmem, or in `$HYBRIDMEM_MODELS`) applies to "
+              "this torch, else analytic; trace for PEFT methods and model families only it "
+              "can price. `method` and `method_reason` in the answer say which and why"),
     CliOption("as_json", ("--json",), bool,
               "Print one JSON object instead of tables.", OUTPUT_PANEL, default=False,
               doc="print one JSON object (schema below) instead of tables"),
@@ -96,7 +99,20 @@ OTHER_OPTIONS: tuple[CliOption, ...] = (
               "Save a stacked bar chart (PNG/SVG/PDF) to FILE.", OUTPUT_PANEL),
     CliOption("timeline", ("--timeline",), Optional[str],
               "(trace) Save the memory timeline as JSON or PNG.", OUTPUT_PANEL),
+    CliOption("verbose", ("--verbose", "-v"), bool,
+              "Print every note, not only the three that matter most.", OUTPUT_PANEL,
+              default=False,
+              doc="print every note; by default the console shows at most three: the tier "
+              "and why, the verdict's caveat, the assumption that changes the answer most "
+              "(`--json` keeps them all)"),
 )
+
+EXAMPLES = """Examples:
+  hybridmem predict --model llava-1.5-7b --train lora --grad-ckpt --gpu rtx-4090
+  hybridmem predict --model path/to/config.json --gpu-mem 24 --find-max-batch
+  hybridmem predict --model llama-3.2-3b --deepspeed ds.json --gpu h200 --json
+The GPUs: hybridmem gpus. Every choice and config key: README "Options"."""
+"""The help's epilog (`cli.help.CompactHelp` prints it as written)."""
 
 
 def panel_title(panel: str) -> str:
@@ -155,6 +171,7 @@ def predict_command(**values) -> None:
     gpu, gpu_mem, method = values.pop("gpu"), values.pop("gpu_mem"), values.pop("method")
     find_max_batch, as_json = values.pop("find_max_batch"), values.pop("as_json")
     plot, timeline = values.pop("plot"), values.pop("timeline")
+    verbose = values.pop("verbose")
     # recipe < --training-args < --deepspeed < explicit flags (None = flag not given); the rest
     # of `values` are the job fields by schema key, --peft-config, --quantization-config and
     # --zero-stage
@@ -176,17 +193,22 @@ def predict_command(**values) -> None:
     advice = None
     if target is not None and (spec.parallel.strategy != "none" or not result.fits):
         advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=chosen, gpu=target))
+    written = []
     if plot:
-        save_plot(result, plot)
+        written.append(f"plot: {save_plot(result, plot)}")
+    if "timeline" in result.extras:
+        written.append(f"timeline: {result.extras['timeline']}")
     if as_json:
         out = result.to_dict()
         if advice is not None:
-            out["fit"] = advice
+            out["advice"] = advice
         typer.echo(json.dumps(out, indent=2))
     else:
-        render(result)
+        render(result, verbose=verbose)
         if advice is not None:
             typer.echo("\n".join(fit_lines(advice)))
+    for line in written:  # on stderr under --json, so stdout stays one JSON object
+        typer.echo(f"wrote {line}", err=as_json)
 
 
 predict_command.__signature__ = inspect.Signature([
@@ -195,4 +217,6 @@ predict_command.__signature__ = inspect.Signature([
 
 
 def register(app: typer.Typer) -> None:
-    app.command("predict")(predict_command)
+    from hybridmem.cli.help import CompactHelp
+
+    app.command("predict", cls=CompactHelp, epilog=EXAMPLES)(predict_command)

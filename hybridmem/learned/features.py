@@ -18,6 +18,7 @@ import pandas as pd
 
 from hybridmem.categories import CATEGORIES
 from hybridmem.learned.dataset import config_groups, shape_group
+from hybridmem.learned.versions import major_minor  # noqa: F401 (also this module's name)
 from hybridmem.adapters import peft_type
 from hybridmem.errors import SpecError
 from hybridmem.job.images import parse_image_size
@@ -59,12 +60,6 @@ def analytic_base(spec: TrainingSpec) -> Prediction:
 def resolve_base(base_fn: BaseFn | None) -> BaseFn:
     """`base_fn`, or the analytic tier looked up at call time (tests can patch `analytic_base`)."""
     return base_fn or analytic_base
-
-
-def major_minor(text: object) -> str | None:
-    """'2.13.0+cu124' -> '2.13'; None when it cannot be read."""
-    parts = str(text or "").split("+")[0].split(".")
-    return ".".join(parts[:2]) if len(parts) >= 2 and all(p.isdigit() for p in parts[:2]) else None
 
 
 def _version_number(text: object) -> float:

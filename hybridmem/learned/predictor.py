@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.learned import registry
-from hybridmem.learned.features import major_minor
+from hybridmem.learned.versions import major_minor
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.job.spec import TrainingSpec
 

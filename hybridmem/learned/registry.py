@@ -20,7 +20,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.learned.features import major_minor
+from hybridmem.learned.versions import major_minor
 
 FORMAT_VERSION = 1
 """Bump when files or features change incompatibly; older folders are refused with a clear error."""
@@ -28,9 +28,15 @@ FORMAT_VERSION = 1
 TARGETS: tuple[str, ...] = ("device", "reserved")
 
 
+SHIPPED = Path(__file__).resolve().parents[1] / "shipped_models"
+"""The models shipped with hybridmem: `hybridmem/shipped_models` links to the checkout's
+`models/` and is installed as package data (pyproject.toml), so it is found from any directory."""
+
+
 def models_root() -> Path:
-    """Registry folder: `$HYBRIDMEM_MODELS`, else `models/` under the current directory."""
-    return Path(os.environ.get("HYBRIDMEM_MODELS") or "models")
+    """Registry folder: `$HYBRIDMEM_MODELS`, else the models shipped with hybridmem (`SHIPPED`),
+    wherever hybridmem runs (never the current directory)."""
+    return Path(os.environ.get("HYBRIDMEM_MODELS") or SHIPPED)
 
 
 @dataclass

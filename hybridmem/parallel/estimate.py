@@ -208,12 +208,17 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     # it is at iteration 1; the step's own peak is already there at iteration 0
     iteration = 0 if phase == "optimizer" or states.optimizer == 0 else 1
     breakdown = phases[phase]
-    if fit is not None and fit.capacity is not None and not fit.oom_batches:
+    if fit is not None and fit.capacity is not None and fit.completed:
         # the rank's replay completed within its capacity: reserved stays within it, as the
         # allocator frees its cache before reserving more (`allocator.reserved.bounded`)
         tensors = sum(breakdown[c] for c in TENSOR_CATEGORIES)
         breakdown["fragmentation"] = min(breakdown["fragmentation"],
                                          max(0, fit.capacity - tensors))
+    if fit is not None and fit.capacity is not None and gpu is not None:
+        # the rank's own peak decides whether its allocator runs out (as `Prediction.fits`:
+        # the capacity is the GPU's memory less what the rank holds outside the allocator)
+        over = sum(breakdown.values()) - states.paged > gpu.memory_bytes
+        fit = dataclasses.replace(fit, over_capacity=over)
     # single-GPU caveats this module answers (ZeRO's fp32 grad partition is priced in the step)
     answered = ("DeepSpeed's extra fp32 gradient buffers",) if ps.zero_stage else ()
     notes = [n for n in base.notes if not any(a in n for a in answered)] + [
@@ -248,7 +253,7 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     })
     if fit is not None and fit.capacity is not None:
         extras["allocator"] = {"capacity_bytes": fit.capacity, "num_alloc_retries": fit.retries,
-                               "oom": bool(fit.oom_batches)}
+                               "oom": fit.oom}
     return dataclasses.replace(
         base, method=f"{base.method}+{ps.strategy}", breakdown=breakdown,
         modules=_scaled_modules(base, states, single_states),

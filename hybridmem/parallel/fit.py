@@ -27,14 +27,18 @@ def _with_parallel(spec: TrainingSpec, **changes) -> TrainingSpec:
 
 
 def _option(spec: TrainingSpec, pred: Prediction, gpu: GPU) -> dict:
+    # headroom against what the verdict compares (`Prediction.verdict_bytes`), as `fits` does
     return {"world_size": spec.parallel.world_size, "strategy": spec.parallel.strategy,
             "grad_ckpt": spec.grad_ckpt, "peak_bytes": pred.peak.device_bytes,
-            "headroom_bytes": gpu.memory_bytes - pred.peak.device_bytes}
+            "headroom_bytes": gpu.memory_bytes - pred.verdict_bytes}
 
 
-def _fits(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> Prediction | None:
+def _fits(spec: TrainingSpec | Callable[[], TrainingSpec], gpu: GPU,
+          estimate: Callable) -> Prediction | None:
+    """The prediction of `spec` if it fits `gpu`; None if it does not, or if the spec (or a
+    callable building it) is refused (e.g. sharding quantised weights)."""
     try:
-        pred = estimate(spec)
+        pred = estimate(spec() if callable(spec) else spec)
     except SpecError:
         return None
     return pred if pred.fits_within(gpu.memory_bytes) else None
@@ -43,7 +47,8 @@ def _fits(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> Prediction | None
 def _smallest_world_size(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
     strategy = spec.parallel.strategy if spec.parallel.strategy in SHARDED else "zero3"
     at = lambda n: _with_parallel(spec, world_size=n, strategy=strategy)  # noqa: E731
-    fits_at = cache(lambda n: _fits(at(n), gpu, estimate))  # each size is estimated once
+    # each size is estimated once; a sharding the spec refuses fits at no size
+    fits_at = cache(lambda n: _fits(lambda: at(n), gpu, estimate))
     lo, hi = 1, 2
     while hi <= MAX_WORLD_SIZE and fits_at(hi) is None:
         lo, hi = hi, hi * 2
@@ -60,7 +65,10 @@ def _smallest_zero_stage(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> di
         return None
     first = spec.parallel.zero_stage + 1
     for stage in range(first, 4):
-        candidate = _with_parallel(spec, strategy=f"zero{stage}")
+        try:
+            candidate = _with_parallel(spec, strategy=f"zero{stage}")
+        except SpecError:  # a stage this job cannot use (e.g. ZeRO-3 with quantised weights)
+            continue
         if (pred := _fits(candidate, gpu, estimate)) is not None:
             return _option(candidate, pred, gpu)
     return None

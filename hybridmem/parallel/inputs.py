@@ -665,10 +665,10 @@ def _quantization(overrides: dict, model: str | None = None) -> tuple[dict, dict
                                known=config_keys.bnb_known)
         out = from_bnb_config(data)
     elif model:
-        from hybridmem.models import load_config
+        from hybridmem.models.loader import load_config_dict
 
-        try:
-            qc = getattr(load_config(model), "quantization_config", None)
+        try:  # the JSON itself: transformers keeps `quantization_config` as the dict it reads
+            qc = load_config_dict(model)[1].get("quantization_config")
         except SpecError:
             qc = None  # the model's own error comes where the model is built
         if qc:

@@ -28,7 +28,7 @@ from hybridmem.prediction import Peak, Prediction
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.trace.corrections import KNOWN_LIMITATIONS
 from hybridmem.trace.result import TraceResult, summarize
-from hybridmem.trace.timeline import save_timeline
+from hybridmem.trace.timeline import save_timeline, title_of
 
 __all__ = ["KNOWN_LIMITATIONS", "TraceResult", "estimate", "run_trace", "save_timeline"]
 
@@ -69,7 +69,8 @@ def _simulate_reserved(result: TraceResult, capacity: int | None = None, batch: 
             reserved[index] = res
     result.reserved_curve = np.maximum.accumulate(reserved) if len(reserved) else reserved
     return Bounded(sim.peak_reserved - sim.peak_allocated, sim.num_alloc_retries,
-                   (batch,) if oom else (), capacity)
+                   (batch,) if oom else (), capacity,
+                   over_capacity=capacity is not None and sim.peak_reserved > capacity)
 
 
 def run_trace(spec: TrainingSpec, *, backend: str = "meta",
@@ -148,7 +149,7 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
               "after_step_allocated_bytes": result.after_step_allocated,
               **allocator_extras(result.allocator)}
     if timeline is not None:
-        extras["timeline"] = str(save_timeline(result, timeline))
+        extras["timeline"] = str(save_timeline(result, timeline, title_of(spec), gpu))
     return Prediction(
         model=spec.model, method="trace", params_total=result.params_total,
         params_trainable=result.params_trainable,

@@ -11,20 +11,46 @@ from hybridmem.errors import SpecError
 GiB = 1024**3
 
 
-def save_timeline(result, path: str | os.PathLike) -> Path:
-    """Write `result.timeline()` to `path` (.json, or .png via matplotlib); returns the path."""
+PHASE_COLORS: dict[str, str] = {"forward": "tab:blue", "backward": "tab:orange",
+                                 "optimizer": "tab:green"}
+"""Shading of each phase's span of events (`TraceResult.marks`), named in the legend."""
+
+
+def save_timeline(result, path: str | os.PathLike, title: str | None = None,
+                  gpu=None) -> Path:
+    """Write `result.timeline()` to `path` (.json, or .png via matplotlib); returns the path.
+    The PNG is `figure(data, title, gpu)`."""
     path = Path(path)
     data = result.timeline()
     if path.suffix.lower() == ".json":
         path.write_text(json.dumps(data))
     elif path.suffix.lower() == ".png":
-        _plot(data, path)
+        import matplotlib.pyplot as plt
+
+        fig = figure(data, title, gpu)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
     else:
         raise SpecError("timeline", str(path), (".json", ".png"), reason="unknown file type")
     return path
 
 
-def _plot(data: dict, path: Path) -> None:
+def title_of(spec) -> str:
+    """The plot's title: the model and the job in a few words."""
+    job = [f"train {spec.train}", f"micro-batch {spec.micro_batch} x {spec.seq_len} tokens",
+           spec.precision]
+    if spec.grad_ckpt:
+        job.append("grad-ckpt")
+    if spec.quantize != "none":
+        job.append(spec.quantize)
+    if spec.parallel.world_size > 1:
+        job.append(f"{spec.parallel.strategy} on {spec.parallel.world_size} GPUs (one rank)")
+    return f"{spec.model}: " + ", ".join(job)
+
+
+def figure(data: dict, title: str | None = None, gpu=None):
+    """Allocated and simulated reserved GiB over the allocator's events, each phase's span
+    shaded (the legend names them), and the GPU's memory as a dashed line when `gpu` is given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -35,13 +61,25 @@ def _plot(data: dict, path: Path) -> None:
     if "reserved" in data:
         ax.plot(data["event"], [b / GiB for b in data["reserved"]], label="reserved (simulated)",
                 lw=1)
-    for mark in data["phases"]:
-        ax.axvline(mark["event"], color="grey", lw=0.5, alpha=0.5)
-        ax.text(mark["event"], 0, f" {mark['phase'][0]}{mark['iteration']}", fontsize=7,
-                va="bottom", color="grey")
+    marks = data["phases"]
+    end = data["event"][-1] if data["event"] else 0
+    named = set()
+    for mark, after in zip(marks, [*marks[1:], None]):
+        stop = after["event"] if after is not None else end
+        phase = mark["phase"]
+        ax.axvspan(mark["event"], stop, color=PHASE_COLORS.get(phase, "grey"), alpha=0.08, lw=0,
+                   label=None if phase in named else phase)
+        named.add(phase)
+        ax.text(mark["event"], 0, f" {phase[0]}{mark['iteration']}", fontsize=7, va="bottom",
+                color="grey")
+    if gpu is not None:
+        ax.axhline(gpu.memory_bytes / GiB, color="red", linestyle="--", lw=1,
+                   label=f"{gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB)")
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("allocator event")
     ax.set_ylabel("GiB")
-    ax.legend(loc="upper left")
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
