@@ -78,16 +78,23 @@ class Prediction:
             return None
         return self.fits_within(self.gpu_memory_bytes)
 
+    @property
+    def verdict_bytes(self) -> int:
+        """What the fit verdict compares with the GPU: the stated upper bound of the device peak
+        where a tier gives one (`extras["bound_bytes"]`, the learned tier), else the peak."""
+        bound = self.extras.get("bound_bytes")
+        return int(bound) if bound is not None else self.peak.device_bytes
+
     def fits_within(self, memory_bytes: int) -> bool:
-        """Whether the job runs in `memory_bytes` of GPU memory: the device peak without the
+        """Whether the job runs in `memory_bytes` of GPU memory: `verdict_bytes` without the
         paged optimizer state, which is evicted to the host rather than causing an OOM."""
-        return self.peak.device_bytes - self.paged_bytes <= memory_bytes
+        return self.verdict_bytes - self.paged_bytes <= memory_bytes
 
     @property
     def headroom_bytes(self) -> int | None:
         if self.gpu_memory_bytes is None:
             return None
-        return self.gpu_memory_bytes - self.peak.device_bytes
+        return self.gpu_memory_bytes - self.verdict_bytes
 
     def to_dict(self) -> dict:
         """The `--json` object (schema in README.md; names are a contract)."""
