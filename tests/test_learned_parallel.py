@@ -64,6 +64,7 @@ def recorder(monkeypatch, tmp_path) -> Recorder:
     monkeypatch.setenv("HYBRIDMEM_CUDA_VERSION", "")
     monkeypatch.setattr("hybridmem.learned.registry.select", lambda *a: (tmp_path, []))
     monkeypatch.setattr("hybridmem.learned.predictor.load_cached", lambda folder: model)
+    monkeypatch.setattr("hybridmem.learned.registry.read_metadata", lambda folder: model.metadata)
     return rec
 
 

@@ -41,7 +41,7 @@ def resolve_method(method: str | None, spec=None) -> str:
         from hybridmem.learned.predictor import default_method
     except ImportError:  # the `learned` extra is not installed
         return "analytic"
-    return default_method()
+    return default_method(spec=spec)
 
 
 def _method_note(result, chosen: str, given: str | None, spec):

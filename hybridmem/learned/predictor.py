@@ -194,6 +194,29 @@ def _torch_note(env: dict, meta: dict, group: str, decided: dict[str, dict]) -> 
         f"{s['rows']} rows" for t, s in held)
 
 
+def _trust_extra(group: str, decided: dict[str, dict]) -> dict:
+    return {t: {"group": group, "applied": bool(d["apply"]), "rule": d["rule"],
+                "evidence": d.get("evidence") or {}} for t, d in decided.items()}
+
+
+def gate(spec: TrainingSpec, config: dict, base: Prediction, meta: dict, name: str,
+         targets) -> Prediction | None:
+    """The analytic fallback (with the rule that decided) when no residual of the model of
+    `meta` answers `spec`, else None. Needs the metadata only, so `estimate` decides before
+    loading any booster."""
+    from hybridmem.learned.trust import outside_domain
+
+    foreign = outside_domain(domain_fields(spec, config), meta.get("domain") or {})
+    if foreign:
+        return fallback(base, [f"residual model {name} does not apply: it never saw "
+                               + "; ".join(foreign)])
+    group, decided = decisions(spec, config, meta, targets)
+    if not any(d["apply"] for d in decided.values()):
+        return fallback(base, [f"residual model {name} does not answer this job"]
+                        + _trust_notes(group, decided), {"trust": _trust_extra(group, decided)})
+    return None
+
+
 def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedModel,
                 env: dict, gpu_name: str | None = None, trace_fn=None) -> Prediction:
     """The base prediction corrected by `model` where its evidence trusts it, with notes, the
@@ -202,27 +225,22 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
     import pandas as pd
 
     from hybridmem.learned.features import feature_row
-    from hybridmem.learned.trust import answer, coverage_source, outside_domain
+    from hybridmem.learned.trust import answer, coverage_source
     from hybridmem.models.loader import load_config_dict
 
     meta = model.metadata
     _, config = load_config_dict(spec.model)
+    refused = gate(spec, config, base, meta, model.name, tuple(model.estimators))
+    if refused is not None:
+        return refused
+    group, decided = decisions(spec, config, meta, model.estimators)
+    trust_extra = _trust_extra(group, decided)
     gpu, gpu_note = match_gpu(gpu_name, meta)
     memory = (meta.get("gpu_memory_by_name") or {}).get(gpu, meta.get("gpu_memory_bytes"))
     row = feature_row(spec, config, base, {
         "gpu_name": gpu, "gpu_memory_bytes": memory or 0,
         "torch_version": env.get("torch") or (meta.get("torch_versions") or [""])[-1],
         "cuda_version": env.get("cuda") or (meta.get("cuda_versions") or [""])[-1]})
-    foreign = outside_domain(domain_fields(spec, config), meta.get("domain") or {})
-    if foreign:
-        return fallback(base, [f"residual model {model.name} does not apply: it never saw "
-                               + "; ".join(foreign)])
-    group, decided = decisions(spec, config, meta, model.estimators)
-    trust_extra = {t: {"group": group, "applied": bool(d["apply"]), "rule": d["rule"],
-                       "evidence": d.get("evidence") or {}} for t, d in decided.items()}
-    if not any(d["apply"] for d in decided.values()):
-        return fallback(base, [f"residual model {model.name} does not answer this job"]
-                        + _trust_notes(group, decided), {"trust": trust_extra})
     trace_notes: list[str] = []
     if meta.get("trace_features"):
         extra, trace_notes = trace_row(spec, base, trace_fn)
@@ -327,6 +345,13 @@ def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
     if folder is None:
         return fallback(base, notes)
     try:
+        from hybridmem.models.loader import load_config_dict
+
+        meta = registry.read_metadata(folder)
+        refused = gate(spec, load_config_dict(spec.model)[1], base, meta, folder.name,
+                       tuple(meta.get("targets", registry.TARGETS)))
+        if refused is not None:  # decided from the metadata: no booster is loaded
+            return dataclasses.replace(refused, notes=refused.notes + tuple(notes))
         model = load_cached(folder)
     except SpecError as err:  # a damaged entry must not break `predict`; say so and fall back
         return fallback(base, notes + [f"model {folder.name} could not be loaded: {err}"])
