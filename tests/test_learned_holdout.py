@@ -270,3 +270,40 @@ def test_the_next_gpu_sweep_measures_full_fine_tuning_first():
     published_setting = [it for it in sweep.items if it.block == "full-ft-published-setting"]
     assert {(it.spec.precision, it.spec.loop, it.spec.micro_batch) for it in published_setting} \
         == {("bf16", "custom", 4)}
+
+
+def test_cli_holdout_prints_each_split_and_logs_to_the_tracking_dir(tmp_path, capsys, monkeypatch):
+    import os
+
+    from hybridmem.cli import main
+
+    rows = versioned_rows()
+    rows = rows[~rows["torch_version"].str.startswith("2.10")]  # one split: 2.9 held out
+    path = tmp_path / "rows.parquet"
+    rows.to_parquet(path)
+    # `--tracking` sets the store for this process; monkeypatch restores the session's after
+    monkeypatch.setenv("HYBRIDMEM_MLFLOW_URI", os.environ["HYBRIDMEM_MLFLOW_URI"])
+    store = tmp_path / "ml"
+    rc = main(["evaluate", "--data", str(path), "--holdout", "torch", "--tiers", "analytic",
+               "--tracking", str(store), "--errors-csv", str(tmp_path / "e.csv")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "held out: torch 2.9 (residual trained on 2.7)" in out
+    assert "MLflow runs (experiment holdout): " in out and (store / "mlflow.db").exists()
+    errors = pd.read_csv(tmp_path / "e.csv")
+    assert set(errors["tier"]) == {"analytic", "residual", "hybrid"}
+    assert set(errors["split"]) == {"torch 2.9"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--holdout", "gpu"], "holdout='gpu'"),
+    (["--holdout", "torch", "--tiers", "hybrid"], "tiers='hybrid'"),
+])
+def test_cli_holdout_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
+    from hybridmem.cli import main
+
+    path = tmp_path / "rows.parquet"
+    make_rows(shapes=SHAPES[:2]).to_parquet(path)
+    rc = main(["evaluate", "--data", str(path), "--no-track", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err

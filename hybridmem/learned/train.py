@@ -101,6 +101,8 @@ class Fitted:
     forward: dict[str, Evaluation] = field(default_factory=dict)
     """Forward torch-version hold-out per target (only where the rows span >= 2 versions)."""
     domains: dict[str, dict] = field(default_factory=dict)
+    group_kinds: dict[str, str] = field(default_factory=dict)
+    """What grouped CV held out per target: model shapes or configurations."""
     trust: dict[str, dict[str, dict]] = field(default_factory=dict)
     """target -> job group -> `trust.decide` entry."""
     notes: list[str] = field(default_factory=list)
@@ -132,6 +134,7 @@ def fit_residuals(tables: dict[str, FeatureTable], df: pd.DataFrame, n_splits: i
             evidence["torch"] = group_evidence(forward.predictions)
         out.trust[t] = decide(evidence)
         out.domains[t] = domain(tb)
+        out.group_kinds[t] = tb.group_kind
         out.estimators[t] = ResidualRegressor(**(estimator_params or {})).fit(
             tb.X, tb.target(t), tb.groups)
     return out
@@ -210,6 +213,7 @@ def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ..
         "model_names": _distinct(rows["model_name"]),
         "training_groups": sorted(set(table.groups)),
         "group_kind": table.group_kind,
+        "group_kinds": fitted.group_kinds,
         "domain": union_domain(fitted.domains) if fitted.domains else domain(table),
         "target_domains": fitted.domains,
         "neighbours": neighbour_rows(table),
