@@ -108,7 +108,7 @@ def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
         default_method, models_root = map(_by_name, (LEARNED_POLICY, LEARNED_ROOT))
     except ImportError:  # the `learned` extra is not installed
         return Choice("analytic", "the learned extra is not installed (no hybrid tier)")
-    if default_method() == "hybrid":
+    if default_method(spec=spec) == "hybrid":
         return Choice("hybrid", "a GPU-calibrated learned model trained on this torch applies")
     return Choice("analytic", "no GPU-calibrated learned model trained on this torch and CUDA "
                   f"in {models_root()} (the models shipped with hybridmem, or $HYBRIDMEM_MODELS)")

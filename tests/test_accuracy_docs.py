@@ -70,20 +70,33 @@ def test_evaluate_cli_reports_tiers_by_group_and_figure(tmp_path):
     for group in ("full", "lora", "dora"):
         assert group in out.output
     errors = pd.read_csv(csv)
-    # every ok row of the committed dataset (165, datasets/published/README.md) per figure
-    assert (errors.groupby(["figure", "tier"]).size() == 165).all()
+    # every ok row of the committed dataset (165 + 24, datasets/published/README.md) per figure
+    assert (errors.groupby(["figure", "tier"]).size() == 165 + 24).all()
     assert set(errors["tier"]) == {"analytic", "hybrid"}
 
 
 def test_models_readme_describes_the_committed_model():
-    meta = json.loads((ROOT / "models" / "published-peft-metamathqa" / "metadata.json").read_text())
+    meta = json.loads((ROOT / "models" / "published" / "metadata.json").read_text())
     text = (ROOT / "models" / "README.md").read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| `published-peft-metamathqa`"))
+    row = next(line for line in text.splitlines() if line.startswith("| `published`"))
     assert f"the {meta['dataset']['rows_used']} " in row
-    assert meta["calibrated_to_gpu"] is True and meta["targets"] == ["reserved"]
+    # reserved peak from the peft-metamathqa rows, device figure from the qwen-profiling rows
+    assert meta["calibrated_to_gpu"] is True and meta["targets"] == ["device", "reserved"]
     for torch_version in meta["torch_versions"]:
         assert torch_version.split("+")[0] in row
     for optimizer in meta["domain"]["optimizer"]:
         assert optimizer in row
     cv = meta["metrics"]["reserved"]
     assert f"MAPE {cv['hybrid']['mape']:.1f} % held out vs {cv['analytic']['mape']:.1f} %" in row
+
+
+def test_models_readme_states_the_committed_trust_decisions():
+    meta = json.loads((ROOT / "models" / "published" / "metadata.json").read_text())
+    text = (ROOT / "models" / "README.md").read_text()
+    names = {"lora": "LoRA", "dora": "DoRA", "full": "full"}
+    for group, dec in meta["trust"]["reserved"].items():
+        row = next(line for line in text.splitlines()
+                   if line.startswith(f"| reserved | {names[group]} |"))
+        cv = dec["evidence"]["cv"]
+        assert f"{cv['rows']}, {cv['residual_mape']:.1f} % vs {cv['base_mape']:.1f} %" in row
+        assert row.rstrip(" |").split("| ")[-1].startswith("yes" if dec["apply"] else "no")

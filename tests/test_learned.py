@@ -17,7 +17,7 @@ from hybridmem.learned import dataset, registry
 from hybridmem.learned.features import build_table, feature_row
 from hybridmem.learned.metrics import error_metrics, verdict_accuracy
 from hybridmem.job.spec import TrainingSpec
-from test_learned_support import SHAPES, make_rows, toy_base, true_factor
+from test_learned_support import SHAPES, make_rows, toy_base, true_factor, trusted_everywhere
 
 FAST = {"n_estimators": 60}
 """Fewer boosting rounds keep each fit ~20 ms; enough for the learnable made-up factor."""
@@ -322,7 +322,8 @@ def test_trace_features_join_by_spec_and_run_the_trace_tier_at_predict_time(rows
     est = ResidualRegressor(**FAST).fit(table.X, table.target("device"))
     registry.save(tmp_path / "registry" / "tr", {"device": est}, {
         "targets": ["device"], "trace_features": True, "torch_versions": ["2.13.0"],
-        "cuda_versions": [""], "gpu_names": ["cpu-trace"], "sources": ["analytic"]})
+        "cuda_versions": [""], "gpu_names": ["cpu-trace"], "sources": ["analytic"],
+        "trust": trusted_everywhere(["device"])})
     spec = TrainingSpec(model="tiny-llava", micro_batch=2, seq_len=200, precision="fp32")
 
     def fake_trace(s):  # the trace tier "sees" the 1.25 factor of this spec (as extra context)

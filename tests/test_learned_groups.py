@@ -114,7 +114,7 @@ def test_a_spec_outside_the_model_domain_gets_the_analytic_estimate(tmp_path):
     assert any("does not apply" in n and "precision=bf16-mixed" in n for n in pred.notes)
 
 
-def test_default_method_needs_the_users_torch_among_the_trained(tmp_path, monkeypatch):
+def test_default_method_does_not_refuse_a_torch_outside_the_trained(tmp_path, monkeypatch):
     from hybridmem.learned.train import train
 
     rows = make_rows(source="analytic", torch_version="2.9.0")
@@ -124,7 +124,11 @@ def test_default_method_needs_the_users_torch_among_the_trained(tmp_path, monkey
     train(str(path), str(tmp_path / "registry" / "m"), estimator_params=FAST, track=False)
     monkeypatch.setenv("HYBRIDMEM_TORCH_VERSION", "2.9.1")
     assert predictor.default_method(tmp_path / "registry") == "hybrid"
+    # another minor version: the per-group trust decides inside the hybrid tier
     monkeypatch.setenv("HYBRIDMEM_TORCH_VERSION", "2.13.0")
+    assert predictor.default_method(tmp_path / "registry") == "hybrid"
+    # another major version: no model is compatible
+    monkeypatch.setenv("HYBRIDMEM_TORCH_VERSION", "3.0.0")
     assert predictor.default_method(tmp_path / "registry") == "analytic"
 
 

@@ -21,6 +21,7 @@ from hybridmem.models.loader import load_config_dict
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.predict import estimator, predict
 from hybridmem.job.spec import TrainingSpec
+from test_learned_support import trusted_everywhere
 
 GPU = "NVIDIA H100 80GB HBM3"
 TORCH = "2.13.0"
@@ -57,11 +58,13 @@ def recorder(monkeypatch, tmp_path) -> Recorder:
     model = registry.LoadedModel(
         name="recorder", path=tmp_path, estimators={"device": rec, "reserved": rec},
         metadata={"gpu_names": [GPU], "gpu_memory_bytes": 80 * 2**30, "calibrated_to_gpu": True,
-                  "torch_versions": [TORCH], "cuda_versions": [""]})
+                  "torch_versions": [TORCH], "cuda_versions": [""],
+                  "trust": trusted_everywhere(["device", "reserved"])})
     monkeypatch.setenv("HYBRIDMEM_TORCH_VERSION", TORCH)
     monkeypatch.setenv("HYBRIDMEM_CUDA_VERSION", "")
     monkeypatch.setattr("hybridmem.learned.registry.select", lambda *a: (tmp_path, []))
     monkeypatch.setattr("hybridmem.learned.predictor.load_cached", lambda folder: model)
+    monkeypatch.setattr("hybridmem.learned.registry.read_metadata", lambda folder: model.metadata)
     return rec
 
 

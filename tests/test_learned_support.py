@@ -114,3 +114,12 @@ def test_toy_base_sums_and_rows_follow_the_contract():
     assert validate(df) is df
     assert len(df) == 16 and set(df["source"]) == {"analytic"}
     assert df["model_config"].map(shape_group).nunique() == 2
+
+
+def trusted_everywhere(targets) -> dict:
+    """A `trust` record (registry metadata) under which every target's residual applies to every
+    job group, for hand-built registry entries that test something else."""
+    from hybridmem.adapters import GROUPS
+
+    return {t: {g: {"apply": True, "rule": "beats-base", "evidence": {}} for g in GROUPS}
+            for t in targets}

@@ -14,6 +14,7 @@ from hybridmem.harness.schema import spec_from_row
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = Path("/work/shared/data/published/peft-metamathqa.jsonl")
+QWEN = Path("/work/shared/data/published/qwen-profiling.jsonl")
 COMMITTED = ROOT / "datasets" / "published"
 MiB = 1024**2
 
@@ -167,13 +168,19 @@ def test_not_a_record_of_the_source_is_bad_input(tmp_path, capsys):
 
 
 def test_committed_dataset_holds_every_published_record_once():
-    # 165 rows: datasets/published/README.md and /work/shared/data/published/README.md
+    # 165 + 24 rows: datasets/published/README.md and /work/shared/data/published/README.md
     df = store.load_dataset(COMMITTED)
     raw = store._read(store.part_files(COMMITTED))
-    assert len(df) == len(raw) == 165
+    assert len(df) == len(raw) == 165 + 24
     assert df["measurement_id"].is_unique and (df["source"] == "published").all()
+    assert df["sweep_name"].value_counts().to_dict() == {"peft-metamathqa": 165,
+                                                         "qwen-profiling": 24}
     if PUBLISHED.exists():
-        assert set(df["measurement_id"]) == set(_records())
+        mine = df.loc[df["sweep_name"] == "peft-metamathqa", "measurement_id"]
+        assert set(mine) == set(_records())
+    if QWEN.exists():
+        mine = df.loc[df["sweep_name"] == "qwen-profiling", "measurement_id"]
+        assert set(mine) == {r["id"] for r in _qwen_records()}
     assert set(df["outcome"]) <= {"ok", "excluded"}
     assert (df["excluded_reason"] != "").sum() == (df["outcome"] == "excluded").sum()
 
@@ -193,3 +200,63 @@ def test_parts_written_before_the_new_columns_still_read(jsonl, tmp_path, capsys
     assert len(df) == len(old.drop_duplicates(list(store.KEY))) == len(old) - 1  # the re-run pair
     assert df["published_value_bytes"].isna().all() and (df["seq_len_kind"] == "exact").all()
     assert str(df["empty_cache_every_n_steps"].dtype) == "Int64"
+
+
+# ---- qwen-profiling: the second source (QwenLM/Qwen README profiling, 24 rows) ----
+
+
+def _qwen_records() -> list[dict]:
+    if not QWEN.exists():
+        pytest.skip(f"{QWEN} not present")
+    return [json.loads(line) for line in QWEN.read_text().splitlines() if line.strip()]
+
+
+def test_qwen_profiling_imports_24_rows_priced_as_the_qwen2_proxy(tmp_path, capsys):
+    from hybridmem.published.qwen_profiling import BYTES_PER_GB, PRESETS
+
+    records = {r["id"]: r for r in _qwen_records()}
+    rc, out, err = _import(QWEN, tmp_path / "data", capsys, source="qwen-profiling")
+    assert rc == 0, err
+    assert "24 records" in out and "added 24 rows" in out and "24 ok, 0 excluded" in out
+    df = store.load_dataset(tmp_path / "data")
+    assert len(df) == 24 and (df["source"] == "published").all() and (df["outcome"] == "ok").all()
+    for row in df.to_dict("records"):
+        rec = records[row["measurement_id"]]
+        # the figure as published, read as the device peak in units of 10^9 bytes (assumed)
+        assert row["peak_device_bytes"] == round(rec["value"] * BYTES_PER_GB)
+        assert pd.isna(row["peak_reserved_bytes"]) and pd.isna(row["peak_allocated_bytes"])
+        assert (row["torch_version"], row["cuda_version"]) == ("2.0", "11.8")
+        assert row["gpu_name"] == "NVIDIA A100-SXM4-80GB"
+        assert row["source_repo"] == "QwenLM/Qwen" and row["source_commit"] == rec["source_commit"]
+        published = json.loads(row["published_json"])
+        assert published["quote"] == rec["quote"] and published["value"] == rec["value"]
+        # the proxy is recorded in the row
+        assert published["priced_as"]["preset"] == PRESETS[rec["model_id"]] == row["model_name"]
+        assert "Qwen2ForCausalLM" in published["priced_as"]["class"]
+        spec = spec_from_row(row)
+        cfg = json.loads(row["model_config"])
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                    "intermediate_size", "num_key_value_heads"):
+            assert cfg[key] == rec["model_config"][key], key
+        assert cfg["model_type"] == "qwen2" and spec.seq_len == rec["seq_len"]
+        assert (spec.micro_batch, spec.grad_accum, spec.grad_ckpt) == (1, 8, True)
+        assert spec.train == "lora" and spec.lora.r == 64 and spec.lora.alpha == 16
+        # c_attn -> q/k/v_proj, c_proj -> o_proj + down_proj, w1 / w2 -> up / gate_proj
+        assert set(spec.lora.targets) == {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj",
+                                          "up_proj", "gate_proj"}
+        saved = rec["adapter_config"].get("modules_to_save")
+        assert spec.lora.modules_to_save == (("embed_tokens", "lm_head") if saved else ())
+
+
+def test_a_qwen_record_whose_shape_differs_from_the_proxy_is_excluded(tmp_path, capsys):
+    rec = _qwen_records()[0]
+    # derived (not published): the 1.8B record with another hidden size
+    bad = {**rec, "id": rec["id"] + "-derived", "model_config": {**rec["model_config"],
+                                                                 "hidden_size": 4096}}
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps(bad) + "\n")
+    rc, out, _ = _import(path, tmp_path / "data", capsys, source="qwen-profiling")
+    assert rc == 0 and "1 excluded" in out
+    row = store.load_dataset(tmp_path / "data").iloc[0]
+    assert row["outcome"] == "excluded"
+    assert "hidden_size=4096 differs from proxy preset qwen-1_8b (2048)" in row["excluded_reason"]

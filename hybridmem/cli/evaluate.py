@@ -51,7 +51,8 @@ def group_tables(table):
     for figure, part in table.groupby("figure", sort=False):
         t = Table(title=f"{FIGURE_NAMES.get(figure, figure)}: error vs real GPUs",
                   caption="error = (predicted - measured) / measured; under-predicted: share "
-                          "below the measurement; hybrid is held out (grouped CV)")
+                          "below the measurement; hybrid is held out (grouped CV) and answers "
+                          "as predict does (the residual only where its evidence trusts it)")
         t.add_column("tier", no_wrap=True)
         t.add_column("group", no_wrap=True)
         for key, header in COLUMNS:
@@ -61,6 +62,43 @@ def group_tables(table):
             t.add_row(rec["tier"], rec["group"], *(cell(k, rec[k], "") for k, _ in COLUMNS))
         out.append(t)
     return out
+
+
+HOLDOUT_LEGEND = ("MAPE, P95 |err|: absolute % error; under: share of under-predictions; bound: "
+                  "share measured <= the stated upper bound (rows with one); residual: the "
+                  "split's trees on every row; hybrid: what predict answers (the residual where "
+                  "its own held-out evidence trusts it for the job group, else analytic)")
+
+
+def holdout_tables(result):
+    """One rich Table per held-out split: figure x tier x group rows with `holdout.METRICS`."""
+    from rich.table import Table
+
+    out = []
+    for s in result.splits:
+        part = result.table[result.table["split"] == s.name]
+        if part.empty:
+            continue
+        t = Table(title=f"held out: {s.name} (residual trained on {s.trained_on})")
+        for name in ("figure", "tier", "group", "rows", "MAPE %", "P95 |err| %", "under",
+                     "bound", "rows w/ bound"):
+            t.add_column(name, justify="left" if name in ("figure", "tier", "group") else "right",
+                         no_wrap=True)
+        for rec in part.to_dict("records"):
+            bound = "-" if not rec["n_bound"] else f"{rec['bound_coverage']:.0%}"
+            t.add_row(rec["figure"], rec["tier"], rec["group"], f"{int(rec['n'])}",
+                      f"{rec['mape']:.1f}", f"{rec['p95_ape']:.1f}", f"{rec['under_share']:.0%}",
+                      bound, f"{int(rec['n_bound'])}")
+        out.append(t)
+    return out
+
+
+def use_tracking_dir(folder: str) -> None:
+    """Send this process's MLflow runs to a SQLite store in `folder` (`hybridmem.tracking`)."""
+    import os
+    from pathlib import Path
+
+    os.environ["HYBRIDMEM_MLFLOW_URI"] = f"sqlite:///{(Path(folder) / 'mlflow.db').resolve()}"
 
 
 def evaluate_command(
@@ -73,6 +111,9 @@ def evaluate_command(
     tiers: str = typer.Option("analytic,trace", "--tiers", help="Tiers priced per row for the by-group table (trace answers are cached; '' = none)."),
     errors_csv: Optional[str] = typer.Option(None, "--errors-csv", help="Write every row's signed error per tier and figure to FILE."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Re-price every row with the trace tier instead of reading the cache."),
+    holdout: Optional[str] = typer.Option(None, "--holdout", help="torch: hold out each later torch version, training on the older ones only; source: hold out each source of rows, training on the others. Every tier per job group; one MLflow run per held-out split."),
+    tracking: Optional[str] = typer.Option(None, "--tracking", help="Folder of the MLflow store for this run (default experiments/mlruns or $HYBRIDMEM_MLFLOW_URI)."),
+    track: bool = typer.Option(True, "--track/--no-track", help="Log --holdout splits to MLflow."),
 ) -> None:
     """Errors against measured rows: analytic vs trace vs hybrid by group and figure, or model A vs B."""
     from rich.console import Console
@@ -83,6 +124,31 @@ def evaluate_command(
     if target is not None and target not in ("device", "reserved"):
         raise SpecError("target", target, ("device", "reserved"))
     console = Console()
+    if tracking:
+        use_tracking_dir(tracking)
+    if holdout is not None:
+        from hybridmem.learned.holdout import holdout as run_holdout
+
+        if model:
+            raise SpecError("holdout", holdout, reason="trains its own residual per split; "
+                            "give --model without --holdout")
+        names = tuple(t.strip() for t in tiers.split(",") if t.strip())
+
+        def priced(i: int, n: int, name: str) -> None:
+            typer.echo(f"  trace: pricing spec {i}/{n} ({name})", err=True)
+
+        result = run_holdout(data, holdout, tiers=names, n_splits=folds, use_cache=not no_cache,
+                             track=track, progress=priced)
+        for t in holdout_tables(result):
+            console.print(t)
+        typer.echo(HOLDOUT_LEGEND)
+        print_notes(result.notes)
+        if result.run_ids:
+            typer.echo(f"MLflow runs (experiment holdout): {', '.join(result.run_ids)}")
+        if errors_csv:
+            result.errors.to_csv(errors_csv, index=False)
+            typer.echo(f"errors: {errors_csv}")
+        return
     target = target or default_target(data)
     if model:
         result = compare(data, models=model, target=target, n_splits=folds, plot=plot,
@@ -101,7 +167,7 @@ def evaluate_command(
         typer.echo(f"  {tier}: pricing spec {i}/{n} ({name})", err=True)
 
     acc = tier_accuracy(data, tiers=names, n_splits=folds, use_cache=not no_cache,
-                        progress=progress, held_out={target: result.predictions})
+                        progress=progress)
     for t in group_tables(acc.table):
         console.print(t)
     print_notes(acc.notes)

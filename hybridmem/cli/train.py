@@ -22,12 +22,17 @@ def train_command(
 
     from hybridmem.cli.evaluate import metrics_table, print_notes
     from hybridmem.learned.train import train
+    from hybridmem.learned.trust import describe
 
     result = train(data, out, force=force, target=target, n_splits=folds, plot=plot, track=track,
                    with_trace=with_trace)
-    kind = result.metadata.get("group_kind", "model shape")
+    kinds = result.metadata.get("group_kinds") or {}
     for name, ev in result.evaluations.items():
+        kind = kinds.get(name, result.metadata.get("group_kind", "model shape"))
         Console().print(metrics_table(ev.table, f"{name} peak, held-out {kind}s (CV)"))
+    for name, trusted in (result.metadata.get("trust") or {}).items():
+        for group, dec in trusted.items():
+            typer.echo(f"trust: {describe(dec, name, group)}")
     print_notes(result.notes)
     meta = result.metadata
     typer.echo(f"model: {result.path} ({meta['dataset']['rows_used']} rows, sources "

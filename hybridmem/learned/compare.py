@@ -104,39 +104,40 @@ def load_with_ids(data: str | Path) -> pd.DataFrame:
     return df.assign(_row=np.arange(len(df)))
 
 
-def hybrid_held_out(data: str | Path, rows: pd.DataFrame, n_splits: int,
-                    given: dict[str, pd.DataFrame] | None = None) -> tuple[pd.DataFrame, list[str]]:
-    """The hybrid tier's held-out prediction of each of `rows` (rows of `load_with_ids(data)`)
-    for each target they measured: `compare`'s cross-validated predictions, or `given` ones
-    already made for a target."""
+def hybrid_held_out(data: str | Path, rows: pd.DataFrame, n_splits: int
+                    ) -> tuple[pd.DataFrame, list[str]]:
+    """The hybrid tier's held-out answer for each of `rows` (rows of `load_with_ids(data)`)
+    and each target they measured: grouped CV where every fold is answered as `predict
+    --method hybrid` would (`holdout.cross_validated`: the residual only for the job groups
+    the fold model's own evidence trusts)."""
+    from hybridmem.learned.holdout import cross_validated
     from hybridmem.learned.tier_rows import nan_rows
 
+    df = load_with_ids(data)
     out = nan_rows(len(rows))
     notes = []
     position = {int(r): i for i, r in enumerate(rows["_row"])}
     for target in dataset.measured_targets(rows):
-        pred = (given or {}).get(target)
-        if pred is None:
-            try:
-                pred = compare(data, target=target, n_splits=n_splits).predictions
-            except SpecError as err:
-                notes.append(f"hybrid {target}: {err}")
-                continue
-        out.loc[[position[int(r)] for r in pred["_row"]], target] = pred["hybrid"].to_numpy()
+        try:
+            pred, more = cross_validated(rows, df, target, n_splits)
+        except SpecError as err:
+            notes.append(f"hybrid {target}: {err}")
+            continue
+        notes += more
+        out.loc[[position[int(r)] for r in pred["_row"]], target] = pred["predicted"].to_numpy()
         measured = int(pd.to_numeric(rows[dataset.TARGET_COLUMNS[target]], errors="coerce")
                        .gt(0).sum())
-        notes.append(f"hybrid {target}: {len(pred)} rows held out ({pred['fold'].nunique()} "
-                     f"folds); {measured - len(pred)} measured row(s) without an analytic base "
-                     "are not covered")
+        if measured > len(pred):
+            notes.append(f"hybrid {target}: {measured - len(pred)} measured row(s) without an "
+                         "analytic base are not covered")
     return out, notes
 
 
 def tier_accuracy(data: str | Path, *, tiers: tuple[str, ...] = ("analytic", "trace"),
                   hybrid: bool = True, n_splits: int = 5, use_cache: bool = True,
-                  progress=None, held_out: dict[str, pd.DataFrame] | None = None):
-    """`accuracy.Accuracy` of each tier (and the held-out hybrid) on the real-GPU rows of `data`
-    (the rows of the dataset's target source when it has none). `held_out`: `compare`'s
-    predictions for a target, when the caller already cross-validated it."""
+                  progress=None):
+    """`accuracy.Accuracy` of each tier (and the held-out hybrid, `hybrid_held_out`) on the
+    real-GPU rows of `data` (the rows of the dataset's target source when it has none)."""
     from hybridmem.learned.accuracy import accuracy
     from hybridmem.learned.tier_rows import tier_rows
     from hybridmem.predict import METHODS
@@ -160,7 +161,7 @@ def tier_accuracy(data: str | Path, *, tiers: tuple[str, ...] = ("analytic", "tr
             first = p.loc[failed, "error"].iloc[0]
             notes.append(f"{t}: {int(failed.sum())} row(s) not priced, e.g. {first}")
     if hybrid:
-        preds["hybrid"], more = hybrid_held_out(data, rows, n_splits, held_out)
+        preds["hybrid"], more = hybrid_held_out(data, rows, n_splits)
         notes += more
     result = accuracy(rows, preds)
     result.notes = notes + result.notes

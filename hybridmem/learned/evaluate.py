@@ -5,6 +5,10 @@ both the training and the test fold: the numbers say how the residual does on a 
 never saw, which is what a user with a new model gets. When every row has the same model (the
 published benchmarks) the groups are configurations (`dataset.config_groups`): no job is in
 the training and the test fold at once.
+
+`forward_held_out` holds out torch versions instead, forward in time only: each later version
+is predicted by a residual trained on the strictly older ones, as it would have been when that
+version came out (what a maintainer needs to know when a new PyTorch is released).
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import numpy as np
 import pandas as pd
 
 from hybridmem.errors import SpecError
+from hybridmem.learned.conformal import feature_groups
 from hybridmem.learned.dataset import TARGET_COLUMNS
-from hybridmem.learned.features import FeatureTable
+from hybridmem.learned.features import FeatureTable, major_minor
 from hybridmem.learned.metrics import bound_coverage, error_metrics
 
 METHODS: tuple[str, ...] = ("analytic", "trace", "hybrid")
@@ -25,7 +30,8 @@ METHODS: tuple[str, ...] = ("analytic", "trace", "hybrid")
 @dataclass
 class Evaluation:
     predictions: pd.DataFrame
-    """One row per held-out measurement: fold, group, model_name, measured, one column per method, upper."""
+    """One row per held-out measurement: fold, group (the CV group), job_group (full, lora,
+    ...), torch (major.minor), model_name, measured, one column per method, upper."""
     table: dict[str, dict[str, float]]
     """method -> metrics over all held-out rows (trace only where trace rows exist)."""
     per_fold: list[dict[str, float]] = field(default_factory=list)
@@ -53,7 +59,9 @@ def held_out_predictions(table: FeatureTable, trace: np.ndarray, est, target: st
     X = table.X.iloc[rows]
     extra = {"_row": table.rows["_row"].to_numpy()[rows]} if "_row" in table.rows else {}
     return pd.DataFrame({**extra,
-        "fold": fold, "group": groups[rows], "model_name": table.rows["model_name"].to_numpy()[rows],
+        "fold": fold, "group": groups[rows], "job_group": feature_groups(X),
+        "torch": [major_minor(v) for v in table.rows["torch_version"].to_numpy()[rows]],
+        "model_name": table.rows["model_name"].to_numpy()[rows],
         "measured": table.rows[TARGET_COLUMNS[target]].to_numpy(float)[rows],
         "analytic": base, "trace": trace[rows],
         "hybrid": base * np.exp(est.predict(X)), "upper": base * np.exp(est.predict_upper(X)),
@@ -138,6 +146,58 @@ def cross_validate(table: FeatureTable, all_rows: pd.DataFrame, target: str = "d
     if oom_parts:
         add_oom_metrics(result, pd.concat(oom_parts, ignore_index=True))
     return Evaluation(predictions=pred, table=result, per_fold=per_fold, target=target)
+
+
+def version_key(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a torch version for ordering releases; None when it cannot be read."""
+    mm = major_minor(version)
+    return None if mm is None else tuple(int(p) for p in mm.split("."))
+
+
+def forward_splits(versions) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(held-out major.minor, train mask, test mask) for each torch version that has an older
+    one: the training rows are strictly older releases, never the held-out or a newer one.
+    Rows whose version cannot be read are in neither."""
+    keys = [version_key(v) for v in versions]
+    out = []
+    for held in sorted({k for k in keys if k is not None}):
+        train = np.array([k is not None and k < held for k in keys])
+        test = np.array([k == held for k in keys])
+        if train.any():
+            out.append((f"{held[0]}.{held[1]}", train, test))
+    return out
+
+
+def forward_held_out(table: FeatureTable, all_rows: pd.DataFrame, target: str = "device",
+                     estimator_params: dict | None = None) -> Evaluation | None:
+    """Each later torch version predicted by a residual fitted on the older ones
+    (`forward_splits`); None when the rows span a single version. `fold` counts the splits,
+    `held_out` names the version."""
+    from hybridmem.learned.model import ResidualRegressor
+
+    splits = forward_splits(table.rows["torch_version"].tolist())
+    if not splits:
+        return None
+    y = table.target(target)
+    groups = table.groups
+    trace = trace_baseline(table.rows, all_rows, target)
+    parts, per_fold = [], []
+    for fold, (version, train, test) in enumerate(splits):
+        est = ResidualRegressor(**(estimator_params or {})).fit(
+            table.X[train], y[train], groups=groups[train])
+        part = held_out_predictions(table, trace, est, target, test, groups, fold)
+        part["held_out"] = version
+        part["trained_on"] = ",".join(sorted(part_versions(table, train), key=version_key))
+        parts.append(part)
+        per_fold.append({f"{m}_{k}": v for m, metrics in summarise(part).items()
+                         for k, v in metrics.items()})
+    pred = pd.concat(parts, ignore_index=True)
+    return Evaluation(predictions=pred, table=summarise(pred), per_fold=per_fold, target=target)
+
+
+def part_versions(table: FeatureTable, mask: np.ndarray) -> set[str]:
+    """major.minor of the torch versions of the rows picked by `mask`."""
+    return {v for v in (major_minor(x) for x in table.rows["torch_version"].to_numpy()[mask]) if v}
 
 
 def evaluate_fitted(table: FeatureTable, all_rows: pd.DataFrame, est, target: str,

@@ -4,9 +4,9 @@
 an L2 one for the expected residual and a quantile one (alpha = 0.95 by default) for a safe
 upper bound, so "will it fit?" gets both the expected peak and a P95 band. Quantile boosters
 are poorly calibrated on a few hundred rows, so when `fit` gets groups (model shapes) it also
-learns a conformal margin: the alpha-quantile of out-of-group residuals of the point model
-(the CV+ idea of Barber et al. 2021, "Predictive inference with the jackknife+"); the bound is
-the larger of the two.
+learns conformal margins: per job group, the alpha-quantile of out-of-group residuals of the
+point model (CV+ of Barber et al. 2021, "Predictive inference with the jackknife+", made
+per-group in `conformal`); the bound is the larger of the two.
 Conventions (scikit-learn): `__init__` only stores hyperparameters; `fit` validates, learns the
 attributes ending in `_`, and returns self.
 """
@@ -21,6 +21,7 @@ import pandas as pd
 from sklearn.base import BaseEstimator, RegressorMixin
 
 from hybridmem.errors import SpecError
+from hybridmem.learned.conformal import POOLED, feature_groups, group_margins, margin_for
 from hybridmem.learned.features import FeatureEncoder
 
 
@@ -84,34 +85,36 @@ class ResidualRegressor(RegressorMixin, BaseEstimator):
 
         self.point_ = booster({"objective": "regression"})
         self.upper_ = booster({"objective": "quantile", "alpha": self.alpha})
-        self.margin_ = self._conformal_margin(data, y, groups, booster)
+        self.margins_ = self._conformal_margins(data, y, groups, booster, feature_groups(X))
+        self.margin_ = self.margins_[POOLED]
         self.n_features_in_ = data.shape[1]
         self.feature_names_in_ = np.array(self.encoder_.columns_, dtype=object)
         return self
 
-    def _conformal_margin(self, data, y, groups, booster) -> float:
-        """alpha-quantile of out-of-group residuals y - point(x); 0 without >= 2 groups."""
+    def _conformal_margins(self, data, y, groups, booster, strata) -> dict[str, float]:
+        """Per job group (`conformal.group_margins`): the alpha-quantile of out-of-group
+        residuals y - point(x); all 0 without >= 2 groups (no out-of-group residual exists)."""
         from sklearn.model_selection import GroupKFold
 
         if groups is None or len(set(groups)) < 2:
-            return 0.0
+            return {POOLED: 0.0}
         oof = np.empty_like(y)
         splitter = GroupKFold(n_splits=min(5, len(set(groups))))
         for train, test in splitter.split(data, y, groups):
             oof[test] = booster({"objective": "regression"}, train).predict(data[test])
-        # finite-sample conformal level ceil((n+1) alpha) / n (Barber et al. 2021, eq. 2)
-        level = min(1.0, np.ceil((len(y) + 1) * self.alpha) / len(y))
-        return float(max(0.0, np.quantile(y - oof, level, method="higher")))
+        return group_margins(y - oof, strata, self.alpha)
 
     def predict(self, X: pd.DataFrame) -> np.ndarray:
         """Expected log(measured / base)."""
         return self.point_.predict(self.encoder_.transform(X))
 
     def predict_upper(self, X: pd.DataFrame) -> np.ndarray:
-        """Upper {alpha} bound of log(measured / base), never below the expected value."""
+        """Upper {alpha} bound of log(measured / base), never below the expected value: the
+        quantile booster or the point plus the row's job-group margin, whichever is higher."""
         data = self.encoder_.transform(X)
         point = self.point_.predict(data)
-        return np.maximum(self.upper_.predict(data), point + self.margin_)
+        margin = np.array([margin_for(self.margins_, g) for g in feature_groups(X)], dtype=float)
+        return np.maximum(self.upper_.predict(data), point + margin)
 
     def feature_importances(self) -> dict[str, float]:
         """Gain importance of the point model per feature (for MLflow and the note)."""
@@ -128,6 +131,7 @@ class ResidualRegressor(RegressorMixin, BaseEstimator):
         self.upper_.save_model(str(paths[1]))
         paths[2].write_text(json.dumps({"hyperparameters": self.get_params(),
                                         "params": self.params_, "margin": self.margin_,
+                                        "margins": self.margins_,
                                         "features": self.encoder_.to_dict()}, indent=1))
         return paths
 
@@ -140,6 +144,8 @@ class ResidualRegressor(RegressorMixin, BaseEstimator):
             est = cls(**side["hyperparameters"])
             est.params_ = side["params"]
             est.margin_ = float(side["margin"])
+            est.margins_ = {str(k): float(v) for k, v in
+                            (side.get("margins") or {POOLED: est.margin_}).items()}
             est.encoder_ = FeatureEncoder.from_dict(side["features"])
             est.point_ = lgb.Booster(model_file=str(folder / f"{prefix}.point.txt"))
             est.upper_ = lgb.Booster(model_file=str(folder / f"{prefix}.upper.txt"))

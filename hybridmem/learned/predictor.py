@@ -6,8 +6,14 @@ categories stay as the analytic tier computed them; the corrections go to the br
   fragmentation = corrected reserved - (tensor + workspace bytes of the base estimate)
   context       = corrected device - corrected reserved
 so the breakdown still sums to the device peak and allocated <= reserved <= device holds.
-With no suitable model the analytic estimate (with its sourced default overheads) is
-returned, and the notes say so.
+
+Which residual answers is decided per target and per job group (`trust`): a residual applies
+only where the job is of a kind its rows had and its held-out evidence for the job's group
+beats the base tier; the notes and `extras["trust"]` say which rule decided and on what
+evidence. Where a residual answers, `extras["bound_bytes"]` is the upper bound of the device
+peak (per-group conformal, `conformal`) with its held-out coverage (`bound_coverage`), and the
+fit verdict uses it (`Prediction.fits`). With no suitable model, or none that applies, the
+analytic estimate (with its sourced default overheads) is returned, and the notes say so.
 """
 
 from __future__ import annotations
@@ -39,13 +45,14 @@ def load_cached(folder: Path) -> registry.LoadedModel:
     return _load(str(folder), (stat.st_mtime_ns, stat.st_size))
 
 
-def fallback(base: Prediction, notes: list[str]) -> Prediction:
+def fallback(base: Prediction, notes: list[str], extras: dict | None = None) -> Prediction:
     """The analytic estimate, as the analytic tier's answer (its `method`), said so."""
     return dataclasses.replace(base, notes=tuple(base.notes) + tuple(notes) + (_DEFAULT_NOTE,),
                                extras={**base.extras, "residual_model": None, "fallback": "analytic",
-                                       "upper_bound_bytes": None,
+                                       "upper_bound_bytes": None, "bound_bytes": None,
                                        "method_reason": "hybrid: no trained residual model "
-                                       "applies to this job and environment"})
+                                       "applies to this job and environment",
+                                       **(extras or {})})
 
 
 def corrected(base: Prediction, device: float, reserved: float) -> tuple[Peak, dict[str, int]]:
@@ -89,16 +96,6 @@ def out_of_range(features: dict, ranges: dict) -> list[str]:
         v = features.get(name)
         if isinstance(v, (int, float)) and not (lo <= v <= hi):
             out.append(f"{name}={v:g} (trained {lo:g}..{hi:g})")
-    return out
-
-
-def outside_domain(row: dict, domain: dict) -> list[str]:
-    """'field=value (trained: a, b)' for each categorical field the model never saw."""
-    out = []
-    for name, seen in domain.items():
-        value = row.get(name)
-        if seen and value is not None and str(value) not in seen:
-            out.append(f"{name}={value} (trained: {', '.join(seen)})")
     return out
 
 
@@ -148,58 +145,140 @@ def trace_row(spec: TrainingSpec, base: Prediction, trace_fn=None) -> tuple[dict
                           base.peak.device_bytes), ["trace tier ran for the model's trace features"]
 
 
+def domain_fields(spec: TrainingSpec, config: dict) -> dict:
+    """The job's values of the fields a model's `domain` lists (`train.DOMAIN_FIELDS`)."""
+    return {"train": spec.train, "precision": spec.precision, "optimizer": spec.optimizer,
+            "strategy": spec.parallel.strategy, "loop": spec.loop,
+            "model_type": config.get("model_type")}
+
+
+def decisions(spec: TrainingSpec, config: dict, meta: dict, targets) -> tuple[str, dict[str, dict]]:
+    """(job group, target -> trust decision) for `spec` under the model of `meta`: the stored
+    per-group decision (`trust.decision`), or "outside-domain" (with `fields`) when the
+    target's rows never had a job of this kind."""
+    from hybridmem.adapters import job_group
+    from hybridmem.learned.trust import decision, outside_domain
+
+    group = job_group(spec)
+    fields = domain_fields(spec, config)
+    out = {}
+    for t in targets:
+        foreign = outside_domain(fields, (meta.get("target_domains") or {}).get(t) or {})
+        out[t] = ({"apply": False, "rule": "outside-domain", "evidence": {}, "fields": foreign}
+                  if foreign else decision(meta.get("trust"), t, group))
+    return group, out
+
+
+def _trust_notes(group: str, decided: dict[str, dict]) -> list[str]:
+    from hybridmem.learned.trust import describe
+
+    return [describe(d, t, group) + (f": {'; '.join(d['fields'])}" if d.get("fields") else "")
+            for t, d in decided.items()]
+
+
+def _torch_note(env: dict, meta: dict, group: str, decided: dict[str, dict]) -> str | None:
+    """For a torch outside the trained versions: the stated uncertainty, i.e. how far the
+    residual carried to a newer torch in the forward hold-out for this group (if measured)."""
+    trained = sorted({major_minor(v) for v in meta.get("torch_versions", []) if major_minor(v)})
+    mine = major_minor(env.get("torch"))
+    if mine is None or mine in trained:
+        return None
+    held = [(t, d["evidence"]["torch"]) for t, d in decided.items()
+            if d["apply"] and "torch" in (d.get("evidence") or {})]
+    text = (f"torch {mine} is not among the trained versions ({', '.join(trained)}): the "
+            "torch version is a feature of the residual, not a refusal; ")
+    if not held:
+        return text + (f"no torch-version hold-out measured how it carries to a newer torch "
+                       f"for {group} jobs (the rows span one version)")
+    return text + "; ".join(
+        f"{t} residual on a later torch before ({'; '.join(s.get('splits', []))}): MAPE "
+        f"{s['residual_mape']:.1f} % vs {s['base_mape']:.1f} % for the base tier on "
+        f"{s['rows']} rows" for t, s in held)
+
+
+def _trust_extra(group: str, decided: dict[str, dict]) -> dict:
+    return {t: {"group": group, "applied": bool(d["apply"]), "rule": d["rule"],
+                "evidence": d.get("evidence") or {}} for t, d in decided.items()}
+
+
+def gate(spec: TrainingSpec, config: dict, base: Prediction, meta: dict, name: str,
+         targets) -> Prediction | None:
+    """The analytic fallback (with the rule that decided) when no residual of the model of
+    `meta` answers `spec`, else None. Needs the metadata only, so `estimate` decides before
+    loading any booster."""
+    from hybridmem.learned.trust import outside_domain
+
+    foreign = outside_domain(domain_fields(spec, config), meta.get("domain") or {})
+    if foreign:
+        return fallback(base, [f"residual model {name} does not apply: it never saw "
+                               + "; ".join(foreign)])
+    group, decided = decisions(spec, config, meta, targets)
+    if not any(d["apply"] for d in decided.values()):
+        return fallback(base, [f"residual model {name} does not answer this job"]
+                        + _trust_notes(group, decided), {"trust": _trust_extra(group, decided)})
+    return None
+
+
 def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedModel,
                 env: dict, gpu_name: str | None = None, trace_fn=None) -> Prediction:
-    """The base prediction corrected by `model`, with notes and the P95 upper bound."""
+    """The base prediction corrected by `model` where its evidence trusts it, with notes, the
+    upper bound and its held-out coverage."""
+    import numpy as np
     import pandas as pd
 
     from hybridmem.learned.features import feature_row
+    from hybridmem.learned.trust import answer, coverage_source
     from hybridmem.models.loader import load_config_dict
 
     meta = model.metadata
     _, config = load_config_dict(spec.model)
+    refused = gate(spec, config, base, meta, model.name, tuple(model.estimators))
+    if refused is not None:
+        return refused
+    group, decided = decisions(spec, config, meta, model.estimators)
+    trust_extra = _trust_extra(group, decided)
     gpu, gpu_note = match_gpu(gpu_name, meta)
     memory = (meta.get("gpu_memory_by_name") or {}).get(gpu, meta.get("gpu_memory_bytes"))
     row = feature_row(spec, config, base, {
         "gpu_name": gpu, "gpu_memory_bytes": memory or 0,
         "torch_version": env.get("torch") or (meta.get("torch_versions") or [""])[-1],
         "cuda_version": env.get("cuda") or (meta.get("cuda_versions") or [""])[-1]})
-    foreign = outside_domain({**row, "model_type": config.get("model_type")},
-                             meta.get("domain") or {})
-    if foreign:
-        return fallback(base, [f"residual model {model.name} does not apply: it never saw "
-                               + "; ".join(foreign)])
     trace_notes: list[str] = []
     if meta.get("trace_features"):
         extra, trace_notes = trace_row(spec, base, trace_fn)
         row.update(extra)
     X = pd.DataFrame([row])
     ests = model.estimators
-    # a model trained for one target only (`--target`) leaves the other peak as the base has it
-    r_res = ests["reserved"].predict(X)[0] if "reserved" in ests else 0.0
-    reserved = base.peak.reserved_bytes * math.exp(r_res)
-    if "device" in ests:
-        r_dev, r_up = ests["device"].predict(X)[0], ests["device"].predict_upper(X)[0]
-        device = base.peak.device_bytes * math.exp(r_dev)
-        upper_raw = base.peak.device_bytes * math.exp(r_up)
-    else:  # reserved-only model (published rows): memory outside the allocator stays the base's
-        outside = base.peak.device_bytes - base.peak.reserved_bytes
-        device = reserved + outside
-        upper_raw = base.peak.reserved_bytes * math.exp(ests["reserved"].predict_upper(X)[0]) + outside
-    peak, bd = corrected(base, device, reserved)
-    upper = max(int(round(upper_raw)), peak.device_bytes)
+    use = {t: np.array([bool(d["apply"])]) for t, d in decided.items()}
+    got = answer(ests, use, X, np.array([base.peak.device_bytes], float),
+                 np.array([base.peak.reserved_bytes], float))
+    peak, bd = corrected(base, got["device"][0], got["reserved"][0])
+    upper = max(int(round(got["device_upper"][0])), peak.device_bytes)
+    bounding = "device" if decided.get("device", {}).get("apply") else "reserved"
+    nominal = float(getattr(ests[bounding], "alpha", 0.95))
+    coverage = coverage_source(decided[bounding])
+    coverage = {**coverage, "nominal": nominal, "target": bounding} if coverage else None
+    cov_text = (f"held-out coverage {coverage['coverage']:.0%} by {coverage['source']} on "
+                f"{coverage['rows']} rows" if coverage else "no held-out coverage measured")
     notes = [f"residual model {model.name} ({meta.get('dataset', {}).get('rows_used', '?')} rows, "
              f"GPUs {', '.join(meta.get('gpu_names', []))}, torch {', '.join(meta.get('torch_versions', []))})",
              gpu_note,
              "context and fragmentation above are the analytic defaults corrected by this model",
-             f"P95 upper bound of the device peak: {upper / 2**30:.2f} GiB"]
+             *_trust_notes(group, decided),
+             f"P95 upper bound of the device peak: {upper / 2**30:.2f} GiB (nominal "
+             f"{nominal:.0%}, {cov_text}); the fit verdict uses it"]
     if not meta.get("calibrated_to_gpu"):
         notes.insert(0, f"WARNING: model {model.name} was trained on "
                         f"{'/'.join(meta.get('sources', ['?']))} rows, not real GPU measurements; "
                         "it is NOT calibrated to real GPUs")
-    if "device" not in ests:
-        notes.append(f"model {model.name} corrects the reserved peak only (its rows measured no "
-                     "device figure); CUDA context and workspaces are the analytic defaults")
+    if bounding == "reserved":
+        why = ("its rows measured no device figure" if "device" not in ests
+               else "its device residual does not apply")
+        notes.append(f"model {model.name} corrects the reserved peak only ({why}); CUDA context "
+                     "and workspaces are the analytic defaults")
+    torch_note = _torch_note(env, meta, group, decided)
+    if torch_note:
+        notes.append(torch_note)
     notes += trace_notes
     outside = out_of_range(row, meta.get("feature_ranges", {}))
     if outside:
@@ -210,14 +289,18 @@ def apply_model(spec: TrainingSpec, base: Prediction, model: registry.LoadedMode
     return dataclasses.replace(
         base, method="hybrid", peak=peak, breakdown=bd, notes=tuple(base.notes) + tuple(notes),
         extras={**base.extras, "residual_model": model.name, "upper_bound_bytes": upper,
+                "bound_bytes": upper, "bound_coverage": coverage, "trust": trust_extra,
                 "calibrated_to_gpu": bool(meta.get("calibrated_to_gpu"))})
 
 
-def default_method(models_dir: str | Path | None = None) -> str:
+def default_method(models_dir: str | Path | None = None, spec: TrainingSpec | None = None) -> str:
     """"hybrid" when the registry has a GPU-calibrated model for this environment, else "analytic".
 
-    What `hybridmem predict` should use when `--method` is not given (issue 5: hybrid becomes
-    the default as soon as a fitting model exists). Models trained on trace rows never count.
+    What `hybridmem predict` uses when `--method` is not given. A torch minor version outside
+    the model's training set does not rule it out (the hybrid tier applies each residual only
+    to the job groups its held-out evidence trusts it on, and says so). With `spec`, "hybrid"
+    only when some residual of that model answers the spec (its domain and group trust).
+    Models trained on trace rows never count.
     """
     env = registry.user_env()
     root = Path(models_dir) if models_dir is not None else registry.models_root()
@@ -225,9 +308,18 @@ def default_method(models_dir: str | Path | None = None) -> str:
     if folder is None:
         return "analytic"
     meta = registry.read_metadata(folder)
-    # only on a torch it was trained on: kernel choices and workspaces change between releases
-    same_torch = major_minor(env["torch"]) in {major_minor(v) for v in meta.get("torch_versions", [])}
-    return "hybrid" if meta.get("calibrated_to_gpu") and same_torch else "analytic"
+    if not meta.get("calibrated_to_gpu"):
+        return "analytic"
+    if spec is None:
+        return "hybrid"
+    from hybridmem.learned.trust import outside_domain
+    from hybridmem.models.loader import load_config_dict
+
+    _, config = load_config_dict(spec.model)
+    if outside_domain(domain_fields(spec, config), meta.get("domain") or {}):
+        return "analytic"
+    _, decided = decisions(spec, config, meta, meta.get("targets", registry.TARGETS))
+    return "hybrid" if any(d["apply"] for d in decided.values()) else "analytic"
 
 
 def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
@@ -261,6 +353,13 @@ def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
     if folder is None:
         return fallback(base, notes)
     try:
+        from hybridmem.models.loader import load_config_dict
+
+        meta = registry.read_metadata(folder)
+        refused = gate(spec, load_config_dict(spec.model)[1], base, meta, folder.name,
+                       tuple(meta.get("targets", registry.TARGETS)))
+        if refused is not None:  # decided from the metadata: no booster is loaded
+            return dataclasses.replace(refused, notes=refused.notes + tuple(notes))
         model = load_cached(folder)
     except SpecError as err:  # a damaged entry must not break `predict`; say so and fall back
         return fallback(base, notes + [f"model {folder.name} could not be loaded: {err}"])

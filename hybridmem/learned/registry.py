@@ -170,8 +170,9 @@ def select(root: Path, torch_version: str | None, cuda_version: str | None
     exact, _, _, folder, meta = max(candidates, key=lambda c: c[:3])
     if not exact:
         notes.append(f"torch {torch_version} is outside the torch versions model {folder.name} was "
-                     f"trained on ({', '.join(meta.get('torch_versions', []))}); the residual may be "
-                     "off - retrain on this version (models/README.md)")
+                     f"trained on ({', '.join(meta.get('torch_versions', []))}); its residuals "
+                     "answer only the job groups their held-out evidence trusts; collect rows on "
+                     "this version to retrain (models/README.md)")
     if cuda_version is None:
         notes.append("CUDA version unknown here (set HYBRIDMEM_CUDA_VERSION); matched on torch only")
     return folder, notes

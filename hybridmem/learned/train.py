@@ -4,7 +4,10 @@ Only real-GPU rows calibrate a model to GPUs: our own `cuda` measurements and `p
 runs of other projects (`dataset.REAL_SOURCES`). If the dataset has any, only those are used (a
 model never mixes simulated and measured targets); otherwise the trace rows (else the analytic
 rows) are used and the entry says `calibrated_to_gpu: false`, which `predict` repeats loudly.
-A target that no real row measured (published rows have no device figure) is not trained.
+A target that no real row measured is not trained. Each target's residual has its own
+held-out evaluations (grouped CV; the forward torch-version hold-out when the rows span two or
+more versions), the kinds of job its rows had (`target_domains`) and, from the evaluations,
+the job groups it is trusted on (`trust`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import pandas as pd
 
 from hybridmem.errors import SpecError
 from hybridmem.learned import dataset, registry
-from hybridmem.learned.evaluate import Evaluation, cross_validate, plot_predictions
+from hybridmem.learned.evaluate import (Evaluation, cross_validate, forward_held_out,
+                                        plot_predictions)
 from hybridmem.learned.features import NEIGHBOUR_FEATURES, RANGE_FEATURES, BaseFn, FeatureTable
 from hybridmem.tracking import start_run
 
@@ -80,6 +84,75 @@ def domain(table: FeatureTable) -> dict[str, list]:
     return out
 
 
+def union_domain(domains: dict[str, dict[str, list]]) -> dict[str, list]:
+    """Values any target's rows had, per field (a job outside it gets no residual at all)."""
+    fields = sorted({f for d in domains.values() for f in d})
+    return {f: sorted({v for d in domains.values() for v in d.get(f, [])}) for f in fields}
+
+
+@dataclass
+class Fitted:
+    """What training learns from the rows, per target: the residual, its held-out evaluations,
+    the kinds of job its rows had and the job groups its evidence trusts it on."""
+
+    estimators: dict
+    evaluations: dict[str, Evaluation] = field(default_factory=dict)
+    """Grouped cross-validation per target."""
+    forward: dict[str, Evaluation] = field(default_factory=dict)
+    """Forward torch-version hold-out per target (only where the rows span >= 2 versions)."""
+    domains: dict[str, dict] = field(default_factory=dict)
+    group_kinds: dict[str, str] = field(default_factory=dict)
+    """What grouped CV held out per target: model shapes or configurations."""
+    trust: dict[str, dict[str, dict]] = field(default_factory=dict)
+    """target -> job group -> `trust.decide` entry."""
+    notes: list[str] = field(default_factory=list)
+
+
+def fit_residuals(tables: dict[str, FeatureTable], df: pd.DataFrame, n_splits: int = 5,
+                  estimator_params: dict | None = None,
+                  oom: FeatureTable | None = None) -> Fitted:
+    """Evaluate held out, decide trust per group, and fit each target's residual on all its rows.
+
+    The same steps for `hybridmem train` and for every training split of the held-out
+    evaluations (`holdout`), so a split's answers follow the policy `predict` would apply.
+    """
+    from hybridmem.learned.model import ResidualRegressor
+    from hybridmem.learned.trust import decide, group_evidence
+
+    out = Fitted(estimators={})
+    for t, tb in tables.items():
+        evidence = {}
+        if len(set(tb.groups)) >= 2:
+            out.evaluations[t] = cross_validate(tb, df, t, n_splits, estimator_params,
+                                                oom if t == "device" else None)
+            evidence["cv"] = group_evidence(out.evaluations[t].predictions)
+        else:
+            out.notes.append(f"{t} peak: only one {tb.group_kind}; no grouped CV is possible")
+        forward = forward_held_out(tb, df, t, estimator_params)
+        if forward is not None:
+            out.forward[t] = forward
+            evidence["torch"] = group_evidence(forward.predictions)
+        out.trust[t] = decide(evidence)
+        out.domains[t] = domain(tb)
+        out.group_kinds[t] = tb.group_kind
+        out.estimators[t] = ResidualRegressor(**(estimator_params or {})).fit(
+            tb.X, tb.target(t), tb.groups)
+    return out
+
+
+def combined(tables: dict[str, FeatureTable]) -> FeatureTable:
+    """One table of every target's rows (a row measuring two targets once), for metadata."""
+    parts = list(tables.values())
+    X = pd.concat([tb.X for tb in parts], ignore_index=True)
+    rows = pd.concat([tb.rows for tb in parts], ignore_index=True)
+    keep = ~rows["_row"].duplicated().to_numpy() if "_row" in rows else np.ones(len(rows), bool)
+    return FeatureTable(
+        X=X[keep].reset_index(drop=True), rows=rows[keep].reset_index(drop=True),
+        base_device=np.concatenate([tb.base_device for tb in parts])[keep],
+        base_reserved=np.concatenate([tb.base_reserved for tb in parts])[keep],
+        dropped={k: v for tb in parts for k, v in tb.dropped.items()})
+
+
 def neighbour_rows(table: FeatureTable) -> list[dict]:
     """The training rows' main spec features (the user's spec is compared with them at
     predict time: how far it is from what the model saw)."""
@@ -115,9 +188,10 @@ def _ranges(X: pd.DataFrame) -> dict[str, list[float]]:
 
 def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ...],
                    targets: tuple[str, ...], evaluations: dict[str, Evaluation],
-                   hyper: dict, data_path: str) -> dict:
+                   hyper: dict, data_path: str, fitted: Fitted | None = None) -> dict:
     """Everything `predict` and a reviewer need to trust (or not) this model."""
     rows = table.rows
+    fitted = fitted or Fitted(estimators={})
     return {
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hybridmem_version": _version("hybridmem"),
@@ -139,10 +213,14 @@ def build_metadata(df: pd.DataFrame, table: FeatureTable, sources: tuple[str, ..
         "model_names": _distinct(rows["model_name"]),
         "training_groups": sorted(set(table.groups)),
         "group_kind": table.group_kind,
-        "domain": domain(table),
+        "group_kinds": fitted.group_kinds,
+        "domain": union_domain(fitted.domains) if fitted.domains else domain(table),
+        "target_domains": fitted.domains,
         "neighbours": neighbour_rows(table),
         "feature_ranges": _ranges(table.X),
         "metrics": {t: ev.table for t, ev in evaluations.items()},
+        "metrics_torch_held_out": {t: ev.table for t, ev in fitted.forward.items()},
+        "trust": fitted.trust,
         "hyperparameters": hyper,
     }
 
@@ -160,6 +238,9 @@ def _log_run(run, meta: dict, evaluations: dict[str, Evaluation], importances: d
         for fold, metrics in enumerate(ev.per_fold):
             run.metrics({f"{target}_{k}": v for k, v in metrics.items() if np.isfinite(v)}, step=fold)
         run.metrics({f"{target}_cv_{m}_{k}": v for m, d in ev.table.items() for k, v in d.items()})
+    for target, table in meta.get("metrics_torch_held_out", {}).items():
+        run.metrics({f"{target}_torch_{m}_{k}": v for m, d in table.items() for k, v in d.items()
+                     if np.isfinite(v)})
     run.json_artifact(importances, "feature_importances.json")
     run.json_artifact(meta, "metadata.json")
     if plot_path:
@@ -199,32 +280,26 @@ def train(data: str | Path, out: str | Path, *, force: bool = False, target: str
           plot: str | None = None, track: bool = True,
           with_trace: bool = False) -> TrainResult:
     """Train, evaluate on held-out model shapes, save to the registry, log to MLflow."""
-    from hybridmem.learned.model import ResidualRegressor
-
     if target not in TARGET_CHOICES:
         raise SpecError("target", target, TARGET_CHOICES)
     wanted = registry.TARGETS if target == "both" else (target,)
     registry.check_out_path(out, force)  # refuse before any work: nothing is overwritten
     df = dataset.load(data)
+    df = df.assign(_row=np.arange(len(df)))
     sources = pick_sources(df)
     targets = pick_targets(df, sources, wanted)
-    # one table per target: a row joins the targets it measured (published rows: reserved only)
+    # one table per target: a row joins the targets it measured (published rows: one of them)
     tables = {t: build_table_for(df, sources, base_fn, with_trace, (t,)) for t in targets}
-    table = max(tables.values(), key=lambda tb: len(tb.rows))
+    table = combined(tables)
     notes = _notes(sources, table)
     notes += [f"no {'/'.join(sources)} row measured the {t} peak: that residual is not trained"
               for t in wanted if t not in targets]
-    evaluations: dict[str, Evaluation] = {}
-    for t, tb in tables.items():
-        if len(set(tb.groups)) >= 2:
-            oom = build_oom_table(df, sources, base_fn, with_trace) if t == "device" else None
-            evaluations[t] = cross_validate(tb, df, t, n_splits, estimator_params, oom)
-        else:
-            notes.append(f"{t} peak: only one {tb.group_kind}; no held-out evaluation is possible")
-    estimators = {t: ResidualRegressor(**(estimator_params or {})).fit(tb.X, tb.target(t), tb.groups)
-                  for t, tb in tables.items()}
+    oom = build_oom_table(df, sources, base_fn, with_trace) if "device" in tables else None
+    fitted = fit_residuals(tables, df, n_splits, estimator_params, oom)
+    notes += fitted.notes
+    evaluations, estimators = fitted.evaluations, fitted.estimators
     meta = build_metadata(df, table, sources, targets, evaluations,
-                          estimators[targets[0]].get_params(), str(data))
+                          estimators[targets[0]].get_params(), str(data), fitted)
     meta.update(notes=notes, trace_features=with_trace)
     importances = {t: e.feature_importances() for t, e in estimators.items()}
     saved = _save_and_log(out, estimators, meta, evaluations, importances, plot, force, track)

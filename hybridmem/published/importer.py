@@ -21,7 +21,8 @@ from hybridmem.harness import store
 from hybridmem.harness.schema import SCHEMA_VERSION
 
 SOURCE = "published"
-ADAPTERS: dict[str, str] = {"peft-metamathqa": "hybridmem.published.peft_metamathqa"}
+ADAPTERS: dict[str, str] = {"peft-metamathqa": "hybridmem.published.peft_metamathqa",
+                            "qwen-profiling": "hybridmem.published.qwen_profiling"}
 """`--from` name -> adapter module (defines `NAME`, `VERSION` and `row(record) -> dict`)."""
 DEFAULT_OUT = Path("datasets") / "published"
 
