@@ -125,7 +125,7 @@ def test_cli_and_api_choose_the_same_tier(argv, tier, capsys, monkeypatch):
     with the same reason and notes (no calibrated learned model here: the analytic default)."""
     import hybridmem.learned.predictor as learned
 
-    monkeypatch.setattr(learned, "default_method", lambda: "analytic")
+    monkeypatch.setattr(learned, "default_method", lambda **_: "analytic")
     picked = []
     monkeypatch.setattr(predict_mod, "estimator", lambda m: picked.append(m) or _stub)
     assert main(["predict", *argv, "--json"]) == 0
