@@ -76,12 +76,13 @@ def test_a_layer_keeps_what_a_real_cpu_forward_keeps(dtype, e, trains):
 def test_predict_prices_an_olmo2_config_with_the_analytic_tier(tmp_path):
     """A config.json of the family (not a preset) is priced by the closed forms."""
     from hybridmem.models.loader import load_config_dict
-    from hybridmem.predict import predict, trace_only_reason
+    from hybridmem.analytic.scope import refusal
+    from hybridmem.predict import predict
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(load_config_dict("tiny-olmo2")[1]))
     spec = TrainingSpec(model=str(path), micro_batch=2, seq_len=64, precision="bf16")
-    assert trace_only_reason(spec) is None
+    assert refusal(spec) is None
     pred = predict(spec)
     # tiny-olmo2.json by hand: embed + lm_head 2 x 128 x 64, final norm 64, 2 layers x (q, o
     # 64 x 64, k, v 32 x 64, MLP 3 x 128 x 64, q_norm 64, k_norm 32, two post-norms 2 x 64)

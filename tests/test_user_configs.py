@@ -44,7 +44,6 @@ CONFIGS: dict[str, dict] = {
         num_hidden_layers=2, num_global_layers=1, attention_heads=4, image_size=28,
         patch_size=14, max_num_tiles=2, vision_output_dim=64, intermediate_layers_indices=[0],
         supported_aspect_ratios=[[1, 1], [1, 2]])),
-    "olmo2": dict(TEXT, **IDS),  # q/k RMSNorm over the whole projection, post-norms
     "granite": dict(TEXT, **IDS, embedding_multiplier=12.0, logits_scaling=8.0,
                     residual_multiplier=0.22, attention_multiplier=0.015625),
     "cohere": dict(TEXT, **IDS, use_qk_norm=True),  # parallel attention + MLP, tied
@@ -96,17 +95,17 @@ def test_a_hand_written_config_is_priced_by_the_trace_tier(family, tmp_path, cap
 def test_the_api_chooses_the_tier_as_the_cli_does(tmp_path, capsys):
     """`predict(spec)` without a method on a family only the trace tier prices: the trace tier,
     the CLI's note and its reason in the JSON, the same numbers as `hybridmem predict`."""
-    path = write(tmp_path, "olmo2")
+    path = write(tmp_path, "granite")
     pred = predict(TrainingSpec(model=path, micro_batch=1, seq_len=16))
     assert main(["predict", "--model", path, "--micro-batch", "1", "--seq-len", "16",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert pred.method == out["method"] == "trace"
-    note = ("method: trace chosen because the analytic tier refuses model_type='olmo2': this "
+    note = ("method: trace chosen because the analytic tier refuses model_type='granite': this "
             "family has no closed forms here (pass --method to override)")
     assert note in pred.notes and note in out["notes"]
     assert pred.to_dict()["method_reason"] == out["method_reason"] == (
-        "the analytic tier refuses model_type='olmo2': this family has no closed forms here")
+        "the analytic tier refuses model_type='granite': this family has no closed forms here")
     assert pred.to_dict()["peak"] == out["peak"]
 
 

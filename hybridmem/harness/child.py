@@ -102,7 +102,10 @@ def measure(request: dict, probe) -> dict:
         from hybridmem.models.loader import load_config
         from hybridmem.job.spec import empty_cache_at
 
-        spec = TrainingSpec.from_dict(request["spec"])
+        from hybridmem.families.defaults import resolve_defaults
+
+        # the precision / attention the model implies where the spec leaves them unset
+        spec = resolve_defaults(TrainingSpec.from_dict(request["spec"])).spec
         if ranked:  # the process group (NCCL's buffers) is part of what the job pays for
             distributed.init(device, spec)
         probe.phase_start(phase, iteration)

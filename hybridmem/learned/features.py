@@ -98,7 +98,12 @@ def config_features(config: Mapping) -> dict[str, float]:
 
 
 def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
-    """What the user chose: sizes, batch, lengths, image tokens, dtypes, optimizer, ..."""
+    """What the user chose: sizes, batch, lengths, image tokens, dtypes, optimizer, ...; the
+    precision and attention the model implies where the spec leaves them unset, as predicted."""
+    from hybridmem.families.defaults import resolved
+
+    if spec.precision is None or spec.attn is None:
+        spec = resolved(spec)
     vision = config.get("vision_config") or {}
     multimodal = bool(vision)
     images = spec.images_per_sample if spec.images_per_sample is not None else int(multimodal)

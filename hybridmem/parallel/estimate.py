@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from hybridmem.families.defaults import resolved
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity, cublas_workspace
 from hybridmem.allocator.reserved import Bounded, _at, bounded, capacity_notes
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
@@ -185,6 +186,7 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     `gpu` sets the cuBLAS workspace of the rank's stream and the capacity it is replayed within
     (`rank_fragmentation`); `single_gpu_estimate` should then replay without a capacity, as its
     own fragmentation is not used unless the rank has no stream."""
+    spec = resolved(spec)  # the precision / attention the model implies, if unset
     check_parallel(spec)
     ps = spec.parallel
     base, fwd = _activation_side(spec, single_gpu_estimate)

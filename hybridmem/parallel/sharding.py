@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hybridmem.families.defaults import resolved
 from hybridmem.allocator import alloc
 from hybridmem.job.optimizers import Stepped, flat, raw, rule
 from hybridmem.job.parallel import DTYPE_BYTES, ParallelSpec
@@ -259,4 +260,5 @@ SCHEMES = {"none": replicated, "ddp": ddp, "zero1": zero, "zero2": zero, "zero3"
 
 def rank_states(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     """Per-rank states of `spec` under its `parallel.strategy`."""
+    spec = resolved(spec)  # the precision the model implies, if unset
     return SCHEMES[spec.parallel.strategy](spec, mt)
