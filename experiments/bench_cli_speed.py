@@ -6,7 +6,7 @@ transformers). Runs README command 1 and two other analytic commands, each in a 
 process, interleaved with the floor so both see the same machine load, and reports medians.
 A benchmark, not a test: the ratio depends on the machine and its load.
 
-    python experiments/bench_cli_speed.py [--runs 5] [--before /path/to/other/checkout]
+    python experiments/bench_cli_speed.py [--runs 5] [--before DIR [--before-label TEXT]]
 
 `--before`: also time the same commands with another checkout's package (e.g. the main
 branch before this change). Writes experiments/results/cli_speed.md.
@@ -61,6 +61,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--before", type=Path, default=None)
+    parser.add_argument("--before-label", default=None,
+                        help="What --before is, for the report (e.g. a commit).")
     args = parser.parse_args()
     checkouts = {"after": ROOT} | ({"before": args.before.resolve()} if args.before else {})
     floor: list[float] = []
@@ -74,10 +76,11 @@ def main() -> int:
     lines = [
         "# `hybridmem predict` seconds per process vs the torch + transformers import floor",
         "",
-        f"Written by `experiments/bench_cli_speed.py --runs {args.runs}`"
-        + (f" --before {args.before}" if args.before else "") + f"; medians of {args.runs} "
+        f"Written by `experiments/bench_cli_speed.py --runs {args.runs}"
+        + (" --before DIR" if args.before else "") + f"`; medians of {args.runs} "
         "interleaved runs. Floor: `python -c \"import torch, transformers\"` = "
-        f"{base:.2f} s. Aim (issue 19): at most 0.35x the floor for an analytic answer.",
+        f"{base:.2f} s. Aim (issue 19): at most 0.35x the floor for an analytic answer."
+        + (f" Before: {args.before_label or args.before}." if args.before else ""),
         "",
         "| command | " + " | ".join(f"{label} s | {label} x floor" for label in checkouts) + " |",
         "|---|" + "---:|---:|" * len(checkouts),

@@ -271,3 +271,14 @@ def test_plot_prints_the_path_it_wrote(tmp_path, capsys):
     captured = capsys.readouterr()
     json.loads(captured.out)  # stdout stays one JSON object
     assert f"wrote plot: {path}" in captured.err
+
+
+def test_advice_for_a_quantised_job_skips_the_shardings_it_cannot_use(capsys):
+    """A QLoRA job that does not fit gets its advice (ZeRO-3 cannot shard quantised weights:
+    that option is left out, not an error after the answer was printed)."""
+    argv = ["predict", "--model", "tiny-llava", "--train", "lora", "--quantize", "nf4",
+            "--gpu-mem", "0.52", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fit"] == "no" and out["advice"]["fits_as_is"] is False
+    assert out["advice"]["world_size"] is None

@@ -77,6 +77,8 @@ class Bounded:
     spec's micro-batch (a replay at or below it did, or the estimate between the replayed
     micro-batches lands above the capacity). Set by whoever computes the answer's reserved
     bytes (`bounded`, the trace tier, a rank's estimate)."""
+    probe_oom: bool = False
+    """The replay at the next power of two (the 2q probe of `bounded`) ran out of memory."""
 
     @property
     def oom(self) -> bool:
@@ -87,9 +89,6 @@ class Bounded:
     def completed(self) -> bool:
         """Every replay the estimate rests on (the 2q probe included) ran within the capacity."""
         return not self.oom_batches and not self.probe_oom
-
-    probe_oom: bool = False
-    """The replay at the next power of two (the 2q probe of `bounded`) ran out of memory."""
 
 
 def envelope(spec, allocated: int, measure: Callable) -> int:

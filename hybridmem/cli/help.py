@@ -22,7 +22,7 @@ MAX_LINES = 2
 """Lines an option's help may take; a longer list of choices is cut, saying how many in all."""
 ALL_CHOICES = frozenset({"precision"})
 """Fields whose every choice is listed (one more line): precision decides most verdicts."""
-INLINE_CHOICES = 24
+LONG_DEFAULT = 24
 """A default longer than this (the LoRA target list) is left to the README."""
 
 
@@ -72,7 +72,7 @@ def _field_text(meta, width: int) -> tuple[str | None, str]:
     fits = choices and len(name) + 1 + len(inline) <= NAME_WIDTH - INDENT
     metavar = inline if fits else METAVARS.get(meta.key) or ("NAME" if choices else _typed(meta))
     default = schema.default_text(meta)
-    tail = (f" [{default}]" if default and default != "none" and len(default) <= INLINE_CHOICES
+    tail = (f" [{default}]" if default and default != "none" and len(default) <= LONG_DEFAULT
             and not isinstance(meta.default, bool) else "")
     text = terse(meta.help).rstrip(".")
     if not choices or fits:
@@ -107,18 +107,18 @@ def rows(command: TyperCommand, width: int = 80) -> list[tuple[str, list[tuple[s
     terminal's columns."""
     from hybridmem.job import schema
 
-    panels: dict[str, list[tuple[str, object, str | None]]] = {}
+    panels: dict[str, list] = {}  # panel -> [(param, its job field or None)]
     for param in command.params:
         if not isinstance(param, TyperOption) or param.hidden:
             continue
         meta = schema.BY_KEY.get(param.name)
         panel = getattr(param, "rich_help_panel", None) or "Options"
         panels.setdefault(panel, []).append((param, meta if meta is not None and meta.cli
-                                             else None, None))
+                                             else None))
     out = []
     for panel, params in panels.items():
         named = []
-        for param, meta, _ in params:  # the placeholder first: it sets the column's width
+        for param, meta in params:  # the placeholder first: it sets the column's width
             metavar = (_field_text(meta, width)[0] if meta is not None else
                        None if param.is_flag else METAVARS.get(param.name, "FILE"))
             named.append((param, meta, option_name(param, metavar)))
