@@ -34,7 +34,7 @@ COMMANDS: dict[str, list[str]] = {
     "QLoRA on 24 GB, --json": ["--model", "llava-1.5-7b", "--train", "lora", "--quantize", "nf4",
                                "--precision", "bf16", "--grad-ckpt", "--micro-batch", "4",
                                "--gpu-mem", "24", "--json"],
-    "config.json path, LoRA": ["--model", "{root}/hybridmem/models/presets/qwen3-8b.json",
+    "config.json path, LoRA": ["--model", "{root}/hybridmem/families/decoders/presets/qwen3-8b.json",
                                "--train", "lora", "--seq-len", "4096", "--json"],
 }
 

@@ -28,7 +28,7 @@ def _head(spec: TrainingSpec):
 
 
 def test_cce_head_bytes_by_hand():
-    # tiny-llama (hybridmem/models/presets/tiny-llama.json): hidden 64, vocab 128; b 2 x s 128,
+    # tiny-llama (hybridmem/families/decoders/presets/tiny-llama.json): hidden 64, vocab 128; b 2 x s 128,
     # bf16 full fine-tune. Shift 1 (utils.py `_build_flat_valids`): N = 2 x 127 = 254 counted
     # tokens. Saved (cce.py `save_for_backward`): e = the final norm's output 256 x 64 bf16 =
     # 32768 B; valids int64 254 -> 2032 -> 2048 (512-byte blocks); lse fp32 254 -> 1016 -> 1024;

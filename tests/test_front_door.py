@@ -168,7 +168,7 @@ print(json.dumps({"rc": rc, "heavy": sorted(m for m in ("torch", "transformers")
 """
 
 
-@pytest.mark.parametrize("model", ["llava-1.5-7b", "hybridmem/models/presets/qwen3-8b.json"])
+@pytest.mark.parametrize("model", ["llava-1.5-7b", "hybridmem/families/decoders/presets/qwen3-8b.json"])
 def test_analytic_cli_imports_neither_torch_nor_transformers(model, tmp_path):
     argv = ["predict", "--model", str(ROOT / model) if model.endswith(".json") else model,
             "--train", "lora", "--gpu", "a100-80gb", "--json"]

@@ -68,14 +68,14 @@ OTHER_OPTIONS: tuple[CliOption, ...] = (
     CliOption("deepspeed", ("--deepspeed",), Optional[str],
               "DeepSpeed config JSON ('auto' resolved as transformers does).", FILES_PANEL),
     CliOption("config", ("--config",), Optional[str],
-              "A launcher's training YAML: LLaMA-Factory, axolotl or torchtune.", FILES_PANEL,
+              "A launcher's YAML: LLaMA-Factory, axolotl, torchtune.", FILES_PANEL,
               doc="a launcher's own training YAML (LLaMA-Factory `llamafactory-cli train`, "
               "axolotl, torchtune recipe configs), read as that launcher reads it: its "
               "defaults where the file is silent, its model (a hub id names its preset), "
               "its `deepspeed` / `fsdp_config`; flags and the other files override it. Every "
               "key is read, known to the launcher, or a warning naming the nearest key"),
     CliOption("config_format", ("--config-format",), Optional[str],
-              "llamafactory, axolotl or torchtune (default: told by the file's keys).",
+              "llamafactory, axolotl or torchtune (default: from its keys).",
               FILES_PANEL),
     CliOption("gpu", ("--gpu",), Optional[str],
               "GPU from the catalogue, e.g. h100-80gb, a100-40gb, h200.", OUTPUT_PANEL,

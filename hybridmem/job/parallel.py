@@ -33,7 +33,7 @@ class ParallelSpec:
     """How the job is spread over GPUs; memory is predicted per rank."""
 
     world_size: int = job_field(
-        1, help="Data-parallel GPUs; memory is predicted per GPU.", group="parallel",
+        1, help="Data-parallel GPUs; priced per GPU.", group="parallel",
         unit="GPUs", feature=True, echo=True,
         keys={"training_args": ("world_size",),
               "deepspeed": ("train_batch_size", "gradient_accumulation_steps")},

@@ -324,7 +324,7 @@ class TrainingSpec:
     """`torch.cuda.empty_cache()` every N optimizer steps, where the loop calls it
     (`empty_cache_at`); 0 = never (Trainer's `torch_empty_cache_steps=None`)."""
     optimizer_in_backward: bool = job_field(
-        False, help="Step each parameter inside backward as its gradient is ready.",
+        False, help="Step each parameter inside backward.",
         group="savers", feature=True, added=7, recorded="bool",
         doc="the step fused into backward per parameter, as torchtune's "
         "`register_optim_in_bwd_hooks` (one optimizer per parameter, stepped and zeroed in its "
@@ -335,7 +335,7 @@ class TrainingSpec:
     """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
     `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
     liger: bool = job_field(
-        False, help="Liger kernels as use_liger_kernel=True applies them.", group="savers",
+        False, help="Liger kernels (use_liger_kernel=True).", group="savers",
         feature=True, added=14, recorded="bool",
         keys={"training_args": ("use_liger_kernel", "liger_kernel_config")},
         doc="Liger kernels as `use_liger_kernel=True` applies them (fused linear cross-entropy: "
@@ -361,7 +361,7 @@ class TrainingSpec:
     """Cut Cross-Entropy (`hybridmem.job.cce`): the loss from the hidden states and
     lm_head.weight without (N, V) logits."""
     offload_activations: str = job_field(
-        "none", help="Saved activations in host memory.", group="savers",
+        "none", help="Activations kept on the host.", group="savers",
         choices=OFFLOAD_MODES, feature=True, added=16, recorded="string",
         keys={"training_args": ("activation_offloading", "activation_checkpointing_kwargs",
                                 "gradient_checkpointing_kwargs")},
@@ -424,7 +424,7 @@ class TrainingSpec:
     """`llm_int8_skip_modules`: modules left unquantised; None: transformers' default
     (lm_head). Given, it replaces the default (lm_head is then quantised unless listed)."""
     kbit_prep: bool = job_field(
-        True, help="With --quantize: peft prepare_model_for_kbit_training ran.",
+        True, help="With --quantize: peft's kbit preparation ran.",
         group="precision", added=13,
         doc="with `--quantize`: peft's `prepare_model_for_kbit_training` cast the other "
         "weights to fp32 (default on)")
