@@ -19,6 +19,10 @@ from hybridmem.errors import SpecError
 HUB_PRESETS: dict[str, str] = {
     "allenai/OLMo-2-1124-7B": "olmo-2-1124-7b",  # the checkpoint the preset's _source names
     "allenai/OLMo-2-1124-7B-Instruct": "olmo-2-1124-7b",
+    # Qwen(1) is remote code: priced as the same shapes in a qwen2 config (the published
+    # Qwen profiling rows' proxy, hybridmem/published/qwen_profiling.py)
+    "Qwen/Qwen-1_8B": "qwen-1_8b", "Qwen/Qwen-1_8B-Chat": "qwen-1_8b",
+    "Qwen/Qwen-14B": "qwen-14b", "Qwen/Qwen-14B-Chat": "qwen-14b",
     # the most fine-tuned open LLMs (instruct twins share the base's shape fields)
     "google/gemma-2-27b": "gemma-2-27b", "google/gemma-2-27b-it": "gemma-2-27b",
     "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",

@@ -37,8 +37,9 @@ def save_timeline(result, path: str | os.PathLike, title: str | None = None,
 
 def title_of(spec) -> str:
     """The plot's title: the model and the job in a few words."""
-    job = [f"train {spec.train}", f"micro-batch {spec.micro_batch} x {spec.seq_len} tokens",
-           spec.precision]
+    job = [f"train {spec.train}", f"micro-batch {spec.micro_batch} x {spec.seq_len} tokens"]
+    if spec.precision is not None:  # None: the model's default, resolved by the tier
+        job.append(spec.precision)
     if spec.grad_ckpt:
         job.append("grad-ckpt")
     if spec.quantize != "none":
