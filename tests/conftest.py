@@ -42,3 +42,24 @@ def stand_in_collect(tmp_path, monkeypatch):
         return df
 
     return run
+
+
+@pytest.fixture
+def stub_tier(monkeypatch):
+    """Every tier answers 1 GiB at once: for tests of the front door (options, readers, echo),
+    not of the pricing."""
+    import importlib
+
+    from hybridmem.categories import CATEGORIES
+    from hybridmem.prediction import Peak, Prediction
+
+    def stub(spec, **options):
+        breakdown = dict.fromkeys(CATEGORIES, 0) | {"param": 2**30}
+        peak = Peak(allocated_bytes=2**30, reserved_bytes=2**30, device_bytes=2**30,
+                    phase="forward", iteration=0)
+        return Prediction(model=spec.model, method="stub", params_total=1, params_trainable=1,
+                          peak=peak, breakdown=breakdown, modules=())
+
+    monkeypatch.setattr(importlib.import_module("hybridmem.predict"), "estimator",
+                        lambda method: stub)
+    return stub

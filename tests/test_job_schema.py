@@ -254,23 +254,9 @@ def test_declared_training_args_keys_are_trainer_or_extension_fields():
 
 # ---------------------------------------------------------------- the job echo
 
-def test_json_carries_the_job_and_the_console_echoes_it_first(tmp_path, capsys, monkeypatch):
-    import importlib
-
+def test_json_carries_the_job_and_the_console_echoes_it_first(tmp_path, capsys, stub_tier):
     from hybridmem.cli import main
 
-    from hybridmem.categories import CATEGORIES
-    from hybridmem.prediction import Peak, Prediction
-
-    def stub(spec, **options):  # a stub tier: the CLI alone is under test here
-        breakdown = dict.fromkeys(CATEGORIES, 0) | {"param": 2**30}
-        peak = Peak(allocated_bytes=2**30, reserved_bytes=2**30, device_bytes=2**30,
-                    phase="forward", iteration=0)
-        return Prediction(model=spec.model, method="stub", params_total=1, params_trainable=1,
-                          peak=peak, breakdown=breakdown, modules=())
-
-    monkeypatch.setattr(importlib.import_module("hybridmem.predict"), "estimator",
-                        lambda method: stub)
     args = tmp_path / "args.json"
     args.write_text(json.dumps({"per_device_train_batch_sise": 4, "gradient_checkpointing": True}))
     assert main(["predict", "--model", "tiny-llama", "--training-args", str(args), "--train",

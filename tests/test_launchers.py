@@ -565,21 +565,7 @@ def test_malformed_yaml_and_unknown_hub_id_exit_2_in_one_line(tmp_path, capsys):
     assert code == 2 and "someone/NoSuchModel-7B" in err and "unknown hub id" in err
 
 
-def test_json_job_carries_sources_and_the_echo_names_them(tmp_path, capsys, monkeypatch):
-    import importlib
-
-    from hybridmem.categories import CATEGORIES
-    from hybridmem.prediction import Peak, Prediction
-
-    def stub(spec, **options):  # a stub tier: the front door is under test
-        breakdown = dict.fromkeys(CATEGORIES, 0) | {"param": 2**30}
-        peak = Peak(allocated_bytes=2**30, reserved_bytes=2**30, device_bytes=2**30,
-                    phase="forward", iteration=0)
-        return Prediction(model=spec.model, method="stub", params_total=1, params_trainable=1,
-                          peak=peak, breakdown=breakdown, modules=())
-
-    monkeypatch.setattr(importlib.import_module("hybridmem.predict"), "estimator",
-                        lambda method: stub)
+def test_json_job_carries_sources_and_the_echo_names_them(tmp_path, capsys, stub_tier):
     path = _write(tmp_path, "train.yaml", LF_LORA)
     code, out, _ = _run(["predict", "--config", path, "--micro-batch", "4", "--method",
                          "analytic", "--json"], capsys)
