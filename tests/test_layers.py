@@ -7,7 +7,6 @@ level or inside a function, except those under `if TYPE_CHECKING:` (they never r
 
 from __future__ import annotations
 
-import json
 import pkgutil
 from pathlib import Path
 
@@ -27,40 +26,17 @@ PACKAGE = "hybridmem"
 OUTSIDE_LAYERS = {"hybridmem.__init__", "hybridmem.__main__"}
 """The package's entry points: they import from every layer and nothing imports them."""
 
-# Known violations waiting for a fix, by contract name (import-linter's "importer -> imported")
-# and as module sets for cycles; an entry that no longer occurs fails this test.
-PENDING_FAMILY_MOVE: dict[str, list] = {"hybridmem layers": [], "cycles": []}
-
-
 def _config() -> dict:
     with open(ROOT / "pyproject.toml", "rb") as f:
         return tomllib.load(f)["tool"]["importlinter"]
 
 
-def _toml(table: dict) -> str:
-    """TOML lines for a table of strings, bools and lists of strings (JSON spells them alike)."""
-    return "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
-
-
-def test_import_contracts_hold(tmp_path):
-    """lint-imports on pyproject.toml's contracts, with `PENDING_FAMILY_MOVE` ignored (an
-    entry that matches no import is an error: import-linter's `unmatched_ignore_imports`)."""
-    config = _config()
-    session = {k: v for k, v in config.items() if k != "contracts"}
-    text = "[tool.importlinter]\n" + _toml(session)
-    for contract in config["contracts"]:
-        contract = dict(contract)
-        pending = PENDING_FAMILY_MOVE.get(contract["name"])
-        if pending:
-            contract["ignore_imports"] = [*contract.get("ignore_imports", []), *pending]
-            contract["unmatched_ignore_imports_alerting"] = "error"
-        text += "\n[[tool.importlinter.contracts]]\n" + _toml(contract)
-    path = tmp_path / "importlinter.toml"
-    path.write_text(text)
+def test_import_contracts_hold():
+    """lint-imports on pyproject.toml's contracts; its report is the failure message."""
     with output.console.capture() as captured:
-        passed = use_cases.lint_imports(config_filename=str(path), cache_dir=None, no_logo=True)
-    assert passed, ("import-linter contracts broken (\"No matches for ignored import\": remove "
-                    "that entry from PENDING_FAMILY_MOVE):\n" + captured.get())
+        passed = use_cases.lint_imports(config_filename=str(ROOT / "pyproject.toml"),
+                                        cache_dir=None, no_logo=True)
+    assert passed, "import-linter contracts broken:\n" + captured.get()
 
 
 def test_every_top_level_module_is_in_a_layer():
@@ -128,17 +104,12 @@ def test_no_module_cycles():
     graph = grimp.build_graph(PACKAGE, exclude_type_checking_imports=True, cache_dir=None)
     edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
     found = strongly_connected(edges)
-    pending = [set(c) for c in PENDING_FAMILY_MOVE["cycles"]]
-    cycles = [c for c in found if set(c) not in pending]
-    stale = [c for c in pending if sorted(c) not in found]
     lines = []
-    for comp in cycles:
+    for comp in found:
         lines.append(" <-> ".join(comp))
         for a in comp:
             for b in sorted(edges[a] & set(comp)):
                 where = sorted(d["line_number"] for d in
                                graph.get_import_details(importer=a, imported=b))
                 lines.append(f"    {a} -> {b} (l.{', l.'.join(map(str, where))})")
-    if stale:
-        lines.append(f"no longer cycles, remove from PENDING_FAMILY_MOVE: {stale}")
     assert not lines, "module import cycles:\n" + "\n".join(lines)
