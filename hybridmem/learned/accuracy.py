@@ -1,6 +1,6 @@
 """Accuracy of every tier against real-GPU rows, by job group and by figure.
 
-The report issue 10 asks for: per tier (analytic, trace, hybrid held out), per group (full,
+The report: per tier (analytic, trace, hybrid held out), per group (full,
 LoRA, DoRA, other PEFT, partial) and per measured figure (reserved, device and allocated peaks, the
 allocated bytes right after the optimizer step), the error distribution and the share of
 under-predictions (the dangerous side: an under-prediction is an OOM we said would fit).
