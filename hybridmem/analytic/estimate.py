@@ -321,7 +321,9 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
                      "weight as a forward/backward temporary"
                      + ("; kbit prep: unquantised params fp32" if quant.kbit_prep else ""))
     if spec.train == "lora":
-        notes.append("LoRA adapters (fp32, PEFT default) on language-model linears only, as "
+        dtype = ("fp32, PEFT default" if spec.adapter_dtype == "fp32"
+                 else f"{spec.adapter_dtype}, the weights' dtype")
+        notes.append(f"LoRA adapters ({dtype}) on language-model linears only, as "
                      "LLaVA's finetune_lora recipe")
         if spec.lora.use_dora:
             notes.append("DoRA: fp32 magnitude vectors; per adapted linear the base and lora_B "

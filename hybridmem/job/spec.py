@@ -218,7 +218,7 @@ class TrainingSpec:
     """Input image side in pixels, or "HxW" (Qwen2-VL / Qwen2.5-VL: native dynamic
     resolution); None means the vision tower's native size. A square is stored as an int."""
     precision: Precision | None = job_field(
-        None, help="Where params, grads and optimizer state live (default: the model's rule).",
+        None, help="Precision shorthand (default: the model's rule).",
         group="precision", choices=PRECISIONS,
         feature=True, echo=True, keys={"training_args": ("bf16", "fp16"),
                                        "deepspeed": ("bf16", "fp16", "bfloat16")},
@@ -232,7 +232,7 @@ class TrainingSpec:
     """Where params, grads and optimizer state live (pure, autocast-mixed, master-weights);
     None: the model's default (`hybridmem.families.defaults.resolve_defaults`)."""
     weights_dtype: str | None = job_field(
-        None, help="Dtype the model is loaded in (torch_dtype); overrides --precision's.",
+        None, help="Dtype the model is loaded in (torch_dtype; overrides --precision's).",
         group="precision", choices=PRECISION_DTYPES, added=22,
         doc="the precision as axes (`hybridmem.job.precision.AXES`): the dtype the model is "
         "loaded in; with `--autocast` and `--master-weights` it overrides the `--precision` "
@@ -246,7 +246,7 @@ class TrainingSpec:
         "`--precision`'s, as `--weights-dtype`")
     """The autocast axis; folded into `precision` at construction (then None)."""
     master_weights: bool | None = job_field(
-        None, help="A separate fp32 master copy of the trained weights (DeepSpeed bf16).",
+        None, help="An fp32 master copy of trained weights (DeepSpeed's bf16 optimizer).",
         group="precision", added=24,
         doc="an fp32 master copy of the trained weights and fp32 optimizer state over bf16 "
         "weights (DeepSpeed's bf16 optimizer, `bf16-master`); overrides `--precision`'s")
