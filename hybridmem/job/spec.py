@@ -28,7 +28,7 @@ Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-ma
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "paged-adamw",
                     "sgd", "sgd-momentum", "adafactor", "hf-adafactor", "lion", "lion-32bit",
                     "lion-8bit", "paged-lion", "paged-lion-8bit", "lora-fa"]
-Trainable = Literal["full", "llm+projector", "projector", "lora", "peft"]
+Trainable = Literal["full", "llm+projector", "projector", "lora", "peft", "llm"]
 Attention = Literal["eager", "sdpa", "flash_attention_2"]
 Loop = Literal["trainer", "custom"]
 
@@ -306,7 +306,9 @@ class TrainingSpec:
         keys={"training_args": ("tune_mm_mlp_adapter", "lora_enable")},
         doc="`full`, `llm+projector` (LLaVA stage 2), `projector` (stage 1, LLaVA's "
         "`tune_mm_mlp_adapter`), `lora` (`--lora-r`, `--lora-alpha`, `--lora-targets "
-        "q_proj,v_proj`; LLaVA's `lora_enable`), `peft` (set by `--peft-config`)")
+        "q_proj,v_proj`; LLaVA's `lora_enable`), `peft` (set by `--peft-config`), `llm` (the "
+        "language model only, vision tower and projector frozen: LLaMA-Factory's full "
+        "fine-tuning of a VLM by default)")
     """Which parameters are trained."""
     lora: LoraSpec | None = None
     """LoRA settings; required and only meaningful with `train='lora'`."""

@@ -30,6 +30,11 @@ TRAINABLE_MODULES: dict[str, frozenset[str]] = {
     "llm+projector": frozenset({"multi_modal_projector", "image_newline", "language_model",
                                 "lm_head"}),
     "projector": frozenset({"multi_modal_projector"}),
+    # the language model alone: LLaMA-Factory's full fine-tuning of a VLM by default
+    # (model/adapter.py `_setup_full_tuning` freezes `get_forbidden_modules`, the vision tower
+    # and the projector: hparams/finetuning_args.py freeze_vision_tower and
+    # freeze_multi_modal_projector default True); LLaVA-NeXT's image_newline is neither
+    "llm": frozenset({"image_newline", "language_model", "lm_head"}),
     "lora": frozenset(),
     # any other PEFT method (`adapters.spec_fields`): the base model is frozen, PEFT decides
     # what trains; priced by the trace tier only
