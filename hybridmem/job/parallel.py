@@ -129,9 +129,10 @@ class ParallelSpec:
         "auto", help="FSDP2 gather dtype (MixedPrecisionPolicy.param_dtype; auto: compute).",
         group="parallel",
         doc="FSDP2 `MixedPrecisionPolicy.param_dtype`: the dtype the sharded params are "
-        "all-gathered and computed in (`auto`: the precision's compute dtype). torchtitan / "
-        "accelerate's bf16 FSDP2: `--precision bf16-mixed --mp-param-dtype bf16 "
-        "--mp-reduce-dtype fp32` (fp32 shards, bf16 gathers and activations, fp32 reduce)",
+        "all-gathered and computed in (`auto`: the precision's compute dtype). torchtitan's "
+        "bf16 FSDP2: `--precision bf16-mixed --mp-param-dtype bf16 --mp-reduce-dtype fp32` "
+        "(fp32 shards, bf16 gathers and activations, fp32 reduce); accelerate's config file "
+        "with `mixed_precision: bf16` (`--config`): bf16 / bf16 over fp32 shards",
         keys={"training_args": ("fsdp_config",)})
     """FSDP2 MixedPrecisionPolicy.param_dtype; auto = the spec's compute dtype."""
     mp_reduce_dtype: Literal["auto", "fp32", "bf16", "fp16"] = job_field(

@@ -68,9 +68,9 @@ SHORTHAND: dict[Axes, str] = {axes: name for name, axes in AXES.items()}
 
 
 def _priced() -> str:
-    return "; ".join(f"{a.weights_dtype} weights, autocast {a.autocast}"
-                     + (", fp32 master" if a.master_weights else "") + f" (= {name})"
-                     for name, a in AXES.items())
+    """The priced combinations, weights/autocast[+master]=shorthand."""
+    return ", ".join(f"{a.weights_dtype}/{a.autocast}" + ("+master" if a.master_weights else "")
+                     + f"={name}" for name, a in AXES.items())
 
 
 def fold(precision: str | None, weights_dtype: str | None, autocast: str | None,
@@ -100,9 +100,10 @@ def fold(precision: str | None, weights_dtype: str | None, autocast: str | None,
                                                            False) in SHORTHAND
                     else ("autocast", axes.autocast) if autocast is not None
                     else ("weights_dtype", axes.weights_dtype))
-    raise SpecError(field, value, reason=f"with weights {axes.weights_dtype}, autocast "
-                    f"{axes.autocast}, master {'fp32' if axes.master_weights else 'none'} "
-                    f"is not priced; priced: {_priced()}")
+    master = " and an fp32 master copy" if axes.master_weights else ""
+    raise SpecError(field, value, reason=f"weights {axes.weights_dtype} with autocast "
+                    f"{axes.autocast}{master} is not priced; priced (weights/autocast): "
+                    f"{_priced()}")
 
 
 def adapter_bytes(adapter_dtype: str | None) -> int | None:

@@ -228,7 +228,8 @@ class TrainingSpec:
         "`bf16-master`. Default (`hybridmem.families.defaults`): with adapters (`lora`, `peft`) "
         "the checkpoint's `torch_dtype` as the model is loaded (`bf16`: bf16 weights and "
         "compute, peft's fp32 adapters; float32 or none given: `fp32`); otherwise `bf16-mixed` "
-        "(fp32 weights + bf16 autocast, Trainer `bf16=True`)")
+        "(fp32 weights + bf16 autocast, Trainer `bf16=True`). A model loaded with "
+        "`torch_dtype=bfloat16`, no autocast: `bf16`. The axes below override it")
     """Where params, grads and optimizer state live (pure, autocast-mixed, master-weights);
     None: the model's default (`hybridmem.families.defaults.resolve_defaults`)."""
     weights_dtype: str | None = job_field(
