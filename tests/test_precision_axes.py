@@ -106,3 +106,22 @@ def test_half_adapters_trace_equals_real_cpu_run(kw):
     assert dtypes == {torch.bfloat16}  # peft autocast_adapter_dtype=False: the base's dtype
     tracker, _ = runner.trace(s, load_config(s.model))
     assert int(tracker.live_curve(device_only=False).max()) == real_cpu_peak(s)
+
+
+def test_harness_builds_half_adapters_and_steps():
+    """The CUDA harness's job (run here on the CPU): peft with autocast_adapter_dtype=False
+    leaves the adapters in the base's bf16, and AdamW's state follows them."""
+    torch = pytest.importorskip("torch")
+    from hybridmem.harness import workload
+    from hybridmem.models import load_config
+
+    s = spec(precision="bf16", attn="sdpa", train="lora", adapter_dtype="bf16")
+    device = torch.device("cpu")
+    job = workload.prepare(s, load_config(s.model), device)
+    lora = {n: p for n, p in job.model.named_parameters() if "lora_" in n}
+    assert lora and {p.dtype for p in lora.values()} == {torch.bfloat16}
+    workload.backward(job, workload.forward(job, s, device), s)
+    workload.optimizer_step(job, s)
+    states = [t for st in job.optimizer.state.values() for t in st.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    assert states and {t.dtype for t in states} == {torch.bfloat16}
