@@ -28,7 +28,8 @@ def test_recorded_columns_are_the_dataset_contract():
         ("grad_ckpt_policy", ("string", "full")), ("optimizer_in_backward", ("bool", False)),
         ("quantize", ("string", "none")), ("liger", ("bool", False)),
         ("chunked_ce", ("int64", 0)), ("offload_activations", ("string", "none")),
-        ("packing", ("bool", False)), ("cut_cross_entropy", ("bool", False))]
+        ("packing", ("bool", False)), ("cut_cross_entropy", ("bool", False)),
+        ("adapter_dtype", ("string", "fp32"))]
 
 
 def test_added_defaults_keep_old_spec_hashes():

@@ -254,7 +254,7 @@ class TrainingSpec:
     """The master-weights axis; folded into `precision` at construction (then None)."""
     adapter_dtype: str = job_field(
         "fp32", help="LoRA adapters' dtype (fp32: peft's autocast_adapter_dtype=True).",
-        group="adapters", choices=PRECISION_DTYPES, added=25,
+        group="adapters", choices=PRECISION_DTYPES, added=25, recorded="string",
         doc="dtype of the LoRA adapters: `fp32` (peft's default `autocast_adapter_dtype=True` "
         "casts them up), or the weights' dtype in a pure run (`--precision bf16 --adapter-dtype "
         "bf16`: torchtune's LoRALinear, peft with `autocast_adapter_dtype=False`); params, "
