@@ -181,7 +181,9 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
         out.set("train", "lora", *method_keys)
         _lora(cfg, out, where, vlm)
     else:
-        out.set("train", _full_train(cfg, where, vlm), *method_keys)
+        freeze = [k for k in ("freeze_vision_tower", "freeze_multi_modal_projector",
+                              "freeze_language_model") if vlm and k in cfg]
+        out.set("train", _full_train(cfg, where, vlm), *method_keys, *freeze)
     _precision(cfg, out, model, method)
     _quantization(cfg, out, where, method)
     _batch(cfg, out, where, stage)
