@@ -1,4 +1,10 @@
-"""Bytes per element of parameters, grads, optimizer state and activations under each precision.
+"""Bytes per element of parameters, grads, optimizer state and activations under each precision,
+and the precision as the axes users set (weights dtype, autocast, master weights, adapter dtype).
+
+A precision shorthand (`fp32`, `bf16`, `bf16-mixed`, ...) names one combination of the axes
+(`AXES`, one table); axes given one by one override the shorthand's and fold back into the
+shorthand they name (`fold`), so every tier keeps pricing the shorthand's `PrecisionPolicy`.
+The adapter dtype is its own axis (`check_adapters`, `adapter_bytes`).
 
 Its own module so that the technique modules (`job/quantize.py`: the weight dtype of quantised
 layers) read it without importing the spec that checks them.
