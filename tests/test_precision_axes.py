@@ -125,3 +125,15 @@ def test_harness_builds_half_adapters_and_steps():
     states = [t for st in job.optimizer.state.values() for t in st.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     assert states and {t.dtype for t in states} == {torch.bfloat16}
+
+
+def test_an_axis_flag_over_a_file_names_its_source(tmp_path):
+    from hybridmem.parallel.inputs import resolve_inputs
+
+    args = tmp_path / "args.json"
+    args.write_text('{"bf16": true, "per_device_train_batch_size": 2}')
+    # TrainingArguments bf16=True is autocast over fp32 weights; --autocast none drops it
+    r = resolve_inputs(training_args=str(args), overrides={"model": "tiny-llama",
+                                                           "autocast": "none"})
+    assert r.spec.precision == "fp32"
+    assert r.sources["precision"] == f"flag --autocast over {args}: bf16"
