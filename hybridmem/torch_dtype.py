@@ -17,6 +17,9 @@ PARAM_DTYPE: dict[str, torch.dtype] = {
     "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
     "bf16-mixed": torch.float32, "fp16-mixed": torch.float32, "bf16-master": torch.bfloat16,
 }
+# torch dtype of a precision axis' value (`hybridmem.job.precision.DTYPES`: weights, adapters)
+AXIS_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                      "fp16": torch.float16}
 # Autocast dtype of the *-mixed policies (torch.amp); pure policies run in the param dtype.
 AUTOCAST: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 

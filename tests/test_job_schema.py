@@ -28,7 +28,8 @@ def test_recorded_columns_are_the_dataset_contract():
         ("grad_ckpt_policy", ("string", "full")), ("optimizer_in_backward", ("bool", False)),
         ("quantize", ("string", "none")), ("liger", ("bool", False)),
         ("chunked_ce", ("int64", 0)), ("offload_activations", ("string", "none")),
-        ("packing", ("bool", False)), ("cut_cross_entropy", ("bool", False))]
+        ("packing", ("bool", False)), ("cut_cross_entropy", ("bool", False)),
+        ("adapter_dtype", ("string", "fp32"))]
 
 
 def test_added_defaults_keep_old_spec_hashes():
@@ -39,7 +40,8 @@ def test_added_defaults_keep_old_spec_hashes():
         "quant_storage": "uint8", "quant_skip": None, "kbit_prep": True, "liger": False,
         "chunked_ce": 0, "offload_activations": "none", "packing": False,
         "use_dora": False, "use_rslora": False, "modules_to_save": (),
-        "cut_cross_entropy": False}
+        "cut_cross_entropy": False, "weights_dtype": None, "autocast": None,
+        "master_weights": None, "adapter_dtype": "fp32"}
     # a spec that uses none of them serialises with the first rows' keys only
     assert set(TrainingSpec(model="tiny-llama").to_dict()) == {
         "model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",

@@ -383,11 +383,18 @@ def test_llamafactory_defaults_fill_a_bare_file(tmp_path):
 def test_llamafactory_full_vlm_freezes_the_tower_by_default(tmp_path):
     text = "model_name_or_path: llava-hf/llava-1.5-7b-hf\nfinetuning_type: full\nbf16: true\n"
     spec, *_ = _read(tmp_path, "full.yaml", text)
-    # adapter.py _setup_full_tuning: freeze_vision_tower (default True) -> the LLM (+ projector)
-    # trains; trainable weights upcast to fp32 under Trainer's bf16 autocast
-    assert (spec.train, spec.precision) == ("llm+projector", "bf16-mixed")
-    spec, *_ = _read(tmp_path, "full2.yaml", text + "freeze_vision_tower: false\n")
-    assert spec.train == "full"
+    # adapter.py _setup_full_tuning: freeze_vision_tower and freeze_multi_modal_projector
+    # (finetuning_args.py, both default True) -> the LLM alone trains; trainable weights
+    # upcast to fp32 under Trainer's bf16 autocast
+    assert (spec.train, spec.precision) == ("llm", "bf16-mixed")
+    spec, *_ = _read(tmp_path, "full1.yaml", text + "freeze_multi_modal_projector: false\n")
+    assert spec.train == "llm+projector"
+    both = "freeze_vision_tower: false\nfreeze_multi_modal_projector: false\n"
+    spec, _, warned, _ = _read(tmp_path, "full2.yaml", text + both)
+    assert spec.train == "full" and not warned
+    # a trained tower under a frozen projector: priced as full, the projector's part warned
+    spec, _, warned, _ = _read(tmp_path, "full3.yaml", text + "freeze_vision_tower: false\n")
+    assert spec.train == "full" and any("freeze_multi_modal_projector" in w for w in warned)
 
 
 def test_llamafactory_deepspeed_path_beside_the_file(tmp_path, monkeypatch):
@@ -488,6 +495,8 @@ def test_torchtune_lora_single_device_is_the_job_its_recipe_says(tmp_path):
         lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         micro_batch=4, grad_accum=8,  # batch_size, gradient_accumulation_steps
         precision="bf16",          # dtype: bf16 everywhere
+        # LoRALinear's lora_a / lora_b are nn.Linear built under the recipe's default dtype
+        adapter_dtype="bf16",
         optimizer="adamw-fused",   # torch.optim.AdamW with fused: True
         chunked_ce=8,              # LinearCrossEntropyLoss: num_output_chunks 8
         grad_ckpt=True,            # enable_activation_checkpointing
@@ -495,7 +504,8 @@ def test_torchtune_lora_single_device_is_the_job_its_recipe_says(tmp_path):
     assert spec == flags and spec.seq_len == 2048  # max_seq_len null: the schema's, warned
     text = "\n".join(warned)
     assert "tokenizer.max_seq_len" in text and "LinearCrossEntropyLoss" in text
-    assert "model dtype" in text  # adapters in bf16 there, fp32 here
+    assert "model dtype" not in text  # adapters priced in bf16, as torchtune builds them
+    assert sources["adapter_dtype"].startswith(f"{path}: dtype")
     assert sources["lora_targets"] == f"{path}: model.lora_attn_modules/model.apply_lora_to_mlp"
 
 
@@ -506,6 +516,9 @@ def test_torchtune_qlora_and_distributed_fsdp(tmp_path):
     # qlora_ builders: quantize_base=True, torchao NF4 (block 64, double-quantised scalers)
     assert (spec.quantize, spec.quant_double_quant, spec.kbit_prep, spec.seq_len) == (
         "nf4", True, False, 1024)
+    # half adapters over a quantised base are not priced: PEFT's fp32 ones, warned
+    assert spec.adapter_dtype == "fp32" and any("model dtype" in w for w in _read(
+        tmp_path, "qlora2.yaml", text)[2])
     # on several GPUs a _distributed recipe: FSDP2, never DDP; its reshard key is read
     spec, *_ = _read(tmp_path, "dist.yaml", TORCHTUNE_LORA, world_size=2)
     assert (spec.parallel.strategy, spec.parallel.reshard_after_forward) == ("fsdp", True)
@@ -635,3 +648,18 @@ def test_axolotl_cut_cross_entropy_plugin(tmp_path):
     assert not spec.cut_cross_entropy
     spec, *_ = _read(tmp_path, "none.yml", text)
     assert not spec.cut_cross_entropy
+
+
+def test_axolotl_adapters_in_the_model_dtype(tmp_path):
+    # peft_autocast_adapter_dtype: false -> get_peft_model(autocast_adapter_dtype=False): the
+    # adapters stay bf16, priced so for plain LoRA; over the 4-bit base still fp32, warned
+    lora = AXOLOTL_QLORA.replace("adapter: qlora\n", "adapter: lora\n").replace(
+        "load_in_4bit: true", "load_in_4bit: false")
+    spec, sources, warned, path = _read(tmp_path, "a.yml",
+                                        lora + "peft_autocast_adapter_dtype: false\n")
+    assert (spec.precision, spec.adapter_dtype) == ("bf16", "bf16")
+    assert sources["adapter_dtype"] == f"{path}: peft_autocast_adapter_dtype"
+    spec, _, warned, _ = _read(tmp_path, "q.yml",
+                               AXOLOTL_QLORA + "peft_autocast_adapter_dtype: false\n")
+    assert spec.adapter_dtype == "fp32"
+    assert any("peft_autocast_adapter_dtype" in w for w in warned)

@@ -48,6 +48,7 @@ from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
+from hybridmem.job.precision import adapter_bytes
 from hybridmem.job.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +103,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  frozen_a=spec.optimizer == "lora-fa", quant=quant,
                  liger=liger_applies(spec),
                  ce_chunks=spec.chunked_ce, param=policy.param_bytes,
-                 cce=cce_applies(spec))
+                 cce=cce_applies(spec),
+                 adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes)
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
@@ -319,7 +321,9 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
                      "weight as a forward/backward temporary"
                      + ("; kbit prep: unquantised params fp32" if quant.kbit_prep else ""))
     if spec.train == "lora":
-        notes.append("LoRA adapters (fp32, PEFT default) on language-model linears only, as "
+        dtype = ("fp32, PEFT default" if spec.adapter_dtype == "fp32"
+                 else f"{spec.adapter_dtype}, the weights' dtype")
+        notes.append(f"LoRA adapters ({dtype}) on language-model linears only, as "
                      "LLaVA's finetune_lora recipe")
         if spec.lora.use_dora:
             notes.append("DoRA: fp32 magnitude vectors; per adapted linear the base and lora_B "

@@ -68,14 +68,16 @@ OTHER_OPTIONS: tuple[CliOption, ...] = (
     CliOption("deepspeed", ("--deepspeed",), Optional[str],
               "DeepSpeed config JSON ('auto' resolved as transformers does).", FILES_PANEL),
     CliOption("config", ("--config",), Optional[str],
-              "A launcher's YAML: LLaMA-Factory, axolotl, torchtune.", FILES_PANEL,
+              "YAML of LLaMA-Factory, axolotl, torchtune or accelerate.", FILES_PANEL,
               doc="a launcher's own training YAML (LLaMA-Factory `llamafactory-cli train`, "
-              "axolotl, torchtune recipe configs), read as that launcher reads it: its "
+              "axolotl, torchtune recipe configs, accelerate's `accelerate config` file: "
+              "distributed_type, mixed_precision, num_processes, fsdp_config / "
+              "deepspeed_config; it names no model), read as that launcher reads it: its "
               "defaults where the file is silent, its model (a hub id names its preset), "
               "its `deepspeed` / `fsdp_config`; flags and the other files override it. Every "
               "key is read, known to the launcher, or a warning naming the nearest key"),
     CliOption("config_format", ("--config-format",), Optional[str],
-              "llamafactory, axolotl or torchtune (default: from its keys).",
+              "llamafactory, axolotl, torchtune or accelerate (default: by keys).",
               FILES_PANEL),
     CliOption("gpu", ("--gpu",), Optional[str],
               "GPU from the catalogue, e.g. h100-80gb, a100-40gb, h200.", OUTPUT_PANEL,

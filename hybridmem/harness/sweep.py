@@ -204,7 +204,7 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
     label, cfg = _model_config(combo, custom, where)
     multimodal = "vision_config" in cfg
     train = combo["train"]
-    if not multimodal and train in ("projector", "llm+projector"):
+    if not multimodal and train in ("projector", "llm+projector", "llm"):
         raise SpecError("train", train, ("full", "lora"), reason="a decoder has no projector")
     # a tower without a native size (Qwen-VL): None, the family's default
     native = cfg["vision_config"].get("image_size") if multimodal else None

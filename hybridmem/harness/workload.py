@@ -68,7 +68,8 @@ def freeze(model: nn.Module, spec: TrainingSpec) -> None:
 
 
 def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
-    """The spec's PEFT adapters (adapters in fp32, PEFT's default): LoRA/DoRA on the non-vision
+    """The spec's PEFT adapters (adapters in fp32, PEFT's default, or with `adapter_dtype`
+    half in the base's dtype: `autocast_adapter_dtype=False`): LoRA/DoRA on the non-vision
     linears named in `spec.lora.targets` (the default: the model's own LLM linear names), or
     any method of `spec.peft_config`; the same config the trace tier builds
     (`adapters.build_peft_config`)."""
@@ -81,8 +82,9 @@ def add_lora(model: nn.Module, spec: TrainingSpec) -> nn.Module:
     # one rule for the model graph, the trace tier and here (`job.lora_targets.default_targets`)
     spec = lora_targets_for(model, spec, None)
     cfg = build_peft_config(spec)
+    keep = {"autocast_adapter_dtype": False} if spec.adapter_dtype != "fp32" else {}
     try:
-        return peft.get_peft_model(model, cfg)
+        return peft.get_peft_model(model, cfg, **keep)
     except Exception as err:  # noqa: BLE001 - PEFT refused the user's adapter config
         if spec.train == "lora":
             raise

@@ -42,7 +42,7 @@ class ParallelSpec:
         "(micro-batch x accumulation x world size)")
     """Number of data-parallel ranks (GPUs)."""
     strategy: Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"] = job_field(
-        "none", help="Data-parallel flavour (--zero-stage N = zeroN).", group="parallel",
+        "none", help="Sharding (data-parallel flavour; --zero-stage N = zeroN).", group="parallel",
         feature=True, echo=True, keys={"training_args": ("fsdp", "deepspeed"),
                                        "deepspeed": ("zero_optimization.stage",)},
         doc="`none` (one process), `ddp`, `zero1`, `zero2`, `zero3` (DeepSpeed ZeRO), `fsdp` "
@@ -126,16 +126,17 @@ class ParallelSpec:
         cli=False, keys={"training_args": ("fsdp", "fsdp_config")})
     """FSDP2: free unsharded params after each unit's forward (fully_shard default True)."""
     mp_param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = job_field(
-        "auto", help="FSDP2 MixedPrecisionPolicy.param_dtype (auto: the compute dtype).",
+        "auto", help="FSDP2 gather dtype (MixedPrecisionPolicy.param_dtype; auto: compute).",
         group="parallel",
         doc="FSDP2 `MixedPrecisionPolicy.param_dtype`: the dtype the sharded params are "
-        "all-gathered and computed in (`auto`: the precision's compute dtype). torchtitan / "
-        "accelerate's bf16 FSDP2: `--precision bf16-mixed --mp-param-dtype bf16 "
-        "--mp-reduce-dtype fp32` (fp32 shards, bf16 gathers and activations, fp32 reduce)",
+        "all-gathered and computed in (`auto`: the precision's compute dtype). torchtitan's "
+        "bf16 FSDP2: `--precision bf16-mixed --mp-param-dtype bf16 --mp-reduce-dtype fp32` "
+        "(fp32 shards, bf16 gathers and activations, fp32 reduce); accelerate's config file "
+        "with `mixed_precision: bf16` (`--config`): bf16 / bf16 over fp32 shards",
         keys={"training_args": ("fsdp_config",)})
     """FSDP2 MixedPrecisionPolicy.param_dtype; auto = the spec's compute dtype."""
     mp_reduce_dtype: Literal["auto", "fp32", "bf16", "fp16"] = job_field(
-        "auto", help="FSDP2 MixedPrecisionPolicy.reduce_dtype (auto: param_dtype).",
+        "auto", help="FSDP2 reduce dtype (MixedPrecisionPolicy.reduce_dtype; auto: gather).",
         group="parallel", keys={"training_args": ("fsdp_config",)})
     """FSDP2 MixedPrecisionPolicy.reduce_dtype; auto = param_dtype (FSDP2's None)."""
 

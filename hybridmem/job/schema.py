@@ -18,7 +18,7 @@ from typing import Literal, get_args, get_origin
 from hybridmem.errors import SpecError
 from hybridmem.job.field import GROUPS, JobField, declared
 from hybridmem.job.parallel import ParallelSpec
-from hybridmem.job.precision import in_words
+from hybridmem.job.precision import AXES, in_words
 from hybridmem.job.spec import LoraSpec, TrainingSpec
 
 OWNERS: dict[str, type] = {"spec": TrainingSpec, "lora": LoraSpec, "parallel": ParallelSpec}
@@ -169,6 +169,10 @@ def job_dict(spec: TrainingSpec) -> dict:
                 g.name: _plain(getattr(value, g.name)) for g in dataclasses.fields(value)}
         else:
             out[f.name] = _plain(value)
+    if spec.precision is not None:  # the shorthand's axes (job.precision.AXES), by name
+        axes = AXES[spec.precision]
+        out.update(weights_dtype=axes.weights_dtype, autocast=axes.autocast,
+                   master_weights=axes.master_weights)
     return out
 
 
@@ -228,6 +232,9 @@ def _shown(value: object) -> str:
     return text if len(text) <= ECHO_WIDTH else text[:ECHO_WIDTH - 3] + "..."
 
 
+AXIS_KEYS: tuple[str, ...] = ("weights_dtype", "autocast", "master_weights")
+"""Precision axes the echo says in words (`in_words`) rather than as fields."""
+
 ECHO_WIDTH = 48
 """Longest value the echo shows whole (a PEFT config's JSON is cut)."""
 
@@ -261,6 +268,8 @@ def echo_lines(job: dict) -> list[str]:
         for meta in metas:
             if meta.owner == "lora" and job.get("lora") is None:
                 continue
+            if meta.key in AXIS_KEYS and job.get("precision") is not None:
+                continue  # said in words below
             value = _value(meta, job)
             note = _source_note(sources.get(meta.key), flags)
             if meta.name == "model":
@@ -271,7 +280,8 @@ def echo_lines(job: dict) -> list[str]:
         if group == "precision" and job.get("precision") is not None:
             # the axes in words (job.precision.in_words): what `--precision` means here
             parts.append("(" + in_words(job["precision"], job["train"], job["strategy"],
-                                        job["mp_param_dtype"], job["mp_reduce_dtype"]) + ")")
+                                        job["mp_param_dtype"], job["mp_reduce_dtype"],
+                                        job.get("adapter_dtype")) + ")")
         if parts:
             lines.append(f"{group}: " + " ".join(parts))
     for name, why in (job.get("defaults") or {}).items():  # what the model decided, and why

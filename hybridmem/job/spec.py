@@ -17,6 +17,8 @@ from hybridmem.job.images import normalize_image_size
 from hybridmem.job.offload_rules import MODES as OFFLOAD_MODES
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.job.precision import POLICIES, PrecisionPolicy  # noqa: F401 (read as spec.POLICIES)
+from hybridmem.job.precision import AUTOCASTS, check_adapters, fold
+from hybridmem.job.precision import DTYPES as PRECISION_DTYPES
 from hybridmem.job.quantize import COMPUTE_DTYPES as QUANT_COMPUTE_DTYPES
 from hybridmem.job.quantize import QUANTIZE
 from hybridmem.job.quantize import STORAGE_DTYPES as QUANT_STORAGE_DTYPES
@@ -26,7 +28,7 @@ Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-ma
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "paged-adamw",
                     "sgd", "sgd-momentum", "adafactor", "hf-adafactor", "lion", "lion-32bit",
                     "lion-8bit", "paged-lion", "paged-lion-8bit", "lora-fa"]
-Trainable = Literal["full", "llm+projector", "projector", "lora", "peft"]
+Trainable = Literal["full", "llm+projector", "projector", "lora", "peft", "llm"]
 Attention = Literal["eager", "sdpa", "flash_attention_2"]
 Loop = Literal["trainer", "custom"]
 
@@ -216,7 +218,7 @@ class TrainingSpec:
     """Input image side in pixels, or "HxW" (Qwen2-VL / Qwen2.5-VL: native dynamic
     resolution); None means the vision tower's native size. A square is stored as an int."""
     precision: Precision | None = job_field(
-        None, help="Where params, grads and optimizer state live (default: the model's rule).",
+        None, help="Precision shorthand (default: the model's rule).",
         group="precision", choices=PRECISIONS,
         feature=True, echo=True, keys={"training_args": ("bf16", "fp16"),
                                        "deepspeed": ("bf16", "fp16", "bfloat16")},
@@ -226,9 +228,39 @@ class TrainingSpec:
         "`bf16-master`. Default (`hybridmem.families.defaults`): with adapters (`lora`, `peft`) "
         "the checkpoint's `torch_dtype` as the model is loaded (`bf16`: bf16 weights and "
         "compute, peft's fp32 adapters; float32 or none given: `fp32`); otherwise `bf16-mixed` "
-        "(fp32 weights + bf16 autocast, Trainer `bf16=True`)")
+        "(fp32 weights + bf16 autocast, Trainer `bf16=True`). A model loaded with "
+        "`torch_dtype=bfloat16`, no autocast: `bf16`. The axes below override it")
     """Where params, grads and optimizer state live (pure, autocast-mixed, master-weights);
     None: the model's default (`hybridmem.families.defaults.resolve_defaults`)."""
+    weights_dtype: str | None = job_field(
+        None, help="Dtype the model is loaded in (torch_dtype; overrides --precision's).",
+        group="precision", choices=PRECISION_DTYPES, added=22,
+        doc="the precision as axes (`hybridmem.job.precision.AXES`): the dtype the model is "
+        "loaded in; with `--autocast` and `--master-weights` it overrides the `--precision` "
+        "shorthand's axes and names one of them (`--weights-dtype bf16` = `bf16`, `--autocast "
+        "bf16` alone = `bf16-mixed`); a combination no shorthand names exits 2")
+    """The weights' dtype axis; folded into `precision` at construction (then None)."""
+    autocast: str | None = job_field(
+        None, help="torch.autocast dtype (none: ops run in the weights' dtype).",
+        group="precision", choices=AUTOCASTS, added=23,
+        doc="torch.autocast's dtype over the step (`none`, `bf16`, `fp16`); overrides "
+        "`--precision`'s, as `--weights-dtype`")
+    """The autocast axis; folded into `precision` at construction (then None)."""
+    master_weights: bool | None = job_field(
+        None, help="An fp32 master copy of trained weights (DeepSpeed's bf16 optimizer).",
+        group="precision", added=24,
+        doc="an fp32 master copy of the trained weights and fp32 optimizer state over bf16 "
+        "weights (DeepSpeed's bf16 optimizer, `bf16-master`); overrides `--precision`'s")
+    """The master-weights axis; folded into `precision` at construction (then None)."""
+    adapter_dtype: str = job_field(
+        "fp32", help="LoRA adapters' dtype (fp32: peft's autocast_adapter_dtype=True).",
+        group="adapters", choices=PRECISION_DTYPES, added=25, recorded="string",
+        doc="dtype of the LoRA adapters: `fp32` (peft's default `autocast_adapter_dtype=True` "
+        "casts them up), or the weights' dtype in a pure run (`--precision bf16 --adapter-dtype "
+        "bf16`: torchtune's LoRALinear, peft with `autocast_adapter_dtype=False`); params, "
+        "grads, optimizer state and the adapters' activations follow it. Plain LoRA only. "
+        "Both tiers and the harness")
+    """LoRA adapters' dtype (`hybridmem.job.precision.check_adapters`)."""
     optimizer: Optimizer = job_field(
         "adamw", help="Optimizer (adamw: torch's foreach AdamW).", group="precision",
         feature=True, echo=True, keys={"training_args": ("optim", "optim_args"),
@@ -275,7 +307,9 @@ class TrainingSpec:
         keys={"training_args": ("tune_mm_mlp_adapter", "lora_enable")},
         doc="`full`, `llm+projector` (LLaVA stage 2), `projector` (stage 1, LLaVA's "
         "`tune_mm_mlp_adapter`), `lora` (`--lora-r`, `--lora-alpha`, `--lora-targets "
-        "q_proj,v_proj`; LLaVA's `lora_enable`), `peft` (set by `--peft-config`)")
+        "q_proj,v_proj`; LLaVA's `lora_enable`), `peft` (set by `--peft-config`), `llm` (the "
+        "language model only, vision tower and projector frozen: LLaMA-Factory's full "
+        "fine-tuning of a VLM by default)")
     """Which parameters are trained."""
     lora: LoraSpec | None = None
     """LoRA settings; required and only meaningful with `train='lora'`."""
@@ -446,6 +480,11 @@ class TrainingSpec:
             object.__setattr__(self, "image_size", normalize_image_size(self.image_size))
         if self.precision is not None:  # None: resolved per model (families.defaults)
             _check_choice("precision", self.precision, PRECISIONS)
+        # the axes given one by one name a shorthand (job.precision.fold); stored as it
+        object.__setattr__(self, "precision", fold(self.precision, self.weights_dtype,
+                                                   self.autocast, self.master_weights))
+        for axis in ("weights_dtype", "autocast", "master_weights"):
+            object.__setattr__(self, axis, None)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("train", self.train, TRAINABLES)
         if self.attn is not None:  # None: resolved per model (families.defaults)
@@ -503,6 +542,8 @@ class TrainingSpec:
 
         check_quantize(self)
 
+        check_adapters(self.adapter_dtype, self.precision, self.train,
+                       bool(self.lora and self.lora.use_dora), self.quantize)
         check_loss_spec(self)
         from hybridmem.job.cce import check_spec as check_cce
 

@@ -18,6 +18,7 @@ from hybridmem.families import DECODER, family, layer_kind
 from hybridmem.families.common.images import image_plan
 from hybridmem.job.images import check_seq_len, images_in_batch
 from hybridmem.models.light import light_config
+from hybridmem.job.precision import adapter_bytes
 from hybridmem.job.spec import POLICIES, LoraSpec, TrainingSpec
 
 # Which top-level modules train under each `train` mode. LLaVA stage 1 (`projector`) trains only
@@ -29,6 +30,11 @@ TRAINABLE_MODULES: dict[str, frozenset[str]] = {
     "llm+projector": frozenset({"multi_modal_projector", "image_newline", "language_model",
                                 "lm_head"}),
     "projector": frozenset({"multi_modal_projector"}),
+    # the language model alone: LLaMA-Factory's full fine-tuning of a VLM by default
+    # (model/adapter.py `_setup_full_tuning` freezes `get_forbidden_modules`, the vision tower
+    # and the projector: hparams/finetuning_args.py freeze_vision_tower and
+    # freeze_multi_modal_projector default True); LLaVA-NeXT's image_newline is neither
+    "llm": frozenset({"image_newline", "language_model", "lm_head"}),
     "lora": frozenset(),
     # any other PEFT method (`adapters.spec_fields`): the base model is frozen, PEFT decides
     # what trains; priced by the trace tier only
@@ -87,12 +93,14 @@ def _decoder_modules(cfg, spec: TrainingSpec, lm_prefix: str) -> tuple[Module, M
     return lm, head
 
 
-def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = False) -> Layer:
+def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = False,
+                   itemsize: int | None = LORA_FP32) -> Layer:
     """PEFT `LoraLayer`: lora_A (r x in) and lora_B (out x r) on every matching Linear; DoRA
     adds `lora_magnitude_vector` (out,), the fp32 column norms of W + scale B@A at init
     (peft/tuners/lora/dora.py `DoraLinearLayer.update_layer`). `frozen_a`: LoRA-FA's
     `create_lorafa_optimizer` sets `requires_grad_(False)` on every lora_A
-    (peft/optimizers/lorafa.py)."""
+    (peft/optimizers/lorafa.py). `itemsize` None: adapters in the weights' dtype
+    (`job.precision.adapter_bytes`), priced by the precision policy as the base's params."""
     adapters = []
     for p in layer.params:
         if not p.name.endswith("weight") or len(p.shape) != 2 or layer.kind == "embedding":
@@ -102,9 +110,9 @@ def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = F
         if any(key == t or key.endswith("." + t) for t in lora.targets):
             n_out, n_in = p.shape
             prefix = f"{linear}." if linear else ""
-            adapters += [T(f"{prefix}lora_A.default.weight", (lora.r, n_in), LORA_FP32,
+            adapters += [T(f"{prefix}lora_A.default.weight", (lora.r, n_in), itemsize,
                            frozen=frozen_a),
-                         T(f"{prefix}lora_B.default.weight", (n_out, lora.r), LORA_FP32)]
+                         T(f"{prefix}lora_B.default.weight", (n_out, lora.r), itemsize)]
             if lora.use_dora:
                 adapters.append(T(f"{prefix}lora_magnitude_vector.default.weight", (n_out,),
                                   LORA_FP32))
@@ -155,7 +163,8 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
     for m in modules:
         layers = tuple(replace(layer, trainable=m.name in trainable) for layer in m.layers)
         if spec.train == "lora" and m.name in LORA_MODULES:
-            layers = tuple(_lora_adapters(layer, m.name, spec.lora, spec.optimizer == "lora-fa")
+            layers = tuple(_lora_adapters(layer, m.name, spec.lora, spec.optimizer == "lora-fa",
+                                          adapter_bytes(spec.adapter_dtype))
                            for layer in layers)
         if spec.train == "lora" and spec.lora.modules_to_save:
             layers = tuple(_saved_copies(layer, m.prefix, spec.lora.modules_to_save, vocab,

@@ -52,7 +52,7 @@ def warn(message: str) -> None:
 LABELS: dict[str, str] = {"training_args": "TrainingArguments", "deepspeed": "DeepSpeed",
                           "peft": "PEFT adapter config", "bnb": "BitsAndBytesConfig",
                           "llamafactory": "LLaMA-Factory", "axolotl": "axolotl",
-                          "torchtune": "torchtune"}
+                          "torchtune": "torchtune", "accelerate": "accelerate"}
 
 
 def check_keys(source: str, data: dict, where: str, *, used: Iterable[str],

@@ -816,6 +816,11 @@ def _combine(layers: list[dict], over: dict) -> tuple[dict, dict]:
         if ran != spec["precision"]:
             sources["precision"] = f"{sources.get('precision', '?')} under DeepSpeed ZeRO"
         spec["precision"] = ran
+    axes = [key for key in schema.AXIS_KEYS if over["spec"].get(key) is not None]
+    if axes:  # precision axes given as flags override the shorthand (job.precision.fold)
+        given = ", ".join(flag_source(key) for key in axes)
+        sources["precision"] = given + (f" over {sources['precision']}"
+                                        if "precision" in sources else "")
     if spec.get("train") == "lora":
         spec["lora"] = LoraSpec(**lora)
     elif over["lora"]:

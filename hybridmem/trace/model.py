@@ -26,7 +26,7 @@ from hybridmem.job.lora_targets import default_targets
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
 from hybridmem.models.loader import auto_class
 from hybridmem.job.spec import TrainingSpec
-from hybridmem.torch_dtype import PARAM_DTYPE, default_dtype
+from hybridmem.torch_dtype import AXIS_DTYPE, PARAM_DTYPE, default_dtype
 
 def attn_for_cpu(attn: str) -> str:
     """FlashAttention-2 has no CPU kernel; its memory behaviour is SDPA's flash backend's."""
@@ -259,13 +259,16 @@ def add_adapters(model: nn.Module, spec: TrainingSpec) -> nn.Module:
 
         layer = quantized.lora_layer_class()  # peft's bnb LoRA forward on the emulated layers
         cfg._register_custom_module({quantized.Linear4bit: layer, quantized.Linear8bitLt: layer})
-    # PEFT keeps adapter weights in fp32 (`autocast_adapter_dtype=True`): build them so.
-    with _no_device_moves(), _fake_safe_module_copies(), default_dtype(torch.float32), \
-            warnings.catch_warnings():
+    # PEFT keeps adapter weights in fp32 (`autocast_adapter_dtype=True`): build them so;
+    # half adapters are the base's dtype, which `autocast_adapter_dtype=False` leaves them in
+    half = spec.adapter_dtype != "fp32"
+    with _no_device_moves(), _fake_safe_module_copies(), \
+            default_dtype(AXIS_DTYPE[spec.adapter_dtype]), warnings.catch_warnings():
         # peft calls transformers' deprecated `is_gradient_checkpointing`: not the user's concern
         warnings.simplefilter("ignore", FutureWarning)
         try:
-            return peft.get_peft_model(model, cfg)
+            return peft.get_peft_model(model, cfg, **({"autocast_adapter_dtype": False}
+                                                      if half else {}))
         except Exception as err:  # noqa: BLE001 - any refusal of PEFT's is the user's config
             if spec.train == "lora":
                 raise

@@ -66,6 +66,10 @@ class Ctx:
     """Cut Cross-Entropy replaces the lm_head + loss (`--cut-cross-entropy`; `job.cce`)."""
     param: int = 4
     """Bytes per element of the parameters (Liger's FLCE weight grad has the weight's dtype)."""
+    adapter: int = FP32
+    """Bytes per element of the LoRA adapters (fp32: peft's default; else the weights' dtype
+    in a pure run, `job.precision.check_adapters`): PEFT's `_cast_input_dtype` makes no copy
+    when the input already has it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,14 +242,14 @@ def linear_inputs(sv: Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, bas
     else:
         sv.add(numel, in_bytes, cond=base_w and not shared)
         if adapters:
-            if in_bytes == FP32 and not dropout:
-                sv.add(numel, FP32, cond=not base_w and not shared)
-            else:  # `_cast_input_dtype` fp32 copy (or dropout output) per adapter
-                sv.add(numel, FP32, times=adapters)
+            if in_bytes == c.adapter and not dropout:
+                sv.add(numel, c.adapter, cond=not base_w and not shared)
+            else:  # `_cast_input_dtype` copy in the adapters' dtype (or dropout output) each
+                sv.add(numel, c.adapter, times=adapters)
 
 
 def lora_outputs(sv: Saved, c: Ctx, tokens: int, adapters: int) -> None:
-    sv.add(tokens * c.lora_r, 2 if c.amp else FP32, times=adapters)
+    sv.add(tokens * c.lora_r, 2 if c.amp else c.adapter, times=adapters)
 
 
 def linear_weights(layer: Layer) -> int:

@@ -135,7 +135,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         # q/k/v are slices of one output: each slice's backward (`slice_backward`) makes a
         # zero-filled full-size grad, added into autograd's input buffer of the fused output
         attn_bwd += 2 * t(B * qkv_out, e)
-    if not c.amp and e != FP32:
+    if not c.amp and e != c.adapter:
         # the fp32 adapter branch: its output grad is cast to fp32 (B x out) and lora_A returns
         # an fp32 input grad (B x in) before the cast back (PEFT lora.Linear in bf16 models)
         if n_gu or n_down:

@@ -99,7 +99,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # save it, and with an adapter PEFT's base result, fp32 input copy, lora_B's output and its
     # scaled copy (trace tier, tiny-olmo2 LoRA b2 s64 checkpointed, bf16 and bf16-mixed)
     mlp_parts = (t(B * h, sb), *([t(B * f, e)] if not need_w else ()),
-                 *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
+                 *([*([t(B * f, FP32)] if c.adapter != e else []), *[t(B * h, e)] * 3]
+                   if n_down else ()))
     if e != FP32 and sum(mlp_parts) > sum(fwd_parts):
         fwd_parts = mlp_parts
     dora = dora_forward(c, dora_linears(layer))

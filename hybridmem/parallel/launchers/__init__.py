@@ -3,7 +3,7 @@
 Why: users launch with LLaMA-Factory (`llamafactory-cli train x.yaml`), axolotl (`axolotl train
 x.yml`) or torchtune (`tune run recipe --config x.yaml`); each fills what the file leaves out
 with its own defaults (LLaMA-Factory checkpoints unless told not to, axolotl's sequence length
-is 512, ...). One module per launcher turns its file into one `merge_inputs` layer, with the
+is 512, ...); `accelerate launch --config_file` adds how the processes shard and cast. One module per launcher turns its file into one `merge_inputs` layer, with the
 launcher's defaults where the file is silent and the source of every field; every key of the
 file is read, known to the launcher (no memory effect), or a warning naming the nearest known
 key (`hybridmem.parallel.config_keys`). The dialect is told by the keys (`detect`), or forced.
@@ -15,18 +15,19 @@ import os
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel.launchers import axolotl, llamafactory, torchtune
+from hybridmem.parallel.launchers import accelerate, axolotl, llamafactory, torchtune
 from hybridmem.parallel.launchers.common import LauncherConfig, load_yaml
 
-DIALECTS = {"llamafactory": llamafactory, "axolotl": axolotl, "torchtune": torchtune}
+DIALECTS = {"llamafactory": llamafactory, "axolotl": axolotl, "torchtune": torchtune,
+            "accelerate": accelerate}
 """--config-format name -> its reader, in the order `detect` tries them."""
 
 
 def detect(cfg: dict, where: str) -> str:
     """The dialect a config's keys tell: torchtune's model `_component_`, axolotl's
     `base_model`, LLaMA-Factory's method keys (`finetuning_type` / `stage` /
-    `model_name_or_path` with `cutoff_len`)."""
-    for name in ("torchtune", "axolotl", "llamafactory"):
+    `model_name_or_path` with `cutoff_len`), accelerate's `distributed_type`."""
+    for name in ("torchtune", "axolotl", "llamafactory", "accelerate"):
         if DIALECTS[name].detect(cfg):
             return name
     raise SpecError("config", where, list(DIALECTS),

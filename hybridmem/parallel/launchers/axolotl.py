@@ -11,7 +11,8 @@ Precision (`normalize_config`: `torch_dtype` = bf16 if `bf16` or `bfloat16`, fp1
 bf16-capable GPU, which the GPU catalogue's all are; the model is loaded in `torch_dtype`,
 `ModelLoader._set_device_map_config`): full fine-tuning trains the weights in that dtype
 (`bf16`, `fp16`, `fp32` here); LoRA / QLoRA keep the base in it with PEFT's fp32 adapters
-(`peft_autocast_adapter_dtype` unset = PEFT's default True), `bf16` etc. here.
+(`peft_autocast_adapter_dtype` unset = PEFT's default True; False: `adapter_dtype` in the
+model dtype), `bf16` etc. here.
 """
 
 from __future__ import annotations
@@ -204,9 +205,6 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     config_keys.check_keys(SOURCE, raw, where, used=READ, known=lambda: KNOWN)
     cfg = {k: v for k, v in raw.items() if v is not None}
     config_keys.unpriced(SOURCE, {k: v for k, v in cfg.items() if v}, where, UNPRICED)
-    if cfg.get("peft_autocast_adapter_dtype") is False:
-        config_keys.warn(f"{where}: axolotl key 'peft_autocast_adapter_dtype'=False is not "
-                         "priced; adapters in the model dtype are priced as PEFT's fp32 ones")
     model, hub_id = model_of(raw.get("base_model"), where, "base_model")
     out = Layer(where, NAME)
     out.set("model", model, "base_model", note=hub_id)
@@ -216,6 +214,8 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
                          "are); give --lora-targets")
     dtype, dtype_keys = _dtype(cfg, where)
     _training(cfg, out, where, dtype, dtype_keys)
+    if cfg.get("peft_autocast_adapter_dtype") is False:
+        _half_adapters(out, where)
     _batch(cfg, out, where)
     _savers(cfg, out, where)
     _optimizer(cfg, out, where)
@@ -238,6 +238,20 @@ def _dtype(cfg: dict, where: str) -> tuple[str, tuple[str, ...]]:
     if cfg.get("load_in_8bit") or fp16 or cfg.get("float16"):
         return "fp16", tuple(k for k in ("load_in_8bit", "fp16", "float16") if cfg.get(k))
     return "fp32", tuple(k for k in ("bf16", "float32") if k in cfg)
+
+
+def _half_adapters(out: Layer, where: str) -> None:
+    """`peft_autocast_adapter_dtype: false` (get_peft_model's `autocast_adapter_dtype`): the
+    adapters stay in the model dtype, priced so for plain LoRA in bf16 / fp16
+    (`adapter_dtype`); elsewhere PEFT's fp32 adapters are priced, with a warning."""
+    spec = out.data["spec"]
+    if spec.get("train") == "lora" and spec["precision"] in ("bf16", "fp16") \
+            and not out.data["lora"].get("use_dora") and spec.get("quantize", "none") == "none":
+        out.set("adapter_dtype", spec["precision"], "peft_autocast_adapter_dtype")
+        return
+    config_keys.warn(f"{where}: axolotl key 'peft_autocast_adapter_dtype'=False is not priced "
+                     "here (half adapters: plain LoRA in bf16 / fp16 only); adapters in the "
+                     "model dtype are priced as PEFT's fp32 ones")
 
 
 def _training(cfg: dict, out: Layer, where: str, dtype: str, dtype_keys: tuple) -> None:

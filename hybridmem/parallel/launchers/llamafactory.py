@@ -181,7 +181,9 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
         out.set("train", "lora", *method_keys)
         _lora(cfg, out, where, vlm)
     else:
-        out.set("train", _full_train(cfg, where, vlm), *method_keys)
+        freeze = [k for k in ("freeze_vision_tower", "freeze_multi_modal_projector",
+                              "freeze_language_model") if vlm and k in cfg]
+        out.set("train", _full_train(cfg, where, vlm), *method_keys, *freeze)
     _precision(cfg, out, model, method)
     _quantization(cfg, out, where, method)
     _batch(cfg, out, where, stage)
@@ -225,8 +227,9 @@ def _full_train(cfg: dict, where: str, vlm: bool) -> str:
     """adapter.py `_setup_full_tuning` freezes `get_forbidden_modules` (model_utils/visual.py):
     the vision tower while `freeze_vision_tower` (default True), the projector while
     `freeze_multi_modal_projector` (default True), the LLM while `freeze_language_model`
-    (default False). Priced: the LLM (+ projector) as llm+projector, everything as full, the
-    projector alone as projector; a frozen projector is priced trainable (a few M params)."""
+    (default False). Priced: the LLM alone as llm, the LLM and projector as llm+projector,
+    everything as full, the projector alone as projector; a frozen projector under a trained
+    tower is priced trainable (a few M params), with a warning."""
     if not vlm:
         return "full"
     tower = flag(f"{where}: freeze_vision_tower", cfg.get("freeze_vision_tower", True))
@@ -234,7 +237,12 @@ def _full_train(cfg: dict, where: str, vlm: bool) -> str:
                      cfg.get("freeze_multi_modal_projector", True))
     language = flag(f"{where}: freeze_language_model", cfg.get("freeze_language_model", False))
     if not language:
-        return "llm+projector" if tower else "full"
+        if tower:
+            return "llm" if projector else "llm+projector"
+        if projector:
+            config_keys.warn(f"{where}: LLaMA-Factory key 'freeze_multi_modal_projector'=True "
+                             "with the vision tower trained: the projector is priced trainable")
+        return "full"
     if tower and not projector:
         return "projector"
     raise SpecError(f"{where}: freeze_language_model", True, [False], reason="with this "

@@ -9,8 +9,8 @@ full_finetune_single_device.py and their _distributed twins) reads the rest: bat
 gradient_accumulation_steps, dtype, enable_activation_checkpointing /
 enable_activation_offloading (default False), optimizer_in_bwd, clip_grad_norm, loss,
 optimizer. The recipes run the model in `dtype` everywhere (`training.set_default_dtype`, "all
-activations, gradients and optimizer states are in bfloat16"): adapters too, which PEFT keeps
-in fp32 here (a warning says so). After the forward the recipes `del` the logits before
+activations, gradients and optimizer states are in bfloat16"): adapters too (`adapter_dtype`;
+DoRA / QLoRA adapters are priced fp32 with a warning). After the forward the recipes `del` the logits before
 backward: only the loss outlives it (loop `trainer`). `dataset.packed` packs samples into rows
 of max_seq_len tokens (datasets/_packed.py), the padded batch's tokens per row, masked per
 sample by flex attention's BlockMask on CUDA: priced as the padded batch.
@@ -145,10 +145,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
         out.set("train", "full", "model._component_")
     else:
         _lora(node, out, where, kind)
-        if out.data["spec"]["precision"] != "fp32":
-            config_keys.warn(f"{where}: torchtune keeps LoRA adapters in the model dtype; "
-                             "priced with PEFT's fp32 adapters (an upper bound, by the "
-                             "adapters' fp32 inputs)")
+        _adapter_dtype(raw, out, where)
     spec = out.data["spec"]
     hf = {"per_device_train_batch_size": spec.get("micro_batch", 1), "bf16": False,
           "fp16": False, "gradient_accumulation_steps": spec.get("grad_accum", 1),
@@ -196,6 +193,23 @@ def _lora(node: dict, out: Layer, where: str, kind: str) -> None:
         out.set("quantize", "nf4", key)
         out.set("quant_double_quant", True, key)
         out.set("kbit_prep", False, key)
+
+
+def _adapter_dtype(raw: dict, out: Layer, where: str) -> None:
+    """torchtune's LoRALinear builds lora_a / lora_b as plain nn.Linear under the recipe's
+    default dtype (torchtune/modules/peft/lora.py; `training.set_default_dtype(dtype)` around
+    the model build): adapters in `dtype`, priced so (`adapter_dtype`) for plain LoRA. DoRA
+    and QLoRA adapters in half precision are not priced: PEFT's fp32 ones, with a warning."""
+    spec = out.data["spec"]
+    if spec["precision"] == "fp32":
+        return
+    if out.data["lora"].get("use_dora") or spec.get("quantize", "none") != "none":
+        config_keys.warn(f"{where}: torchtune keeps DoRA / QLoRA adapters in the model dtype; "
+                         "priced with PEFT's fp32 adapters (an upper bound, by the adapters' "
+                         "fp32 inputs)")
+        return
+    out.set("adapter_dtype", spec["precision"], *(("dtype",) if "dtype" in raw else ()),
+            note="torchtune LoRALinear: adapters in the model dtype")
 
 
 def _recipe(raw: dict, out: Layer, where: str) -> None:
