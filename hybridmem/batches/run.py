@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridmem.allocator import AllocatorConfig, CachingAllocatorSim
+from hybridmem.allocator import AllocatorConfig, CachingAllocatorSim, SimulatedOOM
+from hybridmem.allocator.reserved import FROM_GPU, gpu_capacity
 from hybridmem.allocator.overheads import CUBLAS_WORKSPACE_BYTES, cublas_workspace
 from hybridmem.batches.read import read_lengths
 from hybridmem.batches.steps import Shape, Steps, plan
@@ -113,14 +114,30 @@ class Replayed:
     reserved: np.ndarray
     peak_reserved: int
     replayed_steps: int
+    retries: int = 0
+    """cudaMalloc retries (the allocator freed its cache at the capacity)."""
+    oom: bool = False
+    """The replay ran out of memory within the capacity (this is then the unlimited one)."""
 
 
 def replay_steps(streams: list[ShapeStream], index: np.ndarray,
-                 config: AllocatorConfig | None = None) -> Replayed:
-    """Replay the run whose step j has shape `streams[index[j]]` (see the module docstring)."""
+                 config: AllocatorConfig | None = None, capacity: int | None = None
+                 ) -> Replayed:
+    """Replay the run whose step j has shape `streams[index[j]]` (see the module docstring);
+    within `capacity` bytes as `allocator.reserved.capped_replay` does (at the limit the
+    allocator frees its cache and retries; one that still runs out is replayed unlimited)."""
     config = config if config is not None else AllocatorConfig.from_environ()
+    if capacity is not None:
+        try:
+            return _replay(streams, index, config, capacity)
+        except SimulatedOOM:
+            return dataclasses.replace(_replay(streams, index, config, None), oom=True)
+    return _replay(streams, index, config, None)
+
+
+def _replay(streams, index, config, capacity) -> Replayed:
     splits = [_split(s) for s in streams]
-    sim = CachingAllocatorSim(config)
+    sim = CachingAllocatorSim(config, capacity=capacity)
     live: dict = {}
     reserved = np.zeros(len(index), dtype=np.int64)
     seen: set = set()
@@ -169,7 +186,7 @@ def replay_steps(streams: list[ShapeStream], index: np.ndarray,
                 sim.free(live.pop(key))
         handed = [(j, k) for k in sp.carry_out]
         replayed += 1
-    return Replayed(reserved, sim.peak_reserved, replayed)
+    return Replayed(reserved, sim.peak_reserved, replayed, sim.num_alloc_retries)
 
 
 def _shape_spec(spec: TrainingSpec, shape: Shape) -> TrainingSpec:
@@ -205,8 +222,9 @@ def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Pr
     allocated = np.array([s.allocated for s in streams], dtype=np.int64)
     top = max(range(len(streams)), key=lambda i: (allocated[i], steps.shapes[i].tokens))
     answer = price(_shape_spec(spec, steps.shapes[top]))
-    run = replay_steps(streams, steps.index)
-    alone = replay_steps([streams[top]], np.zeros(2, dtype=np.int64)).peak_reserved
+    limit = gpu_capacity(gpu, FROM_GPU)  # the GPU's, as the tiers replay within
+    run = replay_steps(streams, steps.index, capacity=limit)
+    alone = replay_steps([streams[top]], np.zeros(2, dtype=np.int64), capacity=limit).peak_reserved
     growth = max(0, run.peak_reserved - alone)
     shift = answer.peak.reserved_bytes - alone
     per_step = run.reserved + shift
@@ -238,6 +256,7 @@ def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Pr
                               "max": int(per_step.max())},
         "peak_step": peak_step,
         "replayed_steps": run.replayed_steps,
+        "capacity_bytes": limit, "num_alloc_retries": run.retries, "oom": run.oom,
         "shape_growth_bytes": growth,
         "reserved_at_cap_bytes": cap.peak.reserved_bytes,
         "reserved_at_longest_batch_bytes": answer.peak.reserved_bytes,
