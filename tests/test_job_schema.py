@@ -39,7 +39,8 @@ def test_added_defaults_keep_old_spec_hashes():
         "quant_storage": "uint8", "quant_skip": None, "kbit_prep": True, "liger": False,
         "chunked_ce": 0, "offload_activations": "none", "packing": False,
         "use_dora": False, "use_rslora": False, "modules_to_save": (),
-        "cut_cross_entropy": False}
+        "cut_cross_entropy": False, "lengths": None, "pad_to": "longest", "pad_multiple": 0,
+        "sampler": "random", "seed": 42, "max_steps": 0, "drop_last": False}
     # a spec that uses none of them serialises with the first rows' keys only
     assert set(TrainingSpec(model="tiny-llama").to_dict()) == {
         "model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",

@@ -344,7 +344,7 @@ class TrainingSpec:
     """Liger kernels as transformers' `use_liger_kernel=True` applies them (fused linear
     cross-entropy, RMSNorm, SwiGLU, RoPE; `hybridmem.job.loss`)."""
     chunked_ce: int = job_field(
-        0, help="Chunked cross-entropy (torchtune): the logits in N chunks; 0 = off.",
+        0, help="Chunked cross-entropy (torchtune) in N chunks; 0 = off.",
         group="savers", unit="chunks", feature=True, added=15, recorded="int64",
         doc="torchtune's chunked cross-entropy (`CEWithChunkedOutputLoss`): the logits upcast "
         "to fp32 one chunk at a time; 0 = off (default). Not with `--liger`. "
@@ -431,7 +431,7 @@ class TrainingSpec:
     """peft `prepare_model_for_kbit_training` applied (fp16/bf16 non-quantised params cast to
     fp32); only read with `quantize`."""
     lengths: str | None = job_field(
-        None, help="File of per-sample token counts; seq_len becomes the truncation cap.",
+        None, help="Per-sample token counts; --seq-len caps them.",
         group="batch", added=22,
         doc="per-sample token counts: one integer per line, or a parquet / JSONL / CSV column "
         "`length`, `num_tokens` or `input_ids` (counted), with an optional image-count column "
@@ -442,16 +442,17 @@ class TrainingSpec:
     """Per-sample token counts (`hybridmem.batches.read`); None: every sample is `seq_len`."""
     pad_to: str = job_field(
         "longest", help="With --lengths: pad each batch to its longest sample or to max_length.",
-        group="batch", choices=("longest", "max_length"), added=23,
+        group="batch", choices=("longest", "max_length"), added=23, cli=False,
         doc="with `--lengths`: `longest` (the collators' default `padding=True`) or "
         "`max_length` (every batch `seq_len` long)")
     """Padding of a batch (`hybridmem.job.batching`)."""
     pad_multiple: int = job_field(
         0, help="With --lengths: round padded lengths up to a multiple of this (0: off).",
-        group="batch", unit="tokens", added=24, keys={"training_args": ("pad_to_multiple_of",)})
+        group="batch", unit="tokens", added=24, cli=False,
+        keys={"training_args": ("pad_to_multiple_of",)})
     """`pad_to_multiple_of` of the collator (TRL SFTConfig); 0 = none."""
     sampler: str = job_field(
-        "random", help="With --lengths: the order of samples.", group="batch",
+        "random", help="Sample order with --lengths.", group="batch", cli=False,
         choices=("random", "sequential", "group_by_length"), added=25,
         keys={"training_args": ("train_sampling_strategy", "group_by_length")},
         doc="with `--lengths`: `random` (Trainer's seeded `RandomSampler`, reproduced "
@@ -461,14 +462,15 @@ class TrainingSpec:
     """Sample order (`hybridmem.job.batching.SAMPLERS`)."""
     seed: int = job_field(
         42, help="With --lengths: the sampler's seed (TrainingArguments data_seed or seed).",
-        group="batch", added=26, keys={"training_args": ("seed", "data_seed")})
+        group="batch", added=26, cli=False, keys={"training_args": ("seed", "data_seed")})
     """Seed of the sampler's generator (`data_seed` when given, else `seed`)."""
     max_steps: int = job_field(
-        0, help="With --lengths: optimizer steps to price (0: one epoch).", group="batch",
+        0, help="Steps priced with --lengths (0: one epoch).", group="batch", cli=False,
         unit="steps", added=27, keys={"training_args": ("max_steps",)})
     """Optimizer steps of the simulated run; 0 = one epoch (TrainingArguments `max_steps=-1`)."""
     drop_last: bool = job_field(
         False, help="With --lengths: drop the last partial batch.", group="batch", added=28,
+        cli=False,
         keys={"training_args": ("dataloader_drop_last",)})
     """`dataloader_drop_last`."""
 
