@@ -33,7 +33,7 @@ from hybridmem.batches.steps import Shape, Steps, plan
 from hybridmem.errors import SpecError
 from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
-from hybridmem.job.spec import TrainingSpec
+from hybridmem.job.spec import TrainingSpec, empty_cache_at
 from hybridmem.prediction import Prediction
 
 SERIES_POINTS = 200
@@ -121,21 +121,24 @@ class Replayed:
 
 
 def replay_steps(streams: list[ShapeStream], index: np.ndarray,
-                 config: AllocatorConfig | None = None, capacity: int | None = None
-                 ) -> Replayed:
+                 config: AllocatorConfig | None = None, capacity: int | None = None,
+                 empties: np.ndarray | None = None) -> Replayed:
     """Replay the run whose step j has shape `streams[index[j]]` (see the module docstring);
     within `capacity` bytes as `allocator.reserved.capped_replay` does (at the limit the
-    allocator frees its cache and retries; one that still runs out is replayed unlimited)."""
+    allocator frees its cache and retries; one that still runs out is replayed unlimited).
+    `empties`: per step, whether its `empty_cache` calls run (streams made with
+    `empty_cache_steps=1` carry one at every place the loop calls it); None: as the streams
+    say."""
     config = config if config is not None else AllocatorConfig.from_environ()
     if capacity is not None:
         try:
-            return _replay(streams, index, config, capacity)
+            return _replay(streams, index, config, capacity, empties)
         except SimulatedOOM:
-            return dataclasses.replace(_replay(streams, index, config, None), oom=True)
-    return _replay(streams, index, config, None)
+            return dataclasses.replace(_replay(streams, index, config, None, empties), oom=True)
+    return _replay(streams, index, config, None, empties)
 
 
-def _replay(streams, index, config, capacity) -> Replayed:
+def _replay(streams, index, config, capacity, empties) -> Replayed:
     splits = [_split(s) for s in streams]
     sim = CachingAllocatorSim(config, capacity=capacity)
     live: dict = {}
@@ -144,7 +147,7 @@ def _replay(streams, index, config, capacity) -> Replayed:
     handed: list = []  # what the previous step left for the next one, as run keys
     replayed = 0
 
-    def feed(events, tag, remap) -> int:
+    def feed(events, tag, remap, empty=True) -> int:
         top = sim.reserved
         for action, key, size in events:
             if action == "alloc":
@@ -153,18 +156,20 @@ def _replay(streams, index, config, capacity) -> Replayed:
                 addr = live.pop(remap(key), None)
                 if addr is not None:
                     sim.free(addr)
-            else:
+            elif empty:
                 sim.empty_cache()
             top = max(top, sim.reserved)
         return top
 
     first = splits[index[0]]
-    reserved[0] = feed(first.prefix, 0, lambda k: (0, k))
+    empty = (lambda j: True) if empties is None else (lambda j: bool(empties[j]))
+    # the prefix holds setup and iteration 0: its empty_cache calls are iteration 0's
+    reserved[0] = feed(first.prefix, 0, lambda k: (0, k), empty(0))
     setup_tag = {k: (0, k) for k in first.setup}
     handed = [(0, k) for k in first.carry0]
     replayed = 1
     for j in range(1, len(index)):
-        pair = (int(index[j - 1]), int(index[j]))
+        pair = (int(index[j - 1]), int(index[j]), empty(j))
         if pair in seen:
             reserved[j] = sim.reserved
             continue
@@ -180,7 +185,7 @@ def _replay(streams, index, config, capacity) -> Replayed:
                 return setup_tag.get(key)
             return (j, key)
 
-        reserved[j] = feed(sp.segment, j, remap)
+        reserved[j] = feed(sp.segment, j, remap, empty(j))
         for key in prev:  # a previous shape that handed more than this one takes
             if key in live:
                 sim.free(live.pop(key))
@@ -212,10 +217,16 @@ def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Pr
     steps = plan(data, spec, images)
     stream_method = "trace" if method == "trace" else "analytic"
     ws = cublas_workspace(gpu)
+    # empty_cache every N > 1 steps: streams with a call at every place the loop makes one,
+    # kept on the steps `empty_cache_at` names (two iterations show N = 1 only)
+    every = spec.empty_cache_steps > 1
+    stream_spec = spec.with_(empty_cache_steps=1) if every else spec
+    empties = np.array([empty_cache_at(spec, j) is not None for j in range(len(steps))]) \
+        if every else None
     streams = []
     for shape in steps.shapes:
         try:
-            streams.append(shape_stream(stream_method, _shape_spec(spec, shape), ws))
+            streams.append(shape_stream(stream_method, _shape_spec(stream_spec, shape), ws))
         except SpecError as err:
             raise SpecError(err.field, err.value, err.choices, reason=f"{err.reason} (a batch "
                             f"of {shape.batch} x {shape.tokens} tokens from --lengths)") from None
@@ -223,8 +234,9 @@ def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Pr
     top = max(range(len(streams)), key=lambda i: (allocated[i], steps.shapes[i].tokens))
     answer = price(_shape_spec(spec, steps.shapes[top]))
     limit = gpu_capacity(gpu, FROM_GPU)  # the GPU's, as the tiers replay within
-    run = replay_steps(streams, steps.index, capacity=limit)
-    alone = replay_steps([streams[top]], np.zeros(2, dtype=np.int64), capacity=limit).peak_reserved
+    run = replay_steps(streams, steps.index, capacity=limit, empties=empties)
+    alone = replay_steps([streams[top]], np.zeros(2, dtype=np.int64), capacity=limit,
+                         empties=None if empties is None else empties[:2]).peak_reserved
     growth = max(0, run.peak_reserved - alone)
     shift = answer.peak.reserved_bytes - alone
     per_step = run.reserved + shift
