@@ -209,3 +209,18 @@ def test_training_args_keys(tmp_path):
     path.write_text(json.dumps({"train_sampling_strategy": "batch_rebalance"}))
     with pytest.raises(SpecError, match="train_sampling_strategy"):
         spec_from_inputs(training_args=str(path), overrides={"model": "tiny-llama"})
+
+
+def test_launcher_configs_say_the_sampler(tmp_path):
+    from hybridmem.parallel.resolve import resolve
+
+    axolotl = tmp_path / "a.yml"
+    axolotl.write_text("base_model: meta-llama/Llama-3.2-3B\ngroup_by_length: true\n"
+                       "seed: 7\nmax_steps: 30\n")
+    spec = resolve(config=str(axolotl), overrides={}).spec
+    assert (spec.sampler, spec.seed, spec.max_steps) == ("group_by_length", 7, 30)
+    factory = tmp_path / "f.yaml"
+    factory.write_text("model_name_or_path: meta-llama/Llama-3.2-3B\nstage: sft\n"
+                       "finetuning_type: lora\ngroup_by_length: true\ndata_seed: 3\n")
+    spec = resolve(config=str(factory), overrides={}).spec
+    assert (spec.sampler, spec.seed) == ("group_by_length", 3)
