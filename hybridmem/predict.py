@@ -220,6 +220,18 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
     return search_max(fits, guess)
 
 
+def _over_lengths(spec: TrainingSpec, method: str, gpu: GPU | None, find_max_batch: bool,
+                  tier_options: dict) -> Prediction:
+    """The tier's answer over the run a lengths file makes (`hybridmem.batches.run`)."""
+    from hybridmem.batches.run import simulate
+
+    if find_max_batch:
+        raise SpecError("find_max_batch", True, reason="not with --lengths (the batches "
+                        "change with the micro-batch; search without --lengths)")
+    run, options = estimator(method), {**gpu_options(method, gpu), **tier_options}
+    return simulate(spec, method, lambda s: run(s, **options), gpu)
+
+
 def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = None,
             find_max_batch: bool = False, **tier_options: object) -> Prediction:
     """Predict the peak memory of `spec`; with `gpu`, also whether it fits (and the max batch).
@@ -246,7 +258,10 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
     if refused is not None:
         raise no_tier(refused, spec, method)
     try:
-        result = estimator(method)(spec, **{**gpu_options(method, gpu), **tier_options})
+        if spec.lengths is not None:  # the batches a dataset makes, step by step
+            result = _over_lengths(spec, method, gpu, find_max_batch, tier_options)
+        else:
+            result = estimator(method)(spec, **{**gpu_options(method, gpu), **tier_options})
         max_batch = None
         if gpu is not None and find_max_batch:
             # the timeline file belongs to the spec as asked, not to the search's probes

@@ -100,6 +100,10 @@ def render(pred: Prediction, console=None, verbose: bool = False) -> None:
         console.print(f"largest micro-batch that fits: [bold]{pred.max_micro_batch}[/bold]")
     if pred.extras.get("upper_bound_bytes") is not None:
         console.print(f"P95 upper bound: {gib(pred.extras['upper_bound_bytes'])} GiB")
+    if "lengths" in pred.extras:  # the run a lengths file makes, in one line
+        from hybridmem.batches.run import summary
+
+        console.print(summary(pred.extras["lengths"]), highlight=False, markup=False)
     if verbose:
         lines, more = [tier_line(pred), *pred.notes], 0
     else:
@@ -156,6 +160,36 @@ def plot(pred: Prediction, path: str | Path) -> Path:
 
     fig = figure(pred)
     out = Path(path)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def steps_plot(pred: Prediction, path: str | Path) -> Path:
+    """With `--lengths`: the per-step reserved bytes (the JSON's `lengths.per_step`, the max of
+    each run of steps) beside `path`, as `NAME.steps.EXT`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    info = pred.extras["lengths"]
+    series = info["per_step"]
+    fig, ax = plt.subplots(figsize=(8, 3))
+    ax.step(series["step"], [v / GiB for v in series["reserved_bytes"]], where="post",
+            label="reserved (simulated run)")
+    ax.axhline(info["reserved_at_cap_bytes"] / GiB, color="grey", linestyle=":",
+               label="every batch at the cap")
+    if pred.gpu_memory_bytes:
+        ax.axhline(pred.gpu_memory_bytes / GiB, color="red", linestyle="--",
+                   label=f"{pred.gpu_name} memory")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("GiB")
+    ax.set_title(f"{pred.model}: reserved per step over {info['steps']} steps", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out = out.with_name(f"{out.stem}.steps{out.suffix or '.png'}")
     fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out

@@ -41,7 +41,9 @@ def test_added_defaults_keep_old_spec_hashes():
         "chunked_ce": 0, "offload_activations": "none", "packing": False,
         "use_dora": False, "use_rslora": False, "modules_to_save": (),
         "cut_cross_entropy": False, "weights_dtype": None, "autocast": None,
-        "master_weights": None, "adapter_dtype": "fp32"}
+        "master_weights": None, "adapter_dtype": "fp32",
+        "lengths": None, "pad_to": "longest", "pad_multiple": 0,
+        "sampler": "random", "seed": 42, "max_steps": 0, "drop_last": False}
     # a spec that uses none of them serialises with the first rows' keys only
     assert set(TrainingSpec(model="tiny-llama").to_dict()) == {
         "model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",

@@ -460,7 +460,8 @@ def test_axolotl_fsdp1_prefixed_keys(tmp_path):
         micro_batch=1, grad_accum=1, seq_len=2048, optimizer="adamw",  # adamw_torch: foreach
         attn="flash_attention_2", max_grad_norm=1.0,
         world_size=8, strategy="fsdp",  # fsdp: [full_shard, auto_wrap]
-        reshard_after_forward=True))  # fsdp_sharding_strategy FULL_SHARD
+        reshard_after_forward=True,  # fsdp_sharding_strategy FULL_SHARD
+        max_steps=5))  # max_steps (the steps a --lengths run prices)
     assert spec == flags
     assert warned == []  # fsdp_* keys are fsdp_config's, prefix stripped
     assert sources["strategy"] == f"{path}: fsdp_config.fsdp_sharding_strategy"

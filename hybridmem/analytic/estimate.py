@@ -424,6 +424,17 @@ def _measure(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> tup
     return peak(points).allocated, build_events(priced, spec, st)
 
 
+def stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
+           ) -> tuple[int, list[tuple], list[tuple[int, str, int]]]:
+    """(closed-form allocated peak, alloc/free stream of two iterations, its phase marks as
+    (event index, phase, iteration)): what `hybridmem.batches.run` composes per batch shape."""
+    spec = resolved(spec)
+    _, priced, st = _setup(spec, workspace)
+    marks: list = []
+    events = build_events(priced, spec, st, marks=marks)
+    return peak(walk([p.step for p in priced], st)).allocated, events, marks
+
+
 @lru_cache(maxsize=None)
 def _measure_with(workspace: int) -> Callable[[TrainingSpec], tuple[int, list[tuple]]]:
     """`_measure` for one workspace size, the same function object each time, so that

@@ -89,7 +89,7 @@ def _field_text(meta, width: int) -> tuple[str | None, str]:
 
 METAVARS: dict[str, str] = {"gpu": "NAME", "gpu_mem": "GIB", "method": "TIER", "recipe": "NAME",
                             "zero_stage": "N", "model": "MODEL", "lora_targets": "NAMES",
-                            "image_size": "PIXELS"}
+                            "image_size": "PIXELS", "lengths": "FILE"}
 """Value placeholders by parameter name; any other option that is not a job field takes a
 FILE, a job field its type's (`_typed`)."""
 

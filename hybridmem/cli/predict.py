@@ -98,7 +98,9 @@ OTHER_OPTIONS: tuple[CliOption, ...] = (
               "Print one JSON object instead of tables.", OUTPUT_PANEL, default=False,
               doc="print one JSON object (schema below) instead of tables"),
     CliOption("plot", ("--plot",), Optional[str],
-              "Save a stacked bar chart (PNG/SVG/PDF) to FILE.", OUTPUT_PANEL),
+              "Save a stacked bar chart (PNG/SVG/PDF) to FILE.", OUTPUT_PANEL,
+              doc="save a stacked bar chart (PNG/SVG/PDF) to FILE; with `--lengths` also the "
+              "reserved bytes per step as FILE's name + `.steps`"),
     CliOption("timeline", ("--timeline",), Optional[str],
               "(trace) Save the memory timeline as JSON or PNG.", OUTPUT_PANEL),
     CliOption("verbose", ("--verbose", "-v"), bool,
@@ -198,6 +200,10 @@ def predict_command(**values) -> None:
     written = []
     if plot:
         written.append(f"plot: {save_plot(result, plot)}")
+        if "lengths" in result.extras:
+            from hybridmem.report import steps_plot
+
+            written.append(f"plot: {steps_plot(result, plot)}")
     if "timeline" in result.extras:
         written.append(f"timeline: {result.extras['timeline']}")
     if as_json:

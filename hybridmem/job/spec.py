@@ -378,7 +378,7 @@ class TrainingSpec:
     """Liger kernels as transformers' `use_liger_kernel=True` applies them (fused linear
     cross-entropy, RMSNorm, SwiGLU, RoPE; `hybridmem.job.loss`)."""
     chunked_ce: int = job_field(
-        0, help="Chunked cross-entropy (torchtune): the logits in N chunks; 0 = off.",
+        0, help="Chunked cross-entropy (torchtune) in N chunks; 0 = off.",
         group="savers", unit="chunks", feature=True, added=15, recorded="int64",
         doc="torchtune's chunked cross-entropy (`CEWithChunkedOutputLoss`): the logits upcast "
         "to fp32 one chunk at a time; 0 = off (default). Not with `--liger`. "
@@ -464,6 +464,49 @@ class TrainingSpec:
         "weights to fp32 (default on)")
     """peft `prepare_model_for_kbit_training` applied (fp16/bf16 non-quantised params cast to
     fp32); only read with `quantize`."""
+    lengths: str | None = job_field(
+        None, help="Per-sample token counts; --seq-len caps them.",
+        group="batch", added=26,
+        doc="per-sample token counts: one integer per line, or a parquet / JSONL / CSV column "
+        "`length`, `num_tokens` or `input_ids` (counted), with an optional image-count column "
+        "`num_images` / `images` / `image`. `--seq-len` is then the truncation cap; the run's "
+        "batches are built as the sampler and collator below say, each distinct (bucketed) "
+        "shape priced and their alloc/free streams replayed in order through the allocator "
+        "simulator; the JSON gets a `lengths` object ([docs/lengths.md](docs/lengths.md))")
+    """Per-sample token counts (`hybridmem.batches.read`); None: every sample is `seq_len`."""
+    pad_to: str = job_field(
+        "longest", help="With --lengths: pad each batch to its longest sample or to max_length.",
+        group="batch", choices=("longest", "max_length"), added=27, cli=False,
+        doc="with `--lengths`: `longest` (the collators' default `padding=True`) or "
+        "`max_length` (every batch `seq_len` long)")
+    """Padding of a batch (`hybridmem.job.batching`)."""
+    pad_multiple: int = job_field(
+        0, help="With --lengths: round padded lengths up to a multiple of this (0: off).",
+        group="batch", unit="tokens", added=28, cli=False,
+        keys={"training_args": ("pad_to_multiple_of",)})
+    """`pad_to_multiple_of` of the collator (TRL SFTConfig); 0 = none."""
+    sampler: str = job_field(
+        "random", help="Sample order with --lengths.", group="batch", cli=False,
+        choices=("random", "sequential", "group_by_length"), added=29,
+        keys={"training_args": ("train_sampling_strategy", "group_by_length")},
+        doc="with `--lengths`: `random` (Trainer's seeded `RandomSampler`, reproduced "
+        "exactly), `sequential`, or `group_by_length` (`LengthGroupedSampler`: megabatches of "
+        "50 batches sorted by length, the longest first; its permutation draws from torch's "
+        "global generator, so the order is the same distribution, not the same draw)")
+    """Sample order (`hybridmem.job.batching.SAMPLERS`)."""
+    seed: int = job_field(
+        42, help="With --lengths: the sampler's seed (TrainingArguments data_seed or seed).",
+        group="batch", added=30, cli=False, keys={"training_args": ("seed", "data_seed")})
+    """Seed of the sampler's generator (`data_seed` when given, else `seed`)."""
+    max_steps: int = job_field(
+        0, help="Steps priced with --lengths (0: one epoch).", group="batch", cli=False,
+        unit="steps", added=31, keys={"training_args": ("max_steps",)})
+    """Optimizer steps of the simulated run; 0 = one epoch (TrainingArguments `max_steps=-1`)."""
+    drop_last: bool = job_field(
+        False, help="With --lengths: drop the last partial batch.", group="batch", added=32,
+        cli=False,
+        keys={"training_args": ("dataloader_drop_last",)})
+    """`dataloader_drop_last`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -530,6 +573,8 @@ class TrainingSpec:
         offload_rules.check(self)
         from hybridmem.job import packing
         packing.check(self)
+        from hybridmem.job import batching
+        batching.check(self)
         if self.train == "peft" and not self.peft_config:
             raise SpecError("peft_config", self.peft_config,
                             reason="train='peft' needs a PEFT adapter config (--peft-config FILE)")

@@ -109,6 +109,11 @@ TRAINING_ARGS_UNPRICED: dict[str, tuple[object, str]] = {
 }
 
 
+# TrainingArguments fields of transformers 4.x that 5.x replaced (`group_by_length` ->
+# `train_sampling_strategy="group_by_length"`, training_args.py), still read from older files
+TRAINING_ARGS_4X: frozenset[str] = frozenset({"group_by_length"})
+
+
 def training_args_known() -> frozenset[str]:
     """Field names of the installed `transformers.TrainingArguments`, TRL `SFTConfig` (the
     installed one, else `TRL_SFT_KEYS`) and LLaVA's extensions."""
@@ -121,7 +126,7 @@ def training_args_known() -> frozenset[str]:
         names |= {f.name for f in dataclasses.fields(SFTConfig)}
     except ImportError:  # trl is optional
         names |= TRL_SFT_KEYS
-    return frozenset(names | LLAVA_KEYS)
+    return frozenset(names | LLAVA_KEYS | TRAINING_ARGS_4X)
 
 
 # ---------------------------------------------------------------- DeepSpeed

@@ -262,6 +262,28 @@ def _packing(args: dict, out: dict) -> None:
             out["spec"]["packing"] = True
 
 
+@converts("training_args", "train_sampling_strategy", "group_by_length", "seed", "data_seed",
+          "max_steps")
+def _batching(args: dict, out: dict) -> None:
+    """The sampler and run length (`hybridmem.job.batching`): `train_sampling_strategy` or
+    `group_by_length`; the sampler's seed, `data_seed` over `seed`; `max_steps` (-1, Trainer's
+    default, means epochs: our 0)."""
+    from hybridmem.job.batching import sampler_from_hf
+
+    sampler = sampler_from_hf(args.get("train_sampling_strategy"), args.get("group_by_length"))
+    if sampler is not None:
+        out["spec"]["sampler"] = sampler
+    for key in ("seed", "data_seed"):  # data_seed, when given, seeds the sampler instead
+        if args.get(key) is not None:
+            out["spec"]["seed"] = _count(f"training_args.{key}", args[key])
+    steps = args.get("max_steps")
+    if steps is not None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < -1:
+            raise SpecError("training_args.max_steps", steps,
+                            reason="must be -1 (epochs) or a non-negative integer")
+        out["spec"]["max_steps"] = max(steps, 0)
+
+
 @converts("training_args", "bf16", "fp16")
 def _autocast(args: dict, out: dict) -> None:
     """Trainer's `bf16` / `fp16`: fp32 weights under autocast."""

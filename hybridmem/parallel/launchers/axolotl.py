@@ -55,7 +55,7 @@ READ: tuple[str, ...] = (
     "attn_implementation", "attention", "liger_rope", "liger_rms_norm", "liger_layer_norm",
     "liger_swiglu", "liger_glu_activation", "liger_cross_entropy",
     "liger_fused_linear_cross_entropy", "deepspeed", "fsdp", "fsdp_config", "fsdp_version",
-    "world_size", "image_size",
+    "world_size", "image_size", "group_by_length", "seed", "max_steps",
 )
 
 # The other fields of AxolotlInputConfig and the models it extends (utils/schemas/*.py),
@@ -217,6 +217,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     if cfg.get("peft_autocast_adapter_dtype") is False:
         _half_adapters(out, where)
     _batch(cfg, out, where)
+    _sampler(cfg, out, where)
     _savers(cfg, out, where)
     _optimizer(cfg, out, where)
     deepspeed, ds_where = _parallel(cfg, out, where, folder)
@@ -362,6 +363,19 @@ def _batch(cfg: dict, out: Layer, where: str) -> None:
         if isinstance(size, (list, tuple)) and len(size) == 2:
             size = f"{size[1]}x{size[0]}"
         out.set("image_size", size, "image_size")
+
+
+def _sampler(cfg: dict, out: Layer, where: str) -> None:
+    """The sampler and run length `--lengths` follows: axolotl passes `group_by_length`,
+    `seed` and `max_steps` to its TrainingArguments (core/builders/causal.py)."""
+    from hybridmem.job.batching import sampler_from_hf
+
+    sampler = sampler_from_hf(None, cfg.get("group_by_length"))
+    if sampler is not None:
+        out.set("sampler", sampler, "group_by_length")
+    for key, field in (("seed", "seed"), ("max_steps", "max_steps")):
+        if cfg.get(key) is not None:
+            out.set(field, typed_value(f"{where}: {key}", schema.BY_KEY[field], cfg[key]), key)
 
 
 def _savers(cfg: dict, out: Layer, where: str) -> None:

@@ -150,7 +150,8 @@ def _get(cfg: dict, key: str, default: object) -> tuple[object, tuple[str, ...]]
 def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     """The file's layer; `folder` is where the file sits (a relative DeepSpeed path)."""
     hf_fields = hf_training_fields()
-    config_keys.check_keys(SOURCE, raw, where, used={*READ, *(hf_fields & set(raw))},
+    config_keys.check_keys(SOURCE, raw, where,
+                           used={*READ, *((hf_fields | {"group_by_length"}) & set(raw))},
                            known=lambda: KNOWN | hf_fields | TRANSFORMERS_4_FIELDS)
     cfg = {k: v for k, v in raw.items() if v is not None}
     config_keys.unpriced(SOURCE, cfg, where, UNPRICED)
@@ -159,7 +160,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     out.set("model", model, "model_name_or_path", note=hub_id)
 
     # the file's Seq2SeqTrainingArguments, as Trainer reads them
-    args = {k: v for k, v in cfg.items() if k in hf_fields}
+    args = {k: v for k, v in cfg.items() if k in hf_fields or k == "group_by_length"}
     if "deepspeed" in args:
         args["deepspeed"] = local_file(args["deepspeed"], folder)
     ta = from_training_args(args, where=where)

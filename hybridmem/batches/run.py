@@ -1,0 +1,296 @@
+"""The simulated run: each distinct batch shape priced, the per-step streams composed and
+replayed through the allocator simulator.
+
+One mechanism for every tier: a tier gives, per shape, its allocated peak and its alloc/free
+stream of two iterations with phase marks (the analytic tier builds it from its closed forms,
+`analytic.estimate.stream`; the trace tier records it, `trace.run_trace`, once per shape; the
+hybrid tier's stream is the analytic one). A stream splits at iteration 1's first forward:
+setup + iteration 0 open the run (the first step's shape: parameters, the lazily created
+optimizer state), and each later step appends iteration 1 of its own shape. Tensors one
+iteration hands to the next (a custom loop's output object) are matched by allocation order:
+the step's frees of what its own iteration 0 made free what the previous step left; frees of
+setup tensors free the run's setup tensors of the same key.
+
+Steps whose (previous shape, shape) pair was already replayed are skipped in the replay (they
+take the reserved bytes reached so far): at most (shapes + 1)^2 steps are replayed, whatever the
+run's length, and a run of one shape replays exactly the tier's own two iterations, so its
+answer is the fixed-length one. docs/lengths.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridmem.allocator import AllocatorConfig, CachingAllocatorSim, SimulatedOOM
+from hybridmem.allocator.reserved import FROM_GPU, gpu_capacity
+from hybridmem.allocator.overheads import CUBLAS_WORKSPACE_BYTES, cublas_workspace
+from hybridmem.batches.read import read_lengths
+from hybridmem.batches.steps import Shape, Steps, plan
+from hybridmem.errors import SpecError
+from hybridmem.families.defaults import resolved
+from hybridmem.gpus import GPU
+from hybridmem.job.spec import TrainingSpec, empty_cache_at
+from hybridmem.prediction import Prediction
+
+SERIES_POINTS = 200
+"""Per-step series in the JSON: at most this many points (the max of each run of steps)."""
+
+
+@dataclass(frozen=True)
+class ShapeStream:
+    """A tier's view of one batch shape."""
+
+    allocated: int
+    """The tier's allocated peak at this shape."""
+    events: list
+    """("alloc", key, size) / ("free", key, 0) / ("empty_cache", 0, 0) of two iterations."""
+    start0: int
+    """Index of iteration 0's first forward (after setup)."""
+    start1: int
+    """Index of iteration 1's first forward."""
+
+
+def _start(marks, iteration: int) -> int:
+    return min(i for i, phase, it in marks if it == iteration and phase == "forward")
+
+
+def shape_stream(method: str, spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
+                 ) -> ShapeStream:
+    """The allocated peak and stream of `spec` as tier `method` makes them."""
+    if method == "trace":
+        from hybridmem.trace import run_trace
+
+        result = run_trace(spec, workspace=workspace)
+        at = result.empty_cache_at
+        # marks index `events`; the replayed stream has an empty_cache entry before each `at`
+        marks = [(m + sum(k <= m for k in at), p, i) for m, p, i in result.marks]
+        return ShapeStream(result.peak_allocated, result.replay_events(), _start(marks, 0),
+                           _start(marks, 1))
+    from hybridmem.analytic.estimate import stream
+
+    allocated, events, marks = stream(spec, workspace)
+    return ShapeStream(allocated, events, _start(marks, 0), _start(marks, 1))
+
+
+@dataclass
+class _Split:
+    """A stream cut for composition."""
+
+    prefix: list
+    segment: list
+    carry_in: dict
+    """Key (allocated in iteration 0, freed in iteration 1) -> its rank in allocation order."""
+    setup: set
+    """Keys allocated before iteration 0."""
+    carry_out: list
+    """Keys iteration 1 allocates and the stream never frees, in allocation order."""
+    carry0: list
+    """Keys of `carry_in`, in allocation order (what step 0 hands to step 1)."""
+
+
+def _split(s: ShapeStream) -> _Split:
+    born: dict = {}
+    for i, (action, key, _) in enumerate(s.events):
+        if action == "alloc":
+            born[key] = i
+    freed_in_1 = [k for a, k, _ in s.events[s.start1:] if a == "free" and k in born
+                  and s.start0 <= born[k] < s.start1]
+    carry0 = sorted(set(freed_in_1), key=born.get)
+    freed = {k for a, k, _ in s.events if a == "free"}
+    carry_out = sorted((k for k, i in born.items() if i >= s.start1 and k not in freed),
+                       key=born.get)
+    return _Split(s.events[:s.start1], s.events[s.start1:], {k: r for r, k in enumerate(carry0)},
+                  {k for k, i in born.items() if i < s.start0}, carry_out, carry0)
+
+
+@dataclass
+class Replayed:
+    """The composed replay: per step its reserved bytes (simulated, unshifted)."""
+
+    reserved: np.ndarray
+    peak_reserved: int
+    replayed_steps: int
+    retries: int = 0
+    """cudaMalloc retries (the allocator freed its cache at the capacity)."""
+    oom: bool = False
+    """The replay ran out of memory within the capacity (this is then the unlimited one)."""
+
+
+def replay_steps(streams: list[ShapeStream], index: np.ndarray,
+                 config: AllocatorConfig | None = None, capacity: int | None = None,
+                 empties: np.ndarray | None = None) -> Replayed:
+    """Replay the run whose step j has shape `streams[index[j]]` (see the module docstring);
+    within `capacity` bytes as `allocator.reserved.capped_replay` does (at the limit the
+    allocator frees its cache and retries; one that still runs out is replayed unlimited).
+    `empties`: per step, whether its `empty_cache` calls run (streams made with
+    `empty_cache_steps=1` carry one at every place the loop calls it); None: as the streams
+    say."""
+    config = config if config is not None else AllocatorConfig.from_environ()
+    if capacity is not None:
+        try:
+            return _replay(streams, index, config, capacity, empties)
+        except SimulatedOOM:
+            return dataclasses.replace(_replay(streams, index, config, None, empties), oom=True)
+    return _replay(streams, index, config, None, empties)
+
+
+def _replay(streams, index, config, capacity, empties) -> Replayed:
+    splits = [_split(s) for s in streams]
+    sim = CachingAllocatorSim(config, capacity=capacity)
+    live: dict = {}
+    reserved = np.zeros(len(index), dtype=np.int64)
+    seen: set = set()
+    handed: list = []  # what the previous step left for the next one, as run keys
+    replayed = 0
+
+    def feed(events, tag, remap, empty=True) -> int:
+        top = sim.reserved
+        for action, key, size in events:
+            if action == "alloc":
+                live[(tag, key)] = sim.malloc(size)
+            elif action == "free":
+                addr = live.pop(remap(key), None)
+                if addr is not None:
+                    sim.free(addr)
+            elif empty:
+                sim.empty_cache()
+            top = max(top, sim.reserved)
+        return top
+
+    first = splits[index[0]]
+    empty = (lambda j: True) if empties is None else (lambda j: bool(empties[j]))
+    # the prefix holds setup and iteration 0: its empty_cache calls are iteration 0's
+    reserved[0] = feed(first.prefix, 0, lambda k: (0, k), empty(0))
+    setup_tag = {k: (0, k) for k in first.setup}
+    handed = [(0, k) for k in first.carry0]
+    replayed = 1
+    for j in range(1, len(index)):
+        pair = (int(index[j - 1]), int(index[j]), empty(j))
+        if pair in seen:
+            reserved[j] = sim.reserved
+            continue
+        seen.add(pair)
+        sp = splits[index[j]]
+        prev = handed
+
+        def remap(key, sp=sp, prev=prev, j=j):
+            rank = sp.carry_in.get(key)
+            if rank is not None:
+                return prev[rank] if rank < len(prev) else None
+            if key in sp.setup:
+                return setup_tag.get(key)
+            return (j, key)
+
+        reserved[j] = feed(sp.segment, j, remap, empty(j))
+        for key in prev:  # a previous shape that handed more than this one takes
+            if key in live:
+                sim.free(live.pop(key))
+        handed = [(j, k) for k in sp.carry_out]
+        replayed += 1
+    return Replayed(reserved, sim.peak_reserved, replayed, sim.num_alloc_retries)
+
+
+def _shape_spec(spec: TrainingSpec, shape: Shape) -> TrainingSpec:
+    return spec.with_(lengths=None, micro_batch=shape.batch, seq_len=shape.tokens,
+                      images_per_sample=None if shape.images < 0 else shape.images)
+
+
+def _series(values: np.ndarray, points: int = SERIES_POINTS) -> dict:
+    n = len(values)
+    step = max(1, -(-n // points))
+    idx = np.arange(0, n, step)
+    return {"step": idx.tolist(), "reserved_bytes": np.maximum.reduceat(values, idx).tolist()}
+
+
+def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Prediction],
+             gpu: GPU | None = None) -> Prediction:
+    """`spec`'s answer over the batches its lengths file makes: the tier's answer (`price`) at
+    the step of the largest allocated peak, reserved raised by what the changing shapes add in
+    the composed replay; `extras["lengths"]` the run's figures."""
+    spec = resolved(spec)
+    data = read_lengths(spec.lengths)
+    images = -1 if spec.images_per_sample is None else spec.images_per_sample
+    steps = plan(data, spec, images)
+    stream_method = "trace" if method == "trace" else "analytic"
+    ws = cublas_workspace(gpu)
+    # empty_cache every N > 1 steps: streams with a call at every place the loop makes one,
+    # kept on the steps `empty_cache_at` names (two iterations show N = 1 only)
+    every = spec.empty_cache_steps > 1
+    stream_spec = spec.with_(empty_cache_steps=1) if every else spec
+    empties = np.array([empty_cache_at(spec, j) is not None for j in range(len(steps))]) \
+        if every else None
+    streams = []
+    for shape in steps.shapes:
+        try:
+            streams.append(shape_stream(stream_method, _shape_spec(stream_spec, shape), ws))
+        except SpecError as err:
+            raise SpecError(err.field, err.value, err.choices, reason=f"{err.reason} (a batch "
+                            f"of {shape.batch} x {shape.tokens} tokens from --lengths)") from None
+    allocated = np.array([s.allocated for s in streams], dtype=np.int64)
+    top = max(range(len(streams)), key=lambda i: (allocated[i], steps.shapes[i].tokens))
+    answer = price(_shape_spec(spec, steps.shapes[top]))
+    limit = gpu_capacity(gpu, FROM_GPU)  # the GPU's, as the tiers replay within
+    run = replay_steps(streams, steps.index, capacity=limit, empties=empties)
+    alone = replay_steps([streams[top]], np.zeros(2, dtype=np.int64), capacity=limit,
+                         empties=None if empties is None else empties[:2]).peak_reserved
+    growth = max(0, run.peak_reserved - alone)
+    shift = answer.peak.reserved_bytes - alone
+    per_step = run.reserved + shift
+    cap = price(spec.with_(lengths=None)) if steps.shapes[top] != Shape(
+        spec.micro_batch, spec.seq_len, images) else answer
+    peak = dataclasses.replace(answer.peak,
+                               reserved_bytes=answer.peak.reserved_bytes + growth,
+                               device_bytes=answer.peak.device_bytes + growth)
+    breakdown = {**answer.breakdown,
+                 "fragmentation": answer.breakdown.get("fragmentation", 0) + growth}
+    longest = steps.shapes[top]
+    first_top = int(np.argmax(steps.index == top))
+    peak_step = int(np.argmax(per_step >= per_step.max()))
+    info = {
+        "source": data.source, "samples": len(data), "samples_seen": steps.samples,
+        "epochs": steps.epochs, "batches": steps.batches, "steps": len(steps),
+        "sampler": spec.sampler, "pad_to": spec.pad_to, "packing": spec.packing,
+        "distinct_shapes": [
+            {"batch": s.batch, "tokens": s.tokens, "images": None if s.images < 0 else s.images,
+             "steps": int((steps.index == i).sum()), "allocated_bytes": int(allocated[i])}
+            for i, s in enumerate(steps.shapes)],
+        "padded_tokens": {"p50": int(np.percentile(steps.padded, 50)),
+                          "max": int(steps.padded.max())},
+        "longest_batch": {"batch": longest.batch, "tokens": longest.tokens,
+                          "images": None if longest.images < 0 else longest.images,
+                          "first_step": first_top},
+        "reserved_per_step": {"p50": int(np.percentile(per_step, 50)),
+                              "p99": int(np.percentile(per_step, 99)),
+                              "max": int(per_step.max())},
+        "peak_step": peak_step,
+        "replayed_steps": run.replayed_steps,
+        "capacity_bytes": limit, "num_alloc_retries": run.retries, "oom": run.oom,
+        "shape_growth_bytes": growth,
+        "reserved_at_cap_bytes": cap.peak.reserved_bytes,
+        "reserved_at_longest_batch_bytes": answer.peak.reserved_bytes,
+        "per_step": _series(per_step),
+    }
+    note = (f"lengths: {len(data)} samples from {data.source} -> {len(steps)} steps "
+            f"({spec.sampler} sampler, pad to {spec.pad_to}); priced at the largest step "
+            f"({longest.batch} x {longest.tokens} tokens), {len(steps.shapes)} distinct "
+            f"shapes replayed in order ({run.replayed_steps} steps), + {growth >> 20} MiB "
+            "reserved from changing shapes (docs/lengths.md)")
+    return dataclasses.replace(answer, peak=peak, breakdown=breakdown,
+                               notes=(*answer.notes, note),
+                               extras={**answer.extras, "lengths": info})
+
+
+def summary(info: dict) -> str:
+    """The console's one line of a `lengths` object."""
+    r = info["reserved_per_step"]
+    gib = 1 << 30
+    lb = info["longest_batch"]
+    return (f"lengths: {info['samples']} samples, {info['steps']} steps, longest batch "
+            f"{lb['batch']}x{lb['tokens']} (step {lb['first_step']}); reserved per step "
+            f"p50 {r['p50'] / gib:.2f} / p99 {r['p99'] / gib:.2f} / max {r['max'] / gib:.2f} "
+            f"GiB, first at step {info['peak_step']}; at the cap "
+            f"{info['reserved_at_cap_bytes'] / gib:.2f} GiB")
