@@ -158,7 +158,9 @@ def task_environment(backend: str, result: dict) -> tuple[str, dict]:
     if backend == "cuda" and result.get("gpu_name"):
         from hybridmem.harness.probe import load_probe
 
-        return load_probe().source, software_environment()
+        device = {k: result.get(k) for k in ("gpu_name", "gpu_memory_bytes", "driver_version",
+                                             "cuda_version")}
+        return load_probe().source, {**software_environment(), **device}
     return environment(backend)
 
 
