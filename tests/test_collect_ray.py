@@ -3,6 +3,10 @@ killed driver resumed. One cluster for the module (Ray's start-up is the slow pa
 
 The CPU stand-in probe (`HYBRIDMEM_PROBE`) runs the real child process per config; the trace
 backend runs the trace tier in the task. Both need no GPU, so tasks ask for none.
+
+Not in the default run (marked `slow`): Ray's start-up and a fresh worker per job importing
+torch cost minutes on a 2-core machine. Run them with
+`pip install -e '.[test,ray]' && python -m pytest -m slow tests/test_collect_ray.py`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ micro_batch = {batches}
 seq_len = {lengths}
 precision = ["fp32"]
 """
+pytestmark = pytest.mark.slow
+
 TIME_COLUMNS = ("collected_at", "wall_seconds", "step_seconds")
 """Columns that differ between two runs of the same config (when and how long)."""
 

@@ -4,9 +4,9 @@ Each config is one Ray task asking for its GPUs (`num_gpus` = its world size; no
 trace backend or a CPU stand-in probe). The task runs the local path's step
 (`collection.run_config`: a fresh child process per config, torchrun for a multi-rank one, on
 one node) and returns the finished row, with the environment columns of the node it ran on.
-The driver submits configs in the sweep's order, keeps about one task per slot of the cluster in
-flight (so the order holds and `--max-minutes` means "start no config after"), and writes each
-row as its own part file as it comes back (`ray.wait`). A task Ray could not finish (its worker
+The driver submits configs in the sweep's order, each once the cluster has GPUs (CPUs) for it
+beside those in flight (so the order holds and `--max-minutes` means "start no config after"),
+and writes each row as its own part file as it comes back (`ray.wait`). A task Ray could not finish (its worker
 or node died more than `MAX_RETRIES` times, or it ran past its timeout) becomes an `error` row,
 as a crashed child does locally.
 
@@ -35,9 +35,10 @@ MAX_RETRIES = 2
 """Reruns of a task whose worker process or node died (Ray's `max_retries`; the config's own
 failures are rows, never retried)."""
 TASK_SLACK_S = ENV_TIMEOUT_S + TERM_GRACE_S + 60.0
-"""A task's timeout beyond the sweep's `timeout_s`, which the child already has: the worker may
-query its GPU's environment (`ENV_TIMEOUT_S`) and stop a torchrun (`TERM_GRACE_S`); 60 s for
-the worker's own start and imports (assumed)."""
+"""A task's time beyond its child's own timeout: the worker may query its GPU's environment
+(`ENV_TIMEOUT_S`) and stop a torchrun (`TERM_GRACE_S`); 60 s for the worker's own start and
+imports (assumed). The driver counts a task's time from its submission, and a task may first
+wait for one running config to free GPUs on a node: its timeout is 2 x `timeout_s` + this."""
 POLL_S = 1.0  # how often the driver looks at overdue tasks and the budget while waiting
 FORWARDED_PREFIX = "HYBRIDMEM_"
 """The driver's environment variables with this prefix (the probe, the tracking store) are set
@@ -141,6 +142,16 @@ def _failure_row(item: SweepItem, err: str, envs: dict, source: str, sweep: Swee
                                sweep, wall)
 
 
+def _stop(ray, pending) -> None:
+    """Stop the tasks in flight (Ctrl-C, TERM; their rows are lost). A cancel that does not
+    force raises KeyboardInterrupt in the task, so the runner kills its child's process group
+    before the worker goes (a forced cancel kills the worker and leaves the child running)."""
+    for ref in pending:
+        ray.cancel(ref)
+    if pending:
+        ray.wait(list(pending), num_returns=len(pending), timeout=TERM_GRACE_S)
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
@@ -189,8 +200,10 @@ def _drive(ray, sweep, address, source, out, backend, resume, max_minutes, recor
                                       too_many_ranks=len(todo) - len(runnable))
     resources = ray.cluster_resources()
     slots = max(1, int(resources.get("GPU" if gpus else "CPU", 1)))
+    # a GPU task asks for its world size, any other for one CPU (Ray's default)
+    need = (lambda it: it.spec.parallel.world_size) if gpus else (lambda it: 1)
     budget = max_minutes if max_minutes is not None else sweep.max_minutes
-    timeout = sweep.timeout_s + TASK_SLACK_S
+    timeout = 2 * sweep.timeout_s + TASK_SLACK_S
     task = ray.remote(run_task)
     options = {"max_retries": MAX_RETRIES, "retry_exceptions": False,
                "runtime_env": _runtime_env()}
@@ -217,7 +230,9 @@ def _drive(ray, sweep, address, source, out, backend, resume, max_minutes, recor
         queue, pending = list(runnable), {}
         try:
             while queue or pending:
-                while queue and len(pending) < slots:
+                # the next config goes out once the cluster has room for it (in run order)
+                while queue and (not pending or sum(p[2] for p in pending.values())
+                                 + need(queue[0]) <= slots):
                     if budget is not None and time.monotonic() - start > budget * 60:
                         report.stopped_by_budget = True
                         queue.clear()
@@ -228,29 +243,27 @@ def _drive(ray, sweep, address, source, out, backend, resume, max_minutes, recor
                     ranks = item.spec.parallel.world_size if gpus else 0
                     ref = task.options(num_gpus=ranks, **options).remote(
                         item, backend, light, str(out), record_history)
-                    pending[ref] = (item, time.monotonic())
+                    pending[ref] = (item, time.monotonic(), need(item))
                 if not pending:
                     break
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
                 for ref in ready:
-                    item, t0 = pending.pop(ref)
+                    item, t0, _ = pending.pop(ref)
                     try:
-                        done_task = ray.get(ref)
-                        row = done_task["row"]
+                        row = ray.get(ref)["row"]
                     except Exception as err:  # Ray's own errors: worker / node died, cancelled
                         row = _failure_row(item, f"ray task failed: {_first_line(err)}", envs,
                                            source, sweep, time.monotonic() - t0)
                     write(item, row)
                 now = time.monotonic()
-                for ref, (item, t0) in list(pending.items()):
+                for ref, (item, t0, _) in list(pending.items()):
                     if now - t0 > timeout:
-                        ray.cancel(ref, force=True)
+                        ray.cancel(ref)
                         del pending[ref]
                         write(item, _failure_row(item, f"ray task timed out after {timeout:g} s",
                                                  envs, source, sweep, now - t0))
         finally:
-            for ref in pending:  # Ctrl-C / TERM: stop what is in flight (their rows are lost)
-                ray.cancel(ref, force=True)
+            _stop(ray, pending)
         report.wall_seconds = time.monotonic() - start
         store.compact(out)
         run.metrics({"planned": report.planned, "skipped": report.skipped,
