@@ -4,9 +4,10 @@ killed driver resumed. One cluster for the module (Ray's start-up is the slow pa
 The CPU stand-in probe (`HYBRIDMEM_PROBE`) runs the real child process per config; the trace
 backend runs the trace tier in the task. Both need no GPU, so tasks ask for none.
 
-Not in the default run (marked `slow`): Ray's start-up and a fresh worker per job importing
-torch cost minutes on a 2-core machine. Run them with
-`pip install -e '.[test,ray]' && python -m pytest -m slow tests/test_collect_ray.py`.
+The cluster tests are not in the default run (marked `slow`): Ray's start-up and a fresh worker
+per job importing torch cost minutes on a 2-core machine. Run them with
+`pip install -e '.[test,ray]' && python -m pytest -m slow tests/test_collect_ray.py`. The two
+tests without a cluster (a task with no result, Ray missing) run by default.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ micro_batch = {batches}
 seq_len = {lengths}
 precision = ["fp32"]
 """
-pytestmark = pytest.mark.slow
-
 TIME_COLUMNS = ("collected_at", "wall_seconds", "step_seconds")
 """Columns that differ between two runs of the same config (when and how long)."""
 
@@ -92,6 +91,7 @@ def _raw_rows(out: Path) -> pd.DataFrame:
     return pd.concat([pd.read_parquet(f) for f in part_files(out)], ignore_index=True)
 
 
+@pytest.mark.slow
 def test_ray_rows_equal_the_local_rows(cluster, tmp_path, monkeypatch):
     from hybridmem.harness import collect, load_dataset
     from hybridmem.harness.fleet import collect_ray
@@ -113,6 +113,7 @@ def test_ray_rows_equal_the_local_rows(cluster, tmp_path, monkeypatch):
     assert summary["rows_per_node"] == {local["hostname"].iloc[0]: 4} == dict(report.nodes)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_retried_without_a_duplicate_or_a_lost_row(cluster, tmp_path,
                                                                       monkeypatch):
     from hybridmem.harness import load_sweep
@@ -134,6 +135,7 @@ def test_a_killed_worker_is_retried_without_a_duplicate_or_a_lost_row(cluster, t
     assert set(raw["source"]) == {"dryrun"} and set(raw["gpu_name"]) == {"cpu-dryrun"}
 
 
+@pytest.mark.slow
 def test_a_killed_driver_then_resume_completes_the_sweep(cluster, tmp_path):
     from hybridmem.harness import load_dataset, load_sweep
     from hybridmem.harness.store import part_files
@@ -165,3 +167,43 @@ def test_a_killed_driver_then_resume_completes_the_sweep(cluster, tmp_path):
     assert len(df) == total and set(df["spec_hash"]) == expected
     kept = df.set_index("spec_hash").loc[list(first["spec_hash"]), "collected_at"]
     assert list(kept) == list(first["collected_at"])  # rows of the killed run were not redone
+
+
+ENV = {"gpu_name": "NVIDIA H100 80GB HBM3", "gpu_memory_bytes": 85_520_809_984,
+       "driver_version": "550.54.15", "cuda_version": "12.4", "torch_version": "2.13.0",
+       "transformers_version": "5.24.0", "alloc_conf": "", "hostname": "node-a"}
+"""One node's environment columns (values of the shape the CUDA probe reports; no measurement)."""
+
+
+def test_a_task_without_a_result_is_an_error_row(tmp_path):
+    from hybridmem.harness import load_sweep
+    from hybridmem.harness.fleet import failure_row
+    from hybridmem.harness.store import append_rows, load_dataset
+
+    sweep = load_sweep(_sweep(tmp_path, "lost", "[1]", "[16]"))
+    item = sweep.items[0]
+    # two nodes of one GPU type: the row takes their environment, with no hostname
+    same = {"a": ("cuda", ENV), "b": ("cuda", {**ENV, "hostname": "node-b"})}
+    row = failure_row(item, "ray task failed: WorkerCrashedError: ...", same, "cuda", sweep, 1.0)
+    assert row["outcome"] == "error" and row["error"].startswith("ray task failed")
+    assert (row["gpu_name"], row["torch_version"], row["hostname"]) == (
+        ENV["gpu_name"], "2.13.0", "")
+    assert row["peak_allocated_bytes"] is None  # no result, no peak
+    # two GPU types: which one it died on is unknown, so the GPU columns stay empty
+    mixed = {**same, "c": ("cuda", {**ENV, "gpu_name": "NVIDIA A100-SXM4-80GB"})}
+    unknown = failure_row(item, "ray task timed out after 1 s", mixed, "cuda", sweep, 1.0)
+    assert unknown["gpu_name"] is None and unknown["torch_version"] is None
+    append_rows(tmp_path / "data", [row, unknown])  # both fit the dataset's schema
+    assert list(load_dataset(tmp_path / "data")["outcome"]) == ["error", "error"]
+
+
+def test_ray_missing_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    from hybridmem.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    sweep = _sweep(tmp_path, "no-ray", "[1]", "[16]")
+    code = main(["collect", "--sweep", str(sweep), "--backend", "trace", "--out",
+                 str(tmp_path / "data"), "--ray", "local"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "ray='not installed'" in err and "hybridmem[ray]" in err

@@ -132,12 +132,14 @@ def fleet_environments(ray, backend: str, gpus: bool) -> dict[str, tuple[str, di
     return {node: (source, env) for node, source, env in ray.get(refs)}
 
 
-def _failure_row(item: SweepItem, err: str, envs: dict, source: str, sweep: Sweep,
-                 wall: float) -> dict:
-    """The row of a task with no result. Its environment is the cluster's when all nodes share
-    one; else unknown (empty), so `--resume` runs the config again."""
-    distinct = {tuple(sorted(e.items())) for _, e in envs.values()}
-    env = next(iter(envs.values()))[1] if len(distinct) == 1 else {"gpu_memory_bytes": 0}
+def failure_row(item: SweepItem, err: str, envs: dict, source: str, sweep: Sweep,
+                wall: float) -> dict:
+    """The row of a task with no result (which node it died on is unknown). Its environment is
+    the cluster's when all nodes share one resume key (GPU, torch; the first node's driver and
+    CUDA versions), with no hostname; else empty, so `--resume` runs the config again."""
+    keys = {(e["gpu_name"], e["torch_version"], s) for s, e in envs.values()}
+    env = ({**next(iter(envs.values()))[1], "hostname": ""} if len(keys) == 1
+           else {"gpu_memory_bytes": 0})
     return collection.make_row(item, {"outcome": "error", "error": err[:500]}, env, source,
                                sweep, wall)
 
@@ -169,9 +171,9 @@ def collect_ray(sweep_path: str | Path, address: str = "local", out: str | Path 
         raise SpecError("backend", backend, collection.BACKENDS)
     if max_minutes is not None and max_minutes <= 0:
         raise SpecError("max_minutes", max_minutes, reason="must be > 0")
+    ray = _ray()
     source = _probe_source(backend)
     sweep = load_sweep(sweep_path)
-    ray = _ray()
     started = connect(address)
     try:
         return _drive(ray, sweep, address, source, out, backend, resume, max_minutes,
@@ -252,7 +254,7 @@ def _drive(ray, sweep, address, source, out, backend, resume, max_minutes, recor
                     try:
                         row = ray.get(ref)["row"]
                     except Exception as err:  # Ray's own errors: worker / node died, cancelled
-                        row = _failure_row(item, f"ray task failed: {_first_line(err)}", envs,
+                        row = failure_row(item, f"ray task failed: {_first_line(err)}", envs,
                                            source, sweep, time.monotonic() - t0)
                     write(item, row)
                 now = time.monotonic()
@@ -260,7 +262,7 @@ def _drive(ray, sweep, address, source, out, backend, resume, max_minutes, recor
                     if now - t0 > timeout:
                         ray.cancel(ref)
                         del pending[ref]
-                        write(item, _failure_row(item, f"ray task timed out after {timeout:g} s",
+                        write(item, failure_row(item, f"ray task timed out after {timeout:g} s",
                                                  envs, source, sweep, now - t0))
         finally:
             _stop(ray, pending)
