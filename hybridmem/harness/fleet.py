@@ -104,13 +104,10 @@ def node_environment(backend: str) -> tuple[str, str, dict]:
 def run_task(item: SweepItem, backend: str, sweep: Sweep, out: str,
              record_history: bool) -> dict:
     """One config in a Ray task: the local path's step, then its row."""
-    import ray
-
     t0 = time.monotonic()
     result, history = collection.run_config(item, backend, sweep, Path(out), record_history)
     source, env = collection.task_environment(backend, result)
-    row = collection.make_row(item, result, env, source, sweep, time.monotonic() - t0, history)
-    return {"row": row, "node": ray.get_runtime_context().get_node_id()}
+    return collection.make_row(item, result, env, source, sweep, time.monotonic() - t0, history)
 
 
 def _gpu_nodes(ray) -> dict[str, int]:
@@ -129,7 +126,12 @@ def fleet_environments(ray, backend: str, gpus: bool) -> dict[str, tuple[str, di
                          runtime_env=_runtime_env(),
                          scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)
                          ).remote(backend) for n in nodes]
-    return {node: (source, env) for node, source, env in ray.get(refs)}
+    try:
+        answers = ray.get(refs)
+    except Exception as err:  # the task's own error (no device, no hybridmem there) inside Ray's
+        raise SpecError("ray", "cluster", reason="a node cannot report its environment: "
+                        f"{_first_line(getattr(err, 'cause', None) or err)[:300]}") from None
+    return {node: (source, env) for node, source, env in answers}
 
 
 def failure_row(item: SweepItem, err: str, envs: dict, source: str, sweep: Sweep,
@@ -252,7 +254,7 @@ def _drive(ray, sweep, address, source, out, backend, resume, max_minutes, recor
                 for ref in ready:
                     item, t0, _ = pending.pop(ref)
                     try:
-                        row = ray.get(ref)["row"]
+                        row = ray.get(ref)
                     except Exception as err:  # Ray's own errors: worker / node died, cancelled
                         row = failure_row(item, f"ray task failed: {_first_line(err)}", envs,
                                            source, sweep, time.monotonic() - t0)
