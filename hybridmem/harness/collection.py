@@ -45,6 +45,8 @@ class CollectReport:
     too_many_ranks: int = 0
     """Configs not run: they need more GPUs than this machine has (not recorded, not skipped)."""
     wall_seconds: float = 0.0
+    nodes: Counter = field(default_factory=Counter)
+    """Rows per worker host (`collect --ray`); empty for a local run."""
 
     def summary(self) -> dict:
         return {"sweep": self.sweep.name, "backend": self.backend, "source": self.source,
@@ -74,7 +76,7 @@ def _probe():
     return probe
 
 
-def _environment(backend: str) -> tuple[str, dict]:
+def environment(backend: str) -> tuple[str, dict]:
     """(source, environment columns) for `backend`."""
     env = software_environment()
     if backend == "trace":
@@ -129,8 +131,9 @@ def make_row(item: SweepItem, result: dict, env: dict, source: str, sweep: Sweep
     return row
 
 
-def _run_one(item: SweepItem, backend: str, sweep: Sweep, out: Path,
-             record_history: bool) -> tuple[dict, str]:
+def run_config(item: SweepItem, backend: str, sweep: Sweep, out: Path,
+               record_history: bool) -> tuple[dict, str]:
+    """One config's result (a fresh child process, torchrun for ranks) and its history path."""
     if backend == "trace":
         return tiers.estimate(item.runnable_spec()), ""
     history = ""
@@ -148,8 +151,21 @@ def _run_one(item: SweepItem, backend: str, sweep: Sweep, out: Path,
     return result, history
 
 
+def task_environment(backend: str, result: dict) -> tuple[str, dict]:
+    """(source, environment columns) of the machine `result` was just made on (a `collect
+    --ray` task): a child that got to its device reported the GPU's columns itself, so the
+    GPU is queried only when it died first."""
+    if backend == "cuda" and result.get("gpu_name"):
+        from hybridmem.harness.probe import load_probe
+
+        device = {k: result.get(k) for k in ("gpu_name", "gpu_memory_bytes", "driver_version",
+                                             "cuda_version")}
+        return load_probe().source, {**software_environment(), **device}
+    return environment(backend)
+
+
 @contextlib.contextmanager
-def _tracking_run(name: str, enabled: bool):
+def tracking_run(name: str, enabled: bool):
     """An MLflow run; if the tracking store refuses to open, a warning and a no-op run, so a
     tracking problem never costs a measurement run."""
     from hybridmem.tracking import start_run
@@ -178,7 +194,7 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
     if backend == "cuda":
         _probe()  # fail fast, before the sweep is expanded
     sweep = load_sweep(sweep_path)
-    source, env = _environment(backend)
+    source, env = environment(backend)
     out = Path(out) if out is not None else DEFAULT_OUT[backend]
     done = store.measured_keys(out) if resume else set()
     key = (env["gpu_name"], env["torch_version"], source)
@@ -194,7 +210,7 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
     start = time.monotonic()
     if on_start:
         on_start(report)
-    with _tracking_run(f"{sweep.name}-{backend}", mlflow) as run:
+    with tracking_run(f"{sweep.name}-{backend}", mlflow) as run:
         run.params({"sweep": sweep.name, "backend": backend, "source": source, "out": out,
                     "resume": resume, "max_minutes": budget, "planned": report.planned,
                     "skipped": report.skipped, "harness_version": HARNESS_VERSION, **env})
@@ -206,7 +222,7 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
             if on_item:
                 on_item(item)
             t0 = time.monotonic()
-            result, history = _run_one(item, backend, sweep, out, record_history)
+            result, history = run_config(item, backend, sweep, out, record_history)
             row = make_row(item, result, env, source, sweep, time.monotonic() - t0, history)
             store.append_rows(out, [row])
             report.rows.append(row)

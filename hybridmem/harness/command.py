@@ -49,6 +49,9 @@ def _summary(report) -> None:
     if report.too_many_ranks:
         console.print(f"not run: {report.too_many_ranks} config(s) need more GPUs than this "
                       "machine has (world_size)")
+    if report.nodes:
+        console.print("rows per node: " + ", ".join(f"{h} {n}" for h, n in
+                                                   sorted(report.nodes.items())))
     if report.stopped_by_budget:
         console.print("stopped by the time budget; run again with --resume to continue")
     for reason, n in sorted(report.sweep.dropped.items()):
@@ -69,12 +72,19 @@ def collect_command(
     resume: bool = typer.Option(False, "--resume", help="Skip specs already in the dataset for this environment."),
     max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Start no config after this many minutes."),
     record_history: bool = typer.Option(False, "--record-history", help="Save the allocator's memory history per config (cuda)."),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS|auto|local", help="Run each config as a task on a Ray cluster (the ray extra; datasets/sweeps/README.md)."),
 ) -> None:
     """Measure (or predict) every config of a sweep; one dataset row per config."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from hybridmem.harness import collect
 
+    if ray is not None:
+        from functools import partial
+
+        from hybridmem.harness.fleet import collect_ray
+
+        collect = partial(collect_ray, address=ray)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), transient=False)
     task = {}
