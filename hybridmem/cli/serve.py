@@ -10,6 +10,8 @@ from typing import Optional
 
 import typer
 
+from hybridmem.errors import SpecError
+
 EXTRA_HINT = "pip install 'hybridmem[serve]'"
 
 
@@ -32,10 +34,9 @@ def serve_command(
         import uvicorn
 
         from hybridmem.serve.app import Settings, create_app
-    except ModuleNotFoundError as err:
-        typer.echo(f"error: hybridmem serve needs the serve extra ({err.name} is missing): "
-                   f"{EXTRA_HINT}", err=True)
-        raise typer.Exit(2) from None
+    except ModuleNotFoundError as err:  # one line, exit 2 (hybridmem.console.run_app)
+        raise SpecError("serve", err.name, reason=f"not installed; hybridmem serve needs the "
+                        f"serve extra: {EXTRA_HINT}") from None
     settings = Settings(trace_workers=trace_workers, trace_queue=trace_queue, timeout_s=timeout,
                         max_body_bytes=max_body, cors_origins=tuple(cors_origin or ()))
     uvicorn.run(create_app(settings), host=host, port=port, log_level="info")

@@ -95,8 +95,12 @@ class Service:
         from hybridmem.job.schema import job_dict
         from hybridmem.predict import choose_method
 
-        job: Job = parse_body(body, self.workdir)
+        from hybridmem.parallel.config_keys import collect_warnings
+
+        with collect_warnings() as read:  # a pasted launcher config is read here
+            job: Job = parse_body(body, self.workdir)
         resolved, warnings = resolve_job(job.values)
+        warnings = [*read, *(w for w in warnings if w not in read)]
         gpu = resolve_gpu(job.gpu, job.gpu_mem)
         key = json.dumps([job_dict(resolved.spec), resolved.sources, warnings,
                           None if gpu is None else asdict(gpu), job.method, job.find_max_batch],

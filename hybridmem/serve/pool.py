@@ -9,6 +9,7 @@ Here at most `workers` traces run at once and `queue` more wait; one more is ref
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
@@ -36,10 +37,13 @@ def _answer(resolved, warnings, gpu, method, find_max_batch) -> tuple[str, objec
 
 
 class TracePool:
-    """`submit` runs `_answer` (or `fn`) in the pool, or raises Busy / Unavailable at once."""
+    """`submit` runs `job` (the answer, by default) in the pool, or raises Busy / Unavailable
+    at once; `executor` replaces the worker processes (tests)."""
 
-    def __init__(self, workers: int, queue: int, executor: Executor | None = None):
+    def __init__(self, workers: int, queue: int, executor: Executor | None = None,
+                 job: Callable = _answer):
         self.workers = workers
+        self.job = job
         self.capacity = workers + queue
         self._slots = threading.BoundedSemaphore(max(self.capacity, 1))
         self._executor = executor
@@ -52,13 +56,13 @@ class TracePool:
                 self._executor = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"))
             return self._executor
 
-    def submit(self, *args, fn=_answer) -> Future:
+    def submit(self, *args) -> Future:
         if self.workers <= 0:
             raise Unavailable("the trace tier is off on this server (--trace-workers 0)")
         if not self._slots.acquire(blocking=False):
             raise Busy(f"{self.capacity} trace jobs running or queued; retry later")
         try:
-            future = self._pool().submit(fn, *args)
+            future = self._pool().submit(self.job, *args)
         except (BrokenProcessPool, RuntimeError) as err:
             self._slots.release()
             raise Unavailable(f"the trace pool is down ({err})") from None

@@ -141,7 +141,7 @@ def _no_file_paths(cfg: dict, where: str, deepspeed: dict | None = None) -> dict
             if key == "deepspeed" and deepspeed is not None:
                 cfg[key] = deepspeed
                 continue
-            raise SpecError(f"{where}: {key}", value, reason="the server reads no file a config "
+            raise SpecError(f"{where}: {key}", value, reason="the server reads no path a config "
                             "names: put the JSON object under this key (or send `deepspeed`)")
     for key in MODEL_KEYS:
         if key in cfg:
