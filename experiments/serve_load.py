@@ -33,9 +33,13 @@ def _port() -> int:
 
 
 def jobs(n: int) -> list[dict]:
-    grid = itertools.product(MODELS, (1, 2, 4, 8), (512, 1024, 2048, 4096), (False, True))
-    return [{"model": m, "micro_batch": b, "seq_len": s, "grad_ckpt": c, "gpu": "h100-80gb",
-             "method": "analytic"} for m, b, s, c in itertools.islice(grid, n)]
+    """`n` different jobs (full and LoRA; 1024 tokens and more: LLaVA-1.5's 576 image tokens
+    need room)."""
+    grid = itertools.product(("full", "lora"), (1024, 2048), (False, True), (1, 2, 4, 8, 16),
+                             MODELS)
+    return [{"model": m, "train": t, "micro_batch": b, "seq_len": s, "grad_ckpt": c,
+             "gpu": "h100-80gb", "method": "analytic"}
+            for t, s, c, b, m in itertools.islice(grid, n)]
 
 
 def timed(client: httpx.Client, body: dict) -> tuple[float, int]:

@@ -112,7 +112,7 @@ class Service:
             future = self.pool.submit(resolved, warnings, gpu, job.method, job.find_max_batch)
             status, out = future.result(timeout=max(deadline - time.monotonic(), 0.0))
             if status == "error":
-                raise SpecError("job", "trace", reason=str(out))
+                raise SpecError(*out)
         else:
             out = answer(resolved, warnings, gpu, method=job.method,
                          find_max_batch=job.find_max_batch).to_dict()

@@ -24,8 +24,8 @@ class Unavailable(Exception):
 
 
 def _answer(resolved, warnings, gpu, method, find_max_batch) -> tuple[str, object]:
-    """A worker's job: ("ok", the answer's dict) or ("error", the one-line message); a
-    SpecError does not survive pickling with its fields, so its text comes back."""
+    """A worker's job: ("ok", the answer's dict) or ("error", a SpecError's arguments): a
+    SpecError does not survive pickling with its fields, so they come back to rebuild it."""
     from hybridmem.answer import answer
     from hybridmem.errors import SpecError
 
@@ -33,7 +33,9 @@ def _answer(resolved, warnings, gpu, method, find_max_batch) -> tuple[str, objec
         return "ok", answer(resolved, warnings, gpu, method=method,
                             find_max_batch=find_max_batch).to_dict()
     except SpecError as err:
-        return "error", str(err)
+        value = err.value if isinstance(err.value, (str, int, float, bool, type(None))) \
+            else repr(err.value)
+        return "error", (err.field, value, err.choices, err.reason)
 
 
 class TracePool:
