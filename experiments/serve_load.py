@@ -20,8 +20,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = ("llava-1.5-7b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b-v0.3", "tiny-llava")
 
@@ -97,7 +100,7 @@ def main() -> None:
     port = _port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "hybridmem", "serve", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while True:

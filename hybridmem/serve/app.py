@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -110,7 +111,11 @@ class Service:
             return hit, True
         if choose_method(resolved.spec, job.method).method == "trace":
             future = self.pool.submit(resolved, warnings, gpu, job.method, job.find_max_batch)
-            status, out = future.result(timeout=max(deadline - time.monotonic(), 0.0))
+            try:
+                status, out = future.result(timeout=max(deadline - time.monotonic(), 0.0))
+            except BrokenProcessPool:  # a worker died (out of memory, killed): a fresh pool
+                self.pool.shutdown()
+                raise Unavailable("a trace worker died; retry (a fresh pool starts)") from None
             if status == "error":
                 raise SpecError(*out)
         else:
