@@ -8,7 +8,6 @@ contract other tools script against; keep them stable.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 from dataclasses import dataclass
@@ -16,8 +15,7 @@ from typing import Optional
 
 import typer
 
-from hybridmem.errors import SpecError
-from hybridmem.gpus import GPU, custom_gpu, gpu_by_name
+from hybridmem.answer import resolve_gpu  # noqa: F401  (the CLI's GPU options, shared)
 from hybridmem.job import schema
 from hybridmem.job.field import GROUPS
 
@@ -153,24 +151,12 @@ def _other(opt: CliOption):
     return panel_title(opt.panel), opt.name, opt.type, info
 
 
-def resolve_gpu(gpu: str | None, gpu_mem: float | None) -> GPU | None:
-    if gpu is not None and gpu_mem is not None:
-        raise SpecError("gpu", gpu, reason="give --gpu or --gpu-mem, not both")
-    if gpu is not None:
-        return gpu_by_name(gpu)
-    if gpu_mem is not None:
-        return custom_gpu(gpu_mem)
-    return None
-
-
 def predict_command(**values) -> None:
     """Predict the peak GPU memory of one training configuration."""
-    from hybridmem.predict import choose_method, predict
+    from hybridmem.answer import answer, resolve_job
     from hybridmem.report import plot as save_plot, render
 
-    from hybridmem.parallel.cli import fit_lines, resolve_cli
-    from hybridmem.parallel.config_keys import collect_warnings
-    from hybridmem.parallel.fit import smallest_fitting_setup
+    from hybridmem.parallel.cli import fit_lines
 
     gpu, gpu_mem, method = values.pop("gpu"), values.pop("gpu_mem"), values.pop("method")
     find_max_batch, as_json = values.pop("find_max_batch"), values.pop("as_json")
@@ -179,24 +165,13 @@ def predict_command(**values) -> None:
     # recipe < --training-args < --deepspeed < explicit flags (None = flag not given); the rest
     # of `values` are the job fields by schema key, --peft-config, --quantization-config and
     # --zero-stage
-    with collect_warnings() as config_warnings:
-        resolved = resolve_cli(**values)
-    spec = resolved.spec
+    resolved, config_warnings = resolve_job(values)
     for warning in config_warnings:  # keys of the user's files that were not read
         typer.echo(f"warning: {warning}", err=True)
     target = resolve_gpu(gpu, gpu_mem)
-    options = {}
-    chosen = choose_method(spec, method).method  # the API's chooser: predict() says why
-    if timeline is not None:
-        if chosen != "trace":
-            raise SpecError("timeline", timeline, reason="--timeline needs --method trace")
-        options["timeline"] = timeline
-    result = predict(spec, method=method, gpu=target, find_max_batch=find_max_batch, **options)
-    result = dataclasses.replace(result, job={**result.job, "warnings": list(config_warnings),
-                                              "sources": resolved.sources})
-    advice = None
-    if target is not None and (spec.parallel.strategy != "none" or not result.fits):
-        advice = smallest_fitting_setup(spec, target, lambda s: predict(s, method=chosen, gpu=target))
+    found = answer(resolved, config_warnings, target, method=method,
+                   find_max_batch=find_max_batch, timeline=timeline)
+    result, advice = found.result, found.advice
     written = []
     if plot:
         written.append(f"plot: {save_plot(result, plot)}")
@@ -207,10 +182,7 @@ def predict_command(**values) -> None:
     if "timeline" in result.extras:
         written.append(f"timeline: {result.extras['timeline']}")
     if as_json:
-        out = result.to_dict()
-        if advice is not None:
-            out["advice"] = advice
-        typer.echo(json.dumps(out, indent=2))
+        typer.echo(json.dumps(found.to_dict(), indent=2))
     else:
         render(result, verbose=verbose)
         if advice is not None:

@@ -39,9 +39,18 @@ def read_config(path: str | os.PathLike, config_format: str | None = None) -> La
     if config_format is not None and config_format not in DIALECTS:
         raise SpecError("config_format", config_format, list(DIALECTS))
     where = os.fspath(path)
-    cfg = load_yaml(path)
+    return read_mapping(load_yaml(path), where, Path(where).expanduser().resolve().parent,
+                        config_format)
+
+
+def read_mapping(cfg: dict, where: str, folder: Path,
+                 config_format: str | None = None) -> LauncherConfig:
+    """A config already parsed (the HTTP API's pasted text), named `where` in the sources and
+    warnings; `folder` is where the launcher would look for the files it names."""
+    if config_format is not None and config_format not in DIALECTS:
+        raise SpecError("config_format", config_format, list(DIALECTS))
     dialect = config_format or detect(cfg, where)
-    return DIALECTS[dialect].read(cfg, where, Path(where).expanduser().resolve().parent)
+    return DIALECTS[dialect].read(cfg, where, folder)
 
 
-__all__ = ["DIALECTS", "LauncherConfig", "detect", "read_config"]
+__all__ = ["DIALECTS", "LauncherConfig", "detect", "read_config", "read_mapping"]

@@ -61,8 +61,6 @@ class Layer:
 
 def load_yaml(path: str | os.PathLike) -> dict:
     """The YAML mapping of a config file; a missing or malformed file is one line naming it."""
-    import yaml
-
     path = Path(path)
     try:
         text = path.read_text()
@@ -71,15 +69,22 @@ def load_yaml(path: str | os.PathLike) -> dict:
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
         raise SpecError("config", str(path), reason=f"cannot read it ({reason})") from None
+    return parse_yaml(text, str(path))
+
+
+def parse_yaml(text: str, where: str) -> dict:
+    """The YAML mapping of a config's text (`where` names it in errors)."""
+    import yaml
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1} col {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise SpecError("config", str(path), reason=f"malformed YAML{at}: {problem}") from None
+        raise SpecError("config", where, reason=f"malformed YAML{at}: {problem}") from None
     if not isinstance(data, dict):
-        raise SpecError("config", str(path), reason="must be a YAML mapping of keys to values")
+        raise SpecError("config", where, reason="must be a YAML mapping of keys to values")
     return data
 
 
