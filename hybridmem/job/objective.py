@@ -191,3 +191,25 @@ def note(spec) -> str | None:
                      "GPU's memory (gpu_memory_utilization, a stated rule: vLLM pre-allocates "
                      "that fraction for its weights and KV cache)")
     return text
+
+
+def vllm_bytes(spec, gpu_memory_bytes: int | None) -> int:
+    """vLLM colocated with the trainer (TRL `vllm_mode="colocate"`): vLLM sizes its whole
+    footprint (its weights, activations and the KV cache it pre-allocates to fill the budget)
+    as `gpu_memory_utilization` x the GPU's total memory (vLLM docs, EngineArgs
+    `gpu_memory_utilization`: "the fraction of GPU memory to be used for the model executor").
+    A stated rule, not a trace; 0 without a GPU to take the fraction of."""
+    if not spec.vllm_gpu_memory_utilization or gpu_memory_bytes is None:
+        return 0
+    return int(spec.vllm_gpu_memory_utilization * gpu_memory_bytes)
+
+
+def summary(spec, reference: int, generation: int, generation_peak: int,
+            vllm: int) -> dict:
+    """The `objective` object of `--json` (docs/objectives.md): the objective, where the
+    reference comes from, the bytes of the reference model (its copy and what its forward
+    holds) and of the generation (KV cache, sampling) live at the step's peak, the generation
+    phase's own allocated peak, and vLLM's colocated reservation."""
+    return {"objective": spec.objective, "ref_model": ref_model_of(spec),
+            "reference": reference, "generation": generation,
+            "generation_peak_bytes": generation_peak, "vllm_bytes": vllm}

@@ -282,7 +282,7 @@ def objective_of(args: dict) -> str | None:
     """The objective a TRL config JSON's keys name (`OBJECTIVE_MARKERS`), else None."""
     for objective, keys in OBJECTIVE_MARKERS:
         for key in keys:
-            if args.get(key) is None:
+            if key not in args:  # a dumped config carries its fields, null ones included
                 continue
             if key == "loss_type" and (not isinstance(args[key], (str, list)) or any(
                     v not in DPO_LOSS_TYPES for v in
