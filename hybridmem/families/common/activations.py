@@ -66,6 +66,11 @@ class Ctx:
     """Cut Cross-Entropy replaces the lm_head + loss (`--cut-cross-entropy`; `job.cce`)."""
     param: int = 4
     """Bytes per element of the parameters (Liger's FLCE weight grad has the weight's dtype)."""
+    objective: str = "sft"
+    """The training objective (`hybridmem.job.objective`): its loss replaces the LM loss at the
+    head (`families.decoders.objective_acts`)."""
+    prompt: int = 0
+    """Prompt tokens per sequence the objective's loss masks out (`objective.prompt_length`)."""
 
 
 @dataclass(frozen=True, slots=True)
