@@ -39,7 +39,9 @@ def test_added_defaults_keep_old_spec_hashes():
         "quant_storage": "uint8", "quant_skip": None, "kbit_prep": True, "liger": False,
         "chunked_ce": 0, "offload_activations": "none", "packing": False,
         "use_dora": False, "use_rslora": False, "modules_to_save": (),
-        "cut_cross_entropy": False}
+        "cut_cross_entropy": False, "objective": "sft", "ref_model": None, "beta": None,
+        "num_generations": 8, "max_prompt_length": None, "max_completion_length": None,
+        "vllm_gpu_memory_utilization": 0.0}
     # a spec that uses none of them serialises with the first rows' keys only
     assert set(TrainingSpec(model="tiny-llama").to_dict()) == {
         "model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",

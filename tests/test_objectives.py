@@ -142,8 +142,8 @@ ORACLE = [
     dict(),                                        # DPO, separate reference
     dict(train="lora"),                            # DPO, adapter-disabled reference
     dict(ref_model="precomputed"),
-    dict(precision="bf16", max_prompt_length=8),   # the bf16 path of selective_log_softmax
-    dict(objective="orpo", max_prompt_length=8),
+    dict(precision="bf16"),                        # the bf16 path of selective_log_softmax
+    dict(objective="orpo"),
     dict(objective="kto"),
     dict(objective="rm"),
     dict(objective="grpo", num_generations=2, max_completion_length=8, beta=0.04),
@@ -240,3 +240,78 @@ def test_analytic_refuses_kto_and_grpo_to_the_trace_tier():
     s = spec(objective="kto")
     assert choose_method(s).method == "trace"
     assert choose_method(spec()).method == "analytic"
+
+
+# ---------------------------------------------------------------- launchers' YAML
+
+def _launched(tmp_path, name: str, text: str):
+    from hybridmem.parallel.config_keys import collect_warnings
+    from hybridmem.parallel.resolve import resolve
+
+    path = tmp_path / name
+    path.write_text(text)
+    with collect_warnings() as caught:
+        resolved = resolve(config=str(path), overrides={})
+    return resolved.spec, list(caught)
+
+
+LF_DPO = """model_name_or_path: Qwen/Qwen2.5-7B-Instruct
+stage: dpo
+finetuning_type: {method}
+pref_beta: 0.2
+pref_loss: {loss}
+cutoff_len: 1024
+per_device_train_batch_size: 2
+bf16: true
+"""
+
+
+@pytest.mark.parametrize("method, loss, expected", [
+    # finetuning_args.py pref_loss sigmoid; trainer_utils.py create_ref_model: LoRA -> the
+    # adapter-disabled policy, full -> a frozen copy; pref_loss orpo: no reference
+    ("lora", "sigmoid", ("dpo", "adapter")),
+    ("full", "sigmoid", ("dpo", "separate")),
+    ("lora", "orpo", ("orpo", None)),
+])
+def test_llamafactory_dpo_stage(tmp_path, method, loss, expected):
+    s, _ = _launched(tmp_path, "dpo.yaml", LF_DPO.format(method=method, loss=loss))
+    assert (s.objective, s.ref_model) == expected
+    assert (s.beta, s.seq_len, s.micro_batch) == (0.2, 1024, 2)
+
+
+def test_llamafactory_value_head_stages_refused(tmp_path):
+    with pytest.raises(SpecError) as err:
+        _launched(tmp_path, "rm.yaml", LF_DPO.format(method="lora", loss="sigmoid")
+                  .replace("stage: dpo", "stage: ppo"))
+    assert err.value.field.endswith("stage")
+
+
+AX_GRPO = """base_model: Qwen/Qwen2.5-7B-Instruct
+rl: grpo
+adapter: lora
+lora_r: 16
+lora_target_linear: true
+sequence_len: 1280
+micro_batch_size: 8
+bf16: true
+trl:
+  beta: 0.04
+  num_generations: 8
+  max_completion_length: 1024
+  use_vllm: true
+  vllm_mode: colocate
+  vllm_gpu_memory_utilization: 0.4
+"""
+
+
+def test_axolotl_grpo_trl_block(tmp_path):
+    s, _ = _launched(tmp_path, "grpo.yaml", AX_GRPO)
+    assert (s.objective, s.beta, s.num_generations, s.max_completion_length) == (
+        "grpo", 0.04, 8, 1024)
+    assert s.vllm_gpu_memory_utilization == 0.4 and rules.ref_model_of(s) == "adapter"
+
+
+def test_axolotl_dpo_full_gets_a_reference_copy(tmp_path):
+    s, _ = _launched(tmp_path, "dpo.yaml", "base_model: Qwen/Qwen2.5-7B-Instruct\nrl: dpo\n"
+                     "rl_beta: 0.1\nsequence_len: 2048\nmicro_batch_size: 1\n")
+    assert (s.objective, rules.ref_model_of(s), s.seq_len) == ("dpo", "separate", 2048)

@@ -70,11 +70,12 @@ def completion_length(spec) -> int:
 
 
 def prompt_length(spec) -> int:
-    """Tokens of the prompt: GRPO `seq_len - completion`; the preference objectives
-    `max_prompt_length` when given (its tokens are masked out of the loss), else 0."""
+    """Tokens of the prompt: GRPO `seq_len - completion`; 0 for the preference objectives,
+    whose `max_prompt_length` only bounds the prompt (TRL truncates to it): the loss mask then
+    covers every position, the most the mean-logits metric copies."""
     if spec.objective == "grpo":
         return spec.seq_len - completion_length(spec)
-    return min(spec.max_prompt_length or 0, spec.seq_len - 1)
+    return 0
 
 
 def rows(spec) -> int:

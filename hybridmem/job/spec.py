@@ -471,9 +471,10 @@ class TrainingSpec:
     max_prompt_length: int | None = job_field(
         None, help="Prompt tokens (GRPO: seq_len = prompt + completion).", group="objective",
         unit="tokens", added=26, keys={"training_args": ("max_prompt_length",)},
-        doc="prompt tokens: DPO / ORPO / KTO mask them out of the loss (the mean-logits "
-        "metric then copies fewer rows); GRPO's sequence is `max_prompt_length + "
-        "max_completion_length`, which must be `--seq-len`")
+        doc="GRPO's prompt tokens: its sequence is `max_prompt_length + "
+        "max_completion_length`, which must be `--seq-len`; read, with no memory effect, for "
+        "the preference objectives (TRL truncates prompts to it: the worst case, every "
+        "position in the completion, is priced)")
     """Prompt tokens (TRL `max_prompt_length`); None: 0 for the preference objectives, the rest
     of seq_len for GRPO."""
     max_completion_length: int | None = job_field(

@@ -111,7 +111,7 @@ TRAINING_ARGS_UNPRICED: dict[str, tuple[object, str]] = {
 
 # The other fields of TRL's DPOConfig, ORPOConfig, KTOConfig, RewardConfig and GRPOConfig
 # (trl/trainer/*_config.py, TRL 0.1x-0.2x) that change no memory the tiers price (the ones
-# that do are declared on the objective fields, `hybridmem.job.objective`)
+# that do are the objective fields' keys, `hybridmem.job.objective`)
 TRL_OBJECTIVE_KEYS: frozenset[str] = frozenset({
     "ref_model_init_kwargs", "model_adapter_name", "ref_adapter_name", "force_use_ref_model",
     "disable_dropout", "use_logits_to_keep", "padding_value", "label_pad_token_id",
@@ -131,6 +131,10 @@ TRL_OBJECTIVE_KEYS: frozenset[str] = frozenset({
     "mask_truncated_completions", "top_entropy_quantile", "vllm_importance_sampling_correction",
     "vllm_importance_sampling_cap", "log_completions", "num_completions_to_print",
     "wandb_log_unique_prompts", "cast_lm_head_to_fp32", "dataset_num_proc",
+    # and the ones the objective fields read
+    "num_generations", "desirable_weight", "undesirable_weight", "center_rewards_coefficient",
+    "rpo_alpha", "loss_type", "beta", "precompute_ref_log_probs", "max_prompt_length",
+    "max_completion_length", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization",
 })
 
 
