@@ -494,7 +494,11 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
             # the last optimizer point without its step temporaries: weights, grads, state
             # and what the loop holds right after `optimizer.step()` (timeline.walk)
             "after_step_allocated_bytes": after_step(points),
-            **allocator_extras(fit)})
+            **allocator_extras(fit),
+            **({"objective": objective_rules.summary(
+                spec, (ref_line.param + (st.ref_forward if top.phase == "forward"
+                                         and top.bytes["temporary"] == st.ref_forward else 0))
+                if ref_line is not None else 0, 0, 0, 0)} if st is not None else {})})
 
 
 def after_step(points) -> int:

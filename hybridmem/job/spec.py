@@ -432,7 +432,7 @@ class TrainingSpec:
     """peft `prepare_model_for_kbit_training` applied (fp16/bf16 non-quantised params cast to
     fp32); only read with `quantize`."""
     objective: str = job_field(
-        "sft", help="Training objective: SFT, or a TRL preference / RL trainer's step.",
+        "sft", help="The trainer's step.",
         group="objective", choices=OBJECTIVES, added=22, echo=True,
         keys={"training_args": ("num_generations", "desirable_weight", "undesirable_weight",
                                 "center_rewards_coefficient", "rpo_alpha", "loss_type")},
@@ -445,8 +445,7 @@ class TrainingSpec:
         "[docs/objectives.md](docs/objectives.md)")
     """Training objective (`hybridmem.job.objective`): sft, dpo, orpo, kto, rm or grpo."""
     ref_model: str | None = job_field(
-        None, help="Reference model: separate copy, the adapter-disabled policy, "
-        "precomputed log-probs, or none.", group="objective", choices=REF_MODELS, added=23,
+        None, help="Reference log-probs from.", group="objective", choices=REF_MODELS, added=23,
         keys={"training_args": ("precompute_ref_log_probs",)},
         doc="where the reference log-probs come from: `separate` (a frozen copy of the model "
         "in its dtype), `adapter` (the policy under peft's `disable_adapter()`), `precomputed` "
@@ -455,13 +454,13 @@ class TrainingSpec:
         "ORPO / RM / SFT `none`")
     """Reference model (`objective.ref_model_of` resolves None as TRL does)."""
     beta: float | None = job_field(
-        None, help="The loss's beta (GRPO: 0 loads no reference model).", group="objective",
+        None, help="The loss's beta (GRPO: 0 = no reference).", group="objective",
         added=24, keys={"training_args": ("beta",)},
         doc="the objective's beta; memory only through GRPO's reference (beta 0, TRL's "
         "default, loads none); default: the trainer's (DPO / ORPO / KTO 0.1, GRPO 0.0)")
     """KL / preference coefficient; None: the trainer's default (`objective.DEFAULT_BETA`)."""
     num_generations: int = job_field(
-        8, help="GRPO: completions per prompt (micro-batch x grad-accum must be a multiple).",
+        8, help="GRPO completions per prompt.",
         group="objective", unit="sequences", added=25, keys={"training_args": (
             "num_generations",)},
         doc="GRPO's completions per prompt (TRL default 8). As in TRL, `--micro-batch` counts "
@@ -469,7 +468,7 @@ class TrainingSpec:
         "valid: micro-batch x grad-accum x GPUs must be a multiple of it")
     """GRPO completions per prompt (TRL `num_generations`)."""
     max_prompt_length: int | None = job_field(
-        None, help="Prompt tokens (GRPO: seq_len = prompt + completion).", group="objective",
+        None, help="GRPO prompt tokens.", group="objective",
         unit="tokens", added=26, keys={"training_args": ("max_prompt_length",)},
         doc="GRPO's prompt tokens: its sequence is `max_prompt_length + "
         "max_completion_length`, which must be `--seq-len`; read, with no memory effect, for "
@@ -478,14 +477,14 @@ class TrainingSpec:
     """Prompt tokens (TRL `max_prompt_length`); None: 0 for the preference objectives, the rest
     of seq_len for GRPO."""
     max_completion_length: int | None = job_field(
-        None, help="GRPO: tokens generated per completion (default 256, TRL's).",
+        None, help="GRPO tokens generated per completion.",
         group="objective", unit="tokens", added=27,
         keys={"training_args": ("max_completion_length",)},
         doc="GRPO's generated tokens per completion (TRL default 256), the end of each "
         "`--seq-len` sequence")
     """GRPO completion tokens (TRL `max_completion_length`); None: 256."""
     vllm_gpu_memory_utilization: float = job_field(
-        0.0, help="GRPO with vLLM colocated: the fraction of GPU memory vLLM reserves.",
+        0.0, help="vLLM colocated: its GPU memory fraction.",
         group="objective", added=28, keys={"training_args": (
             "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")},
         doc="GRPO with vLLM colocated (TRL `use_vllm=True, vllm_mode=\"colocate\"`): vLLM "
