@@ -14,8 +14,9 @@ output (fp32 under autocast, whose CUDA lists run log_softmax in fp32; else e).
   output saved; under autocast the fp32 cast transient), then the per-token log-probs on
   `logits[:, :-1]`.
 - The reward model's `score` head: R x S x 1 logits, nothing vocabulary-sized.
-Backward: the per-row grads wait in the unbind's input buffer until every row has one, then
-stack into the logits' grad (R x S x V, e): two logits-sized tensors plus a row's fp32 work.
+Backward: the per-row grads wait in the unbind's input buffer until every row has one (each
+row's saved output released as its grad arrives), then stack into the logits' grad
+(R x S x V, e).
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ def _logps(c: Ctx, rows: int, seq: int, V: int) -> tuple[int, int, int]:
     ls = _row_bytes(c)
     cast = t(seq * V, FP32) if c.amp and e != FP32 else 0
     saved = rows * t(seq * V, ls)
-    # backward: a row's gather grad and log_softmax grad (ls), its cast back (e), the rows'
-    # grads held for the unbind and their stack
-    bwd = 2 * t(seq * V, ls) + rows * t(seq * V, e) + t(rows * seq * V, e)
-    return saved, cast, bwd
+    # backward, last row first: a row's gather grad and log_softmax grad (ls) and its cast
+    # back (e) beside every saved row; each row's saved output is released as its grad joins
+    # the unbind's input buffer, whose rows are stacked into the logits' grad at the end
+    first = 2 * t(seq * V, ls) + t(seq * V, e)
+    last = rows * t(seq * V, e) + t(rows * seq * V, e) - saved
+    return saved, cast, max(first, last)
 
 
 def objective_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
