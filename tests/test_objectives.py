@@ -315,3 +315,21 @@ def test_axolotl_dpo_full_gets_a_reference_copy(tmp_path):
     s, _ = _launched(tmp_path, "dpo.yaml", "base_model: Qwen/Qwen2.5-7B-Instruct\nrl: dpo\n"
                      "rl_beta: 0.1\nsequence_len: 2048\nmicro_batch_size: 1\n")
     assert (s.objective, rules.ref_model_of(s), s.seq_len) == ("dpo", "separate", 2048)
+
+
+@pytest.mark.parametrize("backend", ["real", "fake"])
+def test_generation_shortcut_keeps_the_full_loops_peak(backend):
+    """`trace.objectives.generate` skips the decode steps between the prefill and the last
+    one; the allocated peak of every step run one by one is the same."""
+    from hybridmem.trace import objectives
+    from hybridmem.trace.tracker import StorageTracker
+
+    s = spec(objective="grpo", num_generations=2, max_completion_length=12)
+    peaks = []
+    for every in (True, False):
+        with runner.prepared(s, load_config(s.model), backend) as job, StorageTracker() as tr:
+            with torch.no_grad():
+                objectives.generate(job.model, torch.ones(2, 20, dtype=torch.long), 12,
+                                    every_step=every)
+        peaks.append(int(tr.live_curve(device_only=False).max()))
+    assert peaks[0] == peaks[1]

@@ -227,17 +227,32 @@ def grpo_logps(model, input_ids: torch.Tensor, keep: int, batch_size: int,
     return torch.cat(out, dim=0)
 
 
-def generate(model, prompt_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def generate(model, prompt_ids: torch.Tensor, new_tokens: int, every_step: bool = False
+             ) -> torch.Tensor:
     """transformers `GenerationMixin._sample` as TRL's `generate` call runs it (no_grad,
     `disable_compile=True`): a DynamicCache, the prefill with `logits_to_keep=1`, then one token
     at a time: the last logits copied to fp32, softmax, `multinomial`, the ids concatenated;
     every step grows each layer's K and V by `torch.cat` (cache_utils.py `DynamicLayer.update`).
-    All `new_tokens` steps run (no sequence stops early: the bound TRL pads to)."""
+    All `new_tokens` steps count (no sequence stops early: the bound TRL pads to).
+
+    The steps between the prefill and the last one make the same tensors each, one token
+    smaller: the cache and the ids only grow, so the last step is the loop's high point. Unless
+    `every_step`, they are skipped by growing each layer's K, V and the ids to the sizes the
+    loop leaves them at before its last step (a new tensor beside the old one, as `cat`
+    makes it); tests/test_objectives.py checks the allocated peak equals the full loop's."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     ids, step = prompt_ids, prompt_ids
-    for _ in range(new_tokens):
+    for n in range(new_tokens):
+        if n == 1 and new_tokens > 2 and not every_step:  # to the loop's last step
+            jump = new_tokens - 2
+            for layer in cache.layers:
+                layer.keys = _grown(layer.keys, jump)
+                layer.values = _grown(layer.values, jump)
+            ids = _grown(ids, jump, dim=-1)
+        elif 1 < n < new_tokens - 1 and not every_step:
+            continue
         with warnings.catch_warnings():  # transformers 5.x renames past_key_values: same cache
             warnings.simplefilter("ignore", FutureWarning)
             logits = model(input_ids=step, past_key_values=cache, use_cache=True,
@@ -256,6 +271,13 @@ def generate(model, prompt_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
         ids = torch.cat([ids, step], dim=-1)
     del cache
     return ids
+
+
+def _grown(t: torch.Tensor, extra: int, dim: int = -2) -> torch.Tensor:
+    """`t` with `extra` more positions along `dim` (a new tensor; its values are not read)."""
+    shape = list(t.shape)
+    shape[dim] += extra
+    return t.new_empty(shape)
 
 
 def grpo_prepare(job, spec) -> None:
