@@ -274,10 +274,11 @@ def generate(model, prompt_ids: torch.Tensor, new_tokens: int, every_step: bool 
 
 
 def _grown(t: torch.Tensor, extra: int, dim: int = -2) -> torch.Tensor:
-    """`t` with `extra` more positions along `dim` (a new tensor; its values are not read)."""
+    """`t` with `extra` more positions along `dim` (a new tensor, zeros: token ids stay valid
+    on a real run)."""
     shape = list(t.shape)
     shape[dim] += extra
-    return t.new_empty(shape)
+    return t.new_zeros(shape)
 
 
 def grpo_prepare(job, spec) -> None:
