@@ -466,7 +466,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     breakdown["context"] = CUDA_CONTEXT_DEFAULT + paged
     modules = _modules(graph, priced)
     st = _setup(spec, ws)[2] if spec.objective != "sft" else None
-    ref_line = objectives.reference_module(priced, spec, st.ref_forward) if st else None
+    ref_line = objectives.reference_module(priced, spec) if st else None
     modules += (ref_line,) if ref_line is not None else ()
     phases = {}
     for p in points:

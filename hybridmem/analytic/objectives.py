@@ -96,8 +96,9 @@ def batch_bytes(spec) -> int:
     return out
 
 
-def reference_module(priced, spec, ref_forward: int):
-    """The `reference` line of `Prediction.modules` (None without a reference)."""
+def reference_module(priced, spec):
+    """The `reference` line of `Prediction.modules` (None without a reference): the copy's
+    parameters; its forward's high point is a temporary (`extras["objective"]`)."""
     from hybridmem.prediction import ModuleMemory
 
     if rules.ref_model_of(spec) in ("none", "precomputed"):
@@ -106,4 +107,4 @@ def reference_module(priced, spec, ref_forward: int):
     return ModuleMemory(name="reference",
                         params=sum(p.states.param_count for p in priced) if separate else 0,
                         trainable_params=0, param=reference_param_bytes(priced, spec),
-                        grad=0, optimizer=0, activation=ref_forward)
+                        grad=0, optimizer=0, activation=0)

@@ -142,11 +142,12 @@ def _modules(job, category_of, live: list[Storage], weight: dict[str, int]
 
 def _objective_rows(job, live: list[Storage]) -> list[ModuleMemory]:
     """The objective's own lines (`hybridmem.trace.objectives`): "reference" (a separate copy's
-    parameters; `activation`: what the reference's forward holds at the peak) and
-    "generation" (GRPO: the KV cache and sampling tensors live at the peak)."""
+    parameters) and "generation" (GRPO), each with the activation-category bytes of its part
+    live at the peak as the other lines count them (what their forwards hold otherwise is
+    temporary: `Prediction.extras["objective"]` gives those bytes)."""
     held: dict[str, int] = {}
     for s in live:
-        if s.part in ("reference", "generation") and s.category != "param":
+        if s.part in ("reference", "generation") and s.category == "activation":
             held[s.part] = held.get(s.part, 0) + round_size(s.nbytes)
     out = []
     ref = getattr(job, "ref", None)
