@@ -104,6 +104,9 @@ def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
         why = f"the analytic tier refuses {_clause(refused)}"
         return Choice("trace", why,
                       note=f"method: trace chosen because {why} (pass --method to override)")
+    if spec.objective != "sft":  # the learned residuals were fit on SFT steps only
+        return Choice("analytic", f"objective={spec.objective!r}: the learned tier is fit on "
+                      "SFT steps only")
     try:  # by name, as METHODS: the learned tier sits above this module (tests/test_layers.py)
         default_method, models_root = map(_by_name, (LEARNED_POLICY, LEARNED_ROOT))
     except ImportError:  # the `learned` extra is not installed

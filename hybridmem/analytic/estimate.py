@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from hybridmem.analytic import offloaded, packed, sac, scope
+from hybridmem.analytic import objectives, offloaded, packed, sac, scope
+from hybridmem.job import objective as objective_rules
 from hybridmem.families.common import activations as A
 from hybridmem.job import packing
 from hybridmem.allocator.alloc import t
@@ -104,7 +105,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  liger=liger_applies(spec),
                  ce_chunks=spec.chunked_ce, param=policy.param_bytes,
                  cce=cce_applies(spec),
-                 adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes)
+                 adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
+                 objective=spec.objective, prompt=objective_rules.prompt_length(spec))
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
@@ -363,7 +365,9 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     refused = scope.refusal(spec)  # PEFT methods, families and MoE settings it does not price
     if refused is not None:
         raise refused
-    graph = build_graph(packing.one_row(spec) if spec.packing else spec)  # job.packing
+    graph = build_graph(packing.one_row(spec) if spec.packing
+                        else objectives.graph_spec(spec))  # job.packing, job.objective
+    graph = objectives.with_score_head(graph, spec)  # the reward model's (1, hidden) head
     packing.check_model(spec, graph.vision_batch)
     if graph.model_type in NO_SDPA_TYPES and spec.attn == "sdpa":
         # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping"):
@@ -381,10 +385,14 @@ def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     shared = optimizer_shared_bytes(spec.optimizer, stepped)
     ws = workspace
     st = Statics(
-        param=sum(p.states.param for p in priced), master=master,
+        param=sum(p.states.param for p in priced) + objectives.reference_param_bytes(priced,
+                                                                                   spec),
+        ref_forward=objectives.reference_forward(priced, spec, context(spec)),
+        master=master,
         state=sum(p.states.optimizer for p in priced) - master + shared,
         opt_temp=optimizer_temporary(spec.optimizer, stepped),
-        inputs=batch_bytes(graph, spec) + packed.position_ids_bytes(spec),
+        inputs=batch_bytes(graph, spec) + packed.position_ids_bytes(spec)
+        + objectives.batch_bytes(spec),
         workspace_first=ws, workspace=CUBLAS_HANDLES_TRAINING * ws,
         waste_param=sum(p.states.waste_param for p in priced),
         waste_optimizer=sum(p.states.waste_optimizer for p in priced),
@@ -472,13 +480,16 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     paged = sum(p.states.paged for p in priced)
     breakdown["context"] = CUDA_CONTEXT_DEFAULT + paged
     modules = _modules(graph, priced)
+    st = _setup(spec, ws)[2] if spec.objective != "sft" else None
+    ref_line = objectives.reference_module(priced, spec) if st else None
+    modules += (ref_line,) if ref_line is not None else ()
     phases = {}
     for p in points:
         key = f"{p.phase}@{p.iteration}"
         phases[key] = max(phases.get(key, 0), p.allocated)
     return Prediction(
         model=graph.model, method="analytic",
-        params_total=sum(m.params for m in modules),
+        params_total=sum(m.params for m in modules if m.name != "reference"),
         params_trainable=sum(m.trainable_params for m in modules),
         peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
                   device_bytes=reserved + CUDA_CONTEXT_DEFAULT + paged, phase=top.phase,
@@ -486,6 +497,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
         breakdown=breakdown, modules=modules, paged_bytes=paged,
         notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + offloaded.notes(priced, spec)
         + ((packing.note(spec),) if spec.packing else ())
+        + ((objective_rules.note(spec),) if spec.objective != "sft" else ())
         + tuple(
             capacity_notes(fit, allocated, capacity_source(gpu) if capacity == FROM_GPU
                            else "as given")),
@@ -497,7 +509,11 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
             # the last optimizer point without its step temporaries: weights, grads, state
             # and what the loop holds right after `optimizer.step()` (timeline.walk)
             "after_step_allocated_bytes": after_step(points),
-            **allocator_extras(fit)})
+            **allocator_extras(fit),
+            **({"objective": objective_rules.summary(
+                spec, (ref_line.param + (st.ref_forward if top.phase == "forward"
+                                         and top.bytes["temporary"] == st.ref_forward else 0))
+                if ref_line is not None else 0, 0, 0, 0)} if st is not None else {})})
 
 
 def after_step(points) -> int:

@@ -121,6 +121,9 @@ class Statics:
     grad_accum: int = 1
     clip_temp: int = 0
     """Peak of `clip_grad_norm_`'s temporaries (0: no clipping)."""
+    ref_forward: int = 0
+    """The reference model's no-grad forward at the end of the policy's forward (DPO's
+    `compute_ref_log_probs`, `analytic.objectives`): its high point, a transient there."""
     in_backward: bool = False
     """Optimizer-in-backward (`hybridmem.job.optim_in_backward`): each parameter is stepped
     and its grad freed inside backward; the optimizer phase steps nothing."""
@@ -179,6 +182,8 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
         early = s.acts.fwd_after_top if not s.ckpt and s.on_path else 0
         w.point("forward", act + s.kept - early, s.acts.fwd_extra, *(acc or (0, 0)))
         act += s.kept
+    if st.ref_forward:  # the reference's forward, the policy's graph alive
+        w.point("forward", act, st.ref_forward, *(acc or (0, 0)))
     act -= sum(s.released_at_forward_end for s in steps)
     output = 0
     if st.custom:  # the new output object keeps its tensors; the previous one dies now

@@ -229,6 +229,11 @@ def prepare(spec: TrainingSpec, config, device) -> Job:
     """Everything on `device`; `bf16-master` emulates DeepSpeed's BF16_Optimizer (see README).
 
     One GPU; a multi-rank spec goes to `hybridmem.harness.distributed.prepare` (the child)."""
+    if spec.objective != "sft":  # the measured step is the SFT one (docs/objectives.md)
+        from hybridmem.errors import SpecError
+
+        raise SpecError("objective", spec.objective, ["sft"],
+                        reason="the CUDA harness measures SFT steps only so far")
     model = build_trainable(spec, config, device)
     job = finish_job(model, spec, device)
     job.batch = make_batch(spec, config, model, device)

@@ -21,6 +21,7 @@ GROUPS: dict[str, str] = {
     "precision": "Precision, optimizer and quantised weights",
     "savers": "Memory savers",
     "loop": "Training loop",
+    "objective": "Objective (preference and RL fine-tuning)",
     "parallel": "GPUs and parallelism",
 }
 """Group -> help panel title, in the order the CLI help, the README table and the echo use."""

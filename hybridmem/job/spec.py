@@ -13,6 +13,7 @@ from typing import Literal, get_args
 from hybridmem.errors import SpecError
 from hybridmem.job.field import added_defaults, job_field
 from hybridmem.job.loss import check_loss_spec
+from hybridmem.job.objective import OBJECTIVES, REF_MODELS
 from hybridmem.job.images import normalize_image_size
 from hybridmem.job.offload_rules import MODES as OFFLOAD_MODES
 from hybridmem.job.parallel import ParallelSpec
@@ -507,6 +508,67 @@ class TrainingSpec:
         cli=False,
         keys={"training_args": ("dataloader_drop_last",)})
     """`dataloader_drop_last`."""
+    objective: str = job_field(
+        "sft", help="The trainer's step.",
+        group="objective", choices=OBJECTIVES, added=33, echo=True,
+        keys={"training_args": ("num_generations", "desirable_weight", "undesirable_weight",
+                                "center_rewards_coefficient", "rpo_alpha", "loss_type")},
+        doc="`sft` (the LM loss), `dpo`, `orpo`, `kto`, `rm` (reward model: a scalar head), "
+        "`grpo`, as TRL's trainers run their step: DPO / ORPO / RM put chosen and rejected in "
+        "one batch of 2 x micro-batch, DPO / KTO (and GRPO with beta > 0) add a reference "
+        "model's forward, GRPO generates first. A TRL config JSON says which by its keys "
+        "(`num_generations`: GRPO, `desirable_weight`: KTO, `center_rewards_coefficient`: "
+        "RM, `rpo_alpha` / `loss_type`: DPO, else `beta`: ORPO). Both tiers; "
+        "[docs/objectives.md](docs/objectives.md)")
+    """Training objective (`hybridmem.job.objective`): sft, dpo, orpo, kto, rm or grpo."""
+    ref_model: str | None = job_field(
+        None, help="Reference log-probs from.", group="objective", choices=REF_MODELS, added=34,
+        keys={"training_args": ("precompute_ref_log_probs",)},
+        doc="where the reference log-probs come from: `separate` (a frozen copy of the model "
+        "in its dtype), `adapter` (the policy under peft's `disable_adapter()`), `precomputed` "
+        "(TRL `precompute_ref_log_probs`: no reference in the step), `none`; default as TRL: "
+        "DPO / KTO `adapter` with LoRA / PEFT, else `separate`; GRPO `none` at beta 0; "
+        "ORPO / RM / SFT `none`")
+    """Reference model (`objective.ref_model_of` resolves None as TRL does)."""
+    beta: float | None = job_field(
+        None, help="The loss's beta (GRPO: 0 = no reference).", group="objective",
+        added=35, keys={"training_args": ("beta",)},
+        doc="the objective's beta; memory only through GRPO's reference (beta 0, TRL's "
+        "default, loads none); default: the trainer's (DPO / ORPO / KTO 0.1, GRPO 0.0)")
+    """KL / preference coefficient; None: the trainer's default (`objective.DEFAULT_BETA`)."""
+    num_generations: int = job_field(
+        8, help="GRPO completions per prompt.",
+        group="objective", unit="sequences", added=36, keys={"training_args": (
+            "num_generations",)},
+        doc="GRPO's completions per prompt (TRL default 8). As in TRL, `--micro-batch` counts "
+        "completions (`per_device_train_batch_size`), so the groups only set which batches are "
+        "valid: micro-batch x grad-accum x GPUs must be a multiple of it")
+    """GRPO completions per prompt (TRL `num_generations`)."""
+    max_prompt_length: int | None = job_field(
+        None, help="GRPO prompt tokens.", group="objective",
+        unit="tokens", added=37, keys={"training_args": ("max_prompt_length",)},
+        doc="GRPO's prompt tokens: its sequence is `max_prompt_length + "
+        "max_completion_length`, which must be `--seq-len`; read, with no memory effect, for "
+        "the preference objectives (TRL truncates prompts to it: the worst case, every "
+        "position in the completion, is priced)")
+    """Prompt tokens (TRL `max_prompt_length`); None: 0 for the preference objectives, the rest
+    of seq_len for GRPO."""
+    max_completion_length: int | None = job_field(
+        None, help="GRPO tokens generated per completion.",
+        group="objective", unit="tokens", added=38,
+        keys={"training_args": ("max_completion_length",)},
+        doc="GRPO's generated tokens per completion (TRL default 256), the end of each "
+        "`--seq-len` sequence")
+    """GRPO completion tokens (TRL `max_completion_length`); None: 256."""
+    vllm_gpu_memory_utilization: float = job_field(
+        0.0, help="vLLM colocated: its GPU memory fraction.",
+        group="objective", added=39, keys={"training_args": (
+            "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")},
+        doc="GRPO with vLLM colocated (TRL `use_vllm=True, vllm_mode=\"colocate\"`): vLLM "
+        "pre-allocates this fraction of the GPU's memory for its weights and KV cache (TRL "
+        "default 0.3); 0 = generation by the policy's own `generate()` (TRL's default); needs "
+        "`--gpu` to price")
+    """vLLM colocated: fraction of GPU memory it reserves (0 = no vLLM on this GPU)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -593,6 +655,9 @@ class TrainingSpec:
         from hybridmem.job.cce import check_spec as check_cce
 
         check_cce(self)
+        from hybridmem.job import objective
+
+        objective.check(self)
 
     def with_(self, **changes: object) -> "TrainingSpec":
         """A copy with some fields changed (validated again)."""

@@ -112,6 +112,33 @@ TRAINING_ARGS_UNPRICED: dict[str, tuple[object, str]] = {
 # TrainingArguments fields of transformers 4.x that 5.x replaced (`group_by_length` ->
 # `train_sampling_strategy="group_by_length"`, training_args.py), still read from older files
 TRAINING_ARGS_4X: frozenset[str] = frozenset({"group_by_length"})
+# The other fields of TRL's DPOConfig, ORPOConfig, KTOConfig, RewardConfig and GRPOConfig
+# (trl/trainer/*_config.py, TRL 0.1x-0.2x) that change no memory the tiers price (the ones
+# that do are the objective fields' keys, `hybridmem.job.objective`)
+TRL_OBJECTIVE_KEYS: frozenset[str] = frozenset({
+    "ref_model_init_kwargs", "model_adapter_name", "ref_adapter_name", "force_use_ref_model",
+    "disable_dropout", "use_logits_to_keep", "padding_value", "label_pad_token_id",
+    "truncation_mode", "precompute_ref_batch_size", "tools", "use_liger_loss",
+    "base_model_attribute_name", "f_divergence_type", "f_alpha_divergence_coef",
+    "reference_free", "label_smoothing", "use_weighting", "ld_alpha", "discopop_tau",
+    "loss_weights", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+    "generate_during_eval", "is_encoder_decoder", "model_init_kwargs", "pad_token",
+    "eos_token", "chat_template_path", "num_generations_eval", "ds3_gather_for_generation",
+    "shuffle_dataset", "pad_to_multiple_of", "generation_batch_size", "steps_per_generation",
+    "temperature", "top_p", "top_k", "min_p", "generation_kwargs", "chat_template_kwargs",
+    "repetition_penalty", "use_transformers_paged", "cache_implementation", "vllm_model_impl",
+    "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host",
+    "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_max_model_length",
+    "vllm_tensor_parallel_size", "vllm_enable_sleep_mode", "num_iterations", "epsilon",
+    "delta", "epsilon_high", "importance_sampling_level", "reward_weights", "scale_rewards",
+    "mask_truncated_completions", "top_entropy_quantile", "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_cap", "log_completions", "num_completions_to_print",
+    "wandb_log_unique_prompts", "cast_lm_head_to_fp32", "dataset_num_proc",
+    # and the ones the objective fields read
+    "num_generations", "desirable_weight", "undesirable_weight", "center_rewards_coefficient",
+    "rpo_alpha", "loss_type", "beta", "precompute_ref_log_probs", "max_prompt_length",
+    "max_completion_length", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization",
+})
 
 
 def training_args_known() -> frozenset[str]:
@@ -126,7 +153,7 @@ def training_args_known() -> frozenset[str]:
         names |= {f.name for f in dataclasses.fields(SFTConfig)}
     except ImportError:  # trl is optional
         names |= TRL_SFT_KEYS
-    return frozenset(names | LLAVA_KEYS | TRAINING_ARGS_4X)
+    return frozenset(names | LLAVA_KEYS | TRAINING_ARGS_4X | TRL_OBJECTIVE_KEYS)
 
 
 # ---------------------------------------------------------------- DeepSpeed

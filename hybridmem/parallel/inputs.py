@@ -282,6 +282,83 @@ def _batching(args: dict, out: dict) -> None:
             raise SpecError("training_args.max_steps", steps,
                             reason="must be -1 (epochs) or a non-negative integer")
         out["spec"]["max_steps"] = max(steps, 0)
+# The TRL trainer a config JSON belongs to, told by a key only its config class has
+# (trl/trainer/grpo_config.py, kto_config.py, reward_config.py, dpo_config.py); ORPOConfig
+# has none of them but `beta` (orpo_config.py)
+OBJECTIVE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("grpo", ("num_generations", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")),
+    ("kto", ("desirable_weight", "undesirable_weight")),
+    ("rm", ("center_rewards_coefficient",)),
+    ("dpo", ("rpo_alpha", "loss_type", "precompute_ref_log_probs")),
+    ("orpo", ("beta",)),
+)
+# DPOConfig / SFTConfig / GRPOConfig all have `loss_type`: only DPO's values name DPO
+DPO_LOSS_TYPES = frozenset({"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
+                            "sppo_hard", "aot", "aot_pair", "apo_zero", "apo_down",
+                            "discopop", "sft"})
+
+
+def objective_of(args: dict) -> str | None:
+    """The objective a TRL config JSON's keys name (`OBJECTIVE_MARKERS`), else None."""
+    for objective, keys in OBJECTIVE_MARKERS:
+        for key in keys:
+            if key not in args:  # a dumped config carries its fields, null ones included
+                continue
+            if key == "loss_type" and (not isinstance(args[key], (str, list)) or any(
+                    v not in DPO_LOSS_TYPES for v in
+                    (args[key] if isinstance(args[key], list) else [args[key]]))):
+                continue
+            if objective == "kto" and "precompute_ref_log_probs" in args:
+                return "kto"
+            return objective
+    return None
+
+
+@converts("training_args", "num_generations", "use_vllm", "vllm_mode",
+          "vllm_gpu_memory_utilization", "desirable_weight", "undesirable_weight",
+          "center_rewards_coefficient", "rpo_alpha", "loss_type", "beta",
+          "precompute_ref_log_probs", "max_prompt_length", "max_completion_length")
+def _objective(args: dict, out: dict) -> None:
+    """TRL's DPOConfig / ORPOConfig / KTOConfig / RewardConfig / GRPOConfig as JSON
+    (`hybridmem.job.objective`): the objective from the keys only its config has, `beta`,
+    `precompute_ref_log_probs` (-> ref_model precomputed), GRPO's `num_generations`, its
+    sequence `max_prompt_length + max_completion_length` (defaults 512 + 256 in the TRL
+    releases that have max_prompt_length) and vLLM colocated (`use_vllm` and `vllm_mode`
+    "colocate": `vllm_gpu_memory_utilization`, default 0.3; "server", TRL's default mode, runs
+    vLLM on other GPUs)."""
+    from hybridmem.job import objective as rules
+
+    spec = out["spec"]
+    objective = objective_of(args)
+    if objective is None:
+        return
+    spec["objective"] = objective
+    if args.get("beta") is not None:
+        spec["beta"] = typed_value("training_args.beta", schema.BY_KEY["beta"], args["beta"])
+    if args.get("precompute_ref_log_probs") is not None and _flag(
+            "training_args.precompute_ref_log_probs", args["precompute_ref_log_probs"]):
+        spec["ref_model"] = "precomputed"
+    for key in ("max_prompt_length", "max_completion_length"):
+        if args.get(key) is not None:
+            spec[key] = _count(f"training_args.{key}", args[key])
+    if objective != "grpo":
+        return
+    if args.get("num_generations") is not None:
+        spec["num_generations"] = _count("training_args.num_generations",
+                                         args["num_generations"])
+    completion = spec.get("max_completion_length") or rules.DEFAULT_COMPLETION
+    prompt = spec.get("max_prompt_length")
+    if prompt is None and "max_prompt_length" not in args and "max_length" not in args:
+        prompt = 512  # grpo_config.py max_prompt_length default (TRL 0.14-0.2x)
+    if prompt is not None:
+        spec["seq_len"] = prompt + completion
+        spec["max_prompt_length"] = prompt
+    use = args.get("use_vllm")
+    if use is not None and _flag("training_args.use_vllm", use) \
+            and args.get("vllm_mode", "server") == "colocate":
+        frac = args.get("vllm_gpu_memory_utilization")
+        spec["vllm_gpu_memory_utilization"] = float(
+            rules.DEFAULT_VLLM_FRACTION if frac is None else frac)
 
 
 @converts("training_args", "bf16", "fp16")

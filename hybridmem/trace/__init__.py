@@ -150,12 +150,33 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
               **allocator_extras(result.allocator)}
     if timeline is not None:
         extras["timeline"] = str(save_timeline(result, timeline, title_of(spec), gpu))
+    vllm = 0
+    if spec.objective != "sft":  # the reference and generation lines (job.objective)
+        from hybridmem.job import objective
+
+        vllm = objective.vllm_bytes(spec, gpu.memory_bytes if gpu is not None else None)
+        breakdown["context"] += vllm
+        notes.append(objective.note(spec))
+        if spec.vllm_gpu_memory_utilization and gpu is None:
+            notes.append("vLLM colocated: its reservation is a fraction of a GPU's memory; "
+                         "give --gpu to include it (left out here)")
+        extras["objective"] = objective.summary(
+            spec, result.by_part.get("reference", 0), result.by_part.get("generation", 0),
+            _phase_peak(result, "generation"), vllm)
     return Prediction(
         model=spec.model, method="trace", params_total=result.params_total,
         params_trainable=result.params_trainable,
         peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
-                  device_bytes=reserved + CONTEXT_BYTES + result.paged, phase=result.peak_phase,
+                  device_bytes=reserved + CONTEXT_BYTES + result.paged + vllm,
+                  phase=result.peak_phase,
                   iteration=result.peak_iteration),
         breakdown=breakdown, paged_bytes=result.paged,
         modules=tuple(result.modules),
         notes=tuple(notes), extras=extras)
+
+
+def _phase_peak(result: TraceResult, phase: str) -> int:
+    """Allocated peak over the events of every `phase` span (0 if it never ran)."""
+    marks = result.marks + [(len(result.curve), "end", -1)]
+    spans = [(a, b) for (a, p, _), (b, _, _) in zip(marks, marks[1:]) if p == phase and b > a]
+    return max((int(result.curve[a:b].max()) for a, b in spans), default=0)

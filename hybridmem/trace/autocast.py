@@ -71,8 +71,10 @@ class CudaAutocast(TorchFunctionMode):
     def _lower(self, x):
         if not _eligible(x) or x.dtype == self.dtype:
             return x
+        # torch 2.13 reuses no cast made under no_grad for a later forward with grad (a
+        # weight's grad still flows: checked on CPU autocast), so such a cast is not cached
         cacheable = (x.dtype == torch.float32 and x.requires_grad and x.is_leaf
-                     and not x._is_view())
+                     and not x._is_view() and torch.is_grad_enabled())
         if not cacheable:
             return x.to(self.dtype)
         hit = self.cache.get(id(x))

@@ -55,6 +55,11 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
     # from_config writes `dtype` into the config (and would use the preset's `torch_dtype`
     # without it): work on a copy, with the spec's dtype given explicitly.
     config = copy.deepcopy(config)
+    if spec.objective == "rm":  # TRL RewardTrainer: a sequence classifier with one label
+        auto = transformers.AutoModelForSequenceClassification
+        config.num_labels = 1
+        if getattr(config, "pad_token_id", None) is None:  # the last token's score is read
+            config.pad_token_id = 0
     if hasattr(config, "quantization_config"):  # a pre-quantised checkpoint's: `quantize()`
         del config.quantization_config
     with default_dtype(dtype), no_init_weights():

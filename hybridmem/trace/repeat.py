@@ -153,6 +153,8 @@ def planned(spec: TrainingSpec, config) -> tuple[list[Stack], list[str]]:
         raise NotRepeatable(f"{FULL_ENV} is set")
     if spec.train == "peft":  # e.g. AdaLoRA's per-layer ranks, layers_to_transform
         raise NotRepeatable("train='peft' adapters may differ per layer")
+    if spec.objective != "sft":  # a reference copy and a generation loop outside the layers
+        raise NotRepeatable(f"objective={spec.objective} is traced whole")
     period = ckpt_every(spec.grad_ckpt_policy) if spec.grad_ckpt else 1
     feature = getattr(config, "vision_feature_layer", None)
     for f in feature if isinstance(feature, (list, tuple)) else [feature]:

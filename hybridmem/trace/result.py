@@ -136,7 +136,31 @@ def _modules(job, category_of, live: list[Storage], weight: dict[str, int]
             rows[part_of(key)]["optimizer"] += weight.get(key, 1) * sum(
                 round_size(t.untyped_storage().nbytes()) for t in st.values()
                 if hasattr(t, "untyped_storage") and category_of(t) == "optimizer")
-    return [ModuleMemory(name=part, **row) for part, row in rows.items()]
+    out = [ModuleMemory(name=part, **row) for part, row in rows.items()]
+    return out + _objective_rows(job, live)
+
+
+def _objective_rows(job, live: list[Storage]) -> list[ModuleMemory]:
+    """The objective's own lines (`hybridmem.trace.objectives`): "reference" (a separate copy's
+    parameters) and "generation" (GRPO), each with the activation-category bytes of its part
+    live at the peak as the other lines count them (what their forwards hold otherwise is
+    temporary: `Prediction.extras["objective"]` gives those bytes)."""
+    held: dict[str, int] = {}
+    for s in live:
+        if s.part in ("reference", "generation") and s.category == "activation":
+            held[s.part] = held.get(s.part, 0) + round_size(s.nbytes)
+    out = []
+    ref = getattr(job, "ref", None)
+    if ref is not None or "reference" in held:
+        params = list(ref.parameters()) if ref is not None else []
+        out.append(ModuleMemory(
+            name="reference", params=sum(p.numel() for p in params), trainable_params=0,
+            param=sum(round_size(p.untyped_storage().nbytes()) for p in params), grad=0,
+            optimizer=0, activation=held.get("reference", 0)))
+    if getattr(job, "generated", False) or "generation" in held:
+        out.append(ModuleMemory(name="generation", params=0, trainable_params=0, param=0,
+                                grad=0, optimizer=0, activation=held.get("generation", 0)))
+    return out
 
 
 def _numel(p) -> int:

@@ -28,7 +28,7 @@ from hybridmem.families import family
 from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
-from hybridmem.trace import corrections, model as build
+from hybridmem.trace import corrections, model as build, objectives
 from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
 from hybridmem.models.loader import is_analytic
 from hybridmem.trace.inputs import batch_notes, make_batch
@@ -79,6 +79,14 @@ class Job:
     """Host / device copies of offloaded activations (`spec.offload_activations`), else None."""
     offloader: offload.Offload | None = None
     """TRL's offloading hooks around each forward + backward (`offload_activations="all"`)."""
+    ref: nn.Module | None = None
+    """The separate reference model (`objective.ref_model_of` "separate"), else None."""
+    tracker: StorageTracker | None = None
+    """The run's tracker (objectives relabel the reference's and the generation's tensors)."""
+    micro: int = 0
+    """The micro-step running (GRPO's slice of its generation batch)."""
+    grpo: dict | None = None
+    """GRPO's generated ids, advantages and reference log-probs of the current step."""
 
 
 def _master_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -115,7 +123,11 @@ def prepare(spec: TrainingSpec, config) -> Job:
                                                                      masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
+    if spec.objective != "sft":  # the trainer's collated batch (trace.objectives)
+        objectives.check_model(spec, image_tokens, config.model_type)
+        batch = objectives.batch(spec)
     job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
+    job.ref = objectives.reference_model(spec, config, build.build_model)
     job.liger = liger
     if spec.offload_activations == "all":  # TRL get_act_offloading_ctx_manager(model)
         job.offloader = offload.Offload(copies.to_host, copies.to_device,
@@ -136,6 +148,8 @@ def _call(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
     logits included, dies before autocast's cache is cleared, as in a Trainer run. `custom`
     (`outputs = model(**batch); loss = outputs.loss`, huggingface/peft
     method_comparison/MetaMathQA/run.py): the caller holds it."""
+    if spec.objective != "sft":  # the TRL trainer's compute_loss (trace.objectives)
+        return objectives.loss(job, spec, job.micro), None
     if spec.loop == "custom":
         out = job.model(**job.batch, use_cache=False)
         return out.loss, out
@@ -263,6 +277,7 @@ def _forward_backward(job: Job, spec: TrainingSpec, tracker: StorageTracker, it:
     """`_micro_step`'s body (inside TRL's offloading context when it is on: SFTTrainer wraps
     the whole `training_step`, forward and backward)."""
     first = it == 0 and micro == 0
+    job.micro = micro
     tracker.mark("forward", it)
     if workspace and first:
         tracker.add_external(workspace, "workspace")
@@ -304,12 +319,17 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
         _label_in_backward(job, spec, tracker)
     if job.copies is not None:  # a tensor brought back from the host is an activation
         job.copies.label = lambda t: tracker.label(t, "activation")
+    job.tracker = tracker
     for it in range(iterations):
         where = empty_cache_at(spec, it)
+        if spec.objective == "grpo":  # the step's completions, before its first forward
+            tracker.mark("generation", it)
+            objectives.grpo_prepare(job, spec)
         for micro in range(spec.grad_accum):
             _micro_step(job, spec, tracker, it, micro, workspace, where == "after_forward")
         tracker.mark("optimizer", it)
         _optimizer_step(job, spec, tracker, where == "after_step")
+        job.grpo = None  # the step's generation buffers die with the step
     job.outputs = None
     if job.offloader is not None and job.offloader.tracker:
         job.notes.append(offload.STUCK + f"{len(job.offloader.tracker)} packed tensors left, "
@@ -401,6 +421,9 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
                 tracker.label(p, "param", part_of(name))
             for name, b in job.model.named_buffers():
                 tracker.label(b, "param", part_of(name))
+            if job.ref is not None:  # the frozen reference copy: its own part
+                for t in [*job.ref.parameters(), *job.ref.buffers()]:
+                    tracker.label(t, "param", objectives.REFERENCE)
             for name, q in quant_state_tensors(job.model):  # real bnb layers' QuantState
                 tracker.label(q, "param", part_of(name))
             for m, (name, _) in zip(job.masters, job.trainable):

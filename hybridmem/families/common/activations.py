@@ -70,6 +70,11 @@ class Ctx:
     """Bytes per element of the LoRA adapters (fp32: peft's default; else the weights' dtype
     in a pure run, `job.precision.check_adapters`): PEFT's `_cast_input_dtype` makes no copy
     when the input already has it."""
+    objective: str = "sft"
+    """The training objective (`hybridmem.job.objective`): its loss replaces the LM loss at the
+    head (`families.decoders.objective_acts`)."""
+    prompt: int = 0
+    """Prompt tokens per sequence the objective's loss masks out (`objective.prompt_length`)."""
 
 
 @dataclass(frozen=True, slots=True)

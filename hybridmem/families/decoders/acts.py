@@ -382,6 +382,10 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         return liger_head(d, c, need_in, need_w)
     if c.cce:
         return cce_head(d, c, need_in, need_w)
+    if c.objective != "sft":  # a TRL trainer's loss on the logits (objective_acts)
+        from hybridmem.families.decoders.objective_acts import objective_head
+
+        return objective_head(layer, c, need_in, need_w)
     sv = Saved()
     n_lora = len(lora_matrices(layer)) // 2
     linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False, in_grad=need_in)

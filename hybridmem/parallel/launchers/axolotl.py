@@ -56,6 +56,7 @@ READ: tuple[str, ...] = (
     "liger_swiglu", "liger_glu_activation", "liger_cross_entropy",
     "liger_fused_linear_cross_entropy", "deepspeed", "fsdp", "fsdp_config", "fsdp_version",
     "world_size", "image_size", "group_by_length", "seed", "max_steps",
+    "rl", "trl", "rl_beta", "dpo_beta", "precompute_ref_log_probs",
 )
 
 # The other fields of AxolotlInputConfig and the models it extends (utils/schemas/*.py),
@@ -220,6 +221,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     _sampler(cfg, out, where)
     _savers(cfg, out, where)
     _optimizer(cfg, out, where)
+    _objective(cfg, out, where)
     deepspeed, ds_where = _parallel(cfg, out, where, folder)
     spec = out.data["spec"]
     hf = {"per_device_train_batch_size": spec["micro_batch"], "bf16": dtype == "bf16",
@@ -465,3 +467,57 @@ def _parallel(cfg: dict, out: Layer, where: str, folder: Path) -> tuple[dict | N
     if isinstance(ds, dict):
         return ds, f"{where}: deepspeed"
     return read_json_object(ds, f"{where}: deepspeed"), str(ds)
+
+
+# schemas/enums.py RLType -> the objective priced; IPO is DPO's step with another loss, SimPO
+# (TRL's CPOTrainer) ORPO's: concatenated, no reference, an NLL term
+RL_OBJECTIVES: dict[str, str] = {"dpo": "dpo", "ipo": "dpo", "orpo": "orpo", "kto": "kto",
+                                 "simpo": "orpo", "grpo": "grpo"}
+
+
+def _objective(cfg: dict, out: Layer, where: str) -> None:
+    """`rl` (core/builders/rl.py: TRL's DPO / ORPO / KTO / CPO / GRPO trainers with their
+    configs): beta from `trl.beta`, else `rl_beta` (`dpo_beta` its old name); the reference as
+    TRL decides it (loaders: a frozen copy for a full run, none with an adapter: TRL disables
+    it); `precompute_ref_log_probs`; GRPO's `trl:` block: `num_generations`,
+    `max_completion_length` (the end of each `sequence_len` sequence), `use_vllm` with
+    `vllm_mode: colocate` and `vllm_gpu_memory_utilization` (schemas/trl.py; TRL's 0.3 when
+    unset)."""
+    rl = cfg.get("rl")
+    if rl is None:
+        return
+    rl = str(getattr(rl, "value", rl)).lower()
+    if rl not in RL_OBJECTIVES:
+        raise SpecError(f"{where}: rl", rl, list(RL_OBJECTIVES),
+                        reason="this RL method is not priced")
+    objective = RL_OBJECTIVES[rl]
+    out.set("objective", objective, "rl")
+    if rl == "simpo":
+        config_keys.warn(f"{where}: axolotl rl 'simpo' is priced as ORPO's step (no reference, "
+                         "chosen + rejected concatenated, an NLL term)")
+    trl = cfg.get("trl") or {}
+    if not isinstance(trl, dict):
+        raise SpecError(f"{where}: trl", trl, reason="must be a mapping")
+    for key, value in (("trl.beta", trl.get("beta")), ("rl_beta", cfg.get("rl_beta")),
+                       ("dpo_beta", cfg.get("dpo_beta"))):
+        if value is not None:
+            out.set("beta", typed_value(f"{where}: {key}", schema.BY_KEY["beta"], value), key)
+            break
+    if cfg.get("precompute_ref_log_probs") and objective in ("dpo", "kto"):
+        out.set("ref_model", "precomputed", "precompute_ref_log_probs")
+    if objective != "grpo":
+        return
+    if trl.get("num_generations") is not None:
+        out.set("num_generations", typed_value(f"{where}: trl.num_generations",
+                                               schema.BY_KEY["num_generations"],
+                                               trl["num_generations"]), "trl.num_generations")
+    if trl.get("max_completion_length") is not None:
+        out.set("max_completion_length", typed_value(
+            f"{where}: trl.max_completion_length", schema.BY_KEY["max_completion_length"],
+            trl["max_completion_length"]), "trl.max_completion_length")
+    if flag(f"{where}: trl.use_vllm", trl.get("use_vllm", False)) \
+            and trl.get("vllm_mode") == "colocate":
+        frac = trl.get("vllm_gpu_memory_utilization")
+        out.set("vllm_gpu_memory_utilization", float(0.3 if frac is None else frac),
+                "trl.use_vllm", "trl.vllm_mode",
+                *(("trl.vllm_gpu_memory_utilization",) if frac is not None else ()))

@@ -44,6 +44,7 @@ SOURCE = "llamafactory"
 
 READ: tuple[str, ...] = (
     "model_name_or_path", "stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout",
+    "pref_beta", "pref_loss", "ref_model",
     "lora_target", "use_dora", "use_rslora", "additional_target", "quantization_bit",
     "quantization_method", "quantization_type", "double_quantization", "cutoff_len", "packing",
     "neat_packing", "pure_bf16", "flash_attn", "disable_gradient_checkpointing", "use_unsloth_gc",
@@ -169,10 +170,12 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
         out.set("micro_batch", HF_DEFAULT_BATCH)
 
     stage, keys = _get(cfg, "stage", "sft")  # finetuning_args.py: default "sft"
-    if stage not in ("sft", "pt"):
-        raise SpecError(f"{where}: stage", stage, ["sft", "pt"], reason="only supervised "
-                        "fine-tuning and pre-training are priced (rm adds a value head; "
-                        "ppo / dpo / kto a reference model and paired batches)")
+    if stage not in ("sft", "pt", "dpo", "kto"):
+        raise SpecError(f"{where}: stage", stage, ["sft", "pt", "dpo", "kto"],
+                        reason="LLaMA-Factory's rm and ppo stages run trl's "
+                        "AutoModelForCausalLMWithValueHead (vocabulary logits and a value head; "
+                        "ppo also generates beside a reward model), not priced; TRL's "
+                        "RewardTrainer is (--objective rm)")
     method, method_keys = _get(cfg, "finetuning_type", "lora")  # finetuning_args.py: "lora"
     if method not in ("lora", "full"):
         raise SpecError(f"{where}: finetuning_type", method, ["lora", "full"],
@@ -187,10 +190,43 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
         out.set("train", _full_train(cfg, where, vlm), *method_keys, *freeze)
     _precision(cfg, out, model, method)
     _quantization(cfg, out, where, method)
+    _objective(cfg, out, where, stage, method)
     _batch(cfg, out, where, stage)
     _savers(cfg, out, where)
     hf = dict(ta["hf"])
     return LauncherConfig(NAME, model, [out.data], hf, ta["deepspeed"], ta["deepspeed_where"])
+
+
+def _objective(cfg: dict, out: Layer, where: str, stage: str, method: str) -> None:
+    """`stage: dpo | kto` (train/dpo, train/kto: CustomDPOTrainer / CustomKTOTrainer, TRL's
+    trainers with LLaMA-Factory's loss): finetuning_args.py RLHFArguments `pref_beta` 0.1,
+    `pref_loss` "sigmoid" (`orpo` / `simpo`: no reference, `use_ref_model` is off), `ref_model`
+    None; train/trainer_utils.py `create_ref_model`: a given `ref_model` is loaded beside,
+    LoRA without one uses the policy with its adapters disabled, a full run loads a frozen
+    copy (`is_trainable=False`: the compute dtype)."""
+    if stage not in ("dpo", "kto"):
+        return
+    loss, loss_keys = _get(cfg, "pref_loss", "sigmoid")
+    free = stage == "dpo" and loss in ("orpo", "simpo")
+    out.set("objective", "orpo" if free else stage, "stage", *(loss_keys if free else ()))
+    if loss == "simpo" and stage == "dpo":
+        config_keys.warn(f"{where}: LLaMA-Factory pref_loss 'simpo' is priced as ORPO's step "
+                         "(no reference, chosen + rejected concatenated, an NLL term)")
+    beta, beta_keys = _get(cfg, "pref_beta", 0.1)
+    out.set("beta", typed_value(f"{where}: pref_beta", schema.BY_KEY["beta"], beta),
+            *beta_keys)
+    if free:
+        return
+    if cfg.get("ref_model") is not None:
+        out.set("ref_model", "separate", "ref_model")
+    elif method == "lora":
+        out.set("ref_model", "adapter")
+    else:
+        out.set("ref_model", "separate")
+        if out.data["spec"].get("precision") in ("bf16-mixed", "fp16-mixed"):
+            config_keys.warn(f"{where}: LLaMA-Factory loads the full run's reference in the "
+                             "compute dtype; it is priced as a copy of the fp32 policy (TRL's "
+                             "create_reference_model), twice its bytes")
 
 
 def _lora(cfg: dict, out: Layer, where: str, vlm: bool) -> None:

@@ -1,0 +1,119 @@
+"""The head of a decoder under an objective beyond SFT: the tensors of the trainer's loss.
+
+The code paths are `hybridmem.trace.objectives`' (TRL's, cited there); here they are counted
+in closed form. R = rows of the policy's forward (2 x micro_batch concatenated), S = tokens,
+V = vocabulary, e = the logits' dtype (the compute dtype), ls = bytes of a row's log_softmax
+output (fp32 under autocast, whose CUDA lists run log_softmax in fp32; else e).
+
+- `selective_log_softmax` on fp32 logits: a gather and a per-row logsumexp, which saves its
+  input: the logits stay saved for backward; otherwise per row a log_softmax whose (S, V)
+  output is saved (under autocast beside the row's fp32 cast, a transient) and the logits die
+  when the forward's function returns.
+- DPO's mean-logits metrics copy each half's completion logits (half x n x V, e) in turn.
+- ORPO: the chosen half's `[..., :-1, :].contiguous()` copy into cross_entropy (log_softmax's
+  output saved; under autocast the fp32 cast transient), then the per-token log-probs on
+  `logits[:, :-1]`.
+- The reward model's `score` head: R x S x 1 logits, nothing vocabulary-sized.
+Backward: the per-row grads wait in the unbind's input buffer until every row has one (each
+row's saved output released as its grad arrives), then stack into the logits' grad
+(R x S x V, e).
+"""
+
+from __future__ import annotations
+
+from hybridmem.allocator.alloc import t
+from hybridmem.families.common.activations import (
+    FP32, INT64, Acts, Ctx, Saved, dora_linears, dora_saved, linear_inputs, lora_matrices,
+    lora_outputs,
+)
+from hybridmem.models.graph import Layer
+
+
+def _row_bytes(c: Ctx) -> int:
+    """Bytes per element of a row's log_softmax output (`selective_log_softmax`)."""
+    return FP32 if c.amp else c.e
+
+
+def _logps(c: Ctx, rows: int, seq: int, V: int) -> tuple[int, int, int]:
+    """(saved, forward transient beside the logits, backward transient) of
+    `selective_log_softmax` over `rows` rows of `seq` positions."""
+    e = c.e
+    if e == FP32 and not c.amp:  # gather + logsumexp: the logits themselves are saved
+        return 0, t(seq, FP32), t(rows * seq * V, FP32) * 2
+    ls = _row_bytes(c)
+    cast = t(seq * V, FP32) if c.amp and e != FP32 else 0
+    saved = rows * t(seq * V, ls)
+    # backward, last row first: a row's gather grad and log_softmax grad (ls) and its cast
+    # back (e) beside every saved row; each row's saved output is released as its grad joins
+    # the unbind's input buffer, whose rows are stacked into the logits' grad at the end
+    first = 2 * t(seq * V, ls) + t(seq * V, e)
+    last = rows * t(seq * V, e) + t(rows * seq * V, e) - saved
+    return saved, cast, max(first, last)
+
+
+def objective_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    d = layer.dims
+    R, S, h, V = d["b"], d["s"], d["h"], d["vocab"]
+    B = R * S
+    e = c.e
+    sv = Saved()
+    n_lora = len(lora_matrices(layer)) // 2
+    linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False, in_grad=need_in)
+    lora_outputs(sv, c, B, n_lora)
+    dora_saved(sv, c, B, dora_linears(layer), need_in)
+    copies = cache = 0
+    if c.amp:
+        w = t(V * h, 2)
+        copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
+        cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
+    logits = t(B * V, e)
+    if c.objective == "rm":  # the score head: (R, S, 1) scores, the last token's read
+        return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
+                    fwd_extra=logits, fwd_parts=(logits,), bwd_extra=logits + t(B * h, e),
+                    bwd_parts=(logits, t(B * h, e)))
+    keeps_logits = e == FP32 and not c.amp
+    fwd: list[int] = []
+    bwd_loss = 0
+    if c.objective == "dpo":
+        saved, row, bwd_loss = _logps(c, R, S, V)
+        half, n = R // 2, S - 1 - max(c.prompt - 1, 0)
+        fwd.append(max(row, t(half * n * V, e)))  # a row's cast, or a half's mean copy
+        sv.add(B, INT64)  # the rolled labels, gather's index
+    elif c.objective == "orpo":
+        half = R // 2
+        nll_rows = half * (S - 1)
+        ls = FP32 if (c.amp or e == FP32) else e
+        nll_saved = t(nll_rows * V, ls)
+        nll_fwd = t(nll_rows * V, e) + (t(nll_rows * V, FP32) if c.amp and e != FP32 else 0)
+        saved, row, bwd_loss = _logps(c, R, S - 1, V)
+        saved += nll_saved
+        fwd.append(max(nll_fwd, row))
+        bwd_loss = max(bwd_loss, 2 * nll_saved)
+        sv.add(R * (S - 1), INT64)
+    else:  # kto, grpo: the per-token log-probs of R sequences
+        saved, row, bwd_loss = _logps(c, R, S - 1, V)
+        fwd.append(row)
+        sv.add(R * (S - 1), INT64)
+    sv.add(saved, 1)
+    if keeps_logits:
+        sv.add(B * V, e)
+    else:
+        fwd.insert(0, logits)
+    bwd = [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
+                fwd_extra=sum(fwd), fwd_parts=tuple(fwd), bwd_extra=sum(bwd),
+                bwd_parts=tuple(bwd), bwd_mlp=bwd_loss, bwd_mlp_parts=(bwd_loss,))
+
+
+def reference_head(R: int, S: int, h: int, V: int, c: Ctx, prompt: int, objective: str) -> int:
+    """High point of the reference's head under no_grad (`compute_ref_log_probs`): the logits,
+    the frozen lm_head's autocast weight cast (not cached: no grad), then one row's
+    log_softmax work (fp32 cast and output) or a half's mean-logits copy."""
+    e = c.e
+    logits = t(R * S * V, e)
+    cast = t(V * h, 2) if c.amp else 0
+    row = 0 if (e == FP32 and not c.amp) else t(S * V, _row_bytes(c)) + (
+        t(S * V, FP32) if c.amp and e != FP32 else 0)
+    half, n = R // 2, S - 1 - max(prompt - 1, 0)
+    metric = t(half * n * V, e) if objective == "dpo" else 0
+    return logits + max(cast, row, metric)

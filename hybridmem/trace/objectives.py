@@ -1,0 +1,377 @@
+"""The training step of the objectives beyond SFT (`hybridmem.job.objective`), as TRL runs it.
+
+Each function is the memory-relevant code path of its trainer, op for op (sources per
+function); the runner calls `loss(job, spec)` in place of `model(**batch).loss` inside the
+forward's autocast region, as Trainer's `compute_loss_context_manager` covers `compute_loss`.
+Deviations, each the same bytes: boolean-mask writes (`labels[~mask] = 0`) are `masked_fill_`
+(in place, no data-dependent shape under fake / meta tensors), boolean-mask reads
+(`logits[mask]`) index with the mask's positions built from its known shape (the same (n, V)
+copy and saved index vectors), and no attention mask is passed (an unpadded batch, as the SFT
+batch of `trace.inputs`). Tensors the reference's forward makes are relabelled to the part
+"reference", the generation's to "generation" (`Prediction.modules`, docs/objectives.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from hybridmem.job import objective as rules
+
+REFERENCE = "reference"
+GENERATION = "generation"
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """trl/trainer/utils.py `selective_log_softmax`, line for line: fp32 logits take the gather
+    and a per-row logsumexp; others a per-row log_softmax (the row's (S, V) output saved)."""
+    if logits.dtype in (torch.float32, torch.float64):
+        selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+        lse = torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])
+        return selected - lse
+    out = []
+    for row_logits, row_labels in zip(logits, index):
+        row_logps = F.log_softmax(row_logits, dim=-1)
+        out.append(row_logps.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(out)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1) -> torch.Tensor:
+    """trl/trainer/utils.py `entropy_from_logits` (chunk_size 1: one sequence at a time)."""
+    out = []
+    for chunk in logits.split(chunk_size, dim=0):
+        logps = F.log_softmax(chunk, dim=-1)
+        out.extend(-(torch.exp(logps) * logps).sum(-1))
+    return torch.stack(out)
+
+
+def _positions(rows: int, start: int, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, column) positions of a mask that is true from column `start` on in every row:
+    what `logits[mask]` indexes with (`mask.nonzero()`), built without reading the mask."""
+    cols = torch.arange(start, seq, device=device)
+    return (torch.arange(rows, device=device).repeat_interleave(seq - start),
+            cols.repeat(rows))
+
+
+@contextlib.contextmanager
+def part(job, name: str):
+    """Tensors made inside the block belong to part `name` (the reference, the generation)."""
+    tracker = job.tracker
+    first = len(tracker.storages) if tracker is not None else 0
+    try:
+        yield
+    finally:
+        if tracker is not None:
+            for st in tracker.storages[first:]:
+                st.part = name
+
+
+def reference_context(job, spec):
+    """The reference forward's model and context: the frozen copy, or the policy with its
+    adapters disabled (peft `PeftModel.disable_adapter()`, TRL's `null_ref_context`)."""
+    if rules.ref_model_of(spec) == "adapter":
+        return job.model, job.model.disable_adapter()
+    return job.ref, contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- DPO
+
+def dpo_forward(model, batch: dict, half: int, prompt: int) -> dict:
+    """trl/trainer/dpo_trainer.py `concatenated_forward` (TRL 0.19-0.2x): one forward of the
+    concatenated batch, the shifted per-token log-probs, their sums per sequence, and the
+    mean-logits metrics (a copy of each half's completion logits)."""
+    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    logits = model(input_ids, use_cache=False).logits
+    labels = torch.roll(input_ids, shifts=-1, dims=1)
+    loss_mask = torch.roll(loss_mask, shifts=-1, dims=1).bool()
+    labels.masked_fill_(~loss_mask, 0)
+    per_token_logps = selective_log_softmax(logits, labels)
+    per_token_logps = per_token_logps.masked_fill(~loss_mask, 0)
+    per_token_logps = torch.roll(per_token_logps, shifts=1, dims=1)
+    all_logps = per_token_logps[:, 1:].sum(-1)
+    seq = input_ids.shape[1]
+    out = {"chosen_logps": all_logps[:half], "rejected_logps": all_logps[half:]}
+    # loss_mask rolled left: true on the completion's tokens shifted by one (the last row
+    # position wraps to the first, which the prompt masks out)
+    rows, cols = _positions(half, max(prompt - 1, 0), seq - 1, input_ids.device)
+    out["mean_chosen_logits"] = logits[:half][rows, cols].mean()
+    out["mean_rejected_logits"] = logits[half:][rows, cols].mean()
+    return out
+
+
+def dpo_loss(job, spec) -> torch.Tensor:
+    """`get_batch_loss_metrics`: the policy's concatenated forward, then the reference's log
+    probs (`compute_ref_log_probs`: no_grad; or the batch's precomputed ones), then the
+    sigmoid loss (`dpo_loss`, loss_type "sigmoid")."""
+    half, prompt = spec.micro_batch, rules.prompt_length(spec)
+    policy = dpo_forward(job.model, job.batch, half, prompt)
+    if rules.ref_model_of(spec) == "precomputed":
+        ref_chosen, ref_rejected = job.batch["ref_chosen_logps"], job.batch["ref_rejected_logps"]
+    else:
+        model, ctx = reference_context(job, spec)
+        with part(job, REFERENCE), torch.no_grad(), ctx:
+            ref = dpo_forward(model, job.batch, half, prompt)
+        ref_chosen, ref_rejected = ref["chosen_logps"], ref["rejected_logps"]
+    beta = rules.beta_of(spec)
+    logratios = policy["chosen_logps"] - policy["rejected_logps"]
+    ref_logratios = ref_chosen - ref_rejected
+    losses = -F.logsigmoid(beta * (logratios - ref_logratios))
+    return losses.mean()
+
+
+# ---------------------------------------------------------------- ORPO
+
+def _batch_logps(logits, labels, average: bool) -> torch.Tensor:
+    """ORPO / KTO `get_batch_logps`: shift, mask the label pad (-100), per-token log-probs."""
+    labels = labels[:, 1:].clone()
+    logits = logits[:, :-1, :]
+    loss_mask = labels != -100
+    labels = torch.where(labels == -100, 0, labels)
+    per_token_logps = selective_log_softmax(logits, labels)
+    if average:
+        return (per_token_logps * loss_mask).sum(-1) / loss_mask.sum(-1)
+    return (per_token_logps * loss_mask).sum(-1)
+
+
+def orpo_loss(job, spec) -> torch.Tensor:
+    """trl/trainer/orpo_trainer.py `concatenated_forward` + `odds_ratio_loss`: the NLL of the
+    chosen half (`logits[..., :-1, :].contiguous()` into CrossEntropyLoss), the averaged
+    log-probs of both halves, the log-odds-ratio term (beta)."""
+    half = spec.micro_batch
+    logits = job.model(job.batch["input_ids"], use_cache=False).logits
+    labels = job.batch["labels"]
+    chosen = logits[:half][..., :-1, :].contiguous()
+    nll = F.cross_entropy(chosen.view(-1, chosen.shape[-1]),
+                          labels[:half][..., 1:].contiguous().view(-1))
+    del chosen
+    all_logps = _batch_logps(logits, labels, average=True)
+    chosen_logps, rejected_logps = all_logps[:half], all_logps[half:]
+    log_odds = (chosen_logps - rejected_logps) - (
+        torch.log1p(-torch.exp(chosen_logps)) - torch.log1p(-torch.exp(rejected_logps)))
+    ratio = F.logsigmoid(log_odds)
+    return nll - (rules.beta_of(spec) * ratio).mean()
+
+
+# ---------------------------------------------------------------- KTO
+
+def kto_forward(job, model, spec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """trl/trainer/kto_trainer.py `forward`: the KL batch's log-probs under no_grad
+    (`_compute_kl_logps`), then the completions' forward, their log-probs, and the desirable /
+    undesirable split by index (copies of the logits' rows, kept as the metrics read them)."""
+    batch = job.batch
+    with torch.no_grad():
+        kl_logits = model(batch["kl_input_ids"], use_cache=False).logits
+        kl_logps = _batch_logps(kl_logits, batch["kl_labels"], average=False)
+        del kl_logits
+    logits = model(batch["input_ids"], use_cache=False).logits
+    logps = _batch_logps(logits, batch["labels"], average=False)
+    n = spec.micro_batch
+    chosen_idx = list(range(0, n, 2))  # alternating desirable / undesirable labels
+    rejected_idx = list(range(1, n, 2))
+    chosen_logps, rejected_logps = logps[chosen_idx, ...], logps[rejected_idx, ...]
+    chosen_logits, rejected_logits = logits[chosen_idx, ...], logits[rejected_idx, ...]
+    return chosen_logps, rejected_logps, kl_logps, chosen_logits.sum() + rejected_logits.sum()
+
+
+def kto_loss(job, spec) -> torch.Tensor:
+    """`get_batch_loss_metrics`: the policy's `forward`, the reference's (no_grad; or the
+    batch's precomputed log-probs), then `kto_loss` (sigmoid of the KL-shifted log-ratios)."""
+    chosen, rejected, kl, _ = kto_forward(job, job.model, spec)
+    if rules.ref_model_of(spec) == "precomputed":
+        ref_chosen, ref_rejected, ref_kl = (job.batch["ref_chosen_logps"],
+                                            job.batch["ref_rejected_logps"],
+                                            job.batch["ref_kl_logps"])
+    else:
+        model, ctx = reference_context(job, spec)
+        with part(job, REFERENCE), torch.no_grad(), ctx:
+            ref_chosen, ref_rejected, ref_kl, _ = kto_forward(job, model, spec)
+    beta = rules.beta_of(spec)
+    kl_term = (kl - ref_kl).mean().clamp(min=0).detach()
+    losses = torch.cat((1 - F.sigmoid(beta * ((chosen - ref_chosen) - kl_term)),
+                        1 - F.sigmoid(beta * (kl_term - (rejected - ref_rejected)))), 0)
+    return losses.nanmean()
+
+
+# ---------------------------------------------------------------- reward model
+
+def rm_loss(job, spec) -> torch.Tensor:
+    """trl/trainer/reward_trainer.py `compute_loss`: the scalar rewards of the concatenated
+    chosen + rejected batch (`AutoModelForSequenceClassification`, num_labels=1: the score of
+    each sequence's last token), `-logsigmoid(chosen - rejected).mean()`."""
+    half = spec.micro_batch
+    rewards = job.model(input_ids=job.batch["input_ids"], use_cache=False).logits
+    return -F.logsigmoid(rewards[:half] - rewards[half:]).mean()
+
+
+# ---------------------------------------------------------------- GRPO
+
+def grpo_logps(model, input_ids: torch.Tensor, keep: int, batch_size: int,
+               entropy: bool = False) -> torch.Tensor:
+    """grpo_trainer.py `_get_per_token_logps_and_entropies`: chunks of `batch_size` sequences,
+    `logits_to_keep = keep + 1`, the completion's logits / temperature (1.0: a copy), their
+    `selective_log_softmax`; with `entropy` the per-token entropy under no_grad."""
+    out = []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids = input_ids[start:start + batch_size]
+        logits = model(input_ids=ids, logits_to_keep=keep + 1, use_cache=False).logits
+        logits = logits[:, :-1, :][:, -keep:, :]
+        logits = logits / 1.0  # GRPOConfig temperature (default 1.0): a new tensor
+        out.append(selective_log_softmax(logits, ids[:, -keep:]))
+        if entropy:
+            with torch.no_grad():
+                entropy_from_logits(logits)
+        del logits
+    return torch.cat(out, dim=0)
+
+
+def generate(model, prompt_ids: torch.Tensor, new_tokens: int, every_step: bool = False
+             ) -> torch.Tensor:
+    """transformers `GenerationMixin._sample` as TRL's `generate` call runs it (no_grad,
+    `disable_compile=True`): a DynamicCache, the prefill with `logits_to_keep=1`, then one token
+    at a time: the last logits copied to fp32, softmax, `multinomial`, the ids concatenated;
+    every step grows each layer's K and V by `torch.cat` (cache_utils.py `DynamicLayer.update`).
+    All `new_tokens` steps count (no sequence stops early: the bound TRL pads to).
+
+    The steps between the prefill and the last one make the same tensors each, one token
+    smaller: the cache and the ids only grow, so the last step is the loop's high point. Unless
+    `every_step`, they are skipped by growing each layer's K, V and the ids to the sizes the
+    loop leaves them at before its last step (a new tensor beside the old one, as `cat`
+    makes it); tests/test_objectives.py checks the allocated peak equals the full loop's."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids, step = prompt_ids, prompt_ids
+    for n in range(new_tokens):
+        if n == 1 and new_tokens > 2 and not every_step:  # to the loop's last step
+            jump = new_tokens - 2
+            for layer in cache.layers:
+                layer.keys = _grown(layer.keys, jump)
+                layer.values = _grown(layer.values, jump)
+            ids = _grown(ids, jump, dim=-1)
+        elif 1 < n < new_tokens - 1 and not every_step:
+            continue
+        with warnings.catch_warnings():  # transformers 5.x renames past_key_values: same cache
+            warnings.simplefilter("ignore", FutureWarning)
+            logits = model(input_ids=step, past_key_values=cache, use_cache=True,
+                           logits_to_keep=1).logits
+        scores = logits[:, -1, :].to(copy=True, dtype=torch.float32)
+        del logits
+        probs = F.softmax(scores, dim=-1)
+        del scores
+        # torch.multinomial(probs, 1): ATen's one-sample path (Distributions.cpp
+        # `multinomial`): q = empty_like(probs).exponential_(); div_out(q, probs, q); argmax
+        q = torch.empty_like(probs).exponential_(1)
+        torch.div(probs, q, out=q)
+        del probs
+        step = q.argmax(dim=-1, keepdim=True)
+        del q
+        ids = torch.cat([ids, step], dim=-1)
+    del cache
+    return ids
+
+
+def _grown(t: torch.Tensor, extra: int, dim: int = -2) -> torch.Tensor:
+    """`t` with `extra` more positions along `dim` (a new tensor, zeros: token ids stay valid
+    on a real run)."""
+    shape = list(t.shape)
+    shape[dim] += extra
+    return t.new_zeros(shape)
+
+
+def grpo_prepare(job, spec) -> None:
+    """`_generate_and_score_completions`, once per optimizer step for `micro_batch x
+    grad_accum` sequences (steps_per_generation = gradient_accumulation_steps): outside the
+    loss's autocast (it runs in `_prepare_inputs`), the generation, then under no_grad the
+    reference's per-token log-probs when beta > 0. Its outputs (ids, masks, reference
+    log-probs, advantages) are the step's inputs, alive until the step ends."""
+    seqs = spec.micro_batch * spec.grad_accum
+    completion = rules.completion_length(spec)
+    prompt_ids = torch.ones(seqs, spec.seq_len - completion, dtype=torch.long,
+                            device=job.batch["input_ids"].device)
+    with part(job, GENERATION), torch.no_grad():
+        ids = generate(job.model, prompt_ids, completion)
+    del prompt_ids
+    job.grpo = {"ids": ids, "advantages": torch.zeros(seqs, device=ids.device)}
+    job.generated = True
+    if rules.ref_model_of(spec) != "none":
+        model, ctx = reference_context(job, spec)
+        with part(job, REFERENCE), torch.no_grad(), ctx:
+            job.grpo["ref"] = grpo_logps(model, ids, completion, spec.micro_batch)
+
+
+def grpo_loss(job, spec, micro: int) -> torch.Tensor:
+    """grpo_trainer.py `_compute_loss` on micro-step `micro`'s slice: the policy's per-token
+    log-probs (entropy under no_grad), the clipped importance ratio against the detached
+    log-probs (old = current: num_iterations 1), the KL to the reference when beta > 0, the
+    masked token mean."""
+    n, completion = spec.micro_batch, rules.completion_length(spec)
+    ids = job.grpo["ids"][micro * n:(micro + 1) * n]
+    logps = grpo_logps(job.model, ids, completion, n, entropy=True)
+    advantages = job.grpo["advantages"][micro * n:(micro + 1) * n]
+    coef_1 = torch.exp(logps - logps.detach())
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)  # GRPOConfig epsilon 0.2
+    per_token_loss = -torch.min(coef_1 * advantages.unsqueeze(1),
+                                coef_2 * advantages.unsqueeze(1))
+    if "ref" in job.grpo:
+        ref = job.grpo["ref"][micro * n:(micro + 1) * n]
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        per_token_loss = per_token_loss + rules.beta_of(spec) * kl
+    return per_token_loss.sum() / per_token_loss.numel()
+
+
+def loss(job, spec, micro: int = 0) -> torch.Tensor:
+    """The objective's loss of one micro-step (the runner's `model(**batch).loss`)."""
+    o = spec.objective
+    if o == "grpo":
+        return grpo_loss(job, spec, micro)
+    return {"dpo": dpo_loss, "orpo": orpo_loss, "kto": kto_loss, "rm": rm_loss}[o](job, spec)
+
+
+# ---------------------------------------------------------------- batch and reference
+
+def batch(spec, device=None) -> dict:
+    """The collated batch of the objective (token 1 stands for any id; -100 the label pad):
+    DPO the concatenated ids and loss mask (prompt tokens out); ORPO ids and labels; KTO the
+    completions and the KL batch; RM the concatenated ids; GRPO a stand-in (the generation
+    makes its ids). `precomputed` reference log-probs: fp32 per sequence, in the batch."""
+    o, n, s = spec.objective, spec.micro_batch, spec.seq_len
+    rows = rules.rows(spec)
+    ids = torch.ones(rows, s, dtype=torch.long, device=device)
+    out = {"input_ids": ids}
+    prompt = rules.prompt_length(spec)
+    if o == "dpo":
+        mask = torch.ones(rows, s, dtype=torch.long, device=device)
+        mask[:, :prompt] = 0
+        out["loss_mask"] = mask
+    if o in ("orpo", "kto"):
+        labels = torch.ones(rows, s, dtype=torch.long, device=device)
+        labels[:, :prompt] = -100
+        out["labels"] = labels
+    if o == "kto":
+        out["kl_input_ids"] = torch.ones(n, s, dtype=torch.long, device=device)
+        out["kl_labels"] = labels.clone()
+    if rules.ref_model_of(spec) == "precomputed":
+        names = ("ref_chosen_logps", "ref_rejected_logps") + (("ref_kl_logps",)
+                                                              if o == "kto" else ())
+        for name in names:
+            out[name] = torch.zeros(n, device=device)
+    return out
+
+
+def reference_model(spec, config, build_model):
+    """TRL `create_reference_model`: a frozen deep copy of the policy as loaded (its dtype),
+    in eval mode; None unless the reference is `separate`."""
+    if rules.ref_model_of(spec) != "separate":
+        return None
+    ref = build_model(spec, config)
+    ref.requires_grad_(False)
+    ref.eval()
+    return ref
+
+
+def check_model(spec, image_tokens: int, model_type: str) -> None:
+    """`job.objective.check_model` on the built batch."""
+    rules.check_model(spec, image_tokens, model_type)
