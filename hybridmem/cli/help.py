@@ -22,6 +22,10 @@ MAX_LINES = 2
 """Lines an option's help may take; a longer list of choices is cut, saying how many in all."""
 ALL_CHOICES = frozenset({"precision"})
 """Fields whose every choice is listed (one more line): precision decides most verdicts."""
+OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep"})
+"""Options the one-screen help leaves to the README: an alias (`--zero-stage N` =
+`--strategy zeroN`), GRPO's / DPO's `--beta` (what it changes, the reference model, is
+`--ref-model`) and `--no-kbit-prep` (peft's k-bit preparation is what almost every QLoRA job runs)."""
 LONG_DEFAULT = 24
 """A default longer than this (the LoRA target list) is left to the README."""
 
@@ -89,7 +93,8 @@ def _field_text(meta, width: int) -> tuple[str | None, str]:
 
 METAVARS: dict[str, str] = {"gpu": "NAME", "gpu_mem": "GIB", "method": "TIER", "recipe": "NAME",
                             "zero_stage": "N", "model": "MODEL", "lora_targets": "NAMES",
-                            "image_size": "PIXELS", "lengths": "FILE"}
+                            "image_size": "PIXELS", "lengths": "FILE",
+                            "config_format": "NAME"}
 """Value placeholders by parameter name; any other option that is not a job field takes a
 FILE, a job field its type's (`_typed`)."""
 
@@ -109,7 +114,7 @@ def rows(command: TyperCommand, width: int = 80) -> list[tuple[str, list[tuple[s
 
     panels: dict[str, list] = {}  # panel -> [(param, its job field or None)]
     for param in command.params:
-        if not isinstance(param, TyperOption) or param.hidden:
+        if not isinstance(param, TyperOption) or param.hidden or param.name in OFF_SCREEN:
             continue
         meta = schema.BY_KEY.get(param.name)
         panel = getattr(param, "rich_help_panel", None) or "Options"

@@ -109,7 +109,7 @@ class ParallelSpec:
         keys={"deepspeed": ("zero_optimization.sub_group_size",)})
     """ZeRO-3: elements per optimizer sub-group stepped at once (default 1e9)."""
     offload_optimizer: Literal["none", "cpu"] = job_field(
-        "none", help="ZeRO-Offload: optimizer state and fp32 master weights on the CPU.",
+        "none", help="ZeRO-Offload of the optimizer to the CPU.",
         group="parallel", keys={"deepspeed": ("zero_optimization.offload_optimizer",)},
         doc="`none` or `cpu` (ZeRO-Offload: fp32 master weights, optimizer state and fp32 "
         "grads on the CPU; a DeepSpeed `offload_optimizer.device` of `nvme` frees the GPU the "

@@ -286,7 +286,7 @@ class TrainingSpec:
         "reads `activation_checkpointing` (or the deprecated `gradient_checkpointing`)")
     """Activation (gradient) checkpointing of the decoder / encoder layers (`grad_ckpt_policy`)."""
     grad_ckpt_policy: str = job_field(
-        "full", help="Which layers --grad-ckpt checkpoints (every:N: layers 0, N, 2N, ...).",
+        "full", help="Layers checkpointed (every:N: layers 0, N, 2N, ...).",
         group="savers", choices=CKPT_POLICIES, added=6, recorded="string",
         keys={"training_args": ("activation_checkpointing_kwargs",
                                 "gradient_checkpointing_kwargs")},
@@ -315,7 +315,7 @@ class TrainingSpec:
     lora: LoraSpec | None = None
     """LoRA settings; required and only meaningful with `train='lora'`."""
     attn: Attention | None = job_field(
-        None, help="Attention implementation (default: the one transformers picks).",
+        None, help="Attention (default: transformers' pick).",
         group="model", choices=ATTENTIONS, feature=True, echo=True,
         keys={"training_args": ("attn_implementation",)},
         doc="`eager`, `sdpa`, `flash_attention_2` (transformers `attn_implementation`); "
@@ -346,7 +346,7 @@ class TrainingSpec:
         doc="N micro-steps accumulating into the grads per optimizer step (the peak over them)")
     """Micro-steps whose gradients accumulate before one optimizer step."""
     empty_cache_steps: int = job_field(
-        0, help="torch.cuda.empty_cache() every N steps where the loop calls it; 0 = never.",
+        0, help="torch.cuda.empty_cache() every N steps; 0 = never.",
         group="loop", unit="steps", feature=True, added=5, recorded="int64",
         keys={"training_args": ("torch_empty_cache_steps",)},
         doc="`torch.cuda.empty_cache()` every N steps, where the loop calls it: `trainer` after "
@@ -396,7 +396,7 @@ class TrainingSpec:
     """Cut Cross-Entropy (`hybridmem.job.cce`): the loss from the hidden states and
     lm_head.weight without (N, V) logits."""
     offload_activations: str = job_field(
-        "none", help="Activations kept on the host.", group="savers",
+        "none", help="Activation offload.", group="savers",
         choices=OFFLOAD_MODES, feature=True, added=16, recorded="string",
         keys={"training_args": ("activation_offloading", "activation_checkpointing_kwargs",
                                 "gradient_checkpointing_kwargs")},
@@ -509,7 +509,7 @@ class TrainingSpec:
         keys={"training_args": ("dataloader_drop_last",)})
     """`dataloader_drop_last`."""
     objective: str = job_field(
-        "sft", help="The trainer's step.",
+        "sft", help="Trainer.",
         group="objective", choices=OBJECTIVES, added=33, echo=True,
         keys={"training_args": ("num_generations", "desirable_weight", "undesirable_weight",
                                 "center_rewards_coefficient", "rpo_alpha", "loss_type")},
@@ -522,7 +522,7 @@ class TrainingSpec:
         "[docs/objectives.md](docs/objectives.md)")
     """Training objective (`hybridmem.job.objective`): sft, dpo, orpo, kto, rm or grpo."""
     ref_model: str | None = job_field(
-        None, help="Reference log-probs from.", group="objective", choices=REF_MODELS, added=34,
+        None, help="Ref.", group="objective", choices=REF_MODELS, added=34,
         keys={"training_args": ("precompute_ref_log_probs",)},
         doc="where the reference log-probs come from: `separate` (a frozen copy of the model "
         "in its dtype), `adapter` (the policy under peft's `disable_adapter()`), `precomputed` "
