@@ -89,6 +89,22 @@ def replay(events: Iterable[tuple], config: AllocatorConfig = AllocatorConfig(),
     return _result(sim, timeline, unmatched_frees=unmatched)
 
 
+def peak_requested(events: Iterable[tuple]) -> int:
+    """Peak of the live requested bytes of a ("alloc" / "free", key, size) stream: `replay`'s
+    `peak_requested` without simulating the allocator (what its allocated and reserved peaks
+    can never fall below)."""
+    live: dict = {}
+    now = top = 0
+    for action, key, size, *_ in events:
+        if action == "alloc":
+            live[key] = size
+            now += size
+            top = max(top, now)
+        elif action == "free":
+            now -= live.pop(key, 0)
+    return top
+
+
 def _result(sim: CachingAllocatorSim, timeline: list, **real) -> ReplayResult:
     return ReplayResult(
         peak_allocated=sim.peak_allocated, peak_reserved=sim.peak_reserved,

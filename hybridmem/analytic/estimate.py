@@ -353,8 +353,13 @@ def timeline(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     return graph, priced, walk([p.step for p in priced], st)
 
 
+@lru_cache(maxsize=32)
 def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
            ) -> tuple[ModelGraph, list[Priced], Statics]:
+    """The graph, the priced layers and the statics of `spec`; cached per (spec, workspace):
+    one answer prices the same spec several times (its timeline, its replayed stream, the
+    micro-batch search, `--gpu`'s advice). Callers do not mutate what it returns (frozen
+    records in a list)."""
     spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
     refused = scope.refusal(spec)  # PEFT methods, families and MoE settings it does not price
     if refused is not None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from hybridmem.allocator.alloc import t
+from hybridmem.allocator.replay import peak_requested
 from hybridmem.parallel.sharding import RankStates, rank_states
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
@@ -162,20 +163,6 @@ def rewrite(events, marks, kinds: dict, rank: RankStates) -> list[tuple]:
     if comm_open is not None:
         out.append(("free", comm_open, 0))
     return out
-
-
-def peak_requested(events) -> int:
-    """Peak of the live requested bytes of a stream (what its allocated peak is made of)."""
-    live: dict = {}
-    now = top = 0
-    for action, key, size, *_ in events:
-        if action == "alloc":
-            live[key] = size
-            now += size
-            top = max(top, now)
-        elif action == "free":
-            now -= live.pop(key, 0)
-    return top
 
 
 def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
