@@ -218,7 +218,7 @@ def _replay_summary(spec, measure: Callable, env: str, capacity: int | None,
             return _keep(key, unlimited)
     allocated, events = measured or measure(spec)
     try:
-        result = replay(events, config, capacity=capacity)
+        result = replay(events, config, capacity=capacity, timeline=False)
     except SimulatedOOM:  # as `capped_replay`: the unlimited replay (kept too), flagged
         allocated, fragmentation, retries, _, peak, requested = _replay_summary(
             spec, measure, env, None, (allocated, events))

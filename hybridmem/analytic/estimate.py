@@ -418,11 +418,22 @@ def _events(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> list
     return build_events(priced, spec, st)
 
 
+@lru_cache(maxsize=16)
+def stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
+           ) -> tuple[list[tuple], list[tuple[int, str, int]]]:
+    """(event stream, phase marks) of `spec` (`events.build`), cached per (spec, workspace):
+    the single-GPU replay and each rank's rewritten stream (`parallel.stream`) start from the
+    same one. Callers read it; they never change it."""
+    _, priced, st = _setup(spec, workspace)
+    marks: list[tuple[int, str, int]] = []
+    return build_events(priced, spec, st, marks=marks), marks
+
+
 def _measure(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> tuple[int, list[tuple]]:
     """(closed-form allocated peak, event stream) of `spec`, for `reserved.envelope`."""
     _, priced, st = _setup(spec, workspace)
     points = walk([p.step for p in priced], st)
-    return peak(points).allocated, build_events(priced, spec, st)
+    return peak(points).allocated, stream(spec, workspace)[0]
 
 
 @lru_cache(maxsize=None)

@@ -168,13 +168,11 @@ def rewrite(events, marks, kinds: dict, rank: RankStates) -> list[tuple]:
 def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
     """(peak live bytes, event stream) of one rank of `spec` (module docstring); raises
     `SpecError` where the analytic tier has no stream (e.g. `train='peft'`)."""
-    from hybridmem.analytic.estimate import _setup
-    from hybridmem.analytic.events import build
+    from hybridmem.analytic.estimate import _setup, stream
 
     single = spec.with_(parallel=ParallelSpec())
     _, priced, statics = _setup(single, workspace)
-    marks: list = []
-    events = build(priced, single, statics, marks=marks)
+    events, marks = stream(single, workspace)  # the single-GPU replay's stream, built once
     n_param, n_master = _setup_counts(priced, POLICIES[single.precision])
     mt = model_tensors(spec)
     stream = rewrite(events, marks, classify(events, marks, n_param, n_master),
