@@ -96,14 +96,17 @@ def peak_requested(events: Iterable[tuple]) -> int:
     `peak_requested` without simulating the allocator (what its allocated and reserved peaks
     can never fall below)."""
     live: dict = {}
+    pop = live.pop
     now = top = 0
-    for action, key, size, *_ in events:
+    for event in events:
+        action = event[0]
         if action == "alloc":
-            live[key] = size
+            live[event[1]] = size = event[2]
             now += size
-            top = max(top, now)
+            if now > top:
+                top = now
         elif action == "free":
-            now -= live.pop(key, 0)
+            now -= pop(event[1], 0)
     return top
 
 
