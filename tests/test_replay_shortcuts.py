@@ -52,3 +52,22 @@ def test_capped_answers_equal_the_capped_replay(conf, monkeypatch):
             assert got == (allocated, *_replayed_within(events, config, capacity)), (
                 order, capacity)
     reserved._REPLAYS.clear()
+
+
+def test_a_config_edited_between_two_answers_is_priced_afresh(tmp_path):
+    """The per-process caches of the analytic tier are keyed by the model's config too."""
+    import json
+
+    from hybridmem import predict
+    from hybridmem.models.loader import load_config_dict
+
+    path = tmp_path / "config.json"
+    data = load_config_dict("tiny-llama")[1]
+    path.write_text(json.dumps(data))
+    spec = SPEC.with_(model=str(path))
+    first = predict(spec, method="analytic")
+    data["intermediate_size"] *= 2  # a wider MLP: more parameters, more activation bytes
+    path.write_text(json.dumps(data))
+    second = predict(spec, method="analytic")
+    assert second.params_total > first.params_total
+    assert second.peak.allocated_bytes > first.peak.allocated_bytes

@@ -17,6 +17,7 @@ peak fits never reaches the limit), so "does not fit" keeps the size of the shor
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -181,6 +182,7 @@ _REPLAYS: dict[tuple, tuple[int, int, int, bool, int, int]] = {}
 """(spec, measure, env, capacity) -> `_replay_summary`: a process replays each stream once
 (`--find-max-batch` and `--gpu`'s advice ask for the same micro-batches many times)."""
 _REPLAYS_MAX = 128  # entries kept (oldest dropped first): a bound on memory, not a tuned figure
+_REPLAYS_LOCK = threading.Lock()
 
 
 def _replayed(spec, measure: Callable, env: str, capacity: int | None = None
@@ -201,8 +203,9 @@ def _replay_summary(spec, measure: Callable, env: str, capacity: int | None,
     collection threshold make the capacity matter before it is reached
     (`sim.CachingAllocatorSim`: its address space, its collection threshold)."""
     key = (spec, measure, env, capacity)
-    if key in _REPLAYS:
-        return _REPLAYS[key]
+    hit = _REPLAYS.get(key)
+    if hit is not None:
+        return hit
     config = _config(env)
     unlimited = _REPLAYS.get((spec, measure, env, None))
     if capacity is not None and unlimited is None:
@@ -229,9 +232,10 @@ def _replay_summary(spec, measure: Callable, env: str, capacity: int | None,
 
 
 def _keep(key: tuple, value: tuple) -> tuple:
-    if len(_REPLAYS) >= _REPLAYS_MAX:
-        del _REPLAYS[next(iter(_REPLAYS))]
-    _REPLAYS[key] = value
+    with _REPLAYS_LOCK:  # a server may answer from several threads
+        if len(_REPLAYS) >= _REPLAYS_MAX:
+            del _REPLAYS[next(iter(_REPLAYS))]
+        _REPLAYS[key] = value
     return value
 
 
