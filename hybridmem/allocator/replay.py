@@ -60,16 +60,17 @@ class ReplayResult:
 
 
 def replay(events: Iterable[tuple], config: AllocatorConfig = AllocatorConfig(), *,
-           capacity: int | None = None) -> ReplayResult:
+           capacity: int | None = None, timeline: bool = True) -> ReplayResult:
     """Feed ("alloc", key, size) / ("free", key, 0) events (optionally a 4th item: stream).
 
     ("empty_cache", 0, 0) calls `torch.cuda.empty_cache()`. Keys are any hashable caller ids;
     a free of a key never allocated is counted in `unmatched_frees` and skipped.
+    `timeline=False`: peaks and counters only (the result's `timeline` stays empty).
     """
     sim = CachingAllocatorSim(config, capacity=capacity)
     live: dict = {}
-    timeline = []
-    append = timeline.append
+    points: list = []
+    append = points.append
     unmatched = 0
     for index, event in enumerate(events):
         action = event[0]
@@ -85,8 +86,28 @@ def replay(events: Iterable[tuple], config: AllocatorConfig = AllocatorConfig(),
             sim.empty_cache()
         else:
             raise SpecError("event", action, ("alloc", "free", "empty_cache"))
-        append((index, sim.allocated, sim.reserved))
-    return _result(sim, timeline, unmatched_frees=unmatched)
+        if timeline:
+            append((index, sim.allocated, sim.reserved))
+    return _result(sim, points, unmatched_frees=unmatched)
+
+
+def peak_requested(events: Iterable[tuple]) -> int:
+    """Peak of the live requested bytes of a ("alloc" / "free", key, size) stream: `replay`'s
+    `peak_requested` without simulating the allocator (what its allocated and reserved peaks
+    can never fall below)."""
+    live: dict = {}
+    pop = live.pop
+    now = top = 0
+    for event in events:
+        action = event[0]
+        if action == "alloc":
+            live[event[1]] = size = event[2]
+            now += size
+            if now > top:
+                top = now
+        elif action == "free":
+            now -= pop(event[1], 0)
+    return top
 
 
 def _result(sim: CachingAllocatorSim, timeline: list, **real) -> ReplayResult:

@@ -17,12 +17,12 @@ peak fits never reaches the limit), so "does not fit" keeps the size of the shor
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 from hybridmem.allocator.config import AllocatorConfig, alloc_conf_string
-from hybridmem.allocator.replay import ReplayResult, replay
+from hybridmem.allocator.replay import ReplayResult, peak_requested, replay
 from hybridmem.allocator.sim import SimulatedOOM
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
 from hybridmem.errors import SpecError
@@ -178,19 +178,65 @@ def _config(env: str) -> AllocatorConfig:
     return AllocatorConfig.from_env(env)
 
 
-@lru_cache(maxsize=64)
+_REPLAYS: dict[tuple, tuple[int, int, int, bool, int, int]] = {}
+"""(spec, measure, env, capacity) -> `_replay_summary`: a process replays each stream once
+(`--find-max-batch` and `--gpu`'s advice ask for the same micro-batches many times)."""
+_REPLAYS_MAX = 128  # entries kept (oldest dropped first): a bound on memory, not a tuned figure
+_REPLAYS_LOCK = threading.Lock()
+
+
 def _replayed(spec, measure: Callable, env: str, capacity: int | None = None
               ) -> tuple[int, int, int, bool, int]:
     """(allocated, F, num_alloc_retries, ran out of memory, peak reserved) of `spec`'s
     replayed stream."""
-    allocated, events = measure(spec)
+    return _replay_summary(spec, measure, env, capacity)[:5]
+
+
+def _replay_summary(spec, measure: Callable, env: str, capacity: int | None,
+                    measured: tuple[int, list] | None = None
+                    ) -> tuple[int, int, int, bool, int, int]:
+    """`_replayed` plus the stream's peak of live requested bytes. Within a `capacity`, two
+    outcomes are known without replaying there: live tensors above it run out of memory (the
+    allocator's reserved bytes never fall below the requested ones, and stay within the
+    capacity when it completes), and a stream whose unlimited replay reserves no more than it
+    never meets it (the same replay, no retry) unless expandable segments or a garbage
+    collection threshold make the capacity matter before it is reached
+    (`sim.CachingAllocatorSim`: its address space, its collection threshold)."""
+    key = (spec, measure, env, capacity)
+    hit = _REPLAYS.get(key)
+    if hit is not None:
+        return hit
+    config = _config(env)
+    unlimited = _REPLAYS.get((spec, measure, env, None))
+    if capacity is not None and unlimited is None:
+        measured = measured or measure(spec)
+        if peak_requested(measured[1]) > capacity:
+            unlimited = _replay_summary(spec, measure, env, None, measured)
+    if capacity is not None and unlimited is not None:
+        allocated, fragmentation, _, _, peak, requested = unlimited
+        if requested > capacity:  # as `capped_replay`: the unlimited replay, flagged
+            return _keep(key, (allocated, fragmentation, 0, True, peak, requested))
+        if peak <= capacity and not (config.expandable_segments
+                                     or config.garbage_collection_threshold):
+            return _keep(key, unlimited)
+    allocated, events = measured or measure(spec)
     try:
-        result = replay(events, _config(env), capacity=capacity)
-    except SimulatedOOM:  # as `capped_replay`: the unlimited replay (cached here too), flagged
-        allocated, fragmentation, retries, _, peak = _replayed(spec, measure, env, None)
-        return allocated, fragmentation, retries, True, peak
-    return (allocated, result.peak_reserved - result.peak_allocated, result.num_alloc_retries,
-            False, result.peak_reserved)
+        result = replay(events, config, capacity=capacity, timeline=False)
+    except SimulatedOOM:  # as `capped_replay`: the unlimited replay (kept too), flagged
+        allocated, fragmentation, retries, _, peak, requested = _replay_summary(
+            spec, measure, env, None, (allocated, events))
+        return _keep(key, (allocated, fragmentation, retries, True, peak, requested))
+    return _keep(key, (allocated, result.peak_reserved - result.peak_allocated,
+                       result.num_alloc_retries, False, result.peak_reserved,
+                       result.peak_requested))
+
+
+def _keep(key: tuple, value: tuple) -> tuple:
+    with _REPLAYS_LOCK:  # a server may answer from several threads
+        if len(_REPLAYS) >= _REPLAYS_MAX:
+            del _REPLAYS[next(iter(_REPLAYS))]
+        _REPLAYS[key] = value
+    return value
 
 
 def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:

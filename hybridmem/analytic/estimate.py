@@ -359,8 +359,28 @@ def timeline(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     return graph, priced, walk([p.step for p in priced], st)
 
 
+def _config_key(model: str) -> str:
+    """The model's config as text: the caches below are keyed by it as well as by the spec, so
+    a config.json edited between two answers of one process is priced afresh."""
+    import json
+
+    from hybridmem.models.loader import load_config_dict
+
+    return json.dumps(load_config_dict(model)[1], sort_keys=True, default=str)
+
+
 def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
            ) -> tuple[ModelGraph, list[Priced], Statics]:
+    """The graph, the priced layers and the statics of `spec`, cached per (spec, workspace,
+    model config): one answer prices the same spec several times (its timeline, its replayed
+    stream, the micro-batch search, `--gpu`'s advice). Callers do not mutate what it returns
+    (frozen records in a list)."""
+    return _setup_cached(spec, workspace, _config_key(spec.model))
+
+
+@lru_cache(maxsize=32)
+def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
+                  ) -> tuple[ModelGraph, list[Priced], Statics]:
     spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
     refused = scope.refusal(spec)  # PEFT methods, families and MoE settings it does not price
     if refused is not None:
@@ -425,11 +445,27 @@ def _events(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> list
     return build_events(priced, spec, st)
 
 
+def stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
+           ) -> tuple[list[tuple], list[tuple[int, str, int]]]:
+    """(event stream, phase marks) of `spec` (`events.build`), cached per (spec, workspace,
+    model config): the single-GPU replay and each rank's rewritten stream (`parallel.stream`)
+    start from the same one. Callers read it; they never change it."""
+    return _stream_cached(spec, workspace, _config_key(spec.model))
+
+
+@lru_cache(maxsize=8)  # a stream holds ~10^4-10^5 events: a handful of micro-batches' worth
+def _stream_cached(spec: TrainingSpec, workspace: int, config_key: str
+                   ) -> tuple[list[tuple], list[tuple[int, str, int]]]:
+    _, priced, st = _setup(spec, workspace)
+    marks: list[tuple[int, str, int]] = []
+    return build_events(priced, spec, st, marks=marks), marks
+
+
 def _measure(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> tuple[int, list[tuple]]:
     """(closed-form allocated peak, event stream) of `spec`, for `reserved.envelope`."""
     _, priced, st = _setup(spec, workspace)
     points = walk([p.step for p in priced], st)
-    return peak(points).allocated, build_events(priced, spec, st)
+    return peak(points).allocated, stream(spec, workspace)[0]
 
 
 def stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES

@@ -19,7 +19,10 @@ SUBCOMMANDS: tuple[str, ...] = ("predict", "models", "gpus", "collect", "train",
 
 def build_app(names: tuple[str, ...] = SUBCOMMANDS) -> typer.Typer:
     """The `hybridmem` app with the subcommands `names` registered."""
+    from hybridmem.cli.coerce import PlainGroup
+
     out = typer.Typer(
+        cls=PlainGroup,
         name="hybridmem",
         help="Predict the peak GPU memory of a training job before it runs.",
         no_args_is_help=True,

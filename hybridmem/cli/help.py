@@ -143,7 +143,14 @@ def rows(command: TyperCommand, width: int = 80) -> list[tuple[str, list[tuple[s
 
 
 class CompactHelp(TyperCommand):
-    """A typer command whose `--help` is `rows` in two aligned columns, then the epilog."""
+    """A typer command whose `--help` is `rows` in two aligned columns, then the epilog, and
+    whose plain option values are coerced without pydantic (`cli.coerce`)."""
+
+    def parse_args(self, ctx, args):
+        from hybridmem.cli.coerce import install
+
+        install(self.get_params(ctx))
+        return super().parse_args(ctx, args)
 
     def format_help(self, ctx, formatter) -> None:
         from rich.console import Console

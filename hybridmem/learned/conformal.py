@@ -17,11 +17,14 @@ held-out data shows (`trust`). A group with no training row gets the largest mar
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from hybridmem.adapters import group_of
+
+if TYPE_CHECKING:  # only annotations here: pandas loads where a frame is built
+    import pandas as pd
 
 POOLED = "*"
 """Key of the margin over every group's residuals together."""

@@ -18,10 +18,12 @@ same for `predictor.apply_model` and the held-out evaluations, so what is evalua
 
 from __future__ import annotations
 
-import numpy as np
-import pandas as pd
+from typing import TYPE_CHECKING
 
-from hybridmem.learned.metrics import bound_coverage
+if TYPE_CHECKING:  # numpy / pandas load in the functions that compute: the chooser reads the
+    # decisions below on every `predict`, and pandas alone costs ~0.5 s to import
+    import numpy as np
+    import pandas as pd
 
 KINDS: dict[str, str] = {"cv": "grouped CV", "torch": "torch-version hold-out"}
 """Held-out evaluations the evidence comes from -> how notes name them."""
@@ -40,6 +42,10 @@ def group_evidence(pred: pd.DataFrame) -> dict[str, dict]:
     """Per job group of held-out predictions (`Evaluation.predictions`): rows, MAPE of the
     base (analytic) tier and of the residual, the residual's under-prediction share, and the
     coverage of its upper bound."""
+    import numpy as np
+
+    from hybridmem.learned.metrics import bound_coverage
+
     out = {}
     for group, part in pred.groupby("job_group", sort=True):
         m = part["measured"].to_numpy(float)
@@ -121,6 +127,8 @@ def answer(estimators: dict, use: dict[str, np.ndarray], X: pd.DataFrame,
     stays the base's); a device residual sets the device peak. Bounds are NaN where no
     residual applies (the base tiers state none).
     """
+    import numpy as np
+
     n = len(X)
     base_device = np.asarray(base_device, float)
     base_reserved = np.asarray(base_reserved, float)

@@ -20,6 +20,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 
+from hybridmem.parallel import library_fields
+
 
 class ConfigKeyWarning(UserWarning):
     """A config file key that hybridmem does not read and the file's library does not know."""
@@ -139,21 +141,34 @@ TRL_OBJECTIVE_KEYS: frozenset[str] = frozenset({
     "rpo_alpha", "loss_type", "beta", "precompute_ref_log_probs", "max_prompt_length",
     "max_completion_length", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization",
 })
+# where the installed libraries define the config classes read below (their source is read
+# by `library_fields`, so that classifying keys imports neither transformers nor torch)
+TRAINING_ARGS = ("transformers.training_args", "TrainingArguments")
+SFT_CONFIG = ("trl.trainer.sft_config", "SFTConfig")
 
 
 def training_args_known() -> frozenset[str]:
     """Field names of the installed `transformers.TrainingArguments`, TRL `SFTConfig` (the
-    installed one, else `TRL_SFT_KEYS`) and LLaVA's extensions."""
-    from transformers import TrainingArguments
+    installed one, else `TRL_SFT_KEYS`), LLaVA's extensions, the 4.x fields 5.x replaced and
+    TRL's preference / RL configs' fields."""
+    extra = LLAVA_KEYS | TRAINING_ARGS_4X | TRL_OBJECTIVE_KEYS
+    names = set(library_fields.class_fields(*TRAINING_ARGS) or ())
+    if not names:  # a source this reader cannot follow: ask the class itself
+        from transformers import TrainingArguments
 
-    names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    try:
-        from trl import SFTConfig
+        names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if not library_fields.installed("trl"):  # trl is optional
+        return frozenset(names | TRL_SFT_KEYS | extra)
+    # trl/trainer/sft_config.py imports TrainingArguments from transformers' lazy __init__
+    sft = library_fields.class_fields(*SFT_CONFIG, hints={"TrainingArguments": TRAINING_ARGS})
+    if sft is None:
+        try:
+            from trl import SFTConfig
 
-        names |= {f.name for f in dataclasses.fields(SFTConfig)}
-    except ImportError:  # trl is optional
-        names |= TRL_SFT_KEYS
-    return frozenset(names | LLAVA_KEYS | TRAINING_ARGS_4X | TRL_OBJECTIVE_KEYS)
+            sft = frozenset(f.name for f in dataclasses.fields(SFTConfig))
+        except ImportError:
+            sft = TRL_SFT_KEYS
+    return frozenset(names | sft | extra)
 
 
 # ---------------------------------------------------------------- DeepSpeed
@@ -217,7 +232,13 @@ def bnb_known() -> frozenset[str]:
 
 def peft_known(peft_type: str) -> frozenset[str] | None:
     """Field names of PEFT's config class for `peft_type` (None: peft or the type unknown)."""
-    try:
+    if not library_fields.installed("peft"):
+        return None
+    where = library_fields.peft_config_class(peft_type)
+    names = library_fields.class_fields(*where) if where is not None else None
+    if names is not None:
+        return names
+    try:  # a source this reader cannot follow: ask peft itself
         from peft import PEFT_TYPE_TO_CONFIG_MAPPING
     except ImportError:
         return None

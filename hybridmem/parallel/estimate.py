@@ -68,11 +68,15 @@ class ActPoint:
     temporary: int
 
 
-def _activation_side(spec: TrainingSpec, estimate: Estimator) -> tuple[Prediction, Prediction]:
+def _activation_side(spec: TrainingSpec, estimate: Estimator,
+                     timeline_known: bool = False) -> tuple[Prediction, Prediction]:
     """(single-GPU prediction, a prediction whose peak is in forward/backward).
 
     Tries the spec, then plain SGD, then SGD with the pure 16-bit twin of the precision; if all
     still peak in the step, the activations are small and the last one's are used as they are.
+    `timeline_known`: the caller has every forward/backward point (`analytic_points`), so the
+    second prediction is not needed and the base one is returned twice (each estimate replays
+    its stream through the allocator simulator: most of `--gpu`'s advice time).
     """
     single = spec.with_(parallel=ParallelSpec())
     base = estimate(single)
@@ -80,7 +84,7 @@ def _activation_side(spec: TrainingSpec, estimate: Estimator) -> tuple[Predictio
     if single.precision in PURE_TWIN:
         candidates.append(candidates[0].with_(precision=PURE_TWIN[single.precision]))
     fwd = base
-    for candidate in candidates:
+    for candidate in () if timeline_known else candidates:
         if fwd.peak.phase != "optimizer":
             break
         fwd = estimate(candidate)
@@ -189,7 +193,7 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     spec = resolved(spec)  # the precision / attention the model implies, if unset
     check_parallel(spec)
     ps = spec.parallel
-    base, fwd = _activation_side(spec, single_gpu_estimate)
+    base, fwd = _activation_side(spec, single_gpu_estimate, timeline_known=points is not None)
     mt = model_tensors(spec)
     states = rank_states(spec, mt)
     single_states = replicated(spec, mt)

@@ -38,6 +38,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from hybridmem.allocator.alloc import t
+from hybridmem.allocator.replay import peak_requested
 from hybridmem.parallel.sharding import RankStates, rank_states
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
@@ -164,30 +165,14 @@ def rewrite(events, marks, kinds: dict, rank: RankStates) -> list[tuple]:
     return out
 
 
-def peak_requested(events) -> int:
-    """Peak of the live requested bytes of a stream (what its allocated peak is made of)."""
-    live: dict = {}
-    now = top = 0
-    for action, key, size, *_ in events:
-        if action == "alloc":
-            live[key] = size
-            now += size
-            top = max(top, now)
-        elif action == "free":
-            now -= live.pop(key, 0)
-    return top
-
-
 def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
     """(peak live bytes, event stream) of one rank of `spec` (module docstring); raises
     `SpecError` where the analytic tier has no stream (e.g. `train='peft'`)."""
-    from hybridmem.analytic.estimate import _setup
-    from hybridmem.analytic.events import build
+    from hybridmem.analytic.estimate import _setup, stream
 
     single = spec.with_(parallel=ParallelSpec())
     _, priced, statics = _setup(single, workspace)
-    marks: list = []
-    events = build(priced, single, statics, marks=marks)
+    events, marks = stream(single, workspace)  # the single-GPU replay's stream, built once
     n_param, n_master = _setup_counts(priced, POLICIES[single.precision])
     mt = model_tensors(spec)
     stream = rewrite(events, marks, classify(events, marks, n_param, n_master),

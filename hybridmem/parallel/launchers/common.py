@@ -18,6 +18,7 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.models import hub
+from hybridmem.parallel import library_fields
 
 
 @dataclass
@@ -127,7 +128,12 @@ TRANSFORMERS_4_FIELDS: frozenset[str] = frozenset({
 @lru_cache(maxsize=1)
 def hf_training_fields() -> frozenset[str]:
     """Field names of the installed transformers' `Seq2SeqTrainingArguments`: the
-    TrainingArguments LLaMA-Factory's own extends (hparams/training_args.py)."""
+    TrainingArguments LLaMA-Factory's own extends (hparams/training_args.py), read from its
+    source (`library_fields`: without importing transformers and torch)."""
+    names = library_fields.class_fields("transformers.training_args_seq2seq",
+                                        "Seq2SeqTrainingArguments")
+    if names is not None:
+        return names
     from transformers import Seq2SeqTrainingArguments
 
     return frozenset(f.name for f in dataclasses.fields(Seq2SeqTrainingArguments))
