@@ -83,6 +83,7 @@ def patched_model_checks(packed: bool = False):
     - `warn_if_padding_and_no_attention_mask` only warns; skipped so fake and real runs match.
     """
     from transformers import masking_utils, modeling_utils
+    from hybridmem.trace import compat
     from transformers.models.llava import modeling_llava
     from transformers.models.gemma3 import modeling_gemma3
     from transformers.models.llava_next import modeling_llava_next
@@ -98,6 +99,9 @@ def patched_model_checks(packed: bool = False):
                 _packed_sequences(masking_utils.find_packed_sequence_indices)),
                (modeling_utils.PreTrainedModel, "warn_if_padding_and_no_attention_mask",
                 lambda *a, **k: None)]
+    # transformers 4.x has no `torch_compilable_check`: its count checks index by a mask
+    # (`compat.placeholder_patches`); a patch applies where its target exists
+    patches = [p for p in patches if hasattr(p[0], p[1])] + compat.placeholder_patches()
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, new in patches:
         setattr(obj, name, new)
