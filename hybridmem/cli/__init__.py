@@ -14,7 +14,7 @@ import typer
 
 from hybridmem.console import run_app
 
-SUBCOMMANDS: tuple[str, ...] = ("predict", "models", "gpus", "collect", "train", "evaluate", "importer")
+SUBCOMMANDS: tuple[str, ...] = ("predict", "models", "gpus", "collect", "train", "evaluate", "importer", "doctor")
 
 def build_app(names: tuple[str, ...] = SUBCOMMANDS) -> typer.Typer:
     """The `hybridmem` app with the subcommands `names` registered."""
