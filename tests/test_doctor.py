@@ -29,6 +29,7 @@ def _check(name: str) -> dict:
     return next(c for c in doctor.report()["checks"] if c["name"].startswith(name))
 
 
+@pytest.mark.compat
 def test_report_names_the_installed_versions():
     env = doctor.report()["environment"]
     for dist in ("torch", "transformers", "peft"):  # read back from the metadata, not the code
@@ -64,6 +65,7 @@ def test_learned_tier_without_a_model(monkeypatch, tmp_path):
     assert not learned["ok"] and "no trained model" in learned["detail"]
 
 
+@pytest.mark.compat
 def test_trace_tier_below_the_floor_is_refused_naming_the_version(monkeypatch, capsys):
     _fake_versions(monkeypatch, transformers="4.51.3")
     trace = _check("trace tier")
@@ -100,6 +102,7 @@ def test_doctor_cli_json_and_console(capsys):
     assert any(line.split()[:3] == ["ok", "analytic", "tier"] for line in lines)
 
 
+@pytest.mark.compat
 def test_predict_json_records_the_versions_it_priced_with(capsys):
     assert main(["predict", "--model", "llava-1.5-7b", "--json"]) == 0
     env = json.loads(capsys.readouterr().out)["environment"]
