@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
 
+from hybridmem import environment
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.gpus import GPU
 from hybridmem.job.schema import job_dict
@@ -279,7 +280,8 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
     # every answer says what job it priced, with the schema's names
     job = {**job_dict(spec), "defaults": filled.defaults} if filled.defaults else job_dict(spec)
     result = dataclasses.replace(result, notes=notes, job=job,
-                                 extras={"method_reason": choice.reason, **result.extras})
+                                 extras={"method_reason": choice.reason, **result.extras,
+                                         "environment": environment.versions()})
     if gpu is None:
         return result
     return dataclasses.replace(result, gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,

@@ -60,6 +60,7 @@ def _ids(kw: dict) -> str:
     return "-".join(str(v) for v in kw.values())
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("model", sorted(TINY))
 @pytest.mark.parametrize("kw", [dict(precision="fp32"),
                                 dict(precision="fp32", train="lora", grad_ckpt=True)], ids=_ids)

@@ -89,6 +89,7 @@ def _spec(model: str, cfg: dict, **kw) -> TrainingSpec:
                            **spec_fields(cfg), **kw})
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("model, cfg, kw", [
     ("tiny-llama", DORA, {}),
     ("tiny-llava", DORA, {"precision": "fp32"}),

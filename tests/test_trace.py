@@ -73,6 +73,7 @@ def tiny(**kw) -> TrainingSpec:
     return TrainingSpec(**{"model": "tiny-llava", "micro_batch": 2, "seq_len": 64, **kw})
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("kw", [
     dict(precision="fp32", attn="eager", optimizer="adamw"),
     dict(precision="bf16-mixed", attn="sdpa", optimizer="adamw", train="llm+projector",
@@ -86,6 +87,7 @@ def test_fake_peak_equals_real_cpu_run(kw):
     assert fake_peak == real_cpu_peak(spec)
 
 
+@pytest.mark.compat
 def test_meta_peak_equals_real_cpu_run():
     # the default backend, fp32 (no autocast: CPU and emulated CUDA lists cannot differ)
     spec = tiny(precision="fp32", grad_ckpt=True, train="llm+projector")

@@ -15,7 +15,7 @@ import typer
 from hybridmem.console import run_app
 
 SUBCOMMANDS: tuple[str, ...] = ("predict", "models", "gpus", "collect", "train", "evaluate", "importer",
-                               "serve")
+                               "serve", "doctor")
 
 def build_app(names: tuple[str, ...] = SUBCOMMANDS) -> typer.Typer:
     """The `hybridmem` app with the subcommands `names` registered."""

@@ -2,8 +2,11 @@
 
 transformers 5.x gives `activation_checkpointing_enable()` and the deprecated
 `gradient_checkpointing_enable(use_reentrant=False)` the same effect (modeling_utils.py
-`_activation_checkpointing_enable`: kwargs default `{"use_reentrant": False}`); one function
-keeps the trace tier and the harness on one call.
+`_activation_checkpointing_enable`: kwargs default `{"use_reentrant": False}`); transformers
+4.x has only `gradient_checkpointing_enable`, whose default is `{"use_reentrant": True}`
+(4.57 modeling_utils.py): the job asks for non-reentrant checkpointing on every release (the
+5.x default; on 4.x TrainingArguments `gradient_checkpointing_kwargs={"use_reentrant": False}`,
+docs/trace.md "Versions"). One function keeps the trace tier and the harness on one call.
 """
 
 from __future__ import annotations
@@ -33,8 +36,19 @@ def enable_checkpointing(model: nn.Module, spec: TrainingSpec) -> list[str]:
         from hybridmem.job import sac
 
         kwargs = {"use_reentrant": False, "context_fn": sac.context_fn}
-    base.activation_checkpointing_enable(kwargs,
-                                         offload=spec.offload_activations == "ckpt-inputs")
+    offload = spec.offload_activations == "ckpt-inputs"
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(kwargs, offload=offload)
+    else:  # transformers 4.x; the job's checkpointing is non-reentrant on every release
+        if offload:
+            from importlib.metadata import version
+
+            from hybridmem.errors import SpecError
+
+            raise SpecError("offload_activations", "ckpt-inputs", reason="checkpoint offload "
+                            "is transformers>=5.0's activation_checkpointing_enable(offload=True);"
+                            f" installed: transformers {version('transformers')}")
+        base.gradient_checkpointing_enable(kwargs or {"use_reentrant": False})
     return select_checkpointed(base, spec)
 
 

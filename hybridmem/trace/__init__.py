@@ -85,8 +85,13 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta",
     `capacity`: bytes the allocator may reserve (None: unlimited), `_simulate_reserved`.
     """
     spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
-    from hybridmem.errors import UnsupportedModelError
+    from hybridmem.environment import trace_refusal
+    from hybridmem.errors import SpecError, UnsupportedModelError
     from hybridmem.trace import repeat, runner
+
+    too_old = trace_refusal()  # the supported range (pyproject.toml), before any import
+    if too_old is not None:
+        raise SpecError("method", "trace", reason=f"the trace tier {too_old}")
 
     config = _validate(spec)
     # the runner places one workspace per cuBLAS handle a training step holds (forward thread,

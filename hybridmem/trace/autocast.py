@@ -129,6 +129,7 @@ def emulated(mode: CudaAutocast):
 
     transformers' `maybe_autocast` is a no-op on meta tensors and `torch.autocast` refuses the
     meta device, so the model's own "autocast off here" regions (RoPE in fp32) would be lost.
+    transformers 4.x has no `maybe_autocast`: `meta_torch_autocast` stands in.
     """
     from transformers.utils import generic
 
@@ -145,10 +146,10 @@ def emulated(mode: CudaAutocast):
         except RuntimeError:
             return False
 
+    saved = getattr(generic, "maybe_autocast", None)
     targets = [m for name, m in list(sys.modules.items())
-               if name.startswith("transformers") and getattr(m, "maybe_autocast", None)
-               is generic.maybe_autocast]
-    saved = generic.maybe_autocast
+               if saved is not None and name.startswith("transformers")
+               and getattr(m, "maybe_autocast", None) is saved]
     for m in targets:
         m.maybe_autocast = maybe_autocast
     torch.is_autocast_enabled = is_autocast_enabled
@@ -159,6 +160,25 @@ def emulated(mode: CudaAutocast):
         for m in targets:
             m.maybe_autocast = saved
         torch.is_autocast_enabled = is_enabled
+
+
+@contextlib.contextmanager
+def meta_torch_autocast(mode: CudaAutocast | None):
+    """`torch.autocast(device_type="meta", ...)`, which torch refuses, as the emulated region
+    (no region without autocast). transformers 4.x opens it with the tensor's device type
+    (4.57 modeling_llama.py, the rotary embedding's "force float32"); other devices unchanged."""
+    original = torch.autocast
+
+    def autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type == "meta":
+            return mode.region(enabled) if mode is not None else contextlib.nullcontext()
+        return original(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    torch.autocast = autocast
+    try:
+        yield
+    finally:
+        torch.autocast = original
 
 
 def wrap_checkpointing(model: torch.nn.Module, mode: CudaAutocast | None, *outer) -> None:

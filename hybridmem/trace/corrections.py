@@ -80,9 +80,13 @@ def patched_model_checks(packed: bool = False):
     - `masking_utils.find_packed_sequence_indices` treats fake tensors as "tracing" and then
       keeps a packed-sequence mask, which makes HF build a (B, 1, S, S) attention mask that a
       real run of an unpadded batch never builds; it returns None on a real run of our batch.
+      transformers 4.x's returns the mask for every batch, values unread (4.57 masking_utils.py:
+      "it would be nice to return None ... but it causes issues with export"), so a real run
+      builds the (B, 1, S, S) mask there, and the trace runs that original as it is.
     - `warn_if_padding_and_no_attention_mask` only warns; skipped so fake and real runs match.
     """
     from transformers import masking_utils, modeling_utils
+    from hybridmem.trace import compat
     from transformers.models.llava import modeling_llava
     from transformers.models.gemma3 import modeling_gemma3
     from transformers.models.llava_next import modeling_llava_next
@@ -94,10 +98,14 @@ def patched_model_checks(packed: bool = False):
                (modeling_gemma3, "torch_compilable_check", lambda *a, **k: None),
                (modeling_llava_onevision, "torch_compilable_check", lambda *a, **k: None),
                (modeling_internvl, "torch_compilable_check", lambda *a, **k: None),
-               (masking_utils, "find_packed_sequence_indices",
-                _packed_sequences(masking_utils.find_packed_sequence_indices)),
                (modeling_utils.PreTrainedModel, "warn_if_padding_and_no_attention_mask",
                 lambda *a, **k: None)]
+    # transformers 4.x has no `torch_compilable_check`: its count checks index by a mask
+    # (`compat.placeholder_patches`); a patch applies where its target exists
+    patches = [p for p in patches if hasattr(p[0], p[1])] + compat.placeholder_patches()
+    if compat.transformers_major() >= 5:  # 4.x's returns its mask always, reading no value
+        patches.append((masking_utils, "find_packed_sequence_indices",
+                        _packed_sequences(masking_utils.find_packed_sequence_indices)))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, new in patches:
         setattr(obj, name, new)

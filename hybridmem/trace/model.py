@@ -45,8 +45,7 @@ def unsupported(spec: TrainingSpec, what: str, err: BaseException) -> Unsupporte
 def build_model(spec: TrainingSpec, config) -> nn.Module:
     """The HF model for `config`, its parameters fake, in the spec's parameter dtype."""
     import transformers
-    from transformers.initialization import no_init_weights
-
+    from hybridmem.trace.compat import no_init_weights
     from hybridmem.trace.config_checks import check_token_ids
 
     check_token_ids(config)  # a config no backend can build: one line naming the field

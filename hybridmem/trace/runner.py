@@ -29,7 +29,8 @@ from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 from hybridmem.trace import corrections, model as build, objectives
-from hybridmem.trace.autocast import CudaAutocast, emulated, wrap_checkpointing
+from hybridmem.trace.autocast import (CudaAutocast, emulated, meta_torch_autocast,
+                                      wrap_checkpointing)
 from hybridmem.models.loader import is_analytic
 from hybridmem.trace.inputs import batch_notes, make_batch
 from hybridmem.trace.optimizers import (
@@ -387,7 +388,7 @@ def _tensors(backend: str, spec: TrainingSpec, model_type: str = ""):
         grid = (fam.meta_patches() if fam is not None and fam.meta_patches is not None
                 else contextlib.nullcontext())
         with torch.device("meta"), corrections.CpuSdpaOnMeta(), fused_on_meta(), grid, \
-                (emulated(amp) if amp else contextlib.nullcontext()):
+                (emulated(amp) if amp else contextlib.nullcontext()), meta_torch_autocast(amp):
             yield amp
     else:
         yield None

@@ -22,13 +22,21 @@ def refusal(spec) -> SpecError | None:
     (torch/_meta_registrations.py `_meta_grouped_mm_common`: "Expected inputs of BF16 type"):
     the experts' weights must be bf16, which they are under a bf16 precision unless peft's
     `prepare_model_for_kbit_training` casts every unquantised parameter (the 3-D experts are not
-    nn.Linear, so not quantised) to fp32."""
+    nn.Linear, so not quantised) to fp32. transformers 4.x's experts choose their tokens by
+    value (`torch.where`), which no trace can run: refused there, naming the release needed."""
     from hybridmem.families.decoders.model import MOE_TYPES
     from hybridmem.models.loader import model_type_of
 
     model_type = model_type_of(spec.model)
     if model_type not in MOE_TYPES:
         return None
+    from hybridmem.environment import installed
+
+    major = int((installed("transformers") or "5").split(".")[0])
+    if major < 5:  # 4.x: `torch.where(expert_mask[e])` per expert (4.57 modeling_mixtral.py)
+        return SpecError("method", "trace", reason=f"{model_type}'s experts on transformers "
+                         f"{installed('transformers')} pick tokens by value, which a trace "
+                         "cannot run; the trace tier needs transformers>=5.0 for them")
     why = f"{model_type}'s grouped-mm experts run in bf16 only under fake tensors"
     if spec.precision not in BF16_PARAMS:
         return SpecError("precision", spec.precision, BF16_PARAMS, reason=why)

@@ -49,10 +49,11 @@ def sizes_on_meta():
         def features(self, *a, _f=orig, **k):
             with _HostSizes():
                 return _f(self, *a, **k)
-        saved += [(cls, "get_image_features", orig),
-                  (mod, "torch_compilable_check", mod.torch_compilable_check)]
+        saved.append((cls, "get_image_features", orig))
         cls.get_image_features = features
-        mod.torch_compilable_check = lambda *a, **k: None
+        if hasattr(mod, "torch_compilable_check"):  # 5.x; 4.x's check: trace.compat
+            saved.append((mod, "torch_compilable_check", mod.torch_compilable_check))
+            mod.torch_compilable_check = lambda *a, **k: None
     try:
         yield
     finally:

@@ -58,7 +58,8 @@ def grid_helpers_on_meta():
                     index, cu = _f(*a, **k)
                 return index.to("meta"), cu
             patch(mod, "get_vision_window_index", window)
-        patch(mod, "torch_compilable_check", lambda *a, **k: None)
+        if hasattr(mod, "torch_compilable_check"):  # 5.x; 4.x's check: trace.compat
+            patch(mod, "torch_compilable_check", lambda *a, **k: None)
         for cls in vars(mod).values():
             if isinstance(cls, type) and "compute_3d_position_ids" in vars(cls):
                 def positions(self, input_ids=None, inputs_embeds=None, image_grid_thw=None,
