@@ -48,7 +48,7 @@ from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
-from hybridmem.job.precision import adapter_bytes
+from hybridmem.job.precision import AXES, adapter_bytes, casts_weights
 from hybridmem.job.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,7 @@ def cce_applies(spec: TrainingSpec) -> bool:
 
 def context(spec: TrainingSpec) -> A.Ctx:
     policy = POLICIES[spec.precision]
-    amp = spec.precision.endswith("-mixed")
+    amp = casts_weights(spec.precision)
     quant = quant_of(spec)
     if quant is not None and quant.kbit_prep and policy.compute_bytes == 2 and not amp:
         # prepare_model_for_kbit_training casts every unquantised param to fp32 and no autocast
@@ -97,6 +97,7 @@ def context(spec: TrainingSpec) -> A.Ctx:
         raise SpecError("attn", spec.attn, [a for a in ATTENTIONS if a != spec.attn],
                         reason="FlashAttention-2 runs only in fp16/bf16, not precision='fp32'")
     return A.Ctx(e=policy.compute_bytes, stream=4 if amp else policy.param_bytes, amp=amp,
+                 autocast=AXES[spec.precision].autocast != "none",
                  attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0,
                  lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt,
                  dora=bool(spec.lora and spec.lora.use_dora),

@@ -23,7 +23,8 @@ from hybridmem.job.quantize import COMPUTE_DTYPES as QUANT_COMPUTE_DTYPES
 from hybridmem.job.quantize import QUANTIZE
 from hybridmem.job.quantize import STORAGE_DTYPES as QUANT_STORAGE_DTYPES
 
-Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
+Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master",
+                    "bf16-autocast"]
 # one entry per rule of `hybridmem.job.optimizers.OPTIMIZERS` (tests/test_optimizers.py checks)
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "paged-adamw",
                     "sgd", "sgd-momentum", "adafactor", "hf-adafactor", "lion", "lion-32bit",
