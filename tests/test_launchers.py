@@ -335,7 +335,8 @@ def test_llamafactory_lora_sft_is_the_job_its_source_says(tmp_path):
         lora_targets=",".join(DEFAULT_LORA_TARGETS),  # lora_target all: every LLM linear
         micro_batch=1, grad_accum=8,  # per_device_train_batch_size, gradient_accumulation_steps
         seq_len=2048,              # cutoff_len, no packing for stage sft
-        precision="bf16",          # bf16: the base loaded in bf16, LoRA upcast to fp32
+        precision="bf16-autocast",  # bf16: the base loaded in bf16, LoRA upcast to fp32, and
+                                    # Trainer's bf16 autocast (parser.py compute_dtype)
         grad_ckpt=True,            # disable_gradient_checkpointing defaults to False
         max_grad_norm=1.0,         # TrainingArguments' default, Trainer clips
         loop="trainer"))           # a transformers Trainer: only the loss outlives forward
@@ -361,8 +362,8 @@ def test_llamafactory_qlora_is_bitsandbytes_as_it_builds_it(tmp_path):
                                "bnb_4bit_quant_type": "nf4"}))
     flags = spec_from_inputs(overrides=dict(
         model="llama-3.2-3b", train="lora", lora_r=8, lora_alpha=16.0, micro_batch=1,
-        grad_accum=8, seq_len=2048, precision="bf16", grad_ckpt=True, max_grad_norm=1.0,
-        quantization_config=str(bnb), kbit_prep=False))
+        grad_accum=8, seq_len=2048, precision="bf16-autocast",  # bf16: Trainer's autocast too
+        grad_ckpt=True, max_grad_norm=1.0, quantization_config=str(bnb), kbit_prep=False))
     assert spec == flags
     assert (spec.quantize, spec.quant_storage, spec.kbit_prep) == ("nf4", "bfloat16", False)
     assert warned == []

@@ -87,17 +87,21 @@ def cce_applies(spec: TrainingSpec) -> bool:
 def context(spec: TrainingSpec) -> A.Ctx:
     policy = POLICIES[spec.precision]
     amp = casts_weights(spec.precision)
+    autocast = AXES[spec.precision].autocast != "none"
     quant = quant_of(spec)
-    if quant is not None and quant.kbit_prep and policy.compute_bytes == 2 and not amp:
+    if quant is not None and quant.kbit_prep and policy.compute_bytes == 2 and not autocast:
         # prepare_model_for_kbit_training casts every unquantised param to fp32 and no autocast
         # runs: embeddings, norms, attention and the adapters run in fp32; only the 4-bit
         # matmuls run in their compute dtype (`quant_transients`)
         policy = POLICIES["fp32"]
+    elif quant is not None and quant.kbit_prep and policy.param_bytes == 2 and autocast:
+        # ... and under autocast (`bf16-autocast`) the fp32 params run as `bf16-mixed`'s
+        policy, amp = POLICIES["bf16-mixed"], True
     if spec.attn == "flash_attention_2" and policy.compute_bytes == 4:
         raise SpecError("attn", spec.attn, [a for a in ATTENTIONS if a != spec.attn],
                         reason="FlashAttention-2 runs only in fp16/bf16, not precision='fp32'")
     return A.Ctx(e=policy.compute_bytes, stream=4 if amp else policy.param_bytes, amp=amp,
-                 autocast=AXES[spec.precision].autocast != "none",
+                 autocast=autocast,
                  attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0,
                  lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt,
                  dora=bool(spec.lora and spec.lora.use_dora),

@@ -35,8 +35,11 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     norm = gemma_norm_saved if gem else _norm_saved
     # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
     norm(sv, c, B, h, need_in, need_w)
+    # bitsandbytes adapters (`linear_inputs` bnb): only a half input skips PEFT's fp32 copy
     linear_inputs(sv, c, B * h, sb, 1 if fused else 3, need_w, n_qkv, shared=False,
-                  in_grad=need_in)
+                  in_grad=need_in,
+                  bnb=bool({"self_attn.q_proj.weight", "self_attn.qkv_proj.weight"}
+                           & set(layer.quantized)))
     lora_outputs(sv, c, B, n_qkv)
     dora_saved(sv, c, B, dora_linears(layer, QKV), need_in)
     if d.get("qk_norm"):
@@ -67,7 +70,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if sparse:
         moe_fwd, moe_bwd = moe_saved(sv, c, d, need_w)
     else:
-        linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False)
+        linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False,
+                      bnb=bool({"mlp.gate_proj.weight", "mlp.gate_up_proj.weight"}
+                               & set(layer.quantized)))
         lora_outputs(sv, c, B, n_gu)
         dora_saved(sv, c, B, dora_linears(layer, GU), True)
     # a quantised gate/up returns its input's dtype (bnb Linear4bit `.to(inp_dtype)`): the
@@ -81,7 +86,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not sparse:
         sv.add(B * f, mlp_e, times=2 if c.liger else 3)
         m_saved = sv.total
-        linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
+        # (over fp32 weights the quantised gate/up make an fp32 product: priced as a cast copy)
+        linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False,
+                      bnb="mlp.down_proj.weight" in layer.quantized and not c.amp)
         m_saved = sv.total - m_saved  # down_proj's input as its adapter saves it
         lora_outputs(sv, c, B, n_down)
         dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
@@ -102,8 +109,11 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         # lora_B's output and its scaled copy. A checkpointed layer reaches it again in its
         # recompute, the output's grad waiting (trace tier, tiny-llama LoRA bf16-mixed b2 s64
         # checkpointed: the step's peak, at down_proj's lora_A in the recompute)
+        # (a bitsandbytes down_proj under autocast makes no fp32 copy: `linear_inputs` bnb)
+        down_bnb = "mlp.down_proj.weight" in layer.quantized and not c.amp
         mlp_parts = (t(B * h, sb), *([t(B * f, e)] if not need_w else ()),
-                     *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
+                     *([*([t(B * f, FP32)] if not down_bnb else []), *[t(B * h, e)] * 3]
+                       if n_down else ()))
         fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
     if sparse and sum(moe_fwd) > sum(fwd_parts):
         fwd_parts = moe_fwd
