@@ -226,7 +226,7 @@ class TrainingSpec:
         doc="`fp32`, `bf16`, `fp16` (pure), `bf16-mixed`, `fp16-mixed` (fp32 params + "
         "autocast), `bf16-master` (bf16 params/grads + fp32 master weights and state), "
         "`bf16-autocast` (bf16 weights under bf16 autocast: Trainer `bf16=True` over a model "
-        "loaded with `torch_dtype=bfloat16`, LLaMA-Factory's LoRA `bf16: true`). "
+        "loaded with `torch_dtype=bfloat16`; LLaMA-Factory's LoRA and axolotl's `bf16: true`). "
         "TrainingArguments `bf16` / `fp16` are autocast (`bf16-mixed`); DeepSpeed's are "
         "`bf16-master`. Default (`hybridmem.families.defaults`): with adapters (`lora`, `peft`) "
         "the checkpoint's `torch_dtype` as the model is loaded (`bf16`: bf16 weights and "
