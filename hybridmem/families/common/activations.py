@@ -46,7 +46,8 @@ class Ctx:
     e: int
     """Bytes per element of matmul/attention outputs (autocast dtype, or param dtype)."""
     stream: int
-    """Bytes per element of the residual stream (fp32 under autocast, else the param dtype)."""
+    """Bytes per element of the residual stream (fp32 under autocast over fp32 weights, else
+    the param dtype)."""
     amp: bool
     """Autocast over fp32 weights (`*-mixed`, `job.precision.casts_weights`)."""
     attn: str

@@ -102,8 +102,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     fwd_parts = tuple(rope_parts)
     if c.autocast:
         # the MLP's high point (down_proj's forward) when larger than RoPE's copies (always
-        # with Liger's in-place RoPE): the post-attention norm's output (stream dtype, read by the
-        # linears through their bf16 casts, so not saved; the layer's local keeps it), SiLU x
+        # with Liger's in-place RoPE): the post-attention norm's output (stream dtype, read by
+        # the linears through their bf16 casts, so not saved; the layer's local keeps it), SiLU x
         # up when down_proj's frozen weight does not save it, and with an adapter PEFT
         # lora.Linear.forward's base result, fp32 `_cast_input_dtype` copy of the input,
         # lora_B's output and its scaled copy. A checkpointed layer reaches it again in its
