@@ -16,12 +16,15 @@ import torch
 PARAM_DTYPE: dict[str, torch.dtype] = {
     "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
     "bf16-mixed": torch.float32, "fp16-mixed": torch.float32, "bf16-master": torch.bfloat16,
+    "bf16-autocast": torch.bfloat16,
 }
 # torch dtype of a precision axis' value (`hybridmem.job.precision.DTYPES`: weights, adapters)
 AXIS_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                       "fp16": torch.float16}
-# Autocast dtype of the *-mixed policies (torch.amp); pure policies run in the param dtype.
-AUTOCAST: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+# Autocast dtype of the *-mixed policies (torch.amp) and of bf16-autocast (bf16 weights under
+# bf16 autocast); pure policies run in the param dtype.
+AUTOCAST: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
+                                    "bf16-autocast": torch.bfloat16}
 
 
 @contextlib.contextmanager

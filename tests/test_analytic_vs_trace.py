@@ -53,6 +53,14 @@ EXTRA = [
          lora=LoraSpec(r=4, use_dora=True, modules_to_save=("embed_tokens",))),
     dict(model="tiny-llava", precision="bf16", train="lora", grad_ckpt=True,
          lora=LoraSpec(r=4, targets=("q_proj",), modules_to_save=("embed_tokens",))),
+    # bf16 weights under bf16 autocast: fp32 adapters cast, fp32 LayerNorm outputs
+    dict(model="tiny-llama", precision="bf16-autocast", train="lora", grad_ckpt=True),
+    dict(model="tiny-llava", precision="bf16-autocast", train="lora"),
+    dict(model="tiny-llava", precision="bf16-autocast", train="full", attn="eager"),
+    dict(model="tiny-llava-siglip", precision="bf16-autocast", train="lora", grad_ckpt=True,
+         micro_batch=4, seq_len=96),
+    dict(model="tiny-llama", precision="bf16-autocast", train="lora", quantize="nf4",
+         kbit_prep=False, grad_ckpt=True),  # LLaMA-Factory's QLoRA
 ]
 FAST = GRID[::3] + GRID[1::9] + EXTRA  # 36 + 12 + 11 configs; every level of every factor
 SLOW = [g for g in GRID if g not in FAST]

@@ -64,7 +64,8 @@ def test_every_field_is_declared_once_with_a_group_and_help():
 
 def test_choices_come_from_the_literals():
     assert schema.BY_KEY["precision"].choices == ("fp32", "bf16", "fp16", "bf16-mixed",
-                                                  "fp16-mixed", "bf16-master")
+                                                  "fp16-mixed", "bf16-master",
+                                                  "bf16-autocast")
     assert schema.BY_KEY["strategy"].choices == ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
     assert schema.BY_KEY["micro_batch"].choices is None
 

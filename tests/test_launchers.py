@@ -335,7 +335,8 @@ def test_llamafactory_lora_sft_is_the_job_its_source_says(tmp_path):
         lora_targets=",".join(DEFAULT_LORA_TARGETS),  # lora_target all: every LLM linear
         micro_batch=1, grad_accum=8,  # per_device_train_batch_size, gradient_accumulation_steps
         seq_len=2048,              # cutoff_len, no packing for stage sft
-        precision="bf16",          # bf16: the base loaded in bf16, LoRA upcast to fp32
+        precision="bf16-autocast",  # bf16: the base loaded in bf16, LoRA upcast to fp32, and
+                                    # Trainer's bf16 autocast (parser.py compute_dtype)
         grad_ckpt=True,            # disable_gradient_checkpointing defaults to False
         max_grad_norm=1.0,         # TrainingArguments' default, Trainer clips
         loop="trainer"))           # a transformers Trainer: only the loss outlives forward
@@ -361,8 +362,8 @@ def test_llamafactory_qlora_is_bitsandbytes_as_it_builds_it(tmp_path):
                                "bnb_4bit_quant_type": "nf4"}))
     flags = spec_from_inputs(overrides=dict(
         model="llama-3.2-3b", train="lora", lora_r=8, lora_alpha=16.0, micro_batch=1,
-        grad_accum=8, seq_len=2048, precision="bf16", grad_ckpt=True, max_grad_norm=1.0,
-        quantization_config=str(bnb), kbit_prep=False))
+        grad_accum=8, seq_len=2048, precision="bf16-autocast",  # bf16: Trainer's autocast too
+        grad_ckpt=True, max_grad_norm=1.0, quantization_config=str(bnb), kbit_prep=False))
     assert spec == flags
     assert (spec.quantize, spec.quant_storage, spec.kbit_prep) == ("nf4", "bfloat16", False)
     assert warned == []
@@ -441,7 +442,8 @@ def test_axolotl_qlora_is_the_job_its_source_says(tmp_path):
         lora_targets=",".join(DEFAULT_LORA_TARGETS),  # lora_target_linear: all but lm_head
         micro_batch=2, grad_accum=4,  # micro_batch_size, gradient_accumulation_steps
         seq_len=4096,               # sequence_len (sample_packing fills rows of it)
-        precision="bf16",           # bf16 auto -> torch_dtype bf16 base, PEFT's fp32 adapters
+        precision="bf16-autocast",  # bf16 auto -> torch_dtype bf16 base, PEFT's fp32 adapters,
+                                    # Trainer bf16=True (builders/base.py)
         optimizer="paged-adamw",    # optimizer paged_adamw_32bit
         grad_ckpt=True, attn="flash_attention_2",  # gradient_checkpointing, flash_attention
         max_grad_norm=1.0,          # unset: TrainingArguments' 1.0
@@ -450,6 +452,18 @@ def test_axolotl_qlora_is_the_job_its_source_says(tmp_path):
     assert warned == []  # every key is axolotl's, the empty ones too
     assert sources["optimizer"] == f"{path}: optimizer"
     assert sources["seq_len"] == f"{path}: sequence_len"
+
+
+@pytest.mark.parametrize("bf16, precision", [
+    ("auto", "bf16-autocast"),  # Trainer bf16=True over the bf16-loaded model
+    ("true", "bf16-autocast"),
+    ("false", "fp32"),          # torch_dtype float32, no autocast
+])
+def test_axolotl_bf16_is_trainer_autocast_unless_full(tmp_path, bf16, precision):
+    text = AXOLOTL_QLORA.replace("bf16: auto", f"bf16: {bf16}")
+    spec, sources, _, path = _read(tmp_path, "qlora.yml", text)
+    assert spec.precision == precision
+    assert sources["precision"].startswith(f"{path}: bf16")
 
 
 def test_axolotl_fsdp1_prefixed_keys(tmp_path):

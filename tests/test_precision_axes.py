@@ -28,6 +28,8 @@ def test_each_shorthand_is_its_axes(name):
 
 @pytest.mark.parametrize("kw, name", [
     (dict(weights_dtype="bf16"), "bf16"),               # loaded with torch_dtype=bfloat16
+    (dict(weights_dtype="bf16", autocast="bf16"), "bf16-autocast"),  # ... and Trainer bf16=True
+    (dict(precision="bf16", autocast="bf16"), "bf16-autocast"),
     (dict(autocast="bf16"), "bf16-mixed"),              # torch.amp over fp32 weights
     (dict(autocast="fp16"), "fp16-mixed"),
     (dict(precision="bf16", master_weights=True), "bf16-master"),
@@ -40,7 +42,7 @@ def test_axes_complete_and_override(kw, name):
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(weights_dtype="bf16", autocast="bf16"), "autocast"),
+    (dict(weights_dtype="bf16", autocast="fp16"), "autocast"),
     (dict(precision="bf16-mixed", master_weights=True), "master_weights"),
     (dict(precision="fp16", autocast="bf16"), "autocast"),
     (dict(weights_dtype="fp8"), "weights_dtype"),

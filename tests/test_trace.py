@@ -79,6 +79,10 @@ def tiny(**kw) -> TrainingSpec:
     dict(precision="bf16-mixed", attn="sdpa", optimizer="adamw", train="llm+projector",
          grad_ckpt=True),
     dict(precision="bf16", attn="sdpa", optimizer="sgd-momentum"),
+    # bf16 weights under autocast: CUDA's fp32 norms cast the bf16 weights, in recomputes too
+    dict(precision="bf16-autocast", attn="sdpa", optimizer="adamw", train="llm+projector",
+         grad_ckpt=True),
+    dict(precision="bf16-autocast", attn="eager", optimizer="adamw", train="lora"),
 ])
 def test_fake_peak_equals_real_cpu_run(kw):
     spec = tiny(**kw)

@@ -49,7 +49,7 @@ from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
-from hybridmem.job.precision import adapter_bytes
+from hybridmem.job.precision import AXES, adapter_bytes, casts_weights
 from hybridmem.job.spec import ATTENTIONS, POLICIES, TrainingSpec, ckpt_layer
 
 @dataclass(frozen=True, slots=True)
@@ -87,17 +87,22 @@ def cce_applies(spec: TrainingSpec) -> bool:
 
 def context(spec: TrainingSpec) -> A.Ctx:
     policy = POLICIES[spec.precision]
-    amp = spec.precision.endswith("-mixed")
+    amp = casts_weights(spec.precision)
+    autocast = AXES[spec.precision].autocast != "none"
     quant = quant_of(spec)
-    if quant is not None and quant.kbit_prep and policy.compute_bytes == 2 and not amp:
+    if quant is not None and quant.kbit_prep and policy.compute_bytes == 2 and not autocast:
         # prepare_model_for_kbit_training casts every unquantised param to fp32 and no autocast
         # runs: embeddings, norms, attention and the adapters run in fp32; only the 4-bit
         # matmuls run in their compute dtype (`quant_transients`)
         policy = POLICIES["fp32"]
+    elif quant is not None and quant.kbit_prep and policy.param_bytes == 2 and autocast:
+        # ... and under autocast (`bf16-autocast`) the fp32 params run as `bf16-mixed`'s
+        policy, amp = POLICIES["bf16-mixed"], True
     if spec.attn == "flash_attention_2" and policy.compute_bytes == 4:
         raise SpecError("attn", spec.attn, [a for a in ATTENTIONS if a != spec.attn],
                         reason="FlashAttention-2 runs only in fp16/bf16, not precision='fp32'")
     return A.Ctx(e=policy.compute_bytes, stream=4 if amp else policy.param_bytes, amp=amp,
+                 autocast=autocast,
                  attn=spec.attn, lora_r=spec.lora.r if spec.lora else 0,
                  lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt,
                  dora=bool(spec.lora and spec.lora.use_dora),

@@ -40,6 +40,7 @@ from __future__ import annotations
 from hybridmem.allocator.alloc import t
 from hybridmem.allocator.foreach import foreach_norm_scratch
 from hybridmem.analytic.states import state_bytes
+from hybridmem.job.precision import casts_weights
 from hybridmem.job.optimizers import rule
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.spec import POLICIES, TrainingSpec, empty_cache_at
@@ -196,7 +197,7 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
     mark = (lambda ph, it: marks.append((len(s.events), ph, it))) if marks is not None \
         else (lambda ph, it: None)
     policy = POLICIES[spec.precision]
-    amp = spec.precision.endswith("-mixed")
+    amp = casts_weights(spec.precision)
     s = Stream()
     quant = quant_of(spec)
     for p in priced:  # setup: parameters, buffers, adapters; fp32 masters

@@ -178,7 +178,7 @@ def deepspeed_config(spec: TrainingSpec) -> dict:
         "train_batch_size": spec.micro_batch * ps.world_size,
         "gradient_clipping": 0.0,  # the single-GPU workload does not clip either
         "zero_optimization": zero,
-        "bf16": {"enabled": spec.precision in ("bf16", "bf16-master")},
+        "bf16": {"enabled": spec.precision in ("bf16", "bf16-master", "bf16-autocast")},
         "fp16": {"enabled": spec.precision == "fp16"},
         # torch.optim.* and bitsandbytes optimizers are "client" optimizers to DeepSpeed
         "zero_allow_untested_optimizer": True,

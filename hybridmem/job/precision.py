@@ -40,6 +40,7 @@ POLICIES: dict[str, PrecisionPolicy] = {
     "bf16-mixed": PrecisionPolicy(4, 4, 4, 0, 2),
     "fp16-mixed": PrecisionPolicy(4, 4, 4, 0, 2),
     "bf16-master": PrecisionPolicy(2, 2, 4, 4, 2),
+    "bf16-autocast": PrecisionPolicy(2, 2, 2, 0, 2),
 }
 
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -61,7 +62,9 @@ class Axes:
 
 # One table: shorthand -> axes. Sources: torch.amp docs (autocast over fp32 params: `*-mixed`,
 # HF Trainer `bf16=True` / `fp16=True`), a model loaded with `torch_dtype=bfloat16` and no
-# autocast (`bf16`), DeepSpeed bf16_optimizer.py (bf16 params + fp32 master and state).
+# autocast (`bf16`), DeepSpeed bf16_optimizer.py (bf16 params + fp32 master and state), HF
+# Trainer `bf16=True` over a model loaded with `torch_dtype=bfloat16` (`bf16-autocast`: bf16
+# params and state, autocast's fp32 ops still upcast; LLaMA-Factory's and axolotl's `bf16: true`).
 AXES: dict[str, Axes] = {
     "fp32": Axes("fp32", "none", False),
     "bf16": Axes("bf16", "none", False),
@@ -69,8 +72,17 @@ AXES: dict[str, Axes] = {
     "bf16-mixed": Axes("fp32", "bf16", False),
     "fp16-mixed": Axes("fp32", "fp16", False),
     "bf16-master": Axes("bf16", "none", True),
+    "bf16-autocast": Axes("bf16", "bf16", False),
 }
 SHORTHAND: dict[Axes, str] = {axes: name for name, axes in AXES.items()}
+
+
+def casts_weights(precision: str) -> bool:
+    """Autocast over fp32 weights (`*-mixed`): every matmul casts its weight to the autocast
+    dtype and the residual stream stays fp32. Over half weights (`bf16-autocast`) autocast
+    casts only what is fp32 (peft's adapters, the fp32-list ops' outputs)."""
+    axes = AXES[precision]
+    return axes.autocast != "none" and axes.weights_dtype == "fp32"
 
 
 def _priced() -> str:

@@ -24,7 +24,8 @@ from hybridmem.job.quantize import COMPUTE_DTYPES as QUANT_COMPUTE_DTYPES
 from hybridmem.job.quantize import QUANTIZE
 from hybridmem.job.quantize import STORAGE_DTYPES as QUANT_STORAGE_DTYPES
 
-Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master"]
+Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master",
+                    "bf16-autocast"]
 # one entry per rule of `hybridmem.job.optimizers.OPTIMIZERS` (tests/test_optimizers.py checks)
 Optimizer = Literal["adamw", "adamw-fused", "adamw-8bit", "paged-adamw-8bit", "paged-adamw",
                     "sgd", "sgd-momentum", "adafactor", "hf-adafactor", "lion", "lion-32bit",
@@ -224,7 +225,9 @@ class TrainingSpec:
         feature=True, echo=True, keys={"training_args": ("bf16", "fp16"),
                                        "deepspeed": ("bf16", "fp16", "bfloat16")},
         doc="`fp32`, `bf16`, `fp16` (pure), `bf16-mixed`, `fp16-mixed` (fp32 params + "
-        "autocast), `bf16-master` (bf16 params/grads + fp32 master weights and state). "
+        "autocast), `bf16-master` (bf16 params/grads + fp32 master weights and state), "
+        "`bf16-autocast` (bf16 weights under bf16 autocast: Trainer `bf16=True` over a model "
+        "loaded with `torch_dtype=bfloat16`; LLaMA-Factory's LoRA and axolotl's `bf16: true`). "
         "TrainingArguments `bf16` / `fp16` are autocast (`bf16-mixed`); DeepSpeed's are "
         "`bf16-master`. Default (`hybridmem.families.defaults`): with adapters (`lora`, `peft`) "
         "the checkpoint's `torch_dtype` as the model is loaded (`bf16`: bf16 weights and "

@@ -163,6 +163,10 @@ def _forward(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]
             return _call(job, spec)
     ctx = (torch.autocast("cpu", dtype=AUTOCAST[spec.precision]) if spec.precision in AUTOCAST
            else contextlib.nullcontext())
+    if spec.precision in AUTOCAST:
+        # checkpoint recomputes run in backward, outside this block: CUDA's fp32 norms there
+        # too (checkpoint.py restores the autocast state; a half weight's fp32 cast must recur)
+        wrap_checkpointing(job.model, None, corrections.CudaAutocastFp32)
     with ctx, corrections.cuda_autocast_rules(spec.precision in AUTOCAST):
         return _call(job, spec)
 

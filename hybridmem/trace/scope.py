@@ -12,7 +12,7 @@ from __future__ import annotations
 from hybridmem.errors import SpecError
 
 # precisions whose parameters are bf16 (`torch_dtype.PARAM_DTYPE`; a test checks the two agree)
-BF16_PARAMS: tuple[str, ...] = ("bf16", "bf16-master")
+BF16_PARAMS: tuple[str, ...] = ("bf16", "bf16-master", "bf16-autocast")
 
 
 def refusal(spec) -> SpecError | None:

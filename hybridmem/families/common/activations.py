@@ -46,9 +46,14 @@ class Ctx:
     e: int
     """Bytes per element of matmul/attention outputs (autocast dtype, or param dtype)."""
     stream: int
-    """Bytes per element of the residual stream (fp32 under autocast, else the param dtype)."""
+    """Bytes per element of the residual stream (fp32 under autocast over fp32 weights, else
+    the param dtype)."""
     amp: bool
+    """Autocast over fp32 weights (`*-mixed`, `job.precision.casts_weights`)."""
     attn: str
+    autocast: bool = False
+    """Any autocast, also over half weights (`bf16-autocast`): peft's fp32 adapters and their
+    inputs are cast to the autocast dtype as under `amp`."""
     lora_r: int = 0
     lora_dropout: float = 0.0
     ckpt: bool = False
@@ -236,7 +241,7 @@ def linear_inputs(sv: Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, bas
         # frozen lora_A (derivatives.yaml mm: `self` is saved only for mat2's grad): its input
         # is not saved; the base linear's input below is
         adapters = 0
-    if c.amp:
+    if c.autocast:
         cast = in_bytes != 2
         if base_w:
             sv.add(numel, 2, times=n_base if cast else 1, cond=cast or not shared)
@@ -254,7 +259,7 @@ def linear_inputs(sv: Saved, c: Ctx, numel: int, in_bytes: int, n_base: int, bas
 
 
 def lora_outputs(sv: Saved, c: Ctx, tokens: int, adapters: int) -> None:
-    sv.add(tokens * c.lora_r, 2 if c.amp else c.adapter, times=adapters)
+    sv.add(tokens * c.lora_r, 2 if c.autocast else c.adapter, times=adapters)
 
 
 def linear_weights(layer: Layer) -> int:
@@ -264,10 +269,11 @@ def linear_weights(layer: Layer) -> int:
 def amp_copies(layer: Layer, c: Ctx, active: bool, need_w: bool) -> tuple[int, int]:
     """(saved, cached) bytes of bf16 weight copies under autocast. A quantised weight has
     none: bitsandbytes dequantises it inside its autograd.Function (`quant_transients`)."""
-    if not c.amp or not active:
+    if not c.autocast or not active:
         return 0, 0
     quantized = sum(p.numel for p in layer.params if p.name in layer.quantized)
-    base = t(linear_weights(layer) - quantized, 2) if layer.params else 0
+    # half weights under autocast are used as they are: only the fp32 adapters are cast
+    base = t(linear_weights(layer) - quantized, 2) if layer.params and c.amp else 0
     lora = sum(t(p.numel, 2) for p in lora_matrices(layer))
     # autocast caches casts of leaf tensors that require grad only (`can_try_cache`): a frozen
     # lora_A's copy is saved by its matmul like a frozen base weight's, not cached

@@ -35,8 +35,11 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     norm = gemma_norm_saved if gem else _norm_saved
     # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
     norm(sv, c, B, h, need_in, need_w)
+    # bitsandbytes adapters (`linear_inputs` bnb): only a half input skips PEFT's fp32 copy
     linear_inputs(sv, c, B * h, sb, 1 if fused else 3, need_w, n_qkv, shared=False,
-                  in_grad=need_in)
+                  in_grad=need_in,
+                  bnb=bool({"self_attn.q_proj.weight", "self_attn.qkv_proj.weight"}
+                           & set(layer.quantized)))
     lora_outputs(sv, c, B, n_qkv)
     dora_saved(sv, c, B, dora_linears(layer, QKV), need_in)
     if d.get("qk_norm"):
@@ -67,7 +70,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if sparse:
         moe_fwd, moe_bwd = moe_saved(sv, c, d, need_w)
     else:
-        linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False)
+        linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False,
+                      bnb=bool({"mlp.gate_proj.weight", "mlp.gate_up_proj.weight"}
+                               & set(layer.quantized)))
         lora_outputs(sv, c, B, n_gu)
         dora_saved(sv, c, B, dora_linears(layer, GU), True)
     # a quantised gate/up returns its input's dtype (bnb Linear4bit `.to(inp_dtype)`): the
@@ -81,7 +86,9 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not sparse:
         sv.add(B * f, mlp_e, times=2 if c.liger else 3)
         m_saved = sv.total
-        linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
+        # (over fp32 weights the quantised gate/up make an fp32 product: priced as a cast copy)
+        linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False,
+                      bnb="mlp.down_proj.weight" in layer.quantized and not c.amp)
         m_saved = sv.total - m_saved  # down_proj's input as its adapter saves it
         lora_outputs(sv, c, B, n_down)
         dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
@@ -93,17 +100,20 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
         rope_parts = []
     fwd_parts = tuple(rope_parts)
-    if c.amp:
-        # the MLP's high point (down_proj's forward) when larger than RoPE's fp32 copies (always
-        # with Liger's in-place RoPE): the post-attention norm's fp32 output (read by the
-        # linears through their bf16 casts, so not saved; the layer's local keeps it), SiLU x
+    if c.autocast:
+        # the MLP's high point (down_proj's forward) when larger than RoPE's copies (always
+        # with Liger's in-place RoPE): the post-attention norm's output (stream dtype, read by
+        # the linears through their bf16 casts, so not saved; the layer's local keeps it), SiLU x
         # up when down_proj's frozen weight does not save it, and with an adapter PEFT
         # lora.Linear.forward's base result, fp32 `_cast_input_dtype` copy of the input,
         # lora_B's output and its scaled copy. A checkpointed layer reaches it again in its
         # recompute, the output's grad waiting (trace tier, tiny-llama LoRA bf16-mixed b2 s64
         # checkpointed: the step's peak, at down_proj's lora_A in the recompute)
-        mlp_parts = (t(B * h, FP32), *([t(B * f, e)] if not need_w else ()),
-                     *([t(B * f, FP32), *[t(B * h, e)] * 3] if n_down else ()))
+        # (a bitsandbytes down_proj under autocast makes no fp32 copy: `linear_inputs` bnb)
+        down_bnb = "mlp.down_proj.weight" in layer.quantized and not c.amp
+        mlp_parts = (t(B * h, sb), *([t(B * f, e)] if not need_w else ()),
+                     *([*([t(B * f, FP32)] if not down_bnb else []), *[t(B * h, e)] * 3]
+                       if n_down else ()))
         fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
     if sparse and sum(moe_fwd) > sum(fwd_parts):
         fwd_parts = moe_fwd
@@ -135,15 +145,16 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         # q/k/v are slices of one output: each slice's backward (`slice_backward`) makes a
         # zero-filled full-size grad, added into autograd's input buffer of the fused output
         attn_bwd += 2 * t(B * qkv_out, e)
-    if not c.amp and e != c.adapter:
+    if not c.autocast and e != c.adapter:
         # the fp32 adapter branch: its output grad is cast to fp32 (B x out) and lora_A returns
         # an fp32 input grad (B x in) before the cast back (PEFT lora.Linear in bf16 models)
         if n_gu or n_down:
             mlp_bwd += t(B * f * (2 if fused else 1), FP32) + t(B * h, FP32)
         if n_qkv or n_o:
             attn_bwd += t(B * qkv_out, FP32) + t(B * h, FP32)
-    elif c.amp:
-        # autocast: lora_A's bf16 input grad is cast back to the fp32 stream (B x in)
+    elif c.autocast:
+        # autocast: lora_A's bf16 input grad is cast back to fp32 (the stream's dtype, or
+        # peft's fp32 `_cast_input_dtype` copy over half weights) (B x in)
         mlp_bwd += t(B * h, FP32) if (n_gu or n_down) else 0
         attn_bwd += t(B * h, FP32) if (n_qkv or n_o) else 0
     if c.attn == "flash_attention_2":
@@ -399,8 +410,8 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     sv.add(B, INT64)     # shift_labels (`labels[..., 1:].contiguous()`), nll_loss's target
     sv.add(1, FP32, times=2)  # nll_loss output and total_weight
     copies = cache = 0
-    if c.amp:
-        w = t(V * h, 2)
+    if c.autocast:  # half weights under autocast: only the fp32 adapters are cast
+        w = t(V * h, 2) if c.amp else 0
         copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
         cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
     if c.ce_chunks:

@@ -19,10 +19,13 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not active or not layer.runs:
         return Acts()
     e, sb = c.e, c.stream
+    # the LayerNorms' outputs: fp32 under any autocast (CUDA's fp32 list has layer_norm,
+    # autocast_mode.cpp), so each linear reading one casts its own copy
+    ln = FP32 if c.autocast else sb
     sv = Saved()
     sv.add(N * h, sb)                 # LayerNorm input
     sv.add(N, FP32, times=2)          # mean, rstd
-    linear_inputs(sv, c, N * h, sb, 3, need_w, 0, shared=False)
+    linear_inputs(sv, c, N * h, ln, 3, need_w, 0, shared=False)
     probs = attention_core(sv, c, d["n"], d["t"], heads, h, h)
     at_probs, before_o = sv.total - (t(probs, e) if c.amp else 0), sv.total
     linear_inputs(sv, c, N * h, e, 1, need_w, 0, shared=c.attn != "eager")
@@ -30,7 +33,7 @@ def encoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     attn_part = sv.total
     sv.add(N * h, sb)                 # second LayerNorm input (residual)
     sv.add(N, FP32, times=2)
-    linear_inputs(sv, c, N * h, sb, 1, need_w, 0, shared=False)
+    linear_inputs(sv, c, N * h, ln, 1, need_w, 0, shared=False)
     two = d["act"] in TWO_TENSOR_ACTS
     sv.add(N * f, e, times=2 if two else 1)  # activation input (+ sigmoid output)
     sv.add(N * f, e, need_w)          # fc2 input

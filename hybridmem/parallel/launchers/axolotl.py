@@ -12,7 +12,8 @@ bf16-capable GPU, which the GPU catalogue's all are; the model is loaded in `tor
 `ModelLoader._set_device_map_config`): full fine-tuning trains the weights in that dtype
 (`bf16`, `fp16`, `fp32` here); LoRA / QLoRA keep the base in it with PEFT's fp32 adapters
 (`peft_autocast_adapter_dtype` unset = PEFT's default True; False: `adapter_dtype` in the
-model dtype), `bf16` etc. here.
+model dtype), `bf16` etc. here. `bf16` is also Trainer's own flag (`_autocast`): on one
+process, bf16 autocast over the bf16 weights = `bf16-autocast`.
 """
 
 from __future__ import annotations
@@ -223,6 +224,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     _optimizer(cfg, out, where)
     _objective(cfg, out, where)
     deepspeed, ds_where = _parallel(cfg, out, where, folder)
+    _autocast(out, dtype, dtype_keys, deepspeed)
     spec = out.data["spec"]
     hf = {"per_device_train_batch_size": spec["micro_batch"], "bf16": dtype == "bf16",
           "fp16": dtype == "fp16", "gradient_accumulation_steps": spec["grad_accum"],
@@ -241,6 +243,21 @@ def _dtype(cfg: dict, where: str) -> tuple[str, tuple[str, ...]]:
     if cfg.get("load_in_8bit") or fp16 or cfg.get("float16"):
         return "fp16", tuple(k for k in ("load_in_8bit", "fp16", "float16") if cfg.get(k))
     return "fp32", tuple(k for k in ("bf16", "float32") if k in cfg)
+
+
+def _autocast(out: Layer, dtype: str, dtype_keys: tuple, deepspeed) -> None:
+    """Trainer's own `bf16` (core/builders/base.py `_configure_precision_settings`:
+    `bf16 = cfg.bf16 or cfg.bfloat16`): bf16 autocast over the bf16-loaded model =
+    `bf16-autocast`. Priced so without FSDP or DeepSpeed (which own the precision there) and
+    with PEFT's fp32 adapters (half adapters under autocast are priced as the pure `bf16`
+    run)."""
+    spec = out.data["spec"]
+    if dtype != "bf16" or deepspeed is not None \
+            or spec.get("adapter_dtype", "fp32") != "fp32" \
+            or out.data.get("parallel", {}).get("strategy", "none") != "none":
+        return
+    out.set("precision", "bf16-autocast", *dtype_keys,
+            note="Trainer bf16=True: autocast over the bf16 weights")
 
 
 def _half_adapters(out: Layer, where: str) -> None:

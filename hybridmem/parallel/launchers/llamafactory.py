@@ -12,8 +12,11 @@ Precision (parser.py: `compute_dtype` = bf16 if `bf16` or `pure_bf16`, fp16 if `
 `infer_optim_dtype(config.torch_dtype)`: bf16 for a bf16 checkpoint on a bf16 GPU, else fp16;
 model/patcher.py loads the model in it; model/adapter.py `init_adapter` then upcasts the
 trainable parameters to fp32 unless `pure_bf16`):
-- LoRA / QLoRA: the frozen base in the compute dtype, adapters fp32 = `bf16` (or `fp16`) here;
-  Trainer's autocast over the adapters' matmuls is not modelled (adapters compute in fp32 here).
+- LoRA / QLoRA with `bf16`: the frozen base loaded in bf16, adapters fp32, and `bf16` is also
+  the Trainer's own field (LLaMA-Factory's TrainingArguments subclass Seq2SeqTrainingArguments),
+  so Trainer runs the step under bf16 autocast = `bf16-autocast`. With `fp16` (fp16 autocast
+  over fp16 weights, not priced) = `fp16`; with neither, the checkpoint's inferred dtype and
+  no autocast = `bf16` (`fp16`).
 - full: fp32 trainable weights under Trainer's autocast = `bf16-mixed` (`fp16-mixed`), or
   `fp32` without `bf16` / `fp16`; `pure_bf16`: everything bf16 = `bf16`.
 """
@@ -300,7 +303,7 @@ def _precision(cfg: dict, out: Layer, model: str, method: str) -> None:
         out.set("precision", "bf16-mixed" if bf16 else "fp16-mixed" if fp16 else "fp32", *keys)
         return
     if bf16 or fp16:
-        out.set("precision", "bf16" if bf16 else "fp16", "bf16" if bf16 else "fp16")
+        out.set("precision", "bf16-autocast" if bf16 else "fp16", "bf16" if bf16 else "fp16")
         return
     # misc.py infer_optim_dtype: bf16 for a bf16 checkpoint (the GPU catalogue's support it)
     dtype = torch_dtype_of(model)
