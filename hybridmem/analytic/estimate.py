@@ -473,14 +473,14 @@ def _measure(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> tup
     return peak(points).allocated, stream(spec, workspace)[0]
 
 
-def stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
-           ) -> tuple[int, list[tuple], list[tuple[int, str, int]]]:
+def shape_stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
+                 ) -> tuple[int, list[tuple], list[tuple[int, str, int]]]:
     """(closed-form allocated peak, alloc/free stream of two iterations, its phase marks as
-    (event index, phase, iteration)): what `hybridmem.batches.run` composes per batch shape."""
+    (event index, phase, iteration)): what `hybridmem.batches.run` composes per batch shape.
+    The stream is the cached one (`stream`): callers read it, never change it."""
     spec = resolved(spec)
     _, priced, st = _setup(spec, workspace)
-    marks: list = []
-    events = build_events(priced, spec, st, marks=marks)
+    events, marks = stream(spec, workspace)
     return peak(walk([p.step for p in priced], st)).allocated, events, marks
 
 

@@ -3,7 +3,7 @@ replayed through the allocator simulator.
 
 One mechanism for every tier: a tier gives, per shape, its allocated peak and its alloc/free
 stream of two iterations with phase marks (the analytic tier builds it from its closed forms,
-`analytic.estimate.stream`; the trace tier records it, `trace.run_trace`, once per shape; the
+`analytic.estimate.shape_stream`; the trace tier records it, `trace.run_trace`, once per shape; the
 hybrid tier's stream is the analytic one). A stream splits at iteration 1's first forward:
 setup + iteration 0 open the run (the first step's shape: parameters, the lazily created
 optimizer state), and each later step appends iteration 1 of its own shape. Tensors one
@@ -29,7 +29,7 @@ from hybridmem.allocator import AllocatorConfig, CachingAllocatorSim, SimulatedO
 from hybridmem.allocator.reserved import FROM_GPU, gpu_capacity
 from hybridmem.allocator.overheads import CUBLAS_WORKSPACE_BYTES, cublas_workspace
 from hybridmem.batches.read import read_lengths
-from hybridmem.batches.steps import Shape, Steps, plan
+from hybridmem.batches.steps import Shape, plan
 from hybridmem.errors import SpecError
 from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
@@ -70,9 +70,9 @@ def shape_stream(method: str, spec: TrainingSpec, workspace: int = CUBLAS_WORKSP
         marks = [(m + sum(k <= m for k in at), p, i) for m, p, i in result.marks]
         return ShapeStream(result.peak_allocated, result.replay_events(), _start(marks, 0),
                            _start(marks, 1))
-    from hybridmem.analytic.estimate import stream
+    from hybridmem.analytic.estimate import shape_stream as analytic_stream
 
-    allocated, events, marks = stream(spec, workspace)
+    allocated, events, marks = analytic_stream(spec, workspace)
     return ShapeStream(allocated, events, _start(marks, 0), _start(marks, 1))
 
 

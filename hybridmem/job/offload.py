@@ -41,7 +41,6 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridmem.errors import SpecError
 
 from hybridmem.job.offload_rules import (  # noqa: F401 (re-exported)
     MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, MODES, STUCK, check,

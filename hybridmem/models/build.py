@@ -13,7 +13,7 @@ from hybridmem.job.lora_targets import default_targets
 from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
 from hybridmem.families.decoders.model import language_model_layers, lm_head_layer
-from hybridmem.models.graph import ImageLayout, Layer, ModelGraph, Module, ParamTensor as T, linear
+from hybridmem.models.graph import ImageLayout, Layer, ModelGraph, Module, ParamTensor as T
 from hybridmem.families import DECODER, family, layer_kind
 from hybridmem.families.common.images import image_plan
 from hybridmem.job.images import check_seq_len, images_in_batch
