@@ -198,7 +198,7 @@ def test_model_its_code_cannot_run_is_one_line(tmp_path, monkeypatch):
     path = write_config(tmp_path, "mixtral")
     with pytest.raises(SpecError, match=r"^precision='fp32': mixtral's grouped-mm experts run "
                                         r"in bf16 only under fake tensors \(valid: bf16, "
-                                        r"bf16-master\)$"):
+                                        r"bf16-master, bf16-autocast\)$"):
         estimate(spec_of(path, "mixtral", precision="fp32"))
     monkeypatch.setattr(scope, "refusal", lambda spec: None)
     with pytest.raises(UnsupportedModelError, match=r"cannot run under fake tensors "
@@ -249,7 +249,7 @@ def _cli(*argv) -> subprocess.CompletedProcess:
     ("mixtral", ["--precision", "fp32", "--method", "trace"], "error: precision='fp32': "
      "mixtral's grouped-mm experts run in bf16 only under fake tensors; no tier prices this "
      "job (the analytic tier: precision='fp32': mixtral's grouped-mm experts are priced in "
-     "bf16) (valid: bf16, bf16-master)"),
+     "bf16) (valid: bf16, bf16-master, bf16-autocast)"),
     ("mixtral", ["--precision", "fp32", "--method", "analytic"], "error: precision='fp32': "
      "mixtral's grouped-mm experts are priced in bf16; no tier prices this job (the trace "
      "tier: precision='fp32': mixtral's grouped-mm experts run in bf16 only under fake "
