@@ -348,6 +348,9 @@ def test_the_page_is_self_contained(client):
     assert "src=\"http" not in html and "href=\"http" not in html and "@import" not in html
     for endpoint in ("/v1/schema", "/v1/gpus", "/v1/predict"):
         assert endpoint in html
+    # it asks for the timeline and the per-GPU verdicts, and draws the timeline as SVG
+    assert "body.timeline = true" in html and "body.every_gpu = true" in html
+    assert 'id="timeline"' in html and "tl-${name}" in html and 'id="tl-limit"' in html
 
 
 def test_serve_without_fastapi_fails_in_one_line(monkeypatch, capsys):
@@ -396,7 +399,8 @@ def live_server(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(Settings(trace_workers=0, workdir=tmp_path)),
+    pool = TracePool(workers=1, queue=1, executor=ThreadPoolExecutor(1))  # as trace_client
+    server = uvicorn.Server(uvicorn.Config(create_app(Settings(pool=pool, workdir=tmp_path)),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -444,6 +448,16 @@ def test_page_in_chromium(live_server, tmp_path, capsys):
         rows = browser.find_elements(By.CSS_SELECTOR, "#gpus tr")
         assert len(rows) == 1 + len(client_gpus())
         browser.save_screenshot(str(tmp_path / "form.png"))
+        # a trace-tier job: its timeline is drawn as SVG (allocated, reserved, and the GPU's
+        # allocator capacity: 0.6 GiB minus the 512 MiB CUDA context, near the ~70 MB curve)
+        browser.get(f"{live_server}/?model=tiny-llava&micro_batch=1&seq_len=64&method=trace"
+                    "&gpu_mem=0.6")
+        wait.until(lambda b: b.find_elements(By.ID, "timeline"))
+        for line in ("tl-allocated", "tl-reserved", "tl-limit"):
+            assert browser.find_elements(By.CSS_SELECTOR, f"#timeline #{line}"), line
+        points = browser.find_element(By.ID, "tl-allocated").get_attribute("points").split()
+        assert len(points) > 10
+        browser.save_screenshot(str(tmp_path / "trace.png"))
     finally:
         browser.quit()
 
