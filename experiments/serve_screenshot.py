@@ -45,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/serve.png")
     parser.add_argument("--query", default=README_QUERY)
-    parser.add_argument("--size", default="1200,1150", help="window width,height in pixels")
+    parser.add_argument("--size", default="1200,1650", help="window width,height in pixels")
     args = parser.parse_args()
 
     from selenium import webdriver
