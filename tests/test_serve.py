@@ -194,7 +194,7 @@ class Gate:
     def __init__(self):
         self.started, self.release = threading.Event(), threading.Event()
 
-    def __call__(self, resolved, warnings, gpu, method, find_max_batch):
+    def __call__(self, resolved, warnings, gpu, *rest):
         self.started.set()
         self.release.wait(30)
         from hybridmem.answer import answer
@@ -222,6 +222,92 @@ def test_trace_pool_full_is_429_and_health_stays_up(tmp_path):
         gate.release.set()
         worker.join(30)
         assert first["r"].status_code == 200
+
+
+@pytest.fixture(scope="module")
+def trace_client(tmp_path_factory):
+    """A server whose trace worker is a thread of its own (a spawned process would import
+    torch again: seconds of CPU for nothing the test checks)."""
+    pool = TracePool(workers=1, queue=2, executor=ThreadPoolExecutor(1))
+    app = create_app(Settings(pool=pool, workdir=tmp_path_factory.mktemp("serve-trace")))
+    with TestClient(app) as c:
+        yield c
+
+
+TINY_TRACE = {"model": "tiny-llava", "micro_batch": 1, "seq_len": 64, "method": "trace",
+              "gpu_mem": 1.0}
+
+
+def test_trace_answer_carries_the_cli_s_timeline(trace_client, capsys, tmp_path):
+    from hybridmem.serve.respond import TIMELINE_POINTS
+    from hybridmem.trace.timeline import thinned
+
+    r = trace_client.post("/v1/predict", json={**TINY_TRACE, "timeline": True})
+    assert r.status_code == 200, r.text
+    ans = r.json()
+    tl = ans["timeline"]
+    assert 0 < len(tl["event"]) == len(tl["allocated"]) == len(tl["reserved"]) <= TIMELINE_POINTS
+    assert [m["phase"] for m in tl["phases"]][:3] == ["forward", "backward", "optimizer"]
+    # the thinning keeps each bucket's max: the curve's top is the answer's peak
+    assert max(tl["allocated"]) == ans["peak"]["allocated_bytes"] == tl["peak"]["allocated"]
+    # the same data the CLI's --timeline FILE.json writes for the same job, thinned
+    path = tmp_path / "timeline.json"
+    cli = cli_json(capsys, "--model", "tiny-llava", "--micro-batch", "1", "--seq-len", "64",
+                   "--method", "trace", "--gpu-mem", "1", "--timeline", str(path))
+    assert cli["timeline"] == str(path)
+    assert tl == thinned(json.loads(path.read_text()), TIMELINE_POINTS)
+    # opt-in: without the flag the answer is the CLI's object, no timeline in it
+    plain = trace_client.post("/v1/predict", json=TINY_TRACE).json()
+    assert "timeline" not in plain and plain["peak"] == ans["peak"]
+
+
+def test_timeline_is_left_out_by_the_analytic_tier(client):
+    r = client.post("/v1/predict", json={"model": "tiny-llava", "seq_len": 64, "timeline": True})
+    assert r.status_code == 200 and "timeline" not in r.json()
+    r = client.post("/v1/predict", json={"model": "tiny-llava", "timeline": "yes"})
+    assert r.status_code == 422 and r.json()["field"] == "timeline"
+
+
+def test_thinned_keeps_each_bucket_s_max():
+    from hybridmem.trace.timeline import thinned
+
+    data = {"event": list(range(10)), "allocated": [1, 5, 2, 2, 9, 1, 0, 3, 3, 4],
+            "phases": [{"event": 0, "phase": "forward", "iteration": 0}], "peak": {}}
+    out = thinned(data, 4)  # buckets of ceil(10 / 4) = 3 points: by hand
+    assert out["event"] == [0, 3, 6, 9] and out["allocated"] == [5, 9, 3, 4]
+    assert out["phases"] == data["phases"] and "reserved" not in out
+
+
+def test_every_gpu_verdict_is_that_gpu_s_answer(client, capsys):
+    from hybridmem.gpus import GPUS
+
+    # llama-3.2-1b, micro-batch 4 x 1024: fits an A100-40GB, on a V100-32GB only after the
+    # allocator's retries (its replay within 32 GiB), not on 24 GB cards
+    body = {"model": "llama-3.2-1b", "micro_batch": 4, "seq_len": 1024, "gpu": "rtx-4090",
+            "every_gpu": True}
+    ans = client.post("/v1/predict", json=body).json()
+    rows = {row["gpu"]: row for row in ans["every_gpu"]}
+    assert list(rows) == list(GPUS) and {r["by"] for r in rows.values()} == {"replay"}
+    assert rows["rtx-4090"]["fit"] == ans["fit"]
+    for name in GPUS:
+        cli = cli_json(capsys, "--model", "llama-3.2-1b", "--micro-batch", "4", "--seq-len",
+                       "1024", "--gpu", name)
+        assert (rows[name]["fit"], rows[name]["headroom_bytes"]) == (cli["fit"],
+                                                                     cli["headroom_bytes"]), name
+    assert {r["fit"] for r in rows.values()} == {"yes", "after-retry", "no"}
+    # opt-in: without the flag, the CLI's object
+    assert "every_gpu" not in client.post("/v1/predict", json={**body, "every_gpu": False}).json()
+
+
+def test_every_gpu_of_a_trace_is_by_peak(trace_client):
+    from hybridmem.gpus import GPUS
+
+    ans = trace_client.post("/v1/predict", json={**TINY_TRACE, "every_gpu": True}).json()
+    device = ans["peak"]["device_bytes"] - ans["paged_bytes"]
+    for row in ans["every_gpu"]:  # no catalogue GPU asked for (gpu_mem): every row by peak
+        assert row["by"] == "peak"
+        assert row["fit"] == ("yes" if device <= GPUS[row["gpu"]].memory_bytes else "no")
+        assert row["headroom_bytes"] == GPUS[row["gpu"]].memory_bytes - ans["peak"]["device_bytes"]
 
 
 def test_trace_off_is_503(client):
@@ -262,6 +348,9 @@ def test_the_page_is_self_contained(client):
     assert "src=\"http" not in html and "href=\"http" not in html and "@import" not in html
     for endpoint in ("/v1/schema", "/v1/gpus", "/v1/predict"):
         assert endpoint in html
+    # it asks for the timeline and the per-GPU verdicts, and draws the timeline as SVG
+    assert "body.timeline = true" in html and "body.every_gpu = true" in html
+    assert 'id="timeline"' in html and "tl-${name}" in html and 'id="tl-limit"' in html
 
 
 def test_serve_without_fastapi_fails_in_one_line(monkeypatch, capsys):
@@ -310,7 +399,8 @@ def live_server(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(Settings(trace_workers=0, workdir=tmp_path)),
+    pool = TracePool(workers=1, queue=1, executor=ThreadPoolExecutor(1))  # as trace_client
+    server = uvicorn.Server(uvicorn.Config(create_app(Settings(pool=pool, workdir=tmp_path)),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -358,6 +448,16 @@ def test_page_in_chromium(live_server, tmp_path, capsys):
         rows = browser.find_elements(By.CSS_SELECTOR, "#gpus tr")
         assert len(rows) == 1 + len(client_gpus())
         browser.save_screenshot(str(tmp_path / "form.png"))
+        # a trace-tier job: its timeline is drawn as SVG (allocated, reserved, and the GPU's
+        # allocator capacity: 0.6 GiB minus the 512 MiB CUDA context, near the ~70 MB curve)
+        browser.get(f"{live_server}/?model=tiny-llava&micro_batch=1&seq_len=64&method=trace"
+                    "&gpu_mem=0.6")
+        wait.until(lambda b: b.find_elements(By.ID, "timeline"))
+        for line in ("tl-allocated", "tl-reserved", "tl-limit"):
+            assert browser.find_elements(By.CSS_SELECTOR, f"#timeline #{line}"), line
+        points = browser.find_element(By.ID, "tl-allocated").get_attribute("points").split()
+        assert len(points) > 10
+        browser.save_screenshot(str(tmp_path / "trace.png"))
     finally:
         browser.quit()
 

@@ -30,6 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from hybridmem.errors import SpecError
 from hybridmem.serve.pool import Busy, TracePool, Unavailable
 from hybridmem.serve.request import REQUEST_FIELDS, Job, parse_body
+from hybridmem.serve.respond import respond
 from hybridmem.serve.schema import request_schema, schema_view
 
 INLINE = "config.json (inline)"
@@ -92,7 +93,7 @@ class Service:
 
     def predict(self, body: object, deadline: float) -> tuple[dict, bool]:
         """(the answer, whether it came from the cache)."""
-        from hybridmem.answer import answer, resolve_gpu, resolve_job
+        from hybridmem.answer import resolve_gpu, resolve_job
         from hybridmem.job.schema import job_dict
         from hybridmem.predict import choose_method
 
@@ -104,13 +105,14 @@ class Service:
         warnings = [*read, *(w for w in warnings if w not in read)]
         gpu = resolve_gpu(job.gpu, job.gpu_mem)
         key = json.dumps([job_dict(resolved.spec), resolved.sources, warnings,
-                          None if gpu is None else asdict(gpu), job.method, job.find_max_batch],
-                         sort_keys=True, default=str)
+                          None if gpu is None else asdict(gpu), job.method, job.find_max_batch,
+                          job.timeline, job.every_gpu], sort_keys=True, default=str)
         hit = self.cache.get(key)
         if hit is not None:
             return hit, True
         if choose_method(resolved.spec, job.method).method == "trace":
-            future = self.pool.submit(resolved, warnings, gpu, job.method, job.find_max_batch)
+            future = self.pool.submit(resolved, warnings, gpu, job.method, job.find_max_batch,
+                                      job.timeline, job.every_gpu)
             try:
                 status, out = future.result(timeout=max(deadline - time.monotonic(), 0.0))
             except BrokenProcessPool:  # a worker died (out of memory, killed): a fresh pool
@@ -119,8 +121,8 @@ class Service:
             if status == "error":
                 raise SpecError(*out)
         else:
-            out = answer(resolved, warnings, gpu, method=job.method,
-                         find_max_batch=job.find_max_batch).to_dict()
+            out = respond(resolved, warnings, gpu, job.method, job.find_max_batch,
+                          job.timeline, job.every_gpu)
         out = _hide(out, str(self.workdir))
         self.cache.put(key, out)
         return out, False

@@ -23,15 +23,15 @@ class Unavailable(Exception):
     """The pool takes no work: no workers configured, or it broke or shut down (HTTP 503)."""
 
 
-def _answer(resolved, warnings, gpu, method, find_max_batch) -> tuple[str, object]:
-    """A worker's job: ("ok", the answer's dict) or ("error", a SpecError's arguments): a
-    SpecError does not survive pickling with its fields, so they come back to rebuild it."""
-    from hybridmem.answer import answer
+def _answer(*args) -> tuple[str, object]:
+    """A worker's job: ("ok", the answer's dict: `respond(*args)`) or ("error", a SpecError's
+    arguments): a SpecError does not survive pickling with its fields, so they come back to
+    rebuild it."""
     from hybridmem.errors import SpecError
+    from hybridmem.serve.respond import respond
 
     try:
-        return "ok", answer(resolved, warnings, gpu, method=method,
-                            find_max_batch=find_max_batch).to_dict()
+        return "ok", respond(*args)
     except SpecError as err:
         value = err.value if isinstance(err.value, (str, int, float, bool, type(None))) \
             else repr(err.value)

@@ -30,6 +30,10 @@ REQUEST_FIELDS: dict[str, str] = {
     "gpu_count": "GPUs in the job: the same as world_size",
     "method": "analytic, trace or hybrid (default: chosen per job)",
     "find_max_batch": "search the largest micro-batch that fits the GPU",
+    "timeline": "add `timeline`: the trace tier's memory over the allocator's events (the "
+                "JSON of the CLI's --timeline FILE.json, at most a few hundred points); "
+                "the other tiers draw none and leave it out",
+    "every_gpu": "add `every_gpu`: the verdict for each GPU in the catalogue",
     "recipe": "llava-1.5-{pretrain,finetune,finetune-lora} (official LLaVA-1.5 scripts)",
     "config": "a launcher's config as text: LLaMA-Factory / axolotl / torchtune YAML, or a "
               "TrainingArguments or DeepSpeed JSON",
@@ -70,6 +74,8 @@ class Job:
     gpu_mem: float | None = None
     method: str | None = None
     find_max_batch: bool = False
+    timeline: bool = False
+    every_gpu: bool = False
 
 
 def preset_model(value: object, where: str = "model") -> str:
@@ -245,8 +251,9 @@ def parse_body(body: object, folder: Path) -> Job:
         value = getattr(job, key)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             raise SpecError(key, value, reason="wrong type")
-    fmb = body.get("find_max_batch", False)
-    if not isinstance(fmb, bool):
-        raise SpecError("find_max_batch", fmb, [True, False])
-    job.find_max_batch = fmb
+    for key in ("find_max_batch", "timeline", "every_gpu"):
+        flag = body.get(key, False)
+        if not isinstance(flag, bool):
+            raise SpecError(key, flag, [True, False])
+        setattr(job, key, flag)
     return job

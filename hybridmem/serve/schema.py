@@ -74,7 +74,8 @@ def request_schema() -> dict:
     props["gpu"]["type"] = props["method"]["type"] = props["recipe"]["type"] = "string"
     props["config"]["type"] = "string"
     props["config_format"].update(type="string", enum=list(CONFIG_FORMATS))
-    props["find_max_batch"].update(type="boolean", default=False)
+    for key in ("find_max_batch", "timeline", "every_gpu"):
+        props[key].update(type="boolean", default=False)
     props["gpu_mem"]["type"] = "number"
     props["gpu_count"]["type"] = "integer"
     for key in ("deepspeed", "training_args", "quantization_config"):

@@ -84,3 +84,17 @@ def figure(data: dict, title: str | None = None, gpu=None):
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def thinned(data: dict, points: int) -> dict:
+    """`data` (what `save_timeline` writes as JSON) with at most `points` points: the max of
+    each bucket of consecutive points, as `TraceResult.timeline` down-samples the curve, so the
+    peak survives; the phase marks and the peak are kept as they are."""
+    n = len(data["event"])
+    step = max(1, -(-n // points))
+    out = dict(data)
+    out["event"] = data["event"][::step]
+    for key in ("allocated", "reserved"):
+        if key in data:
+            out[key] = [max(data[key][i:i + step]) for i in range(0, n, step)]
+    return out
