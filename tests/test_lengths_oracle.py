@@ -81,9 +81,10 @@ def test_real_step_peaks_equal_the_trace_tier_per_shape():
 
 WIDE = {"vocab_size": 16000, "hidden_size": 256, "intermediate_size": 688, "head_dim": 64}
 """tiny-llama widened so its stream spans several segments of the default `AllocatorConfig`
-(bf16 embedding and lm_head 7.8 MiB each, bf16 logits of 2 x 64 x 16000 3.9 MiB, their fp32
-loss copy 7.8 MiB: 20 MiB large-pool segments, CUDACachingAllocator's kLargeBuffer)."""
-GROWING = (20, 40, 64, 20, 64, 40)
+(bf16 embedding and lm_head 7.8 MiB each; at 256 tokens bf16 logits of 2 x 256 x 16000 15.6
+MiB and their fp32 loss copy 31.3 MiB: 20 MiB large-pool segments and segments of their own,
+CUDACachingAllocator's kLargeBuffer / kMinLargeAlloc)."""
+GROWING = (32, 128, 256, 32, 256, 128)
 """Short first, so the reserved bytes grow with the later, longer steps."""
 
 
