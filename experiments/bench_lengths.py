@@ -36,33 +36,38 @@ def synthetic(n: int, seed: int = 0) -> np.ndarray:
     return np.maximum(rng.lognormal(5.5, 0.45, n).astype(np.int64), 8)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=100_000)
-    ap.add_argument("--method", default="analytic")
-    ap.add_argument("--gpu", default=None)
-    args = ap.parse_args(argv)
-    gpu = gpu_by_name(args.gpu) if args.gpu else None
-    spec = TrainingSpec(model="llama-3.2-3b", train="lora", precision="bf16", micro_batch=4,
-                        seq_len=768, loop="custom", max_grad_norm=1.0)
+JOB = TrainingSpec(model="llama-3.2-3b", train="lora", precision="bf16", micro_batch=4,
+                  seq_len=768, loop="custom", max_grad_norm=1.0)
+"""Shaped like the peft MetaMathQA benchmark's job (docs/accuracy.md)."""
+
+
+VARIANTS = ({"sampler": "random"}, {"sampler": "group_by_length"})
+"""Job fields of each `--lengths` run (a sampler; optionally `max_steps`)."""
+
+
+def runs(samples: int = 100_000, method: str = "analytic", gpu=None,
+         variants: tuple[dict, ...] = VARIANTS) -> dict:
+    """The job at the cap, then over `samples` SYNTHETIC lengths with each variant's job
+    fields: wall times and the `lengths` figures."""
+    spec = JOB
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "synthetic-lengths.txt"
-        path.write_text("\n".join(map(str, synthetic(args.samples))))
+        path.write_text("\n".join(map(str, synthetic(samples))))
         start = time.perf_counter()
-        fixed = predict(spec, method=args.method, gpu=gpu)
+        fixed = predict(spec, method=method, gpu=gpu)
         t_fixed = time.perf_counter() - start
         rows = []
-        for sampler in ("random", "group_by_length"):
+        for fields in variants:
             start = time.perf_counter()
-            run = predict(spec.with_(lengths=str(path), sampler=sampler), method=args.method,
-                          gpu=gpu)
+            run = predict(spec.with_(lengths=str(path), **fields), method=method, gpu=gpu)
             wall = time.perf_counter() - start
             info = run.extras["lengths"]
             rows.append({
-                "sampler": sampler, "samples": info["samples"], "steps": info["steps"],
+                **fields, "samples": info["samples"], "steps": info["steps"],
                 "distinct_shapes": len(info["distinct_shapes"]),
                 "replayed_steps": info["replayed_steps"], "wall_s": round(wall, 2),
                 "padded_tokens": info["padded_tokens"],
+                "longest_batch": info["longest_batch"],
                 "reserved_fixed_at_cap_gib": round(fixed.peak.reserved_bytes / GiB, 3),
                 "reserved_at_longest_batch_gib":
                     round(info["reserved_at_longest_batch_bytes"] / GiB, 3),
@@ -71,8 +76,17 @@ def main(argv=None) -> None:
                                           for k, v in info["reserved_per_step"].items()},
                 "peak_step": info["peak_step"], "num_alloc_retries": info["num_alloc_retries"],
                 "oom": info["oom"]})
-    print(json.dumps({"method": args.method, "gpu": args.gpu, "fixed_wall_s": round(t_fixed, 2),
-                      "runs": rows}, indent=1))
+    return {"method": method, "fixed_wall_s": round(t_fixed, 2), "runs": rows}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=100_000)
+    ap.add_argument("--method", default="analytic")
+    ap.add_argument("--gpu", default=None)
+    args = ap.parse_args(argv)
+    gpu = gpu_by_name(args.gpu) if args.gpu else None
+    print(json.dumps({**runs(args.samples, args.method, gpu), "gpu": args.gpu}, indent=1))
 
 
 if __name__ == "__main__":

@@ -42,10 +42,11 @@ def print_notes(notes: list[str]) -> None:
 
 
 def group_tables(table):
-    """One rich Table per figure: tier x group rows, signed/absolute error columns."""
+    """One rich Table per figure: tier x length kind x group rows, signed/absolute error
+    columns; upper-bound rows (priced at their length cap) are never pooled with exact ones."""
     from rich.table import Table
 
-    from hybridmem.learned.accuracy import COLUMNS, FIGURE_NAMES, cell
+    from hybridmem.learned.accuracy import COLUMNS, FIGURE_NAMES, cell, length_label
 
     out = []
     for figure, part in table.groupby("figure", sort=False):
@@ -55,11 +56,13 @@ def group_tables(table):
                           "as predict does (the residual only where its evidence trusts it)")
         t.add_column("tier", no_wrap=True)
         t.add_column("group", no_wrap=True)
+        t.add_column("lengths", no_wrap=True)
         for key, header in COLUMNS:
             unit = "" if key in ("n", "within_3pct", "under_share") else " %"
             t.add_column(header.replace(" abs", " |err|") + unit, justify="right")
         for rec in part.to_dict("records"):
-            t.add_row(rec["tier"], rec["group"], *(cell(k, rec[k], "") for k, _ in COLUMNS))
+            t.add_row(rec["tier"], rec["group"], length_label(rec.get("lengths")),
+                      *(cell(k, rec[k], "") for k, _ in COLUMNS))
         out.append(t)
     return out
 

@@ -36,6 +36,25 @@ def row_groups(rows: pd.DataFrame) -> list[str]:
     return out
 
 
+LENGTH_KINDS: tuple[str, ...] = ("exact", "upper-bound")
+"""`seq_len_kind` values (harness/schema.py): every batch is `seq_len` long, or `seq_len` is
+only the cap of variable lengths. Upper-bound rows are priced at the cap while their batches
+were shorter, so their errors are summarised apart from the exact rows', never pooled."""
+UPPER_BOUND_NEEDS = (
+    "upper bound: rows whose `seq_len` is only the truncation cap of variable-length samples "
+    "(`seq_len_kind`); every tier prices them at the cap. Pricing them as they ran needs each "
+    "sample's token count (`hybridmem predict --lengths FILE`), the run's sampler and its "
+    "number of steps, which their records do not give; no length is fitted to a measurement.")
+"""What the tool would need to price upper-bound rows (shown under every table that has them)."""
+
+
+def length_kinds(rows: pd.DataFrame) -> list[str]:
+    """Each row's `seq_len_kind` ("exact" where the dataset predates the column)."""
+    if "seq_len_kind" not in rows:
+        return ["exact"] * len(rows)
+    return [k if isinstance(k, str) and k else "exact" for k in rows["seq_len_kind"]]
+
+
 def signed_errors(predicted, measured) -> np.ndarray:
     """(predicted - measured) / measured in %, NaN where either is missing."""
     p = np.asarray(predicted, float)
@@ -62,7 +81,8 @@ class Accuracy:
     errors: pd.DataFrame
     """One row per (dataset row, tier, figure): group, experiment, measured, predicted, error_pct."""
     table: pd.DataFrame
-    """One row per (figure, tier, group) with `summary`'s columns; group "all" over every row."""
+    """One row per (figure, tier, lengths, group) with `summary`'s columns; group "all" over every
+    row of that length kind (`LENGTH_KINDS`: exact and upper-bound rows are never pooled)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -70,6 +90,7 @@ def accuracy(rows: pd.DataFrame, predictions: dict[str, pd.DataFrame]) -> Accura
     """Errors of each tier's `predictions` (name -> a frame aligned with `rows`, one column per
     figure as `tier_rows.FIGURES`) against the figures `rows` measured."""
     groups = row_groups(rows)
+    kinds = length_kinds(rows)
     label = rows["experiment"] if "experiment" in rows else rows["model_name"]
     long = []
     for figure, column in MEASURED.items():
@@ -81,20 +102,30 @@ def accuracy(rows: pd.DataFrame, predictions: dict[str, pd.DataFrame]) -> Accura
                 continue
             err = signed_errors(pred[figure], measured)
             long.append(pd.DataFrame({
-                "figure": figure, "tier": tier, "group": groups, "experiment": label.to_numpy(),
+                "figure": figure, "tier": tier, "group": groups, "lengths": kinds,
+                "experiment": label.to_numpy(),
                 "torch_version": rows["torch_version"].to_numpy(),
                 "measured": measured, "predicted": pred[figure].to_numpy(float), "error_pct": err}))
     errors = pd.concat(long, ignore_index=True) if long else pd.DataFrame(
-        columns=["figure", "tier", "group", "experiment", "measured", "predicted", "error_pct"])
+        columns=["figure", "tier", "group", "lengths", "experiment", "measured", "predicted", "error_pct"])
     lines = []
     order = [g for g in (*GROUPS, "unreadable") if g in set(groups)]
+    kind_order = [k for k in (*LENGTH_KINDS, *sorted(set(kinds) - set(LENGTH_KINDS))) if k in kinds]
     for (figure, tier), part in errors.groupby(["figure", "tier"], sort=False):
-        for group in ("all", *order):
-            sel = part if group == "all" else part[part["group"] == group]
-            stats = summary(sel["error_pct"].to_numpy(float))
-            if stats["n"]:
-                lines.append({"figure": figure, "tier": tier, "group": group, **stats})
-    return Accuracy(errors=errors, table=pd.DataFrame(lines))
+        for kind in kind_order:
+            of_kind = part[part["lengths"] == kind]
+            for group in ("all", *order):
+                sel = of_kind if group == "all" else of_kind[of_kind["group"] == group]
+                stats = summary(sel["error_pct"].to_numpy(float))
+                if stats["n"]:
+                    lines.append({"figure": figure, "tier": tier, "group": group,
+                                  "lengths": kind, **stats})
+    notes = []
+    n_upper = sum(k == "upper-bound" for k in kinds)
+    if n_upper:
+        notes.append(f"{n_upper} row(s) are upper-bound lengths, reported apart: "
+                     + UPPER_BOUND_NEEDS.split(": ", 1)[1])
+    return Accuracy(errors=errors, table=pd.DataFrame(lines), notes=notes)
 
 
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -119,10 +150,17 @@ def cell(key: str, value: float, unit: str = " %") -> str:
 
 def markdown(table: pd.DataFrame) -> str:
     """The summary table as GitHub markdown (what README's accuracy section shows)."""
-    head = ["figure", "tier", "group", *(h for _, h in COLUMNS)]
+    head = ["figure", "tier", "group", "lengths", *(h for _, h in COLUMNS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rec in table.to_dict("records"):
         cells = [FIGURE_NAMES.get(rec["figure"], rec["figure"]), rec["tier"], rec["group"],
-                 *(cell(key, rec[key]) for key, _ in COLUMNS)]
+                 length_label(rec.get("lengths")), *(cell(key, rec[key]) for key, _ in COLUMNS)]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(rec.get("lengths") == "upper-bound" for rec in table.to_dict("records")):
+        lines += ["", UPPER_BOUND_NEEDS]
     return "\n".join(lines)
+
+
+def length_label(kind) -> str:
+    """A table's `lengths` cell: "exact", or "upper bound" (`UPPER_BOUND_NEEDS` says why)."""
+    return "upper bound" if kind == "upper-bound" else "exact" if kind in (None, "exact") else str(kind)

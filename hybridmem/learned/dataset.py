@@ -15,8 +15,7 @@ import pandas as pd
 from hybridmem.errors import SpecError
 # the contract's source/outcome values (owned by the harness); only REAL_SOURCES rows ("cuda":
 # collect's, "published": imported real-GPU runs) are GPU measurements
-# REAL_SOURCES is read as `dataset.REAL_SOURCES` (learned/train.py)
-from hybridmem.harness.schema import OUTCOMES, REAL_SOURCES, SOURCES  # noqa: F401
+from hybridmem.harness.schema import OUTCOMES, REAL_SOURCES, SOURCES  # noqa: F401 (train.py reads it)
 
 # Kinds: "int" integer (nullable allowed), "num" int or float (targets: nullable int64 may come
 # back as float when a reader fills nulls), "str" text, "bool" boolean.

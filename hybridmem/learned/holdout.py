@@ -188,7 +188,7 @@ def holdout(data: str | Path, by: str = "torch", *, tiers: tuple[str, ...] = ("a
             n_splits: int = 5, base_fn: BaseFn | None = None, use_cache: bool = True,
             estimator_params: dict | None = None, track: bool = True, progress=None) -> Holdout:
     """Every split of `make_splits(by)`: fit on its training rows, answer its held-out rows."""
-    from hybridmem.learned.accuracy import row_groups
+    from hybridmem.learned.accuracy import UPPER_BOUND_NEEDS, length_kinds, row_groups
     from hybridmem.learned.features import build_table
     from hybridmem.learned.tier_rows import nan_rows, tier_rows
     from hybridmem.learned.train import is_calibrated, pick_sources
@@ -215,6 +215,11 @@ def holdout(data: str | Path, by: str = "torch", *, tiers: tuple[str, ...] = ("a
         what = "torch version" if by == "torch" else "source"
         raise SpecError("holdout", by, reason=f"the rows have one {what} only; nothing to hold out")
     groups = row_groups(rows)
+    n_upper = sum(k == "upper-bound" for k in length_kinds(rows))
+    if n_upper:
+        notes.append(f"{n_upper} row(s) are upper-bound lengths, pooled here with exact ones "
+                     "(the by-group tables without --holdout report them apart): "
+                     + UPPER_BOUND_NEEDS.split(": ", 1)[1])
     try:
         full = build_table(rows, base_fn)
     except SpecError as err:  # no row has an analytic base: base tiers only where they price
