@@ -194,6 +194,10 @@ def note(spec) -> str | None:
     return text
 
 
+VLLM_WITHOUT_GPU = ("vLLM colocated: its reservation is a fraction of a GPU's memory; give "
+                    "--gpu to include it (left out here)")
+
+
 def vllm_bytes(spec, gpu_memory_bytes: int | None) -> int:
     """vLLM colocated with the trainer (TRL `vllm_mode="colocate"`): vLLM sizes its whole
     footprint (its weights, activations and the KV cache it pre-allocates to fill the budget)
