@@ -380,3 +380,21 @@ def test_generation_shortcut_keeps_the_full_loops_peak(backend):
                                     every_step=every)
         peaks.append(int(tr.live_curve(device_only=False).max()))
     assert peaks[0] == peaks[1]
+
+
+def test_grpo_micro_batch_search_keeps_whole_groups():
+    """`--find-max-batch` and the replays at smaller micro-batches take only micro-batches
+    whose generation batch splits into groups of num_generations (grpo_trainer.py): the answer
+    is a multiple of the group size, and a job whose replays fall between groups prices."""
+    from hybridmem.gpus import custom_gpu
+    from hybridmem.job.objective import micro_batch_step
+    from hybridmem.predict import find_max_micro_batch
+
+    s = spec(seq_len=64, micro_batch=4, objective="grpo", num_generations=4,
+             max_completion_length=48)
+    assert micro_batch_step(s) == 4 and micro_batch_step(s.with_(grad_accum=2)) == 2
+    best = find_max_micro_batch(s, custom_gpu(1))
+    assert best > 0 and best % 4 == 0
+    from hybridmem.analytic.estimate import estimate as analytic
+
+    assert analytic(s.with_(micro_batch=12, num_generations=12)).peak.reserved_bytes > 0
