@@ -19,8 +19,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from hybridmem.harness import workload
 from hybridmem.errors import SpecError
+from hybridmem.harness import workload
 from hybridmem.harness.ranks import launched  # noqa: F401  (the child asks it here)
 from hybridmem.job.optimizers import LR
 from hybridmem.job.spec import TrainingSpec
