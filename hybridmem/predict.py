@@ -211,17 +211,20 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
     """
     run = estimator(method)
     options = {**gpu_options(method, gpu), **tier_options}
+    from hybridmem.job.objective import micro_batch_step
 
-    def fits(batch: int) -> bool:
-        return run(spec.with_(micro_batch=batch), **options).fits_within(gpu.memory_bytes)
+    unit = micro_batch_step(spec)  # GRPO: whole groups of num_generations completions
+
+    def fits(k: int) -> bool:
+        return run(spec.with_(micro_batch=k * unit), **options).fits_within(gpu.memory_bytes)
 
     guess = None
     if method in GUIDED_METHODS and refusal("analytic", spec) is None:
         try:
-            guess = find_max_micro_batch(spec, gpu, "analytic")
+            guess = find_max_micro_batch(spec, gpu, "analytic") // unit
         except SpecError:  # a spec only the trace tier takes: search unguided
             guess = None
-    return search_max(fits, guess)
+    return search_max(fits, guess) * unit
 
 
 def _over_lengths(spec: TrainingSpec, method: str, gpu: GPU | None, find_max_batch: bool,

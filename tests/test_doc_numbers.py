@@ -119,3 +119,58 @@ def test_quoted_default_overheads_are_the_code_constants():
     assert int(trace_ws) * MiB == WORKSPACE_32MIB
     (trace_context,) = quoted("docs/trace.md", r"CONTEXT_BYTES`,\s+(\d+) MiB, the same default")
     assert int(trace_context) * MiB == CUDA_CONTEXT_DEFAULT
+
+
+def _cli_json(args: list[str]) -> dict:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main([*args, "--json"])
+    return json.loads(out.getvalue())
+
+
+def _worked_example_commands() -> list[list[str]]:
+    """The README's objectives worked example, its three commands as written there."""
+    import shlex
+
+    part = text("README.md").split("Worked example, Qwen2.5-7B", 1)[1]
+    blocks = re.findall(r"```bash\n(.*?)```", part, flags=re.S)[:2]
+    cmds = [c for b in blocks for c in b.replace("\\\n", " ").strip().splitlines()]
+    return [shlex.split(c)[1:] for c in cmds]
+
+
+def test_readme_objectives_worked_example():
+    """README "Preference and RL fine-tuning": DPO with a separate vs adapter-disabled
+    reference on an RTX 4090, GRPO with vLLM colocated on an H100 (analytic tier)."""
+    separate_cmd, adapter_cmd, grpo_cmd = _worked_example_commands()
+    copy, sep, adapter, batch = quoted(
+        "README.md", r"separate reference \(a frozen bf16 copy, ([\d.]+) GiB\) the step needs "
+                     r"([\d.]+) GiB: it does\s+not fit.*?it needs ([\d.]+) GiB and\s+the largest "
+                     r"micro-batch that fits is (\d+)")
+    s = _cli_json(separate_cmd)
+    ref = next(m for m in s["modules"] if m["name"] == "reference")
+    assert (copy, sep) == (gib(ref["param"], 2), gib(s["peak"]["device_bytes"], 2))
+    assert s["fits"] is False
+    a = _cli_json(adapter_cmd)
+    assert (adapter, int(batch)) == (gib(a["peak"]["device_bytes"], 2), a["max_micro_batch"])
+    assert a["fits"] is True
+    device, vllm, gen, grpo_batch, n_fit, n_fit_gib, n_over, n_over_gib = quoted(
+        "README.md", r"It needs ([\d.]+) GiB on the device, of which vLLM's reservation is "
+                     r"([\d.]+) GiB.*?own peak ([\d.]+) GiB; the largest micro-batch that\s+"
+                     r"fits is (\d+).*?that fits is (\d+)\s+\(([\d.]+) GiB\); (\d+) needs "
+                     r"([\d.]+) GiB")
+    g = _cli_json(grpo_cmd)
+    assert (device, vllm, gen) == (gib(g["peak"]["device_bytes"], 2),
+                                   gib(g["objective"]["vllm_bytes"], 2),
+                                   gib(g["objective"]["generation_peak_bytes"], 2))
+    assert int(grpo_batch) == g["max_micro_batch"]
+    assert int(n_over) == int(n_fit) + 1
+    at = grpo_cmd.index("--micro-batch") + 1
+    for n, quoted_gib, fits in ((n_fit, n_fit_gib, True), (n_over, n_over_gib, False)):
+        args = [a for a in grpo_cmd if a != "--find-max-batch"]
+        args[at] = n
+        args[args.index("--num-generations") + 1] = n
+        p = _cli_json(args)
+        assert (quoted_gib, p["fits"]) == (gib(p["peak"]["device_bytes"], 2), fits)

@@ -29,7 +29,8 @@ def test_recorded_columns_are_the_dataset_contract():
         ("quantize", ("string", "none")), ("liger", ("bool", False)),
         ("chunked_ce", ("int64", 0)), ("offload_activations", ("string", "none")),
         ("packing", ("bool", False)), ("cut_cross_entropy", ("bool", False)),
-        ("adapter_dtype", ("string", "fp32"))]
+        ("adapter_dtype", ("string", "fp32")), ("objective", ("string", "sft")),
+        ("num_generations", ("int64", 8))]
 
 
 def test_added_defaults_keep_old_spec_hashes():

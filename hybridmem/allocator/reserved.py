@@ -27,6 +27,7 @@ from hybridmem.allocator.sim import SimulatedOOM
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
+from hybridmem.job.objective import at_micro_batch
 
 # CARRY = 1 / CARRY_DIV: how much of a smaller micro-batch's device bytes carries over to a
 # larger one's, per byte of allocated growth. 1 would carry its whole fragmentation (always
@@ -168,7 +169,7 @@ def _at(spec, batch: int, measure: Callable, env: str, capacity: int | None = No
     """(allocated, F, retries, OOM, reserved peak) at another micro-batch; a batch the spec
     rejects counts as (0, default, 0, False, 0)."""
     try:
-        other = spec.with_(micro_batch=batch)
+        other = at_micro_batch(spec, batch)  # GRPO: a group size the batch splits into
     except SpecError:
         return 0, default, 0, False, 0
     return _replayed(other, measure, env, capacity)

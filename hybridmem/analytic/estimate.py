@@ -413,6 +413,7 @@ def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
         param=sum(p.states.param for p in priced) + objectives.reference_param_bytes(priced,
                                                                                    spec),
         ref_forward=objectives.reference_forward(priced, spec, context(spec)),
+        **objectives.generation(priced, spec, context(spec)),
         master=master,
         state=sum(p.states.optimizer for p in priced) - master + shared,
         opt_temp=optimizer_temporary(spec.optimizer, stepped),
@@ -524,6 +525,11 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     st = _setup(spec, ws)[2] if spec.objective != "sft" else None
     ref_line = objectives.reference_module(priced, spec) if st else None
     modules += (ref_line,) if ref_line is not None else ()
+    gen_line = objectives.generation_module(spec)  # GRPO's generated ids
+    modules += (gen_line,) if gen_line is not None else ()
+    # vLLM colocated: a stated fraction of the GPU's memory (job.objective.vllm_bytes)
+    vllm = objective_rules.vllm_bytes(spec, gpu.memory_bytes if gpu is not None else None)
+    breakdown["context"] += vllm
     phases = {}
     for p in points:
         key = f"{p.phase}@{p.iteration}"
@@ -533,12 +539,15 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
         params_total=sum(m.params for m in modules if m.name != "reference"),
         params_trainable=sum(m.trainable_params for m in modules),
         peak=Peak(allocated_bytes=allocated, reserved_bytes=reserved,
-                  device_bytes=reserved + CUDA_CONTEXT_DEFAULT + paged, phase=top.phase,
+                  device_bytes=reserved + CUDA_CONTEXT_DEFAULT + paged + vllm,
+                  phase=top.phase,
                   iteration=top.iteration),
         breakdown=breakdown, modules=modules, paged_bytes=paged,
         notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + offloaded.notes(priced, spec)
         + ((packing.note(spec),) if spec.packing else ())
         + ((objective_rules.note(spec),) if spec.objective != "sft" else ())
+        + ((objective_rules.VLLM_WITHOUT_GPU,)
+           if spec.vllm_gpu_memory_utilization and gpu is None else ())
         + tuple(
             capacity_notes(fit, allocated, capacity_source(gpu) if capacity == FROM_GPU
                            else "as given")),
@@ -552,9 +561,12 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
             "after_step_allocated_bytes": after_step(points),
             **allocator_extras(fit),
             **({"objective": objective_rules.summary(
-                spec, (ref_line.param + (st.ref_forward if top.phase == "forward"
-                                         and top.bytes["temporary"] == st.ref_forward else 0))
-                if ref_line is not None else 0, 0, 0, 0)} if st is not None else {})})
+                spec, (ref_line.param + objectives.held_bytes(spec)[0]
+                       + (st.ref_forward if top.phase == "forward"
+                          and top.bytes["temporary"] == st.ref_forward else 0))
+                if ref_line is not None else 0, objectives.held_bytes(spec)[1],
+                max((p.allocated for p in points if p.phase == "generation"), default=0),
+                vllm)} if st is not None else {})})
 
 
 def after_step(points) -> int:

@@ -6,7 +6,10 @@ has `objective.rows` sequences (chosen + rejected concatenated); its head is the
 separate reference adds a frozen copy of the model's weights (`Statics.param`, its own module
 line) and every reference forward its no-grad high point at the end of the policy's forward
 (`Statics.ref_forward`, the trainer computes the reference log-probs then, with the policy's
-graph alive). GRPO and KTO are priced by the trace tier (`scope.refusal`).
+graph alive); KTO's reference runs its KL batch and its completions there (the policy's own
+KL forward, under no_grad before its graph exists, stays below both). GRPO's generation phase
+(KV cache, sampling, the reference's log-probs) is `Statics.generation`, once per step before
+its first micro-step; its outputs stay alive through the step (`generation_held`).
 """
 
 from __future__ import annotations
@@ -14,15 +17,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridmem.analytic.events import _no_grad_working_set
-from hybridmem.families.common.activations import Ctx
+from hybridmem.families.common.activations import FP32, Ctx
 from hybridmem.families.decoders.objective_acts import reference_head
 from hybridmem.job import objective as rules
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer, Module, ModelGraph, ParamTensor
-
-PRICED: tuple[str, ...] = ("sft", "dpo", "orpo", "rm")
-"""Objectives with closed forms here (the others: the trace tier)."""
-
 
 def graph_spec(spec):
     """The spec whose graph the policy runs: `objective.rows` sequences per forward."""
@@ -54,46 +53,145 @@ def reference_param_bytes(priced, spec) -> int:
 
 
 def reference_forward(priced, spec, c: Ctx) -> int:
-    """The reference forward's high point under no_grad (separate copy or disabled adapters):
-    the residual stream and one decoder layer's no-grad working set, or the head's
-    (`objective_acts.reference_head`); 0 without a reference forward in the step."""
-    if rules.ref_model_of(spec) in ("none", "precomputed"):
+    """The reference forward's high point under no_grad (separate copy or disabled adapters)
+    at the end of the policy's forward: the residual stream and one decoder layer's no-grad
+    working set, or the head's (`objective_acts.reference_head`); 0 without a reference
+    forward there (GRPO's runs in its generation phase: `generation`)."""
+    if rules.ref_model_of(spec) in ("none", "precomputed") or spec.objective == "grpo":
         return 0
+    return _no_grad_forward(priced, c, None, lambda d: reference_head(
+        d["b"], d["s"], d["h"], d["vocab"], c, rules.prompt_length(spec), spec.objective))
+
+
+def _no_grad_forward(priced, c: Ctx, shape: tuple[int, int] | None, head) -> int:
+    """High point of a forward under no_grad over `shape` = (rows, tokens) (None: the policy's
+    own): the largest decoder layer's working set beside the residual stream, or the stream
+    at the head plus `head(dims)`."""
     best = 0
     for p in priced:
         d = p.layer.dims
+        b, s = shape or (d.get("b", 0), d.get("s", 0))
         if p.layer.kind == "decoder_layer" and not d.get("moe"):
-            # a decoder layer (not the first) under no_grad, modeling_llama.py: four stream
-            # tensors stay alive (LlamaModel's `inputs_embeds`, the layer's input its caller
-            # holds, the residual, the norm's output) with RoPE's cos / sin tables; the gated
-            # MLP adds act(gate), up and their product (e; under autocast the frozen weight's
-            # cast in use, not cached: no grad), the attention at k's rotated sum q, v,
-            # q_embed, k, k * cos, rotate_half(k) * sin and k_embed
-            tokens = d["b"] * d["s"]
-            base = 4 * t(tokens * d["h"], c.stream) + 2 * t(d["s"] * d["head_dim"], c.stream)
-            cast = t(d["ffn"] * d["h"], 2) if c.amp else 0
-            mlp = 3 * t(tokens * d["ffn"], c.e) + cast
-            q = t(tokens * d["heads"] * d["head_dim"], c.e)
-            kv = t(tokens * d["kv_heads"] * d["head_dim"], c.e)
-            best = max(best, base + max(mlp, 2 * q + 5 * kv))
-        elif p.layer.kind == "decoder_layer":
-            stream = t(d["b"] * d["s"] * d["h"], c.stream)
+            best = max(best, _layer_no_grad(d, c, b, s))
+        elif p.layer.kind == "decoder_layer":  # the policy's shape's acts: an approximation
+            stream = t(b * s * d["h"], c.stream)
             best = max(best, stream + sum(_no_grad_working_set(p.layer, p.step.acts, c.amp)))
         elif p.layer.kind == "lm_head":
-            best = max(best, t(d["b"] * d["s"] * d["h"], c.stream)
-                       + reference_head(d["b"], d["s"], d["h"], d["vocab"], c,
-                                        rules.prompt_length(spec), spec.objective))
+            best = max(best, t(b * s * d["h"], c.stream) + head(dict(d, b=b, s=s)))
     return best
+
+
+def _layer_no_grad(d: dict, c: Ctx, b: int, s: int) -> int:
+    """A decoder layer (not the first) under no_grad over b x s tokens, modeling_llama.py:
+    four stream tensors stay alive (LlamaModel's `inputs_embeds`, the layer's input its caller
+    holds, the residual, the norm's output) with RoPE's cos / sin tables; the gated MLP adds
+    act(gate), up and their product (e; under autocast the frozen weight's cast in use, not
+    cached: no grad), the attention at k's rotated sum q, v, q_embed, k, k * cos,
+    rotate_half(k) * sin and k_embed."""
+    tokens = b * s
+    base = 4 * t(tokens * d["h"], c.stream) + 2 * t(s * d["head_dim"], c.stream)
+    cast = t(d["ffn"] * d["h"], 2) if c.amp else 0
+    mlp = 3 * t(tokens * d["ffn"], c.e) + cast
+    q = t(tokens * d["heads"] * d["head_dim"], c.e)
+    kv = t(tokens * d["kv_heads"] * d["head_dim"], c.e)
+    return base + max(mlp, 2 * q + 5 * kv)
+
+
+def generation(priced, spec, c: Ctx) -> dict:
+    """GRPO's generation phase (`trace.objectives.grpo_prepare`), the `Statics` fields
+    `generation` and `generation_held`; empty for the other objectives.
+
+    It runs in `_prepare_inputs`, outside the loss's autocast: the weights' dtype (g bytes).
+    G = micro_batch x grad_accum sequences of P prompt + C completion tokens, L layers.
+    - Prefill: every layer's K and V of P tokens (DynamicCache) beside one layer's no-grad
+      working set over G x P tokens, the prompt ids.
+    - Last decode step (the cache only grows): K and V of P + C - 1 tokens in every layer,
+      and at once the larger of a layer's old K beside the one `torch.cat` makes
+      (cache_utils.py `DynamicLayer.update`), the sampled logits (G x V in g, their fp32 copy;
+      then softmax's probs and the exponential draw of `multinomial`: G x V fp32 each,
+      generation/utils.py `_sample`), the ids' last `cat`; the ids of P + C - 1 tokens.
+    - The reference's log-probs (beta > 0), no_grad, micro_batch rows at a time over P + C
+      tokens with `logits_to_keep = C + 1`: a layer's working set, or the kept logits, their
+      `/ temperature` copy and one row's log_softmax; the ids and advantages alive.
+    Held until the step ends: the ids (G x (P + C) int64), the advantages (G fp32), the
+    reference's log-probs (G x C fp32)."""
+    if spec.objective != "grpo":
+        return {}
+    g = c.param
+    gc = replace(c, e=g, stream=g, amp=False, autocast=False)
+    n, G = spec.micro_batch, spec.micro_batch * spec.grad_accum
+    C = rules.completion_length(spec)
+    P = spec.seq_len - C
+    layers = [p.layer.dims for p in priced if p.layer.kind == "decoder_layer"]
+    V = next(p.layer.dims["vocab"] for p in priced if p.layer.kind == "lm_head")
+    d0 = layers[0]
+
+    def kv(tokens: int) -> int:  # one K (or V) of one layer
+        return t(G * tokens * d0["kv_heads"] * d0["head_dim"], g)
+
+    def cache(tokens: int) -> int:
+        return 2 * len(layers) * kv(tokens)
+
+    layer_ws = max(_layer_no_grad(d, gc, G, P) for d in layers) if not d0.get("moe") else 0
+    prefill = cache(P) + layer_ws + t(G * P, 8)
+    sampling = max(t(G * V, g) + t(G * V, FP32), 2 * t(G * V, FP32))
+    decode = cache(P + C - 1) + t(G * (P + C - 1), 8) + max(
+        kv(P + C - 2), sampling, t(G * (P + C), 8))
+    ids, advantages = t(G * (P + C), 8), t(G, FP32)
+    held = ids + advantages
+    peak = max(prefill, decode)
+    if rules.ref_model_of(spec) != "none":
+        logps = t(G * C, FP32)
+        row = 0 if g == FP32 else t(C * V, g)
+
+        def head(d):  # the kept logits and their copy, then the copy and a row's log_softmax
+            return max(t(n * (C + 1) * V, g) + t(n * C * V, g), t(n * C * V, g) + row)
+
+        peak = max(peak, held + logps + _no_grad_forward(priced, gc, (n, P + C), head))
+        held += logps
+    return {"generation": peak, "generation_held": held}
+
+
+def generation_module(spec):
+    """The `generation` line of `Prediction.modules` for GRPO (None otherwise). As the trace
+    tier's line it holds no activation: the generated ids are the step's inputs; their bytes
+    and the reference's log-probs are `extras["objective"]` (`held_bytes`)."""
+    from hybridmem.prediction import ModuleMemory
+
+    if spec.objective != "grpo":
+        return None
+    return ModuleMemory(name="generation", params=0, trainable_params=0, param=0, grad=0,
+                        optimizer=0, activation=0)
+
+
+def held_bytes(spec) -> tuple[int, int]:
+    """(reference, generation) bytes GRPO's generation phase leaves alive through the step:
+    the reference's log-probs (G x C fp32), the generated ids (G x (P + C) int64)."""
+    if spec.objective != "grpo":
+        return 0, 0
+    G = spec.micro_batch * spec.grad_accum
+    ref = t(G * rules.completion_length(spec), FP32) if rules.ref_model_of(spec) != "none" else 0
+    return ref, t(G * spec.seq_len, 8)
 
 
 def batch_bytes(spec) -> int:
     """The objective's collated batch against the SFT one's ids + labels over the same rows
     (`trace.objectives.batch`): DPO's loss mask and ORPO's labels take the labels' place, the
-    reward model has ids only; precomputed reference log-probs are fp32 per sequence."""
-    out = -t(rules.rows(spec) * spec.seq_len, 8) if spec.objective == "rm" else 0
+    reward model has ids only; KTO adds the KL batch's ids and labels; precomputed reference
+    log-probs are fp32 per sequence (KTO's KL batch's too)."""
+    out = -t(rules.rows(spec) * spec.seq_len, 8) if spec.objective in ("rm", "grpo") else 0
+    if spec.objective == "grpo":  # a stand-in batch of ids; the generation's outputs
+        out += generation_held(spec)
+    if spec.objective == "kto":  # the KL batch's ids and labels
+        out += 2 * t(spec.micro_batch * spec.seq_len, 8)
     if rules.ref_model_of(spec) == "precomputed":
-        out += 2 * t(spec.micro_batch, 4)
+        out += (3 if spec.objective == "kto" else 2) * t(spec.micro_batch, 4)
     return out
+
+
+def generation_held(spec) -> int:
+    """GRPO: the generation phase's outputs alive until the step ends (`generation`)."""
+    return sum(held_bytes(spec)) + t(spec.micro_batch * spec.grad_accum, FP32)  # advantages
 
 
 def reference_module(priced, spec):

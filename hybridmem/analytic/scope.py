@@ -21,10 +21,6 @@ def refusal(spec) -> SpecError | None:
     Each refusal is a job the closed forms do not describe, not bad input: a PEFT method other
     than LoRA/DoRA, a family without closed forms, LoRA or a dtype other than bf16 on the MoE
     families' fused experts, op-level checkpointing with adapters."""
-    if spec.objective in ("kto", "grpo"):  # analytic.objectives.PRICED
-        return SpecError("objective", spec.objective, ("sft", "dpo", "orpo", "rm"),
-                         reason="its KL batch / generation has no closed form here (the trace "
-                         "tier prices it)")
     if spec.train == "peft":
         from hybridmem.adapters import peft_type
 

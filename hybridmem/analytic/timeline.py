@@ -124,6 +124,13 @@ class Statics:
     ref_forward: int = 0
     """The reference model's no-grad forward at the end of the policy's forward (DPO's
     `compute_ref_log_probs`, `analytic.objectives`): its high point, a transient there."""
+    generation: int = 0
+    """GRPO's generation phase (`analytic.objectives.generation`): its high point's
+    temporaries (KV cache and sampling, then the reference's log-probs), once per step before
+    the first micro-step; 0 for the other objectives."""
+    generation_held: int = 0
+    """What the generation phase leaves alive until the step ends (the completions' ids, the
+    advantages, the reference's log-probs), part of `inputs`."""
     in_backward: bool = False
     """Optimizer-in-backward (`hybridmem.job.optim_in_backward`): each parameter is stepped
     and its grad freed inside backward; the optimizer phase steps nothing."""
@@ -154,6 +161,8 @@ def walk(steps: list[Step], st: Statics, iterations: int = 2) -> list[Point]:
     output = 0  # what the previous micro-step's output object holds (custom loop)
     for it in range(iterations):
         w = _Walk(st, it)
+        if st.generation:  # GRPO: the step's completions, before its first forward
+            w.point("generation", st.inputs - st.generation_held, st.generation, 0, 0)
         for micro in range(st.grad_accum):
             acc = total if (micro > 0) else None
             output = _micro_step(w, steps, st, output, acc)

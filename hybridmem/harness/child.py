@@ -121,9 +121,12 @@ def measure(request: dict, probe) -> dict:
             # grad_accum micro-steps of forward + backward (one phase entry each), then the
             # step (clipping included); torch.cuda.empty_cache() where the loop calls it
             where = empty_cache_at(spec, iteration)
-            for phase in ("forward", "backward") * spec.grad_accum + ("optimizer",):
+            steps = ("forward", "backward") * spec.grad_accum + ("optimizer",)
+            for phase in (("generation",) if spec.objective == "grpo" else ()) + steps:
                 probe.phase_start(phase, iteration)
-                if phase == "forward":
+                if phase == "generation":  # GRPO's completions, before the first forward
+                    workload.generation(job, spec)
+                elif phase == "forward":
                     loss = workload.forward(job, spec, device)
                     if where == "after_forward":  # Trainer.training_step, before backward
                         workload.empty_cache(device)
@@ -133,6 +136,7 @@ def measure(request: dict, probe) -> dict:
                 else:
                     workload.optimizer_step(
                         job, spec, empty_cache_device=device if where == "after_step" else None)
+                    workload.end_step(job)
                 phases.append({"phase": phase, "iteration": iteration,
                                **probe.phase_end(phase, iteration)})
             times.append(time.perf_counter() - start)

@@ -19,6 +19,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from hybridmem.errors import SpecError
 from hybridmem.harness import workload
 from hybridmem.harness.ranks import launched  # noqa: F401  (the child asks it here)
 from hybridmem.job.optimizers import LR
@@ -92,6 +93,9 @@ def prepare(spec: TrainingSpec, config, device) -> workload.Job:
     no rank holds a whole replica (as accelerate loads FSDP models); ZeRO-3 models are built
     under `deepspeed.zero.Init` (as transformers does under ZeRO-3); DDP and ZeRO-1/2 keep a
     whole replica per rank anyway and are built on the GPU."""
+    if spec.objective != "sft":  # trace.objectives' steps are measured on one GPU
+        raise SpecError("objective", spec.objective, ["sft"], reason="the harness measures "
+                        "objectives beyond sft on one GPU (strategy none)")
     strategy = spec.parallel.strategy
     if strategy == "fsdp":
         model = workload.build_trainable(spec, config, torch.device("cpu"))

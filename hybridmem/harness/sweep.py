@@ -59,8 +59,9 @@ BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority"
                                "parallel") + tuple(AXES)
 PARALLEL_AXES = ("world_size", "strategy")
 """Axes that go into the spec's `ParallelSpec`; a block's `parallel` table sets its other knobs."""
-VALUE_PARTNERS: dict[str, object] = {"train": "lora", "grad_ckpt": True}
-"""Fields set beside one axis value when it is checked on its own (`_check_value`)."""
+VALUE_PARTNERS: dict[str, object] = {"train": "lora", "grad_ckpt": True, "num_generations": 1}
+"""Fields set beside one axis value when it is checked on its own (`_check_value`; groups of
+one: `objective = "grpo"` divides any micro-batch)."""
 SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
 SPEC_AXES = ("micro_batch", "seq_len", "images_per_sample", "precision", "optimizer", "train",

@@ -7,6 +7,8 @@ divided by `grad_accum`, `clip_grad_norm_(foreach=True)` before the step when `m
 > 0, `zero_grad(set_to_none=True)`, `torch.cuda.empty_cache()` where `spec.empty_cache_at` says
 (the child calls it; `empty_cache_steps` > 0), LoRA adapters on the language model's linears only,
 image tokens right after BOS and masked out of the labels, no attention mask (unpadded batch).
+Objectives beyond SFT run the trace tier's step functions (`hybridmem.trace.objectives`: the
+TRL trainers' code paths) on the real model: one code path for both.
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ class Job:
     """The output object `loop="custom"` holds: the last forward's, until the next returns."""
     offload: object | None = None
     """TRL's activation-offloading context (`spec.offload_activations == "all"`), else None."""
+    ref: nn.Module | None = None
+    """The separate reference model of an objective beyond SFT (`trace.objectives`)."""
+    tracker: object | None = None
+    """Unused here: the trace tier's tracker, which `trace.objectives` relabels parts on."""
+    grpo: dict | None = None
+    """GRPO's generated ids, advantages and reference log-probs for the step's micro-steps."""
+    generated: bool = False
+    micro: int = 0
+    """The micro-step running (GRPO's slice of its generation batch)."""
 
 
 def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
@@ -229,15 +240,33 @@ def prepare(spec: TrainingSpec, config, device) -> Job:
     """Everything on `device`; `bf16-master` emulates DeepSpeed's BF16_Optimizer (see README).
 
     One GPU; a multi-rank spec goes to `hybridmem.harness.distributed.prepare` (the child)."""
-    if spec.objective != "sft":  # the measured step is the SFT one (docs/objectives.md)
-        from hybridmem.errors import SpecError
-
-        raise SpecError("objective", spec.objective, ["sft"],
-                        reason="the CUDA harness measures SFT steps only so far")
     model = build_trainable(spec, config, device)
     job = finish_job(model, spec, device)
+    if spec.objective != "sft":  # the TRL trainer's batch and reference (trace.objectives)
+        from hybridmem.trace import objectives
+
+        objectives.check_model(spec, 0, config.model_type)
+        job.batch = objectives.batch(spec, device)
+        job.ref = objectives.reference_model(
+            spec, config, lambda s, c: build_model(s, c, device))
+        return job
     job.batch = make_batch(spec, config, model, device)
     return job
+
+
+def generation(job: Job, spec: TrainingSpec) -> None:
+    """GRPO's generation phase of a step (`trace.objectives.grpo_prepare`, the full sampling
+    loop), before its first micro-step; a no-op for the other objectives."""
+    if spec.objective == "grpo":
+        from hybridmem.trace import objectives
+
+        objectives.grpo_prepare(job, spec, every_step=True)
+
+
+def end_step(job: Job) -> None:
+    """GRPO's generation buffers die with the step (`trace.runner.train`); the next step's
+    micro-steps count from 0."""
+    job.grpo, job.micro = None, 0
 
 
 def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None = None) -> Job:
@@ -266,6 +295,12 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
 
 
 def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
+    if spec.objective != "sft":  # the TRL trainer's compute_loss, the trace tier's code
+        from hybridmem.trace import objectives
+
+        loss = objectives.loss(job, spec, job.micro)
+        job.micro += 1
+        return loss
     if spec.loop == "custom":  # `outputs = model(**batch)`: the previous object dies here
         job.outputs = job.model(**job.batch)
         return job.outputs.loss

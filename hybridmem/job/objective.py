@@ -83,6 +83,30 @@ def rows(spec) -> int:
     return 2 * spec.micro_batch if spec.objective in CONCATENATED else spec.micro_batch
 
 
+def micro_batch_step(spec) -> int:
+    """The micro-batches a job can take are the multiples of this: GRPO's generation batch
+    (micro_batch x grad_accum x world_size) must split into whole groups of `num_generations`
+    (grpo_trainer.py __init__); 1 for the other objectives."""
+    if spec.objective != "grpo":
+        return 1
+    from math import gcd
+
+    n = spec.num_generations
+    return n // gcd(n, spec.grad_accum * spec.parallel.world_size)
+
+
+def at_micro_batch(spec, batch: int):
+    """`spec` at another micro-batch, for a question about memory only (the allocator's
+    replays at smaller micro-batches): GRPO's `num_generations` shrinks to a group size that
+    still divides the generation batch; the group size changes no tensor of the step."""
+    if spec.objective != "grpo":
+        return spec.with_(micro_batch=batch)
+    from math import gcd
+
+    total = batch * spec.grad_accum * spec.parallel.world_size
+    return spec.with_(micro_batch=batch, num_generations=gcd(spec.num_generations, total))
+
+
 def _number(name: str, value: object, low: float, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low \
             or (high is not None and value > high):
@@ -192,6 +216,10 @@ def note(spec) -> str | None:
                      "GPU's memory (gpu_memory_utilization, a stated rule: vLLM pre-allocates "
                      "that fraction for its weights and KV cache)")
     return text
+
+
+VLLM_WITHOUT_GPU = ("vLLM colocated: its reservation is a fraction of a GPU's memory; give "
+                    "--gpu to include it (left out here)")
 
 
 def vllm_bytes(spec, gpu_memory_bytes: int | None) -> int:

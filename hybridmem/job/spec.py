@@ -513,7 +513,7 @@ class TrainingSpec:
     """`dataloader_drop_last`."""
     objective: str = job_field(
         "sft", help="Trainer.",
-        group="objective", choices=OBJECTIVES, added=33, echo=True,
+        group="objective", choices=OBJECTIVES, added=33, echo=True, recorded="string",
         keys={"training_args": ("num_generations", "desirable_weight", "undesirable_weight",
                                 "center_rewards_coefficient", "rpo_alpha", "loss_type")},
         doc="`sft` (the LM loss), `dpo`, `orpo`, `kto`, `rm` (reward model: a scalar head), "
@@ -541,7 +541,8 @@ class TrainingSpec:
     """KL / preference coefficient; None: the trainer's default (`objective.DEFAULT_BETA`)."""
     num_generations: int = job_field(
         8, help="GRPO completions per prompt.",
-        group="objective", unit="sequences", added=36, keys={"training_args": (
+        group="objective", unit="sequences", added=36, recorded="int64",
+        keys={"training_args": (
             "num_generations",)},
         doc="GRPO's completions per prompt (TRL default 8). As in TRL, `--micro-batch` counts "
         "completions (`per_device_train_batch_size`), so the groups only set which batches are "

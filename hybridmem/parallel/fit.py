@@ -12,6 +12,7 @@ from functools import cache
 
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
+from hybridmem.job.objective import micro_batch_step
 from hybridmem.parallel.inputs import deepspeed_precision
 from hybridmem.prediction import Prediction
 from hybridmem.job.spec import TrainingSpec
@@ -76,14 +77,16 @@ def _smallest_zero_stage(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> di
 
 def _largest_micro_batch(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
     """Largest micro-batch below the current one that fits ("how far must I go down?")."""
-    fits_at = cache(lambda b: _fits(spec.with_(micro_batch=b), gpu, estimate))
-    lo, hi = 0, spec.micro_batch  # invariant: hi does not fit; lo fits (or is 0)
+    unit = micro_batch_step(spec)  # GRPO: whole groups of num_generations completions
+    fits_at = cache(lambda k: _fits(spec.with_(micro_batch=k * unit), gpu, estimate))
+    lo, hi = 0, spec.micro_batch // unit  # invariant: hi does not fit; lo fits (or is 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
     if lo == 0:
         return None
-    return {**_option(spec.with_(micro_batch=lo), fits_at(lo), gpu), "micro_batch": lo}
+    return {**_option(spec.with_(micro_batch=lo * unit), fits_at(lo), gpu),
+            "micro_batch": lo * unit}
 
 
 def smallest_fitting_setup(spec: TrainingSpec, gpu: GPU,

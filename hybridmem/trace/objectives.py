@@ -281,18 +281,19 @@ def _grown(t: torch.Tensor, extra: int, dim: int = -2) -> torch.Tensor:
     return t.new_zeros(shape)
 
 
-def grpo_prepare(job, spec) -> None:
+def grpo_prepare(job, spec, every_step: bool = False) -> None:
     """`_generate_and_score_completions`, once per optimizer step for `micro_batch x
     grad_accum` sequences (steps_per_generation = gradient_accumulation_steps): outside the
     loss's autocast (it runs in `_prepare_inputs`), the generation, then under no_grad the
     reference's per-token log-probs when beta > 0. Its outputs (ids, masks, reference
-    log-probs, advantages) are the step's inputs, alive until the step ends."""
+    log-probs, advantages) are the step's inputs, alive until the step ends. `every_step`:
+    `generate`'s full loop (the CUDA harness measures it)."""
     seqs = spec.micro_batch * spec.grad_accum
     completion = rules.completion_length(spec)
     prompt_ids = torch.ones(seqs, spec.seq_len - completion, dtype=torch.long,
                             device=job.batch["input_ids"].device)
     with part(job, GENERATION), torch.no_grad():
-        ids = generate(job.model, prompt_ids, completion)
+        ids = generate(job.model, prompt_ids, completion, every_step)
     del prompt_ids
     job.grpo = {"ids": ids, "advantages": torch.zeros(seqs, device=ids.device)}
     job.generated = True

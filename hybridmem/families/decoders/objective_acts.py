@@ -13,6 +13,9 @@ output (fp32 under autocast, whose CUDA lists run log_softmax in fp32; else e).
 - ORPO: the chosen half's `[..., :-1, :].contiguous()` copy into cross_entropy (log_softmax's
   output saved; under autocast the fp32 cast transient), then the per-token log-probs on
   `logits[:, :-1]`.
+- KTO: the per-token log-probs of the micro_batch completions, then the desirable /
+  undesirable split's index copies of the logits' rows (freed when `forward` returns).
+- GRPO: `logits_to_keep = completion + 1` (`_grpo_head`).
 - The reward model's `score` head: R x S x 1 logits, nothing vocabulary-sized.
 Backward: the per-row grads wait in the unbind's input buffer until every row has one (each
 row's saved output released as its grad arrives), then stack into the logits' grad
@@ -66,6 +69,8 @@ def objective_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         w = t(V * h, 2)
         copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
         cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
+    if c.objective == "grpo":
+        return _grpo_head(R, S, h, V, c, sv, copies, cache, need_w)
     logits = t(B * V, e)
     if c.objective == "rm":  # the score head: (R, S, 1) scores, the last token's read
         return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
@@ -92,7 +97,9 @@ def objective_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         sv.add(R * (S - 1), INT64)
     else:  # kto, grpo: the per-token log-probs of R sequences
         saved, row, bwd_loss = _logps(c, R, S - 1, V)
-        fwd.append(row)
+        # KTO's desirable / undesirable split: `logits[idx]` copies every row once, after
+        # the log-probs' row work (kto_trainer.py `forward`)
+        fwd.append(max(row, _split_copies(R, S, V, e)) if c.objective == "kto" else row)
         sv.add(R * (S - 1), INT64)
     sv.add(saved, 1)
     if keeps_logits:
@@ -105,15 +112,59 @@ def objective_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                 bwd_parts=tuple(bwd), bwd_mlp=bwd_loss, bwd_mlp_parts=(bwd_loss,))
 
 
+def _grpo_head(R: int, S: int, h: int, V: int, c: Ctx, sv: Saved, copies: int, cache: int,
+               need_w: bool) -> Acts:
+    """GRPO's policy head (grpo_trainer.py `_get_per_token_logps_and_entropies`): the logits of
+    the last k + 1 positions only (`logits_to_keep`, k = completion), their `/ temperature`
+    copy over k positions beside them, then the copy's per-token log-probs (the ids' slice is
+    gather's index: no new tensor) and, under no_grad, one row's entropy (log_softmax, exp and
+    their product). The kept logits die when the copy replaces them, before the rows' saved
+    log_softmax outputs exist (`fwd_after_top`)."""
+    e = c.e
+    k = S - c.prompt
+    kept, copy = t(R * (k + 1) * V, e), t(R * k * V, e)
+    saved, row, bwd_loss = _logps(c, R, k, V)
+    sv.add(saved, 1)
+    keeps_copy = e == FP32 and not c.amp
+    if keeps_copy:  # selective_log_softmax saves the fp32 copy itself
+        sv.add(R * k * V, e)
+    ls = _row_bytes(c)
+    entropy = 3 * t(k * V, ls)
+    if keeps_copy:  # the copy is saved: the kept logits are the transient beside it
+        fwd, after = [kept, max(row, entropy)], 0
+        top = sum(fwd)
+    else:  # the kept logits die at the copy; the rows' saved outputs come after them (the
+        # event stream allocates the copy and a row's work before them)
+        fwd, after = [copy, max(row, entropy)], saved
+        top = copy + max(kept, saved + max(row, entropy))
+    # the division's grad (the copy's stacked grad freed at it), the slice's zero-filled grad
+    # over k + 1, the hidden states' grad; the rows' saved outputs are gone (each released as
+    # its grad arrived: `bwd_top_freed`)
+    bwd = [copy, kept, t(R * S * h, e)] + (
+        [t(V * h, 2)] if c.amp and need_w else [])
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
+                fwd_extra=top, fwd_parts=tuple(fwd), bwd_extra=sum(bwd),
+                bwd_parts=tuple(bwd), bwd_mlp=bwd_loss, bwd_mlp_parts=(bwd_loss,),
+                fwd_after_top=after, bwd_top_freed=0 if keeps_copy else saved)
+
+
+def _split_copies(R: int, S: int, V: int, e: int) -> int:
+    """KTO's chosen / undesirable logits: two index copies of alternating rows (rows 0, 2, ...
+    and 1, 3, ...: kto_trainer.py `forward`, `logits[chosen_idx, ...]`)."""
+    return t((R + 1) // 2 * S * V, e) + t(R // 2 * S * V, e)
+
+
 def reference_head(R: int, S: int, h: int, V: int, c: Ctx, prompt: int, objective: str) -> int:
     """High point of the reference's head under no_grad (`compute_ref_log_probs`): the logits,
     the frozen lm_head's autocast weight cast (not cached: no grad), then one row's
-    log_softmax work (fp32 cast and output) or a half's mean-logits copy."""
+    log_softmax work (fp32 cast and output), DPO's half's mean-logits copy or KTO's split
+    copies. KTO's KL batch runs the same forward first, its logits freed before these."""
     e = c.e
     logits = t(R * S * V, e)
     cast = t(V * h, 2) if c.amp else 0
     row = 0 if (e == FP32 and not c.amp) else t(S * V, _row_bytes(c)) + (
         t(S * V, FP32) if c.amp and e != FP32 else 0)
     half, n = R // 2, S - 1 - max(prompt - 1, 0)
-    metric = t(half * n * V, e) if objective == "dpo" else 0
+    metric = t(half * n * V, e) if objective == "dpo" else (
+        _split_copies(R, S, V, e) if objective == "kto" else 0)
     return logits + max(cast, row, metric)
