@@ -5,8 +5,8 @@ mode applies CUDA autocast's policies (aten/src/ATen/autocast_mode.cpp, the `KER
 lists) above autograd, as autocast does, so the autograd graph and what it saves are the same:
 - lower-precision ops cast floating args (not float64) to the autocast dtype; casts of leaf
   fp32 tensors that require grad (parameters) are cached until the outermost autocast region
-  exits (`cached_cast` / `can_try_cache`), which is what keeps a bf16 copy of every weight
-  alive through the forward;
+  exits (`cached_cast` / `can_try_cache`), under no_grad too, which is what keeps a bf16 copy
+  of every weight alive through the forward;
 - fp32 ops cast floating args to float32;
 - fp32_set_opt_dtype ops (softmax, log_softmax, sum, cumsum, prod) get `dtype=float32` when
   no dtype is given and the input is floating;
@@ -71,15 +71,18 @@ class CudaAutocast(TorchFunctionMode):
     def _lower(self, x):
         if not _eligible(x) or x.dtype == self.dtype:
             return x
-        # torch 2.13 reuses no cast made under no_grad for a later forward with grad (a
-        # weight's grad still flows: checked on CPU autocast), so such a cast is not cached
+        # `can_try_cache` (autocast_mode.cpp `cached_cast`, torch 2.13) tests inference mode,
+        # not grad mode, and a cast it caches is made under `AutoGradMode(true)`: one made
+        # under no_grad (or in an autograd Function's forward) is cached with its grad_fn,
+        # stays alive to the region's exit and is reused by a later forward with grad
         cacheable = (x.dtype == torch.float32 and x.requires_grad and x.is_leaf
-                     and not x._is_view() and torch.is_grad_enabled())
+                     and not x._is_view() and not torch.is_inference_mode_enabled())
         if not cacheable:
             return x.to(self.dtype)
         hit = self.cache.get(id(x))
         if hit is None or hit[0] is not x:
-            hit = self.cache[id(x)] = (x, x.to(self.dtype))
+            with torch.enable_grad():
+                hit = self.cache[id(x)] = (x, x.to(self.dtype))
         return hit[1]
 
     def _map(self, fn, args, kwargs):
