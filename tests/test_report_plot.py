@@ -54,9 +54,14 @@ def test_timeline_png_has_title_gib_axis_gpu_limit_and_phase_legend():
     assert ax.get_title().startswith("tiny-llama: train full, micro-batch 2 x 1024 tokens")
     assert "grad-ckpt" in ax.get_title()
     assert ax.get_ylabel() == "GiB"
+    # the allocator's capacity: the GPU's memory less the CUDA context (allocator.overheads)
+    from hybridmem.allocator.overheads import allocator_capacity
+
+    cap = allocator_capacity(gpu) / gib
+    assert cap < gpu.memory_bytes / gib
     assert max(line.get_ydata()[0] for line in ax.get_lines()
-               if line.get_linestyle() == "--") == pytest.approx(40.0)
+               if line.get_linestyle() == "--") == pytest.approx(cap)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert {"forward", "backward", "optimizer", "allocated", "reserved (simulated)"} <= set(labels)
-    assert "a100-40gb (40.0 GiB)" in labels
+    assert f"a100-40gb: {cap:.1f} GiB for the allocator (40.0 GiB less the CUDA context)" in labels
     plt.close(fig)

@@ -51,7 +51,8 @@ def title_of(spec) -> str:
 
 def figure(data: dict, title: str | None = None, gpu=None):
     """Allocated and simulated reserved GiB over the allocator's events, each phase's span
-    shaded (the legend names them), and the GPU's memory as a dashed line when `gpu` is given."""
+    shaded (the legend names them), and, when `gpu` is given, a dashed line at the allocator's
+    capacity (the GPU's memory less the CUDA context, which the curves leave out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,9 +74,13 @@ def figure(data: dict, title: str | None = None, gpu=None):
         named.add(phase)
         ax.text(mark["event"], 0, f" {phase[0]}{mark['iteration']}", fontsize=7, va="bottom",
                 color="grey")
-    if gpu is not None:
-        ax.axhline(gpu.memory_bytes / GiB, color="red", linestyle="--", lw=1,
-                   label=f"{gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB)")
+    if gpu is not None:  # the curves leave out the CUDA context: draw what the allocator gets
+        from hybridmem.allocator.overheads import allocator_capacity
+
+        cap = allocator_capacity(gpu)
+        ax.axhline(cap / GiB, color="red", linestyle="--", lw=1,
+                   label=f"{gpu.name}: {cap / GiB:.1f} GiB for the allocator "
+                   f"({gpu.memory_bytes / GiB:.1f} GiB less the CUDA context)")
     ax.set_ylim(bottom=0)
     ax.set_xlabel("allocator event")
     ax.set_ylabel("GiB")
