@@ -50,6 +50,12 @@ def _release(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def major(dist: str) -> int | None:
+    """`dist`'s installed major version (metadata only), None when it is not installed."""
+    have = installed(dist)
+    return _release(have)[0] if have else None
+
+
 def trace_refusal() -> str | None:
     """Why the trace tier cannot run with the installed libraries (one line naming the
     version needed), or None when it can."""

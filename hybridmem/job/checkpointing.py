@@ -41,13 +41,12 @@ def enable_checkpointing(model: nn.Module, spec: TrainingSpec) -> list[str]:
         base.activation_checkpointing_enable(kwargs, offload=offload)
     else:  # transformers 4.x; the job's checkpointing is non-reentrant on every release
         if offload:
-            from importlib.metadata import version
-
+            from hybridmem.environment import installed
             from hybridmem.errors import SpecError
 
             raise SpecError("offload_activations", "ckpt-inputs", reason="checkpoint offload "
                             "is transformers>=5.0's activation_checkpointing_enable(offload=True);"
-                            f" installed: transformers {version('transformers')}")
+                            f" installed: transformers {installed('transformers')}")
         base.gradient_checkpointing_enable(kwargs or {"use_reentrant": False})
     return select_checkpointed(base, spec)
 

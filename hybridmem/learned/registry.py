@@ -16,9 +16,9 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
-from importlib import metadata as importlib_metadata
 from pathlib import Path
 
+from hybridmem.environment import installed
 from hybridmem.errors import SpecError
 from hybridmem.learned.versions import major_minor
 
@@ -120,10 +120,7 @@ def user_env() -> dict[str, str | None]:
     """
     torch_v = os.environ.get("HYBRIDMEM_TORCH_VERSION")
     if not torch_v:
-        try:
-            torch_v = importlib_metadata.version("torch")
-        except importlib_metadata.PackageNotFoundError:
-            torch_v = None
+        torch_v = installed("torch")
     cuda_v = os.environ.get("HYBRIDMEM_CUDA_VERSION")
     if not cuda_v and "torch" in sys.modules:
         cuda_v = getattr(getattr(sys.modules["torch"], "version", None), "cuda", None)

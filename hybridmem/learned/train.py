@@ -16,12 +16,12 @@ import datetime as dt
 import json
 import tempfile
 from dataclasses import dataclass, field
-from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from hybridmem.environment import installed
 from hybridmem.errors import SpecError
 from hybridmem.learned import dataset, registry
 from hybridmem.learned.evaluate import (Evaluation, cross_validate, forward_held_out,
@@ -171,10 +171,7 @@ def neighbour_rows(table: FeatureTable) -> list[dict]:
 
 
 def _version(pkg: str) -> str:
-    try:
-        return importlib_metadata.version(pkg)
-    except importlib_metadata.PackageNotFoundError:
-        return "unknown"
+    return installed(pkg) or "unknown"
 
 
 def _distinct(series: pd.Series) -> list[str]:

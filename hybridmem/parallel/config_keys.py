@@ -111,9 +111,21 @@ TRAINING_ARGS_UNPRICED: dict[str, tuple[object, str]] = {
 }
 
 
-# TrainingArguments fields of transformers 4.x that 5.x replaced (`group_by_length` ->
-# `train_sampling_strategy="group_by_length"`, training_args.py), still read from older files
-TRAINING_ARGS_4X: frozenset[str] = frozenset({"group_by_length"})
+# TrainingArguments fields of transformers 4.x releases that 5.x dropped or renamed (e.g.
+# `group_by_length` -> `train_sampling_strategy`, training_args.py): the launchers pin 4.x
+# transformers (LLaMA-Factory's requirements, axolotl's), so their files carry them; known, and
+# read where they price something (`group_by_length`: `parallel.inputs`)
+TRANSFORMERS_4_FIELDS: frozenset[str] = frozenset({
+    "adafactor", "dispatch_batches", "evaluation_strategy", "fp16_backend", "fp16_opt_level",
+    "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap", "group_by_length",
+    "half_precision_backend", "include_inputs_for_metrics", "include_tokens_per_second",
+    "jit_mode_eval", "logging_dir", "mp_parameters", "no_cuda", "overwrite_output_dir",
+    "past_index", "per_gpu_eval_batch_size", "per_gpu_train_batch_size",
+    "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token", "ray_scope",
+    "save_safetensors", "split_batches", "torchdynamo", "tp_size", "tpu_metrics_debug",
+    "tpu_num_cores", "use_ipex", "use_legacy_prediction_loop", "use_mps_device",
+    "warmup_ratio",
+})
 # The other fields of TRL's DPOConfig, ORPOConfig, KTOConfig, RewardConfig and GRPOConfig
 # (trl/trainer/*_config.py, TRL 0.1x-0.2x) that change no memory the tiers price (the ones
 # that do are the objective fields' keys, `hybridmem.job.objective`)
@@ -151,7 +163,7 @@ def training_args_known() -> frozenset[str]:
     """Field names of the installed `transformers.TrainingArguments`, TRL `SFTConfig` (the
     installed one, else `TRL_SFT_KEYS`), LLaVA's extensions, the 4.x fields 5.x replaced and
     TRL's preference / RL configs' fields."""
-    extra = LLAVA_KEYS | TRAINING_ARGS_4X | TRL_OBJECTIVE_KEYS
+    extra = LLAVA_KEYS | TRANSFORMERS_4_FIELDS | TRL_OBJECTIVE_KEYS
     names = set(library_fields.class_fields(*TRAINING_ARGS) or ())
     if not names:  # a source this reader cannot follow: ask the class itself
         from transformers import TrainingArguments

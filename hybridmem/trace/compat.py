@@ -17,9 +17,9 @@ def no_init_weights():
 
 def transformers_major() -> int:
     """The installed transformers' major version (metadata only: no import)."""
-    from importlib.metadata import version
+    from hybridmem.environment import major
 
-    return int(version("transformers").split(".")[0])
+    return major("transformers") or 0
 
 
 # The VLM families with closed forms whose transformers 4.x `get_placeholder_mask` checks the

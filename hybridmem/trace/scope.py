@@ -31,9 +31,9 @@ def refusal(spec) -> SpecError | None:
     if model_type not in MOE_TYPES:
         return None
     from hybridmem.environment import installed
+    from hybridmem.trace.compat import transformers_major
 
-    major = int((installed("transformers") or "5").split(".")[0])
-    if major < 5:  # 4.x: `torch.where(expert_mask[e])` per expert (4.57 modeling_mixtral.py)
+    if transformers_major() < 5:  # 4.x: `torch.where(expert_mask[e])` per expert (4.57 modeling_mixtral.py)
         return SpecError("method", "trace", reason=f"{model_type}'s experts on transformers "
                          f"{installed('transformers')} pick tokens by value, which a trace "
                          "cannot run; the trace tier needs transformers>=5.0 for them")

@@ -109,22 +109,6 @@ def local_file(value: object, folder: Path) -> object:
     return os.fspath(folder / path)
 
 
-# TrainingArguments fields of transformers 4.x releases that 5.x dropped or renamed: the
-# launchers pin 4.x transformers (LLaMA-Factory's requirements, axolotl's), so their configs
-# carry them; no memory effect
-TRANSFORMERS_4_FIELDS: frozenset[str] = frozenset({
-    "adafactor", "dispatch_batches", "evaluation_strategy", "fp16_backend", "fp16_opt_level",
-    "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap", "group_by_length",
-    "half_precision_backend", "include_inputs_for_metrics", "include_tokens_per_second",
-    "jit_mode_eval", "logging_dir", "mp_parameters", "no_cuda", "overwrite_output_dir",
-    "past_index", "per_gpu_eval_batch_size", "per_gpu_train_batch_size",
-    "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token", "ray_scope",
-    "save_safetensors", "split_batches", "torchdynamo", "tp_size", "tpu_metrics_debug",
-    "tpu_num_cores", "use_ipex", "use_legacy_prediction_loop", "use_mps_device",
-    "warmup_ratio",
-})
-
-
 @lru_cache(maxsize=1)
 def hf_training_fields() -> frozenset[str]:
     """Field names of the installed transformers' `Seq2SeqTrainingArguments`: the

@@ -29,7 +29,6 @@ from hybridmem.errors import SpecError
 from hybridmem.parallel import config_keys
 from hybridmem.parallel.inputs import HF_DEFAULT_BATCH, from_training_args, typed_value
 from hybridmem.parallel.launchers.common import (
-    TRANSFORMERS_4_FIELDS,
     Layer,
     LauncherConfig,
     flag,
@@ -156,7 +155,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     hf_fields = hf_training_fields()
     config_keys.check_keys(SOURCE, raw, where,
                            used={*READ, *((hf_fields | {"group_by_length"}) & set(raw))},
-                           known=lambda: KNOWN | hf_fields | TRANSFORMERS_4_FIELDS)
+                           known=lambda: KNOWN | hf_fields | config_keys.TRANSFORMERS_4_FIELDS)
     cfg = {k: v for k, v in raw.items() if v is not None}
     config_keys.unpriced(SOURCE, cfg, where, UNPRICED)
     model, hub_id = model_of(raw.get("model_name_or_path"), where, "model_name_or_path")
