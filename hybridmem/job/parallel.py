@@ -20,7 +20,6 @@ STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 ZERO_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
 OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu")
 MP_DTYPES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def _check_count(name: str, value: object, minimum: int = 1) -> None:

@@ -33,16 +33,6 @@ class PrecisionPolicy:
     """Bytes per element of activations (autocast dtype or param dtype)."""
 
 
-POLICIES: dict[str, PrecisionPolicy] = {
-    "fp32": PrecisionPolicy(4, 4, 4, 0, 4),
-    "bf16": PrecisionPolicy(2, 2, 2, 0, 2),
-    "fp16": PrecisionPolicy(2, 2, 2, 0, 2),
-    "bf16-mixed": PrecisionPolicy(4, 4, 4, 0, 2),
-    "fp16-mixed": PrecisionPolicy(4, 4, 4, 0, 2),
-    "bf16-master": PrecisionPolicy(2, 2, 4, 4, 2),
-    "bf16-autocast": PrecisionPolicy(2, 2, 2, 0, 2),
-}
-
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """Choices of `weights_dtype` and `adapter_dtype`."""
 AUTOCASTS: tuple[str, ...] = ("none", "bf16", "fp16")
@@ -75,6 +65,21 @@ AXES: dict[str, Axes] = {
     "bf16-autocast": Axes("bf16", "bf16", False),
 }
 SHORTHAND: dict[Axes, str] = {axes: name for name, axes in AXES.items()}
+
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _policy(axes: Axes) -> PrecisionPolicy:
+    """Bytes per element under `axes`: params and grads in the weights' dtype, optimizer state
+    too unless a master copy is kept (then the copy and the state are fp32, DeepSpeed's bf16
+    optimizer), activations in the autocast dtype where autocast is on."""
+    param = DTYPE_BYTES[axes.weights_dtype]
+    master = 4 if axes.master_weights else 0
+    compute = DTYPE_BYTES[axes.autocast] if axes.autocast != "none" else param
+    return PrecisionPolicy(param, param, master or param, master, compute)
+
+
+POLICIES: dict[str, PrecisionPolicy] = {name: _policy(axes) for name, axes in AXES.items()}
 
 
 def casts_weights(precision: str) -> bool:

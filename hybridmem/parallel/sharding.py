@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from hybridmem.families.defaults import resolved
 from hybridmem.allocator import alloc
 from hybridmem.job.optimizers import Stepped, flat, raw, rule
-from hybridmem.job.parallel import DTYPE_BYTES, ParallelSpec
+from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.precision import DTYPE_BYTES
 from hybridmem.parallel.states import ModelTensors, Tensor
 from hybridmem.job.spec import POLICIES, TrainingSpec
 
