@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
+from hybridmem.parallel.launchers import DIALECTS
 
 REQUEST_FIELDS: dict[str, str] = {
     "gpu": "GPU from the catalogue (GET /v1/gpus), e.g. h100-80gb",
@@ -35,9 +36,9 @@ REQUEST_FIELDS: dict[str, str] = {
                 "the other tiers draw none and leave it out",
     "every_gpu": "add `every_gpu`: the verdict for each GPU in the catalogue",
     "recipe": "llava-1.5-{pretrain,finetune,finetune-lora} (official LLaVA-1.5 scripts)",
-    "config": "a launcher's config as text: LLaMA-Factory / axolotl / torchtune YAML, or a "
-              "TrainingArguments or DeepSpeed JSON",
-    "config_format": "llamafactory, axolotl, torchtune, training_args or deepspeed "
+    "config": "a launcher's config as text: LLaMA-Factory / axolotl / torchtune / accelerate "
+              "YAML, or a TrainingArguments or DeepSpeed JSON",
+    "config_format": "llamafactory, axolotl, torchtune, accelerate, training_args or deepspeed "
                      "(default: from its keys)",
     "deepspeed": "DeepSpeed config (an object)",
     "training_args": "HF TrainingArguments fields (an object)",
@@ -46,14 +47,14 @@ REQUEST_FIELDS: dict[str, str] = {
 }
 """Body keys that are not job fields -> their one-line help (the OpenAPI schema and the page)."""
 
-LAUNCHERS: tuple[str, ...] = ("llamafactory", "axolotl", "torchtune")
-CONFIG_FORMATS: tuple[str, ...] = (*LAUNCHERS, "training_args", "deepspeed")
+CONFIG_FORMATS: tuple[str, ...] = (*DIALECTS, "training_args", "deepspeed")
+"""`--config-format`'s dialects (`parallel.launchers.DIALECTS`) and the two JSON files."""
 CONFIG_NAMES: dict[str, str] = {"training_args": "training_args.json",
                                 "deepspeed": "deepspeed.json"}
 """How the sources and warnings name pasted text (a launcher's YAML: `config.yaml`)."""
 # DeepSpeed's own top-level keys (deepspeed/runtime/constants.py) that tell a pasted DeepSpeed
 # JSON from a TrainingArguments one
-DEEPSPEED_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size")
+DEEPSPEED_MARKERS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size")
 FILE_KEYS = ("deepspeed", "fsdp_config")
 """Keys of a launcher YAML or TrainingArguments whose string value is a file the reader opens."""
 MODEL_KEYS = ("model_name_or_path", "base_model")
@@ -172,7 +173,7 @@ def _config(text: object, config_format: object, deepspeed: dict | None,
         try:
             kind = detect(cfg, "config")
         except SpecError:  # no launcher's keys: a JSON of a Trainer run or of DeepSpeed
-            kind = "deepspeed" if any(k in cfg for k in DEEPSPEED_KEYS) else "training_args"
+            kind = "deepspeed" if any(k in cfg for k in DEEPSPEED_MARKERS) else "training_args"
     if kind == "deepspeed":
         return {"deepspeed": cfg}
     where = CONFIG_NAMES.get(kind, "config.yaml")
