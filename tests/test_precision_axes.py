@@ -139,3 +139,12 @@ def test_an_axis_flag_over_a_file_names_its_source(tmp_path):
                                                            "autocast": "none"})
     assert r.spec.precision == "fp32"
     assert r.sources["precision"] == f"flag --autocast over {args}: bf16"
+
+
+def test_every_precision_choice_has_its_axes():
+    """The schema's `precision` choices and the one AXES table name the same shorthands (a
+    choice without axes would have no bytes per element: POLICIES is derived from AXES)."""
+    from hybridmem.job.precision import AXES, POLICIES
+    from hybridmem.job.spec import PRECISIONS
+
+    assert set(PRECISIONS) == set(AXES) == set(POLICIES)
