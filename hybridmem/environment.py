@@ -8,9 +8,9 @@ from __future__ import annotations
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
-# the libraries whose code the trace tier runs (torch, transformers, peft) or whose defaults
-# the launcher readers follow (trl); docs/trace.md, "Versions"
-PRICED_WITH = ("torch", "transformers", "peft")
+# the libraries whose code the trace tier runs (torch, transformers, peft; trl's fused LM head
+# when installed, `objective.fused_head`); docs/trace.md, "Versions"
+PRICED_WITH = ("torch", "transformers", "peft", "trl")
 
 
 def installed(dist: str) -> str | None:
@@ -32,9 +32,14 @@ def versions() -> dict[str, str | None]:
 # (.ci/run); older ones lack `masking_utils` (< 4.53) or build the step differently
 # (docs/trace.md, "Versions")
 TRACE_FLOORS = {"transformers": "4.57.1", "peft": "0.17.1"}
+# The oldest releases of the libraries the oracle tests run but the tiers do not need (the
+# test extra's floors in pyproject.toml, installed in CI's compat pass): TRL 1.16.0 is the
+# first whose fused LM head runs without Triton (1.15.0's trl/kernels/chunked_logprob.py
+# imports triton at module level: no CPU run), which tests/test_trl_oracle.py runs on CPU
+ORACLE_FLOORS = {"trl": "1.16.0"}
 
 
-def _release(v: str) -> tuple[int, ...]:
+def release(v: str) -> tuple[int, ...]:
     """The numeric release of a version string ('4.57.1' -> (4, 57, 1); '2.13.0+cpu' ->
     (2, 13, 0); a pre-release tag ends the release)."""
     import re
@@ -53,7 +58,7 @@ def _release(v: str) -> tuple[int, ...]:
 def major(dist: str) -> int | None:
     """`dist`'s installed major version (metadata only), None when it is not installed."""
     have = installed(dist)
-    return _release(have)[0] if have else None
+    return release(have)[0] if have else None
 
 
 def trace_refusal() -> str | None:
@@ -64,7 +69,7 @@ def trace_refusal() -> str | None:
         if have is None:
             return f"{dist} is not installed (pip install -e . installs it)"
         floor = TRACE_FLOORS.get(dist)
-        if floor is not None and _release(have) < _release(floor):
+        if floor is not None and release(have) < release(floor):
             return (f"needs {dist}>={floor}, installed {have} "
                     f"(pip install '{dist}>={floor}')")
     return None

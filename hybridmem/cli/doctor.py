@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass
 
 import typer
 
-from hybridmem.environment import installed, versions
+from hybridmem.environment import PRICED_WITH, installed, versions
 
-# The libraries printed: the ones the trace tier runs (environment.PRICED_WITH) and TRL, whose
-# trainers the launchers drive (LLaMA-Factory, axolotl)
-SHOWN = ("torch", "transformers", "peft", "trl")
+# The libraries printed: the ones the tiers price with (environment.PRICED_WITH, TRL among
+# them: its trainers' step, and the launchers drive them: LLaMA-Factory, axolotl)
+SHOWN = PRICED_WITH
 
 
 @dataclass(frozen=True)

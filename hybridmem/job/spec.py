@@ -13,7 +13,7 @@ from typing import Literal, get_args
 from hybridmem.errors import SpecError
 from hybridmem.job.field import added_defaults, job_field
 from hybridmem.job.loss import check_loss_spec
-from hybridmem.job.objective import OBJECTIVES, REF_MODELS
+from hybridmem.job.objective import OBJECTIVES, REF_MODELS, TRAINERS
 from hybridmem.job.images import normalize_image_size
 from hybridmem.job.offload_rules import MODES as OFFLOAD_MODES
 from hybridmem.job.parallel import ParallelSpec
@@ -524,6 +524,14 @@ class TrainingSpec:
         "RM, `rpo_alpha` / `loss_type`: DPO, else `beta`: ORPO). Both tiers; "
         "[docs/objectives.md](docs/objectives.md)")
     """Training objective (`hybridmem.job.objective`): sft, dpo, orpo, kto, rm or grpo."""
+    trainer: str = job_field(
+        "transformers", help="Who runs SFT: transformers' Trainer or TRL's SFTTrainer.",
+        group="objective", choices=TRAINERS, added=40,
+        doc="who runs the `sft` step: `transformers` (`Trainer`, the full logits into "
+        "`ForCausalLMLoss`) or `trl` (`SFTTrainer`; from TRL 1.15 its fused, chunked LM head, "
+        "`trl/kernels/chunked_logprob.py`: no full logits). The other objectives are TRL's "
+        "trainers whatever it says. [docs/objectives.md](docs/objectives.md)")
+    """Who runs the SFT step (`objective.TRAINERS`); the other objectives are TRL's."""
     ref_model: str | None = job_field(
         None, help="Ref.", group="objective", choices=REF_MODELS, added=34,
         keys={"training_args": ("precompute_ref_log_probs",)},
@@ -595,6 +603,7 @@ class TrainingSpec:
         for axis in ("weights_dtype", "autocast", "master_weights"):
             object.__setattr__(self, axis, None)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("trainer", self.trainer, TRAINERS)
         _check_choice("train", self.train, TRAINABLES)
         if self.attn is not None:  # None: resolved per model (families.defaults)
             _check_choice("attn", self.attn, ATTENTIONS)

@@ -77,6 +77,99 @@ def reference_context(job, spec):
     return job.ref, contextlib.nullcontext()
 
 
+# ---------------------------------------------------------------- TRL's fused LM head
+
+# Which fold of the fused head's tiles the trace runs: "triton" (what TRL runs on a CUDA GPU:
+# `_use_triton(device)` is true where Triton is installed, which torch's Linux CUDA wheels
+# ship) or "torch" (the torch fold TRL runs without Triton: a CPU run, the oracle tests')
+HEAD_PATHS = ("triton", "torch")
+_head = {"path": "triton"}
+
+
+@contextlib.contextmanager
+def head_path(path: str):
+    """Trace the fused head's `path` (`HEAD_PATHS`) inside the block."""
+    if path not in HEAD_PATHS:
+        raise ValueError(f"head_path: {path!r}, valid: {HEAD_PATHS}")
+    saved, _head["path"] = _head["path"], path
+    try:
+        yield
+    finally:
+        _head["path"] = saved
+
+
+def add_fused_head(model, spec) -> None:
+    """What `SFTTrainer.__init__` does after `Trainer.__init__` (trl 1.16 sft_trainer.py):
+    TRL's own `add_fused_lm_head` on the PEFT-unwrapped model, `outputs=("log_probs",
+    "entropy", "is_top1")` (`objective.SFT_FUSED_OUTPUTS`). Its forward then runs TRL's
+    `_ChunkedLogProbFunction` (trl/kernels/chunked_logprob.py): the head in tiles of
+    `TOKEN_CHUNK_SIZE` (4096) tokens x 32,768 vocabulary entries, fp32 accumulators."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    add_fused_lm_head(base, outputs=rules.SFT_FUSED_OUTPUTS)
+
+
+@contextlib.contextmanager
+def _triton_fold():
+    """The Triton path's allocations in place of the torch fold's: `_forward_kernel` and
+    `_backward_kernel` (chunked_logprob.py) read the (tokens x vocab) tile and write the
+    running fp32 statistics, or the gradient into the tile, in place: no tensor of their
+    own; `_addmm_fp32` on CUDA is `torch.addmm(acc, a, b, out_dtype=torch.float32,
+    out=acc)`: no fp32 copies of its operands. Values are not needed (fake / meta tensors),
+    so each becomes a call that makes nothing. The wrapper's own tensors (the fp32
+    accumulators, the tile buffer `mm_buf`, `grad_hidden` / `grad_weight`, the casts) are
+    TRL's code, run as is. Not emulated: on Triton devices `add_fused_lm_head` scores only
+    the valid positions (`hidden_states[mask]`, a data-dependent shape), the torch fold every
+    position; with every label valid (the priced batch) the tiles are the same size, and
+    the outputs' scatter differs by a few (batch x seq) vectors."""
+    from trl.kernels import chunked_logprob as kernel
+
+    def nothing(*args, **kwargs) -> None:
+        return None
+
+    saved = kernel._forward_tile, kernel._backward_tile, kernel._addmm_fp32
+    kernel._forward_tile = kernel._backward_tile = kernel._addmm_fp32 = nothing
+    try:
+        yield
+    finally:
+        kernel._forward_tile, kernel._backward_tile, kernel._addmm_fp32 = saved
+
+
+def head_fold(job):
+    """The fused head's fold for the whole run (forward and backward): `_triton_fold` on the
+    "triton" path, TRL's torch fold as is on "torch"; nothing without the fused head."""
+    return _triton_fold() if job.fused and _head["path"] == "triton" else contextlib.nullcontext()
+
+
+def sft_trl_loss(job, spec) -> torch.Tensor:
+    """`SFTTrainer.compute_loss` (trl 1.16 sft_trainer.py, loss_type "nll"): the fused
+    forward's per-token log-probs, `-log_probs`, its sum over `num_items_in_batch` (the
+    Trainer loop's token count, a batch input); then the metrics: the label mask's count,
+    the entropy's and the top-1's sums (their `.item()` reads make nothing on a device) and
+    the attention mask's count. The output object dies when compute_loss returns."""
+    batch = job.batch
+    inputs = {k: v for k, v in batch.items() if k != "num_items_in_batch"}
+    outputs = job.model(**inputs, use_cache=False, fused_lm_head=True)
+    per_token_loss = -outputs.log_probs
+    loss = per_token_loss.sum() / torch.as_tensor(batch["num_items_in_batch"]).clamp(min=1)
+    del per_token_loss
+    num_valid = outputs.label_mask.sum().sum()
+    (outputs.entropy.detach().sum().sum() / num_valid)
+    (outputs.is_top1.sum().sum() / num_valid)
+    batch["attention_mask"].sum().sum()
+    return loss
+
+
+def sft_trl_batch(batch: dict) -> dict:
+    """TRL's `DataCollatorForLanguageModeling` batch (trl 1.16 sft_trainer.py): input_ids,
+    labels and an all-ones attention mask (int64), with the loop's `num_items_in_batch`
+    (`Trainer.get_batch_samples`: the count of labels not -100, a 0-dim int64 tensor)."""
+    ids = batch["input_ids"]
+    return {**batch, "attention_mask": torch.ones_like(ids),
+            "num_items_in_batch": torch.zeros((), dtype=torch.long, device=ids.device)}
+
+
 # ---------------------------------------------------------------- DPO
 
 def dpo_forward(model, batch: dict, half: int, prompt: int) -> dict:
@@ -326,6 +419,8 @@ def grpo_loss(job, spec, micro: int) -> torch.Tensor:
 def loss(job, spec, micro: int = 0) -> torch.Tensor:
     """The objective's loss of one micro-step (the runner's `model(**batch).loss`)."""
     o = spec.objective
+    if o == "sft":  # TRL's SFTTrainer through its fused head (`uses_fused_head`)
+        return sft_trl_loss(job, spec)
     if o == "grpo":
         return grpo_loss(job, spec, micro)
     return {"dpo": dpo_loss, "orpo": orpo_loss, "kto": kto_loss, "rm": rm_loss}[o](job, spec)
@@ -371,6 +466,13 @@ def reference_model(spec, config, build_model):
     ref.requires_grad_(False)
     ref.eval()
     return ref
+
+
+def uses_fused_head(spec) -> bool:
+    """`objective.fused_head` with the installed TRL (importable: the trace runs its code)."""
+    from hybridmem.environment import installed
+
+    return rules.fused_head(spec, installed("trl"))
 
 
 def check_model(spec, image_tokens: int, model_type: str) -> None:

@@ -76,6 +76,8 @@ class Job:
     """What the build decided that the user should read (text-only batch, LoRA targets)."""
     liger: str | None = None
     """The text model type whose Liger kernels are patched in (`--liger`), else None."""
+    fused: bool = False
+    """The SFT step runs TRL's fused LM head (`objectives.uses_fused_head`)."""
     copies: offload.Copies | None = None
     """Host / device copies of offloaded activations (`spec.offload_activations`), else None."""
     offloader: offload.Offload | None = None
@@ -104,6 +106,9 @@ def prepare(spec: TrainingSpec, config) -> Job:
     if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
         model = build.add_adapters(model, spec)
     liger = build.apply_loss(model, spec, config)  # Trainer: after PEFT, before checkpointing
+    fused = objectives.uses_fused_head(spec)
+    if fused:  # SFTTrainer: after Trainer.__init__ (PEFT), on the unwrapped model
+        objectives.add_fused_head(model, spec)
     if spec.grad_ckpt:
         enable_checkpointing(model, spec)
     copies = offload.Copies() if spec.offload_activations != "none" else None
@@ -127,9 +132,12 @@ def prepare(spec: TrainingSpec, config) -> Job:
     if spec.objective != "sft":  # the trainer's collated batch (trace.objectives)
         objectives.check_model(spec, image_tokens, config.model_type)
         batch = objectives.batch(spec)
+    elif fused:
+        batch = objectives.sft_trl_batch(batch)
     job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
     job.ref = objectives.reference_model(spec, config, build.build_model)
     job.liger = liger
+    job.fused = fused
     if spec.offload_activations == "all":  # TRL get_act_offloading_ctx_manager(model)
         job.offloader = offload.Offload(copies.to_host, copies.to_device,
                                         params=[*model.parameters(), *model.buffers()])
@@ -149,7 +157,7 @@ def _call(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
     logits included, dies before autocast's cache is cleared, as in a Trainer run. `custom`
     (`outputs = model(**batch); loss = outputs.loss`, huggingface/peft
     method_comparison/MetaMathQA/run.py): the caller holds it."""
-    if spec.objective != "sft":  # the TRL trainer's compute_loss (trace.objectives)
+    if spec.objective != "sft" or job.fused:  # the TRL trainer's compute_loss (objectives)
         return objectives.loss(job, spec, job.micro), None
     if spec.loop == "custom":
         out = job.model(**job.batch, use_cache=False)
@@ -408,7 +416,8 @@ def prepared(spec: TrainingSpec, config, backend: str = "fake"):
         job.amp = amp
         if backend == "meta":
             wrap_checkpointing(job.model, amp, corrections.CpuSdpaOnMeta)
-        with rope_patched(job.liger) if job.liger else contextlib.nullcontext():
+        with rope_patched(job.liger) if job.liger else contextlib.nullcontext(), \
+                objectives.head_fold(job):
             yield job
 
 
