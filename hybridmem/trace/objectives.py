@@ -145,7 +145,8 @@ def head_fold(job):
 def sft_trl_loss(job, spec) -> torch.Tensor:
     """`SFTTrainer.compute_loss` (trl 1.16 sft_trainer.py, loss_type "nll"): the fused
     forward's per-token log-probs, `-log_probs`, its sum over `num_items_in_batch` (the
-    Trainer loop's token count, a batch input); then the metrics: the label mask's count,
+    Trainer loop's token count, a batch input), times the processes under
+    `average_tokens_across_devices`; then the metrics: the label mask's count,
     the entropy's and the top-1's sums (their `.item()` reads make nothing on a device) and
     the attention mask's count. The output object dies when compute_loss returns."""
     batch = job.batch
@@ -154,6 +155,8 @@ def sft_trl_loss(job, spec) -> torch.Tensor:
     per_token_loss = -outputs.log_probs
     loss = per_token_loss.sum() / torch.as_tensor(batch["num_items_in_batch"]).clamp(min=1)
     del per_token_loss
+    if _average_tokens_across_devices():  # `loss * (num_processes // tp_size)`: one GPU, a copy
+        loss = loss * 1
     num_valid = outputs.label_mask.sum().sum()
     (outputs.entropy.detach().sum().sum() / num_valid)
     (outputs.is_top1.sum().sum() / num_valid)
@@ -161,13 +164,25 @@ def sft_trl_loss(job, spec) -> torch.Tensor:
     return loss
 
 
+def _average_tokens_across_devices() -> bool:
+    """The installed transformers' `TrainingArguments.average_tokens_across_devices` default
+    (True in 5.x), which SFTTrainer reads when the loop passes `num_items_in_batch`."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    return next(f.default for f in fields(TrainingArguments)
+                if f.name == "average_tokens_across_devices")
+
+
 def sft_trl_batch(batch: dict) -> dict:
     """TRL's `DataCollatorForLanguageModeling` batch (trl 1.16 sft_trainer.py): input_ids,
     labels and an all-ones attention mask (int64), with the loop's `num_items_in_batch`
-    (`Trainer.get_batch_samples`: the count of labels not -100, a 0-dim int64 tensor)."""
+    (`Trainer._get_num_items_in_batch`: the count of labels not -100 over the parallel
+    degrees, a true division: a 0-dim fp32 tensor)."""
     ids = batch["input_ids"]
     return {**batch, "attention_mask": torch.ones_like(ids),
-            "num_items_in_batch": torch.zeros((), dtype=torch.long, device=ids.device)}
+            "num_items_in_batch": torch.zeros((), device=ids.device)}
 
 
 # ---------------------------------------------------------------- DPO

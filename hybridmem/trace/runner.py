@@ -307,8 +307,11 @@ def _forward_backward(job: Job, spec: TrainingSpec, tracker: StorageTracker, it:
         tracker.add_external(workspace, "workspace")
     if spec.grad_accum > 1:  # transformers Trainer.training_step: loss / accumulation steps
         loss = loss / spec.grad_accum
+    held = loss  # Trainer.training_step's `loss`, which it returns detached after backward
+    if job.fused:  # accelerate `Accelerator.backward`: `loss / gradient_accumulation_steps`,
+        loss = loss / 1  # a new 0-dim tensor beside the step's
     (loss * LOSS_SCALE if spec.precision == "fp16-mixed" else loss).backward()
-    del loss
+    del loss, held
     for name, p in job.trainable:
         if p.grad is not None:
             tracker.label(p.grad, "grad", part_of(name))

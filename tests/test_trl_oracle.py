@@ -1,0 +1,155 @@
+"""TRL's own trainers as oracles: two real `training_step`s on CPU against both tiers.
+
+Each test builds a tiny Llama from a config, an in-memory dataset of varied lengths
+(`datasets.Dataset.from_dict`) and the trainer with its own collator, then runs the Trainer
+loop's pieces twice: `get_batch_samples` (the loop's `num_items_in_batch`), `training_step`,
+`optimizer.step()`, `model.zero_grad()` (transformers trainer.py `_inner_training_loop`). Live
+bytes are counted by storage address with CUDA's 512-byte rounding (`DataPtrCounter`,
+independent of the trace tier's tracker). The trace tier runs TRL's own code for the installed
+TRL (`objective.fused_head`); on CPU TRL folds the fused head's tiles in torch, so the trace is
+asked for that path (`objectives.head_path("torch")`); the GPU path it prices by default is
+checked against the analytic tier.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from test_trace import DataPtrCounter  # noqa: E402
+
+from hybridmem.job.spec import TrainingSpec  # noqa: E402
+from hybridmem.models import load_config  # noqa: E402
+from hybridmem.trace import objectives, runner  # noqa: E402
+
+# the issue's case scaled to a 2-core test: vocab 32,000 (Llama 2's), fp32 full fine-tuning;
+# 2 layers of hidden 64 keep the head the step's high point, as on the issue's small Llama
+VOCAB, HIDDEN, SEQ, BATCH = 32000, 64, 128, 2
+
+
+def tiny_config(tmp_path, vocab: int = VOCAB) -> str:
+    """A Llama config JSON (no hub): the trace tier's `--model` and the real model's config."""
+    cfg = dict(model_type="llama", vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0,
+               bos_token_id=1, eos_token_id=1, torch_dtype="float32")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def tokenizer(vocab: int):
+    """A word-level tokenizer built in memory (`tokenizers`; no hub): TRL's collators read its
+    pad and EOS ids."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
+                                   unk_token="t0")
+
+
+def model_from(config: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.from_pretrained(config)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype)
+
+
+def token_rows(lengths: list[int], vocab: int) -> list[list[int]]:
+    """Token ids 2.. (0 pads, 1 ends), one row per length."""
+    return [[2 + (7 * j + i) % (vocab - 2) for j in range(n)] for i, n in enumerate(lengths)]
+
+
+TRAINER_ARGS = dict(output_dir="unused", per_device_train_batch_size=BATCH, report_to=[],
+                    use_cpu=True, optim="sgd", learning_rate=1e-3, save_strategy="no",
+                    logging_strategy="no", dataloader_num_workers=0, seed=0)
+
+
+def real_peak(trainer) -> int:
+    """Peak live bytes of two steps of the Trainer loop on the trainer's first batch."""
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # set by `_inner_training_loop`
+    batches, num_items = trainer.get_batch_samples(iter(trainer.get_train_dataloader()), 1,
+                                                   trainer.args.device)
+    batch, model = batches[0], trainer.model
+    start = [*model.parameters(), *model.buffers(),
+             *(v for v in [*batch.values(), num_items] if isinstance(v, torch.Tensor))]
+    counter = DataPtrCounter(start)
+    with counter:
+        for _ in range(2):
+            trainer.training_step(model, dict(batch), num_items)
+            trainer.optimizer.step()
+            model.zero_grad()
+    return counter.peak
+
+
+def sft_trainer(config: str, lengths: list[int], dtype=torch.float32, **sft_args):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SFTTrainer(model=model_from(config, dtype),
+                          args=SFTConfig(**TRAINER_ARGS, max_length=None, **sft_args),
+                          train_dataset=Dataset.from_dict({"input_ids": token_rows(lengths,
+                                                                                   VOCAB)}),
+                          processing_class=tokenizer(VOCAB))
+
+
+def hf_trainer(config: str, lengths: list[int], dtype=torch.float32):
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    return Trainer(model=model_from(config, dtype), args=TrainingArguments(**TRAINER_ARGS),
+                   train_dataset=Dataset.from_dict({"input_ids": token_rows(lengths, VOCAB)}),
+                   data_collator=DataCollatorForLanguageModeling(tokenizer(VOCAB), mlm=False))
+
+
+def trace_peak(spec: TrainingSpec, path: str = "torch") -> int:
+    with objectives.head_path(path):
+        tracker, _ = runner.trace(spec, load_config(spec.model))
+    return int(tracker.live_curve(device_only=False).max())  # host scalars are real on CPU
+
+
+def analytic_peak(spec: TrainingSpec) -> int:
+    from hybridmem.analytic import estimate
+
+    return estimate(spec).peak_bytes
+
+
+PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sft_trainer_step_equals_the_trace_tier(tmp_path, precision):
+    # a padded batch: the collator pads the shorter sample to the longer (TRL
+    # DataCollatorForLanguageModeling, padding to the longest), labels -100 on the pad
+    config = tiny_config(tmp_path)
+    real = real_peak(sft_trainer(config, [SEQ, SEQ // 2], PRECISION[precision]))
+    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=SEQ, precision=precision,
+                        optimizer="sgd", attn="sdpa", trainer="trl")
+    assert trace_peak(spec) == real
+
+
+def test_sft_trainer_doubles_the_trainer_step_on_cpu_not_on_a_gpu(tmp_path):
+    # the issue's finding, on the real trainers: the torch fold of TRL's fused head peaks well
+    # above transformers' full-logits step on CPU (the fold's (tokens x 32,768) fp32 tiles:
+    # z, e, e * z, and in backward log_p, p, grad, the one-hot compare), while the Triton path
+    # a GPU runs keeps one tile and the fp32 grad accumulators, below the full logits
+    config = tiny_config(tmp_path)
+    lengths = [SEQ, SEQ]
+    sft, plain = (real_peak(sft_trainer(config, lengths)), real_peak(hf_trainer(config, lengths)))
+    assert sft > 2 * plain
+    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=SEQ, precision="fp32",
+                        optimizer="sgd", attn="sdpa")
+    gpu_sft = trace_peak(spec.with_(trainer="trl"), "triton")
+    assert gpu_sft < trace_peak(spec, "triton")
