@@ -41,6 +41,7 @@ from hybridmem.analytic.timeline import Point, Statics, Step, peak, walk
 from hybridmem.categories import empty_breakdown
 from hybridmem.job.optimizers import paged_notes
 from hybridmem.errors import SpecError
+from hybridmem.environment import installed
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
@@ -111,12 +112,15 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  ce_chunks=spec.chunked_ce, param=policy.param_bytes,
                  cce=cce_applies(spec),
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
-                 objective=spec.objective, prompt=objective_rules.prompt_length(spec))
+                 objective=spec.objective, prompt=objective_rules.prompt_length(spec),
+                 trl_head=objective_rules.fused_head(spec, installed("trl")))
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
     acts = _formula_acts(layer, c, need_in, need_w, tied_grad, merged)
+    if c.trl_head and layer.kind == "decoder_layer" and c.attn == "sdpa" and acts.saved:
+        acts = objectives.padded_sdpa_mask(layer, c, acts)
     if layer.quantized and layer.kind != "decoder_layer" and layer.runs:
         # vision tower / projector linears: the dequantised weight in their forward
         d = layer.dims

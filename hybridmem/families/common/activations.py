@@ -80,6 +80,8 @@ class Ctx:
     head (`families.decoders.objective_acts`)."""
     prompt: int = 0
     """Prompt tokens per sequence the objective's loss masks out (`objective.prompt_length`)."""
+    trl_head: bool = False
+    """The head is TRL's fused, chunked LM head (`objective.fused_head`, the installed TRL)."""
 
 
 @dataclass(frozen=True, slots=True)

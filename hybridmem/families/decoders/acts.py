@@ -393,6 +393,10 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         return liger_head(d, c, need_in, need_w)
     if c.cce:
         return cce_head(d, c, need_in, need_w)
+    if c.trl_head:  # TRL's fused, chunked head (SFTTrainer, objective.fused_head)
+        from hybridmem.families.decoders.objective_acts import trl_fused_head
+
+        return trl_fused_head(layer, c, need_in, need_w)
     if c.objective != "sft":  # a TRL trainer's loss on the logits (objective_acts)
         from hybridmem.families.decoders.objective_acts import objective_head
 

@@ -168,3 +168,50 @@ def reference_head(R: int, S: int, h: int, V: int, c: Ctx, prompt: int, objectiv
     metric = t(half * n * V, e) if objective == "dpo" else (
         _split_copies(R, S, V, e) if objective == "kto" else 0)
     return logits + max(cast, row, metric)
+
+
+# TRL's fused LM head (trl/kernels/chunked_logprob.py, read at trl 1.16.0): tokens per tile
+# (`TOKEN_CHUNK_SIZE`) and the tile's vocabulary width (trl/trainer/utils.py
+# `_CHUNKED_LOGPROB_CHUNK_SIZE`); the tile buffer `mm_buf` is (min(N, 4096), 32768) wide
+# whatever the vocabulary
+TRL_TOKEN_CHUNK = 4096
+TRL_VOCAB_CHUNK = 32768
+TRL_ACCUMULATORS = 7  # running max, sum_exp, x_sum_exp, sq_sum_exp, z_sum, max_before_target,
+#                       target_logit: (N,) fp32 each (`ChunkedLogProbFunction.forward`)
+
+
+def trl_fused_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """lm_head + loss of TRL's SFTTrainer through `add_fused_lm_head` on a GPU (the Triton
+    path; `hybridmem.trace.objectives._triton_fold` says why the kernels make nothing).
+
+    N = b x (s - 1) scored positions (the last token has no label; every position is scored
+    on the priced, fully labelled batch). Saved: the hidden states' copy (`last_hidden_state[:,
+    :-1].reshape(-1, H)`, a non-contiguous slice: N x H in the stream dtype), the clamped
+    targets (N int64), log_z and the entropy (N fp32 each), the label mask's complement that
+    `masked_fill` keeps (N bool). Forward top: the seven (N,) fp32 accumulators beside the tile
+    buffer (min(N, 4096) x 32768, compute dtype) and the per-tile casts of the hidden chunk and
+    the weight chunk where their dtype is not the compute dtype. Backward top: the tile buffer,
+    the fp32 accumulators of the input grad (N x H) and, when the head trains, of the weight
+    grad (V x H: the weight's grad itself when the weight is fp32, else beside its cast), the
+    incoming (N,) grad, the per-tile casts."""
+    d = layer.dims
+    b, s, h, V = d["b"], d["s"], d["h"], d["vocab"]
+    n = b * max(s - 1, 0)
+    e = c.e
+    rows = min(n, TRL_TOKEN_CHUNK)
+    tile = t(rows * TRL_VOCAB_CHUNK, e)
+    casts = ([t(rows * h, e)] if c.stream != e else []) + (
+        [t(min(V, TRL_VOCAB_CHUNK) * h, e)] if c.param != e else [])
+    sv = Saved()
+    sv.add(n * h, c.stream)  # the hidden states' copy
+    sv.add(n, INT64)         # targets
+    sv.add(n, FP32, times=2)  # log_z, entropy
+    sv.add(n, 1)             # ~mask (masked_fill's)
+    fwd = (*[t(n, FP32)] * TRL_ACCUMULATORS, tile, *casts)
+    bwd = [tile, t(n, FP32), *casts]
+    if need_in:
+        bwd.append(t(n * h, FP32))  # grad_hidden
+    if need_w and c.param != FP32:
+        bwd.append(t(V * h, FP32))  # grad_weight's fp32 accumulator beside the cast grad
+    return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd), fwd_parts=fwd,
+                bwd_extra=sum(bwd), bwd_parts=tuple(bwd))
