@@ -87,7 +87,7 @@ def test_trace_tier_without_peft(monkeypatch):
     ("0.17.1.dev0", (0, 17, 1)), ("4.57", (4, 57)),
 ])
 def test_release_numbers(text, release):
-    assert environment._release(text) == release
+    assert environment.release(text) == release
 
 
 def test_doctor_cli_json_and_console(capsys):
@@ -107,4 +107,4 @@ def test_predict_json_records_the_versions_it_priced_with(capsys):
     assert main(["predict", "--model", "llava-1.5-7b", "--json"]) == 0
     env = json.loads(capsys.readouterr().out)["environment"]
     assert env == {"python": env["python"],
-                   **{d: importlib.metadata.version(d) for d in ("torch", "transformers", "peft")}}
+                   **{d: environment.installed(d) for d in ("torch", "transformers", "peft", "trl")}}

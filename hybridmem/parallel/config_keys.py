@@ -87,7 +87,8 @@ def unpriced(source: str, data: dict, where: str, advice: dict[str, tuple[object
 
 # TRL SFTConfig's own fields (trl/trainer/sft_config.py, TRL 0.2x-1.x, incl. names older
 # releases used: max_seq_length, dataset_batch_size, num_of_sequences, chars_per_token,
-# use_liger), used when trl is not installed
+# use_liger): known whatever TRL is installed (a file written for an older TRL names them),
+# the whole set when trl is not installed
 TRL_SFT_KEYS: frozenset[str] = frozenset({
     "model_init_kwargs", "chat_template_path", "dataset_text_field", "dataset_kwargs",
     "dataset_num_proc", "eos_token", "pad_token", "max_length", "max_seq_length",
@@ -161,7 +162,7 @@ SFT_CONFIG = ("trl.trainer.sft_config", "SFTConfig")
 
 def training_args_known() -> frozenset[str]:
     """Field names of the installed `transformers.TrainingArguments`, TRL `SFTConfig` (the
-    installed one, else `TRL_SFT_KEYS`), LLaVA's extensions, the 4.x fields 5.x replaced and
+    installed one, with `TRL_SFT_KEYS`' older names), LLaVA's extensions, the 4.x fields 5.x replaced and
     TRL's preference / RL configs' fields."""
     extra = LLAVA_KEYS | TRANSFORMERS_4_FIELDS | TRL_OBJECTIVE_KEYS
     names = set(library_fields.class_fields(*TRAINING_ARGS) or ())
@@ -180,7 +181,7 @@ def training_args_known() -> frozenset[str]:
             sft = frozenset(f.name for f in dataclasses.fields(SFTConfig))
         except ImportError:
             sft = TRL_SFT_KEYS
-    return frozenset(names | sft | extra)
+    return frozenset(names | sft | TRL_SFT_KEYS | extra)
 
 
 # ---------------------------------------------------------------- DeepSpeed
