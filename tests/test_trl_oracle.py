@@ -80,7 +80,9 @@ def real_peak(trainer) -> int:
     batches, num_items = trainer.get_batch_samples(iter(trainer.get_train_dataloader()), 1,
                                                    trainer.args.device)
     batch, model = batches[0], trainer.model
+    ref = getattr(trainer, "ref_model", None)  # DPOTrainer's separate reference
     start = [*model.parameters(), *model.buffers(),
+             *([*ref.parameters(), *ref.buffers()] if ref is not None else []),
              *(v for v in [*batch.values(), num_items] if isinstance(v, torch.Tensor))]
     counter = DataPtrCounter(start)
     with counter:

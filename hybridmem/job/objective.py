@@ -36,9 +36,11 @@ TRAINERS: tuple[str, ...] = ("transformers", "trl")
 # released wheels: 1.14.2 has no trl/kernels/chunked_logprob.py, 1.15.0 has it and calls it
 # from sft_trainer.py and dpo_trainer.py
 FUSED_HEAD_SINCE = (1, 15)
-# TRL_FUSED_OUTPUTS: the per-token fields each trainer asks `add_fused_lm_head` for (the
-# `outputs=` of its call; trl 1.16.0 sft_trainer.py: `("log_probs", "entropy", "is_top1")`)
-SFT_FUSED_OUTPUTS: tuple[str, ...] = ("log_probs", "entropy", "is_top1")
+# The per-token fields each trainer asks `add_fused_lm_head` for (the `outputs=` of its call,
+# trl 1.16.0 sft_trainer.py and dpo_trainer.py, DPO without `use_weighting`)
+FUSED_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "sft": ("log_probs", "entropy", "is_top1"),
+    "dpo": ("log_probs", "entropy", "mean_logits", "is_top1")}
 
 WITH_REFERENCE: tuple[str, ...] = ("dpo", "kto", "grpo")
 """Objectives whose loss reads a reference model's log-probs (GRPO only with beta > 0)."""
@@ -83,11 +85,12 @@ def trl_runs(spec) -> bool:
 def fused_head(spec, trl_version: str | None) -> bool:
     """Whether the step's log-probs go through TRL's fused, chunked LM head: a TRL trainer with
     the head (`FUSED_HEAD_SINCE`) on `trl_version` (the installed TRL; None: not installed,
-    the older full-logits step is priced). Only SFT's is priced through it so far; the other
-    objectives keep their full-logits steps (docs/objectives.md, "TRL's fused head")."""
+    the older full-logits step is priced). SFT's and DPO's are priced through it; KTO's and
+    GRPO's (which TRL 1.15 also moved onto it) keep their full-logits steps so far
+    (docs/objectives.md, "TRL's fused head")."""
     from hybridmem.environment import release
 
-    return (spec.objective == "sft" and trl_runs(spec) and trl_version is not None
+    return (spec.objective in FUSED_OUTPUTS and trl_runs(spec) and trl_version is not None
             and release(trl_version) >= FUSED_HEAD_SINCE)
 
 

@@ -101,13 +101,22 @@ def head_path(path: str):
 def add_fused_head(model, spec) -> None:
     """What `SFTTrainer.__init__` does after `Trainer.__init__` (trl 1.16 sft_trainer.py):
     TRL's own `add_fused_lm_head` on the PEFT-unwrapped model, `outputs=("log_probs",
-    "entropy", "is_top1")` (`objective.SFT_FUSED_OUTPUTS`). Its forward then runs TRL's
+    "entropy", "is_top1")` (`objective.FUSED_OUTPUTS`; DPOTrainer's adds "mean_logits"). Its forward then runs TRL's
     `_ChunkedLogProbFunction` (trl/kernels/chunked_logprob.py): the head in tiles of
     `TOKEN_CHUNK_SIZE` (4096) tokens x 32,768 vocabulary entries, fp32 accumulators."""
     from trl.trainer.utils import add_fused_lm_head
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    add_fused_lm_head(base, outputs=rules.SFT_FUSED_OUTPUTS)
+    add_fused_lm_head(base, outputs=rules.FUSED_OUTPUTS[spec.objective])
+
+
+def add_fused_reference_head(ref) -> None:
+    """DPOTrainer's `add_fused_lm_head(self.ref_model)` on a separate reference: log-probs
+    only (its default `outputs`)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    if ref is not None:
+        add_fused_lm_head(ref)
 
 
 @contextlib.contextmanager
@@ -228,6 +237,47 @@ def dpo_loss(job, spec) -> torch.Tensor:
     ref_logratios = ref_chosen - ref_rejected
     losses = -F.logsigmoid(beta * (logratios - ref_logratios))
     return losses.mean()
+
+
+def dpo_fused_loss(job, spec) -> torch.Tensor:
+    """DPOTrainer `_compute_loss` (trl 1.16 dpo_trainer.py, loss_type "sigmoid", reverse KL):
+    labels are the ids with -100 off the completion; the policy's fused forward
+    (`add_fused_lm_head` with `DPO_FUSED_OUTPUTS`); the per-token log-probs summed per
+    sequence; the reference's the same way under no_grad (its own fused head, log-probs
+    only; or the batch's precomputed ones); the loss; then the metrics on the per-token
+    outputs. Boolean-mask reads of the metrics (`chosen_mean_logits[chosen_mask.bool()]`)
+    are masked products here: (rows x seq) vectors in the forward, after its high point."""
+    batch = job.batch
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    completion_mask = batch["completion_mask"]
+    shift_mask = completion_mask[..., 1:]
+    labels = batch["input_ids"].masked_fill(completion_mask == 0, -100)
+    outputs = job.model(**inputs, use_cache=False, labels=labels, fused_lm_head=True)
+    seq_len = shift_mask.size(1)
+    logps = outputs.log_probs[:, -seq_len:].sum(dim=1)
+    chosen, rejected = logps.chunk(2, dim=0)
+    if rules.ref_model_of(spec) == "precomputed":
+        ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+    else:
+        model, ctx = reference_context(job, spec)
+        with part(job, REFERENCE), torch.no_grad(), ctx:
+            ref = model(**inputs, use_cache=False, labels=labels, fused_lm_head=True)
+            ref_logps = ref.log_probs[:, -seq_len:].sum(dim=1)
+            del ref
+        ref_chosen, ref_rejected = ref_logps.chunk(2, dim=0)
+    chosen_ratios, rejected_ratios = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratios - rejected_ratios
+    loss = 0.0 + (-F.logsigmoid(rules.beta_of(spec) * delta)).mean() * 1.0
+    with torch.no_grad():  # the metrics (their `.item()` reads make nothing on a device)
+        (outputs.entropy[:, -seq_len:].detach() * shift_mask).sum()
+        shift_mask.sum()
+        batch["attention_mask"].sum()
+        chosen_mask, rejected_mask = shift_mask.chunk(2, dim=0)
+        for logits, m in zip(outputs.mean_logits[:, -seq_len:].chunk(2, dim=0),
+                             (chosen_mask, rejected_mask)):
+            (logits * m.bool()).sum()
+        (outputs.is_top1[:, -seq_len:].chunk(2, dim=0)[0] & chosen_mask.bool()).sum()
+    return loss
 
 
 # ---------------------------------------------------------------- ORPO
@@ -436,6 +486,8 @@ def loss(job, spec, micro: int = 0) -> torch.Tensor:
     o = spec.objective
     if o == "sft":  # TRL's SFTTrainer through its fused head (`uses_fused_head`)
         return sft_trl_loss(job, spec)
+    if o == "dpo" and job.fused:
+        return dpo_fused_loss(job, spec)
     if o == "grpo":
         return grpo_loss(job, spec, micro)
     return {"dpo": dpo_loss, "orpo": orpo_loss, "kto": kto_loss, "rm": rm_loss}[o](job, spec)
@@ -443,11 +495,12 @@ def loss(job, spec, micro: int = 0) -> torch.Tensor:
 
 # ---------------------------------------------------------------- batch and reference
 
-def batch(spec, device=None) -> dict:
+def batch(spec, device=None, fused: bool = False) -> dict:
     """The collated batch of the objective (token 1 stands for any id; -100 the label pad):
     DPO the concatenated ids and loss mask (prompt tokens out); ORPO ids and labels; KTO the
     completions and the KL batch; RM the concatenated ids; GRPO a stand-in (the generation
-    makes its ids). `precomputed` reference log-probs: fp32 per sequence, in the batch."""
+    makes its ids). `precomputed` reference log-probs: fp32 per sequence, in the batch.
+    `fused`: the trainer's own collator at a TRL with the fused head (`uses_fused_head`)."""
     o, n, s = spec.objective, spec.micro_batch, spec.seq_len
     rows = rules.rows(spec)
     ids = torch.ones(rows, s, dtype=torch.long, device=device)
@@ -457,6 +510,9 @@ def batch(spec, device=None) -> dict:
         mask = torch.ones(rows, s, dtype=torch.long, device=device)
         mask[:, :prompt] = 0
         out["loss_mask"] = mask
+        if fused:  # DataCollatorForPreference (trl >= 1.15): the attention and completion masks
+            out = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                   "completion_mask": mask}
     if o in ("orpo", "kto"):
         labels = torch.ones(rows, s, dtype=torch.long, device=device)
         labels[:, :prompt] = -100

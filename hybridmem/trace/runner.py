@@ -131,11 +131,13 @@ def prepare(spec: TrainingSpec, config) -> Job:
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
     if spec.objective != "sft":  # the trainer's collated batch (trace.objectives)
         objectives.check_model(spec, image_tokens, config.model_type)
-        batch = objectives.batch(spec)
+        batch = objectives.batch(spec, fused=fused)
     elif fused:
         batch = objectives.sft_trl_batch(batch)
     job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
     job.ref = objectives.reference_model(spec, config, build.build_model)
+    if fused:
+        objectives.add_fused_reference_head(job.ref)
     job.liger = liger
     job.fused = fused
     if spec.offload_activations == "all":  # TRL get_act_offloading_ctx_manager(model)
