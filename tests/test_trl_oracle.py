@@ -50,9 +50,10 @@ def tokenizer(vocab: int):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
-                                   unk_token="t0")
+    words = {"<pad>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<pad>")
 
 
 def model_from(config: str, dtype: torch.dtype):
@@ -73,10 +74,16 @@ TRAINER_ARGS = dict(output_dir="unused", per_device_train_batch_size=BATCH, repo
                     logging_strategy="no", dataloader_num_workers=0, seed=0)
 
 
-def real_peak(trainer) -> int:
-    """Peak live bytes of two steps of the Trainer loop on the trainer's first batch."""
+def real_peak(trainer) -> tuple[int, int]:
+    """Peak live bytes of two steps of the Trainer loop on the trainer's first batch, and the
+    batch's padded length (the job's `seq_len`). Checkpointing as `Trainer.train` turns it on
+    (`activation_checkpointing`, TRL's configs' default: the jobs below say `grad_ckpt`)."""
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1  # set by `_inner_training_loop`
+    args = trainer.args
+    if args.activation_checkpointing:  # as `Trainer.train` enables it (TRL's configs: on)
+        trainer.model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=args.activation_checkpointing_kwargs or None)
     batches, num_items = trainer.get_batch_samples(iter(trainer.get_train_dataloader()), 1,
                                                    trainer.args.device)
     batch, model = batches[0], trainer.model
@@ -90,7 +97,7 @@ def real_peak(trainer) -> int:
             trainer.training_step(model, dict(batch), num_items)
             trainer.optimizer.step()
             model.zero_grad()
-    return counter.peak
+    return counter.peak, batch["input_ids"].shape[1]
 
 
 def sft_trainer(config: str, lengths: list[int], dtype=torch.float32, **sft_args):
@@ -136,9 +143,9 @@ def test_sft_trainer_step_equals_the_trace_tier(tmp_path, precision):
     # a padded batch: the collator pads the shorter sample to the longer (TRL
     # DataCollatorForLanguageModeling, padding to the longest), labels -100 on the pad
     config = tiny_config(tmp_path)
-    real = real_peak(sft_trainer(config, [SEQ, SEQ // 2], PRECISION[precision]))
-    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=SEQ, precision=precision,
-                        optimizer="sgd", attn="sdpa", trainer="trl")
+    real, seq = real_peak(sft_trainer(config, [SEQ, SEQ // 2], PRECISION[precision]))
+    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=seq, precision=precision,
+                        optimizer="sgd", attn="sdpa", trainer="trl", grad_ckpt=True)
     assert trace_peak(spec) == real
 
 
@@ -149,9 +156,60 @@ def test_sft_trainer_doubles_the_trainer_step_on_cpu_not_on_a_gpu(tmp_path):
     # a GPU runs keeps one tile and the fp32 grad accumulators, below the full logits
     config = tiny_config(tmp_path)
     lengths = [SEQ, SEQ]
-    sft, plain = (real_peak(sft_trainer(config, lengths)), real_peak(hf_trainer(config, lengths)))
+    (sft, _), (plain, _) = (real_peak(sft_trainer(config, lengths, gradient_checkpointing=False)),
+                            real_peak(hf_trainer(config, lengths)))
     assert sft > 2 * plain
     spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=SEQ, precision="fp32",
                         optimizer="sgd", attn="sdpa")
     gpu_sft = trace_peak(spec.with_(trainer="trl"), "triton")
     assert gpu_sft < trace_peak(spec, "triton")
+
+
+# ---------------------------------------------------------------- DPO
+
+DPO_VOCAB = 4000  # the head still dominates at 4 x ~100 tokens; a faster test than 32,000
+
+
+def words(n: int, offset: int) -> str:
+    """n words of the in-memory tokenizer's vocabulary (DPOTrainer tokenizes text itself)."""
+    return " ".join(f"w{2 + (offset + 7 * j) % (DPO_VOCAB - 2)}" for j in range(n))
+
+
+def dpo_trainer(config: str, dtype=torch.float32, ref: str = "separate"):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from tokenizers import pre_tokenizers
+    from trl import DPOConfig, DPOTrainer
+
+    tok = tokenizer(DPO_VOCAB)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # prompts and completions of varied lengths: DataCollatorForPreference pads the four
+    # sequences (chosen + rejected) to the longest (30 + 80 tokens)
+    data = {"prompt": [words(20, 0), words(30, 1)], "chosen": [words(60, 2), words(40, 3)],
+            "rejected": [words(50, 4), words(80, 5)]}
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return DPOTrainer(
+            model=model_from(config, dtype),
+            ref_model=model_from(config, dtype) if ref == "separate" else None,
+            args=DPOConfig(**TRAINER_ARGS, max_length=None,
+                           precompute_ref_log_probs=ref == "precomputed"),
+            train_dataset=Dataset.from_dict(data), processing_class=tok,
+            peft_config=lora if ref == "adapter" else None)
+
+
+# hybridmem's default LoRA targets (`--lora-targets`): every decoder linear but lm_head
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("ref,precision", [("separate", "fp32"), ("precomputed", "fp32"),
+                                           ("adapter", "fp32"), ("separate", "bf16")])
+def test_dpo_trainer_step_equals_the_trace_tier(tmp_path, ref, precision):
+    config = tiny_config(tmp_path, DPO_VOCAB)
+    real, seq = real_peak(dpo_trainer(config, PRECISION[precision], ref))
+    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=seq, precision=precision,
+                        optimizer="sgd", attn="sdpa", objective="dpo", ref_model=ref,
+                        train="lora" if ref == "adapter" else "full", grad_ckpt=True)
+    assert trace_peak(spec) == real
