@@ -128,12 +128,6 @@ def trace_peak(spec: TrainingSpec, path: str = "torch") -> int:
     return int(tracker.live_curve(device_only=False).max())  # host scalars are real on CPU
 
 
-def analytic_peak(spec: TrainingSpec) -> int:
-    from hybridmem.analytic import estimate
-
-    return estimate(spec).peak_bytes
-
-
 PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -213,3 +207,35 @@ def test_dpo_trainer_step_equals_the_trace_tier(tmp_path, ref, precision):
                         optimizer="sgd", attn="sdpa", objective="dpo", ref_model=ref,
                         train="lora" if ref == "adapter" else "full", grad_ckpt=True)
     assert trace_peak(spec) == real
+
+
+# ---------------------------------------------------------------- the analytic tier
+
+def _tensor_peak(p) -> int:
+    return p.peak.allocated_bytes - p.breakdown["workspace"]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(precision="fp32"), dict(precision="bf16"), dict(precision="bf16-mixed"),
+    dict(precision="fp32", train="lora", grad_ckpt=True),
+    dict(precision="fp32", micro_batch=4, seq_len=1100),  # two token tiles (N > 4096)
+    dict(objective="dpo", precision="fp32", ref_model="separate"),
+    dict(objective="dpo", precision="bf16", ref_model="separate", grad_ckpt=True),
+    dict(objective="dpo", precision="fp32", ref_model="precomputed"),
+    dict(objective="dpo", precision="fp32", train="lora", grad_ckpt=True),
+], ids=lambda kw: "-".join(map(str, kw.values())))
+def test_analytic_within_3pct_of_the_trace_tiers_gpu_path(tmp_path, kw):
+    # the GPU (Triton) path both tiers price by default; the trace tier runs TRL's own code
+    from hybridmem import trace
+
+    spec = TrainingSpec(**{"model": tiny_config(tmp_path), "micro_batch": BATCH,
+                           "seq_len": SEQ, "optimizer": "sgd", "attn": "sdpa",
+                           "trainer": "trl", **kw})
+    a, tr = analytic_peak_of(spec), trace.estimate(spec)
+    assert abs(_tensor_peak(a) - _tensor_peak(tr)) <= 0.03 * _tensor_peak(tr)
+
+
+def analytic_peak_of(spec: TrainingSpec):
+    from hybridmem.analytic import estimate
+
+    return estimate(spec)

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from hybridmem.analytic.events import _no_grad_working_set
 from hybridmem.families.common.activations import FP32, Ctx
-from hybridmem.families.decoders.objective_acts import reference_head
+from hybridmem.families.decoders.objective_acts import reference_head, trl_reference_head
 from hybridmem.job import objective as rules
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer, Module, ModelGraph, ParamTensor
@@ -71,6 +71,9 @@ def reference_forward(priced, spec, c: Ctx) -> int:
     forward there (GRPO's runs in its generation phase: `generation`)."""
     if rules.ref_model_of(spec) in ("none", "precomputed") or spec.objective == "grpo":
         return 0
+    if c.trl_head:  # TRL's fused head (`objective.fused_head`)
+        return _no_grad_forward(priced, c, None, lambda d: trl_reference_head(
+            d["b"], d["s"], d["h"], d["vocab"], c))
     return _no_grad_forward(priced, c, None, lambda d: reference_head(
         d["b"], d["s"], d["h"], d["vocab"], c, rules.prompt_length(spec), spec.objective))
 

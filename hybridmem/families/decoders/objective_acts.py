@@ -215,3 +215,16 @@ def trl_fused_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         bwd.append(t(V * h, FP32))  # grad_weight's fp32 accumulator beside the cast grad
     return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd), fwd_parts=fwd,
                 bwd_extra=sum(bwd), bwd_parts=tuple(bwd))
+
+
+def trl_reference_head(R: int, S: int, h: int, V: int, c: Ctx) -> int:
+    """High point of a reference's fused head under no_grad (DPOTrainer's
+    `add_fused_lm_head(self.ref_model)`, or the policy's under disabled adapters): the hidden
+    states' copy (N x H, stream dtype), the targets (N int64), the seven (N,) fp32
+    accumulators and the tile buffer with its casts (`trl_fused_head`); nothing is saved."""
+    n = R * max(S - 1, 0)
+    rows = min(n, TRL_TOKEN_CHUNK)
+    casts = (t(rows * h, c.e) if c.stream != c.e else 0) + (
+        t(min(V, TRL_VOCAB_CHUNK) * h, c.e) if c.param != c.e else 0)
+    return (t(n * h, c.stream) + t(n, INT64) + TRL_ACCUMULATORS * t(n, FP32)
+            + t(rows * TRL_VOCAB_CHUNK, c.e) + casts)
