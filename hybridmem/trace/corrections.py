@@ -71,6 +71,17 @@ def _packed_sequences(original):
 _PACKED = [False]  # whether the traced batch is packed (set by `patched_model_checks`)
 
 
+def _padded_on_meta(original):
+    """`_ignore_causal_mask_sdpa` that keeps the mask for a meta padding mask (`padded_mask`'s
+    pad: not skippable), the original otherwise."""
+    def ignore(padding_mask, *args, **kwargs):
+        if padding_mask is not None and padding_mask.is_meta:
+            return False
+        return original(padding_mask, *args, **kwargs)
+
+    return ignore
+
+
 @contextlib.contextmanager
 def patched_model_checks(packed: bool = False):
     """Take the code paths a real CUDA run takes where HF reads tensor values.
@@ -84,6 +95,9 @@ def patched_model_checks(packed: bool = False):
       "it would be nice to return None ... but it causes issues with export"), so a real run
       builds the (B, 1, S, S) mask there, and the trace runs that original as it is.
     - `warn_if_padding_and_no_attention_mask` only warns; skipped so fake and real runs match.
+    - `_ignore_causal_mask_sdpa` reads a padding mask's values (`fast_all`) unless it is
+      traced (fake tensors are): on meta tensors it answers as for the padded batch TRL's
+      collators pass (`trace.objectives.padded_mask`): the mask is built.
     """
     from transformers import masking_utils, modeling_utils
     from hybridmem.trace import compat
@@ -106,6 +120,9 @@ def patched_model_checks(packed: bool = False):
     if compat.transformers_major() >= 5:  # 4.x's returns its mask always, reading no value
         patches.append((masking_utils, "find_packed_sequence_indices",
                         _packed_sequences(masking_utils.find_packed_sequence_indices)))
+    if hasattr(masking_utils, "_ignore_causal_mask_sdpa"):
+        patches.append((masking_utils, "_ignore_causal_mask_sdpa",
+                        _padded_on_meta(masking_utils._ignore_causal_mask_sdpa)))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, new in patches:
         setattr(obj, name, new)

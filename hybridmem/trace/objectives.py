@@ -145,10 +145,46 @@ def _triton_fold():
         kernel._forward_tile, kernel._backward_tile, kernel._addmm_fp32 = saved
 
 
+@contextlib.contextmanager
 def head_fold(job):
     """The fused head's fold for the whole run (forward and backward): `_triton_fold` on the
-    "triton" path, TRL's torch fold as is on "torch"; nothing without the fused head."""
-    return _triton_fold() if job.fused and _head["path"] == "triton" else contextlib.nullcontext()
+    "triton" path, TRL's torch fold as is on "torch"; nothing without the fused head. On meta
+    tensors the kernel's autocast query names the device "meta", which torch's autocast does
+    not know: it reads the emulated CUDA autocast instead (`_MetaAutocastTorch`)."""
+    if not job.fused:
+        yield
+        return
+    from trl.kernels import chunked_logprob as kernel
+
+    meta = next(job.model.parameters()).is_meta
+    saved = kernel.torch
+    if meta:
+        kernel.torch = _MetaAutocastTorch(job.amp)
+    try:
+        with _triton_fold() if _head["path"] == "triton" else contextlib.nullcontext():
+            yield
+    finally:
+        kernel.torch = saved
+
+
+class _MetaAutocastTorch:
+    """`torch` as chunked_logprob.py sees it on meta tensors: `is_autocast_enabled("meta")` and
+    `get_autocast_dtype("meta")` answer with the emulated CUDA autocast (`trace.autocast
+    .CudaAutocast`, None: off), every other name is torch's."""
+
+    def __init__(self, amp):
+        self._amp = amp
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def is_autocast_enabled(self, device_type=None):
+        if device_type == "meta":
+            return self._amp is not None and self._amp.enabled
+        return torch.is_autocast_enabled(device_type)
+
+    def get_autocast_dtype(self, device_type):
+        return self._amp.dtype if device_type == "meta" else torch.get_autocast_dtype(device_type)
 
 
 def sft_trl_loss(job, spec) -> torch.Tensor:
@@ -186,12 +222,23 @@ def _average_tokens_across_devices() -> bool:
 
 def sft_trl_batch(batch: dict) -> dict:
     """TRL's `DataCollatorForLanguageModeling` batch (trl 1.16 sft_trainer.py): input_ids,
-    labels and an all-ones attention mask (int64), with the loop's `num_items_in_batch`
+    labels and a padded batch's attention mask (int64, `padded_mask`), with the loop's `num_items_in_batch`
     (`Trainer._get_num_items_in_batch`: the count of labels not -100 over the parallel
     degrees, a true division: a 0-dim fp32 tensor)."""
     ids = batch["input_ids"]
-    return {**batch, "attention_mask": torch.ones_like(ids),
+    return {**batch, "attention_mask": padded_mask(ids),
             "num_items_in_batch": torch.zeros((), device=ids.device)}
+
+
+def padded_mask(ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask of a padded batch (TRL's collators pad a batch of varied lengths to
+    its longest): ones, the last row's last position a pad. With a pad in it, masking_utils
+    builds the (b, 1, s, s) mask on real tensors too (`_ignore_causal_mask_sdpa` skips it for
+    an all-ones mask, which fake tensors cannot tell), so a real run of this batch and its
+    trace make the same tensors."""
+    mask = torch.ones_like(ids)
+    mask[-1, -1] = 0
+    return mask
 
 
 # ---------------------------------------------------------------- DPO
@@ -511,8 +558,7 @@ def batch(spec, device=None, fused: bool = False) -> dict:
         mask[:, :prompt] = 0
         out["loss_mask"] = mask
         if fused:  # DataCollatorForPreference (trl >= 1.15): the attention and completion masks
-            out = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                   "completion_mask": mask}
+            out = {"input_ids": ids, "attention_mask": padded_mask(ids), "completion_mask": mask}
     if o in ("orpo", "kto"):
         labels = torch.ones(rows, s, dtype=torch.long, device=device)
         labels[:, :prompt] = -100
