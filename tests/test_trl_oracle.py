@@ -88,16 +88,18 @@ def real_peak(trainer) -> tuple[int, int]:
                                                    trainer.args.device)
     batch, model = batches[0], trainer.model
     ref = getattr(trainer, "ref_model", None)  # DPOTrainer's separate reference
+    values = batch.values() if isinstance(batch, dict) else ()  # GRPO: a list of examples
     start = [*model.parameters(), *model.buffers(),
              *([*ref.parameters(), *ref.buffers()] if ref is not None else []),
-             *(v for v in [*batch.values(), num_items] if isinstance(v, torch.Tensor))]
+             *(v for v in [*values, num_items] if isinstance(v, torch.Tensor))]
     counter = DataPtrCounter(start)
     with counter:
         for _ in range(2):
-            trainer.training_step(model, dict(batch), num_items)
+            trainer.training_step(model, type(batch)(batch), num_items)
             trainer.optimizer.step()
             model.zero_grad()
-    return counter.peak, batch["input_ids"].shape[1]
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    return counter.peak, ids.shape[1] if ids is not None else 0
 
 
 def sft_trainer(config: str, lengths: list[int], dtype=torch.float32, **sft_args):

@@ -94,6 +94,20 @@ def fused_head(spec, trl_version: str | None) -> bool:
             and release(trl_version) >= FUSED_HEAD_SINCE)
 
 
+def fused_head_unpriced(spec) -> str | None:
+    """What the answer must say when the installed TRL's trainer runs a step the tiers do not
+    price yet: TRL 1.15 moved KTO's and GRPO's log-probs onto its fused, chunked LM head
+    (kto_trainer.py, grpo_trainer.py `add_fused_lm_head`), priced here as the older
+    full-logits step (docs/objectives.md, "TRL's fused head")."""
+    from hybridmem.environment import installed, release
+
+    have = installed("trl")
+    if spec.objective not in ("kto", "grpo") or have is None or release(have) < FUSED_HEAD_SINCE:
+        return None
+    return (f"trl {have} computes {spec.objective.upper()}'s log-probs through its fused LM "
+            "head, priced as the older full-logits step (docs/objectives.md)")
+
+
 def completion_length(spec) -> int:
     """GRPO's generated tokens per sequence (TRL's default when the field is open)."""
     return spec.max_completion_length or DEFAULT_COMPLETION
@@ -235,6 +249,9 @@ def note(spec) -> str | None:
              "none": "none"}[ref]
     text = (f"objective {o}: {rows(spec)} sequences of {spec.seq_len} tokens per policy forward; "
             f"reference: {where}")
+    unpriced = fused_head_unpriced(spec)
+    if unpriced:
+        text += "; " + unpriced
     if o == "kto":
         text += f"; KL batch of {spec.micro_batch} sequences under no_grad"
     if o == "grpo":
