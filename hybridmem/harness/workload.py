@@ -45,6 +45,9 @@ class Job:
     """TRL's activation-offloading context (`spec.offload_activations == "all"`), else None."""
     ref: nn.Module | None = None
     """The separate reference model of an objective beyond SFT (`trace.objectives`)."""
+    fused: bool = False
+    """The step runs TRL's fused LM head (`trace.objectives.uses_fused_head`): on a GPU,
+    TRL's own Triton kernels."""
     tracker: object | None = None
     """Unused here: the trace tier's tracker, which `trace.objectives` relabels parts on."""
     grpo: dict | None = None
@@ -242,15 +245,22 @@ def prepare(spec: TrainingSpec, config, device) -> Job:
     One GPU; a multi-rank spec goes to `hybridmem.harness.distributed.prepare` (the child)."""
     model = build_trainable(spec, config, device)
     job = finish_job(model, spec, device)
-    if spec.objective != "sft":  # the TRL trainer's batch and reference (trace.objectives)
-        from hybridmem.trace import objectives
+    from hybridmem.trace import objectives
 
+    job.fused = objectives.uses_fused_head(spec)
+    if job.fused:  # SFTTrainer / DPOTrainer at TRL >= 1.15: TRL's own head on the model
+        objectives.add_fused_head(model, spec)
+    if spec.objective != "sft":  # the TRL trainer's batch and reference (trace.objectives)
         objectives.check_model(spec, 0, config.model_type)
-        job.batch = objectives.batch(spec, device)
+        job.batch = objectives.batch(spec, device, fused=job.fused)
         job.ref = objectives.reference_model(
             spec, config, lambda s, c: build_model(s, c, device))
+        if job.fused:
+            objectives.add_fused_reference_head(job.ref)
         return job
     job.batch = make_batch(spec, config, model, device)
+    if job.fused:
+        job.batch = objectives.sft_trl_batch(job.batch)
     return job
 
 
@@ -295,7 +305,7 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
 
 
 def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
-    if spec.objective != "sft":  # the TRL trainer's compute_loss, the trace tier's code
+    if spec.objective != "sft" or job.fused:  # the TRL trainer's compute_loss (trace tier's)
         from hybridmem.trace import objectives
 
         loss = objectives.loss(job, spec, job.micro)
