@@ -72,10 +72,13 @@ _PACKED = [False]  # whether the traced batch is packed (set by `patched_model_c
 
 
 def _padded_on_meta(original):
-    """`_ignore_causal_mask_sdpa` that keeps the mask for a meta padding mask (`padded_mask`'s
-    pad: not skippable), the original otherwise."""
+    """`_ignore_causal_mask_sdpa` that keeps the mask for a fake or meta padding mask
+    (`padded_mask`'s pad: not skippable), the original otherwise."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     def ignore(padding_mask, *args, **kwargs):
-        if padding_mask is not None and padding_mask.is_meta:
+        if padding_mask is not None and (padding_mask.is_meta
+                                         or isinstance(padding_mask, FakeTensor)):
             return False
         return original(padding_mask, *args, **kwargs)
 
@@ -95,9 +98,9 @@ def patched_model_checks(packed: bool = False):
       "it would be nice to return None ... but it causes issues with export"), so a real run
       builds the (B, 1, S, S) mask there, and the trace runs that original as it is.
     - `warn_if_padding_and_no_attention_mask` only warns; skipped so fake and real runs match.
-    - `_ignore_causal_mask_sdpa` reads a padding mask's values (`fast_all`) unless it is
-      traced (fake tensors are): on meta tensors it answers as for the padded batch TRL's
-      collators pass (`trace.objectives.padded_mask`): the mask is built.
+    - `_ignore_causal_mask_sdpa` reads a padding mask's values (`fast_all`; 5.x skips that for
+      fake tensors, 4.57 does not): on fake and meta tensors it answers as for the padded
+      batch TRL's collators pass (`trace.objectives.padded_mask`): the mask is built.
     """
     from transformers import masking_utils, modeling_utils
     from hybridmem.trace import compat
