@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -94,17 +95,18 @@ def real_peak(trainer) -> tuple[int, int]:
                                                    trainer.args.device)
     batch = batches[0]
     ref = getattr(trainer, "ref_model", None)  # DPOTrainer's separate reference
-    values = batch.values() if isinstance(batch, dict) else ()  # GRPO: a list of examples
+    mapping = isinstance(batch, Mapping)  # a dict or a BatchEncoding; GRPO: a list of examples
+    values = batch.values() if mapping else ()
     start = [*model.parameters(), *model.buffers(),
              *([*ref.parameters(), *ref.buffers()] if ref is not None else []),
              *(v for v in [*values, num_items] if isinstance(v, torch.Tensor))]
     counter = DataPtrCounter(start)
     with counter:
         for _ in range(2):
-            trainer.training_step(model, type(batch)(batch), num_items)
+            trainer.training_step(model, dict(batch) if mapping else list(batch), num_items)
             trainer.optimizer.step()
             model.zero_grad()
-    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    ids = batch.get("input_ids") if mapping else None
     return counter.peak, ids.shape[1] if ids is not None else 0
 
 
@@ -252,3 +254,56 @@ def analytic_peak_of(spec: TrainingSpec):
     from hybridmem.analytic import estimate
 
     return estimate(spec)
+
+
+# ---------------------------------------------------------------- transformers' Trainer
+
+def _trainer_with(config: str, collator, lengths: list[int]):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    ids = token_rows(lengths, DPO_VOCAB)
+    return Trainer(model=model_from(config, torch.float32), args=TrainingArguments(**TRAINER_ARGS),
+                   train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
+                   data_collator=collator)
+
+
+def _trainer_trace(spec: TrainingSpec) -> int:
+    from hybridmem import trace
+
+    return _tensor_peak(trace.estimate(spec))
+
+
+LOOP_SCALARS = 2 * 512  # `num_items_in_batch` and accelerate's `loss / accumulation steps`:
+#                         two 0-dim tensors of the real loop the trace tier's SFT step lacks
+
+
+def test_trainer_with_flattening_equals_the_packed_trace_but_the_loops_scalars(tmp_path):
+    # DataCollatorWithFlattening: the two samples in one row of 160 tokens with restarting
+    # position_ids, no padding: the trace tier's `packing` (2 x 80 tokens in one row)
+    from transformers import DataCollatorWithFlattening
+
+    config = tiny_config(tmp_path, DPO_VOCAB)
+    real, seq = real_peak(_trainer_with(config, DataCollatorWithFlattening(), [100, 60]))
+    assert seq == 160
+    spec = TrainingSpec(model=config, micro_batch=2, seq_len=80, packing=True, precision="fp32",
+                        optimizer="sgd", attn="sdpa")
+    assert real - _trainer_trace(spec) == LOOP_SCALARS
+
+
+def test_trainer_with_seq2seq_padding_builds_the_masks_the_trace_leaves_out(tmp_path):
+    # DataCollatorForSeq2Seq(pad_to_multiple_of=64): 100 and 60 tokens padded to 128, with an
+    # attention mask; each layer's SDPA saves the mask converted to fp32 (b x s x s x 4), which
+    # the trace tier's unpadded SFT batch does not build: the real step is above the trace by
+    # at most those masks, the batch's int64 attention mask and the loop's scalars
+    from transformers import DataCollatorForSeq2Seq
+
+    config = tiny_config(tmp_path, DPO_VOCAB)
+    collator = DataCollatorForSeq2Seq(tokenizer(DPO_VOCAB), pad_to_multiple_of=64)
+    real, seq = real_peak(_trainer_with(config, collator, [100, 60]))
+    assert seq == 128
+    spec = TrainingSpec(model=config, micro_batch=2, seq_len=seq, precision="fp32",
+                        optimizer="sgd", attn="sdpa")
+    masks = 2 * (2 * seq * seq * 4) + 2 * seq * 8  # 2 layers' fp32 masks, the int64 mask
+    gap = real - _trainer_trace(spec)
+    assert masks - 8 * 1024 <= gap <= masks + LOOP_SCALARS
