@@ -820,9 +820,18 @@ def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict 
     return _merge(recipe, deepspeed, training_args, overrides, None)[0]
 
 
+def _launched_model(launched) -> str | None:
+    """The launcher config's model as the file names it (its hub id, whose config.json may
+    carry a pre-quantised upload's quantization_config), else its preset or path."""
+    if launched is None:
+        return None
+    return next((layer["hub_id"] for layer in launched.layers if layer.get("hub_id")),
+                launched.model)
+
+
 def _merge(recipe, deepspeed, training_args, overrides, launched) -> tuple[dict, dict]:
     overrides = overrides or {}
-    over = _layer_overrides(overrides, overrides.get("model") or (launched and launched.model))
+    over = _layer_overrides(overrides, overrides.get("model") or _launched_model(launched))
     layers: list[dict] = []
     ds_sources: list[tuple] = []  # (DeepSpeed config, where it came from)
     hf: dict | None = None

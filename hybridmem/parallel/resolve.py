@@ -27,6 +27,7 @@ def resolve(recipe: str | None = None, deepspeed: str | os.PathLike | dict | Non
     if isinstance(config, LauncherConfig):  # read already (the HTTP API's pasted text)
         launched = config
     else:
-        launched = None if config is None else read_config(config, config_format)
+        model = (overrides or {}).get("model")
+        launched = None if config is None else read_config(config, config_format, model)
     return resolve_inputs(recipe, deepspeed, training_args, overrides, launched)
 

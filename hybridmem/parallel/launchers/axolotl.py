@@ -202,12 +202,12 @@ def detect(cfg: dict) -> bool:
     return "base_model" in cfg
 
 
-def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
+def read(raw: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
     """The file's layer; `folder` is where the file sits (a relative DeepSpeed path)."""
     config_keys.check_keys(SOURCE, raw, where, used=READ, known=lambda: KNOWN)
     cfg = {k: v for k, v in raw.items() if v is not None}
     config_keys.unpriced(SOURCE, {k: v for k, v in cfg.items() if v}, where, UNPRICED)
-    model, hub_id = model_of(raw.get("base_model"), where, "base_model")
+    model, hub_id = model_of(raw.get("base_model"), where, "base_model", override=model)
     out = Layer(where, NAME)
     out.set("model", model, "base_model", note=hub_id)
     if cfg.get("adapter") and cfg.get("lora_target_linear") and is_multimodal(model):

@@ -150,7 +150,7 @@ def _get(cfg: dict, key: str, default: object) -> tuple[object, tuple[str, ...]]
     return (cfg[key], (key,)) if cfg.get(key) is not None else (default, ())
 
 
-def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
+def read(raw: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
     """The file's layer; `folder` is where the file sits (a relative DeepSpeed path)."""
     hf_fields = hf_training_fields()
     config_keys.check_keys(SOURCE, raw, where,
@@ -158,7 +158,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
                            known=lambda: KNOWN | hf_fields | config_keys.TRANSFORMERS_4_FIELDS)
     cfg = {k: v for k, v in raw.items() if v is not None}
     config_keys.unpriced(SOURCE, cfg, where, UNPRICED)
-    model, hub_id = model_of(raw.get("model_name_or_path"), where, "model_name_or_path")
+    model, hub_id = model_of(raw.get("model_name_or_path"), where, "model_name_or_path", override=model)
     out = Layer(where, NAME)
     out.set("model", model, "model_name_or_path", note=hub_id)
 

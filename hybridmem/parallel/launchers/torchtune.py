@@ -126,7 +126,7 @@ def _builder(component: object, where: str) -> tuple[str, str]:
     return name, "full"
 
 
-def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
+def read(raw: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
     """The file's layer (torchtune opens no other file that changes memory)."""
     config_keys.check_keys(SOURCE, raw, where, used=READ, known=lambda: KNOWN)
     node = raw.get("model") or {}
@@ -134,11 +134,11 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
                            known=lambda: MODEL_KNOWN)
     out = Layer(where, NAME)
     base, kind = _builder(node.get("_component_"), where)
-    if base not in BUILDERS:
+    if base not in BUILDERS and model is None:
         raise SpecError(f"{where}: model._component_", node.get("_component_"),
                         reason="no preset for this builder; give --model with the checkpoint's "
                         "config.json")
-    model, hub_id = model_of(BUILDERS[base], where, "model._component_")
+    model, hub_id = model_of(BUILDERS.get(base), where, "model._component_", override=model)
     out.set("model", model, "model._component_", note=hub_id)
     _recipe(raw, out, where)
     if kind == "full":
