@@ -44,7 +44,6 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
-from hybridmem.families.decoders.model import NO_SDPA_TYPES
 from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
@@ -394,11 +393,6 @@ def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
                         else objectives.graph_spec(spec))  # job.packing, job.objective
     graph = objectives.with_score_head(graph, spec)  # the reward model's (1, hidden) head
     packing.check_model(spec, graph.vision_batch)
-    if graph.model_type in NO_SDPA_TYPES and spec.attn == "sdpa":
-        # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping"):
-        # transformers refuses it, as the trace tier reports (trace/model.py)
-        raise SpecError("attn", spec.attn, ("eager", "flash_attention_2"),
-                        reason=f"transformers' {graph.model_type} code does not support it")
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
     priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
     priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)

@@ -33,7 +33,7 @@ class ParallelSpec:
 
     world_size: int = job_field(
         1, help="Data-parallel GPUs; priced per GPU.", group="parallel",
-        unit="GPUs", feature=True, echo=True,
+        unit="GPUs", feature=True, echo=True, cli=("--world-size", "--gpu-count"),
         keys={"training_args": ("world_size",),
               "deepspeed": ("train_batch_size", "gradient_accumulation_steps")},
         doc="data-parallel ranks; memory is predicted per GPU. A TrainingArguments file's "
@@ -174,9 +174,12 @@ class ParallelSpec:
             raise SpecError("parallel.offload_param", self.offload_param, ["none"],
                             reason=f"parameter offload needs zero3, not {s}")
         if n == 1 and (s == "fsdp" or (s in ZERO_STAGES and not offload)):
+            # launcher configs never say how many GPUs: the launch command does
             raise SpecError("parallel.world_size", n,
-                            reason=f"{s} over one GPU shards nothing; give world_size > 1 (--world-size) "
-                            "or strategy=none")
+                            reason=f"{s} over one GPU shards nothing; give the GPUs it runs on, "
+                            "--world-size N (--gpu-count N; the service's gpu_count): what "
+                            "`torchrun --nproc_per_node N`, `accelerate launch --num_processes N` "
+                            "or `deepspeed --num_gpus N` start; or strategy=none")
 
     @property
     def zero_stage(self) -> int:

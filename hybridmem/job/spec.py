@@ -141,6 +141,16 @@ class LoraSpec:
         (), help="Modules trained in full next to the adapters (a trainable copy).",
         group="adapters", cli=False, keys={"peft": ("modules_to_save",)}, added=20)
     """Modules trained in full next to the adapters (PEFT `modules_to_save`: a trainable copy)."""
+    target_regex: str | None = job_field(
+        None, help="LoRA targets as one regex, full-matched against module names (as PEFT).",
+        group="adapters", cli="--lora-target-regex", added=40,
+        doc="PEFT `target_modules` given as one string: a regular expression that must match "
+        "a module's whole name (`re.fullmatch`, peft/utils/other.py "
+        "`match_target_against_key`), e.g. axolotl's `lora_target_modules: "
+        "'model.language_model.layers.[\\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj'`; "
+        "replaces `--lora-targets`")
+    """PEFT `target_modules` as a string: a regex full-matched against each module's name
+    (peft/utils/other.py `match_target_against_key`); replaces `targets` when set."""
 
     def __post_init__(self) -> None:
         _check_positive("lora.r", self.r)
@@ -151,6 +161,24 @@ class LoraSpec:
                             reason="at least one target module is needed")
         if not 0.0 <= self.dropout < 1.0:
             raise SpecError("lora.dropout", self.dropout, reason="must be in [0, 1)")
+        if self.target_regex is not None:
+            import re
+
+            try:
+                re.compile(self.target_regex)
+            except (re.error, TypeError) as err:
+                raise SpecError("lora.target_regex", self.target_regex,
+                                reason=f"not a regular expression ({err})") from None
+
+    def targets_module(self, name: str) -> bool:
+        """Whether PEFT puts an adapter on the module named `name` (its full dotted name in the
+        model): a string `target_modules` full-matches the name, a list matches a name or its
+        last dotted parts (peft/tuners/tuners_utils.py `check_target_module_exists`)."""
+        if self.target_regex is not None:
+            import re
+
+            return re.fullmatch(self.target_regex, name) is not None
+        return any(name == t or name.endswith("." + t) for t in self.targets)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

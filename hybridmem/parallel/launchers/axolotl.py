@@ -326,15 +326,21 @@ def _lora(cfg: dict, out: Layer, where: str) -> None:
     """`LoraConfig(r=lora_r, lora_alpha=lora_alpha, target_modules=..., lora_dropout=...)`;
     `lora_target_linear` adds `find_all_linear_names` (every linear but the output embedding:
     the LLM's linears, our default targets, for a decoder; a VLM's vision linears are not
-    priced) to `lora_target_modules`."""
+    priced) to `lora_target_modules`. A string `lora_target_modules` alone reaches LoraConfig as
+    a string, which PEFT full-matches as a regex (`lora.target_regex`); a list, or a string with
+    `lora_target_linear` (joined into one list), is matched by name."""
     for key, field in (("lora_r", "lora_r"), ("lora_alpha", "lora_alpha"),
                        ("lora_dropout", "lora_dropout")):
         if cfg.get(key) is not None:
             out.set(field, typed_value(f"{where}: {key}", schema.BY_KEY[field], cfg[key]), key)
-    modules = names(cfg["lora_target_modules"], f"{where}: lora_target_modules") \
-        if cfg.get("lora_target_modules") else ()
-    if cfg.get("lora_target_linear") and flag(f"{where}: lora_target_linear",
-                                              cfg["lora_target_linear"]):
+    given = cfg.get("lora_target_modules")
+    linear = bool(cfg.get("lora_target_linear")) and flag(f"{where}: lora_target_linear",
+                                                          cfg["lora_target_linear"])
+    modules = ((given,) if isinstance(given, str) else
+               names(given, f"{where}: lora_target_modules")) if given else ()
+    if isinstance(given, str) and given.strip() and not linear:
+        out.set("lora_target_regex", given, "lora_target_modules")
+    elif linear:
         extra = tuple(m for m in modules if m not in DEFAULT_LORA_TARGETS)
         if extra:
             out.set("lora_targets", DEFAULT_LORA_TARGETS + extra, "lora_target_linear",
