@@ -329,8 +329,14 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
     if spec.train == "lora":
         dtype = ("fp32, PEFT default" if spec.adapter_dtype == "fp32"
                  else f"{spec.adapter_dtype}, the weights' dtype")
-        notes.append(f"LoRA adapters ({dtype}) on language-model linears only, as "
-                     "LLaVA's finetune_lora recipe")
+        named = (f"the modules full-matching {spec.lora.target_regex!r} (peft's rule)"
+                 if spec.lora.target_regex is not None else ", ".join(sorted(
+                     {t.name.split(".lora_")[0].rsplit(".", 1)[-1] for _, l in graph.layers()
+                      for t in l.lora if ".lora_A" in t.name})))
+        vision = any(m.name not in ("language_model", "lm_head") for m in graph.modules)
+        notes.append(f"LoRA adapters ({dtype}) on {named}"
+                     + (": language-model linears only (the vision tower and projector get "
+                        "none)" if vision else ""))
         if spec.lora.use_dora:
             notes.append("DoRA: fp32 magnitude vectors; per adapted linear the base and lora_B "
                          "outputs are saved and the fp32 full weight W + scale B@A is built "

@@ -143,10 +143,13 @@ class ParallelSpec:
         _check_count("parallel.world_size", self.world_size)
         if self.strategy not in STRATEGIES:
             raise SpecError("parallel.strategy", self.strategy, STRATEGIES)
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                     "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                     "sub_group_size"):
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
             _check_count(f"parallel.{name}", getattr(self, name))
+        # DeepSpeedZeroConfig takes 0 for these (`Field(..., ge=0)`, zero/config.py; axolotl's
+        # deepspeed_configs/zero3_bf16.json sets all three to 0)
+        for name in ("stage3_max_live_parameters", "stage3_max_reuse_distance",
+                     "sub_group_size"):
+            _check_count(f"parallel.{name}", getattr(self, name), minimum=0)
         _check_count("parallel.stage3_param_persistence_threshold",
                      self.stage3_param_persistence_threshold, minimum=0)
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \

@@ -49,12 +49,12 @@ DEFAULT_LORA_TARGETS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 
-# Precision/optimizer pairs that no framework offers. bitsandbytes' 8-bit optimizers keep their
-# own quantised state and are not wrapped by DeepSpeed's fp32-master-weight optimizer
-# (transformers refuses `optim=adamw_bnb_8bit` together with a DeepSpeed optimizer).
+# Precision/optimizer pairs that no framework offers. (bitsandbytes' 8-bit optimizers do run
+# under DeepSpeed's fp32 master weights: with no `optimizer` block in the DeepSpeed config,
+# Trainer builds the bnb optimizer and ZeRO wraps it as a client optimizer over the fp32
+# partitions, transformers integrations/deepspeed.py `deepspeed_optim_sched`; axolotl's
+# zero3_bf16.json runs are launched so with adamw_bnb_8bit.)
 INVALID_PAIRS: dict[tuple[str, str], str] = {
-    **{("bf16-master", o): "8-bit optimizer state cannot sit under fp32 master weights"
-       for o in ("adamw-8bit", "paged-adamw-8bit", "lion-8bit", "paged-lion-8bit")},
     # peft `create_lorafa_optimizer` steps the PeftModel's own named parameters (it pairs
     # lora_A with lora_B by name), not a DeepSpeed group of flat fp32 master copies
     ("bf16-master", "lora-fa"): "LoRA-FA steps the model's own named LoRA parameters",
