@@ -36,7 +36,7 @@ def test_bad_fields(field, value, match):
 
 def test_impossible_pair_names_valid_optimizers():
     with pytest.raises(SpecError, match=r"optimizer='lora-fa': not available with "
-                       r"precision='bf16-master'.*\(valid: adamw, adamw-fused, paged-adamw, sgd"):
+                       r"precision='bf16-master'.*\(valid: adamw, adamw-fused, adamw-8bit"):
         TrainingSpec(model="tiny-llava", train="lora", precision="bf16-master",
                      optimizer="lora-fa")
     # bnb 8-bit state over DeepSpeed's fp32 master partition is a client optimizer ZeRO wraps

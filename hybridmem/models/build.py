@@ -132,8 +132,8 @@ def _regex_outside_lm(modules: list[Module], lora: LoraSpec) -> str | None:
             continue
         for layer in m.layers:
             for p in layer.params:
-                if p.name.endswith("weight") and len(p.shape) == 2 \
-                        and layer_kind(layer.kind).linear:
+                # any weight module peft could wrap (Linear, Conv, Embedding)
+                if p.name.endswith("weight") and len(p.shape) >= 2:
                     name = _full_name(m, layer, p.name[: -len(".weight")])
                     if lora.targets_module(name):
                         return name
