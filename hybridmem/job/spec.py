@@ -120,7 +120,8 @@ class LoraSpec:
     targets: tuple[str, ...] = job_field(
         DEFAULT_LORA_TARGETS, help="Comma-separated module names that get adapters.",
         group="adapters", cli="--lora-targets", keys={"peft": ("target_modules",)},
-        doc="module-name suffixes that get adapters (PEFT `target_modules`); default: every "
+        doc="module-name suffixes that get adapters (PEFT `target_modules` as a list; a value "
+        "with regex characters is one regex, `lora.target_regex`); default: every "
         "LLM linear layer but `lm_head` (`q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
         "down_proj`, LLaVA's `find_all_linear_names`)")
     """Module-name suffixes that get adapters (PEFT `target_modules`)."""
@@ -143,12 +144,13 @@ class LoraSpec:
     """Modules trained in full next to the adapters (PEFT `modules_to_save`: a trainable copy)."""
     target_regex: str | None = job_field(
         None, help="LoRA targets as one regex, full-matched against module names (as PEFT).",
-        group="adapters", cli="--lora-target-regex", added=40,
+        group="adapters", cli=False, added=40,
         doc="PEFT `target_modules` given as one string: a regular expression that must match "
         "a module's whole name (`re.fullmatch`, peft/utils/other.py "
         "`match_target_against_key`), e.g. axolotl's `lora_target_modules: "
         "'model.language_model.layers.[\\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj'`; "
-        "replaces `--lora-targets`")
+        "on the command line, a `--lora-targets` value with regex characters (`()[]*+?|\\^$`, "
+        "which no module name has) is one")
     """PEFT `target_modules` as a string: a regex full-matched against each module's name
     (peft/utils/other.py `match_target_against_key`); replaces `targets` when set."""
 

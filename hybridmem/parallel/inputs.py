@@ -684,6 +684,10 @@ def flag_source(key: str) -> str:
     return "flag --" + key.replace("_", "-")
 
 
+REGEX_CHARS = frozenset("()[]*+?|\\^$")
+"""Characters of a regular expression no module name has (`--lora-targets` as one regex)."""
+
+
 def _layer_overrides(overrides: dict, model: str | None = None) -> dict:
     """Explicit values by job-schema key (`hybridmem.job.schema.BY_KEY`: TrainingSpec and
     ParallelSpec field names, `lora_<field>` for LoRA settings), plus the files given as
@@ -720,6 +724,13 @@ def _layer_overrides(overrides: dict, model: str | None = None) -> dict:
         if value is None or key in OPTION_FILES:
             continue
         meta = schema.BY_KEY.get(key)
+        if key == "lora_targets" and isinstance(value, str) and REGEX_CHARS & set(value):
+            # no module name has these: the value is one peft regex (`lora.target_regex`)
+            lora["target_regex"] = value
+            sources["lora_target_regex"] = flag_source(key)
+            continue
+        if key == "lora_targets":  # names given: a file's regex no longer applies
+            lora["target_regex"] = None
         if meta is not None:
             value = schema.parse_cli(meta, value)
             sources[key] = flag_source(key)
