@@ -69,7 +69,7 @@ def test_every_rule_key_names_one_preset():
 def test_prequantized_upload_prices_nf4_weights():
     """unsloth's `-bnb-4bit` uploads are stored as bitsandbytes NF4 (their config.json's
     quantization_config): the job is priced with 4-bit weights without a --quantize."""
-    from hybridmem.parallel.cli import resolve_cli
+    from hybridmem.intake.resolve import resolve_cli
 
     resolved = resolve_cli(model="unsloth/llama-3-8b-bnb-4bit", train="lora")
     spec = resolved.spec
