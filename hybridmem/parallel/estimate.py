@@ -276,6 +276,13 @@ def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[.
     points = analytic_points if single_gpu_estimate is analytic else None
 
     def run(spec: TrainingSpec, **options: object) -> Prediction:
+        if spec.parallel.model_parallel:
+            if single_gpu_estimate is not analytic:
+                raise SpecError("method", "trace", ("analytic",), reason="tp/cp/pp/ep layouts "
+                                "are priced per rank by the analytic tier")
+            from hybridmem.parallel.ranks import price_ranks
+
+            return price_ranks(spec, gpu=options.get("gpu"))[0]
         if spec.parallel.strategy == "none":
             return single_gpu_estimate(spec, **options)
         # the single-GPU job replays unlimited: its reserved bytes are not the rank's, which
