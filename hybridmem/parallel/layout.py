@@ -89,25 +89,25 @@ def check_layout(ps: ParallelSpec, shape: ModelShape, seq_len: int) -> None:
                         f"{seq_len // ps.cp} tokens over tp={tp}; not divisible")
 
 
-def rank_config(data: dict, ps: ParallelSpec) -> dict:
+def rank_config(data: dict, tp: int, ep: int) -> dict:
     """The HF config of the model one tensor/expert-parallel rank holds: heads, KV heads,
     intermediate sizes and vocabulary divided by `tp`, experts by `ep`, the head dim kept
     (a rank's linears are the full model's column/row shards). Layers are not cut here: the
     stage's layers are chosen from the priced graph (`stage_layers`)."""
     shape = model_shape(data)
     out = dict(data)
-    out["_source"] = f"one rank's shard (tp={ps.tp}, ep={ps.ep}) of {data.get('_source', 'a model')}"
+    out["_source"] = f"one rank's shard (tp={tp}, ep={ep}) of {data.get('_source', 'a model')}"
     out["head_dim"] = shape.head_dim
-    out["num_attention_heads"] = shape.heads // ps.tp
-    out["num_key_value_heads"] = shape.kv_heads // ps.tp
+    out["num_attention_heads"] = shape.heads // tp
+    out["num_key_value_heads"] = shape.kv_heads // tp
     if shape.ffn:
-        out["intermediate_size"] = shape.ffn // ps.tp
+        out["intermediate_size"] = shape.ffn // tp
     if "moe_intermediate_size" in data:
-        out["moe_intermediate_size"] = shape.expert_ffn // ps.tp
-    out["vocab_size"] = math.ceil(shape.vocab / ps.tp)
+        out["moe_intermediate_size"] = shape.expert_ffn // tp
+    out["vocab_size"] = math.ceil(shape.vocab / tp)
     for key in ("num_local_experts", "num_experts"):
         if data.get(key):
-            out[key] = shape.experts // ps.ep
+            out[key] = shape.experts // ep
             # a rank routes each token to its top-k of all experts; with fewer local experts
             # than k the graph still prices k routed rows per token (the tokens others send)
     return out

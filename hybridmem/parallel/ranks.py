@@ -164,12 +164,15 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     held = round((k - 1) * per_micro)
     grad_accum = 2 if ps.pp > 1 and ps.microbatches > 1 else st.grad_accum
     stage_st = dataclasses.replace(
-        st, inputs=st.inputs + held, grad_accum=grad_accum,
+        st, grad_accum=grad_accum,
         param=sum(p.states.param for p, _ in chosen),
         master=sum(p.states.master for p, _ in chosen))
     points = walk(steps, stage_st)
     full = max((p.bytes["grad"] for p in points), default=0)
-    acts = [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0, p.bytes["activation"],
+    # the earlier micro-batches' activations are held through this one's forward and backward
+    # (not at the step: the schedule has run every backward by then)
+    acts = [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
+                     p.bytes["activation"] + held,
                      p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
             for p in points if p.phase != "optimizer"]
     graph_layers = [(p.module, p.layer) for p, _ in chosen]
@@ -211,14 +214,13 @@ def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction,
     shape = model_shape(data)
     check_layout(ps, shape, spec.seq_len)
     ws = cublas_workspace(gpu)
-    narrow_model = materialize_config(json.dumps(rank_config(data, ps)))
+    narrow_model = materialize_config(json.dumps(rank_config(data, ps.tp, ps.ep)))
     single = ParallelSpec()
     narrow_spec = spec.with_(model=narrow_model, seq_len=spec.seq_len // ps.cp, parallel=single)
     _, narrow, st = _setup(narrow_spec, ws)
     wide = None
     if ps.sequence_parallel and spec.attn != "eager":
-        wide_model = materialize_config(json.dumps(rank_config(data, dataclasses.replace(
-            ps, tp=1, dp_shard=None, world_size=ps.world_size // ps.tp))))
+        wide_model = materialize_config(json.dumps(rank_config(data, 1, ps.ep)))
         wide_spec = spec.with_(model=wide_model, seq_len=spec.seq_len // (ps.cp * ps.tp),
                                parallel=single)
         wide = _setup(wide_spec, ws)[1]
