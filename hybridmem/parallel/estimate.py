@@ -39,7 +39,8 @@ from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
 from hybridmem.parallel.validate import check_parallel
 from hybridmem.prediction import Peak, Prediction
-from hybridmem.job.spec import TrainingSpec
+from hybridmem.job.precision import DTYPE_BYTES
+from hybridmem.job.spec import POLICIES, TrainingSpec
 
 # NCCL allocates its buffers outside the caching allocator: NCCL_BUFFSIZE (default 4 MiB, NCCL
 # env docs) per channel per peer connection. A ring has 2 peers; 16 channels is a typical
@@ -68,6 +69,25 @@ class ActPoint:
     temporary: int
 
 
+def forward_precision(spec: TrainingSpec) -> str:
+    """The precision the forward and backward compute in on each rank.
+
+    FSDP2 with a 16-bit `MixedPrecisionPolicy.param_dtype` over wider (fp32) params casts each
+    shard to that dtype as it is all-gathered (`FSDPParam.init_unsharded_param`: the unsharded
+    param is allocated in `param_dtype`; `_fsdp_param.py`), so the module runs on 16-bit
+    params: the embedding output, the residual stream and every saved tensor are 16-bit, and
+    autocast (if the trainer also enters it) has no fp32 weight to cast, hence no cast cache
+    (`cached_cast` caches only casts of fp32 leaf tensors that require grad,
+    aten/src/ATen/autocast_mode.cpp). Its activations are the pure 16-bit precision's; the
+    sharded states stay in the params' own dtype (`sharding.fsdp`)."""
+    ps = spec.parallel
+    if ps.strategy != "fsdp" or ps.mp_param_dtype not in ("bf16", "fp16"):
+        return spec.precision
+    if POLICIES[spec.precision].param_bytes <= DTYPE_BYTES[ps.mp_param_dtype]:
+        return spec.precision
+    return ps.mp_param_dtype
+
+
 def _activation_side(spec: TrainingSpec, estimate: Estimator,
                      timeline_known: bool = False) -> tuple[Prediction, Prediction]:
     """(single-GPU prediction, a prediction whose peak is in forward/backward).
@@ -78,7 +98,7 @@ def _activation_side(spec: TrainingSpec, estimate: Estimator,
     second prediction is not needed and the base one is returned twice (each estimate replays
     its stream through the allocator simulator: most of `--gpu`'s advice time).
     """
-    single = spec.with_(parallel=ParallelSpec())
+    single = spec.with_(parallel=ParallelSpec(), precision=forward_precision(spec))
     base = estimate(single)
     candidates = [single.with_(optimizer="sgd")]
     if single.precision in PURE_TWIN:
@@ -101,7 +121,7 @@ def analytic_points(spec: TrainingSpec) -> list[ActPoint]:
     """Every forward/backward point of the analytic tier's timeline (`analytic.estimate.timeline`)."""
     from hybridmem.analytic.estimate import timeline
 
-    _, _, points = timeline(spec.with_(parallel=ParallelSpec()))
+    _, _, points = timeline(spec.with_(parallel=ParallelSpec(), precision=forward_precision(spec)))
     full = max((p.bytes["grad"] for p in points), default=0)
     return [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0, p.bytes["activation"],
                      p.bytes["temporary"]) for p in points if p.phase != "optimizer"]

@@ -15,19 +15,22 @@ import os
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel.launchers import accelerate, axolotl, llamafactory, torchtune
+from hybridmem.parallel.launchers import (
+    accelerate, axolotl, llamafactory, megatron, torchtitan, torchtune,
+)
 from hybridmem.parallel.launchers.common import LauncherConfig, load_yaml
 
 DIALECTS = {"llamafactory": llamafactory, "axolotl": axolotl, "torchtune": torchtune,
-            "accelerate": accelerate}
+            "accelerate": accelerate, "torchtitan": torchtitan, "megatron": megatron}
 """--config-format name -> its reader, in the order `detect` tries them."""
 
 
 def detect(cfg: dict, where: str) -> str:
     """The dialect a config's keys tell: torchtune's model `_component_`, axolotl's
     `base_model`, LLaMA-Factory's method keys (`finetuning_type` / `stage` /
-    `model_name_or_path` with `cutoff_len`), accelerate's `distributed_type`."""
-    for name in ("torchtune", "axolotl", "llamafactory", "accelerate"):
+    `model_name_or_path` with `cutoff_len`), accelerate's `distributed_type`, torchtitan's
+    `[parallelism]`, Megatron-LM's `--num-layers`."""
+    for name in ("torchtune", "axolotl", "llamafactory", "accelerate", "torchtitan", "megatron"):
         if DIALECTS[name].detect(cfg):
             return name
     raise SpecError("config", where, list(DIALECTS),
@@ -39,8 +42,19 @@ def read_config(path: str | os.PathLike, config_format: str | None = None) -> La
     if config_format is not None and config_format not in DIALECTS:
         raise SpecError("config_format", config_format, list(DIALECTS))
     where = os.fspath(path)
-    return read_mapping(load_yaml(path), where, Path(where).expanduser().resolve().parent,
-                        config_format)
+    return read_mapping(_load(path, config_format), where,
+                        Path(where).expanduser().resolve().parent, config_format)
+
+
+def _load(path: str | os.PathLike, config_format: str | None) -> dict:
+    """The file as its launcher parses it: TOML (torchtitan), a command line of arguments
+    (Megatron-LM: `--config-format megatron`, or a file whose first word is an `--argument`
+    or a launch command), else YAML."""
+    if config_format == "torchtitan" or Path(path).suffix == ".toml":
+        return torchtitan.load(path)
+    if config_format == "megatron" or Path(path).suffix in (".sh", ".args", ".txt"):
+        return megatron.load(path)
+    return load_yaml(path)
 
 
 def read_mapping(cfg: dict, where: str, folder: Path,
