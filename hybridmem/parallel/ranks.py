@@ -46,7 +46,9 @@ from hybridmem.parallel.states import layer_tensors, model_tensors
 from hybridmem.prediction import Peak, Prediction
 
 # NCCL's own buffers outside the allocator, as for data parallelism (parallel/estimate.py)
-from hybridmem.parallel.estimate import NCCL_BYTES, ActPoint, _fwd_bwd, _step  # noqa: E402
+from hybridmem.parallel.estimate import (  # noqa: E402
+    NCCL_BYTES, ActPoint, _fwd_bwd, _step, forward_precision,
+)
 
 EDGE_KINDS = {"embedding": "first", "norm": "last", "rmsnorm": "last", "lm_head": "last"}
 """Non-repeated layers and the pipeline stage that holds them (torchtitan
@@ -216,15 +218,19 @@ def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction,
     ws = cublas_workspace(gpu)
     narrow_model = materialize_config(json.dumps(rank_config(data, ps.tp, ps.ep)))
     single = ParallelSpec()
-    narrow_spec = spec.with_(model=narrow_model, seq_len=spec.seq_len // ps.cp, parallel=single)
+    # the activation side computes in the precision the ranks really run (FSDP2's 16-bit
+    # gathers: `estimate.forward_precision`); the states below keep the spec's own
+    compute = forward_precision(spec)
+    narrow_spec = spec.with_(model=narrow_model, seq_len=spec.seq_len // ps.cp, parallel=single,
+                             precision=compute)
     _, narrow, st = _setup(narrow_spec, ws)
     wide = None
     if ps.sequence_parallel and spec.attn != "eager":
         wide_model = materialize_config(json.dumps(rank_config(data, 1, ps.ep)))
         wide_spec = spec.with_(model=wide_model, seq_len=spec.seq_len // (ps.cp * ps.tp),
-                               parallel=single)
+                               parallel=single, precision=compute)
         wide = _setup(wide_spec, ws)[1]
-    e = POLICIES[spec.precision].compute_bytes
+    e = POLICIES[compute].compute_bytes
     comm = _comm(spec, shape, e, int(data.get("num_experts_per_tok") or 1))
     answers = [_stage(spec, r, narrow, wide, st, shape, comm) for r in range(ps.pp)]
     top = max(answers, key=lambda a: a.device_bytes)
