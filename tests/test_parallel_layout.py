@@ -149,3 +149,22 @@ def test_megatron_params_on_the_most_loaded_shard():
     assert ours == params + 20 * 2 * 8192 * (1 - 1 / 8) - 8192 / (4 * 8)
     # activations: the same first-stage count of in-flight micro-batches (min(m, p) = 4)
     assert ranks[0].in_flight == min(a.num_microbatches, a.pipeline_model_parallel_size)
+
+
+def test_layout_advice_sorts_by_headroom_and_finds_the_smallest_count():
+    """tiny-llama on a made-up 0.75 GiB GPU (the CUDA context alone is 0.5 GiB here,
+    `overheads.CUDA_CONTEXT_DEFAULT`, NCCL's nominal 128 MiB on top on more than one GPU)."""
+    from hybridmem.gpus import GPU
+    from hybridmem.parallel.layouts import advise
+
+    gpu = GPU(name="tiny", memory_bytes=int(0.75 * 2**30), arch="hopper", source="test")
+    spec = _spec(world_size=4, strategy="fsdp")
+    found = advise(spec, 4, gpu, all_layouts=True)
+    rows = found["rows"]
+    assert {(r["tp"], r["pp"], r["cp"]) for r in rows} >= {(1, 1, 1), (2, 1, 1), (2, 2, 1)}
+    heads = [r["headroom_bytes"] for r in rows]
+    assert heads == sorted(heads, reverse=True)
+    assert all(r["dp"] * r["tp"] * r["pp"] * r["cp"] == 4 for r in rows)
+    assert found["smallest_gpus"] == 1  # one GPU fits tiny-llama
+    none = advise(spec, 4, GPU(name="none", memory_bytes=int(0.55 * 2**30), arch="hopper", source="test"))
+    assert none["smallest_gpus"] is None

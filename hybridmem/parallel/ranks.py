@@ -77,6 +77,7 @@ def _dp_spec(spec: TrainingSpec, ranks: int) -> TrainingSpec:
     """The spec as the data-parallel rules see it: `ranks` data-parallel GPUs, nothing else."""
     ps = spec.parallel
     strategy = ps.strategy if ranks > 1 else "none"
+    ranks = 1 if strategy == "none" else ranks  # no data-parallel strategy: states whole
     offload = ps.offload_optimizer if strategy in ("zero1", "zero2", "zero3") else "none"
     flat = dataclasses.replace(
         ps, world_size=ranks, strategy=strategy, tp=1, cp=1, pp=1, ep=1,
@@ -158,7 +159,8 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
         if keep:
             step = p.step
             if kind == "decoder_layer" and p.layer.name in acts_of:
-                step = dataclasses.replace(step, acts=acts_of[p.layer.name])
+                step = dataclasses.replace(step, acts=_sequence_parallel(
+                    acts_of[p.layer.name], step.acts))
             chosen.append((p, step))
     steps = [s for _, s in chosen]
     k = in_flight(ps, rank)
@@ -192,6 +194,16 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     out = empty_breakdown()
     out.update(best)
     return RankAnswer(rank, span, k, holds, out, best_phase)
+
+
+def _sequence_parallel(wide, narrow):
+    """A layer's activations under sequence parallelism: the full-width layer's on `1 / tp`
+    of the tokens, with the rank's own weight copies (autocast's casts of its weight shards,
+    saved by the matmuls or cached: `parts[0]` and `cache`), not the full layer's."""
+    copies = narrow.parts[0] if narrow.parts else 0
+    wide_copies = wide.parts[0] if wide.parts else 0
+    return dataclasses.replace(wide, saved=wide.saved - wide_copies + copies,
+                               parts=(copies, *wide.parts[1:]), cache=narrow.cache)
 
 
 class _Base:
