@@ -59,7 +59,7 @@ class ParallelSpec:
     # --- model parallelism (Megatron-LM arguments.py, torchtitan config/job_config.py) ---
     tp: int = job_field(
         1, help="Tensor-parallel degree (Megatron column/row-parallel linears).",
-        group="parallel", unit="GPUs", feature=True, added=ADDED,
+        group="parallel", unit="GPUs", feature=True, recorded="int64", added=ADDED,
         keys={"torchtitan": ("parallelism.tensor_parallel_degree",),
               "megatron": ("tensor_model_parallel_size",)},
         doc="tensor-parallel degree: attention heads, KV heads, the MLP's intermediate size and "
@@ -68,7 +68,7 @@ class ParallelSpec:
     """Tensor-parallel degree."""
     sequence_parallel: bool = job_field(
         False, help="Sequence parallelism: norms and residuals split over the tp ranks.",
-        group="parallel", feature=True, added=ADDED + 1,
+        group="parallel", feature=True, recorded="bool", added=ADDED + 1,
         keys={"torchtitan": ("parallelism.tensor_parallel_degree",),
               "megatron": ("sequence_parallel",)},
         doc="with `tp` > 1: the activations outside the column/row-parallel pairs (norms, "
@@ -77,7 +77,7 @@ class ParallelSpec:
     """Sequence parallelism over the tensor-parallel group."""
     cp: int = job_field(
         1, help="Context-parallel degree (sequence split, ring attention).",
-        group="parallel", unit="GPUs", feature=True, added=ADDED + 2,
+        group="parallel", unit="GPUs", feature=True, recorded="int64", added=ADDED + 2,
         keys={"torchtitan": ("parallelism.context_parallel_degree",),
               "megatron": ("context_parallel_size",)},
         doc="context-parallel degree: every activation holds `seq_len / cp` tokens and "
@@ -86,7 +86,7 @@ class ParallelSpec:
     """Context-parallel degree."""
     pp: int = job_field(
         1, help="Pipeline-parallel degree (stages of consecutive layers).",
-        group="parallel", unit="GPUs", feature=True, added=ADDED + 3,
+        group="parallel", unit="GPUs", feature=True, recorded="int64", added=ADDED + 3,
         keys={"torchtitan": ("parallelism.pipeline_parallel_degree",),
               "megatron": ("pipeline_model_parallel_size",)},
         doc="pipeline-parallel degree: the layers are split into `pp` x `pp_virtual_stages` "
@@ -95,7 +95,7 @@ class ParallelSpec:
     """Pipeline-parallel degree (physical ranks of the pipeline)."""
     pp_schedule: Literal["1f1b", "interleaved-1f1b", "gpipe", "zero-bubble"] = job_field(
         "1f1b", help="Pipeline schedule (torch.distributed.pipelining).", group="parallel",
-        added=ADDED + 4,
+        recorded="string", added=ADDED + 4,
         keys={"torchtitan": ("parallelism.pipeline_parallel_schedule",),
               "megatron": ("num_layers_per_virtual_pipeline_stage",)},
         doc="`1f1b` (Schedule1F1B: stage r holds min(m, pp - r) micro-batches), "
@@ -104,7 +104,7 @@ class ParallelSpec:
     """Pipeline schedule."""
     pp_virtual_stages: int = job_field(
         1, help="Pipeline stages per rank (interleaved schedules).", group="parallel",
-        added=ADDED + 5,
+        recorded="int64", added=ADDED + 5,
         keys={"megatron": ("virtual_pipeline_model_parallel_size",)},
         doc="stages (model chunks) per pipeline rank: >= 2 for `interleaved-1f1b` and "
         "`zero-bubble` (Megatron `--virtual-pipeline-model-parallel-size`; torchtitan "
@@ -112,7 +112,7 @@ class ParallelSpec:
     """Virtual stages per pipeline rank."""
     pp_microbatches: int | None = job_field(
         None, help="Micro-batches per pipeline step (default: pp).", group="parallel",
-        unit="micro-batches", added=ADDED + 6,
+        unit="micro-batches", recorded="Int64", added=ADDED + 6,
         keys={"torchtitan": ("parallelism.pipeline_parallel_microbatch_size",),
               "megatron": ("global_batch_size",)},
         doc="micro-batches of `micro_batch` samples each that one pipeline step runs (torchtitan "
@@ -121,7 +121,7 @@ class ParallelSpec:
     """Micro-batches per pipeline step (None: pp)."""
     ep: int = job_field(
         1, help="Expert-parallel degree (MoE: experts split over ep ranks).", group="parallel",
-        unit="GPUs", feature=True, added=ADDED + 7,
+        unit="GPUs", feature=True, recorded="int64", added=ADDED + 7,
         keys={"torchtitan": ("parallelism.expert_parallel_degree",),
               "megatron": ("expert_model_parallel_size",)},
         doc="expert-parallel degree for the MoE families: each rank holds `experts / ep` "
@@ -130,14 +130,14 @@ class ParallelSpec:
     """Expert-parallel degree."""
     dp_replicate: int = job_field(
         1, help="Replicas of the data-parallel shards (HSDP; 1: plain FSDP / DDP).",
-        group="parallel", unit="GPUs", added=ADDED + 8,
+        group="parallel", unit="GPUs", recorded="int64", added=ADDED + 8,
         keys={"torchtitan": ("parallelism.data_parallel_replicate_degree",)},
         doc="data-parallel replicas: with `fsdp` the params are sharded over `dp_shard` and "
         "replicated `dp_replicate` times (HSDP, `fully_shard(mesh=(replicate, shard))`)")
     """Data-parallel replicas (HSDP's replicate dimension)."""
     dp_shard: int | None = job_field(
         None, help="Data-parallel degree the states are sharded over (default: the rest).",
-        group="parallel", unit="GPUs", added=ADDED + 9,
+        group="parallel", unit="GPUs", recorded="Int64", added=ADDED + 9,
         keys={"torchtitan": ("parallelism.data_parallel_shard_degree",)},
         doc="ranks the data-parallel strategy shards over; None (torchtitan's -1): "
         "`world_size / (dp_replicate x cp x tp x pp)`")
