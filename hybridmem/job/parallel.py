@@ -58,7 +58,7 @@ class ParallelSpec:
 
     # --- model parallelism (Megatron-LM arguments.py, torchtitan config/job_config.py) ---
     tp: int = job_field(
-        1, help="Tensor-parallel degree (Megatron column/row-parallel linears).",
+        1, help="Tensor-parallel degree (also --cp, --ep, --sequence-parallel).",
         group="parallel", unit="GPUs", feature=True, recorded="int64", added=ADDED,
         keys={"torchtitan": ("parallelism.tensor_parallel_degree",),
               "megatron": ("tensor_model_parallel_size",)},

@@ -34,21 +34,17 @@ from hybridmem.allocator.reserved import Bounded, _at, bounded, capacity_notes
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
+from hybridmem.parallel.phases import (  # noqa: F401 (NCCL_* read as estimate.NCCL_BYTES)
+    NCCL_BUFFSIZE, NCCL_BYTES, NCCL_CHANNELS, NCCL_RING_PEERS, ActPoint, forward_precision,
+    fwd_bwd,
+)
+from hybridmem.parallel.phases import step as step_phase
 from hybridmem.parallel.sharding import RankStates, rank_states, replicated
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
 from hybridmem.parallel.validate import check_parallel
 from hybridmem.prediction import Peak, Prediction
-from hybridmem.job.precision import DTYPE_BYTES
-from hybridmem.job.spec import POLICIES, TrainingSpec
-
-# NCCL allocates its buffers outside the caching allocator: NCCL_BUFFSIZE (default 4 MiB, NCCL
-# env docs) per channel per peer connection. A ring has 2 peers; 16 channels is a typical
-# intra-node NVLink count. A nominal figure: the learned tier corrects it from measurements.
-NCCL_BUFFSIZE = 4 * 2**20
-NCCL_CHANNELS = 16
-NCCL_RING_PEERS = 2
-NCCL_BYTES = NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS
+from hybridmem.job.spec import TrainingSpec
 
 Estimator = Callable[[TrainingSpec], Prediction]
 
@@ -56,36 +52,6 @@ Estimator = Callable[[TrainingSpec], Prediction]
 # Pure 16-bit twins of the master-weight policy: same compute dtype, hence same activations,
 # without the fp32 master copy whose step can still out-peak the backward under plain SGD.
 PURE_TWIN = {"bf16-master": "bf16"}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ActPoint:
-    """One forward/backward point of the single-GPU timeline, without the model states."""
-
-    phase: str
-    grad_fraction: float
-    """Share of all gradients already produced (0 in forward, growing in backward)."""
-    activation: int
-    temporary: int
-
-
-def forward_precision(spec: TrainingSpec) -> str:
-    """The precision the forward and backward compute in on each rank.
-
-    FSDP2 with a 16-bit `MixedPrecisionPolicy.param_dtype` over wider (fp32) params casts each
-    shard to that dtype as it is all-gathered (`FSDPParam.init_unsharded_param`: the unsharded
-    param is allocated in `param_dtype`; `_fsdp_param.py`), so the module runs on 16-bit
-    params: the embedding output, the residual stream and every saved tensor are 16-bit, and
-    autocast (if the trainer also enters it) has no fp32 weight to cast, hence no cast cache
-    (`cached_cast` caches only casts of fp32 leaf tensors that require grad,
-    aten/src/ATen/autocast_mode.cpp). Its activations are the pure 16-bit precision's; the
-    sharded states stay in the params' own dtype (`sharding.fsdp`)."""
-    ps = spec.parallel
-    if ps.strategy != "fsdp" or ps.mp_param_dtype not in ("bf16", "fp16"):
-        return spec.precision
-    if POLICIES[spec.precision].param_bytes <= DTYPE_BYTES[ps.mp_param_dtype]:
-        return spec.precision
-    return ps.mp_param_dtype
 
 
 def _activation_side(spec: TrainingSpec, estimate: Estimator,
@@ -125,32 +91,6 @@ def analytic_points(spec: TrainingSpec) -> list[ActPoint]:
     full = max((p.bytes["grad"] for p in points), default=0)
     return [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0, p.bytes["activation"],
                      p.bytes["temporary"]) for p in points if p.phase != "optimizer"]
-
-
-def _fwd_bwd(states: RankStates, point: ActPoint, extra: dict) -> dict:
-    """One forward/backward point: gathered params and reduce buffers on top of the resident
-    states; grads that grow with the backward scaled like the single-GPU grads at the point."""
-    out = empty_breakdown()
-    growing = states.grad - states.grad_fixed
-    out["param"] = states.param + states.gathered
-    out["grad"] = states.grad_fixed + round(growing * point.grad_fraction) + (
-        states.comm if point.phase == "backward" else 0)
-    out["optimizer"] = states.optimizer
-    out["activation"] = point.activation
-    out["temporary"] = point.temporary
-    out.update(extra)
-    return out
-
-
-def _step(states: RankStates, base: Prediction, extra: dict) -> dict:
-    """Optimizer step: every grad, the state and the step's transients on this rank's shard."""
-    out = empty_breakdown()
-    out.update(param=states.param, grad=states.grad, optimizer=states.optimizer,
-               temporary=states.step_temporary)
-    if base.peak.phase == "optimizer":
-        out["activation"] = base.breakdown["activation"]  # the batch, alive all iteration
-    out.update(extra)
-    return out
 
 
 def _peak(breakdown: dict, base: Prediction, phase: str, iteration: int) -> Peak:
@@ -226,9 +166,9 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
              "fragmentation": base.breakdown["fragmentation"] if fit is None
              else fit.fragmentation}
     acts = points(spec) if points is not None else [_prediction_point(fwd, single_states)]
-    fwd_phase, fwd_best = max(((p.phase, _fwd_bwd(states, p, extra)) for p in acts),
+    fwd_phase, fwd_best = max(((p.phase, fwd_bwd(states, p, extra)) for p in acts),
                               key=lambda pb: sum(pb[1].values()))
-    phases = {fwd_phase: fwd_best, "optimizer": _step(states, base, extra)}
+    phases = {fwd_phase: fwd_best, "optimizer": step_phase(states, base, extra)}
     phase = max(phases, key=lambda k: sum(phases[k].values()))
     # optimizer state exists from the first step on, so a forward/backward peak that includes
     # it is at iteration 1; the step's own peak is already there at iteration 0

@@ -45,10 +45,8 @@ from hybridmem.parallel.sharding import RankStates, rank_states
 from hybridmem.parallel.states import layer_tensors, model_tensors
 from hybridmem.prediction import Peak, Prediction
 
-# NCCL's own buffers outside the allocator, as for data parallelism (parallel/estimate.py)
-from hybridmem.parallel.estimate import (  # noqa: E402
-    NCCL_BYTES, ActPoint, _fwd_bwd, _step, forward_precision,
-)
+from hybridmem.parallel.phases import NCCL_BYTES, ActPoint, forward_precision, fwd_bwd
+from hybridmem.parallel.phases import step as step_phase
 
 EDGE_KINDS = {"embedding": "first", "norm": "last", "rmsnorm": "last", "lm_head": "last"}
 """Non-repeated layers and the pipeline stage that holds them (torchtitan
@@ -183,10 +181,10 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     states = _states(spec, graph_layers)
     extra = {"workspace": max(p.bytes["workspace"] for p in points),
              "context": CUDA_CONTEXT_DEFAULT + states.paged + NCCL_BYTES}
-    best_phase, best = max(((p.phase, _fwd_bwd(states, p, extra)) for p in acts),
+    best_phase, best = max(((p.phase, fwd_bwd(states, p, extra)) for p in acts),
                            key=lambda pb: sum(pb[1].values()))
     base = _Base(points)
-    step_bd = _step(states, base, extra)
+    step_bd = step_phase(states, base, extra)
     if sum(step_bd.values()) > sum(best.values()):
         best_phase, best = "optimizer", step_bd
     holds = tuple(n for n, on in (("embedding", first), ("lm_head + loss", last)) if on)
@@ -207,7 +205,7 @@ def _sequence_parallel(wide, narrow):
 
 
 class _Base:
-    """What `_step` reads of a single-GPU prediction: whether its peak is in the step."""
+    """What `phases.step` reads of a single-GPU prediction: whether its peak is in the step."""
 
     def __init__(self, points) -> None:
         from hybridmem.analytic.timeline import peak

@@ -169,7 +169,7 @@ def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
     """(peak live bytes, event stream) of one rank of `spec` (module docstring); raises
     `SpecError` where the analytic tier has no stream (e.g. `train='peft'`)."""
     from hybridmem.analytic.estimate import _setup, stream
-    from hybridmem.parallel.estimate import forward_precision
+    from hybridmem.parallel.phases import forward_precision
 
     single = spec.with_(parallel=ParallelSpec(), precision=forward_precision(spec))
     _, priced, statics = _setup(single, workspace)
