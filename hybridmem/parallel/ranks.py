@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from hybridmem.allocator.alloc import t
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
@@ -110,6 +111,22 @@ def _states(spec: TrainingSpec, layers: list) -> RankStates:
     return _sum_states(dense, experts)
 
 
+def _embedding_grad(spec: TrainingSpec, layers: list, shape) -> int:
+    """Extra gradient bytes of a tensor-parallel token embedding: torch's `RowwiseParallel` on
+    `nn.Embedding` (torchtitan's plan) shards the weight on dim 0 but its backward gives a
+    `Replicate` gradient of the whole vocabulary on every rank (measured under the fake process
+    group, tests/test_parallel_tp_trace.py), where Megatron's VocabParallelEmbedding keeps
+    `vocab / tp` rows. Priced without a sharding data-parallel strategy, whose reduce-scatter
+    of that gradient is not modelled."""
+    ps = spec.parallel
+    if ps.tp == 1 or _dp_spec(spec, ps.data_shard * ps.cp).parallel.strategy not in ("none", "ddp"):
+        return 0
+    emb = [l for _, l in layers if l.kind == "embedding" and l.gets_grads]
+    rows = math.ceil(shape.vocab / ps.tp)
+    return sum((shape.vocab - rows) * shape.hidden * POLICIES[spec.precision].grad_bytes
+               for _ in emb)
+
+
 def _comm(spec: TrainingSpec, shape, e: int, top_k: int) -> tuple[int, int]:
     """(forward, backward) transient communication buffers of the layer running now."""
     ps = spec.parallel
@@ -179,6 +196,9 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
             for p in points if p.phase != "optimizer"]
     graph_layers = [(p.module, p.layer) for p, _ in chosen]
     states = _states(spec, graph_layers)
+    extra_grad = _embedding_grad(spec, graph_layers, shape)
+    states = dataclasses.replace(states, grad=states.grad + extra_grad, detail={
+        **states.detail, "replicated_embedding_grad_bytes": extra_grad}) if extra_grad else states
     extra = {"workspace": max(p.bytes["workspace"] for p in points),
              "context": CUDA_CONTEXT_DEFAULT + states.paged + NCCL_BYTES}
     best_phase, best = max(((p.phase, fwd_bwd(states, p, extra)) for p in acts),

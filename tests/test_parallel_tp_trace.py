@@ -1,0 +1,139 @@
+"""Tensor parallelism against a real CPU run of `parallelize_module` under torch's fake process
+group (`torch.testing._internal.distributed.fake_pg`), one rank at a time.
+
+The oracle: tiny Llama (4 heads, 2 KV heads, ffn 128, vocab 128) with torchtitan's plan
+(q/k/v and gate/up `ColwiseParallel`, o and down `RowwiseParallel`, the embedding
+`RowwiseParallel`, `lm_head` `ColwiseParallel`) at tp=2, fp32, eager attention, 2 x 32
+tokens. Counted from the tensors themselves (each DTensor's local shard): params, grads, AdamW
+state, and each decoder layer's saved activations (unique storages packed by autograd while the
+layer runs, parameters excluded). The same counts for the un-parallelized model of the rank's
+shape (`layout.rank_config`: heads, KV heads, ffn, vocab / tp), which is what the analytic
+per-rank tier prices, in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.spec import TrainingSpec
+
+CHILD = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from transformers import AutoModelForCausalLM
+    from hybridmem.models.loader import load_config
+
+    full, narrow, tp, rank = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    dist.init_process_group("fake", rank=rank, world_size=tp, store=FakeStore())
+    mesh = init_device_mesh("cpu", (tp,))
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def run(model, parallel):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(load_config(model), dtype=torch.float32,
+                                             attn_implementation="eager")
+        if parallel:
+            for layer in m.model.layers:
+                parallelize_module(layer, mesh, {
+                    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                    "mlp.down_proj": RowwiseParallel()})
+            parallelize_module(m, mesh, {
+                "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Replicate())})
+        params = {local(p).untyped_storage().data_ptr() for p in m.parameters()}
+        current, seen, saved = [None], set(), {}
+
+        def pack(t):
+            if current[0] is not None:
+                x = local(t)
+                x = x.trigger_wait() if isinstance(x, AsyncCollectiveTensor) else x
+                s = x.untyped_storage()
+                if s.data_ptr() not in params and s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    saved[current[0]] = saved.get(current[0], 0) + s.nbytes()
+            return t
+
+        for i, layer in enumerate(m.model.layers):
+            layer.register_forward_pre_hook(lambda mod, a, i=i: current.__setitem__(0, i))
+            layer.register_forward_hook(lambda mod, a, o: current.__setitem__(0, None))
+        ids = torch.randint(0, 60, (2, 32))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        count = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)
+        out = {"param": count(m.parameters()),
+               "grad": count(p.grad for p in m.parameters() if p.grad is not None),
+               "layer_saved": [saved[i] for i in sorted(saved)]}
+        # per-parameter AdamW: foreach refuses a mix of DTensor shards and plain norm weights
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+        opt.step()
+        out["optimizer"] = count(v for s in opt.state.values() for k, v in s.items() if k != "step")
+        return out
+
+    print(json.dumps({"tp": run(full, True), "narrow": run(narrow, False)}))
+""")
+
+
+@pytest.fixture(scope="module")
+def measured():
+    from hybridmem.models.loader import load_config_dict, materialize_config
+    from hybridmem.parallel.layout import rank_config
+
+    narrow = materialize_config(json.dumps(rank_config(load_config_dict("tiny-llama")[1], 2, 1)))
+    proc = subprocess.run([sys.executable, "-c", CHILD, "tiny-llama", narrow, "2", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_tp_rank_saves_what_the_narrow_model_saves(measured):
+    """Column/row-parallel layers: the rank's layer is the narrow layer, byte for byte."""
+    assert measured["tp"]["layer_saved"] == measured["narrow"]["layer_saved"]
+    assert measured["tp"]["param"] == measured["narrow"]["param"]
+    assert measured["tp"]["optimizer"] == measured["narrow"]["optimizer"]
+    # the embedding's gradient is a Replicate DTensor of the whole vocabulary (64 more rows of
+    # 64 fp32 values than the narrow model's 64-row embedding)
+    assert measured["tp"]["grad"] == measured["narrow"]["grad"] + 64 * 64 * 4
+
+
+def test_analytic_per_rank_states_equal_the_real_tp_rank(measured):
+    from hybridmem.parallel import ranks
+
+    spec = TrainingSpec(model="tiny-llama", micro_batch=2, seq_len=32, precision="fp32",
+                        attn="eager", parallel=ParallelSpec(world_size=2, tp=2))
+    _, answers = ranks.price_ranks(spec)
+    # the optimizer step holds every grad and the state: its breakdown is the states' own
+    from hybridmem.analytic.estimate import _setup
+    from hybridmem.models.loader import load_config_dict, materialize_config
+    from hybridmem.parallel.layout import rank_config, model_shape
+
+    narrow = spec.with_(model=materialize_config(json.dumps(rank_config(
+        load_config_dict("tiny-llama")[1], 2, 1))), parallel=ParallelSpec())
+    _, priced, _ = _setup(narrow)
+    layers = [(p.module, p.layer) for p in priced]
+    states = ranks._states(spec, layers)
+    extra = ranks._embedding_grad(spec, layers, model_shape(load_config_dict("tiny-llama")[1]))
+    assert states.param == measured["tp"]["param"]
+    assert states.grad + extra == measured["tp"]["grad"]
+    assert states.optimizer == measured["tp"]["optimizer"]
+    # the analytic tier's narrow layer against the measured one (CPU storages are not rounded
+    # to 512 B as CUDA's allocations are; layer 0 also saves the rotary and mask tensors)
+    saved = [p.step.acts.saved for p in priced if p.layer.kind == "decoder_layer"]
+    for ours, real in zip(saved, measured["tp"]["layer_saved"]):
+        assert abs(ours - real) / real < 0.03
+    assert answers[0].breakdown["param"] == states.param
