@@ -1,4 +1,4 @@
-"""torchtitan TOML and Megatron-LM arguments as launcher dialects (parallel/launchers/
+"""torchtitan TOML and Megatron-LM arguments as launcher dialects (intake/dialects/
 torchtitan.py, megatron.py): every key read, known or warned; the layouts they give are
 priced per rank. The TOMLs under tests/data/torchtitan have the shape of torchtitan's own
 llama3_{8b,70b,405b}.toml (pytorch/torchtitan torchtitan/models/llama3/train_configs)."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel.cli import spec_from_cli
-from hybridmem.parallel.launchers import read_config
+from hybridmem.intake.resolve import spec_from_cli
+from hybridmem.intake.dialects import read_config
 
 DATA = Path(__file__).parent / "data"
 

@@ -58,7 +58,7 @@ class ParallelSpec:
 
     # --- model parallelism (Megatron-LM arguments.py, torchtitan config/job_config.py) ---
     tp: int = job_field(
-        1, help="Tensor-parallel degree (also --cp, --ep, --sequence-parallel).",
+        1, help="Tensor-parallel degree (also --pp, --cp, --ep, --sequence-parallel).",
         group="parallel", unit="GPUs", feature=True, recorded="int64", added=ADDED,
         keys={"torchtitan": ("parallelism.tensor_parallel_degree",),
               "megatron": ("tensor_model_parallel_size",)},
@@ -324,7 +324,9 @@ class ParallelSpec:
         offload = self.offload_optimizer != "none" or self.offload_param != "none"
         if s == "none" and n > 1:
             raise SpecError("parallel.strategy", s, STRATEGIES[1:],
-                            reason=f"{n} data-parallel ranks need a data-parallel strategy")
+                            reason=f"{n} data-parallel ranks need a data-parallel strategy"
+                            if self.model_parallel else
+                            f"world_size={n} needs a data-parallel strategy")
         if self.dp_replicate > 1 and s in ZERO_STAGES:
             raise SpecError("parallel.dp_replicate", self.dp_replicate,
                             reason=f"replicated shards (HSDP) are FSDP's, not {s}")
@@ -336,9 +338,13 @@ class ParallelSpec:
             raise SpecError("parallel.offload_param", self.offload_param, ["none"],
                             reason=f"parameter offload needs zero3, not {s}")
         if self.data_shard == 1 and (s == "fsdp" or (s in ZERO_STAGES and not offload)):
-            raise SpecError("parallel.world_size", self.world_size,
-                            reason=f"{s} over one data-parallel rank shards nothing; give more "
-                            "data-parallel GPUs (--world-size) or strategy=none")
+            if self.model_parallel:
+                raise SpecError("parallel.world_size", self.world_size,
+                                reason=f"{s} over one data-parallel rank shards nothing; give "
+                                "more data-parallel GPUs (--world-size) or strategy=none")
+            raise SpecError("parallel.world_size", n,
+                            reason=f"{s} over one GPU shards nothing; give world_size > 1 "
+                            "(--world-size) or strategy=none")
 
     @property
     def zero_stage(self) -> int:

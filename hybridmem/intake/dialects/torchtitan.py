@@ -25,11 +25,14 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
-from hybridmem.parallel import config_keys
-from hybridmem.parallel.launchers.common import LauncherConfig, Layer
+from hybridmem.intake import config_keys
+from hybridmem.intake.dialects.common import LauncherConfig, Layer
 
 NAME = "torchtitan"
 SOURCE = "torchtitan"
+DETECT_ORDER = 50  # after the YAML launchers: its markers are its own
+SUFFIXES = (".toml",)
+"""File suffixes read with `load` rather than as YAML."""
 
 FLAVORS: dict[tuple[str, str], str] = {
     ("llama3", "8B"): "llama-3.1-8b", ("llama3", "70B"): "llama-3.1-70b",
@@ -84,16 +87,22 @@ def detect(cfg: dict) -> bool:
         isinstance(cfg.get("model"), dict) and "flavor" in cfg["model"])
 
 
-def load(path: str | os.PathLike) -> dict:
-    """The TOML mapping (malformed or missing: one line naming the file)."""
+def parse(text: str, where: str) -> dict:
+    """The TOML mapping of a config's text (malformed: one line naming it)."""
     import tomllib
 
     try:
-        return tomllib.loads(Path(path).read_text())
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError("config", where, reason=f"malformed TOML: {err}") from None
+
+
+def load(path: str | os.PathLike) -> dict:
+    """The TOML mapping of a file (missing or malformed: one line naming the file)."""
+    try:
+        return parse(Path(path).read_text(), os.fspath(path))
     except FileNotFoundError:
         raise SpecError("config", os.fspath(path), reason="file not found") from None
-    except tomllib.TOMLDecodeError as err:
-        raise SpecError("config", os.fspath(path), reason=f"malformed TOML: {err}") from None
 
 
 def _check_keys(raw: dict, where: str) -> None:
@@ -127,7 +136,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     _checkpointing(raw.get("activation_checkpoint") or {}, out, where)
     per_stage = out.data.pop("layers_per_stage", None)
     if per_stage is not None:
-        from hybridmem.parallel.launchers.common import model_data
+        from hybridmem.intake.dialects.common import model_data
 
         layers, pp = int(model_data(model)["num_hidden_layers"]), out.data["parallel"]["pp"]
         if layers % (pp * per_stage):

@@ -27,11 +27,14 @@ import shlex
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel import config_keys
-from hybridmem.parallel.launchers.common import LauncherConfig, Layer
+from hybridmem.intake import config_keys
+from hybridmem.intake.dialects.common import LauncherConfig, Layer
 
 NAME = "Megatron-LM"
 SOURCE = "megatron"
+DETECT_ORDER = 60  # after the YAML launchers: its markers are its own
+SUFFIXES = (".sh", ".args", ".txt")
+"""File suffixes read with `load` rather than as YAML."""
 
 MODEL = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
          "group_query_attention", "num_query_groups", "kv_channels", "vocab_size",
