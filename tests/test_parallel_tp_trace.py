@@ -89,6 +89,47 @@ CHILD = textwrap.dedent("""
 """)
 
 
+CHILD_2D = textwrap.dedent('''
+import json, sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+from transformers import AutoModelForCausalLM
+from hybridmem.models.loader import load_config
+
+model, dp, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("fake", rank=0, world_size=dp * tp, store=FakeStore())
+mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+m = AutoModelForCausalLM.from_config(load_config(model), dtype=torch.float32, attn_implementation="eager")
+for layer in m.model.layers:
+    parallelize_module(layer, mesh["tp"], {
+        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel()})
+parallelize_module(m, mesh["tp"], {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                   "lm_head": ColwiseParallel(output_layouts=Replicate())})
+for layer in m.model.layers:
+    fully_shard(layer, mesh=mesh["dp"])
+fully_shard(m, mesh=mesh["dp"])
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+def count(ts):
+    return sum(local(t).numel() * local(t).element_size() for t in ts)
+ids = torch.randint(0, 60, (2, 32))
+m(input_ids=ids, labels=ids).loss.backward()
+out = {"param": count(m.parameters()), "grad": count(p.grad for p in m.parameters() if p.grad is not None)}
+opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+opt.step()
+out["optimizer"] = count(v for s in opt.state.values() for k, v in s.items() if k != "step")
+print(json.dumps(out))
+''')
+"""FSDP2 x TP on a (dp, tp) mesh: torchtitan's order (TP plan on the "tp" sub-mesh, then
+`fully_shard` per layer and on the root over "dp"); rank 0 of dp x tp ranks."""
+
+
 @pytest.fixture(scope="module")
 def measured():
     from hybridmem.models.loader import load_config_dict, materialize_config
@@ -137,3 +178,26 @@ def test_analytic_per_rank_states_equal_the_real_tp_rank(measured):
     for ours, real in zip(saved, measured["tp"]["layer_saved"]):
         assert abs(ours - real) / real < 0.03
     assert answers[0].breakdown["param"] == states.param
+
+
+def test_fsdp_times_tp_states_equal_the_real_2x2_rank():
+    """FSDP 2 x TP 2 (world 4): the rank's local shards of params, grads and AdamW state are
+    the narrow (tp) model's FSDP shards over dp, as `ranks._states` prices them, exactly; the
+    embedding's gradient is reduce-scattered by FSDP here (no whole-vocabulary copy)."""
+    from hybridmem.analytic.estimate import _setup
+    from hybridmem.models.loader import load_config_dict, materialize_config
+    from hybridmem.parallel import ranks
+    from hybridmem.parallel.layout import rank_config
+
+    proc = subprocess.run([sys.executable, "-c", CHILD_2D, "tiny-llama", "2", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = TrainingSpec(model="tiny-llama", micro_batch=2, seq_len=32, precision="fp32",
+                        attn="eager", parallel=ParallelSpec(world_size=4, tp=2, strategy="fsdp"))
+    narrow = spec.with_(model=materialize_config(json.dumps(rank_config(
+        load_config_dict("tiny-llama")[1], 2, 1))), parallel=ParallelSpec())
+    layers = [(p.module, p.layer) for p in _setup(narrow)[1]]
+    states = ranks._states(spec, layers)
+    assert (states.param, states.grad, states.optimizer) == (
+        real["param"], real["grad"], real["optimizer"])
