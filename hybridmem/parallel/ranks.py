@@ -175,7 +175,7 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
             step = p.step
             if kind == "decoder_layer" and p.layer.name in acts_of:
                 step = dataclasses.replace(step, acts=_sequence_parallel(
-                    acts_of[p.layer.name], step.acts))
+                    acts_of[p.layer.name], step.acts, _gathered_inputs(spec, shape)))
             chosen.append((p, step))
     steps = [s for _, s in chosen]
     k = in_flight(ps, rank)
@@ -214,14 +214,31 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     return RankAnswer(rank, span, k, holds, out, best_phase)
 
 
-def _sequence_parallel(wide, narrow):
+def _gathered_inputs(spec: TrainingSpec, shape) -> int:
+    """Bytes a sequence-parallel layer saves beyond its `1 / tp` share: torch's DTensor
+    sequence parallelism (torchtitan's plan: `PrepareModuleInput` to `Replicate` before the
+    attention and the MLP) all-gathers each block's input, and the column-parallel linears'
+    matmuls save that whole input, once for q/k/v and once for gate/up (measured under the fake
+    process group, tests/test_parallel_tp_trace.py); Megatron-LM saves the sharded input and
+    gathers it again in backward (`LinearWithGradAccumulationAndAsyncCommunication`), which
+    this leaves out."""
+    from hybridmem.allocator.alloc import t as rounded
+
+    ps = spec.parallel
+    tokens = spec.micro_batch * (spec.seq_len // ps.cp)
+    e = POLICIES[forward_precision(spec)].compute_bytes
+    return 2 * (rounded(tokens * shape.hidden, e) - rounded(tokens // ps.tp * shape.hidden, e))
+
+
+def _sequence_parallel(wide, narrow, gathered: int):
     """A layer's activations under sequence parallelism: the full-width layer's on `1 / tp`
     of the tokens, with the rank's own weight copies (autocast's casts of its weight shards,
-    saved by the matmuls or cached: `parts[0]` and `cache`), not the full layer's."""
+    saved by the matmuls or cached: `parts[0]` and `cache`), not the full layer's, and the
+    all-gathered block inputs the matmuls keep (`_gathered_inputs`)."""
     copies = narrow.parts[0] if narrow.parts else 0
     wide_copies = wide.parts[0] if wide.parts else 0
-    return dataclasses.replace(wide, saved=wide.saved - wide_copies + copies,
-                               parts=(copies, *wide.parts[1:]), cache=narrow.cache)
+    return dataclasses.replace(wide, saved=wide.saved - wide_copies + copies + gathered,
+                               parts=(copies, *wide.parts[1:], gathered), cache=narrow.cache)
 
 
 class _Base:
