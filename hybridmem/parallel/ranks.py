@@ -17,7 +17,8 @@ Activations per rank (sources in `docs/parallel.md`, "Model parallelism"):
   divided by tp (Korthikanti et al. 2022, Table 2: `sbh(10 + 24/t + 5as/(ht))`);
 - with sequence parallelism: the whole layer's divided by tp (Table 2: `sbh(34/t + 5as/(ht))`),
   priced as the full-width layer on `seq / (cp x tp)` tokens (exact where attention is linear
-  in the sequence: sdpa and flash; eager's scores are priced narrow at the full sequence);
+  in the sequence: sdpa and flash; eager's scores are priced narrow at the full sequence),
+  plus the two all-gathered block inputs torch's DTensor plan saves whole (`_gathered_inputs`);
 - context parallelism: `seq / cp` tokens, plus torch's ring attention K/V exchange
   (`_AllGatherRotater`, the default `allgather` rotate method: the full sequence's K and V of
   one layer during its attention; the backward adds the dK/dV chunks sent round the ring);
