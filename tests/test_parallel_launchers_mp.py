@@ -107,3 +107,14 @@ def test_cli_prices_torchtitan_70b_per_rank():
     answer = json.loads(out.stdout)
     assert answer["method"] == "analytic+layout" and answer["layout"]["tp"] == 8
     assert answer["job"]["tp"] == 8 and answer["job"]["world_size"] == 64
+
+
+def test_http_api_takes_torchtitan_toml_text(tmp_path):
+    """`POST /v1/predict` with a pasted torchtitan TOML (`config_format: torchtitan`)."""
+    from hybridmem.answer import resolve_job
+    from hybridmem.serve.request import parse_body
+
+    text = (DATA / "torchtitan" / "llama3_70b.toml").read_text()
+    job = parse_body({"config": text, "config_format": "torchtitan", "world_size": 64}, tmp_path)
+    spec = resolve_job(job.values)[0].spec
+    assert (spec.model, spec.parallel.tp, spec.parallel.data_shard) == ("llama-3.1-70b", 8, 8)

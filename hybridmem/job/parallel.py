@@ -267,7 +267,8 @@ class ParallelSpec:
         model = self.tp * self.cp * self.pp * self.dp_replicate
         if self.world_size % model:
             raise SpecError("parallel.world_size", self.world_size,
-                            reason=f"is not divisible by dp_replicate x cp x tp x pp = {model}")
+                            reason=f"is not divisible by dp_replicate x cp x tp x pp = {model} "
+                            "(--world-size: all GPUs of the job)")
         if self.dp_shard is not None and self.dp_shard * model != self.world_size:
             raise SpecError("parallel.dp_shard", self.dp_shard,
                             reason=f"dp_replicate x dp_shard x cp x tp x pp = "
