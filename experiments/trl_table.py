@@ -1,0 +1,135 @@
+"""The issue-31 table: TRL's real trainers on CPU against the trace and analytic tiers.
+
+For each objective x reference x precision: the real step's peak (two Trainer-loop steps on
+CPU, `tests/test_trl_oracle.real_peak`, tiny Llama built from a config, in-memory datasets of
+varied lengths through the trainer's own collator, checkpointing on as TRL's configs default),
+the trace tier on TRL's torch fold (what the CPU run executes), its difference to the real
+peak, the trace tier's GPU (Triton) path and the analytic tier (what a GPU user is told).
+Bytes of tensors (no cuBLAS workspace). Prints one JSON line per row.
+
+    PYTHONPATH=. python experiments/trl_table.py            # SFT, DPO, KTO, RM, ORPO, GRPO
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import tempfile
+import warnings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+
+import test_trl_oracle as T  # noqa: E402
+from hybridmem import trace  # noqa: E402
+from hybridmem.analytic import estimate as analytic  # noqa: E402
+from hybridmem.job.spec import TrainingSpec  # noqa: E402
+from hybridmem.trace import objectives  # noqa: E402
+
+
+def tensors(p) -> int:
+    return p.peak.allocated_bytes - p.breakdown["workspace"]
+
+
+def row(objective: str, ref: str, precision: str, real: int, spec: TrainingSpec) -> None:
+    with objectives.head_path("torch"):
+        cpu = tensors(trace.estimate(spec))
+    gpu, an = tensors(trace.estimate(spec)), tensors(analytic(spec))
+    print(json.dumps(dict(objective=objective, ref=ref, precision=precision, real=real,
+                          trace_cpu=cpu, trace_minus_real=cpu - real, trace_gpu=gpu,
+                          analytic=an, analytic_vs_trace_gpu_pct=round(100 * (an - gpu) / gpu,
+                                                                       2))), flush=True)
+
+
+def spec(config: str, seq: int, precision: str, **kw) -> TrainingSpec:
+    return TrainingSpec(model=config, micro_batch=T.BATCH, seq_len=seq, precision=precision,
+                        optimizer="sgd", attn="sdpa", grad_ckpt=True, **kw)
+
+
+def others(which: str, config: str, dtype):
+    """KTO, the reward model, ORPO (trl.experimental) and GRPO (use_vllm=False, 8 tokens)."""
+    from datasets import Dataset
+    from tokenizers import pre_tokenizers
+
+    tok = T.tokenizer(T.DPO_VOCAB)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    w, args = T.words, dict(T.TRAINER_ARGS)
+    pairs = {"prompt": [w(20, 0), w(30, 1)], "chosen": [w(60, 2), w(40, 3)],
+             "rejected": [w(50, 4), w(80, 5)]}
+    if which == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        data = {"prompt": pairs["prompt"], "completion": [w(60, 2), w(80, 3)],
+                "label": [True, False]}
+        return KTOTrainer(model=T.model_from(config, dtype), ref_model=T.model_from(config, dtype),
+                          args=KTOConfig(**args, max_length=None),
+                          train_dataset=Dataset.from_dict(data), processing_class=tok), {
+            "objective": "kto", "ref_model": "separate"}
+    if which == "rm":
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+        from trl import RewardConfig, RewardTrainer
+
+        cfg = AutoConfig.from_pretrained(config)
+        cfg.num_labels = 1
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation="sdpa")
+        data = {k: pairs[k] for k in ("chosen", "rejected")}
+        return RewardTrainer(model=model.to(dtype), args=RewardConfig(**args, max_length=None),
+                             train_dataset=Dataset.from_dict(data), processing_class=tok), {
+            "objective": "rm"}
+    if which == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        return ORPOTrainer(model=T.model_from(config, dtype),
+                           args=ORPOConfig(**args, max_length=None),
+                           train_dataset=Dataset.from_dict(pairs), processing_class=tok), {
+            "objective": "orpo"}
+    from trl import GRPOConfig, GRPOTrainer
+
+    return GRPOTrainer(model=T.model_from(config, dtype),
+                       reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                       args=GRPOConfig(**args, num_generations=2, max_completion_length=8,
+                                       use_vllm=False, beta=0.0),
+                       train_dataset=Dataset.from_dict({"prompt": [w(24, 0), w(24, 1)]}),
+                       processing_class=tok), {"objective": "grpo", "num_generations": 2,
+                                               "max_completion_length": 8}
+
+
+def longest(trainer) -> int:
+    """The padded length of the trainer's first batch (GRPO: prompt + completion)."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    if not isinstance(batch, dict):
+        return 24 + 8
+    return max(v.shape[-1] for v in batch.values() if hasattr(v, "shape") and v.dim() == 2)
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    root = pathlib.Path(tempfile.mkdtemp())
+    (root / "sft").mkdir()
+    (root / "small").mkdir()
+    big, small = T.tiny_config(root / "sft"), T.tiny_config(root / "small", T.DPO_VOCAB)
+    for precision in ("fp32", "bf16"):
+        real, seq = T.real_peak(T.sft_trainer(big, [T.SEQ, T.SEQ // 2],
+                                              T.PRECISION[precision]))
+        row("sft (SFTTrainer)", "-", precision, real, spec(big, seq, precision, trainer="trl"))
+    for precision in ("fp32", "bf16"):
+        for ref in ("separate", "precomputed", "adapter"):
+            real, seq = T.real_peak(T.dpo_trainer(small, T.PRECISION[precision], ref))
+            row("dpo", ref, precision, real,
+                spec(small, seq, precision, objective="dpo", ref_model=ref,
+                     train="lora" if ref == "adapter" else "full"))
+    for which in ("kto", "rm", "orpo", "grpo"):
+        for precision in ("fp32", "bf16"):
+            trainer, kw = others(which, small, T.PRECISION[precision])
+            seq = longest(trainer)
+            real, _ = T.real_peak(trainer)
+            row(which, kw.get("ref_model", "-"), precision, real, spec(small, seq, precision,
+                                                                        **kw))
+
+
+if __name__ == "__main__":
+    main()
