@@ -569,10 +569,13 @@ class TrainingSpec:
     trainer: str = job_field(
         "transformers", help="Who runs SFT: transformers' Trainer or TRL's SFTTrainer.",
         group="objective", choices=TRAINERS, added=52,
+        keys={"training_args": ("dataset_text_field", "completion_only_loss",
+                                "assistant_only_loss", "dataset_kwargs")},
         doc="who runs the `sft` step: `transformers` (`Trainer`, the full logits into "
         "`ForCausalLMLoss`) or `trl` (`SFTTrainer`; from TRL 1.15 its fused, chunked LM head, "
         "`trl/kernels/chunked_logprob.py`: no full logits). The other objectives are TRL's "
-        "trainers whatever it says. [docs/objectives.md](docs/objectives.md)")
+        "trainers whatever it says; an SFTConfig JSON (its dataset keys) means `trl`. "
+        "[docs/objectives.md](docs/objectives.md)")
     """Who runs the SFT step (`objective.TRAINERS`); the other objectives are TRL's."""
     ref_model: str | None = job_field(
         None, help="Ref.", group="objective", choices=REF_MODELS, added=34,

@@ -292,6 +292,23 @@ def _batching(args: dict, out: dict) -> None:
 # The TRL trainer a config JSON belongs to, told by a key only its config class has
 # (trl/trainer/grpo_config.py, kto_config.py, reward_config.py, dpo_config.py); ORPOConfig
 # has none of them but `beta` (orpo_config.py)
+# SFTConfig's own dataset keys (trl/trainer/sft_config.py; not TrainingArguments fields): a
+# config JSON that has one is an SFTTrainer's (`trainer="trl"`)
+SFT_MARKERS: tuple[str, ...] = ("dataset_text_field", "completion_only_loss",
+                                "assistant_only_loss", "dataset_kwargs")
+
+
+@converts("training_args", *SFT_MARKERS)
+def _sft_trainer(args: dict, out: dict) -> None:
+    """A TRL SFTConfig JSON (`SFT_MARKERS`) runs SFTTrainer's step: `trainer="trl"` (its
+    fused head at TRL >= 1.15, `hybridmem.job.objective.fused_head`)."""
+    if any(key in args for key in SFT_MARKERS):
+        out["spec"]["trainer"] = "trl"
+        out.setdefault("sources", {})["trainer"] = (
+            f"{out.get('where', 'training_args')}: "
+            f"{next(k for k in SFT_MARKERS if k in args)}")
+
+
 OBJECTIVE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grpo", ("num_generations", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")),
     ("kto", ("desirable_weight", "undesirable_weight")),
