@@ -312,7 +312,7 @@ def test_trainer_with_seq2seq_padding_builds_the_masks_the_trace_leaves_out(tmp_
 def test_an_sftconfig_json_means_trls_trainer(tmp_path):
     # SFTConfig's own dataset keys (trl/trainer/sft_config.py) name SFTTrainer's step; a plain
     # TrainingArguments file stays transformers' Trainer
-    from hybridmem.intake import spec_from_inputs
+    from hybridmem.intake.merge import spec_from_inputs
 
     sft = spec_from_inputs(training_args={"dataset_text_field": "text",
                                           "per_device_train_batch_size": 2},
