@@ -60,14 +60,7 @@ def others(which: str, config: str, dtype):
     pairs = {"prompt": [w(20, 0), w(30, 1)], "chosen": [w(60, 2), w(40, 3)],
              "rejected": [w(50, 4), w(80, 5)]}
     if which == "kto":
-        from trl import KTOConfig, KTOTrainer
-
-        data = {"prompt": pairs["prompt"], "completion": [w(60, 2), w(80, 3)],
-                "label": [True, False]}
-        return KTOTrainer(model=T.model_from(config, dtype), ref_model=T.model_from(config, dtype),
-                          args=KTOConfig(**args, max_length=None),
-                          train_dataset=Dataset.from_dict(data), processing_class=tok), {
-            "objective": "kto", "ref_model": "separate"}
+        return T.kto_trainer(config, dtype), {"objective": "kto", "ref_model": "separate"}
     if which == "rm":
         from transformers import AutoConfig, AutoModelForSequenceClassification
         from trl import RewardConfig, RewardTrainer

@@ -238,6 +238,8 @@ def _tensor_peak(p) -> int:
     dict(objective="dpo", precision="bf16", ref_model="separate", grad_ckpt=True),
     dict(objective="dpo", precision="fp32", ref_model="precomputed"),
     dict(objective="dpo", precision="fp32", train="lora", grad_ckpt=True),
+    dict(objective="kto", precision="fp32", ref_model="separate", grad_ckpt=True),
+    dict(objective="kto", precision="bf16", ref_model="separate"),
 ], ids=lambda kw: "-".join(map(str, kw.values())))
 def test_analytic_within_3pct_of_the_trace_tiers_gpu_path(tmp_path, kw):
     # the GPU (Triton) path both tiers price by default; the trace tier runs TRL's own code
@@ -320,3 +322,34 @@ def test_an_sftconfig_json_means_trls_trainer(tmp_path):
     plain = spec_from_inputs(training_args={"per_device_train_batch_size": 2},
                              overrides={"model": "tiny-llama"})
     assert (sft.trainer, plain.trainer) == ("trl", "transformers")
+
+
+# ---------------------------------------------------------------- KTO
+
+def kto_trainer(config: str, dtype=torch.float32):
+    """KTOTrainer with a separate reference: one desirable and one undesirable completion of
+    varied lengths; its collator builds the KL batch from mismatched pairs."""
+    from datasets import Dataset
+    from tokenizers import pre_tokenizers
+    from trl import KTOConfig, KTOTrainer
+
+    tok = tokenizer(DPO_VOCAB)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    data = {"prompt": [words(20, 0), words(30, 1)], "completion": [words(60, 2), words(80, 3)],
+            "label": [True, False]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return KTOTrainer(model=model_from(config, dtype), ref_model=model_from(config, dtype),
+                          args=KTOConfig(**TRAINER_ARGS, max_length=None),
+                          train_dataset=Dataset.from_dict(data), processing_class=tok)
+
+
+def test_kto_trainer_step_equals_the_trace_tier(tmp_path):
+    # the KL batch (100 tokens here) runs under no_grad before the policy's graph exists: the
+    # priced KL batch is as long as the completions' (the job's one seq_len), below the peak
+    config = tiny_config(tmp_path, DPO_VOCAB)
+    real, seq = real_peak(kto_trainer(config))
+    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=seq, precision="fp32",
+                        optimizer="sgd", attn="sdpa", objective="kto", ref_model="separate",
+                        grad_ckpt=True)
+    assert trace_peak(spec) == real

@@ -37,10 +37,11 @@ TRAINERS: tuple[str, ...] = ("transformers", "trl")
 # from sft_trainer.py and dpo_trainer.py
 FUSED_HEAD_SINCE = (1, 15)
 # The per-token fields each trainer asks `add_fused_lm_head` for (the `outputs=` of its call,
-# trl 1.16.0 sft_trainer.py and dpo_trainer.py, DPO without `use_weighting`)
+# trl 1.16.0 sft_trainer.py, dpo_trainer.py (without `use_weighting`) and kto_trainer.py)
 FUSED_OUTPUTS: dict[str, tuple[str, ...]] = {
     "sft": ("log_probs", "entropy", "is_top1"),
-    "dpo": ("log_probs", "entropy", "mean_logits", "is_top1")}
+    "dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
+    "kto": ("log_probs", "entropy", "mean_logits")}
 
 WITH_REFERENCE: tuple[str, ...] = ("dpo", "kto", "grpo")
 """Objectives whose loss reads a reference model's log-probs (GRPO only with beta > 0)."""
@@ -85,8 +86,8 @@ def trl_runs(spec) -> bool:
 def fused_head(spec, trl_version: str | None) -> bool:
     """Whether the step's log-probs go through TRL's fused, chunked LM head: a TRL trainer with
     the head (`FUSED_HEAD_SINCE`) on `trl_version` (the installed TRL; None: not installed,
-    the older full-logits step is priced). SFT's and DPO's are priced through it; KTO's and
-    GRPO's (which TRL 1.15 also moved onto it) keep their full-logits steps so far
+    the older full-logits step is priced). SFT's, DPO's and KTO's are priced through it;
+    GRPO's (which TRL 1.15 also moved onto it) keeps its full-logits step so far
     (docs/objectives.md, "TRL's fused head")."""
     from hybridmem.environment import release
 
@@ -96,13 +97,13 @@ def fused_head(spec, trl_version: str | None) -> bool:
 
 def fused_head_unpriced(spec) -> str | None:
     """What the answer must say when the installed TRL's trainer runs a step the tiers do not
-    price yet: TRL 1.15 moved KTO's and GRPO's log-probs onto its fused, chunked LM head
-    (kto_trainer.py, grpo_trainer.py `add_fused_lm_head`), priced here as the older
-    full-logits step (docs/objectives.md, "TRL's fused head")."""
+    price yet: TRL 1.15 moved GRPO's log-probs onto its fused, chunked LM head
+    (grpo_trainer.py `add_fused_lm_head`), priced here as the older full-logits step
+    (docs/objectives.md, "TRL's fused head")."""
     from hybridmem.environment import installed, release
 
     have = installed("trl")
-    if spec.objective not in ("kto", "grpo") or have is None or release(have) < FUSED_HEAD_SINCE:
+    if spec.objective != "grpo" or have is None or release(have) < FUSED_HEAD_SINCE:
         return None
     return (f"trl {have} computes {spec.objective.upper()}'s log-probs through its fused LM "
             "head, priced as the older full-logits step (docs/objectives.md)")

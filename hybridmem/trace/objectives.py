@@ -327,6 +327,59 @@ def dpo_fused_loss(job, spec) -> torch.Tensor:
     return loss
 
 
+def _kto_kl_logps(model, batch) -> torch.Tensor:
+    """KTOTrainer `_compute_kl_logps` (trl 1.16): the KL batch's fused log-probs, no_grad."""
+    labels = batch["KL_input_ids"].masked_fill(batch["KL_completion_mask"] == 0, -100)
+    with torch.no_grad():
+        logps = model(input_ids=batch["KL_input_ids"], attention_mask=batch["KL_attention_mask"],
+                      use_cache=False, labels=labels, fused_lm_head=True).log_probs
+    return logps[:, -(labels.size(1) - 1):].sum(-1)
+
+
+def kto_fused_loss(job, spec) -> torch.Tensor:
+    """KTOTrainer `_compute_loss` (trl 1.16 kto_trainer.py, loss_type "kto"): the policy's KL
+    log-probs (no_grad), its fused forward on the completions, the desirable / undesirable
+    split by `index_select` (the indices `nonzero` makes from the labels: alternating here),
+    the reference's KL and completion log-probs under no_grad (or the batch's precomputed
+    ones), the loss; then the metrics on the per-token outputs (boolean-mask reads as masked
+    products, after the forward's high point)."""
+    batch, n = job.batch, spec.micro_batch
+    device = batch["input_ids"].device
+    kl_logps = _kto_kl_logps(job.model, batch)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    outputs = job.model(**inputs, use_cache=False, labels=labels, fused_lm_head=True)
+    seq_len = batch["input_ids"].size(1) - 1
+    logps = outputs.log_probs[:, -seq_len:].sum(-1)
+    chosen_idx = torch.arange(0, n, 2, device=device)  # `torch.nonzero(bool_labels)`
+    rejected_idx = torch.arange(1, n, 2, device=device)
+    chosen, rejected = logps.index_select(0, chosen_idx), logps.index_select(0, rejected_idx)
+    if rules.ref_model_of(spec) == "precomputed":
+        ref = batch["ref_logps"]
+        ref_kl = batch["ref_KL_logps"]
+    else:
+        model, ctx = reference_context(job, spec)
+        with part(job, REFERENCE), torch.no_grad(), ctx:
+            ref_kl = _kto_kl_logps(model, batch)
+            ref_out = model(**inputs, use_cache=False, labels=labels, fused_lm_head=True)
+            ref = ref_out.log_probs[:, -seq_len:].sum(-1)
+            del ref_out
+    ref_chosen, ref_rejected = ref.index_select(0, chosen_idx), ref.index_select(0, rejected_idx)
+    beta = rules.beta_of(spec)
+    kl = (kl_logps - ref_kl).mean().detach().mean().clamp(min=0)
+    chosen_losses = 1 - F.sigmoid(beta * ((chosen - ref_chosen) - kl))
+    rejected_losses = 1 - F.sigmoid(beta * (kl - (rejected - ref_rejected)))
+    losses = torch.cat((1.0 * chosen_losses, 1.0 * rejected_losses), 0)
+    with torch.no_grad():  # the metrics
+        mask = batch["completion_mask"][:, 1:]
+        (outputs.entropy[:, -seq_len:].detach() * mask).sum()
+        batch["attention_mask"].sum()
+        mean_logits = outputs.mean_logits[:, -seq_len:]
+        for idx in (chosen_idx, rejected_idx):
+            (mean_logits.index_select(0, idx) * mask.index_select(0, idx).bool()).sum()
+    return losses.nanmean()
+
+
 # ---------------------------------------------------------------- ORPO
 
 def _batch_logps(logits, labels, average: bool) -> torch.Tensor:
@@ -535,6 +588,8 @@ def loss(job, spec, micro: int = 0) -> torch.Tensor:
         return sft_trl_loss(job, spec)
     if o == "dpo" and job.fused:
         return dpo_fused_loss(job, spec)
+    if o == "kto" and job.fused:
+        return kto_fused_loss(job, spec)
     if o == "grpo":
         return grpo_loss(job, spec, micro)
     return {"dpo": dpo_loss, "orpo": orpo_loss, "kto": kto_loss, "rm": rm_loss}[o](job, spec)
@@ -566,9 +621,18 @@ def batch(spec, device=None, fused: bool = False) -> dict:
     if o == "kto":
         out["kl_input_ids"] = torch.ones(n, s, dtype=torch.long, device=device)
         out["kl_labels"] = labels.clone()
+        if fused:  # KTOTrainer's collator (trl >= 1.15): masks, the KL batch's, the labels
+            completion = torch.ones(n, s, dtype=torch.long, device=device)
+            completion[:, :prompt] = 0
+            out = {"input_ids": ids, "attention_mask": padded_mask(ids),
+                   "completion_mask": completion, "KL_input_ids": out["kl_input_ids"],
+                   "KL_attention_mask": padded_mask(ids), "KL_completion_mask": completion.clone(),
+                   "label": torch.arange(n, device=device) % 2 == 0}
     if rules.ref_model_of(spec) == "precomputed":
         names = ("ref_chosen_logps", "ref_rejected_logps") + (("ref_kl_logps",)
                                                               if o == "kto" else ())
+        if fused and o == "kto":  # KTOTrainer's precomputed columns (trl >= 1.15)
+            names = ("ref_logps", "ref_KL_logps")
         for name in names:
             out[name] = torch.zeros(n, device=device)
     return out
