@@ -239,7 +239,7 @@ def prepare(spec: TrainingSpec, config, device) -> Job:
     from hybridmem.trace import objectives
 
     job.fused = objectives.uses_fused_head(spec)
-    if job.fused:  # SFTTrainer / DPOTrainer at TRL >= 1.15: TRL's own head on the model
+    if job.fused:  # SFT / DPO / KTO trainers at TRL >= 1.15: TRL's own head on the model
         objectives.add_fused_head(model, spec)
     if spec.objective != "sft":  # the TRL trainer's batch and reference (trace.objectives)
         objectives.check_model(spec, 0, config.model_type)

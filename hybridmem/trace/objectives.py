@@ -101,7 +101,8 @@ def head_path(path: str):
 def add_fused_head(model, spec) -> None:
     """What `SFTTrainer.__init__` does after `Trainer.__init__` (trl 1.16 sft_trainer.py):
     TRL's own `add_fused_lm_head` on the PEFT-unwrapped model, `outputs=("log_probs",
-    "entropy", "is_top1")` (`objective.FUSED_OUTPUTS`; DPOTrainer's adds "mean_logits"). Its forward then runs TRL's
+    "entropy", "is_top1")` (`objective.FUSED_OUTPUTS`: DPOTrainer's and KTOTrainer's ask
+    for "mean_logits" too). Its forward then runs TRL's
     `_ChunkedLogProbFunction` (trl/kernels/chunked_logprob.py): the head in tiles of
     `TOKEN_CHUNK_SIZE` (4096) tokens x 32,768 vocabulary entries, fp32 accumulators."""
     from trl.trainer.utils import add_fused_lm_head
@@ -111,8 +112,8 @@ def add_fused_head(model, spec) -> None:
 
 
 def add_fused_reference_head(ref) -> None:
-    """DPOTrainer's `add_fused_lm_head(self.ref_model)` on a separate reference: log-probs
-    only (its default `outputs`)."""
+    """DPOTrainer's / KTOTrainer's `add_fused_lm_head(self.ref_model)` on a separate
+    reference: log-probs only (its default `outputs`)."""
     from trl.trainer.utils import add_fused_lm_head
 
     if ref is not None:
