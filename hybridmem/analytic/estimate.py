@@ -43,7 +43,7 @@ from hybridmem.job.optimizers import paged_notes
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
-from hybridmem.techniques import Technique, loss_of
+from hybridmem.techniques import Technique, head_of, loss_of
 from hybridmem.families.decoders.model import NO_SDPA_TYPES
 from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
@@ -101,7 +101,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  ce_chunks=spec.chunked_ce, param=policy.param_bytes,
                  cce=loss is not None and loss.NAME == "cce",
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
-                 objective=spec.objective, prompt=objective_rules.prompt_length(spec))
+                 objective=spec.objective, prompt=objective_rules.prompt_length(spec),
+                 ref_model=objective_rules.ref_model_of(spec), head=head_of(spec))
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
@@ -292,7 +293,7 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
                      f"tokens; the vision tower encodes {seen} per step")
     if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
         notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
-    loss = loss_of(spec)
+    loss = head_of(spec) or loss_of(spec)
     if loss is not None:  # its note, or why it leaves this model unchanged
         notes.append(loss.note(spec, graph.model_type, loss_applied(spec) is not None))
     if spec.attn == "flash_attention_2":

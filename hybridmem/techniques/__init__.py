@@ -80,6 +80,16 @@ def check(spec) -> None:
                         reason=f"{flags} each replace the loss: give one (--loss CHOICE)")
 
 
+def objectives_of(flag: str) -> set[str]:
+    """The objectives some technique on spec field `flag` is priced with."""
+    return {o for m in TECHNIQUES.values() if m.FLAG == flag for o in m.OBJECTIVES}
+
+
+def head_of(spec) -> Technique | None:
+    """The asked-for technique that replaces the analytic lm_head + loss (`head_tensors`)."""
+    return next((m for m in active(spec) if hasattr(m, "head_tensors")), None)
+
+
 def active(spec) -> list[Technique]:
     """The techniques the job asks for."""
     return [m for m in TECHNIQUES.values() if m.active(spec)]

@@ -11,6 +11,8 @@ from hybridmem.job.precision import POLICIES
 
 NAME = "cce"
 AXIS = "loss"
+FLAG = "cut_cross_entropy"
+OBJECTIVES: tuple[str, ...] = ("sft",)  # priced with the LM loss only
 
 
 def active(spec) -> bool:

@@ -11,6 +11,8 @@ from hybridmem.job import loss as rules
 
 NAME = "liger"
 AXIS = "loss"
+FLAG = "liger"
+OBJECTIVES: tuple[str, ...] = ("sft",)  # priced with the LM loss only
 
 
 def active(spec) -> bool:

@@ -389,6 +389,8 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not active:
         return Acts()
     e = c.e
+    if c.head is not None:  # a technique's own head (`techniques.protocol`: head_tensors)
+        return technique_head(d, c, need_in, need_w)
     if c.liger:
         return liger_head(d, c, need_in, need_w)
     if c.cce:
@@ -463,6 +465,18 @@ def chunked_head(d: dict, c: Ctx, sv: Saved, copies: int, cache: int, need_in: b
                      [t(last * V, FP32)] + ([t(last * V, e)] if e != FP32 else [])), key=sum)
     return Acts(saved=saved, parts=(copies, *parts), cache=cache, fwd_extra=sum(fwd_parts),
                 bwd_extra=sum(bwd_parts), fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
+
+
+def technique_head(d: dict, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """The lm_head + loss as a technique states them (`head_tensors`: what it keeps for
+    backward, its forward's high point, the kept weight grad that becomes `.grad`)."""
+    reference = c.objective == "dpo" and c.ref_model in ("separate", "adapter")
+    ts = c.head.head_tensors(d["b"], d["s"], d["h"], d["vocab"], c.e, c.stream, c.param,
+                             reference)
+    saved = [t(n, size) for n, size in ts["saved"]]
+    fwd = [t(n, size) for n, size in ts["fwd"]]
+    return Acts(saved=sum(saved), parts=tuple(saved), fwd_extra=sum(fwd), fwd_parts=tuple(fwd),
+                grad_in_saved=sum(t(n, size) for n, size in ts["grad_in_saved"]))
 
 
 def liger_head(d: dict, c: Ctx, need_in: bool, need_w: bool) -> Acts:
