@@ -8,6 +8,7 @@ from __future__ import annotations
 from hybridmem.errors import SpecError
 from hybridmem.job import cce as rules
 from hybridmem.job.precision import POLICIES
+from hybridmem.techniques.protocol import adapts_lm_head
 
 NAME = "cce"
 AXIS = "loss"
@@ -31,8 +32,7 @@ def check(spec) -> None:
                         [p for p, pol in POLICIES.items() if pol.param_bytes == 2],
                         reason="Cut Cross-Entropy's backward needs fp16 / bf16 weights and "
                         "hidden states (cce_backward_kernel asserts it)")
-    if spec.lora is not None and ("lm_head" in spec.lora.targets
-                                  or "lm_head" in spec.lora.modules_to_save):
+    if adapts_lm_head(spec):
         raise SpecError("cut_cross_entropy", True, [False], reason="CCE reads lm_head.weight "
                         "directly: LoRA / modules_to_save on lm_head is bypassed")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hybridmem.errors import SpecError
 from hybridmem.job import loss as rules
+from hybridmem.techniques.protocol import adapts_lm_head
 
 NAME = "liger"
 AXIS = "loss"
@@ -25,8 +26,7 @@ def check(spec) -> None:
     there would be bypassed."""
     if not isinstance(spec.liger, bool):
         raise SpecError("liger", spec.liger, [True, False])
-    if spec.liger and spec.lora is not None and (
-            "lm_head" in spec.lora.targets or "lm_head" in spec.lora.modules_to_save):
+    if spec.liger and adapts_lm_head(spec):
         raise SpecError("liger", True, [False], reason="Liger's fused loss reads "
                         "lm_head.weight directly: LoRA / modules_to_save on lm_head is bypassed")
 

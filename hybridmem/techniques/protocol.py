@@ -56,6 +56,13 @@ class Technique(Protocol):
         """On CUDA, the library itself as the trainer applies it (ImportError if missing)."""
 
 
+def adapts_lm_head(spec) -> bool:
+    """LoRA or a trainable copy (`modules_to_save`) on lm_head: a fused loss that reads
+    `lm_head.weight` itself would bypass it."""
+    return spec.lora is not None and ("lm_head" in spec.lora.targets
+                                      or "lm_head" in spec.lora.modules_to_save)
+
+
 # optional: `head_tensors(R, S, H, V, e, stream, param, reference) -> {"saved", "fwd",
 # "grad_in_saved": [(numel, bytes)]}`, the analytic tier's lm_head + loss where it replaces them
 # (read through `techniques.head_of`)
