@@ -22,9 +22,9 @@ MAX_LINES = 2
 """Lines an option's help may take; a longer list of choices is cut, saying how many in all."""
 ALL_CHOICES = frozenset({"precision"})
 """Fields whose every choice is listed (one more line): precision decides most verdicts."""
-OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep"})
+OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep", "cut_cross_entropy"})
 """Options the one-screen help leaves to the README: an alias (`--zero-stage N` =
-`--strategy zeroN`), GRPO's / DPO's `--beta` (what it changes, the reference model, is
+`--strategy zeroN`, `--cut-cross-entropy` = `--loss cce`), GRPO's / DPO's `--beta` (what it changes, the reference model, is
 `--ref-model`) and `--no-kbit-prep` (peft's k-bit preparation is what almost every QLoRA job runs)."""
 LONG_DEFAULT = 24
 """A default longer than this (the LoRA target list) is left to the README."""

@@ -373,7 +373,7 @@ class TrainingSpec:
     """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
     `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
     loss: str | None = job_field(
-        None, help="Loss replacement: none, liger, chunked-ce or cce (the 3 flags below).",
+        None, help="Loss replacement (--liger, --chunked-ce N, --cut-cross-entropy are its shorthands).",
         group="savers", choices=techniques.LOSS_CHOICES, added=50,
         doc="how the loss is computed, one choice at a time (`hybridmem.techniques`): `none` "
         "(transformers' `ForCausalLMLoss` over the logits), `liger` (= `--liger`), "
