@@ -15,7 +15,7 @@ from hybridmem.techniques import head_of, liger_preference
 def test_head_tensors_by_hand():
     # R=4 rows (2 pairs) of S=8 tokens, H=16, V=32, bf16 everywhere, a reference model;
     # chunk_size=1 pair: r=2 rows, 16 tokens a chunk (fused_linear_preference.py)
-    ts = liger_preference.head_tensors(4, 8, 16, 32, 2, 2, 2, reference=True)
+    ts = liger_preference.tensors(4, 8, 16, 32, 2, 2, 2, reference=True)
     # saved: the concatenated input grads (4*8*16 bf16) and grad_weight (32*16 bf16)
     assert ts["saved"] == [(512, 2), (512, 2)]
     assert ts["grad_in_saved"] == [(512, 2)]

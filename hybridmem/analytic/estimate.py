@@ -102,7 +102,7 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  cce=loss is not None and loss.NAME == "cce",
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
                  objective=spec.objective, prompt=objective_rules.prompt_length(spec),
-                 ref_model=objective_rules.ref_model_of(spec), head=head_of(spec))
+                 ref_model=objective_rules.ref_model_of(spec), head=head_of(spec, loss))
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,

@@ -85,9 +85,14 @@ def objectives_of(flag: str) -> set[str]:
     return {o for m in TECHNIQUES.values() if m.FLAG == flag for o in m.OBJECTIVES}
 
 
-def head_of(spec) -> Technique | None:
-    """The asked-for technique that replaces the analytic lm_head + loss (`head_tensors`)."""
-    return next((m for m in active(spec) if hasattr(m, "head_tensors")), None)
+def head_of(spec, loss: Technique | None = None) -> Technique | None:
+    """The technique whose `head_tensors` replace the analytic lm_head + loss: one of its own
+    (Liger's preference losses) first, else the job's loss replacement where it changes the
+    model (`loss`, the caller's `applies` answer)."""
+    own = [m for m in active(spec) if m.AXIS is None and hasattr(m, "head_tensors")]
+    if own:
+        return own[0]
+    return loss if loss is not None and hasattr(loss, "head_tensors") else None
 
 
 def active(spec) -> list[Technique]:

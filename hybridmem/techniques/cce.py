@@ -46,6 +46,14 @@ def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int
     return []  # `cce_forward`: no logits
 
 
+def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tuple[int, int]]]:
+    """lm_head + loss under Cut Cross-Entropy (`job.cce.head_tensors`, its docstring cites the
+    kernels): the head's input (e) and valids, lse, logit_avg saved; no logits; the forward's
+    high point is the valids' nonzero output beside its int32 cast; the backward makes e's
+    grad, the locks and the vocab ordering, and lm_head's grad when it trains."""
+    return rules.head_tensors(d["b"], d["s"], d["h"], d["vocab"], c.e, need_in, need_w)
+
+
 def note(spec, model_type: str, applies: bool) -> str | None:
     return ("cut_cross_entropy: no logits; lse, logit_avg and the counted tokens' indices "
             "saved, as cut-cross-entropy's kernels allocate (docs/loss.md)")

@@ -55,8 +55,15 @@ def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int
     return []  # the loss returns no logits
 
 
-def head_tensors(R: int, S: int, H: int, V: int, e: int, stream: int, param: int,
-                 reference: bool) -> dict[str, list[tuple[int, int]]]:
+def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tuple[int, int]]]:
+    """The head for the analytic tier (`families.decoders.acts.technique_head`): `tensors` of
+    the lm_head's dims and the step's dtypes; DPO with a reference model runs its chunks too."""
+    reference = c.objective == "dpo" and c.ref_model in ("separate", "adapter")
+    return tensors(d["b"], d["s"], d["h"], d["vocab"], c.e, c.stream, c.param, reference)
+
+
+def tensors(R: int, S: int, H: int, V: int, e: int, stream: int, param: int,
+            reference: bool) -> dict[str, list[tuple[int, int]]]:
     """(numel, bytes per element) of the module docstring's tensors: `saved` (kept for
     backward), `fwd` (the forward's high point beside them: a chunk's logits and log-probs, the
     reference chunk's, the chunk's two fp32 grads and its input / weight grads; then the final
