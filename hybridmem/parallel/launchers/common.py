@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from hybridmem.errors import SpecError
+from hybridmem.jsonfile import check_depth
 from hybridmem.job import schema
 from hybridmem.models import hub
 from hybridmem.parallel import library_fields
@@ -84,6 +85,9 @@ def parse_yaml(text: str, where: str) -> dict:
         at = f" at line {mark.line + 1} col {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError("config", where, reason=f"malformed YAML{at}: {problem}") from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise SpecError("config", where, reason="YAML nested too deeply") from None
+    check_depth(data, "config", where)
     if not isinstance(data, dict):
         raise SpecError("config", where, reason="must be a YAML mapping of keys to values")
     return data
