@@ -61,6 +61,11 @@ class Layer:
             self.data[part].update(other.get(part, {}))
 
 
+MAX_YAML_CHARS = 1 << 20
+"""Longest launcher config read: the LLaMA-Factory, axolotl and torchtune example configs are a
+few KB; PyYAML took over 2 minutes on an 8 MB flow sequence on the 2-core development machine."""
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
     """The YAML mapping of a config file; a missing or malformed file is one line naming it."""
     path = Path(path)
@@ -71,6 +76,9 @@ def load_yaml(path: str | os.PathLike) -> dict:
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
         raise SpecError("config", str(path), reason=f"cannot read it ({reason})") from None
+    if len(text) > MAX_YAML_CHARS:
+        raise SpecError("config", str(path), reason=f"{len(text)} characters: a launcher config "
+                        f"is at most {MAX_YAML_CHARS} here")
     return parse_yaml(text, str(path))
 
 
