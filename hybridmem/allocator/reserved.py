@@ -153,7 +153,10 @@ def bounded(spec, allocated: int, measure: Callable, capacity: int | None = None
         f_q = at(q)[1]
         f_2q = at(2 * q, default=f_q)[1]
         device = max(device, allocated + min(f_q, f_2q))
-    if capacity is not None and not ooms and not above:
+    # capped only where the closed form's tensors fit too: a stream that leaves out tensors
+    # the closed form counts (an approximation of `events.build`) can complete a replay the
+    # job cannot, and the peak is then the unlimited one, whatever GPU is asked about
+    if capacity is not None and not ooms and not above and allocated <= capacity:
         device = max(allocated, min(device, capacity))
     # a replay at <= b that ran out of memory reserved more than the capacity (its unlimited
     # peak): the job at b, at least as large, does not fit either, whatever the closed form's
@@ -246,8 +249,8 @@ def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:
     if fit.capacity is None:
         return []
     notes = [f"allocator capacity: {fit.capacity} bytes = {outside}; the stream is replayed "
-             "within it, as PyTorch's allocator frees its cache and retries when cudaMalloc "
-             "fails (CUDACachingAllocator.cpp malloc)"]
+             "within it, as PyTorch's caching allocator frees its cache and retries when "
+             "cudaMalloc fails"]  # CUDACachingAllocator.cpp DeviceCachingAllocator::malloc
     tensors = ("the tensors alone (allocated) exceed it" if allocated > fit.capacity else
                "the tensors alone (allocated) would fit: fragmentation is what misses")
     if fit.oom and fit.oom_batches:
