@@ -277,6 +277,11 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
     except UnsupportedModelError as err:  # the trace tier could not run the model's code
         raise no_tier(err, spec, "trace") from err
     notes = result.notes if choice.note is None else (*result.notes, choice.note)
+    if max_batch == 0:  # the JSON keeps 0 (an int, a contract); the words say what it means
+        from hybridmem.job.objective import micro_batch_step
+
+        notes = (*notes, f"does not fit at any micro-batch: largest micro-batch that fits "
+                 f"{gpu.name}: none, micro-batch {micro_batch_step(spec)} does not fit")
     if filled.defaults.get("attn") and spec.attn != "sdpa":  # the one default worth a note
         notes = (*notes, f"attn={spec.attn}: {filled.defaults['attn']}")
     # a tier that answered with another one (the hybrid tier's fallbacks) says why itself
