@@ -227,6 +227,41 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
     return search_max(fits, guess) * unit
 
 
+def _image_values(spec: TrainingSpec) -> dict:
+    """The image count and size a multimodal job was priced with where the user left them
+    open: `job.images.images_in_batch`'s 1, and the family's image plan at no size (the
+    tower's native side, or the processor's default resize), as "HxW" unless square. Empty for
+    a text-only model, a trace-only family and `--lengths` (the file may carry the counts)."""
+    from hybridmem.families.common.images import IMAGE_FAMILIES, image_plan
+    from hybridmem.job.images import images_in_batch
+
+    if spec.lengths is not None or (spec.images_per_sample is not None
+                                    and spec.image_size is not None):
+        return {}
+    try:
+        model_type = model_type_of(spec.model)
+        if model_type not in IMAGE_FAMILIES or not is_analytic(model_type):
+            return {}
+        images = images_in_batch(spec, True)
+        h, w = image_plan(light_config(spec.model)[1], spec.image_size).size
+    except SpecError:  # the tier already answered; a model it priced without images
+        return {}
+    out = {}
+    if spec.images_per_sample is None:
+        out["images_per_sample"] = images
+    if spec.image_size is None and images:
+        out["image_size"] = h if h == w else f"{h}x{w}"
+    return out
+
+
+def _image_defaults(spec: TrainingSpec) -> dict[str, str]:
+    """Why each `_image_values` value was taken (the echo's `defaults` lines)."""
+    why = {"images_per_sample": "a multimodal model's default: one image per sample",
+           "image_size": "the image as the model's processor and vision tower size it by "
+                         "default (docs/vlm-families.md)"}
+    return {k: why[k] for k in _image_values(spec)}
+
+
 def _over_lengths(spec: TrainingSpec, method: str, gpu: GPU | None, find_max_batch: bool,
                   tier_options: dict) -> Prediction:
     """The tier's answer over the run a lengths file makes (`hybridmem.batches.run`)."""
@@ -286,7 +321,10 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
         notes = (*notes, f"attn={spec.attn}: {filled.defaults['attn']}")
     # a tier that answered with another one (the hybrid tier's fallbacks) says why itself
     # every answer says what job it priced, with the schema's names
-    job = {**job_dict(spec), "defaults": filled.defaults} if filled.defaults else job_dict(spec)
+    defaults = {**filled.defaults, **_image_defaults(spec)}
+    job = job_dict(spec)
+    job.update(_image_values(spec))  # what the image was priced as, where left open
+    job = {**job, "defaults": defaults} if defaults else job
     result = dataclasses.replace(result, notes=notes, job=job,
                                  extras={"method_reason": choice.reason, **result.extras,
                                          "environment": environment.versions()})
