@@ -17,7 +17,7 @@ from hybridmem.gpus import GPU
 from hybridmem.job.schema import job_dict
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import is_analytic, model_type_of
-from hybridmem.prediction import Prediction
+from hybridmem.prediction import TIER_ERROR, Prediction
 from hybridmem.families.defaults import resolve_defaults
 from hybridmem.job.spec import TrainingSpec
 
@@ -330,5 +330,13 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
                                          "environment": environment.versions()})
     if gpu is None:
         return result
-    return dataclasses.replace(result, gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
-                               max_micro_batch=max_batch)
+    result = dataclasses.replace(result, gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
+                                 max_micro_batch=max_batch)
+    if result.within_error:  # the first verdict note: the one the console shows
+        gib = 1 << 30
+        result = dataclasses.replace(result, notes=(
+            f"fits only within the error; expect OOM risk: headroom "
+            f"{result.headroom_bytes / gib:.2f} GiB is less than the {result.method} tier's "
+            f"stated error of {result.error_bytes / gib:.2f} GiB ({TIER_ERROR[result.method]:.1%}"
+            " of the peak: its median error on real GPUs, docs/accuracy.md)", *result.notes))
+    return result

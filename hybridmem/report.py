@@ -88,10 +88,15 @@ def verdict(pred: Prediction) -> str:
         return "no GPU given (use --gpu NAME or --gpu-mem GIB to check the fit)"
     head = pred.headroom_bytes
     rel = head / pred.gpu_memory_bytes * 100
-    line = (f"{VERDICT_WORDS[pred.fit]} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
+    word = VERDICT_WORDS[pred.fit]
+    if pred.within_error:  # `Prediction.within_error`: the headroom is inside the tier's error
+        word = f"{word.replace('FITS', 'FITS ONLY WITHIN THE ERROR')}; expect OOM risk"
+    line = (f"{word} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
             f"headroom {gib(head)} GiB ({rel:+.1f}%)")
     if pred.verdict_bytes != pred.peak.device_bytes:  # the learned tier's upper bound decides
         line += f" against the upper bound {gib(pred.verdict_bytes)} GiB"
+    if pred.within_error:
+        line += f" < the tier's stated error {gib(pred.error_bytes)} GiB"
     if pred.fit == "after-retry":
         line += " - only after the allocator frees its cached blocks and retries (slower steps)"
     if pred.fits and head < 0:  # only the paged optimizer state does not fit (Prediction.fits)
