@@ -128,11 +128,18 @@ class Prediction:
     @property
     def within_error(self) -> bool | None:
         """It fits, by less headroom than the tier's stated error (`error_bytes`): a real run
-        may well run out of memory. None without a GPU."""
+        may well run out of memory. After allocator retries the reserved bytes sit at the
+        allocator's capacity by construction, so there the headroom is that of the tensors
+        (the device peak without its fragmentation). None without a GPU."""
         if self.fits is None:
             return None
         error = self.error_bytes
-        return bool(self.fits and error is not None and self.headroom_bytes < error)
+        if not self.fits or error is None:
+            return False
+        headroom = self.headroom_bytes
+        if self.fit == "after-retry":
+            headroom += self.peak.reserved_bytes - self.peak.allocated_bytes
+        return headroom < error
 
     @property
     def headroom_bytes(self) -> int | None:
