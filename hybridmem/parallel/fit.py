@@ -102,14 +102,16 @@ MAX_COMBINED_PROBES = 48
 """Estimates the combined search may make (each is one answer of the chosen tier): with 3 saver
 sets a bisection over micro-batches up to 2^12 takes 3 x 13; a search bound, not a tuned value."""
 
-SAVERS: tuple[tuple[str, dict], ...] = (
-    ("checkpointing", {"grad_ckpt": True}),
-    ("checkpointing + Liger", {"grad_ckpt": True, "liger": True}),
-    ("checkpointing + Cut Cross-Entropy", {"grad_ckpt": True, "cut_cross_entropy": True}),
+SAVERS: tuple[dict, ...] = (
+    {"grad_ckpt": True},
+    {"grad_ckpt": True, "liger": True},
+    {"grad_ckpt": True, "cut_cross_entropy": True},
 )
 """The memory savers a user turns on, alone and with each other, cheapest to adopt first: each
 is one flag or config key (`--grad-ckpt`, `--liger`, `--cut-cross-entropy`); a set the job
 refuses (a family Liger does not patch, Cut Cross-Entropy on fp32 weights) is skipped."""
+SAVER_NAMES: dict[str, str] = {"grad_ckpt": "checkpointing", "liger": "Liger",
+                               "cut_cross_entropy": "Cut Cross-Entropy"}
 
 
 class _Budget:
@@ -126,18 +128,23 @@ class _Budget:
 
 
 def _saver_sets(spec: TrainingSpec) -> list[tuple[str, TrainingSpec]]:
-    """(label, spec with the savers on) for each `SAVERS` set that changes the job and that the
-    job accepts (a SpecError from `with_`: skipped)."""
+    """(label, spec with the savers on) for each `SAVERS` set, less the savers already on, that
+    changes the job and that the job accepts (a SpecError from `with_`: skipped)."""
     spec = resolved(spec)  # the savers' own checks read the precision the model decides
     out = []
-    for label, changes in SAVERS:
-        if all(getattr(spec, k) == v for k, v in changes.items()):
+    for changes in SAVERS:
+        new = {k: v for k, v in changes.items() if getattr(spec, k) != v}
+        if not new or any(label == _label(new) for label, _ in out):
             continue
         try:
-            out.append((label, spec.with_(**changes)))
+            out.append((_label(new), spec.with_(**new)))
         except SpecError:
             continue
     return out
+
+
+def _label(changes: dict) -> str:
+    return " + ".join(SAVER_NAMES[k] for k in changes)
 
 
 def _combined(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> list[dict]:
