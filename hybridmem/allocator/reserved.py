@@ -80,6 +80,10 @@ class Bounded:
     bytes (`bounded`, the trace tier, a rank's estimate)."""
     probe_oom: bool = False
     """The replay at the next power of two (the 2q probe of `bounded`) ran out of memory."""
+    uncapped: int | None = None
+    """Where the allocator retried at the capacity and so reserves less than without a limit:
+    the reserved estimate without one (the GPU-less answer's), set by the tier that computes
+    both (`analytic.estimate`); None otherwise. The notes say both."""
 
     @property
     def oom(self) -> bool:
@@ -267,8 +271,18 @@ def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:
                      "cudaMalloc retr" + ("y" if fit.retries == 1 else "ies") +
                      " (num_alloc_retries) over the replayed iterations, each freeing every "
                      "cached segment (cudaFree synchronizes the device): it fits, with allocator "
-                     "retries that cost time")
+                     "retries that cost time" + held_note(fit))
     return notes
+
+
+def held_note(fit: Bounded) -> str:
+    """Where the allocator's behaviour at the capacity changes the peak: reserved held at the
+    capacity, and what it reaches without the limit (the GPU-less answer's figure)."""
+    if fit.uncapped is None:
+        return ""
+    return (f"; releasing its cache there, the allocator reserves less than the "
+            f"{fit.uncapped / (1 << 30):.2f} GiB it would without the GPU's limit (the tensors "
+            "are the same)")
 
 
 FROM_GPU = "gpu"
@@ -295,5 +309,7 @@ def allocator_extras(fit) -> dict:
     GPU-less answer is unchanged)."""
     if fit.capacity is None:
         return {}
-    return {"allocator": {"capacity_bytes": fit.capacity, "num_alloc_retries": fit.retries,
-                          "oom": fit.oom}}
+    out = {"capacity_bytes": fit.capacity, "num_alloc_retries": fit.retries, "oom": fit.oom}
+    if getattr(fit, "uncapped", None) is not None:
+        out["uncapped_reserved_bytes"] = fit.uncapped
+    return {"allocator": out}
