@@ -36,7 +36,7 @@ def attn_for_cpu(attn: str) -> str:
 def unsupported(spec: TrainingSpec, what: str, err: BaseException) -> UnsupportedModelError:
     """The one line for a model the trace tier cannot run: the model's own error, whitespace
     folded and cut to 300 characters (transformers' messages span lines and URLs); `predict`
-    adds the tier that prices the job, if any (`predict.no_tier`)."""
+    adds the tier that prices the job, if any (`tiers.no_tier`)."""
     text = " ".join(str(err).split())[:300]
     return UnsupportedModelError("model", spec.model,
                                  reason=f"{what} ({type(err).__name__}: {text})")
