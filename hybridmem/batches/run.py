@@ -309,6 +309,10 @@ def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Pr
                                notes=(*verdict.notes, note), extras=extras)
 
 
+CAPACITY_VERDICTS = ("does not fit", "fits only after")
+"""How the capacity replay's verdict notes begin (`allocator.reserved.capacity_notes`)."""
+
+
 @dataclass(frozen=True)
 class _Verdict:
     """What the run's replay within the GPU's capacity says, in place of the priced shape's own
@@ -330,15 +334,12 @@ class _Verdict:
 
 def _run_verdict(answer: Prediction, run: Replayed, capacity: int | None, oom_shape,
                  oom_step: int | None) -> _Verdict:
-    """The run's allocator verdict: the priced shape's capacity notes (`kind` VERDICT) are
+    """The run's allocator verdict: the priced shape's capacity notes (`CAPACITY_VERDICTS`) are
     replaced by the run's, as the run's replay decides (it replays that shape too)."""
     own = answer.extras.get("allocator")
     if capacity is None or own is None:
         return _Verdict(None, answer.notes)
-    from hybridmem.notes import VERDICT, kind
-
-    kept = tuple(n for n in answer.notes
-                 if not (kind(n) == VERDICT and n.startswith(("does not fit", "fits only after"))))
+    kept = tuple(n for n in answer.notes if not n.startswith(CAPACITY_VERDICTS))
     oom = run.oom or bool(own.get("oom"))
     retries = max(run.retries, own.get("num_alloc_retries", 0))
     gib = 1 << 30
