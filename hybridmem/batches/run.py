@@ -363,7 +363,9 @@ def _run_verdict(answer: Prediction, run: Replayed, capacity: int | None, oom_sh
                 "synchronizes the device): it fits, with allocator retries that cost time")
     else:
         line = None
-    allocator = {**own, "num_alloc_retries": retries, "oom": oom}  # own: the rank's capacity
+    # own: the rank's capacity; its uncapped figure is the shape's alone, not the run's
+    allocator = {**{k: v for k, v in own.items() if k != "uncapped_reserved_bytes"},
+                 "num_alloc_retries": retries, "oom": oom}
     return _Verdict(allocator, kept + ((line,) if line else ()))
 
 
