@@ -78,7 +78,8 @@ def analytic_refusal(model_type: str) -> SpecError:
 @lru_cache(maxsize=1)
 def _presets() -> dict[str, tuple[str, Path]]:
     """Preset name -> (the family folder that ships it, its config.json): the file stems of
-    `hybridmem/families/<family>/presets/*.json`. A name shipped twice is refused."""
+    `hybridmem/families/<family>/presets/*.json` (not a preset's `NAME.preprocessor_config.json`).
+    A name shipped twice is refused."""
     roots = [(d.name, d / "presets") for d in resources.files("hybridmem.families").iterdir()
              if d.is_dir() and (d / "presets").is_dir()]
     out: dict[str, tuple[str, Path]] = {}
