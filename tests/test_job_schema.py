@@ -47,7 +47,7 @@ def test_added_defaults_keep_old_spec_hashes():
         "sampler": "random", "seed": 42, "max_steps": 0, "drop_last": False,
         "objective": "sft", "ref_model": None, "beta": None,
         "num_generations": 8, "max_prompt_length": None, "max_completion_length": None,
-        "vllm_gpu_memory_utilization": 0.0}
+        "vllm_gpu_memory_utilization": 0.0, "loss": None}
     # a spec that uses none of them serialises with the first rows' keys only
     assert set(TrainingSpec(model="tiny-llama").to_dict()) == {
         "model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
