@@ -41,10 +41,15 @@ def _run(capsys, args: list[str]) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
-@pytest.mark.parametrize("option", OPTIONS)
+# (option, file suffix): --config reads YAML, torchtitan TOML and Megatron-LM launch scripts by
+# suffix (`intake.dialects`)
+FILES = [(option, ".json") for option in OPTIONS] + [("--config", ".toml"), ("--config", ".sh")]
+
+
+@pytest.mark.parametrize("option, suffix", FILES)
 @pytest.mark.parametrize("kind", CONTENTS)
-def test_no_file_content_gives_a_traceback(option, kind, tmp_path, capsys):
-    path = tmp_path / f"{kind}.json"
+def test_no_file_content_gives_a_traceback(option, suffix, kind, tmp_path, capsys):
+    path = tmp_path / f"{kind}{suffix}"
     path.write_bytes(CONTENTS[kind])
     rc, out, err = _run(capsys, [*OPTIONS[option], option, str(path)])
     assert "Traceback" not in out + err

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.jsonfile import check_depth
+from hybridmem.jsonfile import check_depth, read_json_text
 from hybridmem.job import schema
 from hybridmem.models import hub
 from hybridmem.intake import library_fields
@@ -61,25 +61,25 @@ class Layer:
             self.data[part].update(other.get(part, {}))
 
 
-MAX_YAML_CHARS = 1 << 20
-"""Longest launcher config read: the LLaMA-Factory, axolotl and torchtune example configs are a
-few KB; PyYAML took over 2 minutes on an 8 MB flow sequence on the 2-core development machine."""
+MAX_CONFIG_CHARS = 1 << 20
+"""Longest launcher config read: the LLaMA-Factory, axolotl, torchtune and torchtitan example
+configs are a few KB; PyYAML took over 2 minutes on an 8 MB flow sequence on the 2-core
+development machine."""
+
+
+def read_config_text(path: str | os.PathLike) -> str:
+    """The text of a launcher config file (YAML, TOML, a launch script), or one line naming it:
+    missing, unreadable, not UTF-8, or longer than `MAX_CONFIG_CHARS`."""
+    text = read_json_text(path, "config")  # the same one-line errors as every JSON input
+    if len(text) > MAX_CONFIG_CHARS:
+        raise SpecError("config", os.fspath(path), reason=f"{len(text)} characters: a launcher "
+                        f"config is at most {MAX_CONFIG_CHARS} here")
+    return text
 
 
 def load_yaml(path: str | os.PathLike) -> dict:
     """The YAML mapping of a config file; a missing or malformed file is one line naming it."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError("config", str(path), reason="file not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
-        raise SpecError("config", str(path), reason=f"cannot read it ({reason})") from None
-    if len(text) > MAX_YAML_CHARS:
-        raise SpecError("config", str(path), reason=f"{len(text)} characters: a launcher config "
-                        f"is at most {MAX_YAML_CHARS} here")
-    return parse_yaml(text, str(path))
+    return parse_yaml(read_config_text(path), os.fspath(path))
 
 
 def parse_yaml(text: str, where: str) -> dict:
