@@ -90,8 +90,8 @@ def verdict(pred: Prediction) -> str:
     rel = head / pred.gpu_memory_bytes * 100
     word = VERDICT_WORDS[pred.fit]
     if pred.within_error:  # `Prediction.within_error`: the headroom is inside the tier's error
-        word = ("FITS ONLY WITHIN THE ERROR" + word.removeprefix("FITS").replace(" AFTER", ", AFTER")
-                + "; expect OOM risk")
+        rest = word.removeprefix("FITS").replace(" AFTER", ", AFTER")
+        word = f"FITS ONLY WITHIN THE ERROR{rest}; expect OOM risk"
     line = (f"{word} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
             f"headroom {gib(head)} GiB ({rel:+.1f}%)")
     if pred.verdict_bytes != pred.peak.device_bytes:  # the learned tier's upper bound decides
