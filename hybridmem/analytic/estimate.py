@@ -9,6 +9,8 @@ the projector needs).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -490,6 +492,10 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     # reserved - allocated from replaying an approximate alloc/free stream through the
     # allocator simulator (`events.py`, `reserved.py`), non-decreasing in the micro-batch
     fit = bounded(spec, allocated, _measure_with(ws), limit)
+    if fit.retries and not fit.oom:  # the allocator's behaviour at the limit lowers reserved
+        free = allocated + bounded(spec, allocated, _measure_with(ws)).fragmentation
+        if free > allocated + fit.fragmentation:
+            fit = dataclasses.replace(fit, uncapped=free)
     waste = fit.fragmentation
     # the former estimate: 2 MiB rounding of the > 10 MiB tensors alive (a lower bound)
     lower = max(p.allocated + p.waste for p in points) - allocated

@@ -507,7 +507,9 @@ class TrainingSpec:
         True, help="With --quantize: peft's kbit preparation ran.",
         group="precision", added=13,
         doc="with `--quantize`: peft's `prepare_model_for_kbit_training` cast the other "
-        "weights to fp32 (default on)")
+        "weights to fp32 (default on); given without a launcher config or training args, its "
+        "`use_gradient_checkpointing=True` default also turns `--grad-ckpt` on unless "
+        "`--no-grad-ckpt` is given (the echo says so)")
     """peft `prepare_model_for_kbit_training` applied (fp16/bf16 non-quantised params cast to
     fp32); only read with `quantize`."""
     lengths: str | None = job_field(

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.job import options, schema
 from hybridmem.intake.dialects import DIALECTS
+from hybridmem.job import options, schema
+from hybridmem.jsonfile import parse_json
 
 REQUEST_FIELDS: dict[str, str] = options.API_FIELDS
 """Body keys that are not job fields -> their one-line help (the OpenAPI schema and the page),
@@ -214,10 +215,10 @@ def parse_body(body: object, folder: Path) -> Job:
     peft = body.get("peft_config")
     if isinstance(peft, str):  # the `job` echo's canonical JSON text
         try:
-            peft = json.loads(peft)
-        except json.JSONDecodeError:
-            raise SpecError("peft_config", peft[:80], reason="not JSON (the server reads no "
-                            "path: send the adapter_config.json object)") from None
+            peft = parse_json(peft, "peft_config", peft[:80])
+        except SpecError as err:
+            raise SpecError("peft_config", peft[:80], reason=f"{err.reason} (the server reads "
+                            "no path: send the adapter_config.json object)") from None
     if peft is not None:
         values["peft_config"] = _object(peft, "peft_config")
     if body.get("quantization_config") is not None:
