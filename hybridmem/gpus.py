@@ -106,9 +106,13 @@ def gpu_by_name(name: str) -> GPU:
     return GPUS[key]
 
 
+MAX_GPU_GIB = 4096
+"""Largest `--gpu-mem`: ~14x the largest GPU sold (B300, 288 GB); keeps the bytes finite."""
+
+
 def custom_gpu(gib: float) -> GPU:
     """A GPU given only by its memory (`--gpu-mem GIB`); architecture unknown."""
-    if not gib > 0:
-        raise SpecError("gpu_mem", gib, reason="must be > 0 GiB")
+    if not 0 < gib <= MAX_GPU_GIB:
+        raise SpecError("gpu_mem", gib, reason=f"must be > 0 and at most {MAX_GPU_GIB} GiB")
     return GPU(name=f"custom-{gib:g}gib", memory_bytes=int(gib * GiB), arch="unknown",
                source="given by the user")

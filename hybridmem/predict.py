@@ -123,8 +123,9 @@ def _by_name(target: str):
     return getattr(import_module(module), func)
 
 
-# Upper end of the micro-batch search; far beyond any GPU today for the smallest presets.
-MAX_SEARCH_BATCH = 1 << 16
+# Upper end of the micro-batch search: the field's bound in the job schema (no job may ask
+# for more), so the search takes at most ~2 log2(65536) = 32 probes
+MAX_SEARCH_BATCH = TrainingSpec.__dataclass_fields__["micro_batch"].metadata["job"].maximum
 
 
 def gpu_options(method: str, gpu: GPU | None) -> dict[str, object]:

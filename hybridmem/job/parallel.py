@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hybridmem.errors import SpecError
-from hybridmem.job.field import job_field
+from hybridmem.job.field import check_bounds, job_field
 
 STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 ZERO_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -140,6 +140,7 @@ class ParallelSpec:
     """FSDP2 MixedPrecisionPolicy.reduce_dtype; auto = param_dtype (FSDP2's None)."""
 
     def __post_init__(self) -> None:
+        check_bounds(self, "parallel.")  # first: the bounds of the job schema's declarations
         _check_count("parallel.world_size", self.world_size)
         if self.strategy not in STRATEGIES:
             raise SpecError("parallel.strategy", self.strategy, STRATEGIES)

@@ -1,23 +1,27 @@
 """The FastAPI app of `hybridmem serve`: the API, its limits, and the page at `/`.
 
 `POST /v1/predict` answers what `hybridmem predict --json` answers (`hybridmem.answer`) for a
-job given as JSON (`hybridmem.serve.request`); `GET /v1/schema` describes the job fields for
-the page's form; `/v1/models`, `/v1/gpus` and `/healthz` list what a client needs. Limits that
-make it safe to leave running: a body size cap (413), a time limit per request (504), the
-trace tier in a bounded process pool (429 when full, 503 when off), an LRU cache of answers
-keyed on the resolved job, no path from a request, CORS only for origins given.
+job given as JSON (`hybridmem.serve.request`), `POST /v1/predict/batch` a list of them in order;
+`GET /v1/schema` describes the job fields for the page's form; `/v1/models`, `/v1/gpus` and
+`/healthz` list what a client needs. Limits that make it safe to leave running: a body size cap
+(413), the job schema's bound on every number (422), a time limit per request (504) that stops
+the work (the job's worker process is killed), analytic and trace jobs in two bounded pools of
+worker processes (`hybridmem.serve.pool`; 429 when full, 503 when off), an LRU cache of
+answers keyed on the resolved job, no path from a request, CORS only for origins given; on
+shutdown no worker outlives the server.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import tempfile
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -28,23 +32,34 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from hybridmem.errors import SpecError
-from hybridmem.serve.pool import Busy, TracePool, Unavailable
+from hybridmem.serve.pool import AnswerPool, Busy, Failed, Unavailable, warm_analytic
 from hybridmem.serve.request import REQUEST_FIELDS, Job, parse_body
 from hybridmem.serve.respond import respond
 from hybridmem.serve.schema import request_schema, schema_view
 
-INLINE = "config.json (inline)"
-"""How an answer names a model sent as a config.json object (not the server's own path)."""
+INLINE = {"config.json": "config.json (inline)", ".txt": "lengths (inline)"}
+"""How an answer names what the server wrote to its own folder from a request (a config.json
+object, inline lengths), by the file's ending: never by the server's own path."""
+GRACE_S = 2.0
+"""The request's clock runs this much past the job's deadline before it answers 504 itself:
+the worker is killed at the deadline, and the 504 follows that, not the other way round."""
 
 
 @dataclass
 class Settings:
     """What `hybridmem serve`'s options set."""
 
+    workers: int = 2
+    """Worker processes for analytic and hybrid jobs (0: in the server's threads, where a
+    job past the time limit cannot be stopped: for tests and embedding only)."""
+    queue: int = 64
+    """Analytic jobs that may wait for a worker; one more is refused with 429."""
     trace_workers: int = 1
     """Worker processes for trace-tier jobs (0: the trace tier is refused with 503)."""
     trace_queue: int = 4
     """Trace jobs that may wait for a worker; one more is refused with 429."""
+    max_batch_jobs: int = 1000
+    """Most jobs in one `POST /v1/predict/batch` (each is also held to the body cap)."""
     timeout_s: float = 600.0
     """Longest a request may take (504 after it); a trace of a 70B model takes minutes."""
     max_body_bytes: int = 256 * 1024
@@ -55,8 +70,10 @@ class Settings:
     """Origins allowed to call the API from a browser page of theirs (none: CORS off)."""
     workdir: Path | None = None
     """The server's own folder (inline config.json objects); a temporary one by default."""
-    pool: TracePool | None = field(default=None, repr=False)
-    """A pool to use instead of building one (tests)."""
+    pool: AnswerPool | None = field(default=None, repr=False)
+    """A trace pool to use instead of building one (tests)."""
+    analytic_pool: AnswerPool | None = field(default=None, repr=False)
+    """An analytic pool to use instead of building one (tests)."""
 
 
 class Cache:
@@ -82,17 +99,30 @@ class Cache:
                 self._items.popitem(last=False)
 
 
+@dataclass
+class Prepared:
+    """A parsed, resolved request: what to price and the cache key of its answer."""
+
+    args: tuple
+    key: str
+    trace: bool
+
+
 class Service:
-    """The work behind `POST /v1/predict`, run in a thread of the server's pool."""
+    """The work behind `POST /v1/predict`: the request parsed and resolved in a thread of the
+    server, the answer priced in a worker of the analytic or the trace pool."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
         self.workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="hybridmem-serve-"))
         self.cache = Cache(settings.cache_size)
-        self.pool = settings.pool or TracePool(settings.trace_workers, settings.trace_queue)
+        self.pool = settings.pool or AnswerPool(settings.trace_workers, settings.trace_queue)
+        self.analytic = settings.analytic_pool or AnswerPool(
+            max(settings.workers, 1), settings.queue, "analytic",
+            in_thread=settings.workers <= 0, warm=warm_analytic)
 
-    def predict(self, body: object, deadline: float) -> tuple[dict, bool]:
-        """(the answer, whether it came from the cache)."""
+    def prepare(self, body: object) -> Prepared:
+        """The request -> the answer's arguments and cache key (a SpecError when bad)."""
         from hybridmem.answer import resolve_gpu, resolve_job
         from hybridmem.job.schema import job_dict
         from hybridmem.predict import choose_method
@@ -107,32 +137,57 @@ class Service:
         key = json.dumps([job_dict(resolved.spec), resolved.sources, warnings,
                           None if gpu is None else asdict(gpu), job.method, job.find_max_batch,
                           job.timeline, job.every_gpu], sort_keys=True, default=str)
-        hit = self.cache.get(key)
+        trace = choose_method(resolved.spec, job.method).method == "trace"
+        return Prepared((resolved, warnings, gpu, job.method, job.find_max_batch, job.timeline,
+                         job.every_gpu), key, trace)
+
+    def predict(self, body: object, deadline: float, wait: bool = False) -> tuple[dict, bool]:
+        """(the answer, whether it came from the cache); `wait`: wait for a worker within the
+        deadline rather than refusing when the pool is full (a batch's jobs)."""
+        job = self.prepare(body)
+        hit = self.cache.get(job.key)
         if hit is not None:
             return hit, True
-        if choose_method(resolved.spec, job.method).method == "trace":
-            future = self.pool.submit(resolved, warnings, gpu, job.method, job.find_max_batch,
-                                      job.timeline, job.every_gpu)
-            try:
-                status, out = future.result(timeout=max(deadline - time.monotonic(), 0.0))
-            except BrokenProcessPool:  # a worker died (out of memory, killed): a fresh pool
-                self.pool.shutdown()
-                raise Unavailable("a trace worker died; retry (a fresh pool starts)") from None
-            if status == "error":
-                raise SpecError(*out)
-        else:
-            out = respond(resolved, warnings, gpu, job.method, job.find_max_batch,
-                          job.timeline, job.every_gpu)
-        out = _hide(out, str(self.workdir))
-        self.cache.put(key, out)
+        pool = self.pool if job.trace else self.analytic
+        out = _hide(pool.run(job.args, deadline, wait), str(self.workdir))
+        self.cache.put(job.key, out)
         return out, False
+
+    def batch(self, bodies: list, deadline: float) -> list[dict]:
+        """Each job's row, in order: {"status": 200, "answer": ...} or {"status": code,
+        "detail": the one line, ...}; priced `workers` at a time in the pools' processes."""
+        def one(body: object) -> dict:
+            try:
+                out, hit = self.predict(body, deadline, wait=True)
+                return {"status": 200, "cache": "hit" if hit else "miss", "answer": out}
+            except SpecError as err:
+                return {"status": 422, **_fields(str(err), err)}
+            except (TimeoutError, FutureTimeout):
+                return {"status": 504, "detail": f"time limit: no answer within "
+                        f"{self.settings.timeout_s:g} s"}
+            except Busy as err:
+                return {"status": 429, "detail": str(err)}
+            except Unavailable as err:
+                return {"status": 503, "detail": str(err)}
+            except Failed as err:
+                return {"status": 500, "detail": str(err)}
+
+        threads = max(self.settings.workers, 1) + max(self.settings.trace_workers, 0)
+        with ThreadPoolExecutor(min(threads, max(len(bodies), 1))) as pool:
+            return list(pool.map(one, bodies))
+
+    def shutdown(self) -> None:
+        """Stop both pools' workers (and with them multiprocessing's resource tracker)."""
+        self.analytic.shutdown()
+        self.pool.shutdown()
 
 
 def _hide(value: object, folder: str) -> object:
-    """`value` with the server's own paths (an inline config.json's) named `INLINE`."""
+    """`value` with the server's own paths (what it wrote from a request) named by `INLINE`."""
     if isinstance(value, str) and folder in value:
-        head, _, tail = value.partition(folder)
-        return head + INLINE + tail.split("config.json", 1)[-1]
+        pattern = re.escape(folder) + r"""[^\s'":]*"""
+        return re.sub(pattern, lambda m: next((name for end, name in INLINE.items()
+                                               if m.group().endswith(end)), "(inline)"), value)
     if isinstance(value, dict):
         return {k: _hide(v, folder) for k, v in value.items()}
     if isinstance(value, list):
@@ -140,11 +195,15 @@ def _hide(value: object, folder: str) -> object:
     return value
 
 
-def _error(status: int, message: str, err: SpecError | None = None) -> JSONResponse:
+def _fields(message: str, err: SpecError | None) -> dict:
     body: dict = {"detail": message}
     if err is not None:
         body.update(field=err.field, value=_jsonable(err.value), choices=err.choices)
-    return JSONResponse(body, status_code=status)
+    return body
+
+
+def _error(status: int, message: str, err: SpecError | None = None) -> JSONResponse:
+    return JSONResponse(_fields(message, err), status_code=status)
 
 
 def _jsonable(value: object) -> object:
@@ -188,8 +247,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        yield
-        service.pool.shutdown()
+        # the analytic workers start with the server, so the first answers find them warm
+        await anyio.to_thread.run_sync(service.analytic.start)
+        try:
+            yield
+        finally:  # uvicorn's SIGTERM / SIGINT handling ends here: no worker outlives us
+            service.shutdown()
 
     app = FastAPI(title="hybridmem", version="1", lifespan=lifespan,
                   description="Predict the peak GPU memory of a training job before it runs. "
@@ -237,16 +300,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """The job as JSON (the `job` object's names, plus gpu, method, find_max_batch and
         inline config files) -> the `hybridmem predict --json` object; `X-Cache: hit` when it
         came from the cache."""
-        raw = await _body(request, settings.max_body_bytes)
-        if raw is None:
-            return _error(413, f"body: larger than {settings.max_body_bytes} bytes")
-        try:
-            body = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return _error(422, f"body: malformed JSON ({err})")
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
         deadline = time.monotonic() + settings.timeout_s
         try:
-            with anyio.fail_after(settings.timeout_s):
+            with anyio.fail_after(settings.timeout_s + GRACE_S):
                 out, hit = await anyio.to_thread.run_sync(service.predict, body, deadline,
                                                           abandon_on_cancel=True)
         except (TimeoutError, FutureTimeout):
@@ -255,7 +314,48 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return _error(429, str(err))
         except Unavailable as err:
             return _error(503, str(err))
+        except Failed as err:
+            return _error(500, str(err))
         return JSONResponse(out, headers={"X-Cache": "hit" if hit else "miss"})
+
+    @app.post("/v1/predict/batch", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"jobs": {"type": "array",
+                                                      "items": request_schema()}}}}}}})
+    async def predict_batch(request: Request) -> JSONResponse:
+        """{"jobs": [job, ...]} (each a `POST /v1/predict` body) -> {"results": [row, ...]} in
+        the same order: each row {"status": 200, "answer": ...} or {"status": 422 / 429 /
+        503 / 504, "detail": the one line}; at most --max-batch-jobs jobs, the whole body held
+        to --max-body, every job to the time limit."""
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        jobs = body.get("jobs") if isinstance(body, dict) else None
+        if not isinstance(jobs, list) or set(body) != {"jobs"}:
+            return _error(422, "body: must be {\"jobs\": [job, ...]}")
+        if len(jobs) > settings.max_batch_jobs:
+            return _error(422, f"jobs: {len(jobs)} jobs, more than {settings.max_batch_jobs} "
+                          "(--max-batch-jobs)")
+        deadline = time.monotonic() + settings.timeout_s
+        try:
+            with anyio.fail_after(settings.timeout_s + GRACE_S):
+                rows = await anyio.to_thread.run_sync(service.batch, jobs, deadline,
+                                                      abandon_on_cancel=True)
+        except (TimeoutError, FutureTimeout):
+            return _error(504, f"time limit: no answer within {settings.timeout_s:g} s")
+        return JSONResponse({"results": rows})
+
+    async def _json_body(request: Request) -> object:
+        """The parsed body, or the 413 / 422 answer."""
+        raw = await _body(request, settings.max_body_bytes)
+        if raw is None:
+            return _error(413, f"body: larger than {settings.max_body_bytes} bytes")
+        try:
+            return json.loads(raw or b"null")
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError,
+            # an integer of more than 4300 digits (Python's int-from-text limit), deep nesting
+            text = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+            return _error(422, f"body: malformed JSON ({text})")
 
     return app
 
