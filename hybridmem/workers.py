@@ -170,13 +170,15 @@ class Workers:
         finally:
             self._slots.release()
 
-    def map(self, fn: Callable, items: Iterable[tuple], deadline: float | None = None
+    def map(self, fn: Callable, items: Iterable[tuple], timeout: float | None = None
             ) -> list[tuple[bool, object]]:
         """`fn(*item)` for each item, `size` at a time, in order: (True, result) or (False,
-        the exception); the jobs not started or finished by `deadline` get TimeoutError."""
+        the exception); `timeout`: seconds each job may run from when it starts (TimeoutError
+        past it, its worker killed)."""
         items = list(items)
 
         def one(args: tuple) -> tuple[bool, object]:
+            deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 return True, self.run(fn, *args, deadline=deadline, wait=True)
             except Exception as err:  # noqa: BLE001 - each job's error is its own row
@@ -191,6 +193,7 @@ class Workers:
             out = worker.call(fn, args, _left(deadline))
         except (TimeoutError, WorkerDied):
             self._drop(worker)  # killed now: the core is free before the caller hears
+            self._replace()
             raise
         except BaseException:
             self._give(worker)
@@ -224,6 +227,15 @@ class Workers:
         with self._lock:
             self._all.discard(worker)
         worker.stop()
+
+    def _replace(self) -> None:
+        """A new idle worker for one killed, started now (it imports while nothing waits)."""
+        with self._lock:
+            if self._closed or len(self._all) >= self.size:
+                return
+            worker = _Worker(self.warm)
+            self._all.add(worker)
+        self._idle.put(worker)
 
     def start(self) -> None:
         """Spawn every worker now (the first jobs then find them warm)."""

@@ -1,0 +1,131 @@
+"""The job schema's bounds: every integer field has one, declared on the field, and the CLI and
+the API refuse a value above it in one line before any work; the micro-batch search is
+bounded in probes; a lengths file of any content is one line, never quoted back."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybridmem.cli import main
+from hybridmem.errors import SpecError
+from hybridmem.job import schema
+from hybridmem.job.field import UNIT_MAXIMA, job_field
+from hybridmem.job.spec import TrainingSpec
+
+
+def _integer(key: str) -> bool:
+    tp = schema.TYPES[key]
+    return schema.value_type(tp) is int or "int" in str(tp)
+
+
+def test_every_integer_field_has_a_bound():
+    unbounded = [m.key for m in schema.FIELDS if _integer(m.key) and m.maximum is None]
+    assert not unbounded, f"declare maximum= (or a unit of UNIT_MAXIMA) for {unbounded}"
+    # the bound is every default's and then some: no shipped default is refused
+    for m in schema.FIELDS:
+        if m.maximum is not None and isinstance(m.default, (int, float)):
+            assert m.default <= m.maximum, m.key
+
+
+def test_a_new_field_with_a_unit_is_bounded_for_free():
+    import dataclasses
+
+    field = job_field(2, help="x", group="parallel", unit="GPUs")
+    assert field.metadata["job"].maximum == UNIT_MAXIMA["GPUs"]
+    explicit = job_field(2, help="x", group="parallel", unit="GPUs", maximum=8)
+    assert explicit.metadata["job"].maximum == 8
+    assert isinstance(field, dataclasses.Field)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"micro_batch": 10**400}, "micro_batch='10000000...(401 digits)': above 65536 samples"),
+    ({"micro_batch": 10**20}, "micro_batch=100000000000000000000: above 65536"),
+    ({"seq_len": 1 << 30}, "seq_len=1073741824: above 16777216 tokens"),
+    ({"image_size": "64x100000"}, "image_size=100000: above 32768 pixels"),
+    ({"max_grad_norm": math.inf}, "max_grad_norm=inf: must be a finite number"),
+])
+def test_spec_refuses_above_the_bound(kwargs, words):
+    t0 = time.perf_counter()
+    with pytest.raises(SpecError) as err:
+        TrainingSpec(model="tiny-llama", **kwargs)
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_world_size_bound_names_the_parallel_field():
+    from hybridmem.job.parallel import ParallelSpec
+
+    with pytest.raises(SpecError, match=r"parallel.world_size=1000000000: above 1048576 GPUs"):
+        ParallelSpec(world_size=10**9, strategy="zero3")
+
+
+def test_cli_refuses_a_huge_micro_batch_at_once(capsys):
+    # before the bound: `--micro-batch 10**20 --gpu rtx-4090` ran for minutes (issue 36)
+    t0 = time.perf_counter()
+    code = main(["predict", "--model", "llama-3.1-8b", "--train", "lora", "--micro-batch",
+                 str(10**20), "--gpu", "rtx-4090"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: micro_batch=100000000000000000000: above 65536")
+    assert "\n" not in err and time.perf_counter() - t0 < 5
+
+
+def test_max_batch_search_is_bounded_in_probes():
+    from hybridmem.predict import MAX_SEARCH_BATCH, search_max
+
+    assert MAX_SEARCH_BATCH == schema.BY_KEY["micro_batch"].maximum
+    probes = []
+    fits = lambda b: probes.append(b) or True  # noqa: E731 - everything fits: the worst case
+    assert search_max(fits) == MAX_SEARCH_BATCH
+    assert len(probes) <= 2 * math.log2(MAX_SEARCH_BATCH) + 2 and max(probes) <= MAX_SEARCH_BATCH
+    probes.clear()
+    assert search_max(fits, guess=3) == MAX_SEARCH_BATCH
+    assert len(probes) <= 2 * math.log2(MAX_SEARCH_BATCH) + 2
+
+
+# ---------------------------------------------------------------- lengths files of any content
+
+SECRET = "hunter2-do-not-echo"
+
+
+@pytest.mark.parametrize("name, content", [
+    ("ls", None),  # /bin/ls: a binary (issue 37: a UnicodeDecodeError traceback)
+    ("a.txt", b"\xff\xfe\x00garbage" + SECRET.encode()),
+    ("a.txt", f"12\n{SECRET}\n".encode()),
+    ("a.txt", ("9" * 5000 + "\n").encode()),  # more digits than int() parses
+    ("a.txt", b"99999999999999999999999\n"),  # past int64
+    ("a.csv", f"length\n{SECRET}\n".encode()),
+    ("a.jsonl", f'{{"length": "{SECRET}"}}\n'.encode()),
+    ("a.jsonl", b"\x00\x01\x02" + SECRET.encode()),
+    ("a.parquet", b"PAR1" + SECRET.encode()),
+    ("a.csv", b""),
+])
+def test_any_lengths_file_is_one_line_without_its_content(tmp_path, capsys, name, content):
+    import shutil
+
+    if content is None:
+        path = shutil.which("ls")
+    else:
+        path = tmp_path / name
+        path.write_bytes(content)
+    code = main(["predict", "--model", "llama-3.1-8b", "--train", "lora", "--seq-len", "512",
+                 "--lengths", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("error: lengths=") and "\n" not in err, err
+    assert SECRET not in err and "Traceback" not in err
+
+
+def test_lengths_cli_in_a_subprocess_has_no_traceback(tmp_path):
+    """The issue's command as a user runs it: exit 2, one line."""
+    bad = tmp_path / "bin"
+    bad.write_bytes(bytes(range(256)) * 4)
+    run = subprocess.run([sys.executable, "-m", "hybridmem", "predict", "--model",
+                          "llama-3.1-8b", "--train", "lora", "--lengths", str(bad)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "not text" in run.stderr
