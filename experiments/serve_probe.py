@@ -127,8 +127,12 @@ def run_cases(timeout: float, extra: list[str], only: str | None = None) -> list
                     r = httpx.post(f"{base}/v1/predict", content=json.dumps(body),
                                    headers={"content-type": "application/json"},
                                    timeout=timeout + 60)
-                    status, detail = r.status_code, (r.json().get("detail") if r.status_code
-                                                     != 200 else "(an answer)")
+                    try:
+                        detail = r.json().get("detail") if r.status_code != 200 \
+                            else "(an answer)"
+                    except ValueError:  # not JSON: a bare 500
+                        detail = r.text[:120]
+                    status = r.status_code
                 except httpx.HTTPError as err:
                     status, detail = "no answer", type(err).__name__
                 seconds = time.perf_counter() - t0

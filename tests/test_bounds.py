@@ -129,3 +129,24 @@ def test_lengths_cli_in_a_subprocess_has_no_traceback(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert "not text" in run.stderr
+
+
+def test_docs_table_states_each_bound():
+    """docs/serve.md's bounds table gives every bounded field its bound (a row naming the
+    field, a `prefix_*` of it, or "any field in UNIT")."""
+    import fnmatch
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serve.md").read_text()
+    block = text.split("<!-- bounds:start -->")[1].split("<!-- bounds:end -->")[0]
+    rows = [r for r in block.splitlines() if r.startswith("| `")]
+    for m in schema.FIELDS:
+        if m.maximum is None:
+            continue
+        name = f"lora.{m.name}" if m.owner == "lora" else m.key
+        row = next((r for r in rows
+                    if any(fnmatch.fnmatch(name, g) for g in r.split("|")[1].replace("`", "")
+                           .replace("(", ",").replace(")", ",").replace(" ", "").split(","))
+                    or (m.unit and f"any field in {m.unit}" in r.split("|")[1])), None)
+        assert row is not None, f"docs/serve.md: no bounds row for {name}"
+        assert f" {m.maximum} " in row, (name, m.maximum, row)
