@@ -162,17 +162,9 @@ class Service:
                 deadline = time.monotonic() + self.settings.timeout_s
                 out, hit = self.predict(body, deadline, wait=True)
                 return {"status": 200, "cache": "hit" if hit else "miss", "answer": out}
-            except SpecError as err:
-                return {"status": 422, **_fields(str(err), err)}
-            except (TimeoutError, FutureTimeout):
-                return {"status": 504, "detail": f"time limit: no answer within "
-                        f"{self.settings.timeout_s:g} s"}
-            except Busy as err:
-                return {"status": 429, "detail": str(err)}
-            except Unavailable as err:
-                return {"status": 503, "detail": str(err)}
-            except Failed as err:
-                return {"status": 500, "detail": str(err)}
+            except REFUSALS as err:
+                status, fields = refusal(err, self.settings.timeout_s)
+                return {"status": status, **fields}
 
         threads = max(self.settings.workers, 1) + max(self.settings.trace_workers, 0)
         with ThreadPoolExecutor(min(threads, max(len(bodies), 1))) as pool:
@@ -195,6 +187,21 @@ def _hide(value: object, folder: str) -> object:
     if isinstance(value, list):
         return [_hide(v, folder) for v in value]
     return value
+
+
+REFUSALS = (SpecError, TimeoutError, FutureTimeout, Busy, Unavailable, Failed)
+"""What pricing a request may raise that is answered, not a bug."""
+
+
+def refusal(err: Exception, timeout_s: float) -> tuple[int, dict]:
+    """The HTTP status and body of one of `REFUSALS`: 422 bad input (the one line, its field,
+    value and choices), 504 past the time limit, 429 pool full, 503 pool off or a worker
+    died, 500 the answer failed (its one line)."""
+    if isinstance(err, SpecError):
+        return 422, _fields(str(err), err)
+    if isinstance(err, (TimeoutError, FutureTimeout)):
+        return 504, _fields(f"time limit: no answer within {timeout_s:g} s", None)
+    return {Busy: 429, Unavailable: 503}.get(type(err), 500), _fields(str(err), None)
 
 
 def _fields(message: str, err: SpecError | None) -> dict:
@@ -310,14 +317,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             with anyio.fail_after(settings.timeout_s + GRACE_S):
                 out, hit = await anyio.to_thread.run_sync(service.predict, body, deadline,
                                                           abandon_on_cancel=True)
-        except (TimeoutError, FutureTimeout):
-            return _error(504, f"time limit: no answer within {settings.timeout_s:g} s")
-        except Busy as err:
-            return _error(429, str(err))
-        except Unavailable as err:
-            return _error(503, str(err))
-        except Failed as err:
-            return _error(500, str(err))
+        except REFUSALS as err:
+            status, fields = refusal(err, settings.timeout_s)
+            return JSONResponse(fields, status_code=status)
         return JSONResponse(out, headers={"X-Cache": "hit" if hit else "miss"})
 
     @app.post("/v1/predict/batch", openapi_extra={"requestBody": {
