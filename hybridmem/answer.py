@@ -15,15 +15,15 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU, custom_gpu, gpu_by_name
 
 if TYPE_CHECKING:  # the CLI imports this module before parsing its options: nothing heavy
-    from hybridmem.parallel.inputs import Resolved
+    from hybridmem.intake.merge import Resolved
     from hybridmem.prediction import Prediction
 
 
 def resolve_job(values: dict) -> tuple[Resolved, list[str]]:
     """The job of `predict`'s option values (job-schema keys, the config files, `zero_stage`;
     None = not given) and the config readers' warnings (keys of the user's files not read)."""
-    from hybridmem.parallel.cli import resolve_cli
-    from hybridmem.parallel.config_keys import collect_warnings
+    from hybridmem.intake.resolve import resolve_cli
+    from hybridmem.intake.config_keys import collect_warnings
 
     with collect_warnings() as warnings:
         resolved = resolve_cli(**values)

@@ -16,7 +16,7 @@ from hybridmem.errors import SpecError
 from hybridmem.job import liger as L
 from hybridmem.job.loss import flce_chunk_size, torch_chunks
 from hybridmem.models import load_config
-from hybridmem.parallel.cli import spec_from_cli
+from hybridmem.intake.resolve import spec_from_cli
 from hybridmem.job.spec import LoraSpec, TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner
 

@@ -127,7 +127,7 @@ class Service:
         from hybridmem.job.schema import job_dict
         from hybridmem.predict import choose_method
 
-        from hybridmem.parallel.config_keys import collect_warnings
+        from hybridmem.intake.config_keys import collect_warnings
 
         with collect_warnings() as read:  # a pasted launcher config is read here
             job: Job = parse_body(body, self.workdir)
