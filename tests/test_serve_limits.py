@@ -68,7 +68,7 @@ def test_inline_lengths_answer_as_the_cli_s_file(client, capsys, tmp_path):
     counts = {}
     for n in LENGTHS:
         counts[str(n)] = counts.get(str(n), 0) + 1
-    for given in (LENGTHS, path.read_text()):
+    for given in (LENGTHS, path.read_text(), ", ".join(map(str, LENGTHS))):
         ans = client.post("/v1/predict", json={**JOB, "lengths": given})
         assert ans.status_code == 200, ans.text
         ans = ans.json()

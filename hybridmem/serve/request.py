@@ -49,8 +49,8 @@ accelerate's `deepspeed_config.deepspeed_config_file`), refused at any depth."""
 INLINE_SAMPLES = 1 << 20
 """Most samples a `lengths` histogram may expand to (a list or a text is held to the body cap;
 a histogram's counts are not): a million samples price a dataset's distribution."""
-LENGTHS_HELP = ("a list of token counts, the text of a lengths file (one count per line), or "
-                "an object {tokens: samples}")
+LENGTHS_HELP = ("a list of token counts, the text of a lengths file (one count per line, or "
+                "separated by commas or spaces), or an object {tokens: samples}")
 MODEL_KEYS = ("model_name_or_path", "base_model")
 """Launcher keys that name the model (LLaMA-Factory's, axolotl's)."""
 KINDS: dict[type, str] = {bool: "true or false", int: "an integer", float: "a number",
@@ -171,11 +171,11 @@ def inline_lengths(value: object, folder: Path) -> str:
     from hybridmem.batches.read import MAX_TOKENS, token_counts
 
     if isinstance(value, str):
-        if not value.strip() or any(not line.strip().isdigit()
-                                    for line in value.splitlines() if line.strip()):
+        words = value.replace(",", " ").split()  # a file's lines, or "512, 1024" from a form
+        if not words or any(not (w.isascii() and w.isdigit()) for w in words):
             raise SpecError("lengths", value[:80], reason="the server reads no path; send "
                             f"the counts inline: {LENGTHS_HELP}")
-        counts = token_counts(value, "lengths").tolist()
+        counts = token_counts("\n".join(words), "lengths").tolist()
     elif isinstance(value, list):
         if not value or any(isinstance(v, bool) or not isinstance(v, int)
                             or not 1 <= v <= MAX_TOKENS for v in value):
