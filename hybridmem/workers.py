@@ -90,8 +90,10 @@ def _serve(conn: Connection, parent: int, warm: Callable | None) -> None:
             out = ("error", f"{type(err).__name__}: {text}")
         try:
             conn.send(out)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # the parent is gone
             return
+        except Exception as err:  # noqa: BLE001 - a result pickle refuses
+            conn.send(("error", f"the result cannot be sent back ({type(err).__name__})"))
 
 
 class _Worker:
@@ -120,11 +122,9 @@ class _Worker:
             raise JobFailed(value)
         return value
 
-    def stop(self, wait: float = 0.0) -> None:
-        """Close the pipe (an idle worker exits), wait up to `wait` s, then kill."""
+    def stop(self) -> None:
+        """Kill the process (its job is abandoned, or it died) and close its pipe."""
         self.conn.close()
-        if wait > 0:
-            self.process.join(wait)
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
