@@ -150,3 +150,26 @@ def test_docs_table_states_each_bound():
                     or (m.unit and f"any field in {m.unit}" in r.split("|")[1])), None)
         assert row is not None, f"docs/serve.md: no bounds row for {name}"
         assert f" {m.maximum} " in row, (name, m.maximum, row)
+
+
+def test_fit_advice_is_bounded_in_probes():
+    """The worst case: nothing ever fits, at the largest micro-batch the schema allows."""
+    from types import SimpleNamespace
+
+    from hybridmem.gpus import gpu_by_name
+    from hybridmem.parallel.fit import MAX_WORLD_SIZE, smallest_fitting_setup
+
+    calls = []
+
+    def never_fits(spec):
+        calls.append(spec)
+        return SimpleNamespace(peak=SimpleNamespace(device_bytes=1), verdict_bytes=1,
+                               fits_within=lambda _: False)
+
+    biggest = schema.BY_KEY["micro_batch"].maximum
+    out = smallest_fitting_setup(TrainingSpec(model="tiny-llama", micro_batch=biggest),
+                                 gpu_by_name("rtx-4090"), never_fits)
+    assert out["fits_as_is"] is False and out["micro_batch"] is None
+    # as is, doubling the world size to its cap, bisecting the micro-batch, checkpointing
+    bound = 1 + math.log2(MAX_WORLD_SIZE) + math.ceil(math.log2(biggest)) + 1
+    assert len(calls) <= bound, len(calls)

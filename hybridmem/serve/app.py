@@ -322,21 +322,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse(fields, status_code=status)
         return JSONResponse(out, headers={"X-Cache": "hit" if hit else "miss"})
 
+    jobs_schema = {"type": "array", "items": request_schema()}
+
     @app.post("/v1/predict/batch", openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"jobs": {"type": "array",
-                                                      "items": request_schema()}}}}}}})
+        "required": True, "content": {"application/json": {"schema": {"oneOf": [
+            jobs_schema, {"type": "object", "properties": {"jobs": jobs_schema}}]}}}}})
     async def predict_batch(request: Request) -> JSONResponse:
-        """{"jobs": [job, ...]} (each a `POST /v1/predict` body) -> {"results": [row, ...]} in
-        the same order: each row {"status": 200, "answer": ...} or {"status": 422 / 429 /
-        503 / 504, "detail": the one line}; at most --max-batch-jobs jobs, the whole body held
-        to --max-body, every job to the time limit (from when a worker takes it)."""
+        """[job, ...] or {"jobs": [job, ...]} (each a `POST /v1/predict` body) ->
+        {"results": [row, ...]} in the same order: each row {"status": 200, "answer": ...} or
+        {"status": 422 / 429 / 503 / 504, "detail": the one line}; at most --max-batch-jobs
+        jobs, the whole body held to --max-body, every job to the time limit (from when a
+        worker takes it)."""
         body = await _json_body(request)
         if isinstance(body, JSONResponse):
             return body
-        jobs = body.get("jobs") if isinstance(body, dict) else None
-        if not isinstance(jobs, list) or set(body) != {"jobs"}:
-            return _error(422, "body: must be {\"jobs\": [job, ...]}")
+        jobs = body.get("jobs") if isinstance(body, dict) and set(body) == {"jobs"} else body
+        if not isinstance(jobs, list):
+            return _error(422, "body: must be [job, ...] or {\"jobs\": [job, ...]}")
         if len(jobs) > settings.max_batch_jobs:
             return _error(422, f"jobs: {len(jobs)} jobs, more than {settings.max_batch_jobs} "
                           "(--max-batch-jobs)")
