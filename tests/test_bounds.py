@@ -103,7 +103,8 @@ SECRET = "hunter2-do-not-echo"
     ("a.jsonl", b"\x00\x01\x02" + SECRET.encode()),
     ("a.parquet", b"PAR1" + SECRET.encode()),
     ("a.csv", b""),
-])
+], ids=["bin-ls", "not-utf8", "a-word", "5000-digits", "past-int64", "csv-word", "jsonl-word",
+        "jsonl-binary", "parquet-garbage", "csv-empty"])
 def test_any_lengths_file_is_one_line_without_its_content(tmp_path, capsys, name, content):
     import shutil
 
