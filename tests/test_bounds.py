@@ -19,8 +19,10 @@ from hybridmem.job.spec import TrainingSpec
 
 
 def _integer(key: str) -> bool:
+    import typing
+
     tp = schema.TYPES[key]
-    return schema.value_type(tp) is int or "int" in str(tp)
+    return schema.value_type(tp) is int or int in typing.get_args(tp)
 
 
 def test_every_integer_field_has_a_bound():

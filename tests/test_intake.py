@@ -41,3 +41,30 @@ def test_non_job_options_are_declared_once_for_both_front_doors():
     both = {o.name for o in OPTIONS if o.decls and o.api}
     assert {"gpu", "gpu_mem", "method", "find_max_batch", "recipe", "config", "config_format",
             "deepspeed", "training_args", "peft_config", "quantization_config"} <= both
+
+
+def test_a_job_is_resolved_and_its_tier_chosen_once_per_answer(monkeypatch, stub_tier):
+    """The CLI's and the service's answer (`answer.answer`) resolves the defaults and picks the
+    tier once, on the spec with its defaults filled in, and hands the job on."""
+    import hybridmem.intake.resolve as resolve
+    from hybridmem.answer import answer, resolve_job
+
+    calls = {"choose": [], "defaults": 0}
+    choose, defaults = resolve.choose_method, resolve.resolve_defaults
+
+    def counted_choose(spec, method=None):
+        calls["choose"].append(spec)
+        return choose(spec, method)
+
+    def counted_defaults(spec):
+        calls["defaults"] += 1
+        return defaults(spec)
+
+    monkeypatch.setattr(resolve, "choose_method", counted_choose)
+    monkeypatch.setattr(resolve, "resolve_defaults", counted_defaults)
+    resolved, warnings = resolve_job({"model": "tiny-llama", "micro_batch": 2})
+    out = answer(resolved, warnings, gpu=None)
+    assert len(calls["choose"]) == 1 and calls["defaults"] == 1
+    # the chooser saw the model's defaults (tiny-llama leaves attn and precision open)
+    assert resolved.spec.attn is None and calls["choose"][0].attn == "sdpa"
+    assert out.result.job["defaults"].keys() >= {"attn", "precision"}

@@ -75,6 +75,8 @@ def predict_command(**values) -> None:
     find_max_batch, as_json = values.pop("find_max_batch"), values.pop("as_json")
     plot, timeline = values.pop("plot"), values.pop("timeline")
     verbose = values.pop("verbose")
+    if values.pop("layouts"):
+        return _layouts(values, resolve_gpu(gpu, gpu_mem), as_json)
     # recipe < --training-args < --deepspeed < explicit flags (None = flag not given); the rest
     # of `values` are the job fields by schema key, --peft-config, --quantization-config and
     # --zero-stage
@@ -102,6 +104,37 @@ def predict_command(**values) -> None:
             typer.echo("\n".join(fit_lines(advice)))
     for line in written:  # on stderr under --json, so stdout stays one JSON object
         typer.echo(f"wrote {line}", err=as_json)
+
+
+def _layouts(values: dict, gpu, as_json: bool) -> None:
+    """`--layouts`: the advice over layouts (`hybridmem.parallel.layouts.advise`)."""
+    from hybridmem.answer import resolve_job
+    from hybridmem.errors import SpecError
+    from hybridmem.parallel.layouts import advise
+
+    if gpu is None:
+        raise SpecError("gpu", None, reason="--layouts needs the GPU to fit (--gpu or --gpu-mem)")
+    resolved, config_warnings = resolve_job(values)
+    for warning in config_warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    spec = resolved.spec
+    found = advise(spec, spec.parallel.world_size, gpu)
+    if as_json:
+        typer.echo(json.dumps({"job": spec.to_dict(), **found}, indent=2))
+        return
+    G = 2**30
+    typer.echo(f"layouts of {found['gpus']} x {found['gpu']} for {spec.model}, micro-batch "
+               f"{spec.micro_batch} x {spec.seq_len} tokens ({spec.precision}, "
+               f"grad_ckpt={'on' if spec.grad_ckpt else 'off'}); per-rank peak, analytic:")
+    typer.echo(f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3}  {'strategy':<8} {'peak GiB':>9} "
+               f"{'headroom':>9}  fits")
+    for r in found["rows"]:
+        typer.echo(f"{r['dp']:>5} {r['tp']:>3} {r['pp']:>3} {r['cp']:>3}  {r['strategy']:<8} "
+                   f"{r['peak_bytes'] / G:>9.2f} {r['headroom_bytes'] / G:>+9.2f}  "
+                   f"{'yes' if r['fits'] else 'no'}")
+    smallest = found["smallest_gpus"]
+    typer.echo(f"smallest GPU count that fits: {smallest}" if smallest else
+               "no layout of up to 16384 GPUs fits")
 
 
 predict_command.__signature__ = inspect.Signature([

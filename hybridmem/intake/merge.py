@@ -184,7 +184,12 @@ def _combine(layers: list[dict], over: dict) -> tuple[dict, dict]:
             raise SpecError("parallel.strategy", "fsdp+zero",
                             reason="FSDP and DeepSpeed ZeRO cannot both be set")
     ws = parallel.get("world_size", 1)
-    if parallel.get("strategy", "none") == "none" and ws > 1:
+    # the data-parallel ranks: what the model-parallel axes leave (job.parallel.ParallelSpec)
+    model = 1
+    for axis in ("tp", "cp", "pp", "dp_replicate"):
+        model *= parallel.get(axis, 1) if isinstance(parallel.get(axis, 1), int) else 1
+    dp = parallel.get("dp_shard") or (ws // model if model else ws)
+    if parallel.get("strategy", "none") == "none" and dp * parallel.get("dp_replicate", 1) > 1:
         # torchrun + HF Trainer without DeepSpeed/FSDP is DDP; a launcher's multi-GPU recipe
         # may say otherwise (torchtune's distributed recipes shard with FSDP2)
         parallel["strategy"] = multi_gpu

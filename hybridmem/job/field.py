@@ -28,10 +28,11 @@ GROUPS: dict[str, str] = {
 }
 """Group -> help panel title, in the order the CLI help, the README table and the echo use."""
 
-SOURCES: tuple[str, ...] = ("training_args", "deepspeed", "peft", "bnb")
+SOURCES: tuple[str, ...] = ("training_args", "deepspeed", "peft", "bnb", "torchtitan", "megatron")
 """Config files whose keys set job fields: HF TrainingArguments (and TRL SFTConfig, LLaVA's
 extensions) as JSON, a DeepSpeed JSON (nested keys dotted), a PEFT adapter_config.json, a
-BitsAndBytesConfig (transformers `quantization_config`)."""
+BitsAndBytesConfig (transformers `quantization_config`), a torchtitan job TOML (`section.key`),
+Megatron-LM's command-line arguments (`--name`, without the dashes)."""
 
 
 UNIT_MAXIMA: dict[str, int] = {
@@ -44,6 +45,7 @@ UNIT_MAXIMA: dict[str, int] = {
     "pixels": 1 << 15,    # 32768 px a side: the processors resize far below this
     "chunks": 1 << 24,    # a chunk per token at the longest sequence
     "sequences": 1 << 16,  # GRPO completions per prompt: as many as a micro-batch holds
+    "micro-batches": 1 << 20,  # per pipeline step: a global batch of 1M micro-batches
     "MiB": 1 << 30,       # 1 PiB of buffer
 }
 """Upper bound of a numeric field per unit, for fields that do not declare their own: values no

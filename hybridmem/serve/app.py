@@ -34,7 +34,6 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from hybridmem.errors import SpecError
 from hybridmem.serve.pool import AnswerPool, Busy, Failed, Unavailable, warm_analytic
 from hybridmem.serve.request import REQUEST_FIELDS, Job, parse_body
-from hybridmem.serve.respond import respond
 from hybridmem.serve.schema import request_schema, schema_view
 
 INLINE = {"config.json": "config.json (inline)", ".txt": "lengths (inline)"}
@@ -125,7 +124,7 @@ class Service:
         """The request -> the answer's arguments and cache key (a SpecError when bad)."""
         from hybridmem.answer import resolve_gpu, resolve_job
         from hybridmem.job.schema import job_dict
-        from hybridmem.predict import choose_method
+        from hybridmem.intake.resolve import resolve_once
 
         from hybridmem.intake.config_keys import collect_warnings
 
@@ -137,9 +136,9 @@ class Service:
         key = json.dumps([job_dict(resolved.spec), resolved.sources, warnings,
                           None if gpu is None else asdict(gpu), job.method, job.find_max_batch,
                           job.timeline, job.every_gpu], sort_keys=True, default=str)
-        trace = choose_method(resolved.spec, job.method).method == "trace"
-        return Prepared((resolved, warnings, gpu, job.method, job.find_max_batch, job.timeline,
-                         job.every_gpu), key, trace)
+        priced = resolve_once(resolved, job.method)  # the defaults and the tier, once
+        return Prepared((priced, warnings, gpu, job.method, job.find_max_batch, job.timeline,
+                         job.every_gpu), key, priced.method == "trace")
 
     def predict(self, body: object, deadline: float, wait: bool = False) -> tuple[dict, bool]:
         """(the answer, whether it came from the cache); `wait`: wait for a worker within the

@@ -218,14 +218,15 @@ def _config(text: object, config_format: object, deepspeed: dict | None,
             folder: Path) -> dict:
     """The values a pasted config sets: `config` (a launcher's, read), or `training_args` /
     `deepspeed` (a JSON of those)."""
-    from hybridmem.intake.dialects import detect, read_mapping
+    from hybridmem.intake.dialects import DIALECTS, detect, read_mapping
     from hybridmem.intake.dialects.common import parse_yaml
 
     if not isinstance(text, str):
         raise SpecError("config", type(text).__name__, reason="must be the config's text")
     if config_format is not None and config_format not in CONFIG_FORMATS:
         raise SpecError("config_format", config_format, CONFIG_FORMATS)
-    cfg = parse_yaml(text, "config")  # YAML reads JSON too
+    own = getattr(DIALECTS.get(config_format), "parse", None)  # torchtitan TOML, Megatron args
+    cfg = own(text, "config") if own is not None else parse_yaml(text, "config")  # YAML reads JSON too
     kind = config_format
     if kind is None:
         try:
