@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridmem.errors import SpecError
+from hybridmem import plausible
 from hybridmem.gpus import GPU, custom_gpu, gpu_by_name
 
 if TYPE_CHECKING:  # the CLI imports this module before parsing its options: nothing heavy
@@ -75,7 +76,8 @@ def answer(resolved: Resolved | ResolvedJob, warnings: list[str], gpu: GPU | Non
             raise SpecError("timeline", timeline, reason="--timeline needs --method trace")
         options["timeline"] = timeline
     result = predict(job, gpu=gpu, find_max_batch=find_max_batch, **options)
-    result = dataclasses.replace(result, job={**result.job, "warnings": list(warnings),
+    warnings = [*warnings, *plausible.warnings(spec, result.peak.device_bytes)]
+    result = dataclasses.replace(result, job={**result.job, "warnings": warnings,
                                               "sources": job.sources})
     advice = None
     if gpu is not None and (spec.parallel.strategy != "none" or not result.fits):

@@ -44,7 +44,6 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
 from hybridmem.techniques import Technique, loss_of
-from hybridmem.families.decoders.model import NO_SDPA_TYPES
 from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
@@ -310,8 +309,14 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
     if spec.train == "lora":
         dtype = ("fp32, PEFT default" if spec.adapter_dtype == "fp32"
                  else f"{spec.adapter_dtype}, the weights' dtype")
-        notes.append(f"LoRA adapters ({dtype}) on language-model linears only, as "
-                     "LLaVA's finetune_lora recipe")
+        named = (f"the modules full-matching {spec.lora.target_regex!r} (peft's rule)"
+                 if spec.lora.target_regex is not None else ", ".join(sorted(
+                     {t.name.split(".lora_")[0].rsplit(".", 1)[-1] for _, l in graph.layers()
+                      for t in l.lora if ".lora_A" in t.name})))
+        vision = any(m.name not in ("language_model", "lm_head") for m in graph.modules)
+        notes.append(f"LoRA adapters ({dtype}) on {named}"
+                     + (": language-model linears only (the vision tower and projector get "
+                        "none)" if vision else ""))
         if spec.lora.use_dora:
             notes.append("DoRA: fp32 magnitude vectors; per adapted linear the base and lora_B "
                          "outputs are saved and the fp32 full weight W + scale B@A is built "
@@ -374,11 +379,6 @@ def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
                         else objectives.graph_spec(spec))  # job.packing, job.objective
     graph = objectives.with_score_head(graph, spec)  # the reward model's (1, hidden) head
     packing.check_model(spec, graph.vision_batch)
-    if graph.model_type in NO_SDPA_TYPES and spec.attn == "sdpa":
-        # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping"):
-        # transformers refuses it, as the trace tier reports (trace/model.py)
-        raise SpecError("attn", spec.attn, ("eager", "flash_attention_2"),
-                        reason=f"transformers' {graph.model_type} code does not support it")
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
     priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
     priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)

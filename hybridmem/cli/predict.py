@@ -87,6 +87,8 @@ def predict_command(**values) -> None:
     found = answer(resolved, config_warnings, target, method=method,
                    find_max_batch=find_max_batch, timeline=timeline)
     result, advice = found.result, found.advice
+    for warning in result.job["warnings"][len(config_warnings):]:  # the job's own: before it
+        typer.echo(f"warning: {warning}", err=True)
     written = []
     if plot:
         written.append(f"plot: {save_plot(result, plot)}")

@@ -39,6 +39,7 @@ class ParallelSpec:
     world_size: int = job_field(
         1, help="GPUs in the job (dp_replicate x dp_shard x cp x tp x pp); priced per GPU.",
         group="parallel", unit="GPUs", feature=True, echo=True,
+        cli=("--world-size", "--gpu-count"),
         keys={"training_args": ("world_size",),
               "deepspeed": ("train_batch_size", "gradient_accumulation_steps")},
         doc="all ranks of the job, the product dp_replicate x dp_shard x cp x tp x pp (each "
@@ -245,10 +246,13 @@ class ParallelSpec:
             raise SpecError("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.strategy not in STRATEGIES:
             raise SpecError("parallel.strategy", self.strategy, STRATEGIES)
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                     "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                     "sub_group_size"):
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
             _check_count(f"parallel.{name}", getattr(self, name))
+        # DeepSpeedZeroConfig takes 0 for these (`Field(..., ge=0)`, zero/config.py; axolotl's
+        # deepspeed_configs/zero3_bf16.json sets all three to 0)
+        for name in ("stage3_max_live_parameters", "stage3_max_reuse_distance",
+                     "sub_group_size"):
+            _check_count(f"parallel.{name}", getattr(self, name), minimum=0)
         _check_count("parallel.stage3_param_persistence_threshold",
                      self.stage3_param_persistence_threshold, minimum=0)
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
@@ -345,9 +349,12 @@ class ParallelSpec:
                 raise SpecError("parallel.world_size", self.world_size,
                                 reason=f"{s} over one data-parallel rank shards nothing; give "
                                 "more data-parallel GPUs (--world-size) or strategy=none")
+            # launcher configs never say how many GPUs: the launch command does
             raise SpecError("parallel.world_size", n,
-                            reason=f"{s} over one GPU shards nothing; give world_size > 1 "
-                            "(--world-size) or strategy=none")
+                            reason=f"{s} over one GPU shards nothing; give the GPUs it runs on, "
+                            "--world-size N (--gpu-count N; the service's gpu_count): what "
+                            "`torchrun --nproc_per_node N`, `accelerate launch --num_processes N` "
+                            "or `deepspeed --num_gpus N` start; or strategy=none")
 
     @property
     def zero_stage(self) -> int:

@@ -49,12 +49,12 @@ DEFAULT_LORA_TARGETS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 
-# Precision/optimizer pairs that no framework offers. bitsandbytes' 8-bit optimizers keep their
-# own quantised state and are not wrapped by DeepSpeed's fp32-master-weight optimizer
-# (transformers refuses `optim=adamw_bnb_8bit` together with a DeepSpeed optimizer).
+# Precision/optimizer pairs that no framework offers. (bitsandbytes' 8-bit optimizers do run
+# under DeepSpeed's fp32 master weights: with no `optimizer` block in the DeepSpeed config,
+# Trainer builds the bnb optimizer and ZeRO wraps it as a client optimizer over the fp32
+# partitions, transformers integrations/deepspeed.py `deepspeed_optim_sched`; axolotl's
+# zero3_bf16.json runs are launched so with adamw_bnb_8bit.)
 INVALID_PAIRS: dict[tuple[str, str], str] = {
-    **{("bf16-master", o): "8-bit optimizer state cannot sit under fp32 master weights"
-       for o in ("adamw-8bit", "paged-adamw-8bit", "lion-8bit", "paged-lion-8bit")},
     # peft `create_lorafa_optimizer` steps the PeftModel's own named parameters (it pairs
     # lora_A with lora_B by name), not a DeepSpeed group of flat fp32 master copies
     ("bf16-master", "lora-fa"): "LoRA-FA steps the model's own named LoRA parameters",
@@ -121,7 +121,8 @@ class LoraSpec:
     targets: tuple[str, ...] = job_field(
         DEFAULT_LORA_TARGETS, help="Comma-separated module names that get adapters.",
         group="adapters", cli="--lora-targets", keys={"peft": ("target_modules",)},
-        doc="module-name suffixes that get adapters (PEFT `target_modules`); default: every "
+        doc="module-name suffixes that get adapters (PEFT `target_modules` as a list; a value "
+        "with regex characters is one regex, `lora.target_regex`); default: every "
         "LLM linear layer but `lm_head` (`q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
         "down_proj`, LLaVA's `find_all_linear_names`)")
     """Module-name suffixes that get adapters (PEFT `target_modules`)."""
@@ -142,6 +143,17 @@ class LoraSpec:
         (), help="Modules trained in full next to the adapters (a trainable copy).",
         group="adapters", cli=False, keys={"peft": ("modules_to_save",)}, added=20)
     """Modules trained in full next to the adapters (PEFT `modules_to_save`: a trainable copy)."""
+    target_regex: str | None = job_field(
+        None, help="LoRA targets as one regex, full-matched against module names (as PEFT).",
+        group="adapters", cli=False, added=51,
+        doc="PEFT `target_modules` given as one string: a regular expression that must match "
+        "a module's whole name (`re.fullmatch`, peft/utils/other.py "
+        "`match_target_against_key`), e.g. axolotl's `lora_target_modules: "
+        "'model.language_model.layers.[\\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj'`; "
+        "on the command line, a `--lora-targets` value with regex characters (`()[]*+?|\\^$`, "
+        "which no module name has) is one")
+    """PEFT `target_modules` as a string: a regex full-matched against each module's name
+    (peft/utils/other.py `match_target_against_key`); replaces `targets` when set."""
 
     def __post_init__(self) -> None:
         check_bounds(self, "lora.")
@@ -153,6 +165,24 @@ class LoraSpec:
                             reason="at least one target module is needed")
         if not 0.0 <= self.dropout < 1.0:
             raise SpecError("lora.dropout", self.dropout, reason="must be in [0, 1)")
+        if self.target_regex is not None:
+            import re
+
+            try:
+                re.compile(self.target_regex)
+            except (re.error, TypeError) as err:
+                raise SpecError("lora.target_regex", self.target_regex,
+                                reason=f"not a regular expression ({err})") from None
+
+    def targets_module(self, name: str) -> bool:
+        """Whether PEFT puts an adapter on the module named `name` (its full dotted name in the
+        model): a string `target_modules` full-matches the name, a list matches a name or its
+        last dotted parts (peft/tuners/tuners_utils.py `check_target_module_exists`)."""
+        if self.target_regex is not None:
+            import re
+
+            return re.fullmatch(self.target_regex, name) is not None
+        return any(name == t or name.endswith("." + t) for t in self.targets)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,7 +199,10 @@ class TrainingSpec:
         "`internvl3-8b-hf`, `gemma-3-4b-it`, `llama-3.2-3b`, `qwen2-7b`, `qwen3-8b`, `phi-4`, "
         "`gemma-2-9b`, `mixtral-8x7b-v0.1`, `qwen3-30b-a3b`, `llama-3.1-8b`, `qwen2.5-7b`, "
         "`mistral-7b-v0.3`, `olmo-2-1124-7b`, `tiny-llava`, …; hub ids such as "
-        "`meta-llama/Llama-3.1-8B` name their preset; `hybridmem "
+        "`meta-llama/Llama-3.1-8B` name their preset, as do their instruct / chat / base / "
+        "`-hf` / dated releases (`Qwen/Qwen3-4B-Instruct-2507`) and the `NousResearch/` and "
+        "`unsloth/` mirrors (`unsloth/...-bnb-4bit`: NF4 weights); MLX and GGUF conversions "
+        "are refused by name (docs/design.md, Job schema); `hybridmem "
         "models` lists every preset with its family, parameter count and tiers) or a path to a "
         "HF `config.json` / its folder; nothing is downloaded. `model_type` `llava` (CLIP, "
         "SigLIP or Pixtral tower), `llava_next`, `llava_onevision`, `qwen2_vl`, `qwen2_5_vl`, "

@@ -16,7 +16,7 @@ from hybridmem.errors import SpecError
 from hybridmem.jsonfile import read_json_object
 
 from hybridmem.families import DECODER, VLM, family, types
-from hybridmem.models.hub import resolve as resolve_hub_id
+from hybridmem.models.hub import did_you_mean, prequantized, resolve as resolve_hub_id
 
 # model_type values with closed forms (`hybridmem/families/`, one folder per family); the trace
 # tier prices every other transformers causal-LM / image-text-to-text family.
@@ -103,10 +103,14 @@ def preset_folder(name: str) -> str:
 
 
 def load_config_dict(model: str) -> tuple[str, dict]:
-    """(display name, raw config dict) for a preset name, a hub id or a config path."""
-    model = resolve_hub_id(model)  # a hub id names its preset (models/hub.py); nothing downloads
+    """(display name, raw config dict) for a preset name, a hub id or a config path. A
+    pre-quantised upload's id (`hub.prequantized`) adds the `quantization_config` its
+    config.json carries."""
+    hub_id, model = model, resolve_hub_id(model)  # a hub id names its preset (models/hub.py)
     if model in _presets():
-        return model, read_json_object(_presets()[model][1], "model")
+        data = read_json_object(_presets()[model][1], "model")
+        quant = prequantized(hub_id)
+        return model, ({**data, "quantization_config": quant} if quant else data)
     path = Path(model).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -116,6 +120,10 @@ def load_config_dict(model: str) -> tuple[str, dict]:
         if not path.exists():
             raise SpecError("model", model, reason="no such file")
         return str(model), read_json_object(path, "model")
+    hint = did_you_mean(model, preset_names())
+    if hint:  # the one near name, not the whole list (`hybridmem models` lists it)
+        raise SpecError("model", model, reason=f"unknown preset{hint} (hybridmem models lists "
+                        "them all)")
     raise SpecError("model", model, preset_names() + ("<path to config.json>",),
                     reason="unknown preset")
 

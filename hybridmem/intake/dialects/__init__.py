@@ -49,13 +49,15 @@ def detect(cfg: dict, where: str) -> str:
                     reason="cannot tell the launcher from its keys; give --config-format")
 
 
-def read_config(path: str | os.PathLike, config_format: str | None = None) -> LauncherConfig:
-    """The config file at `path`, in `config_format` (else the one its keys tell)."""
+def read_config(path: str | os.PathLike, config_format: str | None = None,
+                model: str | None = None) -> LauncherConfig:
+    """The config file at `path`, in `config_format` (else the one its keys tell); `model`: the
+    `--model` flag's, read in place of the file's."""
     if config_format is not None and config_format not in DIALECTS:
         raise SpecError("config_format", config_format, list(DIALECTS))
     where = os.fspath(path)
     return read_mapping(_load(path, config_format), where,
-                        Path(where).expanduser().resolve().parent, config_format)
+                        Path(where).expanduser().resolve().parent, config_format, model)
 
 
 def _load(path: str | os.PathLike, config_format: str | None) -> dict:
@@ -71,13 +73,13 @@ def _load(path: str | os.PathLike, config_format: str | None) -> dict:
 
 
 def read_mapping(cfg: dict, where: str, folder: Path,
-                 config_format: str | None = None) -> LauncherConfig:
+                 config_format: str | None = None, model: str | None = None) -> LauncherConfig:
     """A config already parsed (the HTTP API's pasted text), named `where` in the sources and
     warnings; `folder` is where the launcher would look for the files it names."""
     if config_format is not None and config_format not in DIALECTS:
         raise SpecError("config_format", config_format, list(DIALECTS))
     dialect = config_format or detect(cfg, where)
-    return DIALECTS[dialect].read(cfg, where, folder)
+    return DIALECTS[dialect].read(cfg, where, folder, model)
 
 
 __all__ = ["DIALECTS", "LauncherConfig", "detect", "read_config", "read_mapping"]

@@ -51,6 +51,8 @@ class Layer:
         the launcher's default); `note` is added to the source, e.g. the hub id."""
         meta = schema.BY_KEY[key]
         self.data[meta.owner][meta.name] = value
+        if key == "model" and note:  # the hub id, whose config.json may hold quantisation
+            self.data["hub_id"] = note
         text = f"{self.where}: {'/'.join(file_keys)}" if file_keys else self.default
         self.data["sources"][key] = text + (f" ({note})" if note else "")
 
@@ -89,9 +91,14 @@ def parse_yaml(text: str, where: str) -> dict:
     return data
 
 
-def model_of(value: object, where: str, key: str) -> tuple[str, str]:
+def model_of(value: object, where: str, key: str,
+             override: str | None = None) -> tuple[str, str]:
     """(preset or path, hub id note) of the file's model key: a hub id becomes its preset
-    (`hybridmem.models.hub`; an unknown one is a one-line error), a path stays a path."""
+    (`hybridmem.models.hub`; an unknown one is a one-line error), a path stays a path.
+    `override`: the `--model` flag's model, which the launcher rules then read instead (flags
+    override the file, its model too)."""
+    if override is not None:
+        value = override
     if not isinstance(value, str) or not value.strip():
         raise SpecError(f"{where}: {key}", value, reason="names no model")
     preset = hub.resolve(value)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.intake import config_keys
-from hybridmem.intake.dialects.common import LauncherConfig, Layer
+from hybridmem.intake.dialects.common import LauncherConfig, Layer, model_of
 
 NAME = "Megatron-LM"
 SOURCE = "megatron"
@@ -152,14 +152,18 @@ def model_config(args: dict, where: str) -> dict:
     return data
 
 
-def read(args: dict, where: str, folder: Path) -> LauncherConfig:
+def read(args: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
     from hybridmem.models.loader import materialize_config
     import json
 
     config_keys.check_keys(SOURCE, args, where, used=READ, known=lambda: KNOWN)
     out = Layer(where, NAME)
-    model = materialize_config(json.dumps(model_config(args, where)))
-    out.set("model", model, "num_layers", "hidden_size", note="the arguments' shape")
+    if model is not None:  # `--model`, read in place of the arguments' shape
+        model, hub_id = model_of(None, where, "model", override=model)
+        out.set("model", model, note=hub_id)
+    else:
+        model = materialize_config(json.dumps(model_config(args, where)))
+        out.set("model", model, "num_layers", "hidden_size", note="the arguments' shape")
     par = out.data["parallel"]
     for key, field in (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp"),
                        ("context_parallel_size", "cp"), ("expert_model_parallel_size", "ep")):

@@ -26,7 +26,7 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.intake import config_keys
-from hybridmem.intake.dialects.common import LauncherConfig, Layer
+from hybridmem.intake.dialects.common import LauncherConfig, Layer, model_of
 
 NAME = "torchtitan"
 SOURCE = "torchtitan"
@@ -123,11 +123,12 @@ def _int(value: object, where: str) -> int:
     return value
 
 
-def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
-    """The file's one layer (torchtitan opens no other file that changes memory)."""
+def read(raw: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
+    """The file's one layer (torchtitan opens no other file that changes memory); `model`:
+    the `--model` flag's, read in place of the file's flavor."""
     _check_keys(raw, where)
     out = Layer(where, NAME)
-    model = _model(raw.get("model") or {}, out, where)
+    model = _model(raw.get("model") or {}, out, where, model)
     par = raw.get("parallelism") or {}
     train = raw.get("training") or {}
     _mesh(par, out, where)
@@ -155,7 +156,11 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     return LauncherConfig(NAME, model, [out.data], {})
 
 
-def _model(node: dict, out: Layer, where: str) -> str:
+def _model(node: dict, out: Layer, where: str, override: str | None = None) -> str:
+    if override is not None:
+        model, hub_id = model_of(None, where, "model", override=override)
+        out.set("model", model, note=hub_id)
+        return model
     key = (str(node.get("name", "llama3")), str(node.get("flavor", "")))
     if key not in FLAVORS:
         raise SpecError(f"{where}: model.flavor", key[1],
