@@ -13,6 +13,7 @@ import os
 import re
 
 from hybridmem.errors import SpecError
+from hybridmem.jsonfile import parse_json, read_json_text
 from hybridmem.job.spec import DEFAULT_LORA_TARGETS, LoraSpec
 
 # PEFT's `target_modules="all-linear"`: every Linear but the output layer
@@ -35,14 +36,9 @@ def read_adapter_config(source: str | os.PathLike | dict) -> dict:
         path = os.fspath(source)
         if os.path.isdir(path):
             path = os.path.join(path, "adapter_config.json")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-        except FileNotFoundError:
-            raise SpecError("peft_config", os.fspath(source), reason="no such file") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise SpecError("peft_config", os.fspath(source),
-                            reason=f"is not valid JSON ({err})") from None
+        if not os.path.exists(path):
+            raise SpecError("peft_config", os.fspath(source), reason="no such file")
+        cfg = parse_json(read_json_text(path, "peft_config"), "peft_config", os.fspath(source))
     if not isinstance(cfg, dict) or not isinstance(cfg.get("peft_type"), str):
         raise SpecError("peft_config.peft_type", cfg.get("peft_type") if isinstance(cfg, dict)
                         else cfg, reason="an adapter_config.json names its method in peft_type")

@@ -24,11 +24,16 @@ if TYPE_CHECKING:  # the CLI imports this module before parsing its options: not
 def resolve_job(values: dict) -> tuple[Resolved, list[str]]:
     """The job of `predict`'s option values (job-schema keys, the config files, `zero_stage`;
     None = not given) and the config readers' warnings (keys of the user's files not read)."""
-    from hybridmem.intake.resolve import resolve_cli
     from hybridmem.intake.config_keys import collect_warnings
+    from hybridmem.intake.resolve import resolve_cli
+    from hybridmem.job.quantize import KBIT_CHECKPOINTING, kbit_checkpointing
 
     with collect_warnings() as warnings:
         resolved = resolve_cli(**values)
+    if kbit_checkpointing(resolved.spec, values):  # QLoRA as peft's preparation leaves it
+        resolved = dataclasses.replace(
+            resolved, spec=resolved.spec.with_(grad_ckpt=True),
+            sources={**resolved.sources, "grad_ckpt": KBIT_CHECKPOINTING})
     return resolved, list(warnings)
 
 

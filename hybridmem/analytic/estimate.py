@@ -9,6 +9,8 @@ the projector needs).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -44,7 +46,7 @@ from hybridmem.errors import SpecError
 from hybridmem.environment import installed
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
-from hybridmem.techniques import Technique, loss_of
+from hybridmem.techniques import Technique, head_of, loss_of
 from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
@@ -102,6 +104,7 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  cce=loss is not None and loss.NAME == "cce",
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
                  objective=spec.objective, prompt=objective_rules.prompt_length(spec),
+                 ref_model=objective_rules.ref_model_of(spec), head=head_of(spec, loss),
                  trl_head=objective_rules.fused_head(spec, installed("trl")))
 
 
@@ -295,7 +298,7 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
                      f"tokens; the vision tower encodes {seen} per step")
     if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
         notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
-    loss = loss_of(spec)
+    loss = head_of(spec) or loss_of(spec)
     if loss is not None:  # its note, or why it leaves this model unchanged
         notes.append(loss.note(spec, graph.model_type, loss_applied(spec) is not None))
     if spec.attn == "flash_attention_2":
@@ -493,6 +496,10 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     # reserved - allocated from replaying an approximate alloc/free stream through the
     # allocator simulator (`events.py`, `reserved.py`), non-decreasing in the micro-batch
     fit = bounded(spec, allocated, _measure_with(ws), limit)
+    if fit.retries and not fit.oom:  # the allocator's behaviour at the limit lowers reserved
+        free = allocated + bounded(spec, allocated, _measure_with(ws)).fragmentation
+        if free > allocated + fit.fragmentation:
+            fit = dataclasses.replace(fit, uncapped=free)
     waste = fit.fragmentation
     # the former estimate: 2 MiB rounding of the > 10 MiB tensors alive (a lower bound)
     lower = max(p.allocated + p.waste for p in points) - allocated

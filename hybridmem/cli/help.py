@@ -25,14 +25,14 @@ ALL_CHOICES = frozenset({"precision"})
 OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep", "sequence_parallel", "cp", "pp",
                         "pp_schedule", "pp_virtual_stages", "pp_microbatches", "ep",
                         "dp_replicate", "dp_shard", "offload_param", "mp_reduce_dtype",
-                        "timeline"})
+                        "timeline", "cut_cross_entropy"})
 """Options the one-screen help leaves to the README: an alias (`--zero-stage N` =
-`--strategy zeroN`), GRPO's / DPO's `--beta` (what it changes, the reference model, is
-`--ref-model`), `--no-kbit-prep` (peft's k-bit preparation is what almost every QLoRA job runs),
-the model-parallel layout beyond `--tp` (`--pp`, `--sequence-parallel`, `--cp`, `--ep`, the
-pipeline schedule and the data-parallel split: docs/parallel.md), ZeRO-Infinity's
-`--offload-param`, FSDP2's `--mp-reduce-dtype` (with `--mp-param-dtype`) and the trace tier's
-`--timeline`."""
+`--strategy zeroN`, `--cut-cross-entropy` = `--loss cce`), GRPO's / DPO's `--beta` (what it
+changes, the reference model, is `--ref-model`), `--no-kbit-prep` (peft's k-bit preparation is
+what almost every QLoRA job runs), the model-parallel layout beyond `--tp` (`--pp`,
+`--sequence-parallel`, `--cp`, `--ep`, the pipeline schedule and the data-parallel split:
+docs/parallel.md), ZeRO-Infinity's `--offload-param`, FSDP2's `--mp-reduce-dtype` (with
+`--mp-param-dtype`) and the trace tier's `--timeline`."""
 LONG_DEFAULT = 24
 """A default longer than this (the LoRA target list) is left to the README."""
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.intake import config_keys
-from hybridmem.intake.dialects.common import LauncherConfig, Layer, model_of
+from hybridmem.intake.dialects.common import LauncherConfig, Layer, model_of, read_config_text
 
 NAME = "Megatron-LM"
 SOURCE = "megatron"
@@ -107,10 +107,8 @@ def _value(text: str) -> object:
 
 
 def load(path: str | os.PathLike) -> dict:
-    try:
-        return parse(Path(path).read_text(), os.fspath(path))
-    except FileNotFoundError:
-        raise SpecError("config", os.fspath(path), reason="file not found") from None
+    """The arguments of a launch script (missing, unreadable or too long: one line naming it)."""
+    return parse(read_config_text(path), os.fspath(path))
 
 
 def _int(args: dict, key: str, where: str, default: int | None = None) -> int:

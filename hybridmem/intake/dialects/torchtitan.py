@@ -26,7 +26,8 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.intake import config_keys
-from hybridmem.intake.dialects.common import LauncherConfig, Layer, model_of
+from hybridmem.intake.dialects.common import LauncherConfig, Layer, model_of, read_config_text
+from hybridmem.jsonfile import check_depth
 
 NAME = "torchtitan"
 SOURCE = "torchtitan"
@@ -92,17 +93,18 @@ def parse(text: str, where: str) -> dict:
     import tomllib
 
     try:
-        return tomllib.loads(text)
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise SpecError("config", where, reason=f"malformed TOML: {err}") from None
+    except RecursionError:  # tomllib recurses once per nested inline array / table
+        raise SpecError("config", where, reason="TOML nested too deeply") from None
+    check_depth(data, "config", where)
+    return data
 
 
 def load(path: str | os.PathLike) -> dict:
-    """The TOML mapping of a file (missing or malformed: one line naming the file)."""
-    try:
-        return parse(Path(path).read_text(), os.fspath(path))
-    except FileNotFoundError:
-        raise SpecError("config", os.fspath(path), reason="file not found") from None
+    """The TOML mapping of a file (missing, unreadable or malformed: one line naming it)."""
+    return parse(read_config_text(path), os.fspath(path))
 
 
 def _check_keys(raw: dict, where: str) -> None:
