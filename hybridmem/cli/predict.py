@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 
 from hybridmem.answer import resolve_gpu  # noqa: F401  (the CLI's GPU options, shared)
+from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.job.field import GROUPS
 
@@ -77,6 +78,17 @@ OTHER_OPTIONS: tuple[CliOption, ...] = (
     CliOption("config_format", ("--config-format",), Optional[str],
               "llamafactory, axolotl, torchtune or accelerate (default: by keys).",
               FILES_PANEL),
+    CliOption("jobs", ("--jobs",), Optional[str],
+              "Many jobs: a JSONL file, one job per line (the `job` names); answers in order.",
+              FILES_PANEL,
+              doc="a JSONL file, one job per line with the `job` object's names (an answer's "
+              "`job` is a valid line; `gpu`, `gpu_mem`, `method`, `find_max_batch` and the "
+              "config files may be set per line; the other options are every line's "
+              "defaults): answered in order, priced in `--workers` processes, each job's "
+              "error in its own row; `--json` prints one JSON object per line "
+              "([docs/many-jobs.md](docs/many-jobs.md))"),
+    CliOption("workers", ("--workers",), Optional[int],
+              "With --jobs: worker processes (default: the CPUs available).", FILES_PANEL),
     CliOption("gpu", ("--gpu",), Optional[str],
               "GPU from the catalogue, e.g. h100-80gb, a100-40gb, h200.", OUTPUT_PANEL,
               doc="catalogue in `hybridmem/gpus.py` (A100 40/80 GB, H100, H200, L40S, RTX "
@@ -162,6 +174,13 @@ def predict_command(**values) -> None:
     find_max_batch, as_json = values.pop("find_max_batch"), values.pop("as_json")
     plot, timeline = values.pop("plot"), values.pop("timeline")
     verbose = values.pop("verbose")
+    jobs, workers = values.pop("jobs"), values.pop("workers")
+    if jobs is not None:
+        return _jobs_command(jobs, workers, values, as_json, plot or timeline,
+                             {"gpu": gpu, "gpu_mem": gpu_mem, "method": method,
+                              "find_max_batch": find_max_batch})
+    if workers is not None:
+        raise SpecError("workers", workers, reason="needs --jobs FILE.jsonl")
     # recipe < --training-args < --deepspeed < explicit flags (None = flag not given); the rest
     # of `values` are the job fields by schema key, --peft-config, --quantization-config and
     # --zero-stage
@@ -189,6 +208,20 @@ def predict_command(**values) -> None:
             typer.echo("\n".join(fit_lines(advice)))
     for line in written:  # on stderr under --json, so stdout stays one JSON object
         typer.echo(f"wrote {line}", err=as_json)
+
+
+def _jobs_command(path: str, workers: int | None, values: dict, as_json: bool,
+                  output: str | None, how: dict) -> None:
+    """`predict --jobs`: a row per line (`hybridmem.cli.jobs`), JSON lines under --json."""
+    from hybridmem.cli.jobs import row_text, run_jobs
+
+    if output is not None:
+        raise SpecError("jobs", path, reason="--plot and --timeline draw one job: not with --jobs")
+    rows = run_jobs(path, values, how, workers)
+    for row in rows:
+        typer.echo(json.dumps(row) if as_json else row_text(row))
+    failed = sum("error" in row for row in rows)
+    typer.echo(f"{len(rows)} jobs, {len(rows) - failed} priced, {failed} errors", err=True)
 
 
 predict_command.__signature__ = inspect.Signature([
