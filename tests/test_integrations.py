@@ -223,3 +223,82 @@ def test_cuda_measurement_writes_a_user_row(tmp_path):
     train(tiny_model().cuda(), training_args, cb)
     df = store.load_dataset(tmp_path / "ds")
     assert list(df["source"]) == ["user"] and df["peak_allocated_bytes"].iloc[0] > 0
+
+
+def test_accelerate_helper_job_equals_cli_config(tmp_path, capsys):
+    """The accelerator's state read as `--config accelerate.yaml` with the same keys."""
+    import yaml
+    from accelerate import Accelerator
+
+    from hybridmem.integrations import check_accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(tiny_model())
+    check = check_accelerator(accelerator, model, micro_batch=2, seq_len=SEQ)
+    check.end()
+    (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(
+        {"distributed_type": "NO", "mixed_precision": "no", "num_processes": 1}))
+    (tmp_path / "config.json").write_text(model.config.to_json_string(use_diff=False))
+    capsys.readouterr()
+    assert main(["predict", "--config", str(tmp_path / "accelerate.yaml"), "--model",
+                 str(tmp_path / "config.json"), "--micro-batch", "2", "--seq-len", str(SEQ),
+                 "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)["job"]
+    ours = check.found.result.job
+    for job in (cli, ours):
+        job.pop("sources"), job.pop("warnings"), job.pop("model")
+    assert ours == cli
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="lightning is not installed (the callback is imported only when used)")
+def test_lightning_callback_prices_before_the_first_step(tmp_path):
+    import lightning.pytorch as pl
+
+    from hybridmem.integrations import HybridmemLightningCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_model()
+
+        def training_step(self, batch, _):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    cb = HybridmemLightningCallback(micro_batch=2, seq_len=SEQ, gpu_mem=0.51,
+                                    fail_if_no_fit=True)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False,
+                         enable_checkpointing=False, callbacks=[cb])
+    with pytest.raises(NoFit, match="DOES NOT FIT"):
+        trainer.fit(Module(), loader)
+    assert trainer.global_step == 0
+
+
+def test_user_rows_merge_deduplicated(tmp_path, capsys):
+    """A run's row (collect's schema, source "user", seq_len the longest seen) and `hybridmem
+    import --from user`: two users' folders merge; importing one again adds nothing. The
+    measured figures are stand-ins (no GPU here), written only under tmp_path."""
+    from hybridmem.harness import store
+
+    cb = Recording(seq_len=2 * SEQ)
+    train(tiny_model(), args(tmp_path), cb)
+    stand_in = {"peak_allocated_bytes": 1 << 20, "peak_reserved_bytes": 2 << 20,
+                "peak_device_bytes": None, "num_alloc_retries": 0, "num_ooms": 0}
+    env = {"gpu_name": "stand-in", "gpu_memory_bytes": 0, "torch_version": torch.__version__,
+           "transformers_version": transformers.__version__, "hostname": "a"}
+    cb.check.dataset = str(tmp_path / "alice")
+    cb.check.write_row(stand_in, env, steps=1)
+    cb.check.dataset = str(tmp_path / "bob")
+    cb.check.write_row(stand_in, {**env, "hostname": "b"}, steps=1)
+    row = store.load_dataset(tmp_path / "alice").iloc[0]
+    # priced at 32 tokens, but the data had 16: the row records what ran
+    assert (row["source"], row["seq_len"], row["seq_len_kind"]) == ("user", SEQ, "upper-bound")
+    out = tmp_path / "merged"
+    for folders, added in (([tmp_path / "alice", tmp_path / "bob"], 2), ([tmp_path / "bob"], 0)):
+        assert main(["import", "--from", "user", *map(str, folders), "--out", str(out)]) == 0
+        assert f"added {added} rows" in capsys.readouterr().out
+    assert len(store.load_dataset(out)) == 2
