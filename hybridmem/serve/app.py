@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from hybridmem.errors import SpecError
+from hybridmem.serve.page import mount as mount_page
 from hybridmem.serve.pool import Busy, TracePool, Unavailable
 from hybridmem.serve.request import REQUEST_FIELDS, Job, parse_body
 from hybridmem.serve.respond import respond
@@ -257,6 +258,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return _error(503, str(err))
         return JSONResponse(out, headers={"X-Cache": "hit" if hit else "miss"})
 
+    mount_page(app)  # POST /v1/config (the page's "fill the form") and /docs offline
     return app
 
 
