@@ -217,8 +217,6 @@ class RunCheck:
     def write_row(self, measured: dict, env: dict, steps: int, seconds: float | None = None):
         """The run's row (`hybridmem.harness.user_run`) appended to `dataset`: the job as it
         ran, `seq_len` the longest sequence the data had."""
-        import json
-
         from hybridmem.harness import store
         from hybridmem.harness.user_run import user_row
         from hybridmem.models.loader import load_config_dict
@@ -229,7 +227,7 @@ class RunCheck:
             spec = spec.with_(seq_len=lengths["max_seq_len"])
         _, config = load_config_dict(spec.model)
         row = user_row(spec, config, measured, env, steps=steps, step_seconds=seconds,
-                       label=json.loads(json.dumps(config)).get("_name_or_path") or "")
+                       label=config.get("_name_or_path") or "")
         if self.dataset is None:
             raise SpecError("dataset", None, reason="give a folder to write the row to")
         return store.append_rows(self.dataset, [row])

@@ -53,9 +53,8 @@ class HybridmemCallback(TrainerCallback):
         self.check.begin(self.inputs(args, model), say)
 
     def on_step_end(self, args, state, control, **kwargs):
-        say = visible_log().info if state.is_world_process_zero else (lambda line: None)
-        if state.is_world_process_zero:
-            self.check.step(state.global_step, say)
+        if state.is_world_process_zero:  # rank 0 measures and writes (one row per run)
+            self.check.step(state.global_step, visible_log().info)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.check.end()
