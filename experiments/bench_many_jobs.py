@@ -82,8 +82,9 @@ def main() -> None:
         print(f"--jobs, {workers} worker(s){' against ' + args.gpu if args.gpu else ''}: {len(todo)} jobs in {wall:.1f} s = "
               f"{len(todo) / wall:.1f} jobs/s, {CPU[0]:.1f} CPU s ({errors} error rows)")
     assert rows[1] == rows[2], "the answers depend on the worker count"
-    step = max(1, len(todo) // args.singles)
-    picked = list(range(0, len(todo), step))[:args.singles]
+    priced = [i for i, row in enumerate(rows[1]) if "error" not in row]
+    step = max(1, len(priced) // args.singles)
+    picked = priced[::step][:args.singles]
     total = cpu = 0.0
     for i in picked:
         wall, out = run(["predict", *flags(todo[i]), "--json"])
