@@ -15,15 +15,16 @@ from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU, custom_gpu, gpu_by_name
 
 if TYPE_CHECKING:  # the CLI imports this module before parsing its options: nothing heavy
-    from hybridmem.parallel.inputs import Resolved
+    from hybridmem.intake.merge import Resolved
+    from hybridmem.intake.resolve import ResolvedJob
     from hybridmem.prediction import Prediction
 
 
 def resolve_job(values: dict) -> tuple[Resolved, list[str]]:
     """The job of `predict`'s option values (job-schema keys, the config files, `zero_stage`;
     None = not given) and the config readers' warnings (keys of the user's files not read)."""
-    from hybridmem.parallel.cli import resolve_cli
-    from hybridmem.parallel.config_keys import collect_warnings
+    from hybridmem.intake.resolve import resolve_cli
+    from hybridmem.intake.config_keys import collect_warnings
 
     with collect_warnings() as warnings:
         resolved = resolve_cli(**values)
@@ -56,24 +57,26 @@ class Answer:
         return out
 
 
-def answer(resolved: Resolved, warnings: list[str], gpu: GPU | None, method: str | None = None,
+def answer(resolved: Resolved | ResolvedJob, warnings: list[str], gpu: GPU | None, method: str | None = None,
            find_max_batch: bool = False, timeline: str | None = None) -> Answer:
     """Predict the resolved job; with a GPU, the smallest setup that fits when the job is
     parallel or does not fit as given (`hybridmem.parallel.fit`). `timeline`: a file the trace
     tier writes its memory timeline to."""
+    from hybridmem.intake.resolve import ResolvedJob, resolve_once
     from hybridmem.parallel.fit import smallest_fitting_setup
-    from hybridmem.predict import choose_method, predict
+    from hybridmem.predict import predict
 
-    spec = resolved.spec
+    # the defaults and the tier, once (the service resolves before it picks a worker)
+    job = resolved if isinstance(resolved, ResolvedJob) else resolve_once(resolved, method)
+    spec, chosen = job.given, job.method
     options = {}
-    chosen = choose_method(spec, method).method  # the API's chooser: predict() says why
     if timeline is not None:
         if chosen != "trace":
             raise SpecError("timeline", timeline, reason="--timeline needs --method trace")
         options["timeline"] = timeline
-    result = predict(spec, method=method, gpu=gpu, find_max_batch=find_max_batch, **options)
+    result = predict(job, gpu=gpu, find_max_batch=find_max_batch, **options)
     result = dataclasses.replace(result, job={**result.job, "warnings": list(warnings),
-                                              "sources": resolved.sources})
+                                              "sources": job.sources})
     advice = None
     if gpu is not None and (spec.parallel.strategy != "none" or not result.fits):
         advice = smallest_fitting_setup(spec, gpu, lambda s: predict(s, method=chosen, gpu=gpu))

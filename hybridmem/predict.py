@@ -1,155 +1,49 @@
 """The public Python API: `predict(spec, method=...) -> Prediction`.
 
-Tiers are looked up by name and imported lazily, so `import hybridmem` stays fast and the
-analytic tier never pays for torch-heavy tiers it does not use.
+The job is resolved once (`intake.resolve.resolve_once`: the model's defaults filled in, the tier
+chosen and why); the analytic and the trace tier are imported (`hybridmem.tiers`), only the
+learned tier is looked up (it sits above this module: its training tools read the harness's
+rows and call `predict`). `import hybridmem` stays fast: no tier is imported before it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from importlib import import_module
 
 from hybridmem import environment
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.gpus import GPU
+from hybridmem.intake.resolve import (  # noqa: F401  (the chooser, as the API has named it)
+    METHODS, Choice, ResolvedJob, choose_method, resolve_once,
+)
 from hybridmem.job.schema import job_dict
-from hybridmem.models.light import light_config
-from hybridmem.models.loader import is_analytic, model_type_of
 from hybridmem.prediction import Prediction
-from hybridmem.families.defaults import resolve_defaults
+from hybridmem.tiers import (  # noqa: F401  (re-exported: the tiers' rules, as named before)
+    PER_RANK_TIERS, SCOPES, gpu_options, no_tier, refusal,
+)
 from hybridmem.job.spec import TrainingSpec
 
-# method name -> "module:function" taking a TrainingSpec and returning a Prediction
-METHODS: dict[str, str] = {
-    "analytic": "hybridmem.analytic:estimate",
-    "trace": "hybridmem.trace:estimate",
-    "hybrid": "hybridmem.learned.predictor:estimate",
-}
-# the hybrid tier's own rule for whether a calibrated model applies to this environment, and
-# where it looks for models (shipped with hybridmem, or $HYBRIDMEM_MODELS)
-LEARNED_POLICY = "hybridmem.learned.predictor:default_method"
-LEARNED_ROOT = "hybridmem.learned.registry:models_root"
-
-PER_RANK_TIERS: frozenset[str] = frozenset({"hybrid"})
-"""Tiers that price a multi-GPU spec per rank themselves: the learned tier's base is already the
-per-rank analytic estimate (`learned.features.analytic_base`), and its residual was trained on
-that base with the strategy among the features, so sharding its answer again would serve a
-different path than `hybridmem evaluate` scores."""
-
-# tier -> "module:function" of its `refusal(spec) -> SpecError | None`: the one rule saying
-# whether that tier prices a job, kept next to the tier (torch-free for the analytic tier)
-SCOPES: dict[str, str] = {
-    "analytic": "hybridmem.analytic.scope:refusal",
-    "trace": "hybridmem.trace.scope:refusal",
-}
+HYBRID = "hybridmem.learned.predictor:estimate"
+"""The learned tier's estimate, the one tier looked up by name (it sits above this module)."""
 
 
-def refusal(method: str, spec: TrainingSpec) -> SpecError | None:
-    """Why tier `method` does not price `spec`, None if it does. The hybrid tier answers with
-    the trace tier where the analytic one refuses (`learned.predictor.estimate`), so it refuses
-    only what both refuse."""
-    if method == "hybrid":
-        refused = refusal("analytic", spec)
-        return refused if refused is not None and refusal("trace", spec) is not None else None
-    if method not in SCOPES:
-        return None
-    module, func = SCOPES[method].split(":")
-    return getattr(import_module(module), func)(spec)
+def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
+    """The estimate function of a tier (analytic and trace per rank for a multi-GPU spec,
+    `tiers.estimator`; the hybrid tier prices ranks itself, `tiers.PER_RANK_TIERS`)."""
+    if method not in METHODS:
+        raise SpecError("method", method, METHODS)
+    if method in PER_RANK_TIERS:
+        module, func = HYBRID.split(":")
+        return getattr(import_module(module), func)
+    from hybridmem.tiers import estimator as tier_estimator
 
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """The tier that answers a spec and why (`Prediction.extras["method_reason"]`)."""
-
-    method: str
-    reason: str
-    note: str | None = None
-    """Said in the answer's notes: a tier picked because the default one refuses the job."""
-
-
-def _clause(err: SpecError) -> str:
-    return f"{err.field}={err.value!r}: {err.reason}"
-
-
-def no_tier(err: SpecError, spec: TrainingSpec, method: str) -> SpecError:
-    """`err` (tier `method` refuses `spec`) with the way out: the first other tier whose rule
-    admits the job, or that none does and why."""
-    others = [m for m in SCOPES if m != method]
-    for other in others:
-        if refusal(other, spec) is None:
-            return type(err)(err.field, err.value, err.choices,
-                             reason=f"{err.reason}; use --method {other}")
-    clauses = [(m, _clause(refusal(m, spec))) for m in others]
-    why = "; ".join(f"the {m} tier: {c}" for m, c in clauses if c != _clause(err))
-    return type(err)(err.field, err.value, err.choices,
-                     reason=f"{err.reason}; no tier prices this job ({why})")
-
-
-def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
-    """The tier for `spec`: `method` when given; else the trace tier for what only it prices
-    (the analytic tier's `refusal`), else hybrid when a GPU-calibrated learned model for this
-    environment exists (`learned.predictor.default_method`), else analytic.
-
-    One chooser for the Python API and the CLI. A job no tier prices is a `SpecError` naming
-    each tier's refusal."""
-    if method is not None:
-        if method not in METHODS:
-            raise SpecError("method", method, METHODS)
-        return Choice(method, f"method={method!r} given")
-    refused = refusal("analytic", spec)
-    if refused is not None:
-        if refusal("trace", spec) is not None:
-            raise no_tier(refused, spec, "analytic")
-        why = f"the analytic tier refuses {_clause(refused)}"
-        return Choice("trace", why,
-                      note=f"method: trace chosen because {why} (pass --method to override)")
-    if spec.objective != "sft":  # the learned residuals were fit on SFT steps only
-        return Choice("analytic", f"objective={spec.objective!r}: the learned tier is fit on "
-                      "SFT steps only")
-    try:  # by name, as METHODS: the learned tier sits above this module (tests/test_layers.py)
-        default_method, models_root = map(_by_name, (LEARNED_POLICY, LEARNED_ROOT))
-    except ImportError:  # the `learned` extra is not installed
-        return Choice("analytic", "the learned extra is not installed (no hybrid tier)")
-    if default_method(spec=spec) == "hybrid":
-        return Choice("hybrid", "a GPU-calibrated learned model trained on this torch applies")
-    return Choice("analytic", "no GPU-calibrated learned model trained on this torch and CUDA "
-                  f"in {models_root()} (the models shipped with hybridmem, or $HYBRIDMEM_MODELS)")
-
-
-def _by_name(target: str):
-    module, func = target.split(":")
-    return getattr(import_module(module), func)
+    return tier_estimator(method)
 
 
 # Upper end of the micro-batch search; far beyond any GPU today for the smallest presets.
 MAX_SEARCH_BATCH = 1 << 16
-
-
-def gpu_options(method: str, gpu: GPU | None) -> dict[str, object]:
-    """What a tier is told about the target GPU: analytic and trace price its cuBLAS workspace
-    (the same GPU to both, so they stay comparable); the hybrid residual is chosen per GPU type
-    (its analytic base stays GPU-free, as its training rows were), and a job only the trace
-    tier prices gets the GPU there."""
-    if gpu is None:
-        return {}
-    if method == "hybrid":
-        return {"gpu_name": gpu.name, "gpu": gpu}
-    return {"gpu": gpu}
-
-
-def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
-    """The estimate function of a tier."""
-    if method not in METHODS:
-        raise SpecError("method", method, METHODS)
-    module, func = METHODS[method].split(":")
-    tier = getattr(import_module(module), func)
-    if method in PER_RANK_TIERS:
-        return tier
-    # data-parallel specs are priced per rank (hybridmem/parallel)
-    from hybridmem.parallel.estimate import per_rank_aware
-    return per_rank_aware(tier)
 
 
 GUIDED_METHODS: frozenset[str] = frozenset({"trace"})
@@ -239,7 +133,7 @@ def _over_lengths(spec: TrainingSpec, method: str, gpu: GPU | None, find_max_bat
     return simulate(spec, method, lambda s: run(s, **options), gpu)
 
 
-def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = None,
+def predict(spec: TrainingSpec | ResolvedJob, method: str | None = None, gpu: GPU | None = None,
             find_max_batch: bool = False, **tier_options: object) -> Prediction:
     """Predict the peak memory of `spec`; with `gpu`, also whether it fits (and the max batch).
 
@@ -251,15 +145,14 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
     """
     if find_max_batch and gpu is None:
         raise SpecError("find_max_batch", True, reason="needs a GPU (--gpu or --gpu-mem)")
-    # unknown preset / bad config JSON / unknown model_type fail here, the same for every
-    # tier, without importing transformers for the analytic families (that alone costs
-    # seconds); a family only the trace tier prices is refused by the analytic tier's rule
-    if is_analytic(model_type_of(spec.model)):
-        light_config(spec.model)
-    # attention and precision the user left open follow the model (families.defaults)
-    filled = resolve_defaults(spec)
-    spec = filled.spec
-    choice = choose_method(spec, method)
+    if isinstance(spec, ResolvedJob):  # resolved once by the caller (the CLI, the service)
+        job = spec
+        if method is not None and method != job.tier.method:
+            raise SpecError("method", method, (job.tier.method,),
+                            reason="the job was resolved for another tier")
+    else:
+        job = resolve_once(spec, method)
+    spec, choice = job.spec, job.tier
     method = choice.method
     refused = refusal(method, spec)
     if refused is not None:
@@ -277,12 +170,12 @@ def predict(spec: TrainingSpec, method: str | None = None, gpu: GPU | None = Non
     except UnsupportedModelError as err:  # the trace tier could not run the model's code
         raise no_tier(err, spec, "trace") from err
     notes = result.notes if choice.note is None else (*result.notes, choice.note)
-    if filled.defaults.get("attn") and spec.attn != "sdpa":  # the one default worth a note
-        notes = (*notes, f"attn={spec.attn}: {filled.defaults['attn']}")
+    if job.defaults.get("attn") and spec.attn != "sdpa":  # the one default worth a note
+        notes = (*notes, f"attn={spec.attn}: {job.defaults['attn']}")
     # a tier that answered with another one (the hybrid tier's fallbacks) says why itself
     # every answer says what job it priced, with the schema's names
-    job = {**job_dict(spec), "defaults": filled.defaults} if filled.defaults else job_dict(spec)
-    result = dataclasses.replace(result, notes=notes, job=job,
+    echo = {**job_dict(spec), "defaults": job.defaults} if job.defaults else job_dict(spec)
+    result = dataclasses.replace(result, notes=notes, job=echo,
                                  extras={"method_reason": choice.reason, **result.extras,
                                          "environment": environment.versions()})
     if gpu is None:

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel.config_keys import collect_warnings
-from hybridmem.parallel.inputs import spec_from_inputs
-from hybridmem.parallel.launchers import detect
-from hybridmem.parallel.resolve import resolve
+from hybridmem.intake.config_keys import collect_warnings
+from hybridmem.intake.merge import spec_from_inputs
+from hybridmem.intake.dialects import detect
+from hybridmem.intake.resolve import resolve
 
 # the file `accelerate config` writes for FSDP2 on one 8-GPU machine (keys of accelerate's
 # commands/config/cluster.py, FSDP2 as its docs' fsdp2 example config)

@@ -16,7 +16,7 @@ import pytest
 
 from hybridmem import SpecError, TrainingSpec
 from hybridmem.analytic import estimate as analytic
-from hybridmem.parallel.cli import spec_from_cli
+from hybridmem.intake.resolve import spec_from_cli
 from hybridmem.job.spec import empty_cache_at
 
 MiB = 1024**2

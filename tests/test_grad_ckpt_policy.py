@@ -18,7 +18,7 @@ from hybridmem.analytic import estimate as analytic
 from hybridmem.analytic.estimate import price
 from hybridmem.errors import SpecError
 from hybridmem.models import build_graph, load_config
-from hybridmem.parallel.inputs import spec_from_inputs
+from hybridmem.intake.merge import spec_from_inputs
 from hybridmem.job.spec import ckpt_every, ckpt_layer
 
 trace = pytest.importorskip("hybridmem.trace")
@@ -177,7 +177,7 @@ def test_bad_policy_exits_2_with_one_line(argv, match):
     ({"activation_checkpointing": False, "gradient_checkpointing": True}, (False, "full")),
 ])
 def test_training_args_checkpointing_gives_the_flags_answer(args, expected):
-    from hybridmem.parallel.inputs import spec_from_inputs
+    from hybridmem.intake.merge import spec_from_inputs
 
     spec = spec_from_inputs(training_args=args, overrides={"model": "tiny-llama"})
     assert (spec.grad_ckpt, spec.grad_ckpt_policy) == expected
@@ -193,7 +193,7 @@ def test_training_args_checkpointing_gives_the_flags_answer(args, expected):
 ])
 def test_training_args_checkpointing_bad_kwargs_name_the_field(kwargs, field):
     from hybridmem.errors import SpecError
-    from hybridmem.parallel.inputs import spec_from_inputs
+    from hybridmem.intake.merge import spec_from_inputs
 
     with pytest.raises(SpecError) as err:
         spec_from_inputs(training_args={"activation_checkpointing": True,

@@ -47,7 +47,7 @@ def test_added_defaults_keep_old_spec_hashes():
         "sampler": "random", "seed": 42, "max_steps": 0, "drop_last": False,
         "objective": "sft", "ref_model": None, "beta": None,
         "num_generations": 8, "max_prompt_length": None, "max_completion_length": None,
-        "vllm_gpu_memory_utilization": 0.0}
+        "vllm_gpu_memory_utilization": 0.0, "loss": None}
     # a spec that uses none of them serialises with the first rows' keys only
     assert set(TrainingSpec(model="tiny-llama").to_dict()) == {
         "model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
@@ -164,7 +164,7 @@ def test_option_names_are_kept():
 
 
 def test_a_cli_only_field_reaches_the_spec_by_its_schema_key():
-    from hybridmem.parallel.cli import spec_from_cli
+    from hybridmem.intake.resolve import spec_from_cli
 
     spec = spec_from_cli(model="tiny-llama", train="lora", lora_targets="q_proj, v_proj",
                          lora_dropout=0.1, world_size=2, strategy="zero2", sub_group_size=10**8)
@@ -177,8 +177,9 @@ def test_a_cli_only_field_reaches_the_spec_by_its_schema_key():
 # ---------------------------------------------------------------- config readers' keys
 
 def test_a_misspelled_training_args_key_warns_and_trainers_default_batch_is_priced(tmp_path):
-    from hybridmem.parallel.config_keys import collect_warnings
-    from hybridmem.parallel.inputs import HF_DEFAULT_BATCH, spec_from_inputs
+    from hybridmem.intake.config_keys import collect_warnings
+    from hybridmem.intake.merge import spec_from_inputs
+    from hybridmem.intake.readers.trainer import HF_DEFAULT_BATCH
 
     path = tmp_path / "args.json"
     path.write_text(json.dumps({"per_device_train_batch_sise": 4, "bf16": True,
@@ -198,16 +199,16 @@ def test_a_misspelled_training_args_key_warns_and_trainers_default_batch_is_pric
 
 
 def test_without_a_collector_the_warning_is_a_python_warning():
-    from hybridmem.parallel.config_keys import ConfigKeyWarning
-    from hybridmem.parallel.inputs import from_training_args
+    from hybridmem.intake.config_keys import ConfigKeyWarning
+    from hybridmem.intake.readers.trainer import from_training_args
 
     with pytest.warns(ConfigKeyWarning, match="gradient_acumulation_steps.*gradient_accumulation_steps"):
         from_training_args({"gradient_acumulation_steps": 4})
 
 
 def test_deepspeed_unknown_and_unpriced_keys_warn():
-    from hybridmem.parallel.config_keys import collect_warnings
-    from hybridmem.parallel.inputs import from_deepspeed_json
+    from hybridmem.intake.config_keys import collect_warnings
+    from hybridmem.intake.readers.trainer import from_deepspeed_json
 
     with collect_warnings() as caught:
         out = from_deepspeed_json({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5,
@@ -226,8 +227,8 @@ def test_deepspeed_unknown_and_unpriced_keys_warn():
 
 
 def test_bnb_and_peft_unknown_keys_warn(tmp_path):
-    from hybridmem.parallel.config_keys import collect_warnings
-    from hybridmem.parallel.inputs import spec_from_inputs
+    from hybridmem.intake.config_keys import collect_warnings
+    from hybridmem.intake.merge import spec_from_inputs
 
     bnb = tmp_path / "bnb.json"
     bnb.write_text(json.dumps({"load_in_4bit": True, "bnb_4bit_quant_typ": "nf4"}))
@@ -244,7 +245,7 @@ def test_bnb_and_peft_unknown_keys_warn(tmp_path):
 
 
 def test_every_conversion_key_is_declared_on_a_field():
-    from hybridmem.parallel.inputs import CONVERSIONS
+    from hybridmem.intake.readers.trainer import CONVERSIONS
 
     for source, conversions in CONVERSIONS.items():
         declared = set(schema.config_keys(source))
@@ -253,7 +254,7 @@ def test_every_conversion_key_is_declared_on_a_field():
 
 
 def test_declared_training_args_keys_are_trainer_or_extension_fields():
-    from hybridmem.parallel.config_keys import training_args_known
+    from hybridmem.intake.config_keys import training_args_known
 
     known = training_args_known()
     # world_size: torchrun's, not a TrainingArguments field; attn_implementation: a

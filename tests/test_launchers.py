@@ -18,10 +18,10 @@ from hybridmem.errors import SpecError
 from hybridmem.job.spec import DEFAULT_LORA_TARGETS
 from hybridmem.models import hub
 from hybridmem.models.loader import preset_names
-from hybridmem.parallel.config_keys import collect_warnings
-from hybridmem.parallel.inputs import resolve_inputs, spec_from_inputs
-from hybridmem.parallel.resolve import resolve
-from hybridmem.parallel.launchers import detect, read_config
+from hybridmem.intake.config_keys import collect_warnings
+from hybridmem.intake.merge import resolve_inputs, spec_from_inputs
+from hybridmem.intake.resolve import resolve
+from hybridmem.intake.dialects import detect, read_config
 
 # hiyouga/LLaMA-Factory examples/train_lora/llama3_lora_sft.yaml (model: its
 # meta-llama/Meta-Llama-3-8B-Instruct has no preset here)

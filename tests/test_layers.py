@@ -113,3 +113,36 @@ def test_no_module_cycles():
                                graph.get_import_details(importer=a, imported=b))
                 lines.append(f"    {a} -> {b} (l.{', l.'.join(map(str, where))})")
     assert not lines, "module import cycles:\n" + "\n".join(lines)
+
+
+def _by_name_edges(graph) -> dict[str, set[str]]:
+    """Module -> the modules it loads by a "package.module:function" string (a lookup the
+    import graph cannot see), for every such string constant in the package's source."""
+    import ast
+    import re
+
+    target = re.compile(rf"^({PACKAGE}(?:\.\w+)+):\w+$")
+    out: dict[str, set[str]] = {}
+    for module in graph.modules:
+        path = ROOT / (module.replace(".", "/") + ".py")
+        if not path.exists():
+            path = ROOT / module.replace(".", "/") / "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found = target.match(node.value)
+                if found and found.group(1) in graph.modules:
+                    out.setdefault(module, set()).add(found.group(1))
+    return out
+
+
+def test_no_cycles_through_what_is_looked_up_by_name():
+    """The learned tier and its policy are loaded by name (they sit above the chooser); counted
+    as imports, they must close no cycle either (the learned tier once imported `predict`)."""
+    graph = grimp.build_graph(PACKAGE, exclude_type_checking_imports=True, cache_dir=None)
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    named = _by_name_edges(graph)
+    assert named, "no by-name lookups found: the check would check nothing"
+    for module, targets in named.items():
+        edges[module] |= targets
+    found = strongly_connected(edges)
+    assert not found, "cycles through by-name lookups:\n" + "\n".join(" <-> ".join(c) for c in found)

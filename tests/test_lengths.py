@@ -194,7 +194,7 @@ def test_json_and_console(tmp_path, capsys):
 
 
 def test_training_args_keys(tmp_path):
-    from hybridmem.parallel.inputs import spec_from_inputs
+    from hybridmem.intake.merge import spec_from_inputs
 
     path = tmp_path / "args.json"
     path.write_text(json.dumps({"group_by_length": True, "seed": 3, "data_seed": 9,
@@ -212,7 +212,7 @@ def test_training_args_keys(tmp_path):
 
 
 def test_launcher_configs_say_the_sampler(tmp_path):
-    from hybridmem.parallel.resolve import resolve
+    from hybridmem.intake.resolve import resolve
 
     axolotl = tmp_path / "a.yml"
     axolotl.write_text("base_model: meta-llama/Llama-3.2-3B\ngroup_by_length: true\n"

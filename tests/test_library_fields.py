@@ -1,4 +1,4 @@
-"""Config classes' field names read from source (`parallel.library_fields`) equal what
+"""Config classes' field names read from source (`intake.library_fields`) equal what
 `dataclasses.fields` says of the installed classes, and the config front doors that use them
 import neither transformers nor torch."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridmem.parallel import config_keys, library_fields
+from hybridmem.intake import config_keys, library_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 

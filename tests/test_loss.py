@@ -16,7 +16,7 @@ from hybridmem.errors import SpecError
 from hybridmem.job import liger as L
 from hybridmem.job.loss import flce_chunk_size, torch_chunks
 from hybridmem.models import load_config
-from hybridmem.parallel.cli import spec_from_cli
+from hybridmem.intake.resolve import spec_from_cli
 from hybridmem.job.spec import LoraSpec, TrainingSpec
 from hybridmem.trace import estimate as trace_estimate, runner
 
@@ -161,7 +161,7 @@ def test_training_args_use_liger_kernel_equals_the_flag():
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(liger=True, chunked_ce=4), "chunked_ce"),
+    (dict(liger=True, chunked_ce=4), "loss"),  # one loss replacement (hybridmem.techniques)
     (dict(chunked_ce=-1), "chunked_ce"),
     (dict(liger=True, train="lora", lora=LoraSpec(targets=("q_proj", "lm_head"))), "liger"),
     (dict(liger=True, train="lora", lora=LoraSpec(modules_to_save=("lm_head",))), "liger"),
@@ -199,7 +199,7 @@ def test_cli_clash_exits_2(capsys):
     code = main(["predict", "--model", "tiny-llama", "--liger", "--chunked-ce", "4",
                  "--method", "analytic"])
     err = capsys.readouterr().err
-    assert code == 2 and "chunked_ce" in err and "Traceback" not in err
+    assert code == 2 and "--chunked-ce" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
 
 

@@ -18,7 +18,7 @@ from hybridmem import TrainingSpec
 from hybridmem.errors import SpecError
 from hybridmem.job import objective as rules
 from hybridmem.models import load_config
-from hybridmem.parallel.inputs import spec_from_inputs
+from hybridmem.intake.merge import spec_from_inputs
 
 trace = pytest.importorskip("hybridmem.trace")
 from hybridmem.trace import runner  # noqa: E402
@@ -292,8 +292,8 @@ def test_predict_picks_analytic_for_every_objective():
 # ---------------------------------------------------------------- launchers' YAML
 
 def _launched(tmp_path, name: str, text: str):
-    from hybridmem.parallel.config_keys import collect_warnings
-    from hybridmem.parallel.resolve import resolve
+    from hybridmem.intake.config_keys import collect_warnings
+    from hybridmem.intake.resolve import resolve
 
     path = tmp_path / name
     path.write_text(text)

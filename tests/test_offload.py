@@ -20,7 +20,7 @@ from hybridmem.analytic.estimate import estimate as analytic
 from hybridmem.errors import SpecError
 from hybridmem.job import offload
 from hybridmem.models import load_config
-from hybridmem.parallel.inputs import spec_from_inputs
+from hybridmem.intake.merge import spec_from_inputs
 
 trace = pytest.importorskip("hybridmem.trace")
 from hybridmem.trace import runner  # noqa: E402

@@ -19,7 +19,8 @@ from hybridmem.analytic import estimate as analytic
 from hybridmem.analytic.estimate import _setup
 from hybridmem.errors import SpecError
 from hybridmem.job.optimizers import HF_OPTIMS, OPTIMIZERS, Stepped, flat, from_hf, rule
-from hybridmem.parallel.inputs import from_training_args, spec_from_inputs
+from hybridmem.intake.merge import spec_from_inputs
+from hybridmem.intake.readers.trainer import from_training_args
 from hybridmem.parallel.sharding import rank_states, replicated
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel.cli import fit_lines, spec_from_cli
+from hybridmem.intake.resolve import spec_from_cli
+from hybridmem.parallel.cli import fit_lines
 from hybridmem.job.spec import TrainingSpec
 
 

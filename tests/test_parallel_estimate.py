@@ -11,7 +11,7 @@ from hybridmem.parallel.estimate import (
     NCCL_BYTES, analytic_points, estimate_per_rank, rank_fragmentation,
 )
 from hybridmem.parallel.fit import smallest_fitting_setup
-from hybridmem.parallel.inputs import spec_from_inputs
+from hybridmem.intake.merge import spec_from_inputs
 from hybridmem.parallel.sharding import replicated
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors

@@ -7,13 +7,9 @@ import json
 import pytest
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel.inputs import (
-    from_deepspeed_json,
-    from_training_args,
-    merge_inputs,
-    spec_from_inputs,
-)
-from hybridmem.parallel.recipes import RECIPES, ZERO3_JSON
+from hybridmem.intake.merge import merge_inputs, spec_from_inputs
+from hybridmem.intake.readers.trainer import from_deepspeed_json, from_training_args
+from hybridmem.intake.recipes import RECIPES, ZERO3_JSON
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.job.spec import TrainingSpec
 

@@ -130,7 +130,7 @@ def test_harness_builds_half_adapters_and_steps():
 
 
 def test_an_axis_flag_over_a_file_names_its_source(tmp_path):
-    from hybridmem.parallel.inputs import resolve_inputs
+    from hybridmem.intake.merge import resolve_inputs
 
     args = tmp_path / "args.json"
     args.write_text('{"bf16": true, "per_device_train_batch_size": 2}')

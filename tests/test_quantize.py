@@ -15,7 +15,7 @@ from hybridmem.analytic.timeline import peak
 from hybridmem.errors import SpecError
 from hybridmem.job.quantize import from_bnb_config
 from hybridmem.models import build_graph, load_config
-from hybridmem.parallel.cli import spec_from_cli
+from hybridmem.intake.resolve import spec_from_cli
 from hybridmem.job.spec import TrainingSpec
 
 

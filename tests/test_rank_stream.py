@@ -73,7 +73,7 @@ def test_rank_fragmentation_is_the_rank_replay():
 def test_llava_recipe_rank_is_not_the_single_gpu_fragmentation():
     """The issue's example: the 148 GiB single-GPU job's fragmentation is no longer each
     ZeRO-3 rank's (a rank holds ~36 GiB of tensors)."""
-    from hybridmem.parallel.cli import spec_from_cli
+    from hybridmem.intake.resolve import spec_from_cli
 
     spec = spec_from_cli(model="llava-1.5-7b", recipe="llava-1.5-finetune")
     single = predict(spec.with_(parallel=ParallelSpec()))

@@ -43,7 +43,7 @@ from hybridmem.job.optimizers import paged_notes
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
-from hybridmem.job.loss import liger_note, liger_text_type, torch_chunks
+from hybridmem.techniques import Technique, loss_of
 from hybridmem.families.decoders.model import NO_SDPA_TYPES
 from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
@@ -60,32 +60,22 @@ class Priced:
     step: Step
 
 
-def liger_applies(spec: TrainingSpec) -> bool:
-    """`--liger` on a model Liger patches (`job.loss.liger_text_type`; a type it skips trains
-    unchanged, one it patches with kernels not emulated here is a SpecError)."""
-    if not spec.liger:
-        return False
+def loss_applied(spec: TrainingSpec) -> Technique | None:
+    """The job's loss replacement (`techniques.loss_of`) where it changes the model: a model
+    the library skips trains unchanged (Liger's unknown types), one it patches with what is not
+    priced is a SpecError (`Technique.applies`)."""
+    technique = loss_of(spec)
+    if technique is None:
+        return None
     from hybridmem.models.loader import load_config_dict
 
     _, data = load_config_dict(spec.model)  # the JSON: no transformers import for two fields
-    text = data.get("text_config") or {}
-    return liger_text_type(data["model_type"], text.get("model_type")) is not None
-
-
-def cce_applies(spec: TrainingSpec) -> bool:
-    """`--cut-cross-entropy` on a model the CCE patch handles (`job.cce.check_model`: else a
-    SpecError)."""
-    if not spec.cut_cross_entropy:
-        return False
-    from hybridmem.job.cce import check_model
-    from hybridmem.models.loader import load_config_dict
-
-    _, data = load_config_dict(spec.model)
-    check_model(data["model_type"], (data.get("text_config") or {}).get("model_type"))
-    return True
+    text = (data.get("text_config") or {}).get("model_type")
+    return technique if technique.applies(data["model_type"], text) else None
 
 
 def context(spec: TrainingSpec) -> A.Ctx:
+    loss = loss_applied(spec)
     policy = POLICIES[spec.precision]
     amp = casts_weights(spec.precision)
     autocast = AXES[spec.precision].autocast != "none"
@@ -107,9 +97,9 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  lora_dropout=spec.lora.dropout if spec.lora else 0.0, ckpt=spec.grad_ckpt,
                  dora=bool(spec.lora and spec.lora.use_dora),
                  frozen_a=spec.optimizer == "lora-fa", quant=quant,
-                 liger=liger_applies(spec),
+                 liger=loss is not None and loss.NAME == "liger",
                  ce_chunks=spec.chunked_ce, param=policy.param_bytes,
-                 cce=cce_applies(spec),
+                 cce=loss is not None and loss.NAME == "cce",
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
                  objective=spec.objective, prompt=objective_rules.prompt_length(spec))
 
@@ -302,19 +292,9 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
                      f"tokens; the vision tower encodes {seen} per step")
     if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
         notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
-    if spec.liger and not liger_applies(spec):
-        notes.append(liger_note(graph.model_type))
-    elif spec.liger:
-        notes.append("liger: fused linear cross-entropy (no logits; grad_input and grad_weight "
-                     "made in the forward), RMSNorm, SwiGLU, RoPE as liger-kernel 0.8.5's "
-                     "kernels allocate (docs/loss.md); RMSNorm's (sm_count x H) dW partials "
-                     "are not counted")
-    if spec.cut_cross_entropy:
-        notes.append("cut_cross_entropy: no logits; lse, logit_avg and the counted tokens' "
-                     "indices saved, as cut-cross-entropy's kernels allocate (docs/loss.md)")
-    if spec.chunked_ce:
-        notes.append(f"chunked_ce: the logits in {spec.chunked_ce} chunks, each upcast to fp32 "
-                     "inside the loss (torchtune CEWithChunkedOutputLoss)")
+    loss = loss_of(spec)
+    if loss is not None:  # its note, or why it leaves this model unchanged
+        notes.append(loss.note(spec, graph.model_type, loss_applied(spec) is not None))
     if spec.attn == "flash_attention_2":
         notes.append("flash_attention_2: saved tensors as flash-attn's (q, k, v, out, lse); "
                      "its backward's fp32 dq_accum is counted, softmax_d is not")
@@ -433,13 +413,12 @@ def _loop(graph: ModelGraph, spec: TrainingSpec, stepped) -> dict:
     accumulation steps, the clipping temporaries."""
     custom = spec.loop == "custom"
     head = next(l for m, l in graph.layers() if l.kind == "lm_head").dims
-    logits = t(head["b"] * head["s"] * head["vocab"], POLICIES[spec.precision].compute_bytes)
-    if spec.chunked_ce:  # the output keeps the list of chunks (job.loss.chunked_loss_forward)
-        e = POLICIES[spec.precision].compute_bytes
-        logits = sum(t(head["b"] * n * head["vocab"], e)
-                     for n in torch_chunks(head["s"], spec.chunked_ce))
-    if liger_applies(spec) or spec.cut_cross_entropy:  # lce_forward / cce_forward: no logits
-        logits = 0
+    e = POLICIES[spec.precision].compute_bytes
+    loss = loss_applied(spec)  # a loss replacement's output keeps its own logits, or none
+    kept = None if loss is None else loss.kept_logits(spec, head["b"], head["s"],
+                                                      head["vocab"], e)
+    logits = t(head["b"] * head["s"] * head["vocab"], e) if kept is None else sum(
+        t(n, size) for n, size in kept)
     return {"custom": custom, "logits": logits if custom else 0,
             "loss": t(1, A.FP32) if custom else 0, "grad_accum": spec.grad_accum,
             "clip_temp": clip_temporary(stepped) if spec.max_grad_norm else 0}

@@ -206,12 +206,13 @@ def build_trainable(spec: TrainingSpec, config, device,
 
 
 def apply_loss(model: nn.Module, spec: TrainingSpec, config, device) -> None:
-    """`--chunked-ce N`: torchtune's chunked loss (`job.loss.apply_chunked_ce`, plain torch).
-    `--liger`: on CUDA liger-kernel itself as Trainer applies it (`job.liger.apply_real`; a
-    missing package is an `Unavailable` row); on the CPU stand-in the trace tier's emulated
-    kernels (`trace.model.apply_loss`), RoPE patched for the rest of this (one-job) process as
-    Liger's own patch is."""
-    from hybridmem.job import liger, loss
+    """The job's techniques: on CUDA each library itself as the trainer applies it
+    (`hybridmem.techniques.apply_real`: liger-kernel, cut-cross-entropy, torchtune's chunked
+    loss in plain torch; a missing package is an `Unavailable` row); on the CPU stand-in the
+    trace tier's emulated kernels (`trace.model.apply_loss`), RoPE patched for the rest of this
+    (one-job) process as Liger's own patch is."""
+    from hybridmem import techniques
+    from hybridmem.job import liger
 
     if device.type != "cuda":
         from hybridmem.trace.model import apply_loss as emulated
@@ -220,20 +221,10 @@ def apply_loss(model: nn.Module, spec: TrainingSpec, config, device) -> None:
         if text is not None:
             liger.rope_patched(text).__enter__()  # noqa: SIM115 - process-wide, as Liger's
         return
-    if spec.chunked_ce:
-        loss.apply_chunked_ce(model, spec.chunked_ce)
-    if spec.cut_cross_entropy:  # cut_cross_entropy.transformers.cce_patch (`job.cce`)
-        from hybridmem.job import cce
-
-        try:
-            cce.apply_real(model)
-        except ImportError as err:
-            raise Unavailable(str(err)) from err
-    if spec.liger:
-        try:
-            liger.apply_real(model)
-        except ImportError as err:
-            raise Unavailable(str(err)) from err
+    try:
+        techniques.apply_real(model, spec)
+    except ImportError as err:
+        raise Unavailable(str(err)) from err
 
 
 def prepare(spec: TrainingSpec, config, device) -> Job:

@@ -7,7 +7,7 @@
         check.step(step)          # once after `measure_after` steps: predicted vs measured
 
 The accelerator's state is what `accelerate launch --config_file` gave it, so it is handed to
-the same reader as `hybridmem predict --config accelerate.yaml` (`parallel/launchers/
+the same reader as `hybridmem predict --config accelerate.yaml` (`intake/dialects/
 accelerate.py`): `distributed_type`, `mixed_precision`, `num_processes`, and the DeepSpeed
 plugin's full config (`deepspeed_plugin.deepspeed_config`) as the DeepSpeed JSON.
 """
@@ -36,7 +36,7 @@ def check_accelerator(accelerator, model, *, micro_batch: int, seq_len: int,
                       **fields: object) -> RunCheck:
     """Price the prepared run (logged on the main process; `NoFit` with `fail_if_no_fit`) and
     return its `RunCheck`: call `.step(n)` after step n, `.end()` when training ends."""
-    from hybridmem.parallel.launchers import read_mapping
+    from hybridmem.intake.dialects import read_mapping
 
     mapping = accelerate_mapping(accelerator)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)

@@ -124,8 +124,8 @@ def trainer_inputs(args: object, model: object, *, world_size: int | None = None
 def resolve_live(inputs: LiveInputs):
     """The resolved job (`Resolved`: the spec and each field's source) and the readers'
     warnings, by `hybridmem predict`'s intake."""
-    from hybridmem.parallel.config_keys import collect_warnings
-    from hybridmem.parallel.resolve import resolve
+    from hybridmem.intake.config_keys import collect_warnings
+    from hybridmem.intake.resolve import resolve
 
     with collect_warnings() as warnings:
         resolved = resolve(deepspeed=inputs.deepspeed, training_args=inputs.training_args,

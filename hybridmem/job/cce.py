@@ -35,7 +35,6 @@ from types import MethodType
 
 from hybridmem.errors import SpecError
 from hybridmem.job.loss import IGNORE_INDEX
-from hybridmem.job.precision import POLICIES
 
 # model types the CCE patch handles with a plain `lm_head` (no softcap): apple's
 # `transformers/patch.py` `cce_patch` (llama, mistral) and axolotl's fork (qwen2, llava, whose
@@ -49,31 +48,6 @@ INT64, INT32, FP32, BOOL = 8, 4, 4, 1
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def check_spec(spec) -> None:
-    """Spec-level clashes of `cut_cross_entropy`: with `--liger` or `--chunked-ce` (each
-    replaces the same loss); LoRA / modules_to_save on lm_head (the patch reads
-    `lm_head.weight` directly); fp32 weights (`cce_backward_kernel` asserts fp16 / bf16)."""
-    if not isinstance(spec.cut_cross_entropy, bool):
-        raise SpecError("cut_cross_entropy", spec.cut_cross_entropy, [True, False])
-    if not spec.cut_cross_entropy:
-        return
-    if spec.liger:
-        raise SpecError("cut_cross_entropy", True, [False], reason="--liger already fuses the "
-                        "loss; give one of --liger, --cut-cross-entropy")
-    if spec.chunked_ce:
-        raise SpecError("cut_cross_entropy", True, [False], reason="--chunked-ce already "
-                        "replaces the loss; give one of --chunked-ce, --cut-cross-entropy")
-    if POLICIES[spec.precision].param_bytes != 2:
-        raise SpecError("precision", spec.precision,
-                        [p for p, pol in POLICIES.items() if pol.param_bytes == 2],
-                        reason="Cut Cross-Entropy's backward needs fp16 / bf16 weights and "
-                        "hidden states (cce_backward_kernel asserts it)")
-    if spec.lora is not None and ("lm_head" in spec.lora.targets
-                                  or "lm_head" in spec.lora.modules_to_save):
-        raise SpecError("cut_cross_entropy", True, [False], reason="CCE reads lm_head.weight "
-                        "directly: LoRA / modules_to_save on lm_head is bypassed")
 
 
 def check_model(model_type: str, text_type: str | None) -> None:

@@ -115,25 +115,6 @@ def check_liger_config(config: object, field: str = "training_args.liger_kernel_
                             reason="only Liger's default kernel set is priced")
 
 
-def check_loss_spec(spec) -> None:
-    """Spec-level clashes of `liger` / `chunked_ce` (model-free; `liger_text_type` needs the
-    model): both at once; LoRA or a trainable copy on lm_head under Liger (its FLCE reads
-    `lm_head.weight` directly, liger_kernel/transformers/model/llama.py
-    `lce_maybe_trainable_lm_head`, so an adapter there would be bypassed)."""
-    n = spec.chunked_ce
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise SpecError("chunked_ce", n, reason="must be a non-negative integer (0 = off)")
-    if not isinstance(spec.liger, bool):
-        raise SpecError("liger", spec.liger, [True, False])
-    if spec.liger and n:
-        raise SpecError("chunked_ce", n, [0], reason="--liger already fuses the loss "
-                        "(fused linear cross-entropy); give one of --liger, --chunked-ce")
-    if spec.liger and spec.lora is not None and (
-            "lm_head" in spec.lora.targets or "lm_head" in spec.lora.modules_to_save):
-        raise SpecError("liger", True, [False], reason="Liger's fused loss reads "
-                        "lm_head.weight directly: LoRA / modules_to_save on lm_head is bypassed")
-
-
 # ------------------------------------------------------------------ chunked CE (torch)
 
 def chunked_cross_entropy(logits: list, labels, ignore_index: int = IGNORE_INDEX):

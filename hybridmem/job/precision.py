@@ -90,6 +90,15 @@ def casts_weights(precision: str) -> bool:
     return axes.autocast != "none" and axes.weights_dtype == "fp32"
 
 
+def deepspeed_precision(strategy: str, precision: str) -> str:
+    """The precision a job really runs under `strategy`: DeepSpeed ZeRO's bf16/fp16 is a 16-bit
+    model + an fp32 master partition (the engine casts the module), priced as bf16-master (fp16
+    has the same bytes); anything else is unchanged."""
+    if strategy.startswith("zero") and precision in ("bf16-mixed", "fp16-mixed", "bf16-autocast"):
+        return "bf16-master"
+    return precision
+
+
 def _priced() -> str:
     """The priced combinations, weights/autocast[+master]=shorthand."""
     return ", ".join(f"{a.weights_dtype}/{a.autocast}" + ("+master" if a.master_weights else "")

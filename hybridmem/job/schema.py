@@ -178,7 +178,7 @@ def job_dict(spec: TrainingSpec) -> dict:
 
 JOB_EXTRAS: tuple[str, ...] = ("warnings", "sources", "defaults")
 """Keys the `job` object may carry besides fields (the config readers' warnings; `sources`:
-flat key -> where each non-default field came from, `hybridmem.parallel.inputs.Resolved`; the
+flat key -> where each non-default field came from, `hybridmem.intake.merge.Resolved`; the
 defaults the model decided, field -> why: `hybridmem.families.defaults`); ignored by
 `spec_from_job`."""
 

@@ -12,7 +12,7 @@ from typing import Literal, get_args
 
 from hybridmem.errors import SpecError
 from hybridmem.job.field import added_defaults, job_field
-from hybridmem.job.loss import check_loss_spec
+from hybridmem import techniques
 from hybridmem.job.objective import OBJECTIVES, REF_MODELS
 from hybridmem.job.images import normalize_image_size
 from hybridmem.job.offload_rules import MODES as OFFLOAD_MODES
@@ -372,6 +372,15 @@ class TrainingSpec:
         "and the harness; [docs/savers.md](docs/savers.md)")
     """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
     `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
+    loss: str | None = job_field(
+        None, help="Loss replacement: none, liger, chunked-ce or cce (the 3 flags below).",
+        group="savers", choices=techniques.LOSS_CHOICES, added=50,
+        doc="how the loss is computed, one choice at a time (`hybridmem.techniques`): `none` "
+        "(transformers' `ForCausalLMLoss` over the logits), `liger` (= `--liger`), "
+        "`chunked-ce` (= `--chunked-ce N`, 8 chunks unless given), `cce` (= "
+        "`--cut-cross-entropy`); the three flags are shorthands for it, and two of them at "
+        "once exit 2. [docs/loss.md](docs/loss.md)")
+    """The loss axis; folded into its shorthand fields at construction (then None)."""
     liger: bool = job_field(
         False, help="Liger kernels (use_liger_kernel=True).", group="savers",
         feature=True, added=14, recorded="bool",
@@ -594,6 +603,11 @@ class TrainingSpec:
                                                    self.autocast, self.master_weights))
         for axis in ("weights_dtype", "autocast", "master_weights"):
             object.__setattr__(self, axis, None)
+        # the loss axis names its shorthand field (hybridmem.techniques.fold_loss)
+        for name, value in techniques.fold_loss(self.loss, self.liger, self.chunked_ce,
+                                                self.cut_cross_entropy).items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "loss", None)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("train", self.train, TRAINABLES)
         if self.attn is not None:  # None: resolved per model (families.defaults)
@@ -655,10 +669,7 @@ class TrainingSpec:
 
         check_adapters(self.adapter_dtype, self.precision, self.train,
                        bool(self.lora and self.lora.use_dora), self.quantize)
-        check_loss_spec(self)
-        from hybridmem.job.cce import check_spec as check_cce
-
-        check_cce(self)
+        techniques.check(self)  # each technique's rules, and one loss replacement at a time
         from hybridmem.job import objective
 
         objective.check(self)

@@ -52,7 +52,7 @@ def analytic_base(spec: TrainingSpec) -> Prediction:
     `predictor.estimate` (a user's spec) both call it, so a residual is learned and applied on
     the same per-rank figure, and the strategy features say what the sharding left to correct.
     """
-    from hybridmem.predict import estimator
+    from hybridmem.tiers import estimator
 
     return estimator("analytic")(spec)
 

@@ -135,7 +135,7 @@ def trace_row(spec: TrainingSpec, base: Prediction, trace_fn=None) -> tuple[dict
 
     try:
         if trace_fn is None:  # per rank, as `tier_rows` priced the dataset's trace figures
-            from hybridmem.predict import estimator
+            from hybridmem.tiers import estimator
             trace_fn = estimator("trace")
         t = trace_fn(spec)
     except (SpecError, ImportError) as err:
@@ -329,9 +329,9 @@ def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
 
     The base is `features.analytic_base` (per rank for a multi-GPU spec), the very function the
     training rows were featurised with; `predict.estimator` therefore does not shard this tier's
-    answer again (`predict.PER_RANK_TIERS`)."""
+    answer again (`tiers.PER_RANK_TIERS`)."""
     from hybridmem.learned.features import resolve_base
-    from hybridmem.predict import estimator, refusal
+    from hybridmem.tiers import estimator, refusal
     from hybridmem.families.defaults import resolved
 
     spec = resolved(spec)  # attn / precision left open follow the model

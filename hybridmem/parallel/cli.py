@@ -1,35 +1,9 @@
-"""Pure functions behind `hybridmem predict`: the options -> the TrainingSpec, the fit advice ->
-console lines.
-
-`spec_from_cli` takes the raw option values (None = not given on the command line) and returns
-the TrainingSpec; `fit_lines` turns `smallest_fitting_setup`'s answer into console lines.
-"""
+"""The `--gpu` fit advice as console lines: `fit_lines` turns `smallest_fitting_setup`'s answer
+into what `hybridmem predict` prints (the options -> the job is `hybridmem.intake.resolve`)."""
 
 from __future__ import annotations
 
-from hybridmem.parallel.inputs import Resolved
-from hybridmem.parallel.resolve import resolve
-from hybridmem.job.spec import TrainingSpec
-
 GiB = 2**30
-
-
-def resolve_cli(*, model: str | None = None, recipe: str | None = None,
-                deepspeed: str | None = None, training_args: str | None = None,
-                config: str | None = None, config_format: str | None = None,
-                **values: object) -> Resolved:
-    """Recipe < launcher config < training args < DeepSpeed JSON < explicit flags, and where
-    each field came from. `values` are the other options by job-schema key
-    (`hybridmem.job.schema.BY_KEY`: micro_batch, precision, world_size, strategy, lora_r, ...),
-    plus zero_stage, peft_config and quantization_config (files); None means "not given"."""
-    return resolve(recipe=recipe, deepspeed=deepspeed, training_args=training_args,
-                   overrides={"model": model, **values}, config=config,
-                   config_format=config_format)
-
-
-def spec_from_cli(**options: object) -> TrainingSpec:
-    """`resolve_cli`'s TrainingSpec."""
-    return resolve_cli(**options).spec
 
 
 def _describe(option: dict) -> str:

@@ -269,7 +269,7 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
 
 def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[..., Prediction]:
     """Wrap a tier's estimate so that data-parallel specs are priced per rank (the hook used by
-    `hybridmem.predict.estimator`); tier options go to the single-GPU estimate. The analytic
+    `hybridmem.tiers.estimator`); tier options go to the single-GPU estimate. The analytic
     tier also lends its whole timeline."""
     from hybridmem.analytic import estimate as analytic
 

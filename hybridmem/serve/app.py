@@ -96,9 +96,9 @@ class Service:
         """(the answer, whether it came from the cache)."""
         from hybridmem.answer import resolve_gpu, resolve_job
         from hybridmem.job.schema import job_dict
-        from hybridmem.predict import choose_method
+        from hybridmem.intake.resolve import resolve_once
 
-        from hybridmem.parallel.config_keys import collect_warnings
+        from hybridmem.intake.config_keys import collect_warnings
 
         with collect_warnings() as read:  # a pasted launcher config is read here
             job: Job = parse_body(body, self.workdir)
@@ -111,7 +111,8 @@ class Service:
         hit = self.cache.get(key)
         if hit is not None:
             return hit, True
-        if choose_method(resolved.spec, job.method).method == "trace":
+        resolved = resolve_once(resolved, job.method)  # the defaults and the tier, once
+        if resolved.method == "trace":
             future = self.pool.submit(resolved, warnings, gpu, job.method, job.find_max_batch,
                                       job.timeline, job.every_gpu)
             try:

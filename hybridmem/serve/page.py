@@ -37,7 +37,7 @@ def read_config(body: object, workdir: Path) -> dict:
     """The job fields a pasted config sets (`values`), their `sources` and the `warnings`."""
     from hybridmem.answer import resolve_job
     from hybridmem.job import schema
-    from hybridmem.parallel.config_keys import collect_warnings
+    from hybridmem.intake.config_keys import collect_warnings
     from hybridmem.serve.request import parse_body
 
     if not isinstance(body, dict) or not isinstance(body.get("config"), str):

@@ -22,33 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.job import schema
-from hybridmem.parallel.launchers import DIALECTS
+from hybridmem.job import options, schema
+from hybridmem.intake.dialects import DIALECTS
 
-REQUEST_FIELDS: dict[str, str] = {
-    "gpu": "GPU from the catalogue (GET /v1/gpus), e.g. h100-80gb",
-    "gpu_mem": "GPU memory in GiB (instead of gpu)",
-    "gpu_count": "GPUs in the job: the same as world_size",
-    "method": "analytic, trace or hybrid (default: chosen per job)",
-    "find_max_batch": "search the largest micro-batch that fits the GPU",
-    "timeline": "add `timeline`: the trace tier's memory over the allocator's events (the "
-                "JSON of the CLI's --timeline FILE.json, at most a few hundred points); "
-                "the other tiers draw none and leave it out",
-    "every_gpu": "add `every_gpu`: the verdict for each GPU in the catalogue",
-    "recipe": "llava-1.5-{pretrain,finetune,finetune-lora} (official LLaVA-1.5 scripts)",
-    "config": "a launcher's config as text: LLaMA-Factory / axolotl / torchtune / accelerate "
-              "YAML, or a TrainingArguments or DeepSpeed JSON",
-    "config_format": "llamafactory, axolotl, torchtune, accelerate, training_args or deepspeed "
-                     "(default: from its keys)",
-    "deepspeed": "DeepSpeed config (an object)",
-    "training_args": "HF TrainingArguments fields (an object)",
-    "peft_config": "PEFT adapter_config.json (an object, or its JSON text)",
-    "quantization_config": "BitsAndBytesConfig (an object)",
-}
-"""Body keys that are not job fields -> their one-line help (the OpenAPI schema and the page)."""
+REQUEST_FIELDS: dict[str, str] = options.API_FIELDS
+"""Body keys that are not job fields -> their one-line help (the OpenAPI schema and the page),
+declared once with the CLI's (`hybridmem.job.options`)."""
 
 CONFIG_FORMATS: tuple[str, ...] = (*DIALECTS, "training_args", "deepspeed")
-"""`--config-format`'s dialects (`parallel.launchers.DIALECTS`) and the two JSON files."""
+"""`--config-format`'s dialects (`intake.dialects.DIALECTS`) and the two JSON files."""
 CONFIG_NAMES: dict[str, str] = {"training_args": "training_args.json",
                                 "deepspeed": "deepspeed.json"}
 """How the sources and warnings name pasted text (a launcher's YAML: `config.yaml`)."""
@@ -160,8 +142,8 @@ def _config(text: object, config_format: object, deepspeed: dict | None,
             folder: Path) -> dict:
     """The values a pasted config sets: `config` (a launcher's, read), or `training_args` /
     `deepspeed` (a JSON of those)."""
-    from hybridmem.parallel.launchers import detect, read_mapping
-    from hybridmem.parallel.launchers.common import parse_yaml
+    from hybridmem.intake.dialects import detect, read_mapping
+    from hybridmem.intake.dialects.common import parse_yaml
 
     if not isinstance(text, str):
         raise SpecError("config", type(text).__name__, reason="must be the config's text")

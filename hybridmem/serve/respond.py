@@ -30,18 +30,19 @@ def respond(resolved, warnings: list[str], gpu, method: str | None, find_max_bat
     """The answer's dict; `timeline`: add the trace tier's timeline (`timeline_of`; other tiers
     draw none, so it is left out there); `every_gpu`: add `every_gpu` (`verdicts`)."""
     from hybridmem.answer import answer
-    from hybridmem.predict import choose_method
+    from hybridmem.intake.resolve import ResolvedJob, resolve_once
 
-    chosen = choose_method(resolved.spec, method).method
+    job = resolved if isinstance(resolved, ResolvedJob) else resolve_once(resolved, method)
+    chosen = job.method
     with tempfile.TemporaryDirectory(prefix="hybridmem-timeline-") as folder:
         path = Path(folder) / "timeline.json" if timeline and chosen == "trace" else None
-        result = answer(resolved, warnings, gpu, method=method, find_max_batch=find_max_batch,
+        result = answer(job, warnings, gpu, method=method, find_max_batch=find_max_batch,
                         timeline=None if path is None else str(path))
         out = result.to_dict()
         if path is not None:
             out["timeline"] = timeline_of(path)
     if every_gpu:
-        out["every_gpu"] = verdicts(result.result, resolved.spec, chosen)
+        out["every_gpu"] = verdicts(result.result, job, chosen)
     return out
 
 
@@ -67,7 +68,7 @@ def verdicts(result, spec, method: str) -> list[dict]:
         if name == result.gpu_name:
             fit, headroom, by = result.fit, result.headroom_bytes, "replay"
         elif method in REPLAYED_TIERS:
-            other = predict(spec, method=method, gpu=gpu)
+            other = predict(spec, method=method, gpu=gpu)  # `spec`: a ResolvedJob, or a spec
             fit, headroom, by = other.fit, other.headroom_bytes, "replay"
         else:
             fit = "yes" if result.fits_within(gpu.memory_bytes) else "no"

@@ -36,7 +36,7 @@ def attn_for_cpu(attn: str) -> str:
 def unsupported(spec: TrainingSpec, what: str, err: BaseException) -> UnsupportedModelError:
     """The one line for a model the trace tier cannot run: the model's own error, whitespace
     folded and cut to 300 characters (transformers' messages span lines and URLs); `predict`
-    adds the tier that prices the job, if any (`predict.no_tier`)."""
+    adds the tier that prices the job, if any (`tiers.no_tier`)."""
     text = " ".join(str(err).split())[:300]
     return UnsupportedModelError("model", spec.model,
                                  reason=f"{what} ({type(err).__name__}: {text})")
@@ -283,25 +283,13 @@ add_lora = add_adapters  # the LoRA-only name callers used before train='peft'
 
 
 def apply_loss(model: nn.Module, spec: TrainingSpec, config) -> str | None:
-    """`--liger`: the emulated Liger kernels patched into the instance as Trainer's
-    `apply_liger_kernel` does (`hybridmem.job.liger`; returns the text model type, whose RoPE
-    the run patches, or None where Liger skips the model); `--chunked-ce N`: torchtune's
-    chunked loss (`hybridmem.job.loss.apply_chunked_ce`); `--cut-cross-entropy`: CCE."""
-    from hybridmem.job import liger, loss
+    """The job's techniques patched into the instance, emulated as their libraries patch it
+    (`hybridmem.techniques.install`: Liger's kernels as Trainer's `apply_liger_kernel` does,
+    torchtune's chunked loss, Cut Cross-Entropy); returns the text model type whose RoPE the
+    run patches (Liger's), or None."""
+    from hybridmem import techniques
 
-    if spec.chunked_ce:
-        loss.apply_chunked_ce(model, spec.chunked_ce)
-    if spec.cut_cross_entropy:  # the emulated CCE patch (`hybridmem.job.cce`)
-        from hybridmem.job import cce
-
-        cce.emulate(model, config)
-    if not spec.liger:
-        return None
-    text_cfg = getattr(config, "text_config", None)
-    text = loss.liger_text_type(config.model_type, getattr(text_cfg, "model_type", None))
-    if text is not None:
-        liger.patch_instance(model)
-    return text
+    return techniques.install(model, spec, config)
 
 
 def top_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -9,15 +9,19 @@ way transformers does it (`integrations/deepspeed.py`, `HfTrainerDeepSpeedConfig
 Which key sets which field comes from the job schema (`hybridmem.job.schema.config_keys`):
 a declared key is copied onto its field, the conversions below read the keys that need more and
 declare them; any other key is known to the file's library or a warning
-(`hybridmem.parallel.config_keys`). Every problem is a one-line SpecError (malformed JSON, an
+(`hybridmem.intake.config_keys`). Every problem is a one-line SpecError (malformed JSON, an
 "auto" that cannot be resolved, contradictory options).
 
 A launcher's own config file (`--config`: LLaMA-Factory, axolotl, torchtune YAML, read by
-`hybridmem.parallel.launchers`, which builds on the readers here; `hybridmem.parallel.resolve`
-joins the two) is one more layer, above a recipe and below the other files:
+`hybridmem.intake.dialects`, which builds on the readers here; `hybridmem.intake.merge`
+joins them) is one more layer, above a recipe and below the other files:
 its launcher's defaults, then its keys. Each layer says where each field it sets came from
 (`sources`: flat key -> "FILE: key", "flag --x", "launcher default (...)"), and
 `resolve_inputs` returns those of the fields the job does not leave at the schema default.
+HF Trainer's own inputs are read here, with the helpers every reader shares: its
+`TrainingArguments` (and TRL's trainer configs) and the DeepSpeed JSON it resolves from them;
+the PEFT and BitsAndBytes files beside it (`readers.peft`, `readers.bnb`), the layers joined in
+`hybridmem.intake.merge`.
 """
 
 from __future__ import annotations
@@ -25,20 +29,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from hybridmem.adapters import read_adapter_config, spec_fields
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
 from hybridmem.job.loss import check_liger_config
-from hybridmem.models import hub
 from hybridmem.jsonfile import read_json_object
-from hybridmem.parallel import config_keys, fsdp_config
-from hybridmem.parallel.recipes import RECIPES
-from hybridmem.job.parallel import ParallelSpec
-from hybridmem.parallel.validate import check_parallel
-from hybridmem.job.spec import LoraSpec, TrainingSpec
+from hybridmem.intake import config_keys
+from hybridmem.intake.readers import fsdp as fsdp_config
 
 # transformers `OptimizerNames` -> our optimizer names: the registry's (`job.optimizers`)
 HF_DEFAULT_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
@@ -106,6 +105,14 @@ def attribute(out: dict, before: dict, before_sources: dict, where: str, given: 
         own = [k for k in given if meta is not None and k in meta.keys.get(source, ())]
         keys = own or given
         sources[key] = f"{where}: {'/'.join(keys)}" if keys else default
+
+
+def file_source(where: str, source: str, key: str, data: dict) -> str:
+    """"WHERE: key" for a field read from a `source` file: the file keys the schema declares
+    for it that the file holds (`schema.config_keys`)."""
+    meta = schema.BY_KEY.get(key)
+    keys = [k for k in (meta.keys.get(source, ()) if meta else ()) if k in data]
+    return f"{where}: {'/'.join(keys)}" if keys else where
 
 
 def _count(field: str, value: object) -> int:
@@ -467,7 +474,7 @@ def _sharding(args: dict, out: dict) -> None:
 def _fsdp_config(args: dict, out: dict) -> None:
     """`fsdp_config` (an object, or a path to a JSON one, as TrainingArguments takes it) of an
     `fsdp` run: reshard_after_forward, checkpointing, a mixed-precision policy
-    (`hybridmem.parallel.fsdp_config`). Without `fsdp` transformers ignores it ("useful only
+    (`hybridmem.intake.readers.fsdp`). Without `fsdp` transformers ignores it ("useful only
     when --fsdp is specified", training_args.py)."""
     cfg = args.get("fsdp_config")
     if not cfg or out["parallel"].get("strategy") != "fsdp":
@@ -659,297 +666,3 @@ def _world_size_from_batch(cfg: dict, micro: int, hf: dict) -> int | None:
         raise SpecError("deepspeed.train_batch_size", total,
                         reason=f"is not micro batch {micro} x grad accumulation {gas} x world size")
     return total // (micro * gas)
-
-
-# ---------------------------------------------------------------- merging
-
-def _file_source(where: str, source: str, key: str, data: dict) -> str:
-    """"WHERE: key" for a field read from a `source` file: the file keys the schema declares
-    for it that the file holds (`schema.config_keys`)."""
-    meta = schema.BY_KEY.get(key)
-    keys = [k for k in (meta.keys.get(source, ()) if meta else ()) if k in data]
-    return f"{where}: {'/'.join(keys)}" if keys else where
-
-
-def flag_source(key: str) -> str:
-    """How the job names a value given on the command line: the option it was given as."""
-    meta = schema.BY_KEY.get(key)
-    if meta is not None and meta.cli:
-        return "flag " + meta.cli[0].split("/")[0]
-    return "flag --" + key.replace("_", "-")
-
-
-def _layer_overrides(overrides: dict, model: str | None = None) -> dict:
-    """Explicit values by job-schema key (`hybridmem.job.schema.BY_KEY`: TrainingSpec and
-    ParallelSpec field names, `lora_<field>` for LoRA settings), plus the files given as
-    options (`peft_config`, `quantization_config`) and `zero_stage`. `model`: the job's model
-    (the flag's, else the launcher config's), whose config.json may hold a quantization_config.
-    A hub id given as `model` becomes its preset (`hybridmem.models.hub`)."""
-    spec, parallel, lora, sources = {}, {}, {}, {}
-    if overrides.get("peft_config") is not None:  # first, so --lora-* flags refine it
-        source = overrides["peft_config"]
-        cfg = read_adapter_config(source)
-        where = _where(source, "peft_config")
-        known = config_keys.peft_known(cfg["peft_type"])
-        if known is not None:
-            config_keys.check_keys("peft", cfg, where, used=used_keys("peft"), known=lambda: known)
-        adapter = spec_fields(cfg)
-        if overrides.get("train") not in (None, adapter["train"]):
-            raise SpecError("train", overrides["train"], [adapter["train"]],
-                            reason="--peft-config sets the trained parameters")
-        spec["train"] = adapter["train"]
-        sources["train"] = f"{where}: peft_type"
-        if adapter["train"] == "lora":
-            lora.update({f.name: getattr(adapter["lora"], f.name) for f in fields(LoraSpec)})
-            sources.update({f"lora_{f.name}": _file_source(where, "peft", f"lora_{f.name}", cfg)
-                            for f in fields(LoraSpec)})
-        else:
-            spec["peft_config"] = adapter["peft_config"]
-            sources["peft_config"] = where
-    quant, quant_sources = _quantization(overrides, model)
-    spec.update(quant)
-    sources.update(quant_sources)
-    layer = {"spec": spec, "parallel": parallel, "lora": lora, "sources": sources,
-             "label": "flag"}
-    for key, value in overrides.items():
-        if value is None or key in OPTION_FILES:
-            continue
-        meta = schema.BY_KEY.get(key)
-        if meta is not None:
-            value = schema.parse_cli(meta, value)
-            sources[key] = flag_source(key)
-            if key == "model" and hub.resolve(value) != value:
-                sources[key] += f" ({value})"
-                value = hub.resolve(value)
-            layer[meta.owner][meta.name] = value
-        elif key == "zero_stage":
-            if value not in (1, 2, 3):
-                raise SpecError("zero_stage", value, [1, 2, 3])
-            parallel["strategy"] = f"zero{value}"
-            sources["strategy"] = "flag --zero-stage"
-        else:
-            raise SpecError("overrides", key, sorted((*schema.BY_KEY, "zero_stage", *OPTION_FILES)))
-    return layer
-
-
-def _bnb_dict(source: str | os.PathLike | dict) -> dict:
-    """The BitsAndBytesConfig object of `--quantization-config`: the JSON itself, or the
-    `quantization_config` of a model's config.json (a file or its folder)."""
-    if isinstance(source, dict):
-        return source
-    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
-    data = read_json_object(path, "quantization_config")
-    if "quantization_config" in data and "load_in_4bit" not in data \
-            and "_load_in_4bit" not in data:
-        data = data["quantization_config"]  # a model config.json
-    return data
-
-
-def _quantization(overrides: dict, model: str | None = None) -> tuple[dict, dict]:
-    """Quantisation fields (and their sources) from `--quantization-config FILE` (a
-    BitsAndBytesConfig JSON), else from the `quantization_config` inside the model's
-    config.json (a pre-quantised checkpoint's); `--quantize` given alone keeps the spec's
-    defaults (QLoRA: nf4 + double quant). A `--quantize` that contradicts the file is an error
-    naming both."""
-    from hybridmem.job.quantize import from_bnb_config
-
-    out: dict = {}
-    where, data = None, {}
-    model = model or overrides.get("model")
-    if overrides.get("quantization_config") is not None:
-        source = overrides["quantization_config"]
-        data = _bnb_dict(source)
-        where = _where(source, "quantization_config")
-        config_keys.check_keys("bnb", data, where, used=used_keys("bnb"),
-                               known=config_keys.bnb_known)
-        out = from_bnb_config(data)
-    elif model:
-        from hybridmem.models.loader import load_config_dict
-
-        try:  # the JSON itself: transformers keeps `quantization_config` as the dict it reads
-            qc = load_config_dict(model)[1].get("quantization_config")
-        except SpecError:
-            qc = None  # the model's own error comes where the model is built
-        if qc:
-            data = qc if isinstance(qc, dict) else qc.to_dict()
-            where = f"{model} config.json: quantization_config"
-            out = from_bnb_config(data, "model.quantization_config")
-    given = overrides.get("quantize")
-    if out and given is not None and given != out["quantize"]:
-        if given == "none":
-            return {}, {}
-        raise SpecError("quantize", given, [out["quantize"], "none"],
-                        reason="--quantization-config / the model's quantization_config says "
-                        f"{out['quantize']!r}")
-    return out, {key: _file_source(where, "bnb", key, data) for key in out}
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A job resolved from its inputs, and where each of its non-default fields came from."""
-
-    spec: TrainingSpec
-    sources: dict[str, str]
-    """Flat job-schema key -> "flag --x", "FILE: key", "launcher default (...)", "recipe NAME:
-    key", ...: every field not at the schema default (`job["sources"]` in `--json`)."""
-
-
-def resolve_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
-                   training_args: str | os.PathLike | dict | None = None,
-                   overrides: dict | None = None, launched=None) -> Resolved:
-    """The validated TrainingSpec of the inputs (parallel settings checked against the rest) and
-    its fields' sources. Layers, lowest first: recipe < launcher config (`launched`: a
-    `hybridmem.parallel.launchers.LauncherConfig`, its launcher's defaults and its keys) <
-    training args < DeepSpeed < explicit overrides (`hybridmem.parallel.resolve` reads a
-    `--config` file and calls this)."""
-    kwargs, sources = _merge(recipe, deepspeed, training_args, overrides, launched)
-    if "model" not in kwargs:
-        raise SpecError("model", None, reason="give --model (or a --config that names one)")
-    spec = TrainingSpec(**kwargs)
-    check_parallel(spec)
-    return Resolved(spec, _non_default(spec, sources))
-
-
-def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
-                 training_args: str | os.PathLike | dict | None = None,
-                 overrides: dict | None = None) -> dict:
-    """TrainingSpec keyword arguments from the inputs; explicit `overrides` win over files, files
-    over the recipe, and a file read as a Trainer run (a recipe, TrainingArguments) starts from
-    Trainer's default batch. `overrides` take job-schema keys (`_layer_overrides`); None values
-    are ignored."""
-    return _merge(recipe, deepspeed, training_args, overrides, None)[0]
-
-
-def _merge(recipe, deepspeed, training_args, overrides, launched) -> tuple[dict, dict]:
-    overrides = overrides or {}
-    over = _layer_overrides(overrides, overrides.get("model") or (launched and launched.model))
-    layers: list[dict] = []
-    ds_sources: list[tuple] = []  # (DeepSpeed config, where it came from)
-    hf: dict | None = None
-    if recipe is not None or training_args is not None:
-        # a Trainer run: TrainingArguments' own default batch where no file sets one
-        layers.append({"spec": {"micro_batch": HF_DEFAULT_BATCH}, "parallel": {}, "lora": {},
-                       "label": TRAINER_DEFAULT})
-    if recipe is not None:
-        if recipe not in RECIPES:
-            raise SpecError("recipe", recipe, sorted(RECIPES))
-        ta = from_training_args(RECIPES[recipe]["training_args"], where=f"recipe {recipe}")
-        ta["spec"].update(RECIPES[recipe].get("spec", {}))
-        layers.append(ta)
-        hf = {**ta["hf"], "_given": False}
-        ds_sources.append((RECIPES[recipe]["deepspeed"], f"recipe {recipe} (DeepSpeed)"))
-    if launched is not None:
-        layers += launched.layers
-        hf = {**launched.hf, "_given": False}
-        if launched.deepspeed is not None:
-            ds_sources.append((launched.deepspeed, launched.deepspeed_where))
-        elif any(layer["parallel"].get("strategy") == "fsdp" for layer in launched.layers):
-            ds_sources.clear()  # the launcher's FSDP replaces the recipe's DeepSpeed config
-    if training_args is not None:
-        ta = from_training_args(training_args)
-        layers.append(ta)
-        hf = ta["hf"]
-        if ta["deepspeed"] is not None:
-            ds_sources.append((ta["deepspeed"], ta["deepspeed_where"] or "training_args.deepspeed"))
-        elif ta["parallel"].get("strategy") == "fsdp":
-            ds_sources.clear()  # the user's own args replace the recipe's DeepSpeed config
-    if deepspeed is not None:
-        if any(layer["parallel"].get("strategy") == "fsdp" for layer in layers[-1:]):
-            raise SpecError("deepspeed", str(deepspeed),
-                            reason="FSDP (training args) and DeepSpeed cannot both be set")
-        ds_sources.append((deepspeed, None))
-    if "micro_batch" in over["spec"]:
-        hf = {**(hf or HF_DEFAULTS), "per_device_train_batch_size": over["spec"]["micro_batch"],
-              "_given": False}
-    if ds_sources:
-        model = over["spec"].get("model") or (launched and launched.model)
-        hidden = hidden_size_of(model) if model else None
-        source, where = ds_sources[-1]
-        layers.append(from_deepspeed_json(source, hidden_size=hidden, hf=hf, where=where))
-    layers.append(over)
-    return _combine(layers, over)
-
-
-def deepspeed_precision(strategy: str, precision: str) -> str:
-    """The precision a job really runs under `strategy`: DeepSpeed ZeRO's bf16/fp16 is a 16-bit
-    model + an fp32 master partition (the engine casts the module), priced as bf16-master (fp16
-    has the same bytes); anything else is unchanged."""
-    if strategy.startswith("zero") and precision in ("bf16-mixed", "fp16-mixed", "bf16-autocast"):
-        return "bf16-master"
-    return precision
-
-
-def _combine(layers: list[dict], over: dict) -> tuple[dict, dict]:
-    spec: dict = {}
-    parallel: dict = {}
-    lora: dict = {}
-    sources: dict = {}
-    values: dict = {}
-    multi_gpu = "ddp"
-    for layer in layers:
-        spec.update(layer["spec"])
-        parallel.update(layer["parallel"])
-        lora.update(layer["lora"])
-        multi_gpu = layer.get("multi_gpu_strategy", multi_gpu)
-        said = layer.get("sources", {})
-        for key, value in layer_values(layer).items():
-            if key in said:
-                sources[key] = said[key]
-            elif values.get(key, object()) != value or key not in sources:
-                sources[key] = layer.get("label", "?")
-            values[key] = value
-    if parallel.get("strategy") == "fsdp" and any(
-            layer["parallel"].get("strategy", "").startswith("zero") for layer in layers):
-        if "strategy" not in over["parallel"]:
-            raise SpecError("parallel.strategy", "fsdp+zero",
-                            reason="FSDP and DeepSpeed ZeRO cannot both be set")
-    ws = parallel.get("world_size", 1)
-    if parallel.get("strategy", "none") == "none" and ws > 1:
-        # torchrun + HF Trainer without DeepSpeed/FSDP is DDP; a launcher's multi-GPU recipe
-        # may say otherwise (torchtune's distributed recipes shard with FSDP2)
-        parallel["strategy"] = multi_gpu
-        sources["strategy"] = (f"{sources.get('world_size', 'world_size')}: "
-                               f"{multi_gpu} across {ws} GPUs")
-    if "precision" in spec and "precision" not in over["spec"]:
-        ran = deepspeed_precision(str(parallel.get("strategy", "")), spec["precision"])
-        if ran != spec["precision"]:
-            sources["precision"] = f"{sources.get('precision', '?')} under DeepSpeed ZeRO"
-        spec["precision"] = ran
-    axes = [key for key in schema.AXIS_KEYS if over["spec"].get(key) is not None]
-    if axes:  # precision axes given as flags override the shorthand (job.precision.fold)
-        given = ", ".join(flag_source(key) for key in axes)
-        sources["precision"] = given + (f" over {sources['precision']}"
-                                        if "precision" in sources else "")
-    if spec.get("train") == "lora":
-        spec["lora"] = LoraSpec(**lora)
-    elif over["lora"]:
-        raise SpecError("train", spec.get("train", "full"), ["lora"],
-                        reason="--lora-* options need --train lora")
-    spec["parallel"] = ParallelSpec(**parallel)
-    return spec, sources
-
-
-def _non_default(spec: TrainingSpec, sources: dict) -> dict:
-    """The sources of the fields `spec` does not leave at the schema default (and the model)."""
-    job = schema.job_dict(spec)
-    out = {}
-    for meta in schema.FIELDS:
-        if meta.key not in sources:
-            continue
-        if meta.owner == "lora":
-            value = None if job["lora"] is None else job["lora"][meta.name]
-            if value is None:
-                continue
-        else:
-            value = job[meta.name]
-        default = list(meta.default) if isinstance(meta.default, tuple) else meta.default
-        if meta.name == "model" or value != default:
-            out[meta.key] = sources[meta.key]
-    return out
-
-
-def spec_from_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
-                     training_args: str | os.PathLike | dict | None = None,
-                     overrides: dict | None = None) -> TrainingSpec:
-    """`resolve_inputs`' TrainingSpec (parallel settings checked against the rest)."""
-    return resolve_inputs(recipe, deepspeed, training_args, overrides).spec

@@ -4,8 +4,8 @@ LLaMA-Factory parses the file with HfArgumentParser into its ModelArguments, Dat
 TrainingArguments (transformers' Seq2SeqTrainingArguments plus Ray's), FinetuningArguments and
 GeneratingArguments (src/llamafactory/hparams/parser.py `_parse_train_args`); a key none of them
 declares stops the run there. So the file's Seq2SeqTrainingArguments keys are read by the
-TrainingArguments reader (`inputs.from_training_args`: batch, accumulation, optim, clipping,
-DeepSpeed, FSDP), and LLaMA-Factory's own keys below, each with its default from
+TrainingArguments reader (`readers.trainer.from_training_args`: batch, accumulation,
+optim, clipping, DeepSpeed, FSDP), and LLaMA-Factory's own keys below, each with its default from
 src/llamafactory/hparams/*.py and its effect from src/llamafactory/model/*.py (cited beside it).
 
 Precision (parser.py: `compute_dtype` = bf16 if `bf16` or `pure_bf16`, fp16 if `fp16`, else
@@ -26,9 +26,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel import config_keys
-from hybridmem.parallel.inputs import HF_DEFAULT_BATCH, from_training_args, typed_value
-from hybridmem.parallel.launchers.common import (
+from hybridmem.intake import config_keys
+from hybridmem.intake.readers.trainer import (
+    HF_DEFAULT_BATCH,
+    from_training_args,
+    typed_value,
+)
+from hybridmem.intake.dialects.common import (
     Layer,
     LauncherConfig,
     flag,
@@ -43,6 +47,7 @@ from hybridmem.job import schema
 
 NAME = "LLaMA-Factory"
 SOURCE = "llamafactory"
+DETECT_ORDER = 30  # after axolotl: LLaMA-Factory's method keys
 
 READ: tuple[str, ...] = (
     "model_name_or_path", "stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout",

@@ -26,13 +26,14 @@ from hybridmem.job import schema
 from hybridmem.job.optimizers import from_hf
 from hybridmem.job.spec import DEFAULT_LORA_TARGETS
 from hybridmem.jsonfile import read_json_object
-from hybridmem.parallel import config_keys, fsdp_config
-from hybridmem.parallel.inputs import (
+from hybridmem.intake import config_keys
+from hybridmem.intake.readers import fsdp as fsdp_config
+from hybridmem.intake.readers.trainer import (
     HF_DEFAULT_MAX_GRAD_NORM,
     fsdp_options,
     typed_value,
 )
-from hybridmem.parallel.launchers.common import (
+from hybridmem.intake.dialects.common import (
     Layer,
     LauncherConfig,
     flag,
@@ -44,6 +45,7 @@ from hybridmem.parallel.launchers.common import (
 
 NAME = "axolotl"
 SOURCE = "axolotl"
+DETECT_ORDER = 20  # after torchtune: axolotl's `base_model` marker
 
 READ: tuple[str, ...] = (
     "base_model", "adapter", "load_in_4bit", "load_in_8bit", "bnb_config_kwargs", "lora_r",

@@ -3,23 +3,37 @@
 Why: users launch with LLaMA-Factory (`llamafactory-cli train x.yaml`), axolotl (`axolotl train
 x.yml`) or torchtune (`tune run recipe --config x.yaml`); each fills what the file leaves out
 with its own defaults (LLaMA-Factory checkpoints unless told not to, axolotl's sequence length
-is 512, ...); `accelerate launch --config_file` adds how the processes shard and cast. One module per launcher turns its file into one `merge_inputs` layer, with the
-launcher's defaults where the file is silent and the source of every field; every key of the
+is 512, ...); `accelerate launch --config_file` adds how the processes shard and cast. One
+module per launcher (`dialects/protocol.py`: its name, `detect`, `read`) turns its file into one
+`merge_inputs` layer, with the launcher's defaults where the file is silent and the source of every field; every key of the
 file is read, known to the launcher (no memory effect), or a warning naming the nearest known
-key (`hybridmem.parallel.config_keys`). The dialect is told by the keys (`detect`), or forced.
+key (`hybridmem.intake.config_keys`). The dialect is told by the keys (`detect`), or forced.
 """
 
 from __future__ import annotations
 
 import os
+import pkgutil
+from importlib import import_module
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel.launchers import accelerate, axolotl, llamafactory, torchtune
-from hybridmem.parallel.launchers.common import LauncherConfig, load_yaml
+from hybridmem.intake.dialects.common import LauncherConfig, load_yaml
+from hybridmem.intake.dialects.protocol import REQUIRED, Dialect
 
-DIALECTS = {"llamafactory": llamafactory, "axolotl": axolotl, "torchtune": torchtune,
-            "accelerate": accelerate}
+
+def _registry() -> dict[str, Dialect]:
+    """`SOURCE` -> module, of every module here that provides the dialect protocol
+    (`protocol.REQUIRED`), in the order `detect` tries them (`DETECT_ORDER`)."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        module = import_module(f"{__name__}.{info.name}")
+        if all(hasattr(module, name) for name in REQUIRED):
+            found.append(module)
+    return {m.SOURCE: m for m in sorted(found, key=lambda m: (m.DETECT_ORDER, m.SOURCE))}
+
+
+DIALECTS: dict[str, Dialect] = _registry()
 """--config-format name -> its reader, in the order `detect` tries them."""
 
 
@@ -27,8 +41,8 @@ def detect(cfg: dict, where: str) -> str:
     """The dialect a config's keys tell: torchtune's model `_component_`, axolotl's
     `base_model`, LLaMA-Factory's method keys (`finetuning_type` / `stage` /
     `model_name_or_path` with `cutoff_len`), accelerate's `distributed_type`."""
-    for name in ("torchtune", "axolotl", "llamafactory", "accelerate"):
-        if DIALECTS[name].detect(cfg):
+    for name, dialect in DIALECTS.items():
+        if dialect.detect(cfg):
             return name
     raise SpecError("config", where, list(DIALECTS),
                     reason="cannot tell the launcher from its keys; give --config-format")

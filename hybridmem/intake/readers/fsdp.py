@@ -21,7 +21,7 @@ The other keys (wrapping policy, prefetch, state-dict type, loading) change no p
 from __future__ import annotations
 
 from hybridmem.errors import SpecError
-from hybridmem.parallel import config_keys
+from hybridmem.intake import config_keys
 
 # accelerate utils/constants.py FSDP_SHARDING_STRATEGY (and FSDP2's bool reshard_after_forward)
 SHARDING: dict[str, dict] = {

@@ -18,7 +18,7 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.models import hub
-from hybridmem.parallel import library_fields
+from hybridmem.intake import library_fields
 
 
 @dataclass
@@ -33,7 +33,7 @@ class LauncherConfig:
     """Layers in `merge_inputs`' form, lowest first."""
     hf: dict
     """TrainingArguments-like values that resolve DeepSpeed "auto" keys
-    (`inputs.from_deepspeed_json`)."""
+    (`readers.trainer.from_deepspeed_json`)."""
     deepspeed: dict | None = None
     deepspeed_where: str | None = None
 

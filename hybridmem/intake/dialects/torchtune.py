@@ -25,12 +25,13 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
-from hybridmem.parallel import config_keys
-from hybridmem.parallel.inputs import typed_value
-from hybridmem.parallel.launchers.common import Layer, LauncherConfig, flag, model_of
+from hybridmem.intake import config_keys
+from hybridmem.intake.readers.trainer import typed_value
+from hybridmem.intake.dialects.common import Layer, LauncherConfig, flag, model_of
 
 NAME = "torchtune"
 SOURCE = "torchtune"
+DETECT_ORDER = 10  # tried first: the model's `_component_` is torchtune's alone
 
 # model builder (torchtune/models/<family>/_model_builders.py, without its lora_ / qlora_
 # prefix) -> the checkpoint it loads, by hub id (`hybridmem.models.hub` names its preset)

@@ -8,7 +8,7 @@ or a second file. What the keys mean for memory:
 
 - `distributed_type`: NO = one process, MULTI_GPU = DDP, FSDP = FSDP (accelerate's
   FullyShardedDataParallelPlugin; `fsdp_config` read as TrainingArguments' is, `fsdp_`
-  prefixes and all: `hybridmem.parallel.fsdp_config`), DEEPSPEED = ZeRO at
+  prefixes and all: `hybridmem.intake.readers.fsdp`), DEEPSPEED = ZeRO at
   `deepspeed_config.zero_stage` (or the JSON `deepspeed_config_file` names).
 - `mixed_precision` bf16 / fp16: torch.autocast over the forward (`bf16-mixed` /
   `fp16-mixed`). Under FSDP2 accelerate upcasts the low-precision parameters to fp32 before
@@ -29,12 +29,14 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.jsonfile import read_json_object
-from hybridmem.parallel import config_keys, fsdp_config
-from hybridmem.parallel.inputs import typed_value
-from hybridmem.parallel.launchers.common import Layer, LauncherConfig, local_file
+from hybridmem.intake import config_keys
+from hybridmem.intake.readers import fsdp as fsdp_config
+from hybridmem.intake.readers.trainer import typed_value
+from hybridmem.intake.dialects.common import Layer, LauncherConfig, local_file
 
 NAME = "accelerate"
 SOURCE = "accelerate"
+DETECT_ORDER = 40  # last: `distributed_type` is the launch config's, beside no training keys
 
 READ: tuple[str, ...] = ("distributed_type", "mixed_precision", "num_processes", "fsdp_config",
                          "deepspeed_config", "num_machines")

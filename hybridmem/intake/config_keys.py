@@ -1,7 +1,7 @@
 """Every key of a config file a user gives is used, known-and-irrelevant, or a warning.
 
-The config readers (`hybridmem.parallel.inputs`, PEFT's adapter config, BitsAndBytesConfig)
-read the keys the job schema declares (`hybridmem.job.schema.config_keys`) and the keys their
+The config readers (`hybridmem.intake.readers`: TrainingArguments, DeepSpeed, PEFT's adapter
+config, BitsAndBytesConfig) read the keys the job schema declares (`hybridmem.job.schema.config_keys`) and the keys their
 own conversions declare. Any other key is checked against what the file's own library accepts
 (TrainingArguments' fields, TRL SFTConfig's, LLaVA's extensions, DeepSpeed's config keys,
 BitsAndBytesConfig's, the PEFT method's config fields): a known key changes no memory and is
@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 
-from hybridmem.parallel import library_fields
+from hybridmem.intake import library_fields
 
 
 class ConfigKeyWarning(UserWarning):
@@ -114,7 +114,7 @@ TRAINING_ARGS_UNPRICED: dict[str, tuple[object, str]] = {
 # TrainingArguments fields of transformers 4.x releases that 5.x dropped or renamed (e.g.
 # `group_by_length` -> `train_sampling_strategy`, training_args.py): the launchers pin 4.x
 # transformers (LLaMA-Factory's requirements, axolotl's), so their files carry them; known, and
-# read where they price something (`group_by_length`: `parallel.inputs`)
+# read where they price something (`group_by_length`: `intake.readers.trainer`)
 TRANSFORMERS_4_FIELDS: frozenset[str] = frozenset({
     "adafactor", "dispatch_batches", "evaluation_strategy", "fp16_backend", "fp16_opt_level",
     "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap", "group_by_length",

@@ -1,0 +1,100 @@
+"""Techniques as plug-ins: one module per technique behind `protocol.Technique`, found by the
+registry below; the tiers, the harness and the spec's checks call them through it.
+
+The loss replacements are one axis, `loss` (`--loss none|liger|chunked-ce|cce`): a job takes
+one choice at a time, checked once here (the old flags `--liger`, `--chunked-ce N`,
+`--cut-cross-entropy` are shorthands that fold onto it). Adding a technique is its module here
+(plus its rules and tests); the choices, the checks and every consumer follow.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+from importlib import import_module
+
+from hybridmem.errors import SpecError
+from hybridmem.techniques.protocol import REQUIRED, Technique
+
+
+def _registry() -> dict[str, Technique]:
+    """`NAME` -> module, of every module here that provides the protocol, by name."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = import_module(f"{__name__}.{info.name}")
+        if all(hasattr(module, name) for name in REQUIRED):
+            found[module.NAME] = module
+    return dict(sorted(found.items()))
+
+
+TECHNIQUES: dict[str, Technique] = _registry()
+LOSS: dict[str, Technique] = {n: m for n, m in TECHNIQUES.items() if m.AXIS == "loss"}
+"""The loss replacements, by `--loss` choice."""
+NO_LOSS = "none"
+"""transformers' own `ForCausalLMLoss` over the (b, s, V) logits."""
+LOSS_CHOICES: tuple[str, ...] = (NO_LOSS, *LOSS)
+SHORTHANDS: dict[str, str] = {"liger": "--liger", "chunked-ce": "--chunked-ce",
+                              "cce": "--cut-cross-entropy"}
+"""The flag each loss choice had before the axis (still accepted, folded onto it)."""
+
+
+def fold_loss(loss: str | None, liger: bool, chunked_ce: int, cut_cross_entropy: bool) -> dict:
+    """The shorthand fields `--loss CHOICE` sets (as the spec stores the axis), checked
+    against the shorthands given beside it; {} when `loss` is None."""
+    if loss is None:
+        return {}
+    if loss not in LOSS_CHOICES:
+        raise SpecError("loss", loss, LOSS_CHOICES)
+    given = {"liger": liger is True, "chunked-ce": bool(chunked_ce) and chunked_ce is not True,
+             "cce": cut_cross_entropy is True}
+    other = [n for n, on in given.items() if on and n != loss]
+    if other:
+        raise SpecError("loss", loss, LOSS_CHOICES, reason=f"{SHORTHANDS[other[0]]} says "
+                        f"loss={other[0]!r}; give one loss replacement")
+    if loss == "liger":
+        return {"liger": True}
+    if loss == "cce":
+        return {"cut_cross_entropy": True}
+    if loss == "chunked-ce":
+        return {"chunked_ce": chunked_ce or LOSS["chunked-ce"].DEFAULT_CHUNKS}
+    return {}
+
+
+def loss_choice(spec) -> str:
+    """The job's choice on the loss axis (`check` has made sure there is at most one)."""
+    return next((n for n, m in LOSS.items() if m.active(spec)), NO_LOSS)
+
+
+def loss_of(spec) -> Technique | None:
+    """The job's loss replacement, None for transformers' own loss."""
+    return LOSS.get(loss_choice(spec))
+
+
+def check(spec) -> None:
+    """Every technique's spec-level rules, and the loss axis: one replacement at a time."""
+    for technique in TECHNIQUES.values():
+        technique.check(spec)
+    on = [n for n, m in LOSS.items() if m.active(spec)]
+    if len(on) > 1:
+        flags = ", ".join(SHORTHANDS.get(n, n) for n in on)
+        raise SpecError("loss", "+".join(on), LOSS_CHOICES,
+                        reason=f"{flags} each replace the loss: give one (--loss CHOICE)")
+
+
+def active(spec) -> list[Technique]:
+    """The techniques the job asks for."""
+    return [m for m in TECHNIQUES.values() if m.active(spec)]
+
+
+def install(model, spec, config) -> str | None:
+    """Every asked-for technique's emulated patch on the trace tier's model instance; the text
+    model type whose RoPE the run patches (Liger's), if any."""
+    patched = None
+    for technique in active(spec):
+        patched = technique.install(model, spec, config) or patched
+    return patched
+
+
+def apply_real(model, spec) -> None:
+    """Every asked-for technique as its library applies it on CUDA (ImportError if missing)."""
+    for technique in active(spec):
+        technique.apply_real(model, spec)

@@ -1,0 +1,56 @@
+"""What a technique module provides; `hybridmem.techniques` finds every module of this package
+that does, and the tiers, the harness and the checks call them instead of `if spec.<flag>`.
+
+A technique (a kernel set, a loss replacement, ...) is one module: its spec-level check, the
+models it supports, its analytic terms, what it installs in the trace tier's model, how the
+harness applies it on a real GPU, and its note. A technique on an axis (`AXIS`, e.g. the loss)
+is one choice of that axis: the axis takes one choice at a time, checked once for all.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Technique(Protocol):
+    NAME: str
+    """The technique's choice name on its axis (`--loss NAME`), or its own name."""
+    AXIS: str | None
+    """The axis it is one choice of ("loss"), or None for a technique that combines freely."""
+
+    @staticmethod
+    def active(spec) -> bool:
+        """Whether the job asks for it (the spec's shorthand fields)."""
+
+    @staticmethod
+    def check(spec) -> None:
+        """Its spec-level rules (model-free), a one-line SpecError when broken."""
+
+    @staticmethod
+    def applies(model_type: str, text_type: str | None) -> bool:
+        """Whether it changes this model: False where the library skips the model (it trains
+        unchanged), a SpecError where the library patches it with what is not priced."""
+
+    @staticmethod
+    def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int]] | None:
+        """(numel, bytes per element) of the logits the causal LM's output keeps (a custom
+        loop holds them), given the head's batch, length, vocabulary and compute bytes where
+        it `applies`; None: the plain (b, s, V) logits."""
+
+    @staticmethod
+    def note(spec, model_type: str, applies: bool) -> str | None:
+        """The analytic answer's note on it."""
+
+    @staticmethod
+    def install(model, spec, config) -> str | None:
+        """Patch the trace tier's (or the CPU stand-in's) model instance with its emulated
+        kernels; returns the text model type whose RoPE the run patches, if any."""
+
+    @staticmethod
+    def apply_real(model, spec) -> None:
+        """On CUDA, the library itself as the trainer applies it (ImportError if missing)."""
+
+
+REQUIRED: tuple[str, ...] = ("NAME", "AXIS", "active", "check", "applies", "kept_logits",
+                             "note", "install", "apply_real")
+"""The attributes a module must have to be a technique."""
