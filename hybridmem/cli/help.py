@@ -22,10 +22,11 @@ MAX_LINES = 2
 """Lines an option's help may take; a longer list of choices is cut, saying how many in all."""
 ALL_CHOICES = frozenset({"precision"})
 """Fields whose every choice is listed (one more line): precision decides most verdicts."""
-OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep"})
+OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep", "jobs", "workers"})
 """Options the one-screen help leaves to the README: an alias (`--zero-stage N` =
 `--strategy zeroN`), GRPO's / DPO's `--beta` (what it changes, the reference model, is
-`--ref-model`) and `--no-kbit-prep` (peft's k-bit preparation is what almost every QLoRA job runs)."""
+`--ref-model`), `--no-kbit-prep` (peft's k-bit preparation is what almost every QLoRA job runs)
+and the many-jobs mode (`--jobs FILE.jsonl --workers N`: its own line in the examples)."""
 LONG_DEFAULT = 24
 """A default longer than this (the LoRA target list) is left to the README."""
 
@@ -92,7 +93,7 @@ def _field_text(meta, width: int) -> tuple[str | None, str]:
 
 
 METAVARS: dict[str, str] = {"gpu": "NAME", "gpu_mem": "GIB", "method": "TIER", "recipe": "NAME",
-                            "zero_stage": "N", "model": "MODEL", "lora_targets": "NAMES",
+                            "zero_stage": "N", "workers": "N", "model": "MODEL", "lora_targets": "NAMES",
                             "image_size": "PIXELS", "lengths": "FILE",
                             "config_format": "NAME"}
 """Value placeholders by parameter name; any other option that is not a job field takes a
