@@ -23,7 +23,8 @@ from doc_block import main_for  # noqa: E402
 
 START, END = "<!-- options:start -->", "<!-- options:end -->"
 SOURCE_LABELS = {"training_args": "TrainingArguments", "deepspeed": "DeepSpeed",
-                 "peft": "adapter_config", "bnb": "BitsAndBytesConfig"}
+                 "peft": "adapter_config", "bnb": "BitsAndBytesConfig",
+                 "torchtitan": "torchtitan TOML", "megatron": "Megatron-LM"}
 HEADER = ("| option (`job` name) | meaning | default | set by these config keys |\n"
           "|---|---|---|---|")
 

@@ -13,6 +13,7 @@ import os
 import re
 
 from hybridmem.errors import SpecError
+from hybridmem.jsonfile import parse_json, read_json_text
 from hybridmem.job.spec import DEFAULT_LORA_TARGETS, LoraSpec
 
 # PEFT's `target_modules="all-linear"`: every Linear but the output layer
@@ -35,14 +36,9 @@ def read_adapter_config(source: str | os.PathLike | dict) -> dict:
         path = os.fspath(source)
         if os.path.isdir(path):
             path = os.path.join(path, "adapter_config.json")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-        except FileNotFoundError:
-            raise SpecError("peft_config", os.fspath(source), reason="no such file") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise SpecError("peft_config", os.fspath(source),
-                            reason=f"is not valid JSON ({err})") from None
+        if not os.path.exists(path):
+            raise SpecError("peft_config", os.fspath(source), reason="no such file")
+        cfg = parse_json(read_json_text(path, "peft_config"), "peft_config", os.fspath(source))
     if not isinstance(cfg, dict) or not isinstance(cfg.get("peft_type"), str):
         raise SpecError("peft_config.peft_type", cfg.get("peft_type") if isinstance(cfg, dict)
                         else cfg, reason="an adapter_config.json names its method in peft_type")
@@ -54,12 +50,10 @@ def canonical(cfg: dict) -> str:
     return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
 
 
-def _targets(value: object) -> tuple[str, ...] | None:
-    """LoRA target names as suffixes, or None when they need PEFT's own matching (a regex)."""
-    if value is None or value == ALL_LINEAR:
+def _targets(value: object) -> tuple[str, ...]:
+    """LoRA target names as suffixes (a regex string: the default names, `_regex` holds it)."""
+    if value is None or value == ALL_LINEAR or isinstance(value, str):
         return DEFAULT_LORA_TARGETS
-    if isinstance(value, str):
-        return None  # a regex, matched with re.fullmatch by PEFT
     if isinstance(value, (list, tuple)) and value and all(isinstance(t, str) for t in value):
         return tuple(sorted(value))
     raise SpecError("peft_config.target_modules", value,
@@ -73,7 +67,13 @@ def _analytic_lora(cfg: dict) -> bool:
         value = cfg.get(key)
         if (value in bad) if isinstance(bad, tuple) else value == bad:
             return False
-    return _targets(cfg.get("target_modules")) is not None
+    return True
+
+
+def _regex(value: object) -> str | None:
+    """A string `target_modules` other than "all-linear": the regex PEFT full-matches
+    (`LoraSpec.target_regex`)."""
+    return value if isinstance(value, str) and value != ALL_LINEAR else None
 
 
 def spec_fields(source: str | os.PathLike | dict) -> dict:
@@ -84,6 +84,7 @@ def spec_fields(source: str | os.PathLike | dict) -> dict:
             lora = LoraSpec(
                 r=cfg.get("r", 8), alpha=float(cfg.get("lora_alpha", 8)),
                 targets=_targets(cfg.get("target_modules")),
+                target_regex=_regex(cfg.get("target_modules")),
                 dropout=float(cfg.get("lora_dropout", 0.0)),
                 use_dora=bool(cfg.get("use_dora", False)),
                 use_rslora=bool(cfg.get("use_rslora", False)),
@@ -173,7 +174,8 @@ def build_peft_config(spec):
     if spec.train == "lora":
         lora = spec.lora
         return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                               target_modules=lora_llm_pattern(lora.targets), bias="none",
+                               target_modules=lora.target_regex
+                               or lora_llm_pattern(lora.targets), bias="none",
                                use_dora=lora.use_dora, use_rslora=lora.use_rslora,
                                modules_to_save=list(lora.modules_to_save) or None)
     cfg = _method_config(spec)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridmem.errors import SpecError
+from hybridmem import plausible
 from hybridmem.gpus import GPU, custom_gpu, gpu_by_name
 
 if TYPE_CHECKING:  # the CLI imports this module before parsing its options: nothing heavy
@@ -23,11 +24,16 @@ if TYPE_CHECKING:  # the CLI imports this module before parsing its options: not
 def resolve_job(values: dict) -> tuple[Resolved, list[str]]:
     """The job of `predict`'s option values (job-schema keys, the config files, `zero_stage`;
     None = not given) and the config readers' warnings (keys of the user's files not read)."""
-    from hybridmem.intake.resolve import resolve_cli
     from hybridmem.intake.config_keys import collect_warnings
+    from hybridmem.intake.resolve import resolve_cli
+    from hybridmem.job.quantize import KBIT_CHECKPOINTING, kbit_checkpointing
 
     with collect_warnings() as warnings:
         resolved = resolve_cli(**values)
+    if kbit_checkpointing(resolved.spec, values):  # QLoRA as peft's preparation leaves it
+        resolved = dataclasses.replace(
+            resolved, spec=resolved.spec.with_(grad_ckpt=True),
+            sources={**resolved.sources, "grad_ckpt": KBIT_CHECKPOINTING})
     return resolved, list(warnings)
 
 
@@ -75,7 +81,8 @@ def answer(resolved: Resolved | ResolvedJob, warnings: list[str], gpu: GPU | Non
             raise SpecError("timeline", timeline, reason="--timeline needs --method trace")
         options["timeline"] = timeline
     result = predict(job, gpu=gpu, find_max_batch=find_max_batch, **options)
-    result = dataclasses.replace(result, job={**result.job, "warnings": list(warnings),
+    warnings = [*warnings, *plausible.warnings(spec, result.peak.device_bytes)]
+    result = dataclasses.replace(result, job={**result.job, "warnings": warnings,
                                               "sources": job.sources})
     advice = None
     if gpu is not None and (spec.parallel.strategy != "none" or not result.fits):

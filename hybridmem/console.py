@@ -24,9 +24,14 @@ def run_app(app: typer.Typer, argv: list[str] | None = None) -> int:
         return 130
     except Exception as err:
         # click usage errors (typer vendors click, so match by shape) carry their own message
-        # and exit code (2 for usage errors)
+        # and exit code (2 for usage errors): the error on the first line, as every other
+        # error's (click's own `show` puts two usage lines before it), then where help is
         if hasattr(err, "show") and isinstance(getattr(err, "exit_code", None), int):
-            err.show()
+            message = err.format_message() if hasattr(err, "format_message") else str(err)
+            print(f"error: {message}", file=sys.stderr)
+            ctx = getattr(err, "ctx", None)
+            if ctx is not None:
+                print(f"Try '{ctx.command_path} --help' for help.", file=sys.stderr)
             return err.exit_code
         raise
     return 0

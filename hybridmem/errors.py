@@ -8,6 +8,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+VALUE_CHARS = 120
+"""Longest value an error quotes whole: a whole file's content (a nested array where a name was
+expected) would make the one line thousands of characters long."""
+
+
+def shown_value(value: object) -> str:
+    """`repr(value)`, cut to `VALUE_CHARS` with the full length said."""
+    text = repr(value)
+    if len(text) <= VALUE_CHARS:
+        return text
+    return f"{text[:VALUE_CHARS - 20]}... ({len(text)} characters)"
+
+
 class SpecError(ValueError):
     """Bad user input. `str(err)` is the one-line message shown to the user."""
 
@@ -20,7 +33,7 @@ class SpecError(ValueError):
         else:
             self.choices = ", ".join(str(c) for c in choices)
         self.reason = reason
-        msg = f"{field}={value!r}"
+        msg = f"{field}={shown_value(value)}"
         msg += f": {reason}" if reason else " is not valid"
         if self.choices:
             msg += f" (valid: {self.choices})"

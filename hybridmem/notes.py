@@ -19,7 +19,7 @@ TIER, VERDICT, ASSUMPTION, INTERNAL = "tier", "verdict", "assumption", "internal
 PREFIXES: dict[str, tuple[str, ...]] = {
     # what the fit verdict rests on (allocator.reserved.capacity_notes, paged_notes, the
     # learned tier's bound and its trust warnings)
-    VERDICT: ("does not fit", "fits only after", "paged optimizer state", "P95 upper bound",
+    VERDICT: ("does not fit", "fits only after", "fits only within the error", "paged optimizer state", "P95 upper bound",
               "WARNING", "spec outside the model's training range"),
     # which tier answered, said again by the tier line (`extras["method_reason"]`)
     TIER: ("method:", "hybrid:", "no trained residual model", "residual model",

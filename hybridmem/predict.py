@@ -19,7 +19,9 @@ from hybridmem.intake.resolve import (  # noqa: F401  (the chooser, as the API h
     METHODS, Choice, ResolvedJob, choose_method, resolve_once,
 )
 from hybridmem.job.schema import job_dict
-from hybridmem.prediction import Prediction
+from hybridmem.models.light import light_config
+from hybridmem.models.loader import is_analytic, model_type_of
+from hybridmem.prediction import TIER_ERROR, Prediction
 from hybridmem.tiers import (  # noqa: F401  (re-exported: the tiers' rules, as named before)
     PER_RANK_TIERS, SCOPES, gpu_options, no_tier, refusal,
 )
@@ -121,6 +123,40 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
     return search_max(fits, guess) * unit
 
 
+def _image_values(spec: TrainingSpec) -> dict:
+    """The image count and size a multimodal job was priced with where the user left them
+    open: `job.images.images_in_batch`'s 1, and the family's image plan at no size (the
+    tower's native side, or the processor's default resize), as "HxW" unless square. Empty for
+    a text-only model, a trace-only family and `--lengths` (the file may carry the counts)."""
+    from hybridmem.families.common.images import IMAGE_FAMILIES, image_plan
+    from hybridmem.job.images import images_in_batch
+
+    if spec.lengths is not None or (spec.images_per_sample is not None
+                                    and spec.image_size is not None):
+        return {}
+    try:
+        model_type = model_type_of(spec.model)
+        if model_type not in IMAGE_FAMILIES or not is_analytic(model_type):
+            return {}
+        images = images_in_batch(spec, True)
+        h, w = image_plan(light_config(spec.model)[1], spec.image_size).size
+    except SpecError:  # the tier already answered; a model it priced without images
+        return {}
+    out = {}
+    if spec.images_per_sample is None:
+        out["images_per_sample"] = images
+    if spec.image_size is None and images:
+        out["image_size"] = h if h == w else f"{h}x{w}"
+    return out
+
+
+IMAGE_DEFAULTS: dict[str, str] = {
+    "images_per_sample": "a multimodal model's default: one image per sample",
+    "image_size": "the image as the model's processor and vision tower size it by default "
+                  "(docs/vlm-families.md)"}
+"""Why each `_image_values` value was taken (the echo's `defaults` lines)."""
+
+
 def _over_lengths(spec: TrainingSpec, method: str, gpu: GPU | None, find_max_batch: bool,
                   tier_options: dict) -> Prediction:
     """The tier's answer over the run a lengths file makes (`hybridmem.batches.run`)."""
@@ -170,15 +206,31 @@ def predict(spec: TrainingSpec | ResolvedJob, method: str | None = None, gpu: GP
     except UnsupportedModelError as err:  # the trace tier could not run the model's code
         raise no_tier(err, spec, "trace") from err
     notes = result.notes if choice.note is None else (*result.notes, choice.note)
+    if max_batch == 0:  # the JSON keeps 0 (an int, a contract); the words say what it means
+        from hybridmem.job.objective import micro_batch_step
+
+        notes = (*notes, f"does not fit at any micro-batch: largest micro-batch that fits "
+                 f"{gpu.name}: none, micro-batch {micro_batch_step(spec)} does not fit")
     if job.defaults.get("attn") and spec.attn != "sdpa":  # the one default worth a note
         notes = (*notes, f"attn={spec.attn}: {job.defaults['attn']}")
     # a tier that answered with another one (the hybrid tier's fallbacks) says why itself
     # every answer says what job it priced, with the schema's names
-    echo = {**job_dict(spec), "defaults": job.defaults} if job.defaults else job_dict(spec)
+    images = _image_values(spec)  # what the image was priced as, where left open
+    defaults = {**job.defaults, **{k: IMAGE_DEFAULTS[k] for k in images}}
+    echo = {**job_dict(spec), **images}
+    echo = {**echo, "defaults": defaults} if defaults else echo
     result = dataclasses.replace(result, notes=notes, job=echo,
                                  extras={"method_reason": choice.reason, **result.extras,
                                          "environment": environment.versions()})
     if gpu is None:
         return result
-    return dataclasses.replace(result, gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
-                               max_micro_batch=max_batch)
+    result = dataclasses.replace(result, gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
+                                 max_micro_batch=max_batch)
+    if result.within_error:  # the first verdict note: the one the console shows
+        gib = 1 << 30
+        result = dataclasses.replace(result, notes=(
+            f"fits only within the error; expect OOM risk: headroom "
+            f"{result.headroom_bytes / gib:.2f} GiB is less than the {result.method} tier's "
+            f"stated error of {result.error_bytes / gib:.2f} GiB ({TIER_ERROR[result.method]:.1%}"
+            " of the peak: its median error on real GPUs, docs/accuracy.md)", *result.notes))
+    return result

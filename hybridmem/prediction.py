@@ -10,6 +10,13 @@ FIT_OUTCOMES: tuple[str, ...] = ("yes", "after-retry", "no")
 """`Prediction.fit`: fits; fits only after the allocator frees its cache and retries; does not."""
 
 
+TIER_ERROR: dict[str, float] = {"analytic": 0.040, "trace": 0.048, "hybrid": 0.037}
+"""Each tier's stated error of the device peak: its median absolute error against the
+published real-GPU device peaks (docs/accuracy.md, "device peak | <tier> | all": 4.0 %, 4.8 %,
+3.7 % over 24 runs; `tests/test_verdict.py` checks these against docs/accuracy-published.json).
+Headroom below it fits only within the error (`Prediction.within_error`)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModuleMemory:
     """Memory of one top-level module (vision tower, projector, language model, lm_head).
@@ -110,6 +117,31 @@ class Prediction:
         return self.verdict_bytes - self.paged_bytes <= memory_bytes
 
     @property
+    def error_bytes(self) -> int | None:
+        """The tier's stated error of the device peak in bytes (`TIER_ERROR` x the figure the
+        verdict compares); None where the verdict already uses a stated upper bound (the
+        learned tier's `bound_bytes`) or the tier states none."""
+        if self.extras.get("bound_bytes") is not None or self.method not in TIER_ERROR:
+            return None
+        return int(TIER_ERROR[self.method] * self.verdict_bytes)
+
+    @property
+    def within_error(self) -> bool | None:
+        """It fits, by less headroom than the tier's stated error (`error_bytes`): a real run
+        may well run out of memory. After allocator retries the reserved bytes sit at the
+        allocator's capacity by construction, so there the headroom is that of the tensors
+        (the device peak without its fragmentation). None without a GPU."""
+        if self.fits is None:
+            return None
+        error = self.error_bytes
+        if not self.fits or error is None:
+            return False
+        headroom = self.headroom_bytes
+        if self.fit == "after-retry":
+            headroom += self.peak.reserved_bytes - self.peak.allocated_bytes
+        return headroom < error
+
+    @property
     def headroom_bytes(self) -> int | None:
         if self.gpu_memory_bytes is None:
             return None
@@ -129,6 +161,8 @@ class Prediction:
             "fits": self.fits,
             "fit": self.fit,
             "headroom_bytes": self.headroom_bytes,
+            "within_error": self.within_error,
+            "error_bytes": self.error_bytes,
             "max_micro_batch": self.max_micro_batch,
             "notes": list(self.notes),
             "paged_bytes": self.paged_bytes,

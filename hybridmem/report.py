@@ -20,17 +20,61 @@ def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:,.2f}"
 
 
-def module_rows(pred: Prediction) -> list[list[str]]:
-    """Rows of the module x category table; a last row for what belongs to no module."""
+MODULE_LABELS: dict[str, str] = {
+    "param": "weights", "grad": "grads", "optimizer": "optimizer",
+    "activation": "saved for backward"}
+"""Column headers of the module table: a module's own tensors of each category."""
+MODULE_TITLE = ("memory by module (GiB): each module's own weights, grads and optimizer state "
+                "when all exist, and what it saves for backward; the last rows reconcile the "
+                "total with the device peak")
+"""What the module table's numbers are: not a snapshot at one moment (the breakdown is)."""
+
+
+def module_table(pred: Prediction) -> dict:
+    """The module table as data (bytes), for the console and the page: per module its own
+    tensors (`ModuleMemory`: each category when it exists, not at one moment), then what
+    belongs to no module at the device peak (`breakdown`'s other categories), then what of the
+    module rows is not alive at the device peak (grads freed or not yet made, activations
+    freed, fp32 master grads in their place: the device peak minus the rows above, signed), so
+    that the total column sums to `peak.device_bytes`."""
     rows = []
     for m in pred.modules:
-        values = [getattr(m, c) for c in MODULE_COLUMNS]
-        rows.append([m.name, f"{m.params:,}", f"{m.trainable_params:,}",
-                     *(gib(v) for v in values), gib(sum(values))])
+        values = {c: getattr(m, c) for c in MODULE_COLUMNS}
+        rows.append({"module": m.name, "params": m.params, "trainable": m.trainable_params,
+                     **values, "total": sum(values.values())})
     other = {c: v for c, v in pred.breakdown.items() if c not in MODULE_COLUMNS}
-    rows.append(["(not per module: " + ", ".join(c for c, v in other.items() if v) + ")",
-                 "", "", "", "", "", "", gib(sum(other.values()))])
-    return rows
+    rows.append({"module": "at the device peak, in no module: "
+                 + ", ".join(c for c, v in other.items() if v),
+                 "total": sum(other.values())})
+    rows.append({"module": "module rows not alive at the device peak (-) or beyond them (+)",
+                 "total": pred.peak.device_bytes - sum(r["total"] for r in rows)})
+    rows.append({"module": f"device peak ({pred.peak.phase}, iteration {pred.peak.iteration})",
+                 "total": pred.peak.device_bytes})
+    return {"title": MODULE_TITLE, "columns": {"module": "module", "params": "params",
+                                               "trainable": "trainable", **MODULE_LABELS,
+                                               "total": "total"},
+            "rows": rows}
+
+
+def module_rows(pred: Prediction) -> list[list[str]]:
+    """`module_table`'s rows as the console prints them (blank where a row has no value)."""
+    table = module_table(pred)
+    out = []
+    for row in table["rows"]:
+        cells = []
+        for key in table["columns"]:
+            value = row.get(key)
+            cells.append(value if key == "module" else "" if value is None
+                         else f"{value:,}" if key in ("params", "trainable") else gib(value))
+        out.append(cells)
+    return out
+
+
+def smallest_micro_batch(pred: Prediction) -> int:
+    """The smallest micro-batch the search probes: 1, or GRPO's whole group of completions
+    (`job.objective.micro_batch_step`), read from the job echo."""
+    job = pred.job or {}
+    return int(job.get("num_generations") or 1) if job.get("objective") == "grpo" else 1
 
 
 VERDICT_WORDS: dict[str, str] = {
@@ -44,10 +88,16 @@ def verdict(pred: Prediction) -> str:
         return "no GPU given (use --gpu NAME or --gpu-mem GIB to check the fit)"
     head = pred.headroom_bytes
     rel = head / pred.gpu_memory_bytes * 100
-    line = (f"{VERDICT_WORDS[pred.fit]} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
+    word = VERDICT_WORDS[pred.fit]
+    if pred.within_error:  # `Prediction.within_error`: the headroom is inside the tier's error
+        rest = word.removeprefix("FITS").replace(" AFTER", ", AFTER")
+        word = f"FITS ONLY WITHIN THE ERROR{rest}; expect OOM risk"
+    line = (f"{word} on {pred.gpu_name} ({gib(pred.gpu_memory_bytes)} GiB): "
             f"headroom {gib(head)} GiB ({rel:+.1f}%)")
     if pred.verdict_bytes != pred.peak.device_bytes:  # the learned tier's upper bound decides
         line += f" against the upper bound {gib(pred.verdict_bytes)} GiB"
+    if pred.within_error:
+        line += f" < the tier's stated error {gib(pred.error_bytes)} GiB"
     if pred.fit == "after-retry":
         line += " - only after the allocator frees its cached blocks and retries (slower steps)"
     if pred.fits and head < 0:  # only the paged optimizer state does not fit (Prediction.fits)
@@ -70,14 +120,14 @@ def render(pred: Prediction, console=None, verbose: bool = False) -> None:
 
         for line in echo_lines(pred.job):
             console.print(line, highlight=False, markup=False)
-    # module rows hold each module's own tensors (params, grads, state) and what it saves for
-    # backward; the breakdown below is the snapshot at the device peak, so the two can differ
-    # (e.g. bf16 grads already folded into fp32 master grads at an optimizer-step peak)
-    table = Table(title=f"{pred.model} — memory by module (GiB)", title_justify="left")
-    for col in ("module", "params", "trainable", *MODULE_COLUMNS, "total"):
-        table.add_column(col, justify="left" if col == "module" else "right")
-    for row in module_rows(pred):
-        table.add_row(*row)
+    # module rows hold each module's own tensors; the breakdown below is the snapshot at the
+    # device peak; `module_table`'s last rows reconcile the two
+    table = Table(title=f"{pred.model} — {MODULE_TITLE}", title_justify="left")
+    for key, col in module_table(pred)["columns"].items():
+        table.add_column(col, justify="left" if key == "module" else "right")
+    rows = module_rows(pred)
+    for i, row in enumerate(rows):  # a rule above the device-peak row: it is their sum
+        table.add_row(*row, end_section=i == len(rows) - 2)
     console.print(table)
 
     cats = Table(title="breakdown at the device peak (GiB)", title_justify="left")
@@ -97,7 +147,9 @@ def render(pred: Prediction, console=None, verbose: bool = False) -> None:
                   f"in the {p.phase} phase of iteration {p.iteration}")
     console.print(verdict(pred))
     if pred.max_micro_batch is not None:
-        console.print(f"largest micro-batch that fits: [bold]{pred.max_micro_batch}[/bold]")
+        console.print("largest micro-batch that fits: " + (
+            f"[bold]{pred.max_micro_batch}[/bold]" if pred.max_micro_batch
+            else f"[bold]none[/bold]: micro-batch {smallest_micro_batch(pred)} does not fit"))
     if pred.extras.get("upper_bound_bytes") is not None:
         console.print(f"P95 upper bound: {gib(pred.extras['upper_bound_bytes'])} GiB")
     if "lengths" in pred.extras:  # the run a lengths file makes, in one line

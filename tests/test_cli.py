@@ -176,7 +176,7 @@ def test_peft_config_reaches_the_spec_and_picks_the_tier(cfg, train, method, tmp
 
 @pytest.mark.parametrize("content, match", [
     (None, "error: peft_config='{path}': no such file"),
-    ("{not json", "error: peft_config='{path}': is not valid JSON"),
+    ("{not json", "error: peft_config='{path}': malformed JSON at line 1"),
     ('{"r": 8}', "error: peft_config.peft_type=None: an adapter_config.json names its method"),
 ])
 def test_bad_peft_config_one_line_exit_2(content, match, tmp_path, capsys):

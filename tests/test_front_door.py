@@ -92,7 +92,11 @@ def test_after_retry_is_its_own_outcome_on_the_console(capsys):
 
     pred = predict(SPEC, gpu=gpu_with(retry_capacity(_measure(SPEC)[1])))
     assert pred.fit == "after-retry"
-    assert verdict(pred).startswith("FITS AFTER ALLOCATOR RETRIES on test-gpu")
+    # tiny-llama's tensors sit within the tier's stated error of this capacity (1 MiB below
+    # its unlimited reserved peak), which the verdict word says too
+    assert pred.within_error
+    assert verdict(pred).startswith("FITS ONLY WITHIN THE ERROR, AFTER ALLOCATOR RETRIES; "
+                                    "expect OOM risk on test-gpu")
 
 
 def test_the_verdict_uses_a_stated_upper_bound():

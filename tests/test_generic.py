@@ -240,10 +240,12 @@ def _cli(*argv) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("family, argv, message", [
     ("gpt2", ["--method", "analytic"], "error: model_type='gpt2': this family has no closed "
      "forms here; use --method trace"),
+    # both tiers read the installed transformers' class (families/attention.py)
     ("gemma2", ["--attn", "sdpa"], "error: attn='sdpa': transformers' gemma2 code "
-     "does not support it (valid: eager, flash_attention_2)"),  # analytic since decoders2
-    ("gemma2", ["--attn", "sdpa", "--method", "trace"], "error: attn='sdpa': ValueError: "
-     "transformers' gemma2 code does not support it (valid: eager)"),
+     "does not support it (Gemma2ForCausalLM._supports_sdpa is False in the installed "
+     "transformers) (valid: eager, flash_attention_2)"),
+    ("gemma2", ["--attn", "sdpa", "--method", "trace"], "error: attn='sdpa': transformers' "
+     "gemma2 code does not support it (Gemma2ForCausalLM._supports_sdpa is False"),
     # non-bf16 MoE: each tier's rule refuses it (analytic.scope, trace.scope), and each
     # refusal says that no tier prices it
     ("mixtral", ["--precision", "fp32", "--method", "trace"], "error: precision='fp32': "

@@ -30,7 +30,12 @@ def test_recorded_columns_are_the_dataset_contract():
         ("chunked_ce", ("int64", 0)), ("offload_activations", ("string", "none")),
         ("packing", ("bool", False)), ("cut_cross_entropy", ("bool", False)),
         ("adapter_dtype", ("string", "fp32")), ("objective", ("string", "sft")),
-        ("num_generations", ("int64", 8))]
+        ("num_generations", ("int64", 8)),
+        # the model-parallel layout (ParallelSpec; docs/parallel.md, "Model parallelism")
+        ("tp", ("int64", 1)), ("sequence_parallel", ("bool", False)), ("cp", ("int64", 1)),
+        ("pp", ("int64", 1)), ("pp_schedule", ("string", "1f1b")),
+        ("pp_virtual_stages", ("int64", 1)), ("pp_microbatches", ("Int64", None)),
+        ("ep", ("int64", 1)), ("dp_replicate", ("int64", 1)), ("dp_shard", ("Int64", None))]
 
 
 def test_added_defaults_keep_old_spec_hashes():
@@ -47,7 +52,10 @@ def test_added_defaults_keep_old_spec_hashes():
         "sampler": "random", "seed": 42, "max_steps": 0, "drop_last": False,
         "objective": "sft", "ref_model": None, "beta": None,
         "num_generations": 8, "max_prompt_length": None, "max_completion_length": None,
-        "vllm_gpu_memory_utilization": 0.0, "loss": None}
+        "vllm_gpu_memory_utilization": 0.0,
+        "tp": 1, "sequence_parallel": False, "cp": 1, "pp": 1, "pp_schedule": "1f1b",
+        "pp_virtual_stages": 1, "pp_microbatches": None, "ep": 1, "dp_replicate": 1,
+        "dp_shard": None, "loss": None, "target_regex": None}
     # a spec that uses none of them serialises with the first rows' keys only
     assert set(TrainingSpec(model="tiny-llama").to_dict()) == {
         "model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",
@@ -275,7 +283,10 @@ def test_json_carries_the_job_and_the_console_echoes_it_first(tmp_path, capsys, 
     job = json.loads(captured.out)["job"]
     assert (job["micro_batch"], job["grad_ckpt"], job["train"]) == (8, True, "lora")
     assert job["lora"]["r"] == 4 and job["world_size"] == 1 and job["strategy"] == "none"
-    assert len(job["warnings"]) == 1 and "per_device_train_batch_sise" in job["warnings"][0]
+    # the file's unread key (tiny-llama's 512 positions also warn: seq_len 2048 is past them)
+    assert [w for w in job["warnings"] if "TrainingArguments key" in w] == [
+        w for w in job["warnings"] if "per_device_train_batch_sise" in w] != []
+    assert any("max_position_embeddings 512" in w for w in job["warnings"])
     assert "per_device_train_batch_sise" in captured.err
     assert schema.spec_from_job(job).micro_batch == 8
     assert main(["predict", "--model", "tiny-llama", "--micro-batch", "3", "--liger",

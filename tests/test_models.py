@@ -320,6 +320,8 @@ def test_malformed_config_values_name_the_field(tmp_path, patch, field):
 PUBLISHED_TOTALS = {
     "llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320, "llama-2-70b": 68_976_648_192,
     "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
+    # Meta-Llama-3-8B / -70B: the model pages' 8.03B / 70.6B (Llama 3.1's shapes, the same count)
+    "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496,
     "llama-3.1-405b": 405_853_388_800, "llama-3.2-1b": 1_235_814_400,
     "mistral-7b-v0.3": 7_248_023_552, "mistral-nemo-base-2407": 12_247_782_400,
     "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,

@@ -77,7 +77,7 @@ def test_sft_jobs_keep_their_hash_and_fields_round_trip():
      "ref_model"),  # beta 0
     (dict(objective="grpo", micro_batch=8, max_completion_length=32), "max_completion_length"),
     (dict(objective="dpo", packing=True), "packing"),
-    (dict(objective="dpo", liger=True), "liger"),
+    (dict(objective="kto", liger=True), "liger"),  # DPO / ORPO: Liger's fused preference loss
 ])
 def test_invalid_combinations_name_the_field(kw, field):
     with pytest.raises(SpecError) as err:

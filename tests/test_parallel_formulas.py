@@ -133,9 +133,17 @@ def test_zero_step_fp32_grad_partition():
     rounded = lambda n: -(-n // 512) * 512  # noqa: E731
     assert zero(_spec("zero2", 8), mt).step_temporary == 4 * 10**6 + rounded(4 * 10**6)
     assert zero(_spec("zero2", 8, optimizer="adamw-fused"), mt).step_temporary == 4 * 10**6
-    # stage 3 steps one sub-group at a time
-    assert zero(_spec("zero3", 8, sub_group_size=10**5), mt).step_temporary == \
+    # stage 3 steps one sub-group at a time, made of whole parameter partitions
+    # (stage3.py `_create_fp16_sub_groups`): 80 parameters of 10^5 elements, 12,500 per rank,
+    # in sub-groups of 10^5 elements = 8 parameters' partitions
+    many = ModelTensors(tuple(Tensor(10**5, 10**5, None, True, "root") for _ in range(80)), 0)
+    assert zero(_spec("zero3", 8, sub_group_size=10**5), many).step_temporary == \
         4 * 10**5 + rounded(4 * 10**5)
+    # one 8 * 10^6-element parameter: its 10^6-element partition is one sub-group, whatever
+    # sub_group_size says (0 included: each parameter its own group)
+    for size in (10**5, 0):
+        assert zero(_spec("zero3", 8, sub_group_size=size), mt).step_temporary == \
+            4 * 10**6 + rounded(4 * 10**6)
 
 
 def test_ddp_bucket_copy():

@@ -143,9 +143,20 @@ def test_auto_needs_model():
 
 
 def test_auto_that_transformers_does_not_resolve():
-    with pytest.raises(SpecError, match="allgather_bucket_size='auto'"):
-        from_deepspeed_json({"zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}},
-                            hidden_size=H7B)
+    """transformers fills no "auto" for these keys, and DeepSpeed drops a leftover "auto" to
+    keep its field default (runtime/config_utils.py `DeepSpeedConfigModel.__init__`): axolotl's
+    deepspeed_configs/zero3_bf16.json writes the short `prefetch_bucket_size: auto`."""
+    from hybridmem.job.parallel import ParallelSpec
+
+    layer = from_deepspeed_json({"zero_optimization": {
+        "stage": 3, "allgather_bucket_size": "auto", "prefetch_bucket_size": "auto",
+        "param_persistence_threshold": "auto"}}, hidden_size=H7B)
+    defaults = ParallelSpec()
+    for name in ("allgather_bucket_size", "stage3_prefetch_bucket_size",
+                 "stage3_param_persistence_threshold"):
+        assert name not in layer["parallel"]  # DeepSpeed's default: 5e8, 5e7, 1e5
+        assert "DeepSpeed's default" in layer["sources"][name]
+    assert defaults.stage3_prefetch_bucket_size == 50_000_000  # zero/config.py default
 
 
 def test_bad_stage():

@@ -89,7 +89,8 @@ def test_qwen3_every_tier_counts_the_same_image_tokens():
 
 # --- parameters ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model", [TINY, "qwen3-vl-2b-instruct", "qwen3-vl-8b-instruct",
+@pytest.mark.parametrize("model", [TINY, "qwen3-vl-2b-instruct", "qwen3-vl-4b-instruct",
+                                   "qwen3-vl-8b-instruct",
                                    "tiny-qwen3-vl-moe", "qwen3-vl-30b-a3b-instruct"])
 def test_qwen3_params_equal_the_meta_model_per_tensor(model):
     ref = {k: p.numel() for k, p in _meta_model(model).named_parameters()}
@@ -98,8 +99,9 @@ def test_qwen3_params_equal_the_meta_model_per_tensor(model):
 
 @pytest.mark.parametrize("model, total, published", [
     # meta-device counts (transformers 5.24 on the meta device); the model pages' safetensors
-    # counts: Qwen3-VL-2B-Instruct 2.13B, Qwen3-VL-8B-Instruct 8.77B
-    ("qwen3-vl-2b-instruct", 2_127_532_032, 2.13), ("qwen3-vl-8b-instruct", 8_767_123_696, 8.77)])
+    # counts: Qwen3-VL-2B-Instruct 2.13B, Qwen3-VL-4B-Instruct 4.44B, Qwen3-VL-8B-Instruct 8.77B
+    ("qwen3-vl-2b-instruct", 2_127_532_032, 2.13), ("qwen3-vl-4b-instruct", 4_437_815_808, 4.44),
+    ("qwen3-vl-8b-instruct", 8_767_123_696, 8.77)])
 def test_qwen3_preset_totals(model, total, published):
     n = build_graph(TrainingSpec(model=model, seq_len=512)).num_params
     assert n == total and round(n / 1e9, 2) == published

@@ -77,9 +77,10 @@ def workspace_note(gpu: GPU | None, workspace: int) -> str:
             return "workspace: two cuBLAS workspaces of Hopper size (32 MiB each); other GPUs use less"
         return (f"workspace: two cuBLAS workspaces of {workspace} bytes each "
                 "(CUBLAS_WORKSPACE_CONFIG)")
-    major, minor = gpu.compute_capability
+    major, minor = gpu.compute_capability  # the size: CublasHandlePool.cpp (cublas_workspace)
     return (f"workspace: two cuBLAS workspaces of {workspace} bytes each ({gpu.name}, "
-            f"sm_{major}{minor}: PyTorch CublasHandlePool.cpp default, or CUBLAS_WORKSPACE_CONFIG)")
+            f"sm_{major}{minor}: PyTorch's default for this compute capability, or "
+            "CUBLAS_WORKSPACE_CONFIG); the one part of the tensors that depends on the GPU")
 
 
 def allocator_capacity(gpu: GPU, outside: int = CUDA_CONTEXT_DEFAULT) -> int:

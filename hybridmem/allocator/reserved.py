@@ -80,6 +80,10 @@ class Bounded:
     bytes (`bounded`, the trace tier, a rank's estimate)."""
     probe_oom: bool = False
     """The replay at the next power of two (the 2q probe of `bounded`) ran out of memory."""
+    uncapped: int | None = None
+    """Where the allocator retried at the capacity and so reserves less than without a limit:
+    the reserved estimate without one (the GPU-less answer's), set by the tier that computes
+    both (`analytic.estimate`); None otherwise. The notes say both."""
 
     @property
     def oom(self) -> bool:
@@ -153,7 +157,10 @@ def bounded(spec, allocated: int, measure: Callable, capacity: int | None = None
         f_q = at(q)[1]
         f_2q = at(2 * q, default=f_q)[1]
         device = max(device, allocated + min(f_q, f_2q))
-    if capacity is not None and not ooms and not above:
+    # capped only where the closed form's tensors fit too: a stream that leaves out tensors
+    # the closed form counts (an approximation of `events.build`) can complete a replay the
+    # job cannot, and the peak is then the unlimited one, whatever GPU is asked about
+    if capacity is not None and not ooms and not above and allocated <= capacity:
         device = max(allocated, min(device, capacity))
     # a replay at <= b that ran out of memory reserved more than the capacity (its unlimited
     # peak): the job at b, at least as large, does not fit either, whatever the closed form's
@@ -246,8 +253,8 @@ def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:
     if fit.capacity is None:
         return []
     notes = [f"allocator capacity: {fit.capacity} bytes = {outside}; the stream is replayed "
-             "within it, as PyTorch's allocator frees its cache and retries when cudaMalloc "
-             "fails (CUDACachingAllocator.cpp malloc)"]
+             "within it, as PyTorch's caching allocator frees its cache and retries when "
+             "cudaMalloc fails"]  # CUDACachingAllocator.cpp DeviceCachingAllocator::malloc
     tensors = ("the tensors alone (allocated) exceed it" if allocated > fit.capacity else
                "the tensors alone (allocated) would fit: fragmentation is what misses")
     if fit.oom and fit.oom_batches:
@@ -264,8 +271,18 @@ def capacity_notes(fit: Bounded, allocated: int, outside: str) -> list[str]:
                      "cudaMalloc retr" + ("y" if fit.retries == 1 else "ies") +
                      " (num_alloc_retries) over the replayed iterations, each freeing every "
                      "cached segment (cudaFree synchronizes the device): it fits, with allocator "
-                     "retries that cost time")
+                     "retries that cost time" + held_note(fit))
     return notes
+
+
+def held_note(fit: Bounded) -> str:
+    """Where the allocator's behaviour at the capacity changes the peak: reserved held at the
+    capacity, and what it reaches without the limit (the GPU-less answer's figure)."""
+    if fit.uncapped is None:
+        return ""
+    return (f"; releasing its cache there, the allocator reserves less than the "
+            f"{fit.uncapped / (1 << 30):.2f} GiB it would without the GPU's limit (the tensors "
+            "are the same)")
 
 
 FROM_GPU = "gpu"
@@ -292,5 +309,7 @@ def allocator_extras(fit) -> dict:
     GPU-less answer is unchanged)."""
     if fit.capacity is None:
         return {}
-    return {"allocator": {"capacity_bytes": fit.capacity, "num_alloc_retries": fit.retries,
-                          "oom": fit.oom}}
+    out = {"capacity_bytes": fit.capacity, "num_alloc_retries": fit.retries, "oom": fit.oom}
+    if getattr(fit, "uncapped", None) is not None:
+        out["uncapped_reserved_bytes"] = fit.uncapped
+    return {"allocator": out}

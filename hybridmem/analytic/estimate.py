@@ -9,6 +9,8 @@ the projector needs).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -43,8 +45,7 @@ from hybridmem.job.optimizers import paged_notes
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
-from hybridmem.techniques import Technique, loss_of
-from hybridmem.families.decoders.model import NO_SDPA_TYPES
+from hybridmem.techniques import Technique, head_of, loss_of
 from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
@@ -101,7 +102,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  ce_chunks=spec.chunked_ce, param=policy.param_bytes,
                  cce=loss is not None and loss.NAME == "cce",
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
-                 objective=spec.objective, prompt=objective_rules.prompt_length(spec))
+                 objective=spec.objective, prompt=objective_rules.prompt_length(spec),
+                 ref_model=objective_rules.ref_model_of(spec), head=head_of(spec, loss))
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
@@ -292,7 +294,7 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
                      f"tokens; the vision tower encodes {seen} per step")
     if spec.parallel.world_size > 1 or spec.parallel.strategy != "none":
         notes.append("parallelism is not modelled by the analytic tier yet: one unsharded GPU")
-    loss = loss_of(spec)
+    loss = head_of(spec) or loss_of(spec)
     if loss is not None:  # its note, or why it leaves this model unchanged
         notes.append(loss.note(spec, graph.model_type, loss_applied(spec) is not None))
     if spec.attn == "flash_attention_2":
@@ -310,8 +312,14 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
     if spec.train == "lora":
         dtype = ("fp32, PEFT default" if spec.adapter_dtype == "fp32"
                  else f"{spec.adapter_dtype}, the weights' dtype")
-        notes.append(f"LoRA adapters ({dtype}) on language-model linears only, as "
-                     "LLaVA's finetune_lora recipe")
+        named = (f"the modules full-matching {spec.lora.target_regex!r} (peft's rule)"
+                 if spec.lora.target_regex is not None else ", ".join(sorted(
+                     {t.name.split(".lora_")[0].rsplit(".", 1)[-1] for _, l in graph.layers()
+                      for t in l.lora if ".lora_A" in t.name})))
+        vision = any(m.name not in ("language_model", "lm_head") for m in graph.modules)
+        notes.append(f"LoRA adapters ({dtype}) on {named}"
+                     + (": language-model linears only (the vision tower and projector get "
+                        "none)" if vision else ""))
         if spec.lora.use_dora:
             notes.append("DoRA: fp32 magnitude vectors; per adapted linear the base and lora_B "
                          "outputs are saved and the fp32 full weight W + scale B@A is built "
@@ -374,11 +382,6 @@ def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
                         else objectives.graph_spec(spec))  # job.packing, job.objective
     graph = objectives.with_score_head(graph, spec)  # the reward model's (1, hidden) head
     packing.check_model(spec, graph.vision_batch)
-    if graph.model_type in NO_SDPA_TYPES and spec.attn == "sdpa":
-        # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping"):
-        # transformers refuses it, as the trace tier reports (trace/model.py)
-        raise SpecError("attn", spec.attn, ("eager", "flash_attention_2"),
-                        reason=f"transformers' {graph.model_type} code does not support it")
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
     priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
     priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)
@@ -489,6 +492,10 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     # reserved - allocated from replaying an approximate alloc/free stream through the
     # allocator simulator (`events.py`, `reserved.py`), non-decreasing in the micro-batch
     fit = bounded(spec, allocated, _measure_with(ws), limit)
+    if fit.retries and not fit.oom:  # the allocator's behaviour at the limit lowers reserved
+        free = allocated + bounded(spec, allocated, _measure_with(ws)).fragmentation
+        if free > allocated + fit.fragmentation:
+            fit = dataclasses.replace(fit, uncapped=free)
     waste = fit.fragmentation
     # the former estimate: 2 MiB rounding of the > 10 MiB tensors alive (a lower bound)
     lower = max(p.allocated + p.waste for p in points) - allocated

@@ -5,7 +5,8 @@ allocations, not only on their sum; the closed form gives the sum. This stream f
 same timeline as `timeline.walk` (the loop in its docstring), tensor by tensor where the
 analytic model knows the tensors, so `reserved.py` can replay it through the
 caching-allocator simulator the trace tier also uses (`hybridmem.allocator`):
-- setup: every parameter / buffer / LoRA tensor (and bf16-master fp32 copies), the batch;
+- setup: every parameter / buffer / LoRA tensor (and bf16-master fp32 copies), a separate
+  reference model's copy of them (DPO / KTO / GRPO `ref_model="separate"`), the batch;
 - forward, per layer: its saved tensors (`Acts.parts`, in forward order) with its transient
   tensors (`Acts.fwd_parts`; bytes a formula sums without listing are cut into tensors of the
   layer's hidden-state size) alive over the second half; a checkpointed layer runs under
@@ -41,6 +42,7 @@ from hybridmem.allocator.alloc import t
 from hybridmem.allocator.foreach import foreach_norm_scratch
 from hybridmem.analytic.states import state_bytes
 from hybridmem.job.precision import casts_weights
+from hybridmem.job.objective import ref_model_of
 from hybridmem.job.optimizers import rule
 from hybridmem.job.quantize import quant_of
 from hybridmem.job.spec import POLICIES, TrainingSpec, empty_cache_at
@@ -202,6 +204,9 @@ def build(priced, spec: TrainingSpec, statics, iterations: int = 2,
     quant = quant_of(spec)
     for p in priced:  # setup: parameters, buffers, adapters; fp32 masters
         s.allocs(_setup_sizes(p.layer, policy, quant))
+    if ref_model_of(spec) == "separate":  # the reference's deep copy of the same tensors
+        for p in priced:  # (objectives.reference_param_bytes: what the closed form adds)
+            s.allocs(_setup_sizes(p.layer, policy, quant))
     if policy.master_bytes:
         for p in priced:
             if p.layer.trainable:

@@ -59,6 +59,8 @@ def reference_forward(priced, spec, c: Ctx) -> int:
     forward there (GRPO's runs in its generation phase: `generation`)."""
     if rules.ref_model_of(spec) in ("none", "precomputed") or spec.objective == "grpo":
         return 0
+    if c.head is not None:  # a technique's fused loss runs the reference's head in its chunks
+        return _no_grad_forward(priced, c, None, lambda d: 0)
     return _no_grad_forward(priced, c, None, lambda d: reference_head(
         d["b"], d["s"], d["h"], d["vocab"], c, rules.prompt_length(spec), spec.objective))
 

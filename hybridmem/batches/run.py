@@ -118,6 +118,10 @@ class Replayed:
     """cudaMalloc retries (the allocator freed its cache at the capacity)."""
     oom: bool = False
     """The replay ran out of memory within the capacity (this is then the unlimited one)."""
+    oom_step: int | None = None
+    """The step at which the replay within the capacity ran out of memory."""
+    oom_held: tuple[int, int] = (0, 0)
+    """(allocated, reserved) bytes of the replay within the capacity when it ran out."""
 
 
 def replay_steps(streams: list[ShapeStream], index: np.ndarray,
@@ -133,8 +137,10 @@ def replay_steps(streams: list[ShapeStream], index: np.ndarray,
     if capacity is not None:
         try:
             return _replay(streams, index, config, capacity, empties)
-        except SimulatedOOM:
-            return dataclasses.replace(_replay(streams, index, config, None, empties), oom=True)
+        except SimulatedOOM as err:
+            return dataclasses.replace(_replay(streams, index, config, None, empties), oom=True,
+                                       oom_step=getattr(err, "step", None),
+                                       oom_held=getattr(err, "held", (0, 0)))
     return _replay(streams, index, config, None, empties)
 
 
@@ -163,34 +169,40 @@ def _replay(streams, index, config, capacity, empties) -> Replayed:
 
     first = splits[index[0]]
     empty = (lambda j: True) if empties is None else (lambda j: bool(empties[j]))
-    # the prefix holds setup and iteration 0: its empty_cache calls are iteration 0's
-    reserved[0] = feed(first.prefix, 0, lambda k: (0, k), empty(0))
-    setup_tag = {k: (0, k) for k in first.setup}
-    handed = [(0, k) for k in first.carry0]
-    replayed = 1
-    for j in range(1, len(index)):
-        pair = (int(index[j - 1]), int(index[j]), empty(j))
-        if pair in seen:
-            reserved[j] = sim.reserved
-            continue
-        seen.add(pair)
-        sp = splits[index[j]]
-        prev = handed
+    j = 0
+    try:
+        # the prefix holds setup and iteration 0: its empty_cache calls are iteration 0's
+        reserved[0] = feed(first.prefix, 0, lambda k: (0, k), empty(0))
+        setup_tag = {k: (0, k) for k in first.setup}
+        handed = [(0, k) for k in first.carry0]
+        replayed = 1
+        for j in range(1, len(index)):
+            pair = (int(index[j - 1]), int(index[j]), empty(j))
+            if pair in seen:
+                reserved[j] = sim.reserved
+                continue
+            seen.add(pair)
+            sp = splits[index[j]]
+            prev = handed
 
-        def remap(key, sp=sp, prev=prev, j=j):
-            rank = sp.carry_in.get(key)
-            if rank is not None:
-                return prev[rank] if rank < len(prev) else None
-            if key in sp.setup:
-                return setup_tag.get(key)
-            return (j, key)
+            def remap(key, sp=sp, prev=prev, j=j):
+                rank = sp.carry_in.get(key)
+                if rank is not None:
+                    return prev[rank] if rank < len(prev) else None
+                if key in sp.setup:
+                    return setup_tag.get(key)
+                return (j, key)
 
-        reserved[j] = feed(sp.segment, j, remap, empty(j))
-        for key in prev:  # a previous shape that handed more than this one takes
-            if key in live:
-                sim.free(live.pop(key))
-        handed = [(j, k) for k in sp.carry_out]
-        replayed += 1
+            reserved[j] = feed(sp.segment, j, remap, empty(j))
+            for key in prev:  # a previous shape that handed more than this one takes
+                if key in live:
+                    sim.free(live.pop(key))
+            handed = [(j, k) for k in sp.carry_out]
+            replayed += 1
+    except SimulatedOOM as err:
+        err.step = j  # where the run ran out, with what it held: the run's answer says so
+        err.held = (sim.allocated, sim.reserved)
+        raise
     return Replayed(reserved, sim.peak_reserved, replayed, sim.num_alloc_retries)
 
 
@@ -234,16 +246,27 @@ def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Pr
     top = max(range(len(streams)), key=lambda i: (allocated[i], steps.shapes[i].tokens))
     answer = price(_shape_spec(spec, steps.shapes[top]))
     limit = gpu_capacity(gpu, FROM_GPU)  # the GPU's, as the tiers replay within
-    run = replay_steps(streams, steps.index, capacity=limit, empties=empties)
-    alone = replay_steps([streams[top]], np.zeros(2, dtype=np.int64), capacity=limit,
+    # the composed streams are one GPU's: with several ranks their replay within the GPU's
+    # capacity is not a rank's, so it bounds nothing there (the rank's own verdict stands)
+    run_limit = limit if spec.parallel.world_size == 1 else None
+    run = replay_steps(streams, steps.index, capacity=run_limit, empties=empties)
+    alone = replay_steps([streams[top]], np.zeros(2, dtype=np.int64), capacity=run_limit,
                          empties=None if empties is None else empties[:2]).peak_reserved
+    if run.oom:  # the run's growth as the unlimited replays see it
+        alone = replay_steps([streams[top]], np.zeros(2, dtype=np.int64),
+                             empties=None if empties is None else empties[:2]).peak_reserved
     growth = max(0, run.peak_reserved - alone)
     shift = answer.peak.reserved_bytes - alone
     per_step = run.reserved + shift
     cap = price(spec.with_(lengths=None)) if steps.shapes[top] != Shape(
         spec.micro_batch, spec.seq_len, images) else answer
-    peak = dataclasses.replace(answer.peak,
-                               reserved_bytes=answer.peak.reserved_bytes + growth,
+    verdict = _run_verdict(answer, run, limit, steps.shapes[int(steps.index[run.oom_step])]
+                           if run.oom_step is not None else None, run.oom_step)
+    reserved = answer.peak.reserved_bytes + growth
+    if verdict.allocator is not None:
+        reserved = verdict.reserved(reserved, answer.peak.allocated_bytes)
+    growth = reserved - answer.peak.reserved_bytes
+    peak = dataclasses.replace(answer.peak, reserved_bytes=reserved,
                                device_bytes=answer.peak.device_bytes + growth)
     breakdown = {**answer.breakdown,
                  "fragmentation": answer.breakdown.get("fragmentation", 0) + growth}
@@ -279,9 +302,71 @@ def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Pr
             f"({longest.batch} x {longest.tokens} tokens), {len(steps.shapes)} distinct "
             f"shapes replayed in order ({run.replayed_steps} steps), + {growth >> 20} MiB "
             "reserved from changing shapes (docs/lengths.md)")
+    extras = {**answer.extras, "lengths": info}
+    if verdict.allocator is not None:
+        extras["allocator"] = verdict.allocator
     return dataclasses.replace(answer, peak=peak, breakdown=breakdown,
-                               notes=(*answer.notes, note),
-                               extras={**answer.extras, "lengths": info})
+                               notes=(*verdict.notes, note), extras=extras)
+
+
+CAPACITY_VERDICTS = ("does not fit", "fits only after")
+"""How the capacity replay's verdict notes begin (`allocator.reserved.capacity_notes`)."""
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What the run's replay within the GPU's capacity says, in place of the priced shape's own
+    replay: the JSON `allocator` object and the notes, so that `fit`, `fits`, `allocator.oom`
+    and the notes all speak of the run (docs/design.md, "The verdict")."""
+
+    allocator: dict | None
+    notes: tuple[str, ...]
+
+    def reserved(self, estimate: int, allocated: int) -> int:
+        """The run's reserved bytes within the capacity: an allocator that completed the run
+        never held more than the capacity (it released its cache instead); one that ran out
+        held more than it (the unlimited replay's peak, as `allocator.reserved.bounded`)."""
+        capacity = self.allocator["capacity_bytes"]
+        if self.allocator["oom"]:
+            return max(estimate, capacity + 1)
+        return max(allocated, min(estimate, capacity))
+
+
+def _run_verdict(answer: Prediction, run: Replayed, capacity: int | None, oom_shape,
+                 oom_step: int | None) -> _Verdict:
+    """The run's allocator verdict: the priced shape's capacity notes (`CAPACITY_VERDICTS`) are
+    replaced by the run's, as the run's replay decides (it replays that shape too)."""
+    own = answer.extras.get("allocator")
+    if capacity is None or own is None:
+        return _Verdict(None, answer.notes)
+    kept = tuple(n for n in answer.notes if not n.startswith(CAPACITY_VERDICTS))
+    oom = run.oom or bool(own.get("oom"))
+    retries = max(run.retries, own.get("num_alloc_retries", 0))
+    gib = 1 << 30
+    if run.oom:
+        where = (f"at step {oom_step} (a {oom_shape.batch} x {oom_shape.tokens} batch)"
+                 if oom_shape is not None else "")
+        alone = ("; that shape replayed alone does not run out: the cached segments the "
+                 "earlier, differently shaped batches left cannot hold its tensors (fragmentation)"
+                 if not own.get("oom") else "")
+        line = (f"does not fit: over the run's batches the simulated allocator runs out of "
+                f"memory {where} even after releasing its cached blocks, holding "
+                f"{run.oom_held[0] / gib:.2f} GiB of tensors in {run.oom_held[1] / gib:.2f} GiB "
+                f"reserved of the {capacity / gib:.2f} GiB capacity{alone}; reserved is the "
+                "unlimited replay's")
+    elif own.get("oom"):
+        line = next((n for n in answer.notes if n.startswith("does not fit")), "does not fit")
+    elif retries:
+        line = (f"fits only after the allocator released its cache: {retries} cudaMalloc "
+                "retr" + ("y" if retries == 1 else "ies") + " (num_alloc_retries) over the "
+                "run's replayed steps, each freeing every cached segment (cudaFree "
+                "synchronizes the device): it fits, with allocator retries that cost time")
+    else:
+        line = None
+    # own: the rank's capacity; its uncapped figure is the shape's alone, not the run's
+    allocator = {**{k: v for k, v in own.items() if k != "uncapped_reserved_bytes"},
+                 "num_alloc_retries": retries, "oom": oom}
+    return _Verdict(allocator, kept + ((line,) if line else ()))
 
 
 def summary(info: dict) -> str:

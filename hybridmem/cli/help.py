@@ -22,11 +22,18 @@ MAX_LINES = 2
 """Lines an option's help may take; a longer list of choices is cut, saying how many in all."""
 ALL_CHOICES = frozenset({"precision"})
 """Fields whose every choice is listed (one more line): precision decides most verdicts."""
-OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep", "jobs", "workers"})
+OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep", "sequence_parallel", "cp", "pp",
+                        "pp_schedule", "pp_virtual_stages", "pp_microbatches", "ep",
+                        "dp_replicate", "dp_shard", "offload_param", "mp_reduce_dtype",
+                        "timeline", "cut_cross_entropy", "jobs", "workers"})
 """Options the one-screen help leaves to the README: an alias (`--zero-stage N` =
-`--strategy zeroN`), GRPO's / DPO's `--beta` (what it changes, the reference model, is
-`--ref-model`), `--no-kbit-prep` (peft's k-bit preparation is what almost every QLoRA job runs)
-and the many-jobs mode (`--jobs FILE.jsonl --workers N`: its own line in the examples)."""
+`--strategy zeroN`, `--cut-cross-entropy` = `--loss cce`), GRPO's / DPO's `--beta` (what it
+changes, the reference model, is `--ref-model`), `--no-kbit-prep` (peft's k-bit preparation is
+what almost every QLoRA job runs), the model-parallel layout beyond `--tp` (`--pp`,
+`--sequence-parallel`, `--cp`, `--ep`, the pipeline schedule and the data-parallel split:
+docs/parallel.md), ZeRO-Infinity's `--offload-param`, FSDP2's `--mp-reduce-dtype` (with
+`--mp-param-dtype`), the trace tier's `--timeline` and the many-jobs mode (`--jobs FILE.jsonl
+--workers N`: its own line in the examples)."""
 LONG_DEFAULT = 24
 """A default longer than this (the LoRA target list) is left to the README."""
 

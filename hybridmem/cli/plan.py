@@ -36,7 +36,7 @@ DEFAULT_GPUS = "a100-40gb,a100-80gb,h100-80gb,h200"
 DEFAULT_COUNTS = "1,2,4,8"
 DEFAULT_STRATEGIES = "ddp,zero2,zero3,fsdp"
 PLAN_SKIPS = ("gpu", "gpu_mem", "find_max_batch", "method", "plot", "timeline", "verbose",
-              "as_json", "jobs", "workers", "world_size", "strategy", "zero_stage")
+              "as_json", "jobs", "workers", "layouts", "world_size", "strategy", "zero_stage")
 """`predict` options the plan does not take: the grid sets the GPU and the layout."""
 
 

@@ -76,13 +76,17 @@ def predict_command(**values) -> None:
     find_max_batch, as_json = values.pop("find_max_batch"), values.pop("as_json")
     plot, timeline = values.pop("plot"), values.pop("timeline")
     verbose = values.pop("verbose")
-    jobs, workers = values.pop("jobs"), values.pop("workers")
+    jobs, workers, layouts = values.pop("jobs"), values.pop("workers"), values.pop("layouts")
+    if jobs is not None and layouts:
+        raise SpecError("layouts", True, reason="advises one job: not with --jobs")
     if jobs is not None:
         return _jobs_command(jobs, workers, values, as_json, plot or timeline,
                              {"gpu": gpu, "gpu_mem": gpu_mem, "method": method,
                               "find_max_batch": find_max_batch})
     if workers is not None:
         raise SpecError("workers", workers, reason="needs --jobs FILE.jsonl")
+    if layouts:
+        return _layouts(values, resolve_gpu(gpu, gpu_mem), as_json)
     # recipe < --training-args < --deepspeed < explicit flags (None = flag not given); the rest
     # of `values` are the job fields by schema key, --peft-config, --quantization-config and
     # --zero-stage
@@ -93,6 +97,8 @@ def predict_command(**values) -> None:
     found = answer(resolved, config_warnings, target, method=method,
                    find_max_batch=find_max_batch, timeline=timeline)
     result, advice = found.result, found.advice
+    for warning in result.job["warnings"][len(config_warnings):]:  # the job's own: before it
+        typer.echo(f"warning: {warning}", err=True)
     written = []
     if plot:
         written.append(f"plot: {save_plot(result, plot)}")
@@ -124,6 +130,35 @@ def _jobs_command(path: str, workers: int | None, values: dict, as_json: bool,
         typer.echo(json.dumps(row) if as_json else row_text(row))
     failed = sum("error" in row for row in rows)
     typer.echo(f"{len(rows)} jobs, {len(rows) - failed} priced, {failed} errors", err=True)
+def _layouts(values: dict, gpu, as_json: bool) -> None:
+    """`--layouts`: the advice over layouts (`hybridmem.parallel.layouts.advise`)."""
+    from hybridmem.answer import resolve_job
+    from hybridmem.errors import SpecError
+    from hybridmem.parallel.layouts import advise
+
+    if gpu is None:
+        raise SpecError("gpu", None, reason="--layouts needs the GPU to fit (--gpu or --gpu-mem)")
+    resolved, config_warnings = resolve_job(values)
+    for warning in config_warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    spec = resolved.spec
+    found = advise(spec, spec.parallel.world_size, gpu)
+    if as_json:
+        typer.echo(json.dumps({"job": spec.to_dict(), **found}, indent=2))
+        return
+    G = 2**30
+    typer.echo(f"layouts of {found['gpus']} x {found['gpu']} for {spec.model}, micro-batch "
+               f"{spec.micro_batch} x {spec.seq_len} tokens ({spec.precision}, "
+               f"grad_ckpt={'on' if spec.grad_ckpt else 'off'}); per-rank peak, analytic:")
+    typer.echo(f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3}  {'strategy':<8} {'peak GiB':>9} "
+               f"{'headroom':>9}  fits")
+    for r in found["rows"]:
+        typer.echo(f"{r['dp']:>5} {r['tp']:>3} {r['pp']:>3} {r['cp']:>3}  {r['strategy']:<8} "
+                   f"{r['peak_bytes'] / G:>9.2f} {r['headroom_bytes'] / G:>+9.2f}  "
+                   f"{'yes' if r['fits'] else 'no'}")
+    smallest = found["smallest_gpus"]
+    typer.echo(f"smallest GPU count that fits: {smallest}" if smallest else
+               "no layout of up to 16384 GPUs fits")
 
 
 predict_command.__signature__ = inspect.Signature([

@@ -50,8 +50,13 @@ def default_attn(model_type: str) -> tuple[str, str]:
     """What transformers picks with no `attn_implementation`: `sdpa`, falling back to `eager`
     where the model class cannot dispatch SDPA (PreTrainedModel.get_correct_attn_implementation:
     `_sdpa_can_dispatch` fails when `_supports_sdpa` is False)."""
+    from hybridmem.families.attention import declared
+
     fam = family(model_type)
-    if fam is not None:
+    found = declared(model_type, fam.kind) if fam is not None else None
+    if found is not None:  # the installed transformers' class (families/attention.py)
+        supports = found[1]["sdpa"]
+    elif fam is not None:
         supports = not fam.has(NO_SDPA)
     else:
         supports = _transformers_supports_sdpa(model_type)

@@ -19,14 +19,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridmem.job.recorded import RECORDED, recorded_fields
+from hybridmem.job.recorded import PARALLEL_RECORDED, RECORDED, recorded_fields, recorded_parallel
 from hybridmem.errors import SpecError
 from hybridmem.harness import shapes
 from hybridmem.harness.order import estimate_seconds, space_filling_order
 from hybridmem.harness.schema import spec_hash
 from hybridmem.job.images import normalize_image_size, parse_image_size
 from hybridmem.models import build_graph
-from hybridmem.job.parallel import STRATEGIES, ParallelSpec
+from hybridmem.job.parallel import PP_SCHEDULES, STRATEGIES, ParallelSpec
 from hybridmem.parallel.validate import check_parallel
 from hybridmem.job.spec import LoraSpec, TrainingSpec
 
@@ -57,7 +57,7 @@ AXES: dict[str, list] = {
 }
 BLOCK_KEYS: tuple[str, ...] = ("name", "sampling", "samples", "seed", "priority",
                                "parallel") + tuple(AXES)
-PARALLEL_AXES = ("world_size", "strategy")
+PARALLEL_AXES = ("world_size", "strategy", *sorted(PARALLEL_RECORDED))
 """Axes that go into the spec's `ParallelSpec`; a block's `parallel` table sets its other knobs."""
 VALUE_PARTNERS: dict[str, object] = {"train": "lora", "grad_ckpt": True, "num_generations": 1}
 """Fields set beside one axis value when it is checked on its own (`_check_value`; groups of
@@ -65,7 +65,7 @@ one: `objective = "grpo"` divides any micro-batch)."""
 SAMPLINGS: tuple[str, ...] = ("grid", "random")
 MAX_GRID = 100_000  # grids larger than this must be sampled (`sampling = "random"`)
 SPEC_AXES = ("micro_batch", "seq_len", "images_per_sample", "precision", "optimizer", "train",
-             "attn", "grad_ckpt", *RECORDED)
+             "attn", "grad_ckpt", *(r for r in RECORDED if r not in PARALLEL_RECORDED))
 """Axes that are `TrainingSpec` fields of the same name (validated by the spec itself)."""
 
 
@@ -119,6 +119,19 @@ def _check_keys(table: dict, allowed, where: str) -> None:
             raise SpecError(f"{where}.{key}", table[key], list(allowed), reason="unknown key")
 
 
+def _check_layout_value(axis: str, value: object) -> None:
+    """One layout axis value on its own; the whole layout is checked in `make_item`."""
+    if axis == "pp_schedule":
+        if value not in PP_SCHEDULES:
+            raise SpecError(axis, value, PP_SCHEDULES)
+    elif axis == "sequence_parallel":
+        if not isinstance(value, bool):
+            raise SpecError(axis, value, (True, False), reason="must be true or false")
+    elif value is not None or axis not in ("pp_microbatches", "dp_shard"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecError(axis, value, reason="must be an integer >= 1")
+
+
 def _check_value(where: str, axis: str, value: object) -> None:
     """Validate one axis value on its own, by the spec's own checks."""
     try:
@@ -134,6 +147,8 @@ def _check_value(where: str, axis: str, value: object) -> None:
             LoraSpec(r=value)
         elif axis == "world_size":
             ParallelSpec(world_size=value, strategy="ddp")  # DDP takes any world size
+        elif axis in PARALLEL_RECORDED:
+            _check_layout_value(axis, value)
         elif axis == "strategy" and value not in STRATEGIES:
             raise SpecError(axis, value, STRATEGIES)
         elif axis in ("model", "vision", "decoder") and not isinstance(value, str):
@@ -219,6 +234,11 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         attn=combo["attn"], grad_ckpt=combo["grad_ckpt"],
         **recorded_fields(combo), parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
+    if spec.parallel.model_parallel:
+        # the child launches data-parallel jobs (DDP / ZeRO / FSDP2 through torchrun); a tp /
+        # cp / pp / ep layout needs a launcher of its own (docs/parallel.md, "Measuring it")
+        raise SpecError("parallel", "tp/cp/pp/ep", reason="hybridmem collect runs "
+                        "data-parallel layouts only")
     runnable = spec.with_(model=_materialize(cfg))
     tokens = image_tokens_of(runnable)  # SpecError unless a text token fits beside them
     build_graph(runnable)  # SpecError for what the model graph refuses (dropped as impossible)
@@ -236,7 +256,8 @@ def _parallel(combo: dict, knobs: dict, where: str) -> ParallelSpec:
     """The ParallelSpec of a combination; a bad knob value is the block's error, a strategy that
     does not go with the world size an impossible combination (dropped)."""
     try:
-        return ParallelSpec(world_size=combo["world_size"], strategy=combo["strategy"], **knobs)
+        return ParallelSpec(world_size=combo["world_size"], strategy=combo["strategy"],
+                            **recorded_parallel(combo), **knobs)
     except SpecError as err:
         name = err.field.removeprefix("parallel.")
         if name in knobs:

@@ -54,7 +54,8 @@ def warn(message: str) -> None:
 LABELS: dict[str, str] = {"training_args": "TrainingArguments", "deepspeed": "DeepSpeed",
                           "peft": "PEFT adapter config", "bnb": "BitsAndBytesConfig",
                           "llamafactory": "LLaMA-Factory", "axolotl": "axolotl",
-                          "torchtune": "torchtune", "accelerate": "accelerate"}
+                          "torchtune": "torchtune", "accelerate": "accelerate",
+                          "torchtitan": "torchtitan", "megatron": "Megatron-LM"}
 
 
 def check_keys(source: str, data: dict, where: str, *, used: Iterable[str],

@@ -38,6 +38,10 @@ def flag_source(key: str) -> str:
     return "flag --" + key.replace("_", "-")
 
 
+REGEX_CHARS = frozenset("()[]*+?|\\^$")
+"""Characters of a regular expression no module name has (`--lora-targets` as one regex)."""
+
+
 def _layer_overrides(overrides: dict, model: str | None = None) -> dict:
     """Explicit values by job-schema key (`hybridmem.job.schema.BY_KEY`: TrainingSpec and
     ParallelSpec field names, `lora_<field>` for LoRA settings), plus the files given as
@@ -56,6 +60,13 @@ def _layer_overrides(overrides: dict, model: str | None = None) -> dict:
         if value is None or key in OPTION_FILES:
             continue
         meta = schema.BY_KEY.get(key)
+        if key == "lora_targets" and isinstance(value, str) and REGEX_CHARS & set(value):
+            # no module name has these: the value is one peft regex (`lora.target_regex`)
+            lora["target_regex"] = value
+            sources["lora_target_regex"] = flag_source(key)
+            continue
+        if key == "lora_targets":  # names given: a file's regex no longer applies
+            lora["target_regex"] = None
         if meta is not None:
             value = schema.parse_cli(meta, value)
             sources[key] = flag_source(key)
@@ -109,9 +120,18 @@ def merge_inputs(recipe: str | None = None, deepspeed: str | os.PathLike | dict 
     return _merge(recipe, deepspeed, training_args, overrides, None)[0]
 
 
+def _launched_model(launched) -> str | None:
+    """The launcher config's model as the file names it (its hub id, whose config.json may
+    carry a pre-quantised upload's quantization_config), else its preset or path."""
+    if launched is None:
+        return None
+    return next((layer["hub_id"] for layer in launched.layers if layer.get("hub_id")),
+                launched.model)
+
+
 def _merge(recipe, deepspeed, training_args, overrides, launched) -> tuple[dict, dict]:
     overrides = overrides or {}
-    over = _layer_overrides(overrides, overrides.get("model") or (launched and launched.model))
+    over = _layer_overrides(overrides, overrides.get("model") or _launched_model(launched))
     layers: list[dict] = []
     ds_sources: list[tuple] = []  # (DeepSpeed config, where it came from)
     hf: dict | None = None
@@ -184,7 +204,12 @@ def _combine(layers: list[dict], over: dict) -> tuple[dict, dict]:
             raise SpecError("parallel.strategy", "fsdp+zero",
                             reason="FSDP and DeepSpeed ZeRO cannot both be set")
     ws = parallel.get("world_size", 1)
-    if parallel.get("strategy", "none") == "none" and ws > 1:
+    # the data-parallel ranks: what the model-parallel axes leave (job.parallel.ParallelSpec)
+    model = 1
+    for axis in ("tp", "cp", "pp", "dp_replicate"):
+        model *= parallel.get(axis, 1) if isinstance(parallel.get(axis, 1), int) else 1
+    dp = parallel.get("dp_shard") or (ws // model if model else ws)
+    if parallel.get("strategy", "none") == "none" and dp * parallel.get("dp_replicate", 1) > 1:
         # torchrun + HF Trainer without DeepSpeed/FSDP is DDP; a launcher's multi-GPU recipe
         # may say otherwise (torchtune's distributed recipes shard with FSDP2)
         parallel["strategy"] = multi_gpu

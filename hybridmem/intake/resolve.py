@@ -47,7 +47,8 @@ def resolve(recipe: str | None = None, deepspeed: str | os.PathLike | dict | Non
     if isinstance(config, LauncherConfig):  # read already (the HTTP API's pasted text)
         launched = config
     else:
-        launched = None if config is None else read_config(config, config_format)
+        model = (overrides or {}).get("model")  # read in place of the file's model
+        launched = None if config is None else read_config(config, config_format, model)
     return resolve_inputs(recipe, deepspeed, training_args, overrides, launched)
 
 

@@ -1,9 +1,9 @@
 """Cut Cross-Entropy (`--cut-cross-entropy`; axolotl `cut_cross_entropy: true`): the one home
 of its rules, its allocations emulated in torch, and the real patch.
 
-Why here: the analytic tier (`hybridmem/families/decoders/acts.py` `cce_head`, from
-`head_tensors` below), the trace tier and the harness's CPU stand-in (`emulate`) and the CUDA
-harness (`apply_real`) must agree on what CCE keeps alive. CCE needs Triton and a CUDA GPU, so
+Why here: the analytic tier (`hybridmem/techniques/cce.py`, from `head_tensors` below, read by
+`hybridmem/families/decoders/acts.py` `technique_head`), the trace tier and the harness's CPU
+stand-in (`emulate`) and the CUDA harness (`apply_real`) must agree on what CCE keeps alive. CCE needs Triton and a CUDA GPU, so
 the trace tier runs `LinearCrossEntropy` below: plain torch ops that allocate, save and free
 what the kernels do, not their values. Sources: apple/ml-cross-entropy `cut_cross_entropy/`
 (`cce.py`, `cce_lse_forward.py`, `cce_backward.py`, `utils.py`, `linear_cross_entropy.py`)

@@ -26,10 +26,11 @@ GROUPS: dict[str, str] = {
 }
 """Group -> help panel title, in the order the CLI help, the README table and the echo use."""
 
-SOURCES: tuple[str, ...] = ("training_args", "deepspeed", "peft", "bnb")
+SOURCES: tuple[str, ...] = ("training_args", "deepspeed", "peft", "bnb", "torchtitan", "megatron")
 """Config files whose keys set job fields: HF TrainingArguments (and TRL SFTConfig, LLaVA's
 extensions) as JSON, a DeepSpeed JSON (nested keys dotted), a PEFT adapter_config.json, a
-BitsAndBytesConfig (transformers `quantization_config`)."""
+BitsAndBytesConfig (transformers `quantization_config`), a torchtitan job TOML (`section.key`),
+Megatron-LM's command-line arguments (`--name`, without the dashes)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,8 +178,14 @@ def check(spec) -> None:
     if spec.loop != "trainer":
         raise SpecError("loop", spec.loop, ["trainer"], reason=f"objective={o!r} is priced as "
                         "its TRL trainer's step")
+    from hybridmem import techniques
+
+    # a technique flag is priced with the objectives its technique modules declare
+    priced = [n for n in ("liger", "cut_cross_entropy", "chunked_ce")
+              if o in techniques.objectives_of(n)]
     clashes = [n for n in ("liger", "cut_cross_entropy", "optimizer_in_backward")
-               if getattr(spec, n)] + (["chunked_ce"] if spec.chunked_ce else []) + (
+               if getattr(spec, n) and n not in priced] + (
+        ["chunked_ce"] if spec.chunked_ce and "chunked_ce" not in priced else []) + (
         ["offload_activations"] if spec.offload_activations != "none" else [])
     if clashes:
         raise SpecError(clashes[0], getattr(spec, clashes[0]), reason=f"priced with sft only, "

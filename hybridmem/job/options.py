@@ -69,14 +69,18 @@ OPTIONS: tuple[Option, ...] = (
            "DeepSpeed config JSON ('auto' resolved as transformers does).", FILES_PANEL,
            api="DeepSpeed config (an object)"),
     Option("config", ("--config",), Optional[str],
-           "YAML of LLaMA-Factory, axolotl, torchtune or accelerate.", FILES_PANEL,
+           "Launcher config: YAML, torchtitan TOML, Megatron args.",
+           FILES_PANEL,
            doc="a launcher's own training YAML (LLaMA-Factory `llamafactory-cli train`, "
            "axolotl, torchtune recipe configs, accelerate's `accelerate config` file: "
            "distributed_type, mixed_precision, num_processes, fsdp_config / "
            "deepspeed_config; it names no model), read as that launcher reads it: its "
            "defaults where the file is silent, its model (a hub id names its preset), "
            "its `deepspeed` / `fsdp_config`; flags and the other files override it. Every "
-           "key is read, known to the launcher, or a warning naming the nearest key",
+           "key is read, known to the launcher, or a warning naming the nearest key. "
+           "torchtitan's job TOML (`[parallelism]`, `[training]`, `[activation_checkpoint]`, "
+           "`[model]` flavor -> preset) and Megatron-LM's arguments (a file of `--args` or "
+           "the launch command) too ([docs/parallel.md](docs/parallel.md))",
            api="a launcher's config as text: LLaMA-Factory / axolotl / torchtune / accelerate "
            "YAML, or a TrainingArguments or DeepSpeed JSON"),
     Option("config_format", ("--config-format",), Optional[str],
@@ -107,6 +111,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("find_max_batch", ("--find-max-batch",), bool,
            "Search the largest micro-batch that fits the GPU.", OUTPUT_PANEL, default=False,
            api="search the largest micro-batch that fits the GPU"),
+    Option("layouts", ("--layouts",), bool,
+           "List the (dp, tp, pp, cp) layouts of --world-size GPUs that fit --gpu.",
+           OUTPUT_PANEL, default=False,
+           doc="list every (dp, tp, pp, cp) layout of `--world-size` GPUs the model divides "
+           "that fits `--gpu`, by headroom, with each one's per-rank peak (analytic), and "
+           "the smallest GPU count (a power of two) with a layout that fits "
+           "([docs/parallel.md](docs/parallel.md), \"Advice over layouts\")"),
     Option("method", ("--method",), Optional[str],
            "analytic, trace or hybrid (default: chosen per job).",
            OUTPUT_PANEL,

@@ -161,6 +161,29 @@ def quant_of(spec) -> Quant | None:
                  kbit_prep=spec.kbit_prep)
 
 
+KBIT_CHECKPOINTING = (
+    "peft default: prepare_model_for_kbit_training(model) has use_gradient_checkpointing=True "
+    "(peft/utils/other.py); --no-grad-ckpt if your script passes False")
+"""Why `grad_ckpt` is on by default for a quantised job given on the command line alone (the
+`job` echo's source of the field)."""
+LAUNCHER_INPUTS: tuple[str, ...] = ("config", "training_args", "recipe")
+"""Inputs that name the launcher, which then decides checkpointing itself: axolotl passes
+`use_gradient_checkpointing=cfg.gradient_checkpointing` (axolotl loaders/model.py
+`prepare_model`), TRL's trainers `args.gradient_checkpointing` (trl experimental/utils.py
+`prepare_peft_model`; TRL 1.x's SFTTrainer no longer calls it), and LLaMA-Factory never calls
+it (its own `prepare_model_for_training` checkpoints unless `disable_gradient_checkpointing`)."""
+
+
+def kbit_checkpointing(spec, given: dict) -> bool:
+    """Whether a quantised job's checkpointing follows peft's default: `kbit_prep` (the user's
+    script calls `prepare_model_for_kbit_training`, the default without a launcher), with
+    neither `--grad-ckpt` / `--no-grad-ckpt` nor a launcher input (`LAUNCHER_INPUTS`) among the
+    option values `given` (None = not given)."""
+    return (spec.quantize != "none" and spec.kbit_prep and not spec.grad_ckpt
+            and given.get("grad_ckpt") is None
+            and all(given.get(k) is None for k in LAUNCHER_INPUTS))
+
+
 def default_compute(precision: str) -> str:
     """`bnb_4bit_compute_dtype` when none is given: the precision's compute dtype (the QLoRA
     recipes set bf16 with bf16 training; BitsAndBytesConfig's own default is float32, which a

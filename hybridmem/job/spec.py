@@ -49,12 +49,12 @@ DEFAULT_LORA_TARGETS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 
-# Precision/optimizer pairs that no framework offers. bitsandbytes' 8-bit optimizers keep their
-# own quantised state and are not wrapped by DeepSpeed's fp32-master-weight optimizer
-# (transformers refuses `optim=adamw_bnb_8bit` together with a DeepSpeed optimizer).
+# Precision/optimizer pairs that no framework offers. (bitsandbytes' 8-bit optimizers do run
+# under DeepSpeed's fp32 master weights: with no `optimizer` block in the DeepSpeed config,
+# Trainer builds the bnb optimizer and ZeRO wraps it as a client optimizer over the fp32
+# partitions, transformers integrations/deepspeed.py `deepspeed_optim_sched`; axolotl's
+# zero3_bf16.json runs are launched so with adamw_bnb_8bit.)
 INVALID_PAIRS: dict[tuple[str, str], str] = {
-    **{("bf16-master", o): "8-bit optimizer state cannot sit under fp32 master weights"
-       for o in ("adamw-8bit", "paged-adamw-8bit", "lion-8bit", "paged-lion-8bit")},
     # peft `create_lorafa_optimizer` steps the PeftModel's own named parameters (it pairs
     # lora_A with lora_B by name), not a DeepSpeed group of flat fp32 master copies
     ("bf16-master", "lora-fa"): "LoRA-FA steps the model's own named LoRA parameters",
@@ -120,7 +120,8 @@ class LoraSpec:
     targets: tuple[str, ...] = job_field(
         DEFAULT_LORA_TARGETS, help="Comma-separated module names that get adapters.",
         group="adapters", cli="--lora-targets", keys={"peft": ("target_modules",)},
-        doc="module-name suffixes that get adapters (PEFT `target_modules`); default: every "
+        doc="module-name suffixes that get adapters (PEFT `target_modules` as a list; a value "
+        "with regex characters is one regex, `lora.target_regex`); default: every "
         "LLM linear layer but `lm_head` (`q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
         "down_proj`, LLaVA's `find_all_linear_names`)")
     """Module-name suffixes that get adapters (PEFT `target_modules`)."""
@@ -141,6 +142,17 @@ class LoraSpec:
         (), help="Modules trained in full next to the adapters (a trainable copy).",
         group="adapters", cli=False, keys={"peft": ("modules_to_save",)}, added=20)
     """Modules trained in full next to the adapters (PEFT `modules_to_save`: a trainable copy)."""
+    target_regex: str | None = job_field(
+        None, help="LoRA targets as one regex, full-matched against module names (as PEFT).",
+        group="adapters", cli=False, added=51,
+        doc="PEFT `target_modules` given as one string: a regular expression that must match "
+        "a module's whole name (`re.fullmatch`, peft/utils/other.py "
+        "`match_target_against_key`), e.g. axolotl's `lora_target_modules: "
+        "'model.language_model.layers.[\\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj'`; "
+        "on the command line, a `--lora-targets` value with regex characters (`()[]*+?|\\^$`, "
+        "which no module name has) is one")
+    """PEFT `target_modules` as a string: a regex full-matched against each module's name
+    (peft/utils/other.py `match_target_against_key`); replaces `targets` when set."""
 
     def __post_init__(self) -> None:
         _check_positive("lora.r", self.r)
@@ -151,6 +163,24 @@ class LoraSpec:
                             reason="at least one target module is needed")
         if not 0.0 <= self.dropout < 1.0:
             raise SpecError("lora.dropout", self.dropout, reason="must be in [0, 1)")
+        if self.target_regex is not None:
+            import re
+
+            try:
+                re.compile(self.target_regex)
+            except (re.error, TypeError) as err:
+                raise SpecError("lora.target_regex", self.target_regex,
+                                reason=f"not a regular expression ({err})") from None
+
+    def targets_module(self, name: str) -> bool:
+        """Whether PEFT puts an adapter on the module named `name` (its full dotted name in the
+        model): a string `target_modules` full-matches the name, a list matches a name or its
+        last dotted parts (peft/tuners/tuners_utils.py `check_target_module_exists`)."""
+        if self.target_regex is not None:
+            import re
+
+            return re.fullmatch(self.target_regex, name) is not None
+        return any(name == t or name.endswith("." + t) for t in self.targets)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,7 +197,10 @@ class TrainingSpec:
         "`internvl3-8b-hf`, `gemma-3-4b-it`, `llama-3.2-3b`, `qwen2-7b`, `qwen3-8b`, `phi-4`, "
         "`gemma-2-9b`, `mixtral-8x7b-v0.1`, `qwen3-30b-a3b`, `llama-3.1-8b`, `qwen2.5-7b`, "
         "`mistral-7b-v0.3`, `olmo-2-1124-7b`, `tiny-llava`, …; hub ids such as "
-        "`meta-llama/Llama-3.1-8B` name their preset; `hybridmem "
+        "`meta-llama/Llama-3.1-8B` name their preset, as do their instruct / chat / base / "
+        "`-hf` / dated releases (`Qwen/Qwen3-4B-Instruct-2507`) and the `NousResearch/` and "
+        "`unsloth/` mirrors (`unsloth/...-bnb-4bit`: NF4 weights); MLX and GGUF conversions "
+        "are refused by name (docs/design.md, Job schema); `hybridmem "
         "models` lists every preset with its family, parameter count and tiers) or a path to a "
         "HF `config.json` / its folder; nothing is downloaded. `model_type` `llava` (CLIP, "
         "SigLIP or Pixtral tower), `llava_next`, `llava_onevision`, `qwen2_vl`, `qwen2_5_vl`, "
@@ -373,7 +406,7 @@ class TrainingSpec:
     """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
     `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
     loss: str | None = job_field(
-        None, help="Loss replacement: none, liger, chunked-ce or cce (the 3 flags below).",
+        None, help="Loss replacement (--liger, --chunked-ce N, --cut-cross-entropy are its shorthands).",
         group="savers", choices=techniques.LOSS_CHOICES, added=50,
         doc="how the loss is computed, one choice at a time (`hybridmem.techniques`): `none` "
         "(transformers' `ForCausalLMLoss` over the logits), `liger` (= `--liger`), "
@@ -474,7 +507,9 @@ class TrainingSpec:
         True, help="With --quantize: peft's kbit preparation ran.",
         group="precision", added=13,
         doc="with `--quantize`: peft's `prepare_model_for_kbit_training` cast the other "
-        "weights to fp32 (default on)")
+        "weights to fp32 (default on); given without a launcher config or training args, its "
+        "`use_gradient_checkpointing=True` default also turns `--grad-ckpt` on unless "
+        "`--no-grad-ckpt` is given (the echo says so)")
     """peft `prepare_model_for_kbit_training` applied (fp16/bf16 non-quantised params cast to
     fp32); only read with `quantize`."""
     lengths: str | None = job_field(

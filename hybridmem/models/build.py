@@ -14,7 +14,7 @@ from hybridmem.errors import SpecError
 from hybridmem.job.quantize import quant_of
 from hybridmem.families.decoders.model import language_model_layers, lm_head_layer
 from hybridmem.models.graph import ImageLayout, Layer, ModelGraph, Module, ParamTensor as T
-from hybridmem.families import DECODER, family, layer_kind
+from hybridmem.families import DECODER, attention, family, layer_kind
 from hybridmem.families.common.images import image_plan
 from hybridmem.job.images import check_seq_len, images_in_batch
 from hybridmem.models.light import light_config
@@ -93,7 +93,7 @@ def _decoder_modules(cfg, spec: TrainingSpec, lm_prefix: str) -> tuple[Module, M
     return lm, head
 
 
-def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = False,
+def _lora_adapters(layer: Layer, module: Module, lora: LoraSpec, frozen_a: bool = False,
                    itemsize: int | None = LORA_FP32) -> Layer:
     """PEFT `LoraLayer`: lora_A (r x in) and lora_B (out x r) on every matching Linear; DoRA
     adds `lora_magnitude_vector` (out,), the fp32 column norms of W + scale B@A at init
@@ -106,8 +106,7 @@ def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = F
         if not p.name.endswith("weight") or len(p.shape) != 2 or layer.kind == "embedding":
             continue
         linear = p.name[: -len(".weight")] if p.name != "weight" else ""
-        key = ".".join(x for x in (module, layer.scope, linear) if x)
-        if any(key == t or key.endswith("." + t) for t in lora.targets):
+        if lora.targets_module(_full_name(module, layer, linear)):
             n_out, n_in = p.shape
             prefix = f"{linear}." if linear else ""
             adapters += [T(f"{prefix}lora_A.default.weight", (lora.r, n_in), itemsize,
@@ -117,6 +116,28 @@ def _lora_adapters(layer: Layer, module: str, lora: LoraSpec, frozen_a: bool = F
                 adapters.append(T(f"{prefix}lora_magnitude_vector.default.weight", (n_out,),
                                   LORA_FP32))
     return replace(layer, lora=tuple(adapters))
+
+
+def _full_name(module: Module, layer: Layer, linear: str) -> str:
+    """A linear's module name in the transformers model (`model.language_model.layers.0.
+    self_attn.q_proj`): what PEFT matches `target_modules` against."""
+    return ".".join(x for x in (module.prefix, layer.scope, linear) if x)
+
+
+def _regex_outside_lm(modules: list[Module], lora: LoraSpec) -> str | None:
+    """The first linear outside the language model and lm_head a target regex adapts (the
+    closed forms put adapters on the LLM's linears only), or None."""
+    for m in modules:
+        if m.name in LORA_MODULES:
+            continue
+        for layer in m.layers:
+            for p in layer.params:
+                # any weight module peft could wrap (Linear, Conv, Embedding)
+                if p.name.endswith("weight") and len(p.shape) >= 2:
+                    name = _full_name(m, layer, p.name[: -len(".weight")])
+                    if lora.targets_module(name):
+                        return name
+    return None
 
 
 def _own_weights(layer: Layer, vocab: int, hidden: int) -> tuple[T, ...]:
@@ -163,14 +184,25 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
     for m in modules:
         layers = tuple(replace(layer, trainable=m.name in trainable) for layer in m.layers)
         if spec.train == "lora" and m.name in LORA_MODULES:
-            layers = tuple(_lora_adapters(layer, m.name, spec.lora, spec.optimizer == "lora-fa",
+            layers = tuple(_lora_adapters(layer, m, spec.lora, spec.optimizer == "lora-fa",
                                           adapter_bytes(spec.adapter_dtype))
                            for layer in layers)
         if spec.train == "lora" and spec.lora.modules_to_save:
             layers = tuple(_saved_copies(layer, m.prefix, spec.lora.modules_to_save, vocab,
                                          hidden) for layer in layers)
         out.append(replace(m, layers=layers))
+    regex = spec.lora.target_regex if spec.train == "lora" else None
+    if regex is not None:
+        outside = _regex_outside_lm(out, spec.lora)
+        if outside is not None:
+            raise SpecError("lora.target_regex", regex, reason=f"also adapts {outside} (outside "
+                            "the language model), which the closed forms do not price: "
+                            "--method trace prices it")
     if spec.train == "lora" and not any(layer.lora for m in out for layer in m.layers):
+        if regex is not None:
+            sample = _sample_linear(out)
+            raise SpecError("lora.target_regex", regex, reason="peft full-matches it against "
+                            f"whole module names, such as {sample!r}, and it matches none")
         raise SpecError("lora.targets", ",".join(spec.lora.targets), _lora_target_names(out),
                         reason="matches no module")
     if spec.train == "lora" and spec.lora.modules_to_save and not any(
@@ -178,6 +210,17 @@ def _apply_training(modules: list[Module], spec: TrainingSpec, vocab: int,
         raise SpecError("lora.modules_to_save", ",".join(spec.lora.modules_to_save),
                         reason="matches no module of the model")
     return out
+
+
+def _sample_linear(modules: list[Module]) -> str:
+    """The first language-model linear's full name (what a target regex must match)."""
+    for m in modules:
+        for layer in m.layers if m.name == "language_model" else ():
+            for p in layer.params:
+                if layer.kind == "decoder_layer" and p.name.endswith("weight") \
+                        and len(p.shape) == 2:
+                    return _full_name(m, layer, p.name[: -len(".weight")])
+    return ""
 
 
 def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
@@ -218,6 +261,7 @@ def build_graph(spec: TrainingSpec) -> ModelGraph:
     spec = resolved(spec)  # attn / precision left open follow the model
     name, cfg = light_config(spec.model)
     fam = family(cfg.model_type)
+    attention.check(cfg.model_type, fam.kind, spec.attn)  # as the installed transformers says
     multimodal = fam.kind != DECODER
     images = images_in_batch(spec, multimodal)
     if not multimodal:

@@ -7,6 +7,14 @@ asking for a local config.json. Each preset's `_source` names the checkpoint it 
 entry below names that checkpoint, or a sibling whose config.json has the same shape fields (an
 -Instruct / -it / -Base twin: the same architecture, other token ids), said beside it.
 Lookups ignore case (the hub resolves ids case-insensitively).
+
+Beyond the table's own ids, `preset_for` reads an id as the table's rules say, and nothing
+fuzzier: the same architecture's instruct / chat / base / `-hf` / dated releases
+(`VARIANT_SUFFIXES`, `DATED`: `Qwen/Qwen3-4B-Instruct-2507` is Qwen3-4B's shapes), the mirrors
+that re-upload the same weights under their own owner (`MIRRORS`), and unsloth's pre-quantised
+`-bnb-4bit` uploads (`PREQUANTIZED`: the same weights stored as bitsandbytes NF4). Conversions
+for other runtimes (`REFUSED`: MLX, GGUF) are no checkpoint a CUDA trainer loads, and are
+refused by name. An id none of this names stays the one-line error asking for a config.json.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ HUB_PRESETS: dict[str, str] = {
        for size in ("1.7B", "4B", "14B", "32B") for tail in ("", "-Base")},
     **{f"HuggingFaceTB/SmolLM2-{size}{tail}": f"smollm2-{size.lower()}"
        for size in ("135M", "360M", "1.7B") for tail in ("", "-Instruct")},
+    # Llama 3 (8192-token context; Llama 3.1 has the same shapes): hybridmem/families/decoders/
+    "meta-llama/Meta-Llama-3-8B": "llama-3-8b", "meta-llama/Meta-Llama-3-70B": "llama-3-70b",
     # decoders
     "google/gemma-2-2b": "gemma-2-2b",
     "google/gemma-2-2b-it": "gemma-2-2b",  # instruct twin: same shape fields
@@ -82,6 +92,7 @@ HUB_PRESETS: dict[str, str] = {
     "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b-instruct",
     "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2.5-vl-7b-instruct",
     "Qwen/Qwen3-VL-2B-Instruct": "qwen3-vl-2b-instruct",
+    "Qwen/Qwen3-VL-4B-Instruct": "qwen3-vl-4b-instruct",
     "Qwen/Qwen3-VL-8B-Instruct": "qwen3-vl-8b-instruct",
     "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3-vl-30b-a3b-instruct",
     "HuggingFaceTB/SmolVLM-256M-Instruct": "smolvlm-256m-instruct",
@@ -90,7 +101,71 @@ HUB_PRESETS: dict[str, str] = {
 }
 """Hub id (as the model page spells it) -> preset name."""
 
+# The rules `preset_for` reads an id by (module docstring), each with its source:
+VARIANT_SUFFIXES: tuple[str, ...] = ("-instruct", "-chat", "-it", "-pt", "-base", "-hf",
+                                     "-thinking")
+"""Release variants of one architecture: Meta's `-hf` conversions and `-chat-hf` tunes, Qwen's
+`-Instruct` / `-Base` / `-Thinking`, Google's `-it` / `-pt`, Mistral's `-Instruct`: each model
+card names the base it was tuned from, with the same config.json shape fields (the table's own
+pairs above are checked cases)."""
+DATED = re.compile(r"-\d{4}$")
+"""A dated re-release of the same architecture (Qwen3-4B-Instruct-2507, Mistral-Nemo-*-2407,
+Mistral-Small-3.1-24B-Instruct-2503: year-month tags on the same shapes)."""
+MIRRORS: tuple[str, ...] = ("nousresearch", "unsloth")
+"""Owners that re-upload others' weights under the same model name (NousResearch's Llama
+mirrors, unsloth's copies): read by the name alone. Meta's older `Meta-Llama-3.1-8B` spelling
+of `Llama-3.1-8B` (the hub redirects it) is the same name without `Meta-`."""
+PREQUANTIZED: dict[str, dict] = {
+    "-unsloth-bnb-4bit": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                          "bnb_4bit_use_double_quant": True,
+                          "bnb_4bit_compute_dtype": "bfloat16"},
+    "-bnb-4bit": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                  "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"},
+}
+"""unsloth's pre-quantised uploads: the `quantization_config` their config.json carries
+(unsloth/llama-3-8b-bnb-4bit: bitsandbytes 4-bit NF4, double quantisation, bf16 compute);
+transformers loads them quantised whatever the trainer asks. `-unsloth-bnb-4bit` ("dynamic"
+4-bit) also keeps a few sensitive linears in 16 bits (its `llm_int8_skip_modules`), priced here
+as all 4-bit."""
+REFUSED: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"^mlx-community/|[-_]mlx(?:[-_]|$)", re.I),
+     "an MLX conversion for Apple silicon, which no CUDA trainer loads"),
+    (re.compile(r"gguf", re.I), "a GGUF file for llama.cpp, which no CUDA trainer loads"),
+)
+
+
+def _name_key(name: str) -> str:
+    """The name with its variant, dated and quantisation tails and Meta's `Meta-` dropped."""
+    key = name.lower()
+    for tail in PREQUANTIZED:
+        key = key.removesuffix(tail)
+    changed = True
+    while changed:
+        before = key
+        key = DATED.sub("", key)
+        for tail in VARIANT_SUFFIXES:
+            key = key.removesuffix(tail)
+        changed = key != before
+    return key.removeprefix("meta-")
+
+
+def _keys() -> tuple[dict[str, str], dict[str, str]]:
+    """(owner/name key -> preset, name key -> preset) of the table; a key that names two
+    presets is refused when the module loads (the rules would be ambiguous)."""
+    by_id: dict[str, str] = {}
+    by_name: dict[str, str | None] = {}
+    for hub_id, preset in HUB_PRESETS.items():
+        owner, name = hub_id.lower().split("/")
+        key = f"{owner}/{_name_key(name)}"
+        if by_id.setdefault(key, preset) != preset:
+            raise RuntimeError(f"{hub_id}: its variants would name {by_id[key]} and {preset}")
+        name_key = _name_key(name)
+        by_name[name_key] = preset if by_name.get(name_key, preset) == preset else None
+    return by_id, {k: v for k, v in by_name.items() if v is not None}
+
+
 _BY_LOWER: dict[str, str] = {k.lower(): v for k, v in HUB_PRESETS.items()}
+_BY_KEY, _BY_NAME = _keys()
 
 # a hub repo id: "owner/name", each part letters, digits, '-', '_', '.' (huggingface_hub
 # `validate_repo_id`: no "--" or "..", not starting or ending with '-' or '.')
@@ -104,8 +179,36 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def preset_for(hub_id: str) -> str | None:
-    """The preset of a hub id (any case), or None."""
-    return _BY_LOWER.get(hub_id.lower()) if isinstance(hub_id, str) else None
+    """The preset of a hub id (any case) by the table and its rules, or None."""
+    if not isinstance(hub_id, str) or "/" not in hub_id:
+        return None
+    if hub_id.lower() in _BY_LOWER:
+        return _BY_LOWER[hub_id.lower()]
+    owner, _, name = hub_id.lower().partition("/")
+    if owner in MIRRORS:
+        return _BY_NAME.get(_name_key(name))
+    return _BY_KEY.get(f"{owner}/{_name_key(name)}")
+
+
+def prequantized(hub_id: str) -> dict | None:
+    """The `quantization_config` a pre-quantised upload's config.json carries, or None."""
+    if not isinstance(hub_id, str) or preset_for(hub_id) is None:
+        return None
+    lower = hub_id.lower()
+    return next((dict(q) for tail, q in PREQUANTIZED.items() if lower.endswith(tail)), None)
+
+
+def refusal(name: str) -> str | None:
+    """Why a hub id names no checkpoint a trainer loads (an MLX or GGUF conversion), or None."""
+    return next((why for pattern, why in REFUSED if pattern.search(name)), None)
+
+
+def did_you_mean(name: str, choices) -> str:
+    """", did you mean 'x'?" for the nearest of `choices` (difflib's ratio >= 0.8), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.8)
+    return f", did you mean {close[0]!r}?" if close else ""
 
 
 def resolve(name: str) -> str:
@@ -113,9 +216,13 @@ def resolve(name: str) -> str:
     An unknown hub id is a one-line SpecError: nothing is downloaded."""
     if not looks_like_hub_id(name):
         return name
+    why = refusal(name)
+    if why is not None:
+        raise SpecError("model", name, reason=f"{why}: name the checkpoint it was converted "
+                        "from (its owner/name on the hub), or a preset (hybridmem models)")
     preset = preset_for(name)
     if preset is None:
-        raise SpecError("model", name, reason="unknown hub id, and hybridmem downloads nothing: "
-                        "pass a local config.json path (or its folder), or a preset "
-                        "(hybridmem models)")
+        raise SpecError("model", name, reason="unknown hub id" + did_you_mean(name, HUB_PRESETS)
+                        + "; hybridmem downloads nothing: pass a local config.json path (or "
+                        "its folder), or a preset (hybridmem models)")
     return preset

@@ -16,7 +16,7 @@ from hybridmem.errors import SpecError
 from hybridmem.jsonfile import read_json_object
 
 from hybridmem.families import DECODER, VLM, family, types
-from hybridmem.models.hub import resolve as resolve_hub_id
+from hybridmem.models.hub import did_you_mean, prequantized, resolve as resolve_hub_id
 
 # model_type values with closed forms (`hybridmem/families/`, one folder per family); the trace
 # tier prices every other transformers causal-LM / image-text-to-text family.
@@ -78,13 +78,14 @@ def analytic_refusal(model_type: str) -> SpecError:
 @lru_cache(maxsize=1)
 def _presets() -> dict[str, tuple[str, Path]]:
     """Preset name -> (the family folder that ships it, its config.json): the file stems of
-    `hybridmem/families/<family>/presets/*.json`. A name shipped twice is refused."""
+    `hybridmem/families/<family>/presets/*.json` (not a preset's `NAME.preprocessor_config.json`).
+    A name shipped twice is refused."""
     roots = [(d.name, d / "presets") for d in resources.files("hybridmem.families").iterdir()
              if d.is_dir() and (d / "presets").is_dir()]
     out: dict[str, tuple[str, Path]] = {}
     for folder, root in roots:
         for p in root.iterdir():
-            if p.name.endswith(".json"):
+            if p.name.endswith(".json") and not p.name.endswith(PREPROCESSOR_SUFFIX):
                 name = p.name[:-5]
                 if name in out:
                     raise RuntimeError(f"preset {name!r} shipped twice ({folder}, {out[name][0]})")
@@ -102,11 +103,50 @@ def preset_folder(name: str) -> str:
     return _presets()[name][0]
 
 
+PREPROCESSOR_SUFFIX = ".preprocessor_config.json"
+"""A preset's image-processor limits beside its config (`presets/NAME.preprocessor_config.json`:
+the pixel keys of the checkpoint's `preprocessor_config.json`), not a preset itself."""
+PREPROCESSOR_KEY = "preprocessor_pixels"
+"""The config key the processor's pixel range is carried under, [min_pixels, max_pixels]
+(`preprocessor_pixels`), read by the native-resolution families' image rule."""
+
+
+def preprocessor_pixels(data: dict) -> list[int] | None:
+    """[min_pixels, max_pixels] of a `preprocessor_config.json`: its top-level `min_pixels` /
+    `max_pixels` (Qwen2-VL / Qwen2.5-VL checkpoints), else `size.shortest_edge` /
+    `size.longest_edge` (the fast processors' dump, Qwen3-VL checkpoints): the keys
+    transformers' `Qwen2VLImageProcessor.__init__` reads, top-level ones first. None when it
+    has neither (another family's processor)."""
+    size = data.get("size") if isinstance(data.get("size"), dict) else {}
+    lo = data.get("min_pixels", size.get("shortest_edge"))
+    hi = data.get("max_pixels", size.get("longest_edge"))
+    if isinstance(lo, int) and isinstance(hi, int) and 0 < lo <= hi:
+        return [lo, hi]
+    return None
+
+
+def _with_preprocessor(data: dict, path: Path) -> dict:
+    """`data` with the pixel range of the `preprocessor_config.json` at `path`, if any (a
+    malformed one is a one-line error naming it; a config that sets the key keeps it)."""
+    if PREPROCESSOR_KEY in data or not path.is_file():
+        return data
+    pixels = preprocessor_pixels(read_json_object(path, "model: preprocessor_config.json"))
+    return {**data, PREPROCESSOR_KEY: pixels} if pixels else data
+
+
 def load_config_dict(model: str) -> tuple[str, dict]:
-    """(display name, raw config dict) for a preset name, a hub id or a config path."""
-    model = resolve_hub_id(model)  # a hub id names its preset (models/hub.py); nothing downloads
+    """(display name, raw config dict) for a preset name, a hub id or a config path. A
+    pre-quantised upload's id (`hub.prequantized`) adds the `quantization_config` its
+    config.json carries; the processor's pixel range is carried beside it (`PREPROCESSOR_KEY`)
+    where a `preprocessor_config.json` sits in the same folder (a preset's
+    `NAME.preprocessor_config.json`)."""
+    hub_id, model = model, resolve_hub_id(model)  # a hub id names its preset (models/hub.py)
     if model in _presets():
-        return model, read_json_object(_presets()[model][1], "model")
+        path = _presets()[model][1]
+        data = _with_preprocessor(read_json_object(path, "model"),
+                                  path.with_name(model + PREPROCESSOR_SUFFIX))
+        quant = prequantized(hub_id)
+        return model, ({**data, "quantization_config": quant} if quant else data)
     path = Path(model).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -115,7 +155,12 @@ def load_config_dict(model: str) -> tuple[str, dict]:
     if path.suffix == ".json" or path.is_file():
         if not path.exists():
             raise SpecError("model", model, reason="no such file")
-        return str(model), read_json_object(path, "model")
+        return str(model), _with_preprocessor(read_json_object(path, "model"),
+                                              path.with_name("preprocessor_config.json"))
+    hint = did_you_mean(model, preset_names())
+    if hint:  # the one near name, not the whole list (`hybridmem models` lists it)
+        raise SpecError("model", model, reason=f"unknown preset{hint} (hybridmem models lists "
+                        "them all)")
     raise SpecError("model", model, preset_names() + ("<path to config.json>",),
                     reason="unknown preset")
 

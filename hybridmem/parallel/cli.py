@@ -26,6 +26,10 @@ def fit_lines(advice: dict) -> list[str]:
     for key, label in labels.items():
         if advice.get(key) is not None:
             lines.append(f"  {label}: {_describe(advice[key])}")
+    for combined in advice.get("combined") or ():
+        lines.append(f"  {combined['changes']}: {_describe(combined)}")
     if len(lines) == 1:
-        lines.append("  no single change (world size, ZeRO stage, checkpointing, micro-batch) fits")
+        lines.append("  no change searched fits (world size, ZeRO stage, micro-batch, and "
+                     "checkpointing, Liger or Cut Cross-Entropy with a smaller micro-batch or "
+                     "more GPUs)")
     return lines

@@ -34,6 +34,11 @@ from hybridmem.allocator.reserved import Bounded, _at, bounded, capacity_notes
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
+from hybridmem.parallel.phases import (  # noqa: F401 (NCCL_* read as estimate.NCCL_BYTES)
+    NCCL_BUFFSIZE, NCCL_BYTES, NCCL_CHANNELS, NCCL_RING_PEERS, ActPoint, forward_precision,
+    fwd_bwd,
+)
+from hybridmem.parallel.phases import step as step_phase
 from hybridmem.parallel.sharding import RankStates, rank_states, replicated
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
@@ -41,31 +46,12 @@ from hybridmem.parallel.validate import check_parallel
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.job.spec import TrainingSpec
 
-# NCCL allocates its buffers outside the caching allocator: NCCL_BUFFSIZE (default 4 MiB, NCCL
-# env docs) per channel per peer connection. A ring has 2 peers; 16 channels is a typical
-# intra-node NVLink count. A nominal figure: the learned tier corrects it from measurements.
-NCCL_BUFFSIZE = 4 * 2**20
-NCCL_CHANNELS = 16
-NCCL_RING_PEERS = 2
-NCCL_BYTES = NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS
-
 Estimator = Callable[[TrainingSpec], Prediction]
 
 
 # Pure 16-bit twins of the master-weight policy: same compute dtype, hence same activations,
 # without the fp32 master copy whose step can still out-peak the backward under plain SGD.
 PURE_TWIN = {"bf16-master": "bf16"}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ActPoint:
-    """One forward/backward point of the single-GPU timeline, without the model states."""
-
-    phase: str
-    grad_fraction: float
-    """Share of all gradients already produced (0 in forward, growing in backward)."""
-    activation: int
-    temporary: int
 
 
 def _activation_side(spec: TrainingSpec, estimate: Estimator,
@@ -78,7 +64,7 @@ def _activation_side(spec: TrainingSpec, estimate: Estimator,
     second prediction is not needed and the base one is returned twice (each estimate replays
     its stream through the allocator simulator: most of `--gpu`'s advice time).
     """
-    single = spec.with_(parallel=ParallelSpec())
+    single = spec.with_(parallel=ParallelSpec(), precision=forward_precision(spec))
     base = estimate(single)
     candidates = [single.with_(optimizer="sgd")]
     if single.precision in PURE_TWIN:
@@ -101,36 +87,10 @@ def analytic_points(spec: TrainingSpec) -> list[ActPoint]:
     """Every forward/backward point of the analytic tier's timeline (`analytic.estimate.timeline`)."""
     from hybridmem.analytic.estimate import timeline
 
-    _, _, points = timeline(spec.with_(parallel=ParallelSpec()))
+    _, _, points = timeline(spec.with_(parallel=ParallelSpec(), precision=forward_precision(spec)))
     full = max((p.bytes["grad"] for p in points), default=0)
     return [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0, p.bytes["activation"],
                      p.bytes["temporary"]) for p in points if p.phase != "optimizer"]
-
-
-def _fwd_bwd(states: RankStates, point: ActPoint, extra: dict) -> dict:
-    """One forward/backward point: gathered params and reduce buffers on top of the resident
-    states; grads that grow with the backward scaled like the single-GPU grads at the point."""
-    out = empty_breakdown()
-    growing = states.grad - states.grad_fixed
-    out["param"] = states.param + states.gathered
-    out["grad"] = states.grad_fixed + round(growing * point.grad_fraction) + (
-        states.comm if point.phase == "backward" else 0)
-    out["optimizer"] = states.optimizer
-    out["activation"] = point.activation
-    out["temporary"] = point.temporary
-    out.update(extra)
-    return out
-
-
-def _step(states: RankStates, base: Prediction, extra: dict) -> dict:
-    """Optimizer step: every grad, the state and the step's transients on this rank's shard."""
-    out = empty_breakdown()
-    out.update(param=states.param, grad=states.grad, optimizer=states.optimizer,
-               temporary=states.step_temporary)
-    if base.peak.phase == "optimizer":
-        out["activation"] = base.breakdown["activation"]  # the batch, alive all iteration
-    out.update(extra)
-    return out
 
 
 def _peak(breakdown: dict, base: Prediction, phase: str, iteration: int) -> Peak:
@@ -206,9 +166,9 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
              "fragmentation": base.breakdown["fragmentation"] if fit is None
              else fit.fragmentation}
     acts = points(spec) if points is not None else [_prediction_point(fwd, single_states)]
-    fwd_phase, fwd_best = max(((p.phase, _fwd_bwd(states, p, extra)) for p in acts),
+    fwd_phase, fwd_best = max(((p.phase, fwd_bwd(states, p, extra)) for p in acts),
                               key=lambda pb: sum(pb[1].values()))
-    phases = {fwd_phase: fwd_best, "optimizer": _step(states, base, extra)}
+    phases = {fwd_phase: fwd_best, "optimizer": step_phase(states, base, extra)}
     phase = max(phases, key=lambda k: sum(phases[k].values()))
     # optimizer state exists from the first step on, so a forward/backward peak that includes
     # it is at iteration 1; the step's own peak is already there at iteration 0
@@ -276,6 +236,13 @@ def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[.
     points = analytic_points if single_gpu_estimate is analytic else None
 
     def run(spec: TrainingSpec, **options: object) -> Prediction:
+        if spec.parallel.model_parallel:
+            if single_gpu_estimate is not analytic:
+                raise SpecError("method", "trace", ("analytic",), reason="tp/cp/pp/ep layouts "
+                                "are priced per rank by the analytic tier")
+            from hybridmem.parallel.ranks import price_ranks
+
+            return price_ranks(spec, gpu=options.get("gpu"))[0]
         if spec.parallel.strategy == "none":
             return single_gpu_estimate(spec, **options)
         # the single-GPU job replays unlimited: its reserved bytes are not the rank's, which

@@ -1,7 +1,12 @@
-"""`--gpu` advice: the smallest change that makes a job fit (world size, ZeRO stage, checkpointing).
+"""`--gpu` advice: the smallest change that makes a job fit (world size, ZeRO stage, checkpointing),
+and, where no single change does, the changes a user would combine: memory savers (gradient
+checkpointing, Liger's fused loss, Cut Cross-Entropy) with the largest micro-batch that then
+fits, or with the smallest world size.
 
 Per-rank memory never grows with the world size under sharding (every sharded term is a
-ceil(x / N)), so the smallest fitting world size is found by doubling then bisection.
+ceil(x / N)), so the smallest fitting world size is found by doubling then bisection; it never
+grows as the micro-batch shrinks either, so the largest fitting micro-batch is a bisection.
+The combined search is bounded: at most `MAX_COMBINED_PROBES` estimates.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import replace
 from functools import cache
 
 from hybridmem.errors import SpecError
+from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
 from hybridmem.job.objective import micro_batch_step
 from hybridmem.job.precision import deepspeed_precision
@@ -75,11 +81,14 @@ def _smallest_zero_stage(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> di
     return None
 
 
-def _largest_micro_batch(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> dict | None:
-    """Largest micro-batch below the current one that fits ("how far must I go down?")."""
+def _largest_micro_batch(spec: TrainingSpec, gpu: GPU, estimate: Callable,
+                         start: int | None = None) -> dict | None:
+    """Largest micro-batch below `start` (default: the current one) that fits ("how far must
+    I go down?")."""
     unit = micro_batch_step(spec)  # GRPO: whole groups of num_generations completions
     fits_at = cache(lambda k: _fits(spec.with_(micro_batch=k * unit), gpu, estimate))
-    lo, hi = 0, spec.micro_batch // unit  # invariant: hi does not fit; lo fits (or is 0)
+    hi = (spec.micro_batch if start is None else start) // unit
+    lo = 0  # invariant: hi does not fit (or is past the job's); lo fits (or is 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
@@ -89,12 +98,86 @@ def _largest_micro_batch(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> di
             "micro_batch": lo * unit}
 
 
+MAX_COMBINED_PROBES = 48
+"""Estimates the combined search may make (each is one answer of the chosen tier): with 3 saver
+sets a bisection over micro-batches up to 2^12 takes 3 x 13; a search bound, not a tuned value."""
+
+SAVERS: tuple[dict, ...] = (
+    {"grad_ckpt": True},
+    {"grad_ckpt": True, "liger": True},
+    {"grad_ckpt": True, "cut_cross_entropy": True},
+)
+"""The memory savers a user turns on, alone and with each other, cheapest to adopt first: each
+is one flag or config key (`--grad-ckpt`, `--liger`, `--cut-cross-entropy`); a set the job
+refuses (a family Liger does not patch, Cut Cross-Entropy on fp32 weights) is skipped."""
+SAVER_NAMES: dict[str, str] = {"grad_ckpt": "checkpointing", "liger": "Liger",
+                               "cut_cross_entropy": "Cut Cross-Entropy"}
+
+
+class _Budget:
+    """`estimate` with a cap on how many times it runs (`MAX_COMBINED_PROBES`)."""
+
+    def __init__(self, estimate: Callable, probes: int = MAX_COMBINED_PROBES) -> None:
+        self.estimate, self.left = estimate, probes
+
+    def __call__(self, spec: TrainingSpec) -> Prediction:
+        if self.left <= 0:
+            raise SpecError("advice", "search", reason="out of probes")  # = does not fit
+        self.left -= 1
+        return self.estimate(spec)
+
+
+def _saver_sets(spec: TrainingSpec) -> list[tuple[str, TrainingSpec]]:
+    """(label, spec with the savers on) for each `SAVERS` set, less the savers already on, that
+    changes the job and that the job accepts (a SpecError from `with_`: skipped)."""
+    spec = resolved(spec)  # the savers' own checks read the precision the model decides
+    out = []
+    for changes in SAVERS:
+        new = {k: v for k, v in changes.items() if getattr(spec, k) != v}
+        if not new or any(label == _label(new) for label, _ in out):
+            continue
+        try:
+            out.append((_label(new), spec.with_(**new)))
+        except SpecError:
+            continue
+    return out
+
+
+def _label(changes: dict) -> str:
+    return " + ".join(SAVER_NAMES[k] for k in changes)
+
+
+def _combined(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> list[dict]:
+    """For each `SAVERS` set the job accepts, the savers with the largest micro-batch (at most
+    the job's) that then fits; where none does, checkpointing with the smallest world size.
+    Empty when nothing fits within the probe budget."""
+    budget = _Budget(estimate)
+    sets = _saver_sets(spec)
+    out = []
+    for label, saved in sets:
+        option = _largest_micro_batch(saved, gpu, budget, start=saved.micro_batch + 1)
+        if option is None:
+            continue
+        if option["micro_batch"] != spec.micro_batch:
+            label += f" + micro-batch {option['micro_batch']}"
+        out.append({**option, "changes": label})
+    if not out and sets:  # with more GPUs: checkpointing only
+        label, saved = sets[0]
+        option = _smallest_world_size(saved, gpu, budget)
+        if option is not None:
+            out.append({**option, "changes": f"{label} + {option['world_size']} GPUs"})
+    return out
+
+
 def smallest_fitting_setup(spec: TrainingSpec, gpu: GPU,
                            estimate: Callable[[TrainingSpec], Prediction]) -> dict:
     """What makes `spec` fit `gpu`: as is; else the smallest world size (same sharding, or ZeRO-3
     if the job does not shard), the smallest higher ZeRO stage at this world size, and turning
     on gradient checkpointing, and the largest smaller micro-batch. `estimate` must price parallel
-    specs (e.g. `predict`). Options that do not fit are None."""
+    specs (e.g. `predict`). Options that do not fit are None. Where neither more GPUs, a higher
+    ZeRO stage nor checkpointing alone fits, `combined` is the best combination of savers and
+    micro-batch (or savers and GPUs) within the probe budget (`_combined`), its `changes` in
+    words."""
     current = estimate(spec)
     out: dict = {"gpu": gpu.name, "gpu_memory_bytes": gpu.memory_bytes,
                  "fits_as_is": current.fits_within(gpu.memory_bytes),
@@ -109,4 +192,7 @@ def smallest_fitting_setup(spec: TrainingSpec, gpu: GPU,
         candidate = spec.with_(grad_ckpt=True)
         if (pred := _fits(candidate, gpu, estimate)) is not None:
             out["grad_ckpt"] = _option(candidate, pred, gpu)
+    out["combined"] = []
+    if not any(out[k] for k in ("world_size", "zero_stage", "grad_ckpt")):
+        out["combined"] = _combined(spec, gpu, estimate)
     return out

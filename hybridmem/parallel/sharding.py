@@ -178,7 +178,11 @@ def zero(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
         param = p * persist + (0 if ps.offload_param != "none" else p * _ceil_div(sharded, n))
         gathered = p * _zero3_live(ps, mt, sharded)
         grad_store = 0 if offload_opt else g * shard_t  # `grad_partitions_flat_buffer`
-        stepped = min(ps.sub_group_size, shard_t)  # optimizer steps one sub-group at a time
+        # the optimizer steps one sub-group at a time; a sub-group holds whole parameter
+        # partitions, at least one (stage3.py `_create_fp16_sub_groups` closes a group once it
+        # reaches sub_group_size: 0 puts each parameter in its own)
+        largest_part = max((_ceil_div(t.numel, n) for t in mt.tensors if t.trainable), default=0)
+        stepped = min(max(ps.sub_group_size, largest_part), shard_t)
         detail.update(persistent_param_bytes=p * persist, gathered_param_bytes=gathered)
     # step: the flat grad partition is upcast to fp32 (`single_grad_partition ... .to(fp32)`,
     # stage3 `_prepare_fp32_grad_for_sub_group`), then the wrapped optimizer runs on it

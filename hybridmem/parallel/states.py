@@ -61,10 +61,14 @@ class ModelTensors:
 
 def model_tensors(spec: TrainingSpec) -> ModelTensors:
     """All parameter tensors of `spec`'s model (LoRA adapters included), with trainability."""
-    graph = build_graph(spec)
+    return layer_tensors(build_graph(spec).layers())
+
+
+def layer_tensors(layers) -> ModelTensors:
+    """The parameter tensors of some `(module, layer)` pairs of a graph (a pipeline stage's)."""
     tensors: list[Tensor] = []
     buffers = 0
-    for module, layer in graph.layers():
+    for module, layer in layers:
         unit = f"{module}.{layer.name}" if layer.kind in UNIT_KINDS else "root"
         base_trains = layer.gets_grads
         for p in layer.params:

@@ -26,6 +26,3 @@ def check_parallel(spec: TrainingSpec) -> None:
         # A @ A.T on them: only modelled on one GPU (ZeRO/FSDP would hand it flat shards)
         raise SpecError("optimizer", spec.optimizer, reason="LoRA-FA is modelled on one GPU "
                         f"only, not strategy={ps.strategy!r}")
-    if ps.zero_stage and spec.optimizer == "adamw-8bit":
-        # transformers refuses bitsandbytes optimizers under a DeepSpeed ZeRO optimizer wrapper
-        raise SpecError("optimizer", spec.optimizer, reason="8-bit optimizers do not run under ZeRO")

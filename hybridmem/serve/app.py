@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from hybridmem.errors import SpecError
+from hybridmem.jsonfile import parse_json
 from hybridmem.serve.page import mount as mount_page
 from hybridmem.serve.pool import Busy, TracePool, Unavailable
 from hybridmem.serve.request import REQUEST_FIELDS, Job, parse_body
@@ -242,10 +243,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         raw = await _body(request, settings.max_body_bytes)
         if raw is None:
             return _error(413, f"body: larger than {settings.max_body_bytes} bytes")
-        try:
-            body = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return _error(422, f"body: malformed JSON ({err})")
+        try:  # not UTF-8, malformed or nested past jsonfile.MAX_DEPTH: one 422 line
+            body = parse_json(raw or b"null", "body", "request")
+        except SpecError as err:
+            return _error(422, f"body: {err.reason}")
         deadline = time.monotonic() + settings.timeout_s
         try:
             with anyio.fail_after(settings.timeout_s):

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridmem.errors import SpecError
-from hybridmem.job import options, schema
 from hybridmem.intake.dialects import DIALECTS
+from hybridmem.job import options, schema
+from hybridmem.jsonfile import parse_json
 
 REQUEST_FIELDS: dict[str, str] = options.API_FIELDS
 """Body keys that are not job fields -> their one-line help (the OpenAPI schema and the page),
@@ -142,14 +143,15 @@ def _config(text: object, config_format: object, deepspeed: dict | None,
             folder: Path) -> dict:
     """The values a pasted config sets: `config` (a launcher's, read), or `training_args` /
     `deepspeed` (a JSON of those)."""
-    from hybridmem.intake.dialects import detect, read_mapping
+    from hybridmem.intake.dialects import DIALECTS, detect, read_mapping
     from hybridmem.intake.dialects.common import parse_yaml
 
     if not isinstance(text, str):
         raise SpecError("config", type(text).__name__, reason="must be the config's text")
     if config_format is not None and config_format not in CONFIG_FORMATS:
         raise SpecError("config_format", config_format, CONFIG_FORMATS)
-    cfg = parse_yaml(text, "config")  # YAML reads JSON too
+    own = getattr(DIALECTS.get(config_format), "parse", None)  # torchtitan TOML, Megatron args
+    cfg = own(text, "config") if own is not None else parse_yaml(text, "config")  # YAML reads JSON too
     kind = config_format
     if kind is None:
         try:
@@ -213,10 +215,10 @@ def parse_body(body: object, folder: Path) -> Job:
     peft = body.get("peft_config")
     if isinstance(peft, str):  # the `job` echo's canonical JSON text
         try:
-            peft = json.loads(peft)
-        except json.JSONDecodeError:
-            raise SpecError("peft_config", peft[:80], reason="not JSON (the server reads no "
-                            "path: send the adapter_config.json object)") from None
+            peft = parse_json(peft, "peft_config", peft[:80])
+        except SpecError as err:
+            raise SpecError("peft_config", peft[:80], reason=f"{err.reason} (the server reads "
+                            "no path: send the adapter_config.json object)") from None
     if peft is not None:
         values["peft_config"] = _object(peft, "peft_config")
     if body.get("quantization_config") is not None:

@@ -80,6 +80,21 @@ def check(spec) -> None:
                         reason=f"{flags} each replace the loss: give one (--loss CHOICE)")
 
 
+def objectives_of(flag: str) -> set[str]:
+    """The objectives some technique on spec field `flag` is priced with."""
+    return {o for m in TECHNIQUES.values() if m.FLAG == flag for o in m.OBJECTIVES}
+
+
+def head_of(spec, loss: Technique | None = None) -> Technique | None:
+    """The technique whose `head_tensors` replace the analytic lm_head + loss: one of its own
+    (Liger's preference losses) first, else the job's loss replacement where it changes the
+    model (`loss`, the caller's `applies` answer)."""
+    own = [m for m in active(spec) if m.AXIS is None and hasattr(m, "head_tensors")]
+    if own:
+        return own[0]
+    return loss if loss is not None and hasattr(loss, "head_tensors") else None
+
+
 def active(spec) -> list[Technique]:
     """The techniques the job asks for."""
     return [m for m in TECHNIQUES.values() if m.active(spec)]

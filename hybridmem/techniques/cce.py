@@ -8,9 +8,12 @@ from __future__ import annotations
 from hybridmem.errors import SpecError
 from hybridmem.job import cce as rules
 from hybridmem.job.precision import POLICIES
+from hybridmem.techniques.protocol import adapts_lm_head
 
 NAME = "cce"
 AXIS = "loss"
+FLAG = "cut_cross_entropy"
+OBJECTIVES: tuple[str, ...] = ("sft",)  # priced with the LM loss only
 
 
 def active(spec) -> bool:
@@ -29,8 +32,7 @@ def check(spec) -> None:
                         [p for p, pol in POLICIES.items() if pol.param_bytes == 2],
                         reason="Cut Cross-Entropy's backward needs fp16 / bf16 weights and "
                         "hidden states (cce_backward_kernel asserts it)")
-    if spec.lora is not None and ("lm_head" in spec.lora.targets
-                                  or "lm_head" in spec.lora.modules_to_save):
+    if adapts_lm_head(spec):
         raise SpecError("cut_cross_entropy", True, [False], reason="CCE reads lm_head.weight "
                         "directly: LoRA / modules_to_save on lm_head is bypassed")
 
@@ -42,6 +44,14 @@ def applies(model_type: str, text_type: str | None) -> bool:
 
 def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int]] | None:
     return []  # `cce_forward`: no logits
+
+
+def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tuple[int, int]]]:
+    """lm_head + loss under Cut Cross-Entropy (`job.cce.head_tensors`, its docstring cites the
+    kernels): the head's input (e) and valids, lse, logit_avg saved; no logits; the forward's
+    high point is the valids' nonzero output beside its int32 cast; the backward makes e's
+    grad, the locks and the vocab ordering, and lm_head's grad when it trains."""
+    return rules.head_tensors(d["b"], d["s"], d["h"], d["vocab"], c.e, need_in, need_w)
 
 
 def note(spec, model_type: str, applies: bool) -> str | None:

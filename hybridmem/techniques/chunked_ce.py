@@ -10,6 +10,8 @@ from hybridmem.job import loss as rules
 
 NAME = "chunked-ce"
 AXIS = "loss"
+FLAG = "chunked_ce"
+OBJECTIVES: tuple[str, ...] = ("sft",)  # priced with the LM loss only
 DEFAULT_CHUNKS = 8  # torchtune's recipes: `num_output_chunks = 8` (ce_chunked_output_loss.py)
 
 

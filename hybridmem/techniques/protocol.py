@@ -17,6 +17,11 @@ class Technique(Protocol):
     """The technique's choice name on its axis (`--loss NAME`), or its own name."""
     AXIS: str | None
     """The axis it is one choice of ("loss"), or None for a technique that combines freely."""
+    FLAG: str
+    """The spec field that asks for it (`liger`, `chunked_ce`, ...)."""
+    OBJECTIVES: tuple[str, ...]
+    """The objectives it is priced with; the flag with any other objective is refused unless
+    another technique on the same flag prices it (`techniques.objectives_of`)."""
 
     @staticmethod
     def active(spec) -> bool:
@@ -51,6 +56,17 @@ class Technique(Protocol):
         """On CUDA, the library itself as the trainer applies it (ImportError if missing)."""
 
 
-REQUIRED: tuple[str, ...] = ("NAME", "AXIS", "active", "check", "applies", "kept_logits",
+def adapts_lm_head(spec) -> bool:
+    """LoRA or a trainable copy (`modules_to_save`) on lm_head: a fused loss that reads
+    `lm_head.weight` itself would bypass it."""
+    return spec.lora is not None and ("lm_head" in spec.lora.targets
+                                      or "lm_head" in spec.lora.modules_to_save)
+
+
+# optional: `head_tensors(R, S, H, V, e, stream, param, reference) -> {"saved", "fwd",
+# "grad_in_saved": [(numel, bytes)]}`, the analytic tier's lm_head + loss where it replaces them
+# (read through `techniques.head_of`)
+
+REQUIRED: tuple[str, ...] = ("NAME", "AXIS", "FLAG", "OBJECTIVES", "active", "check", "applies", "kept_logits",
                              "note", "install", "apply_real")
 """The attributes a module must have to be a technique."""

@@ -69,6 +69,9 @@ class Ctx:
     """torchtune's chunked cross-entropy in N chunks (`--chunked-ce N`); 0 = HF's loss."""
     cce: bool = False
     """Cut Cross-Entropy replaces the lm_head + loss (`--cut-cross-entropy`; `job.cce`)."""
+    head: object = None
+    """A technique module whose `head_tensors` replace the lm_head + loss (`hybridmem.techniques
+    .head_of`: Liger's fused preference losses), else None."""
     param: int = 4
     """Bytes per element of the parameters (Liger's FLCE weight grad has the weight's dtype)."""
     adapter: int = FP32
@@ -80,6 +83,8 @@ class Ctx:
     head (`families.decoders.objective_acts`)."""
     prompt: int = 0
     """Prompt tokens per sequence the objective's loss masks out (`objective.prompt_length`)."""
+    ref_model: str = "none"
+    """Where a preference objective's reference log-probs come from (`job.objective.ref_model_of`)."""
 
 
 @dataclass(frozen=True, slots=True)

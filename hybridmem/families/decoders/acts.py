@@ -10,8 +10,7 @@ from hybridmem.families.common.activations import (
 from hybridmem.families.gemma3 import acts as GA
 from hybridmem.allocator.alloc import t
 from hybridmem.families.common.eager_top import backward_top, forward_top
-from hybridmem.job.cce import head_tensors
-from hybridmem.job.loss import LIGER_SM_COUNT, flce_chunks, torch_chunks
+from hybridmem.job.loss import LIGER_SM_COUNT, torch_chunks
 from hybridmem.models.graph import Layer
 
 
@@ -389,10 +388,8 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not active:
         return Acts()
     e = c.e
-    if c.liger:
-        return liger_head(d, c, need_in, need_w)
-    if c.cce:
-        return cce_head(d, c, need_in, need_w)
+    if c.head is not None:  # a technique's own head (Liger, CCE: `techniques.head_of`)
+        return technique_head(d, c, need_in, need_w)
     if c.objective != "sft":  # a TRL trainer's loss on the logits (objective_acts)
         from hybridmem.families.decoders.objective_acts import objective_head
 
@@ -465,51 +462,16 @@ def chunked_head(d: dict, c: Ctx, sv: Saved, copies: int, cache: int, need_in: b
                 bwd_extra=sum(bwd_parts), fwd_parts=fwd_parts, bwd_parts=tuple(bwd_parts))
 
 
-def liger_head(d: dict, c: Ctx, need_in: bool, need_w: bool) -> Acts:
-    """lm_head + loss under Liger (`lce_forward` -> `LigerForCausalLMLoss` ->
-    `LigerFusedLinearCrossEntropyFunction`; the rules are `hybridmem.job.liger`'s docstring).
-
-    Saved: grad_input (B x H, the input's = the stream dtype) and, when both the input and the
-    weight need grads, grad_weight (V x H, the weight's dtype; it becomes the weight's .grad at
-    backward: `grad_in_saved`). Forward transients: the final norm's output (read only here),
-    the padded and shifted labels (int64), loss_1d (fp32), the target mask and its count, then
-    per chunk (`flce_chunk_size`, the first is the largest): under autocast the cached bf16
-    copy of a trainable weight (`grad_logits @ weight`), the input chunk's cast, the
-    transposed weight's cast (a view: not cached) and the chunk's logits; without autocast one
-    persistent (chunk x V) logits buffer, and in fp32 the `mm(grad_logits.t(), input)` weight
-    product. Backward: a 0-dim tensor (`torch.tensor(1.0)` for the comparison)."""
-    b, s, h, V = d["b"], d["s"], d["h"], d["vocab"]
-    B = b * s
-    e = c.e
-    rows = flce_chunks(B, h, V)[0]
-    sv = Saved()
-    sv.add(B * h, c.stream)                          # grad_input
-    grad_w = t(V * h, c.param) if need_in and need_w else 0
-    sv.add(V * h, c.param, cond=grad_w > 0)          # grad_weight
-    fwd = [t(B * h, c.stream), t(b * (s + 1), INT64), t(B, INT64), t(B, FP32), t(B, 1),
-           t(1, INT64)]
-    if c.amp:
-        if need_w:
-            fwd.append(t(V * h, 2))                      # autocast cache of the weight cast
-        fwd += [t(rows * h, 2), t(V * h, 2), t(rows * V, 2)]
-    else:
-        fwd.append(t(rows * V, e))                       # logits_storage
-        if grad_w and e == FP32:
-            fwd.append(t(V * h, FP32))                   # legacy dW product
-    return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd),
-                fwd_parts=tuple(fwd), bwd_extra=t(1, FP32), bwd_parts=(t(1, FP32),),
-                grad_in_saved=grad_w)
-
-
-def cce_head(d: dict, c: Ctx, need_in: bool, need_w: bool) -> Acts:
-    """lm_head + loss under Cut Cross-Entropy (`hybridmem.job.cce.head_tensors`, its docstring
-    cites the kernels): the head's input (e) and valids, lse, logit_avg saved; no logits; the
-    forward's high point is the valids' nonzero output beside its int32 cast; the backward
-    makes e's grad, the locks and the vocab ordering, and lm_head's grad when it trains."""
-    parts = head_tensors(d["b"], d["s"], d["h"], d["vocab"], c.e, need_in, need_w)
-    saved, fwd, bwd = ([t(n, b) for n, b in parts[k]] for k in ("saved", "fwd", "bwd"))
+def technique_head(d: dict, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """The lm_head + loss as a technique states them (`head_tensors(dims, ctx, need_in,
+    need_w)`: what it keeps for backward, its forward's and its backward's high points beside
+    them, the kept weight grad that becomes `.grad`), each tensor rounded as the allocator
+    rounds it."""
+    ts = c.head.head_tensors(d, c, need_in, need_w)
+    saved, fwd, bwd, grad = ([t(n, size) for n, size in ts.get(k, ())]
+                             for k in ("saved", "fwd", "bwd", "grad_in_saved"))
     return Acts(saved=sum(saved), parts=tuple(saved), fwd_extra=sum(fwd), fwd_parts=tuple(fwd),
-                bwd_extra=sum(bwd), bwd_parts=tuple(bwd))
+                bwd_extra=sum(bwd), bwd_parts=tuple(bwd), grad_in_saved=sum(grad))
 
 
 def embedding(layer: Layer, c: Ctx, need_in: bool, need_w: bool, tied_grad: int = 0,

@@ -11,7 +11,7 @@ projections, Gemma's four norms per layer, scaled embedding and logit softcappin
 
 from __future__ import annotations
 
-from hybridmem.families import FUSED, GEMMA, MOE, NO_SDPA, QK_NORM, QKV_BIAS, with_trait
+from hybridmem.families import FUSED, GEMMA, MOE, QK_NORM, QKV_BIAS, with_trait
 from hybridmem.models.graph import Layer, ParamTensor as T, linear as _linear
 
 FP32 = 4
@@ -46,8 +46,6 @@ MOE_TYPES = with_trait(MOE)
 # Qwen3-MoE's layer rule and expert fields (Qwen3-VL-MoE's text model: modeling_qwen3_vl_moe
 # Qwen3VLMoeTextDecoderLayer, the same `mlp_only_layers` / `decoder_sparse_step` test)
 QWEN3_MOE_TEXT = ("qwen3_moe", "qwen3_vl_moe_text")
-# families whose transformers code refuses SDPA (`_supports_sdpa = False`: softcapping)
-NO_SDPA_TYPES = with_trait(NO_SDPA)
 
 
 def qk_norm(tc) -> bool:

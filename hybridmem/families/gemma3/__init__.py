@@ -53,7 +53,6 @@ def vision_graph(cfg, spec, images, plan):
     from hybridmem.families.gemma3 import model as gemma3
     from hybridmem.models.graph import ImageLayout
 
-    gemma3.check_attn(spec.attn)
     modules = gemma3.vision_modules(cfg, spec.micro_batch * images, runs=images > 0)
     return modules, ImageLayout(crops=1, features_per_crop=0, tokens=plan.tokens)
 

@@ -33,15 +33,6 @@ TEXT_TYPE = "gemma3_text"            # Gemma3Config.sub_configs_defaults["text_c
 VISION_TYPE = "siglip_vision_model"  # Gemma3Config.sub_configs_defaults["vision_config"]
 
 
-def check_attn(attn: str) -> None:
-    """`Gemma3Model._supports_flash_attn = False` (modeling_gemma3.py: FlashAttention would drop
-    the bidirectional mask over image tokens): transformers refuses it when building."""
-    if attn == "flash_attention_2":
-        raise SpecError("attn", attn, ("sdpa", "eager"),
-                        reason="transformers' gemma3 code does not support it (it would drop "
-                        "the bidirectional mask over image tokens)")
-
-
 def light_config(data: dict, vision, text):
     """Gemma3Config's fields as attributes without transformers: `vision` / `text` are
     `models.light`'s sub-config readers (SiglipVisionConfig / Gemma3TextConfig defaults)."""

@@ -25,8 +25,7 @@ def image_plan(cfg, hw, qwen3: bool = False):
 
     vc = cfg.vision_config
     p, m = vc.patch_size, vc.spatial_merge_size
-    lo, hi = ((R.QWEN3_MIN_PIXELS, R.QWEN3_MAX_PIXELS) if qwen3
-              else (R.QWEN_MIN_PIXELS, R.QWEN_MAX_PIXELS))
+    lo, hi = R.pixel_range(cfg, qwen3)
     h, w = R.smart_resize(*(hw or R.QWEN_DEFAULT_SIZE), factor=p * m, min_pixels=lo,
                           max_pixels=hi)
     grid = (1, h // p, w // p)

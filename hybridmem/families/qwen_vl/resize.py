@@ -18,6 +18,28 @@ QWEN_MAX_PIXELS = 28 * 28 * 1280
 # merge_size 2): size = {"shortest_edge": 65536, "longest_edge": 16777216}
 QWEN3_MIN_PIXELS = 65536
 QWEN3_MAX_PIXELS = 16777216
+# What the shipped presets' checkpoints declare (presets/NAME.preprocessor_config.json, the
+# pixel keys of each checkpoint's preprocessor_config.json): Qwen/Qwen2.5-VL-*-Instruct
+# min_pixels 3136, max_pixels 12845056 (= 4 .. 16384 merged 28 x 28 tokens; as quoted from the
+# checkpoint by public processor code, e.g. a Rust port's tests "Trimmed from
+# Qwen/Qwen2.5-VL-7B-Instruct"); Qwen/Qwen2-VL-*-Instruct the same range (its model card: "The
+# default range for the number of visual tokens per image in the model is 4-16384"); Qwen3-VL
+# size {"shortest_edge": 65536, "longest_edge": 16777216}, as above. The class defaults above
+# apply to a config without one (the tiny presets, a config.json alone).
+
+
+def pixel_range(cfg, qwen3: bool = False) -> tuple[int, int]:
+    """(min_pixels, max_pixels) smart_resize keeps an image within: the checkpoint's processor
+    limits where its config carries them (`models.loader.PREPROCESSOR_KEY`, from the
+    preprocessor_config.json beside it), else the processor class's defaults."""
+    given = getattr(cfg, "preprocessor_pixels", None)
+    if given is None and isinstance(cfg, dict):
+        given = cfg.get("preprocessor_pixels")
+    if given:
+        return int(given[0]), int(given[1])
+    return (QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS) if qwen3 else (QWEN_MIN_PIXELS, QWEN_MAX_PIXELS)
+
+
 QWEN_DEFAULT_SIZE = (448, 448)
 """Qwen2-VL has no native size; an assumed default (16 x 16 merged tokens = 256 per image)."""
 QWEN_MAX_ASPECT = 200  # smart_resize: "absolute aspect ratio must be smaller than 200"

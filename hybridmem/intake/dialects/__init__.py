@@ -40,7 +40,8 @@ DIALECTS: dict[str, Dialect] = _registry()
 def detect(cfg: dict, where: str) -> str:
     """The dialect a config's keys tell: torchtune's model `_component_`, axolotl's
     `base_model`, LLaMA-Factory's method keys (`finetuning_type` / `stage` /
-    `model_name_or_path` with `cutoff_len`), accelerate's `distributed_type`."""
+    `model_name_or_path` with `cutoff_len`), accelerate's `distributed_type`, torchtitan's
+    `[parallelism]`, Megatron-LM's `--num-layers`."""
     for name, dialect in DIALECTS.items():
         if dialect.detect(cfg):
             return name
@@ -48,23 +49,37 @@ def detect(cfg: dict, where: str) -> str:
                     reason="cannot tell the launcher from its keys; give --config-format")
 
 
-def read_config(path: str | os.PathLike, config_format: str | None = None) -> LauncherConfig:
-    """The config file at `path`, in `config_format` (else the one its keys tell)."""
+def read_config(path: str | os.PathLike, config_format: str | None = None,
+                model: str | None = None) -> LauncherConfig:
+    """The config file at `path`, in `config_format` (else the one its keys tell); `model`: the
+    `--model` flag's, read in place of the file's."""
     if config_format is not None and config_format not in DIALECTS:
         raise SpecError("config_format", config_format, list(DIALECTS))
     where = os.fspath(path)
-    return read_mapping(load_yaml(path), where, Path(where).expanduser().resolve().parent,
-                        config_format)
+    return read_mapping(_load(path, config_format), where,
+                        Path(where).expanduser().resolve().parent, config_format, model)
+
+
+def _load(path: str | os.PathLike, config_format: str | None) -> dict:
+    """The file as its launcher parses it: a dialect with a format of its own (`load`, and the
+    `SUFFIXES` that name it: torchtitan's TOML, Megatron-LM's command-line arguments) when
+    forced or told by the file's suffix, else YAML."""
+    suffix = Path(path).suffix
+    own = DIALECTS.get(config_format) if config_format else next(
+        (d for d in DIALECTS.values() if suffix in getattr(d, "SUFFIXES", ())), None)
+    if own is not None and hasattr(own, "load"):
+        return own.load(path)
+    return load_yaml(path)
 
 
 def read_mapping(cfg: dict, where: str, folder: Path,
-                 config_format: str | None = None) -> LauncherConfig:
+                 config_format: str | None = None, model: str | None = None) -> LauncherConfig:
     """A config already parsed (the HTTP API's pasted text), named `where` in the sources and
     warnings; `folder` is where the launcher would look for the files it names."""
     if config_format is not None and config_format not in DIALECTS:
         raise SpecError("config_format", config_format, list(DIALECTS))
     dialect = config_format or detect(cfg, where)
-    return DIALECTS[dialect].read(cfg, where, folder)
+    return DIALECTS[dialect].read(cfg, where, folder, model)
 
 
 __all__ = ["DIALECTS", "LauncherConfig", "detect", "read_config", "read_mapping"]

@@ -74,7 +74,7 @@ def detect(cfg: dict) -> bool:
     return "distributed_type" in cfg
 
 
-def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
+def read(raw: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
     """The file's layer (no model); a DeepSpeed config built from `deepspeed_config` as
     accelerate's DeepSpeedPlugin does, or the JSON it names."""
     config_keys.check_keys(SOURCE, raw, where, used=READ, known=lambda: KNOWN)

@@ -204,12 +204,12 @@ def detect(cfg: dict) -> bool:
     return "base_model" in cfg
 
 
-def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
+def read(raw: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
     """The file's layer; `folder` is where the file sits (a relative DeepSpeed path)."""
     config_keys.check_keys(SOURCE, raw, where, used=READ, known=lambda: KNOWN)
     cfg = {k: v for k, v in raw.items() if v is not None}
     config_keys.unpriced(SOURCE, {k: v for k, v in cfg.items() if v}, where, UNPRICED)
-    model, hub_id = model_of(raw.get("base_model"), where, "base_model")
+    model, hub_id = model_of(raw.get("base_model"), where, "base_model", override=model)
     out = Layer(where, NAME)
     out.set("model", model, "base_model", note=hub_id)
     if cfg.get("adapter") and cfg.get("lora_target_linear") and is_multimodal(model):
@@ -223,6 +223,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     _batch(cfg, out, where)
     _sampler(cfg, out, where)
     _savers(cfg, out, where)
+    _packing_mask(out, where)
     _optimizer(cfg, out, where)
     _objective(cfg, out, where)
     deepspeed, ds_where = _parallel(cfg, out, where, folder)
@@ -328,15 +329,21 @@ def _lora(cfg: dict, out: Layer, where: str) -> None:
     """`LoraConfig(r=lora_r, lora_alpha=lora_alpha, target_modules=..., lora_dropout=...)`;
     `lora_target_linear` adds `find_all_linear_names` (every linear but the output embedding:
     the LLM's linears, our default targets, for a decoder; a VLM's vision linears are not
-    priced) to `lora_target_modules`."""
+    priced) to `lora_target_modules`. A string `lora_target_modules` alone reaches LoraConfig as
+    a string, which PEFT full-matches as a regex (`lora.target_regex`); a list, or a string with
+    `lora_target_linear` (joined into one list), is matched by name."""
     for key, field in (("lora_r", "lora_r"), ("lora_alpha", "lora_alpha"),
                        ("lora_dropout", "lora_dropout")):
         if cfg.get(key) is not None:
             out.set(field, typed_value(f"{where}: {key}", schema.BY_KEY[field], cfg[key]), key)
-    modules = names(cfg["lora_target_modules"], f"{where}: lora_target_modules") \
-        if cfg.get("lora_target_modules") else ()
-    if cfg.get("lora_target_linear") and flag(f"{where}: lora_target_linear",
-                                              cfg["lora_target_linear"]):
+    given = cfg.get("lora_target_modules")
+    linear = bool(cfg.get("lora_target_linear")) and flag(f"{where}: lora_target_linear",
+                                                          cfg["lora_target_linear"])
+    modules = ((given,) if isinstance(given, str) else
+               names(given, f"{where}: lora_target_modules")) if given else ()
+    if isinstance(given, str) and given.strip() and not linear:
+        out.set("lora_target_regex", given, "lora_target_modules")
+    elif linear:
         extra = tuple(m for m in modules if m not in DEFAULT_LORA_TARGETS)
         if extra:
             out.set("lora_targets", DEFAULT_LORA_TARGETS + extra, "lora_target_linear",
@@ -360,9 +367,13 @@ def _lora(cfg: dict, out: Layer, where: str) -> None:
 def _batch(cfg: dict, out: Layer, where: str) -> None:
     """training.py: micro_batch_size 1, gradient_accumulation_steps 1 (`normalize_config`
     derives the accumulation from batch_size / micro_batch_size when only those are given);
-    config.py: sequence_len 512. `sample_packing` packs samples into rows of sequence_len
-    with flash-attention varlen (utils/collators, multipack): the tokens per row priced
-    here."""
+    config.py: sequence_len 512. `sample_packing` packs samples into each of the micro-batch's
+    rows of sequence_len tokens (utils/samplers/multipack.py `MultipackBatchSampler`, the
+    collator's position ids restarting per sample: utils/collators/batching.py
+    `V2BatchSamplerDataCollatorForSeq2Seq`): the job's `packing` (`job.packing`: the
+    micro-batch's tokens with per-sample position ids). With flash-attention varlen that is
+    the same memory; sdpa / eager build one mask per row, which `packing` prices over all the
+    micro-batch's tokens (an upper bound, warned)."""
     micro = typed_value(f"{where}: micro_batch_size", schema.BY_KEY["micro_batch"],
                         cfg.get("micro_batch_size", 1))
     out.set("micro_batch", micro, *(("micro_batch_size",) if "micro_batch_size" in cfg else ()))
@@ -379,11 +390,25 @@ def _batch(cfg: dict, out: Layer, where: str) -> None:
     length = cfg.get("sequence_len", 512)
     out.set("seq_len", typed_value(f"{where}: sequence_len", schema.BY_KEY["seq_len"], length),
             *(("sequence_len",) if "sequence_len" in cfg else ()))
+    if cfg.get("sample_packing") is not None:
+        packing = flag(f"{where}: sample_packing", cfg["sample_packing"])
+        out.set("packing", packing, "sample_packing")
     if cfg.get("image_size") is not None:  # multimodal.py: an int or (width, height)
         size = cfg["image_size"]
         if isinstance(size, (list, tuple)) and len(size) == 2:
             size = f"{size[1]}x{size[0]}"
         out.set("image_size", size, "image_size")
+
+
+def _packing_mask(out: Layer, where: str) -> None:
+    """`_batch`'s upper bound: packed rows under sdpa / eager with a micro-batch above one."""
+    spec = out.data["spec"]
+    if spec.get("packing") and spec["micro_batch"] > 1 \
+            and spec.get("attn") != "flash_attention_2":
+        config_keys.warn(f"{where}: axolotl key 'sample_packing'=True with micro_batch_size "
+                         f"{spec['micro_batch']} and no flash_attention is priced as one packed "
+                         f"row of {spec['micro_batch']} x sequence_len tokens: its attention "
+                         "mask is an upper bound (axolotl masks each row apart)")
 
 
 def _sampler(cfg: dict, out: Layer, where: str) -> None:

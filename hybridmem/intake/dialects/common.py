@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from hybridmem.errors import SpecError
+from hybridmem.jsonfile import check_depth, read_json_text
 from hybridmem.job import schema
 from hybridmem.models import hub
 from hybridmem.intake import library_fields
@@ -51,6 +52,8 @@ class Layer:
         the launcher's default); `note` is added to the source, e.g. the hub id."""
         meta = schema.BY_KEY[key]
         self.data[meta.owner][meta.name] = value
+        if key == "model" and note:  # the hub id, whose config.json may hold quantisation
+            self.data["hub_id"] = note
         text = f"{self.where}: {'/'.join(file_keys)}" if file_keys else self.default
         self.data["sources"][key] = text + (f" ({note})" if note else "")
 
@@ -60,17 +63,25 @@ class Layer:
             self.data[part].update(other.get(part, {}))
 
 
+MAX_CONFIG_CHARS = 1 << 20
+"""Longest launcher config read: the LLaMA-Factory, axolotl, torchtune and torchtitan example
+configs are a few KB; PyYAML took over 2 minutes on an 8 MB flow sequence on the 2-core
+development machine."""
+
+
+def read_config_text(path: str | os.PathLike) -> str:
+    """The text of a launcher config file (YAML, TOML, a launch script), or one line naming it:
+    missing, unreadable, not UTF-8, or longer than `MAX_CONFIG_CHARS`."""
+    text = read_json_text(path, "config")  # the same one-line errors as every JSON input
+    if len(text) > MAX_CONFIG_CHARS:
+        raise SpecError("config", os.fspath(path), reason=f"{len(text)} characters: a launcher "
+                        f"config is at most {MAX_CONFIG_CHARS} here")
+    return text
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
     """The YAML mapping of a config file; a missing or malformed file is one line naming it."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError("config", str(path), reason="file not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
-        raise SpecError("config", str(path), reason=f"cannot read it ({reason})") from None
-    return parse_yaml(text, str(path))
+    return parse_yaml(read_config_text(path), os.fspath(path))
 
 
 def parse_yaml(text: str, where: str) -> dict:
@@ -84,14 +95,22 @@ def parse_yaml(text: str, where: str) -> dict:
         at = f" at line {mark.line + 1} col {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError("config", where, reason=f"malformed YAML{at}: {problem}") from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise SpecError("config", where, reason="YAML nested too deeply") from None
+    check_depth(data, "config", where)
     if not isinstance(data, dict):
         raise SpecError("config", where, reason="must be a YAML mapping of keys to values")
     return data
 
 
-def model_of(value: object, where: str, key: str) -> tuple[str, str]:
+def model_of(value: object, where: str, key: str,
+             override: str | None = None) -> tuple[str, str]:
     """(preset or path, hub id note) of the file's model key: a hub id becomes its preset
-    (`hybridmem.models.hub`; an unknown one is a one-line error), a path stays a path."""
+    (`hybridmem.models.hub`; an unknown one is a one-line error), a path stays a path.
+    `override`: the `--model` flag's model, which the launcher rules then read instead (flags
+    override the file, its model too)."""
+    if override is not None:
+        value = override
     if not isinstance(value, str) or not value.strip():
         raise SpecError(f"{where}: {key}", value, reason="names no model")
     preset = hub.resolve(value)

@@ -54,6 +54,8 @@ READ: tuple[str, ...] = (
     "pref_beta", "pref_loss", "ref_model",
     "lora_target", "use_dora", "use_rslora", "additional_target", "quantization_bit",
     "quantization_method", "quantization_type", "double_quantization", "cutoff_len", "packing",
+    "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps",
+    "video_maxlen",
     "neat_packing", "pure_bf16", "flash_attn", "disable_gradient_checkpointing", "use_unsloth_gc",
     "enable_liger_kernel", "freeze_vision_tower", "freeze_multi_modal_projector",
     "freeze_language_model",
@@ -126,8 +128,6 @@ UNPRICED: dict[str, tuple[object, str]] = {
     "upcast_lmhead_output": (False, "fp32 logits (checkpointing.py _fp32_forward_post_hook) "
                              "are not priced"),
     "upcast_layernorm": (False, "fp32 norm weights are not priced (a few MiB)"),
-    "image_max_pixels": (768 * 768, "images are resized to at most this many pixels; give "
-                         "--image-size HxW of the images as resized"),
     "use_galore": (False, "GaLore's projected optimizer state is not priced"),
     "use_apollo": (False, "APOLLO's optimizer state is not priced"),
     "use_badam": (False, "BAdam's block-wise optimizer is not priced"),
@@ -155,7 +155,7 @@ def _get(cfg: dict, key: str, default: object) -> tuple[object, tuple[str, ...]]
     return (cfg[key], (key,)) if cfg.get(key) is not None else (default, ())
 
 
-def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
+def read(raw: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
     """The file's layer; `folder` is where the file sits (a relative DeepSpeed path)."""
     hf_fields = hf_training_fields()
     config_keys.check_keys(SOURCE, raw, where,
@@ -163,7 +163,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
                            known=lambda: KNOWN | hf_fields | config_keys.TRANSFORMERS_4_FIELDS)
     cfg = {k: v for k, v in raw.items() if v is not None}
     config_keys.unpriced(SOURCE, cfg, where, UNPRICED)
-    model, hub_id = model_of(raw.get("model_name_or_path"), where, "model_name_or_path")
+    model, hub_id = model_of(raw.get("model_name_or_path"), where, "model_name_or_path", override=model)
     out = Layer(where, NAME)
     out.set("model", model, "model_name_or_path", note=hub_id)
 
@@ -199,6 +199,7 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
     _quantization(cfg, out, where, method)
     _objective(cfg, out, where, stage, method)
     _batch(cfg, out, where, stage)
+    _images(cfg, out, where, model, vlm)
     _savers(cfg, out, where)
     hf = dict(ta["hf"])
     return LauncherConfig(NAME, model, [out.data], hf, ta["deepspeed"], ta["deepspeed_where"])
@@ -369,6 +370,51 @@ def _batch(cfg: dict, out: Layer, where: str, stage: str) -> None:
         out.set("seq_len", length - 1, *keys, note="cutoff_len - 1 with packing")
     else:
         out.set("seq_len", length, *keys)
+
+
+# model_args.py ProcessorArguments: image_max_pixels 768 * 768, image_min_pixels 32 * 32,
+# video_max_pixels 256 * 256, video_min_pixels 16 * 16, video_fps 2.0, video_maxlen 128
+VIDEO_KEYS: tuple[str, ...] = ("video_max_pixels", "video_min_pixels", "video_fps",
+                               "video_maxlen")
+
+
+def _pixels(cfg: dict, key: str, default: int, where: str) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{where}: {key}", value, reason="must be a positive number of pixels")
+    return value
+
+
+def _images(cfg: dict, out: Layer, where: str, model: str, vlm: bool) -> None:
+    """data/mm_plugin.py `_preprocess_image`: an image above `image_max_pixels` is scaled down
+    to it (both sides by sqrt(max / (w h))), one below `image_min_pixels` up to it, before the
+    model's own processor sees it. Where that processor keeps the size it gets (native
+    resolution, image splitting: `image_size` may be HxW) the largest square image LLaMA-Factory
+    keeps is priced (Qwen3-VL at 262144 pixels: 512x512, 16 x 16 merged patches = 256 tokens);
+    a processor that resizes every image to its tower's side makes the keys change nothing.
+    Videos are not priced (the batches carry images), so the video keys are warned."""
+    import math
+
+    for key in VIDEO_KEYS:
+        if key in cfg:
+            config_keys.warn(f"{where}: LLaMA-Factory key '{key}'={cfg[key]!r} is not priced; "
+                             "video samples are not priced (images are)")
+    keys = [k for k in ("image_max_pixels", "image_min_pixels") if k in cfg]
+    if not keys or not vlm:
+        return
+    from hybridmem.families.common.images import HXW_FAMILIES
+    from hybridmem.models.loader import model_type_of
+
+    mt = model_type_of(model)
+    if mt not in HXW_FAMILIES:
+        config_keys.warn(f"{where}: LLaMA-Factory keys {'/'.join(keys)} change nothing for "
+                         f"{mt}: its processor resizes every image to the tower's side")
+        return
+    hi, lo = (_pixels(cfg, key, default, where) for key, default in
+              (("image_max_pixels", 768 * 768), ("image_min_pixels", 32 * 32)))
+    side = max(math.isqrt(hi), math.isqrt(lo - 1) + 1 if lo > 1 else 1)
+    out.set("image_size", f"{side}x{side}", *keys,
+            note="the largest square image LLaMA-Factory keeps; give --image-size HxW for yours")
 
 
 def _savers(cfg: dict, out: Layer, where: str) -> None:

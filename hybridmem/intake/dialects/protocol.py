@@ -26,9 +26,10 @@ class Dialect(Protocol):
         """Whether the parsed file's keys are this launcher's."""
 
     @staticmethod
-    def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
+    def read(raw: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
         """The file as one `merge_inputs` layer (and the DeepSpeed config it names); `where`
-        names it in sources, `folder` is where the launcher looks for the files it names."""
+        names it in sources, `folder` is where the launcher looks for the files it names;
+        `model`: the `--model` flag's, read in place of the file's (`common.model_of`)."""
 
 
 REQUIRED: tuple[str, ...] = ("NAME", "SOURCE", "DETECT_ORDER", "detect", "read")

@@ -57,6 +57,8 @@ BUILDERS: dict[str, str] = {
     "qwen3_8b_base": "Qwen/Qwen3-8B-Base", "qwen3_8b_instruct": "Qwen/Qwen3-8B",
     "qwen3_14b_base": "Qwen/Qwen3-14B-Base", "qwen3_14b_instruct": "Qwen/Qwen3-14B",
     "qwen3_32b": "Qwen/Qwen3-32B",
+    # qwen2_5_vision/_model_builders.py: the Qwen2.5-VL checkpoints its configs download
+    "qwen2_5_vl_3b": "Qwen/Qwen2.5-VL-3B-Instruct", "qwen2_5_vl_7b": "Qwen/Qwen2.5-VL-7B-Instruct",
 }
 # torchtune module names -> transformers' (module docstring)
 ATTN_MODULES: dict[str, str] = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
@@ -106,6 +108,15 @@ LOSSES: dict[str, int | None] = {
     "torchtune.modules.loss.LinearCrossEntropyLoss": 8,
     "torch.nn.CrossEntropyLoss": 0,
 }
+# preference losses (torchtune/rlhf/loss/dpo.py) -> the objective their recipes run:
+# lora_dpo_single_device / _distributed and full_dpo_distributed feed chosen and rejected
+# through one `concatenated_forward`, the reference log-probs from the policy with its adapters
+# disabled (`disable_adapter`, LoRA) or from a frozen copy (full); RSO is DPO's step with a
+# hinge loss
+PREFERENCE_LOSSES: dict[str, str] = {"torchtune.rlhf.loss.DPOLoss": "dpo",
+                                     "torchtune.rlhf.loss.RSOLoss": "dpo",
+                                     "torchtune.modules.rlhf.loss.DPOLoss": "dpo",
+                                     "torchtune.modules.rlhf.loss.RSOLoss": "dpo"}
 DTYPES: dict[str, str] = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32",
                           "float32": "fp32"}
 
@@ -127,7 +138,7 @@ def _builder(component: object, where: str) -> tuple[str, str]:
     return name, "full"
 
 
-def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
+def read(raw: dict, where: str, folder: Path, model: str | None = None) -> LauncherConfig:
     """The file's layer (torchtune opens no other file that changes memory)."""
     config_keys.check_keys(SOURCE, raw, where, used=READ, known=lambda: KNOWN)
     node = raw.get("model") or {}
@@ -135,11 +146,11 @@ def read(raw: dict, where: str, folder: Path) -> LauncherConfig:
                            known=lambda: MODEL_KNOWN)
     out = Layer(where, NAME)
     base, kind = _builder(node.get("_component_"), where)
-    if base not in BUILDERS:
+    if base not in BUILDERS and model is None:
         raise SpecError(f"{where}: model._component_", node.get("_component_"),
                         reason="no preset for this builder; give --model with the checkpoint's "
                         "config.json")
-    model, hub_id = model_of(BUILDERS[base], where, "model._component_")
+    model, hub_id = model_of(BUILDERS.get(base), where, "model._component_", override=model)
     out.set("model", model, "model._component_", note=hub_id)
     _recipe(raw, out, where)
     if kind == "full":
@@ -266,9 +277,15 @@ def _loss(node: object, out: Layer, where: str) -> None:
     if node is None:
         return
     component = node.get("_component_") if isinstance(node, dict) else None
+    if component in PREFERENCE_LOSSES:
+        out.set("objective", PREFERENCE_LOSSES[component], "loss._component_")
+        out.set("beta", typed_value(f"{where}: loss.beta", schema.BY_KEY["beta"],
+                                    node.get("beta", 0.1)),  # DPOLoss(beta=0.1)
+                *(("loss.beta",) if "beta" in node else ()))
+        return
     if component not in LOSSES:
-        raise SpecError(f"{where}: loss._component_", component, sorted(LOSSES),
-                        reason="this loss is not priced")
+        raise SpecError(f"{where}: loss._component_", component,
+                        sorted((*LOSSES, *PREFERENCE_LOSSES)), reason="this loss is not priced")
     chunks = node.get("num_output_chunks", LOSSES[component])
     if chunks:
         out.set("chunked_ce", typed_value(f"{where}: loss.num_output_chunks",

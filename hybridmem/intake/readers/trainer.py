@@ -591,8 +591,13 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
         value = zero[key]
         if value == "auto":
             if key not in auto_hidden:
-                raise SpecError(f"deepspeed.zero_optimization.{key}", "auto",
-                                reason="transformers resolves no 'auto' for this key")
+                # transformers fills no "auto" here (its stage3_ names only,
+                # integrations/deepspeed.py `trainer_config_process`), and DeepSpeed drops a
+                # leftover "auto" to keep its field default (runtime/config_utils.py
+                # `DeepSpeedConfigModel.__init__`, not strict): the schema's default, which is
+                # DeepSpeed's
+                sources[meta.name] = f"{where}: {ZERO}{key} ('auto' left to DeepSpeed's default)"
+                continue
             if hidden_size is None:
                 raise SpecError(f"deepspeed.zero_optimization.{key}", "auto",
                                 reason="needs the model's hidden size: give --model")

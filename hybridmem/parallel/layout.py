@@ -1,0 +1,150 @@
+"""The rules of a model-parallel layout (tp, sequence parallel, cp, pp, ep over dp), torch-free.
+
+Why a module of its own: the checks against the model (does `tp` divide the heads?) and the
+shapes one rank holds are the same rules for the analytic per-rank pricing
+(`hybridmem.parallel.ranks`), the layout advice (`hybridmem.parallel.layouts`) and the config
+readers; each is written once here, with its source:
+
+- tensor parallelism shards the attention heads, the KV heads (Megatron-LM asserts
+  `num_query_groups % tensor_model_parallel_size == 0`, megatron/training/arguments.py), the
+  MLP's intermediate size (ColumnParallelLinear on gate/up, RowParallelLinear on down) and the
+  vocabulary (VocabParallelEmbedding, a column-parallel output layer with the vocab-parallel
+  cross entropy; torchtitan `parallelize_llama.apply_tp`: `tok_embeddings` RowwiseParallel,
+  `output` ColwiseParallel with loss parallel). DTensor shards an uneven dim in ceil-sized
+  chunks, so the vocabulary need not divide (rank 0 holds `ceil(vocab / tp)` rows);
+- context parallelism splits the sequence: torch's load balancer for causal attention cuts it
+  into `2 x cp` chunks (`_context_parallel/_load_balancer.py`, `_HeadTailLoadBalancer`), so
+  `seq_len` must divide by `2 x cp`; with sequence parallelism the rank's tokens also split
+  over `tp`;
+- pipeline parallelism puts `layers / (pp x v)` consecutive layers on each stage, the token
+  embedding on the first stage and the final norm, `lm_head` and loss on the last
+  (torchtitan `pipeline_module_split`, Megatron `get_num_layers_to_build`);
+- expert parallelism puts `experts / ep` experts on each rank (torchtitan `ExpertParallel`,
+  Megatron `num_moe_experts % expert_model_parallel_size == 0`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridmem.errors import SpecError
+from hybridmem.job.parallel import INTERLEAVED, ParallelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The dims of a decoder LLM a layout must divide (from its HF config)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    ffn: int
+    layers: int
+    vocab: int
+    experts: int = 0
+    expert_ffn: int = 0
+
+
+def model_shape(data: dict) -> ModelShape:
+    """The dims of an HF decoder config dict (`text_config` for a VLM's language model is not
+    split: model parallelism is priced for decoder LLMs only)."""
+    if "text_config" in data or "vision_config" in data:
+        raise SpecError("model", data.get("model_type"),
+                        reason="model parallelism (tp/cp/pp/ep) is priced for decoder LLMs, "
+                        "not multimodal models")
+    heads = int(data["num_attention_heads"])
+    hidden = int(data["hidden_size"])
+    experts = int(data.get("num_local_experts") or data.get("num_experts") or 0)
+    ffn = int(data.get("intermediate_size") or 0)
+    return ModelShape(
+        heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads),
+        head_dim=int(data.get("head_dim") or hidden // heads), hidden=hidden,
+        ffn=ffn, layers=int(data["num_hidden_layers"]), vocab=int(data["vocab_size"]),
+        experts=experts, expert_ffn=int(data.get("moe_intermediate_size") or ffn) if experts else 0)
+
+
+def check_layout(ps: ParallelSpec, shape: ModelShape, seq_len: int) -> None:
+    """One-line SpecError for a layout the model's dims do not divide."""
+    tp, chunks = ps.tp, ps.pp * ps.pp_virtual_stages
+    for field, dim, what in (("tp", shape.heads, "attention heads"),
+                             ("tp", shape.kv_heads, "KV heads"),
+                             ("tp", shape.ffn, "MLP intermediate size"),
+                             ("tp", shape.expert_ffn, "experts' intermediate size")):
+        if tp > 1 and dim and dim % tp:
+            raise SpecError(f"parallel.{field}", tp, reason=f"does not divide the {dim} {what}")
+    if chunks > 1 and shape.layers % chunks:
+        raise SpecError("parallel.pp", ps.pp, reason=f"pp x pp_virtual_stages = {chunks} does "
+                        f"not divide the {shape.layers} layers")
+    if ps.ep > 1 and not shape.experts:
+        raise SpecError("parallel.ep", ps.ep, reason="the model has no experts (dense model)")
+    if ps.ep > 1 and shape.experts % ps.ep:
+        raise SpecError("parallel.ep", ps.ep, reason=f"does not divide the {shape.experts} experts")
+    if ps.cp > 1 and seq_len % (2 * ps.cp):
+        raise SpecError("seq_len", seq_len, reason=f"context parallelism cuts it into 2 x cp = "
+                        f"{2 * ps.cp} chunks (causal load balancing); not divisible")
+    if ps.sequence_parallel and (seq_len // ps.cp) % tp:
+        raise SpecError("seq_len", seq_len, reason=f"sequence parallelism splits each rank's "
+                        f"{seq_len // ps.cp} tokens over tp={tp}; not divisible")
+
+
+def rank_config(data: dict, tp: int, ep: int) -> dict:
+    """The HF config of the model one tensor/expert-parallel rank holds: heads, KV heads,
+    intermediate sizes and vocabulary divided by `tp`, experts by `ep`, the head dim kept
+    (a rank's linears are the full model's column/row shards). Layers are not cut here: the
+    stage's layers are chosen from the priced graph (`stage_layers`)."""
+    shape = model_shape(data)
+    out = dict(data)
+    out["_source"] = f"one rank's shard (tp={tp}, ep={ep}) of {data.get('_source', 'a model')}"
+    out["head_dim"] = shape.head_dim
+    out["num_attention_heads"] = shape.heads // tp
+    out["num_key_value_heads"] = shape.kv_heads // tp
+    if shape.ffn:
+        out["intermediate_size"] = shape.ffn // tp
+    if "moe_intermediate_size" in data:
+        out["moe_intermediate_size"] = shape.expert_ffn // tp
+    out["vocab_size"] = math.ceil(shape.vocab / tp)
+    for key in ("num_local_experts", "num_experts"):
+        if data.get(key):
+            out[key] = shape.experts // ep
+            # a rank routes each token to its top-k of all experts; with fewer local experts
+            # than k the graph still prices k routed rows per token (the tokens others send)
+    return out
+
+
+def stage_layers(ps: ParallelSpec, layers: int, rank: int) -> list[int]:
+    """Decoder layer indices on pipeline rank `rank`: its `v` chunks of `layers / (pp x v)`
+    consecutive layers, chunk c being stage `rank + c x pp` (torchtitan / torch pipelining's
+    loop style, `generate_stage_to_rank_mapping` style "loop")."""
+    v = ps.pp_virtual_stages
+    per = layers // (ps.pp * v)
+    return [i for c in range(v) for i in range((rank + c * ps.pp) * per,
+                                                (rank + c * ps.pp + 1) * per)]
+
+
+def in_flight(ps: ParallelSpec, rank: int) -> float:
+    """Micro-batches whose stage activations rank `rank` holds at once, in units of the rank's
+    whole layer set (its v chunks together) for one micro-batch.
+
+    - gpipe (ScheduleGPipe): every forward before any backward: m.
+    - 1f1b (Schedule1F1B._step_microbatches: `warmup_chunks = min(n_microbatches, num_stages -
+      stage_index)`, then one forward and one backward alternate): min(m, pp - rank).
+    - interleaved-1f1b (ScheduleInterleaved1F1B, `_get_warmup_ops(..., multiply_factor=2)`:
+      `(v - 1) x microbatches_per_round + 2 (pp - 1 - rank)` warm-up chunk forwards, capped at
+      m x v) and zero-bubble (ScheduleInterleavedZeroBubble: `multiply_factor=1`): warm-up + 1
+      chunk forwards, each a 1/v share of the rank's layers. Megatron's penalty
+      `1 + (pp - 1) / (pp v)` on pp micro-batches is the rank-0 value of the first.
+    """
+    m, pp, v = ps.microbatches, ps.pp, ps.pp_virtual_stages
+    if pp == 1:
+        return 1.0
+    if ps.pp_schedule == "gpipe":
+        return float(m)
+    if ps.pp_schedule not in INTERLEAVED:
+        return float(min(m, pp - rank))
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    factor = 2 if ps.pp_schedule == "interleaved-1f1b" else 1
+    warmup = min((v - 1) * per_round + factor * (pp - 1 - rank), m * v)
+    return min(warmup + 1, m * v) / v

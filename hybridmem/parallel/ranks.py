@@ -1,0 +1,348 @@
+"""Per-rank peak of a model-parallel job (tp, sequence parallel, cp, pp, ep, over dp), analytic.
+
+Why this shape: one rank of a tensor/expert-parallel job runs the same layers as one GPU, only
+narrower (a rank's column/row-parallel linears are the full model's with `heads / tp`,
+`intermediate / tp` ...; `hybridmem.parallel.layout.rank_config`), on fewer tokens (`seq_len /
+cp`), and a pipeline rank runs only its stage's layers. So the analytic tier's own closed forms
+price the rank: the narrow model's graph is priced (`analytic.estimate._setup`), the stage's
+layers are chosen from it, its timeline is walked with the activations of the micro-batches its
+schedule keeps in flight held throughout (`layout.in_flight`), and its model states are sharded
+over the data-parallel ranks by `hybridmem.parallel.sharding` (the data-parallel rules, on the
+stage's tensors). Every pipeline rank is priced; the answer is the highest one, named with why.
+
+Activations per rank (sources in `docs/parallel.md`, "Model parallelism"):
+
+- tensor parallelism without sequence parallelism: the narrow layer's saved tensors, i.e. the
+  norms and residual stream whole and everything between a column- and a row-parallel linear
+  divided by tp (Korthikanti et al. 2022, Table 2: `sbh(10 + 24/t + 5as/(ht))`);
+- with sequence parallelism: the whole layer's divided by tp (Table 2: `sbh(34/t + 5as/(ht))`),
+  priced as the full-width layer on `seq / (cp x tp)` tokens (exact where attention is linear
+  in the sequence: sdpa and flash; eager's scores are priced narrow at the full sequence),
+  plus the two all-gathered block inputs torch's DTensor plan saves whole (`_gathered_inputs`);
+- context parallelism: `seq / cp` tokens, plus torch's ring attention K/V exchange
+  (`_AllGatherRotater`, the default `allgather` rotate method: the full sequence's K and V of
+  one layer during its attention; the backward adds the dK/dV chunks sent round the ring);
+- expert parallelism: `experts / ep` expert weights; the routed rows stay `tokens x top_k` per
+  rank (balanced routing) and travel in all-to-all send and receive buffers;
+- pipeline parallelism: the stage's layers; the schedule's in-flight micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from hybridmem.allocator.alloc import t
+from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
+from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
+from hybridmem.families.defaults import resolved
+from hybridmem.gpus import GPU
+from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.spec import POLICIES, TrainingSpec
+from hybridmem.parallel.layout import (
+    check_layout, in_flight, model_shape, rank_config, stage_layers,
+)
+from hybridmem.parallel.sharding import RankStates, rank_states
+from hybridmem.parallel.states import layer_tensors, model_tensors
+from hybridmem.prediction import Peak, Prediction
+
+from hybridmem.parallel.phases import NCCL_BYTES, ActPoint, forward_precision, fwd_bwd
+from hybridmem.parallel.phases import step as step_phase
+
+EDGE_KINDS = {"embedding": "first", "norm": "last", "rmsnorm": "last", "lm_head": "last"}
+"""Non-repeated layers and the pipeline stage that holds them (torchtitan
+`pipeline_module_split`: `tok_embeddings` on the first stage, `norm` and `output` on the last;
+the rotary table is rebuilt on every stage)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankAnswer:
+    """One pipeline rank's priced peak (all its tp/cp/dp peers are the same)."""
+
+    rank: int
+    layers: tuple[int, int]
+    """(first, last) decoder layer index held (interleaved: over all its chunks)."""
+    in_flight: float
+    holds: tuple[str, ...]
+    breakdown: dict[str, int]
+    phase: str
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.breakdown.values())
+
+
+def _dp_spec(spec: TrainingSpec, ranks: int) -> TrainingSpec:
+    """The spec as the data-parallel rules see it: `ranks` data-parallel GPUs, nothing else."""
+    ps = spec.parallel
+    strategy = ps.strategy if ranks > 1 else "none"
+    ranks = 1 if strategy == "none" else ranks  # no data-parallel strategy: states whole
+    offload = ps.offload_optimizer if strategy in ("zero1", "zero2", "zero3") else "none"
+    flat = dataclasses.replace(
+        ps, world_size=ranks, strategy=strategy, tp=1, cp=1, pp=1, ep=1,
+        sequence_parallel=False, pp_schedule="1f1b", pp_virtual_stages=1, pp_microbatches=None,
+        dp_replicate=1, dp_shard=None, offload_optimizer=offload,
+        offload_param=ps.offload_param if strategy == "zero3" else "none")
+    return spec.with_(parallel=flat)
+
+
+def _sum_states(a: RankStates, b: RankStates) -> RankStates:
+    fields = ("param", "grad", "optimizer", "grad_fixed", "gathered", "comm",
+              "step_temporary", "paged")
+    detail = {k: a.detail.get(k, 0) + b.detail.get(k, 0) for k in {*a.detail, *b.detail}}
+    return RankStates(**{f: getattr(a, f) + getattr(b, f) for f in fields}, detail=detail)
+
+
+def _states(spec: TrainingSpec, layers: list) -> RankStates:
+    """Model states of a stage's layers, sharded over the data-parallel ranks: the dense
+    params over `dp_shard x cp` (torchtitan's FSDP mesh `dp_shard_cp`; Megatron's distributed
+    optimizer shards over the data-and-context-parallel group), the experts over
+    `dp_shard x cp / ep` (torchtitan's expert FSDP mesh)."""
+    ps = spec.parallel
+    dense_n = ps.data_shard * ps.cp
+    def part(keep):
+        return [(m, dataclasses.replace(l, params=tuple(p for p in l.params if keep(p.name))))
+                for m, l in layers]
+    dense = rank_states(_dp_spec(spec, dense_n), layer_tensors(part(lambda n: "experts" not in n)))
+    expert_layers = part(lambda n: "experts" in n)
+    if not any(l.params for _, l in expert_layers):
+        return dense
+    experts = rank_states(_dp_spec(spec, max(1, dense_n // ps.ep)), layer_tensors(expert_layers))
+    return _sum_states(dense, experts)
+
+
+def _embedding_grad(spec: TrainingSpec, layers: list, shape) -> int:
+    """Extra gradient bytes of a tensor-parallel token embedding: torch's `RowwiseParallel` on
+    `nn.Embedding` (torchtitan's plan) shards the weight on dim 0 but its backward gives a
+    `Replicate` gradient of the whole vocabulary on every rank (measured under the fake process
+    group, tests/test_parallel_tp_trace.py), where Megatron's VocabParallelEmbedding keeps
+    `vocab / tp` rows. Priced without a sharding data-parallel strategy, whose reduce-scatter
+    of that gradient is not modelled."""
+    ps = spec.parallel
+    if ps.tp == 1 or _dp_spec(spec, ps.data_shard * ps.cp).parallel.strategy not in ("none", "ddp"):
+        return 0
+    emb = [l for _, l in layers if l.kind == "embedding" and l.gets_grads]
+    rows = math.ceil(shape.vocab / ps.tp)
+    return sum((shape.vocab - rows) * shape.hidden * POLICIES[spec.precision].grad_bytes
+               for _ in emb)
+
+
+def _comm(spec: TrainingSpec, shape, e: int, top_k: int) -> tuple[int, int]:
+    """(forward, backward) transient communication buffers of the layer running now."""
+    ps = spec.parallel
+    b, s = spec.micro_batch, spec.seq_len
+    kvd = shape.kv_heads // ps.tp * shape.head_dim
+    fwd = bwd = 0
+    if ps.cp > 1:
+        # _AllGatherRotater: every K/V chunk gathered (the full sequence's K and V); the
+        # backward gathers them again and rotates dK/dV chunks (`dkv_rotater`, all-to-all)
+        kv = 2 * t(b * s * kvd, e)
+        fwd, bwd = kv, kv + 2 * t(b * (s // ps.cp) * kvd, e)
+    if ps.ep > 1 and shape.experts:
+        # token dispatch and combine: the routed rows (tokens x top_k x hidden) in a send and a
+        # receive buffer (torchtitan `ExpertParallel._token_dispatch`: all_to_all_single)
+        rows = b * (s // ps.cp) * top_k * shape.hidden
+        fwd += 2 * t(rows, e)
+        bwd += 2 * t(rows, e)
+    if ps.tp > 1 and ps.sequence_parallel:
+        # all-gather of the sequence-sharded layer input before the column-parallel linears
+        # (Megatron `gather_from_sequence_parallel_region`; torchtitan PrepareModuleInput)
+        full = t(b * (s // ps.cp) * shape.hidden, e)
+        fwd += full
+        bwd += full
+    return fwd, bwd
+
+
+def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> RankAnswer:
+    """Price pipeline rank `rank` from the priced narrow graph (`narrow`: the rank's shard at
+    `seq / cp`) and, under sequence parallelism, the full-width one at `seq / (cp x tp)`."""
+    from hybridmem.analytic.timeline import walk
+
+    ps = spec.parallel
+    ids = set(stage_layers(ps, shape.layers, rank))
+    first, last = rank == 0, rank == ps.pp - 1
+    chosen, layer_no = [], 0
+    acts_of = {p.layer.name: p.step.acts for p in wide} if wide else {}
+    for p in narrow:
+        kind = p.layer.kind
+        if kind in ("decoder_layer",):
+            keep = layer_no in ids
+            layer_no += 1
+        else:
+            side = EDGE_KINDS.get(kind)
+            keep = side is None or (first if side == "first" else last)
+        if keep:
+            step = p.step
+            if kind == "decoder_layer" and p.layer.name in acts_of:
+                step = dataclasses.replace(step, acts=_sequence_parallel(
+                    acts_of[p.layer.name], step.acts, _gathered_inputs(spec, shape)))
+            chosen.append((p, step))
+    steps = [s for _, s in chosen]
+    k = in_flight(ps, rank)
+    per_micro = sum(s.kept for s in steps)
+    held = round((k - 1) * per_micro)
+    grad_accum = 2 if ps.pp > 1 and ps.microbatches > 1 else st.grad_accum
+    stage_st = dataclasses.replace(
+        st, grad_accum=grad_accum,
+        param=sum(p.states.param for p, _ in chosen),
+        master=sum(p.states.master for p, _ in chosen))
+    points = walk(steps, stage_st)
+    full = max((p.bytes["grad"] for p in points), default=0)
+    # the earlier micro-batches' activations are held through this one's forward and backward
+    # (not at the step: the schedule has run every backward by then)
+    acts = [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
+                     p.bytes["activation"] + held,
+                     p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
+            for p in points if p.phase != "optimizer"]
+    graph_layers = [(p.module, p.layer) for p, _ in chosen]
+    states = _states(spec, graph_layers)
+    extra_grad = _embedding_grad(spec, graph_layers, shape)
+    states = dataclasses.replace(states, grad=states.grad + extra_grad, detail={
+        **states.detail, "replicated_embedding_grad_bytes": extra_grad}) if extra_grad else states
+    extra = {"workspace": max(p.bytes["workspace"] for p in points),
+             "context": CUDA_CONTEXT_DEFAULT + states.paged + NCCL_BYTES}
+    best_phase, best = max(((p.phase, fwd_bwd(states, p, extra)) for p in acts),
+                           key=lambda pb: sum(pb[1].values()))
+    base = _Base(points)
+    step_bd = step_phase(states, base, extra)
+    if sum(step_bd.values()) > sum(best.values()):
+        best_phase, best = "optimizer", step_bd
+    holds = tuple(n for n, on in (("embedding", first), ("lm_head + loss", last)) if on)
+    span = (min(ids), max(ids)) if ids else (0, -1)
+    out = empty_breakdown()
+    out.update(best)
+    return RankAnswer(rank, span, k, holds, out, best_phase)
+
+
+def _gathered_inputs(spec: TrainingSpec, shape) -> int:
+    """Bytes a sequence-parallel layer saves beyond its `1 / tp` share: torch's DTensor
+    sequence parallelism (torchtitan's plan: `PrepareModuleInput` to `Replicate` before the
+    attention and the MLP) all-gathers each block's input, and the column-parallel linears'
+    matmuls save that whole input, once for q/k/v and once for gate/up (measured under the fake
+    process group, tests/test_parallel_tp_trace.py); Megatron-LM saves the sharded input and
+    gathers it again in backward (`LinearWithGradAccumulationAndAsyncCommunication`), which
+    this leaves out."""
+    from hybridmem.allocator.alloc import t as rounded
+
+    ps = spec.parallel
+    tokens = spec.micro_batch * (spec.seq_len // ps.cp)
+    e = POLICIES[forward_precision(spec)].compute_bytes
+    return 2 * (rounded(tokens * shape.hidden, e) - rounded(tokens // ps.tp * shape.hidden, e))
+
+
+def _sequence_parallel(wide, narrow, gathered: int):
+    """A layer's activations under sequence parallelism: the full-width layer's on `1 / tp`
+    of the tokens, with the rank's own weight copies (autocast's casts of its weight shards,
+    saved by the matmuls or cached: `parts[0]` and `cache`), not the full layer's, and the
+    all-gathered block inputs the matmuls keep (`_gathered_inputs`)."""
+    copies = narrow.parts[0] if narrow.parts else 0
+    wide_copies = wide.parts[0] if wide.parts else 0
+    return dataclasses.replace(wide, saved=wide.saved - wide_copies + copies + gathered,
+                               parts=(copies, *wide.parts[1:], gathered), cache=narrow.cache)
+
+
+class _Base:
+    """What `phases.step` reads of a single-GPU prediction: whether its peak is in the step."""
+
+    def __init__(self, points) -> None:
+        from hybridmem.analytic.timeline import peak
+
+        top = peak(points)
+        self.peak = dataclasses.make_dataclass("P", ["phase"])(top.phase)
+        self.breakdown = dict(top.bytes)
+
+
+def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction, list[RankAnswer]]:
+    """The highest per-rank peak of a model-parallel `spec`, and every pipeline rank's."""
+    from hybridmem.analytic.estimate import _setup
+    from hybridmem.models.loader import load_config_dict, materialize_config
+
+    spec = resolved(spec)
+    ps = spec.parallel
+    _, data = load_config_dict(spec.model)
+    shape = model_shape(data)
+    check_layout(ps, shape, spec.seq_len)
+    ws = cublas_workspace(gpu)
+    narrow_model = materialize_config(json.dumps(rank_config(data, ps.tp, ps.ep)))
+    single = ParallelSpec()
+    # the activation side computes in the precision the ranks really run (FSDP2's 16-bit
+    # gathers: `estimate.forward_precision`); the states below keep the spec's own
+    compute = forward_precision(spec)
+    narrow_spec = spec.with_(model=narrow_model, seq_len=spec.seq_len // ps.cp, parallel=single,
+                             precision=compute)
+    _, narrow, st = _setup(narrow_spec, ws)
+    wide = None
+    if ps.sequence_parallel and spec.attn != "eager":
+        wide_model = materialize_config(json.dumps(rank_config(data, 1, ps.ep)))
+        wide_spec = spec.with_(model=wide_model, seq_len=spec.seq_len // (ps.cp * ps.tp),
+                               parallel=single, precision=compute)
+        wide = _setup(wide_spec, ws)[1]
+    e = POLICIES[compute].compute_bytes
+    comm = _comm(spec, shape, e, int(data.get("num_experts_per_tok") or 1))
+    answers = [_stage(spec, r, narrow, wide, st, shape, comm) for r in range(ps.pp)]
+    top = max(answers, key=lambda a: a.device_bytes)
+    params = model_tensors(spec.with_(parallel=single))
+    allocated = sum(top.breakdown[c] for c in TENSOR_CATEGORIES)
+    peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated,
+                device_bytes=top.device_bytes, phase=top.phase, iteration=1)
+    notes = (f"per rank of {ps.world_size} GPUs: {layout_text(ps)}",
+             why(top, answers, ps),
+             "fragmentation is not replayed per model-parallel rank (reserved = allocated)",
+             f"NCCL buffers outside PyTorch: nominal {NCCL_BYTES >> 20} MiB in context")
+    extras = {"world_size": ps.world_size, "strategy": ps.strategy, "per_rank": True,
+              "layout": layout_dict(ps),
+              "ranks": [{"pp_rank": a.rank, "layers": list(a.layers), "holds": list(a.holds),
+                         "in_flight_microbatches": a.in_flight, "phase": a.phase,
+                         "device_bytes": a.device_bytes, "breakdown": a.breakdown}
+                        for a in answers],
+              "highest_rank": top.rank}
+    pred = Prediction(
+        model=spec.model, method="analytic+layout", params_total=params.params,
+        params_trainable=params.trainable, breakdown=top.breakdown, peak=peak, notes=notes,
+        extras=extras, modules=(), gpu_name=gpu.name if gpu else None,
+        gpu_memory_bytes=gpu.memory_bytes if gpu else None)
+    return pred, answers
+
+
+def layout_dict(ps: ParallelSpec) -> dict:
+    return {"dp_replicate": ps.dp_replicate, "dp_shard": ps.data_shard, "cp": ps.cp,
+            "tp": ps.tp, "sequence_parallel": ps.sequence_parallel, "pp": ps.pp,
+            "pp_schedule": ps.pp_schedule, "pp_virtual_stages": ps.pp_virtual_stages,
+            "pp_microbatches": ps.microbatches, "ep": ps.ep, "strategy": ps.strategy}
+
+
+def layout_text(ps: ParallelSpec) -> str:
+    parts = [f"dp {ps.dp_replicate}x{ps.data_shard} ({ps.strategy})" if ps.dp_replicate > 1
+             else f"dp {ps.data_shard} ({ps.strategy})", f"tp {ps.tp}"
+             + (" +sp" if ps.sequence_parallel else ""), f"cp {ps.cp}"]
+    if ps.pp > 1:
+        parts.append(f"pp {ps.pp} ({ps.pp_schedule}, {ps.microbatches} micro-batches"
+                     + (f", {ps.pp_virtual_stages} stages/rank" if ps.pp_virtual_stages > 1 else "")
+                     + ")")
+    else:
+        parts.append("pp 1")
+    if ps.ep > 1:
+        parts.append(f"ep {ps.ep}")
+    return " x ".join(parts)
+
+
+def why(top: RankAnswer, answers: list[RankAnswer], ps: ParallelSpec) -> str:
+    """Which rank peaks highest and the category that puts it above the others."""
+    if len(answers) == 1:
+        return "every rank holds the same shards: one rank priced"
+    others = [a for a in answers if a is not top]
+    runner = max(others, key=lambda a: a.device_bytes)
+    diff = {c: top.breakdown[c] - runner.breakdown[c] for c in top.breakdown}
+    cause = max(diff, key=diff.get)
+    reasons = []
+    if top.in_flight > runner.in_flight:
+        reasons.append(f"holds {top.in_flight:g} micro-batches' activations in flight "
+                       f"({ps.pp_schedule}) against {runner.in_flight:g} on pipeline rank "
+                       f"{runner.rank}")
+    if top.holds:
+        reasons.append("holds the " + " and the ".join(top.holds))
+    gib = (top.device_bytes - runner.device_bytes) / 2**30
+    return (f"highest peak: pipeline rank {top.rank} of {ps.pp} (layers {top.layers[0]}-"
+            f"{top.layers[1]}), {gib:.2f} GiB above rank {runner.rank}, mostly {cause}: "
+            + "; ".join(reasons or ["the same layers, its shards"]))
