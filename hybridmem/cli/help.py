@@ -33,7 +33,7 @@ what almost every QLoRA job runs), the model-parallel layout beyond `--tp` (`--p
 `--sequence-parallel`, `--cp`, `--ep`, the pipeline schedule and the data-parallel split:
 docs/parallel.md), ZeRO-Infinity's `--offload-param`, FSDP2's `--mp-reduce-dtype` (with
 `--mp-param-dtype`), the trace tier's `--timeline` and the many-jobs mode (`--jobs FILE.jsonl
---workers N`: its own line in the examples)."""
+--workers N`: the examples' line points at it)."""
 LONG_DEFAULT = 24
 """A default longer than this (the LoRA target list) is left to the README."""
 
