@@ -100,7 +100,9 @@ def test_page_main_fields_and_pasted_config_in_chromium(live_server, capsys):  #
         assert browser.find_element(By.ID, "verdict").get_attribute("data-fit") == cli["fit"]
         table = browser.find_element(By.ID, "job-table").text
         assert "this form" in table and "flag --" not in table
-        assert browser.find_element(By.ID, "module-label").text.startswith("Each row is")
+        # the module table's last row is the device peak, as the CLI's
+        last = browser.find_elements(By.CSS_SELECTOR, "#modules tr")[-1].text
+        assert last.endswith(f"{cli['peak']['device_bytes'] / 2**30:.2f}"), last
         # a pasted LLaMA-Factory YAML fills the form
         browser.find_element(By.CSS_SELECTOR, "#paste summary").click()
         browser.find_element(By.ID, "config_text").send_keys(LLAMAFACTORY)
