@@ -6,6 +6,7 @@ different (model x micro-batch x sequence length), so the cache answers none of 
 pass of the same jobs shows the cache.
 
     python experiments/serve_load.py [--requests 200] [--concurrency 16] [--trace-model M]
+                                     [--serve-args "--workers 2"]
 """
 
 from __future__ import annotations
@@ -96,10 +97,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--trace-model", default="llama-3.2-1b")
+    ap.add_argument("--serve-args", default="", help="more `hybridmem serve` options")
     args = ap.parse_args()
     port = _port()
     base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "hybridmem", "serve", "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "hybridmem", "serve", "--port", str(port),
+                               *args.serve_args.split()],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

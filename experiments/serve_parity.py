@@ -102,7 +102,7 @@ def same(api: dict, cli: dict, path: str) -> bool:
 def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp, \
-            TestClient(create_app(Settings(workdir=Path(tmp) / "serve"))) as client:
+            TestClient(create_app(Settings(workers=0, workdir=Path(tmp) / "serve"))) as client:
         config = Path(tmp) / "config.yaml"
         config.write_text(YAML)
         for name, body, flags in JOBS:

@@ -15,7 +15,6 @@ import shutil
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 README_QUERY = ("model=llava-1.5-7b&micro_batch=8&seq_len=2048&train=llm%2Bprojector"
                 "&grad_ckpt=true&precision=bf16-master&gpu=h100-80gb&find_max_batch=true")
@@ -27,13 +26,13 @@ def serve() -> tuple[object, str]:
     import uvicorn
 
     from hybridmem.serve.app import Settings, create_app
-    from hybridmem.serve.pool import TracePool
+    from hybridmem.serve.pool import AnswerPool
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    pool = TracePool(workers=1, queue=1, executor=ThreadPoolExecutor(1))
-    server = uvicorn.Server(uvicorn.Config(create_app(Settings(pool=pool)), host="127.0.0.1",
+    pool = AnswerPool(1, 1, in_thread=True)  # a trace in a thread: no second torch import
+    server = uvicorn.Server(uvicorn.Config(create_app(Settings(workers=0, pool=pool)), host="127.0.0.1",
                                            port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:

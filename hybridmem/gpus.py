@@ -106,9 +106,15 @@ def gpu_by_name(name: str) -> GPU:
     return GPUS[key]
 
 
+MAX_GPU_GIB = 4096
+"""Largest `--gpu-mem`: ~14x the largest GPU sold (B300, 288 GB); keeps the bytes finite."""
+
+
 def custom_gpu(gib: float) -> GPU:
     """A GPU given only by its memory (`--gpu-mem GIB`); architecture unknown."""
     if not gib > 0:
         raise SpecError("gpu_mem", gib, reason="must be > 0 GiB")
+    if not gib <= MAX_GPU_GIB:  # inf too (NaN is not > 0)
+        raise SpecError("gpu_mem", gib, reason=f"above {MAX_GPU_GIB} GiB, more than a GPU has")
     return GPU(name=f"custom-{gib:g}gib", memory_bytes=int(gib * GiB), arch="unknown",
                source="given by the user")

@@ -65,6 +65,10 @@ def parse_json(text: str | bytes, field: str, value: object) -> object:
         raise SpecError(field, value,
                         reason=f"malformed JSON at line {err.lineno} col {err.colno}: {err.msg}"
                         ) from None
+    except ValueError as err:  # an integer of more than 4300 digits: Python's int-from-text
+        # limit (sys.set_int_max_str_digits), which json.loads raises as a plain ValueError
+        raise SpecError(field, value, reason=f"malformed JSON ({str(err).splitlines()[0][:120]})"
+                        ) from None
     except RecursionError:  # nesting within MAX_DEPTH never gets here; kept as the last guard
         raise SpecError(field, value, reason="JSON nested too deeply") from None
 

@@ -44,8 +44,9 @@ def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
     return tier_estimator(method)
 
 
-# Upper end of the micro-batch search; far beyond any GPU today for the smallest presets.
-MAX_SEARCH_BATCH = 1 << 16
+# Upper end of the micro-batch search: the field's bound in the job schema (no job may ask
+# for more), so the search takes at most ~2 log2(65536) = 32 probes
+MAX_SEARCH_BATCH = TrainingSpec.__dataclass_fields__["micro_batch"].metadata["job"].maximum
 
 
 GUIDED_METHODS: frozenset[str] = frozenset({"trace"})

@@ -61,8 +61,6 @@ def test_no_file_content_gives_a_traceback(option, suffix, kind, tmp_path, capsy
 
 @pytest.mark.parametrize("kind", ["binary", "deep-array", "empty"])
 def test_lengths_file_of_any_content_is_one_line(kind, tmp_path, capsys):
-    if kind == "binary":
-        pytest.xfail("a non-UTF-8 lengths file is issue 36's (hybridmem/batches/read.py)")
     path = tmp_path / "lengths.txt"
     path.write_bytes(CONTENTS[kind])
     rc, out, err = _run(capsys, ["--model", "tiny-llama", "--lengths", str(path)])

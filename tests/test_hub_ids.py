@@ -101,16 +101,17 @@ def test_jobs_past_what_the_model_runs_answer_with_warnings_first():
 
     from hybridmem.answer import answer, resolve_job
 
-    resolved, warnings = resolve_job({"model": "llama-3.2-1b", "seq_len": 1_000_000_000})
+    # within the schema's bounds (seq_len <= 2**24), yet past the window and every GPU
+    resolved, warnings = resolve_job({"model": "llama-3.2-1b", "seq_len": 16_000_000})
     found = answer(resolved, warnings, None)
     got = found.to_dict()["job"]["warnings"]
     # llama-3.2-1b's config.json: max_position_embeddings 131072
     assert any("past llama-3.2-1b's context window (max_position_embeddings 131072)" in w
                for w in got)
     assert any("more than any GPU in the catalogue holds" in w for w in got)
-    proc = _cli("--model", "llama-3.2-1b", "--micro-batch", "1000000", "--json")
+    proc = _cli("--model", "llama-3.2-1b", "--micro-batch", "65536", "--json")
     assert proc.returncode == 0
-    assert proc.stderr.startswith("warning: micro_batch=1000000 x seq_len=2048")
+    assert proc.stderr.startswith("warning: micro_batch=65536 x seq_len=2048")
     assert json.loads(proc.stdout)["job"]["warnings"]
     ok, _ = resolve_job({"model": "llama-3.2-1b"})
     assert answer(ok, [], None).result.job["warnings"] == []

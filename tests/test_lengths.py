@@ -48,7 +48,7 @@ def test_formats(tmp_path):
 
 @pytest.mark.parametrize("name, text, words", [
     ("a.txt", "12\nx\n", "a.txt:2"),
-    ("a.txt", "0\n", "positive integer"),
+    ("a.txt", "0\n", "token count from 1"),
     ("a.txt", "\n", "no token counts"),
     ("a.csv", "tokens\n3\n", "length, num_tokens, input_ids"),
     ("a.csv", "length\n2.5\n", "not a whole number"),

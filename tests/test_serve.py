@@ -9,7 +9,6 @@ import shutil
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,7 +19,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from hybridmem.cli import main  # noqa: E402
 from hybridmem.serve.app import Settings, create_app  # noqa: E402
-from hybridmem.serve.pool import TracePool  # noqa: E402
+from hybridmem.serve.pool import AnswerPool  # noqa: E402
 
 README_JOB = {"model": "llava-1.5-7b", "micro_batch": 8, "seq_len": 2048,
               "train": "llm+projector", "grad_ckpt": True, "precision": "bf16-master",
@@ -29,7 +28,7 @@ README_JOB = {"model": "llava-1.5-7b", "micro_batch": 8, "seq_len": 2048,
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    app = create_app(Settings(trace_workers=0, workdir=tmp_path_factory.mktemp("serve")))
+    app = create_app(Settings(workers=0, trace_workers=0, workdir=tmp_path_factory.mktemp("serve")))
     with TestClient(app) as c:
         yield c
 
@@ -182,7 +181,7 @@ def test_inline_config_json_is_priced_as_its_preset(client):
 
 
 def test_body_size_limit(tmp_path):
-    app = create_app(Settings(trace_workers=0, max_body_bytes=1000, workdir=tmp_path))
+    app = create_app(Settings(workers=0, trace_workers=0, max_body_bytes=1000, workdir=tmp_path))
     with TestClient(app) as c:
         r = c.post("/v1/predict", json={"model": "tiny-llava", "config": "#" * 2000})
         assert r.status_code == 413
@@ -199,13 +198,13 @@ class Gate:
         self.release.wait(30)
         from hybridmem.answer import answer
 
-        return "ok", answer(resolved, warnings, gpu, method="analytic").to_dict()
+        return answer(resolved, warnings, gpu, method="analytic").to_dict()
 
 
 def test_trace_pool_full_is_429_and_health_stays_up(tmp_path):
     gate = Gate()
-    pool = TracePool(workers=1, queue=0, executor=ThreadPoolExecutor(1), job=gate)
-    app = create_app(Settings(pool=pool, workdir=tmp_path))
+    pool = AnswerPool(1, 0, in_thread=True, job=gate)
+    app = create_app(Settings(workers=0, pool=pool, workdir=tmp_path))
     trace = {"model": "tiny-llava", "seq_len": 64, "method": "trace"}
     with TestClient(app) as c:
         first: dict = {}
@@ -227,9 +226,9 @@ def test_trace_pool_full_is_429_and_health_stays_up(tmp_path):
 @pytest.fixture(scope="module")
 def trace_client(tmp_path_factory):
     """A server whose trace worker is a thread of its own (a spawned process would import
-    torch again: seconds of CPU for nothing the test checks)."""
-    pool = TracePool(workers=1, queue=2, executor=ThreadPoolExecutor(1))
-    app = create_app(Settings(pool=pool, workdir=tmp_path_factory.mktemp("serve-trace")))
+    torch again: seconds of CPU for nothing the test checks); analytic jobs in its threads."""
+    pool = AnswerPool(1, 2, in_thread=True)
+    app = create_app(Settings(workers=0, pool=pool, workdir=tmp_path_factory.mktemp("serve-trace")))
     with TestClient(app) as c:
         yield c
 
@@ -317,8 +316,8 @@ def test_trace_off_is_503(client):
 
 def test_time_limit_is_504(tmp_path):
     gate = Gate()
-    pool = TracePool(workers=1, queue=1, executor=ThreadPoolExecutor(1), job=gate)
-    app = create_app(Settings(pool=pool, timeout_s=0.5, workdir=tmp_path))
+    pool = AnswerPool(1, 1, in_thread=True, job=gate)
+    app = create_app(Settings(workers=0, pool=pool, timeout_s=0.5, workdir=tmp_path))
     with TestClient(app) as c:
         r = c.post("/v1/predict", json={"model": "tiny-llava", "seq_len": 64, "method": "trace"})
         gate.release.set()
@@ -399,8 +398,8 @@ def live_server(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    pool = TracePool(workers=1, queue=1, executor=ThreadPoolExecutor(1))  # as trace_client
-    server = uvicorn.Server(uvicorn.Config(create_app(Settings(pool=pool, workdir=tmp_path)),
+    pool = AnswerPool(1, 1, in_thread=True)  # as trace_client
+    server = uvicorn.Server(uvicorn.Config(create_app(Settings(workers=0, pool=pool, workdir=tmp_path)),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hybridmem.errors import SpecError
-from hybridmem.job.field import job_field
+from hybridmem.job.field import check_bounds, job_field
 
 STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 PP_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
@@ -106,6 +106,7 @@ class ParallelSpec:
     pp_virtual_stages: int = job_field(
         1, help="Pipeline stages per rank (interleaved schedules).", group="parallel",
         recorded="int64", added=ADDED + 5,
+        maximum=1 << 10,  # stages per rank: more than any model has layers (405B: 126)
         keys={"megatron": ("virtual_pipeline_model_parallel_size",)},
         doc="stages (model chunks) per pipeline rank: >= 2 for `interleaved-1f1b` and "
         "`zero-bubble` (Megatron `--virtual-pipeline-model-parallel-size`; torchtitan "
@@ -234,6 +235,7 @@ class ParallelSpec:
     """FSDP2 MixedPrecisionPolicy.reduce_dtype; auto = param_dtype (FSDP2's None)."""
 
     def __post_init__(self) -> None:
+        check_bounds(self, "parallel.")  # first: the bounds of the job schema's declarations
         _check_count("parallel.world_size", self.world_size)
         for name in ("tp", "cp", "pp", "ep", "dp_replicate", "pp_virtual_stages"):
             _check_count(f"parallel.{name}", getattr(self, name))

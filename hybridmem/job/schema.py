@@ -140,13 +140,15 @@ def default_text(meta: JobField) -> str:
 
 
 def option_help(meta: JobField) -> str:
-    """`--help` text: the one line, the choices and the default."""
+    """`--help` text: the one line, the choices, the default and the bound."""
     parts = [meta.help]
     if meta.choices:
         parts.append("One of: " + ", ".join(map(str, meta.choices)) + ".")
     default = default_text(meta)
     if default:
         parts.append(f"Default: {default}.")
+    if meta.maximum is not None:  # the schema's bound (docs/serve.md), refused above
+        parts.append(f"At most {meta.maximum}.")
     return " ".join(parts)
 
 

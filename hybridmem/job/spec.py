@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal, get_args
 
 from hybridmem.errors import SpecError
-from hybridmem.job.field import added_defaults, job_field
+from hybridmem.job.field import added_defaults, check_bounds, check_value, job_field
 from hybridmem import techniques
 from hybridmem.job.objective import OBJECTIVES, REF_MODELS
 from hybridmem.job.images import normalize_image_size
@@ -110,7 +110,8 @@ class LoraSpec:
     """LoRA adapters as PEFT builds them (adapter weights in fp32 by default)."""
 
     r: int = job_field(
-        8, help="LoRA rank.", group="adapters", cli="--lora-r", keys={
+        # the rank is at most a layer's in/out features: the widest models are ~2**15 wide
+        8, help="LoRA rank.", group="adapters", cli="--lora-r", maximum=1 << 16, keys={
             "peft": ("r",), "training_args": ("lora_r",)})
     """Adapter rank."""
     alpha: float = job_field(
@@ -155,6 +156,7 @@ class LoraSpec:
     (peft/utils/other.py `match_target_against_key`); replaces `targets` when set."""
 
     def __post_init__(self) -> None:
+        check_bounds(self, "lora.")
         _check_positive("lora.r", self.r)
         if not self.alpha > 0:
             raise SpecError("lora.alpha", self.alpha, reason="must be > 0")
@@ -544,7 +546,8 @@ class TrainingSpec:
     """Sample order (`hybridmem.job.batching.SAMPLERS`)."""
     seed: int = job_field(
         42, help="With --lengths: the sampler's seed (TrainingArguments data_seed or seed).",
-        group="batch", added=30, cli=False, keys={"training_args": ("seed", "data_seed")})
+        group="batch", added=30, cli=False, keys={"training_args": ("seed", "data_seed")},
+        maximum=(1 << 64) - 1)  # torch.Generator.manual_seed takes a 64-bit seed
     """Seed of the sampler's generator (`data_seed` when given, else `seed`)."""
     max_steps: int = job_field(
         0, help="Steps priced with --lengths (0: one epoch).", group="batch", cli=False,
@@ -619,6 +622,7 @@ class TrainingSpec:
     """vLLM colocated: fraction of GPU memory it reserves (0 = no vLLM on this GPU)."""
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # first: no check below may loop or allocate on 10**20
         if not isinstance(self.model, str) or not self.model.strip():
             raise SpecError("model", self.model, reason="give a preset name or a config path")
         _check_positive("micro_batch", self.micro_batch)
@@ -631,6 +635,10 @@ class TrainingSpec:
                             reason="must be a non-negative integer")
         if self.image_size is not None:  # "HxW" / int, stored as an int for a square
             object.__setattr__(self, "image_size", normalize_image_size(self.image_size))
+            if isinstance(self.image_size, str):  # each side within the field's bound
+                meta = self.__dataclass_fields__["image_size"].metadata["job"]
+                for side in self.image_size.split("x"):
+                    check_value(meta, int(side), "image_size")
         if self.precision is not None:  # None: resolved per model (families.defaults)
             _check_choice("precision", self.precision, PRECISIONS)
         # the axes given one by one name a shorthand (job.precision.fold); stored as it

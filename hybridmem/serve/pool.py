@@ -1,78 +1,80 @@
-"""The trace tier's bounded pool: a few worker processes and a short queue.
+"""The server's two bounded pools of answer workers: analytic (and hybrid) jobs, trace jobs.
 
-Why: a trace builds the model on fake tensors and can take minutes (a 70B model); run in the
-server's own threads it would hold the threads that answer analytic jobs and health checks.
-Here at most `workers` traces run at once and `queue` more wait; one more is refused at once
-(429, the client retries later) rather than queued without bound.
+Why processes for both: a job past the time limit must stop, not just lose its client (a
+micro-batch of 10**20 used to keep a core busy for minutes after its 504), and only a process
+can be stopped from outside; `hybridmem.workers.Workers` kills the job's worker at the
+deadline. Why two pools: a trace builds the model on fake tensors and takes seconds to
+minutes (its worker imports torch and transformers, ~400 MB), an analytic answer takes
+milliseconds to seconds; apart, a queue of traces never holds up an analytic answer or a
+health check. Each pool runs at most `workers` jobs and queues `queue` more; one more is
+refused at once (429) rather than queued without bound.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from multiprocessing import get_context
+
+from hybridmem import workers as pools
+
+Busy, Unavailable = pools.Busy, pools.Unavailable
 
 
-class Busy(Exception):
-    """Every worker is busy and the queue is full (HTTP 429)."""
+class Failed(Exception):
+    """The answer raised something other than a SpecError (a bug): its one line (HTTP 500,
+    without the traceback the worker kept)."""
 
 
-class Unavailable(Exception):
-    """The pool takes no work: no workers configured, or it broke or shut down (HTTP 503)."""
-
-
-def _answer(*args) -> tuple[str, object]:
-    """A worker's job: ("ok", the answer's dict: `respond(*args)`) or ("error", a SpecError's
-    arguments): a SpecError does not survive pickling with its fields, so they come back to
-    rebuild it."""
-    from hybridmem.errors import SpecError
+def answer_job(*args) -> dict:
+    """A worker's job: the answer's dict (`respond(*args)`)."""
     from hybridmem.serve.respond import respond
 
-    try:
-        return "ok", respond(*args)
-    except SpecError as err:
-        value = err.value if isinstance(err.value, (str, int, float, bool, type(None))) \
-            else repr(err.value)
-        return "error", (err.field, value, err.choices, err.reason)
+    return respond(*args)
 
 
-class TracePool:
-    """`submit` runs `job` (the answer, by default) in the pool, or raises Busy / Unavailable
-    at once; `executor` replaces the worker processes (tests)."""
+def warm_analytic() -> None:
+    """What a new analytic worker imports before its first job (seconds otherwise spent in it)."""
+    import hybridmem.analytic.estimate  # noqa: F401
+    import hybridmem.serve.respond  # noqa: F401
 
-    def __init__(self, workers: int, queue: int, executor: Executor | None = None,
-                 job: Callable = _answer):
-        self.workers = workers
-        self.job = job
-        self.capacity = workers + queue
-        self._slots = threading.BoundedSemaphore(max(self.capacity, 1))
-        self._executor = executor
-        self._lock = threading.Lock()
 
-    def _pool(self) -> Executor:
-        with self._lock:
-            if self._executor is None:
-                # spawn, not fork: the server has threads, and a forked copy of them can hang
-                self._executor = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"))
-            return self._executor
+class AnswerPool:
+    """`run(args, deadline)` answers `job(*args)` in a worker of this pool, or raises Busy /
+    Unavailable / TimeoutError / the job's SpecError. `kind` names the pool in its errors
+    ("trace": `--trace-workers`, "analytic": `--workers`); `in_thread` runs jobs in threads
+    (tests); `job` replaces the answer (tests)."""
 
-    def submit(self, *args) -> Future:
-        if self.workers <= 0:
-            raise Unavailable("the trace tier is off on this server (--trace-workers 0)")
-        if not self._slots.acquire(blocking=False):
-            raise Busy(f"{self.capacity} trace jobs running or queued; retry later")
+    def __init__(self, workers: int, queue: int, kind: str = "trace", *,
+                 in_thread: bool = False, job: Callable = answer_job,
+                 warm: Callable | None = None):
+        self.kind, self.job = kind, job
+        self.workers = pools.Workers(workers, queue, in_thread=in_thread, warm=warm)
+        self.option = "--trace-workers" if kind == "trace" else "--workers"
+
+    @property
+    def capacity(self) -> int:
+        return self.workers.capacity
+
+    def run(self, args: tuple, deadline: float, wait: bool = False) -> dict:
         try:
-            future = self._pool().submit(self.job, *args)
-        except (BrokenProcessPool, RuntimeError) as err:
-            self._slots.release()
-            raise Unavailable(f"the trace pool is down ({err})") from None
-        future.add_done_callback(lambda _: self._slots.release())
-        return future
+            return self.workers.run(self.job, *args, deadline=deadline, wait=wait)
+        except pools.Busy:
+            raise Busy(f"{self.capacity} {self.kind} jobs running or queued; retry later") \
+                from None
+        except pools.Unavailable:
+            if self.workers.size <= 0:
+                raise Unavailable(f"the {self.kind} tier is off on this server "
+                                  f"({self.option} 0)") from None
+            raise Unavailable(f"the {self.kind} pool is shut down") from None
+        except pools.WorkerDied:  # out of memory, killed: the next job gets a fresh worker
+            raise Unavailable(f"{self.kind}: a worker died; retry (a fresh one starts)") from None
+        except pools.JobFailed as err:
+            raise Failed(f"the {self.kind} answer failed: {err}") from None
+
+    def start(self) -> None:
+        self.workers.start()
 
     def shutdown(self) -> None:
-        with self._lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = None
+        self.workers.shutdown()
+
+    def pids(self) -> list[int]:
+        return self.workers.pids()

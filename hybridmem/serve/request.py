@@ -7,10 +7,14 @@ The body is the job with the schema's names (the `job` object of `--json`: `lora
 and config files given inline, never by path: `config` (a LLaMA-Factory / axolotl / torchtune
 YAML, a TrainingArguments or DeepSpeed JSON, as text), `deepspeed`, `training_args`,
 `peft_config` and `quantization_config` (objects). The model is a preset, a preset's hub id or
-a `config.json` object (written to the server's own folder, the one path the loaders read).
+a `config.json` object, and `lengths` the per-sample token counts themselves (a list, the text
+of a lengths file, or an object length -> samples); both are written to the server's own
+folder, the one place the readers open.
 
 Why no path: the service may be reachable by others, and a path would let a request make the
-server read any file it can (`/etc/passwd` parsed as a config.json).
+server read any file it can (`/etc/passwd` parsed as a lengths file, its first line quoted back
+in the error). Every body key and every config key a reader follows to a file is in
+docs/serve.md's audit; `FILE_KEYS` are refused at any depth of a pasted config.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 from hybridmem.intake.dialects import DIALECTS
 from hybridmem.job import options, schema
+from hybridmem.job.field import check_value
 from hybridmem.jsonfile import parse_json
 
 REQUEST_FIELDS: dict[str, str] = options.API_FIELDS
@@ -38,8 +43,15 @@ CONFIG_NAMES: dict[str, str] = {"training_args": "training_args.json",
 # DeepSpeed's own top-level keys (deepspeed/runtime/constants.py) that tell a pasted DeepSpeed
 # JSON from a TrainingArguments one
 DEEPSPEED_MARKERS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size")
-FILE_KEYS = ("deepspeed", "fsdp_config")
-"""Keys of a launcher YAML or TrainingArguments whose string value is a file the reader opens."""
+FILE_KEYS = ("deepspeed", "fsdp_config", "deepspeed_config_file")
+"""Keys of a launcher YAML or TrainingArguments whose string value is a file a reader opens
+(TrainingArguments / LLaMA-Factory / axolotl `deepspeed`, TrainingArguments `fsdp_config`,
+accelerate's `deepspeed_config.deepspeed_config_file`), refused at any depth."""
+INLINE_SAMPLES = 1 << 20
+"""Most samples a `lengths` histogram may expand to (a list or a text is held to the body cap;
+a histogram's counts are not): a million samples price a dataset's distribution."""
+LENGTHS_HELP = ("a list of token counts, the text of a lengths file (one count per line, or "
+                "separated by commas or spaces), or an object {tokens: samples}")
 MODEL_KEYS = ("model_name_or_path", "base_model")
 """Launcher keys that name the model (LLaMA-Factory's, axolotl's)."""
 KINDS: dict[type, str] = {bool: "true or false", int: "an integer", float: "a number",
@@ -111,6 +123,7 @@ def _typed(meta, value: object) -> object:
                                          and not isinstance(value, bool))
     if not ok:
         raise SpecError(meta.key, value, meta.choices, reason=f"must be {KINDS[plain]}")
+    check_value(meta, value, meta.key)  # the schema's bound, before the model is looked at
     return value
 
 
@@ -122,21 +135,84 @@ def _object(value: object, key: str) -> dict:
 
 
 def _no_file_paths(cfg: dict, where: str, deepspeed: dict | None = None) -> dict:
-    """`cfg` with a DeepSpeed path replaced by the request's `deepspeed` object; any other
-    file path (a DeepSpeed or FSDP config, a model) is refused."""
+    """`cfg` with a top-level DeepSpeed path replaced by the request's `deepspeed` object; any
+    other file path (a `FILE_KEYS` value at any depth, a model) is refused."""
     cfg = dict(cfg)
-    for key in FILE_KEYS:
-        value = cfg.get(key)
-        if isinstance(value, str) and value:
-            if key == "deepspeed" and deepspeed is not None:
-                cfg[key] = deepspeed
-                continue
-            raise SpecError(f"{where}: {key}", value, reason="the server reads no path a config "
-                            "names: put the JSON object under this key (or send `deepspeed`)")
+    if isinstance(cfg.get("deepspeed"), str) and cfg["deepspeed"] and deepspeed is not None:
+        cfg["deepspeed"] = deepspeed
+    _refuse_paths(cfg, where)
     for key in MODEL_KEYS:
         if key in cfg:
             preset_model(cfg[key], f"{where}: {key}")
     return cfg
+
+
+def _refuse_paths(value: object, where: str) -> None:
+    """A SpecError for the first `FILE_KEYS` key holding a string, anywhere in `value` (walked
+    without recursion: a pasted config may nest deeply)."""
+    todo = [(value, where)]
+    while todo:
+        node, at = todo.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) \
+            if isinstance(node, list) else ()
+        for key, child in items:
+            name = f"{at}: {key}" if at == where else f"{at}.{key}"
+            if key in FILE_KEYS and isinstance(child, str) and child:
+                raise SpecError(name, child[:80], reason="the server reads no path a config "
+                                "names: put the JSON object under this key (or send "
+                                "`deepspeed`)")
+            if isinstance(child, (dict, list)):
+                todo.append((child, name))
+
+
+def inline_lengths(value: object, folder: Path) -> str:
+    """The request's `lengths` (`LENGTHS_HELP`) written as a lengths file to
+    `folder/<its hash>.txt`; that path. A string that is not counts is refused as a path
+    would be, with nothing opened."""
+    from hybridmem.batches.read import MAX_TOKENS, token_counts
+
+    if isinstance(value, str):
+        words = value.replace(",", " ").split()  # a file's lines, or "512, 1024" from a form
+        if not words or any(not (w.isascii() and w.isdigit()) for w in words):
+            raise SpecError("lengths", value[:80], reason="the server reads no path; send "
+                            f"the counts inline: {LENGTHS_HELP}")
+        counts = token_counts("\n".join(words), "lengths").tolist()
+    elif isinstance(value, list):
+        if not value or any(isinstance(v, bool) or not isinstance(v, int)
+                            or not 1 <= v <= MAX_TOKENS for v in value):
+            raise SpecError("lengths", "[...]", reason=f"a list of token counts from 1 to "
+                            f"{MAX_TOKENS}")
+        counts = value
+    elif isinstance(value, dict):
+        counts = _histogram(value, MAX_TOKENS)
+    else:
+        raise SpecError("lengths", type(value).__name__, reason=f"must be {LENGTHS_HELP}")
+    text = "".join(f"{n}\n" for n in counts)
+    path = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.txt"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return str(path)
+
+
+def _histogram(value: dict, most_tokens: int) -> list[int]:
+    """{tokens: samples} (keys as JSON gives them, text) -> the counts, shortest first."""
+    pairs, total = [], 0
+    for key, samples in value.items():
+        tokens = key.strip() if isinstance(key, str) else ""
+        if not (tokens.isascii() and tokens.isdigit()) or not 1 <= int(tokens[:14]) <= most_tokens \
+                or isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise SpecError("lengths", str(key)[:40], reason="a histogram maps a token count "
+                            f"(1 to {most_tokens}) to a number of samples (0 or more)")
+        total += samples
+        if total > INLINE_SAMPLES:
+            raise SpecError("lengths", "{...}", reason=f"more than {INLINE_SAMPLES} samples")
+        pairs.append((int(tokens), samples))
+    if total == 0:
+        raise SpecError("lengths", "{...}", reason="the histogram has no samples")
+    return [tokens for tokens, samples in sorted(pairs) for _ in range(samples)]
 
 
 def _config(text: object, config_format: object, deepspeed: dict | None,
@@ -192,10 +268,12 @@ def parse_body(body: object, folder: Path) -> Job:
                                                      if m.owner == "lora"), reason="unknown field")
             values[f"lora_{name}"] = value
     for key, value in body.items():
-        if key in schema.BY_KEY and key not in ("peft_config", "model"):
+        if key in schema.BY_KEY and key not in ("peft_config", "model", "lengths"):
             values[key] = value
     for key, value in list(values.items()):
         values[key] = _typed(schema.BY_KEY[key], value)
+    if body.get("lengths") is not None:
+        values["lengths"] = inline_lengths(body["lengths"], folder / "lengths")
     if isinstance(body.get("model"), dict):
         values["model"] = inline_model(body["model"], folder / "models")
     elif body.get("model") is not None:

@@ -66,6 +66,11 @@ def request_schema() -> dict:
     props["model"] = {"description": schema.BY_KEY["model"].help + " A preset, a preset's hub "
                       "id, or the config.json as an object (no path).",
                       "anyOf": [{"type": "string"}, {"type": "object"}]}
+    props["lengths"] = {"description": "Per-sample token counts, inline (the server reads no "
+                        "path): a list of integers, the text of a lengths file (one count per "
+                        "line), or an object {tokens: samples}.",
+                        "anyOf": [{"type": "array", "items": {"type": "integer"}},
+                                  {"type": "string"}, {"type": "object"}]}
     props["lora"] = {"type": "object", "description": "LoRA settings (or lora_<name> keys)",
                      "properties": {m.name: _property(m) for m in schema.FIELDS
                                     if m.owner == "lora"}}
