@@ -44,7 +44,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/serve.png")
     parser.add_argument("--query", default=README_QUERY)
-    parser.add_argument("--size", default="1200,1650", help="window width,height in pixels")
+    parser.add_argument("--size", default="1400,900", help="window width,height in pixels "
+                        "(1400,900: the verdict must show without scrolling)")
     args = parser.parse_args()
 
     from selenium import webdriver
@@ -60,10 +61,19 @@ def main() -> None:
         options.add_argument(arg)
     browser = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
     try:
+        # --window-size is the window's; the page gets what the window's frame leaves, so grow
+        # the window until the page itself is `--size`
+        width, height = map(int, args.size.split(","))
+        inner = browser.execute_script("return [window.innerWidth, window.innerHeight]")
+        browser.set_window_size(2 * width - inner[0], 2 * height - inner[1])
         browser.get(f"{url}/?{args.query}")
         WebDriverWait(browser, 600).until(lambda b: b.find_elements(By.ID, "verdict"))
         browser.save_screenshot(args.out)
-        print(f"{args.out}: {browser.find_element(By.ID, 'verdict').text}")
+        verdict = browser.find_element(By.ID, "verdict")
+        inner = browser.execute_script("return [window.innerWidth, window.innerHeight]")
+        shown = verdict.rect["y"] + verdict.rect["height"] <= inner[1]
+        print(f"{args.out} ({inner[0]}x{inner[1]} page; the verdict "
+              f"{'shows without scrolling' if shown else 'is below the fold'}): {verdict.text}")
     finally:
         browser.quit()
         server.should_exit = True

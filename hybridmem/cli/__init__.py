@@ -14,7 +14,8 @@ import typer
 
 from hybridmem.console import run_app
 
-SUBCOMMANDS: tuple[str, ...] = ("predict", "models", "gpus", "collect", "train", "evaluate", "importer",
+SUBCOMMANDS: tuple[str, ...] = ("predict", "plan", "models", "gpus", "collect", "train", "evaluate",
+                               "importer",
                                "serve", "doctor")
 
 def build_app(names: tuple[str, ...] = SUBCOMMANDS) -> typer.Typer:

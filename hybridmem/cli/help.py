@@ -25,14 +25,15 @@ ALL_CHOICES = frozenset({"precision"})
 OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep", "sequence_parallel", "cp", "pp",
                         "pp_schedule", "pp_virtual_stages", "pp_microbatches", "ep",
                         "dp_replicate", "dp_shard", "offload_param", "mp_reduce_dtype",
-                        "timeline", "cut_cross_entropy"})
+                        "timeline", "cut_cross_entropy", "jobs", "workers"})
 """Options the one-screen help leaves to the README: an alias (`--zero-stage N` =
 `--strategy zeroN`, `--cut-cross-entropy` = `--loss cce`), GRPO's / DPO's `--beta` (what it
 changes, the reference model, is `--ref-model`), `--no-kbit-prep` (peft's k-bit preparation is
 what almost every QLoRA job runs), the model-parallel layout beyond `--tp` (`--pp`,
 `--sequence-parallel`, `--cp`, `--ep`, the pipeline schedule and the data-parallel split:
 docs/parallel.md), ZeRO-Infinity's `--offload-param`, FSDP2's `--mp-reduce-dtype` (with
-`--mp-param-dtype`) and the trace tier's `--timeline`."""
+`--mp-param-dtype`), the trace tier's `--timeline` and the many-jobs mode (`--jobs FILE.jsonl
+--workers N`: the examples' line points at it)."""
 LONG_DEFAULT = 24
 """A default longer than this (the LoRA target list) is left to the README."""
 
@@ -99,7 +100,7 @@ def _field_text(meta, width: int) -> tuple[str | None, str]:
 
 
 METAVARS: dict[str, str] = {"gpu": "NAME", "gpu_mem": "GIB", "method": "TIER", "recipe": "NAME",
-                            "zero_stage": "N", "model": "MODEL", "lora_targets": "NAMES",
+                            "zero_stage": "N", "workers": "N", "model": "MODEL", "lora_targets": "NAMES",
                             "image_size": "PIXELS", "lengths": "FILE",
                             "config_format": "NAME"}
 """Value placeholders by parameter name; any other option that is not a job field takes a

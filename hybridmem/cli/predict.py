@@ -15,6 +15,7 @@ from typing import Optional
 import typer
 
 from hybridmem.answer import resolve_gpu  # noqa: F401  (the CLI's GPU options, shared)
+from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.job.field import GROUPS
 from hybridmem.job.options import CLI_OPTIONS, Option
@@ -26,6 +27,7 @@ EXAMPLES = """Examples:
   hybridmem predict --model llava-1.5-7b --train lora --grad-ckpt --gpu rtx-4090
   hybridmem predict --model path/to/config.json --gpu-mem 24 --find-max-batch
   hybridmem predict --model llama-3.2-3b --deepspeed ds.json --gpu h200 --json
+Many jobs from a JSONL: README "Options"; the cheapest fits: hybridmem plan.
 The GPUs: hybridmem gpus. Every choice and config key: README "Options"."""
 """The help's epilog (`cli.help.CompactHelp` prints it as written)."""
 
@@ -75,7 +77,16 @@ def predict_command(**values) -> None:
     find_max_batch, as_json = values.pop("find_max_batch"), values.pop("as_json")
     plot, timeline = values.pop("plot"), values.pop("timeline")
     verbose = values.pop("verbose")
-    if values.pop("layouts"):
+    jobs, workers, layouts = values.pop("jobs"), values.pop("workers"), values.pop("layouts")
+    if jobs is not None and layouts:
+        raise SpecError("layouts", True, reason="advises one job: not with --jobs")
+    if jobs is not None:
+        return _jobs_command(jobs, workers, values, as_json, plot or timeline,
+                             {"gpu": gpu, "gpu_mem": gpu_mem, "method": method,
+                              "find_max_batch": find_max_batch})
+    if workers is not None:
+        raise SpecError("workers", workers, reason="needs --jobs FILE.jsonl")
+    if layouts:
         return _layouts(values, resolve_gpu(gpu, gpu_mem), as_json)
     # recipe < --training-args < --deepspeed < explicit flags (None = flag not given); the rest
     # of `values` are the job fields by schema key, --peft-config, --quantization-config and
@@ -108,6 +119,18 @@ def predict_command(**values) -> None:
         typer.echo(f"wrote {line}", err=as_json)
 
 
+def _jobs_command(path: str, workers: int | None, values: dict, as_json: bool,
+                  output: str | None, how: dict) -> None:
+    """`predict --jobs`: a row per line (`hybridmem.cli.jobs`), JSON lines under --json."""
+    from hybridmem.cli.jobs import row_text, run_jobs
+
+    if output is not None:
+        raise SpecError("jobs", path, reason="--plot and --timeline draw one job: not with --jobs")
+    rows = run_jobs(path, values, how, workers)
+    for row in rows:
+        typer.echo(json.dumps(row) if as_json else row_text(row))
+    failed = sum("error" in row for row in rows)
+    typer.echo(f"{len(rows)} jobs, {len(rows) - failed} priced, {failed} errors", err=True)
 def _layouts(values: dict, gpu, as_json: bool) -> None:
     """`--layouts`: the advice over layouts (`hybridmem.parallel.layouts.advise`)."""
     from hybridmem.answer import resolve_job

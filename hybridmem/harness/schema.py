@@ -20,10 +20,12 @@ SCHEMA_VERSION = 1
 HARNESS_VERSION = "0.1.0"
 """Bump when the measurement protocol changes (what is run, how peaks are read)."""
 
-SOURCES: tuple[str, ...] = ("cuda", "published", "trace", "analytic")
+SOURCES: tuple[str, ...] = ("cuda", "published", "user", "trace", "analytic")
 """`cuda`: measured by `hybridmem collect`; `published`: measured on a real GPU by someone else
-and imported (`hybridmem import`, hybridmem/published/); `trace`, `analytic`: tier predictions."""
-REAL_SOURCES: tuple[str, ...] = ("cuda", "published")
+and imported (`hybridmem import`, hybridmem/published/); `user`: a user's own training run,
+measured by an integration's callback (`hybridmem.harness.user_run`, merged by `hybridmem
+import --from user`); `trace`, `analytic`: tier predictions."""
+REAL_SOURCES: tuple[str, ...] = ("cuda", "published", "user")
 """Sources whose peaks were measured on a real GPU (ground truth); the others are predictions."""
 OUTCOMES: tuple[str, ...] = ("ok", "oom", "error", "excluded")
 """`excluded`: an imported measurement whose job a `TrainingSpec` cannot represent yet

@@ -111,7 +111,7 @@ def _newest(df: pd.DataFrame) -> pd.DataFrame:
 def load_dataset(path: str | Path) -> pd.DataFrame:
     """All rows of a dataset (folder of parts or one parquet file), newest per key, in order.
 
-    Only `source` in `REAL_SOURCES` ("cuda", "published") rows are measurements; the others
+    Only `source` in `REAL_SOURCES` ("cuda", "published", "user") rows are measurements; the others
     are tier predictions.
     """
     p = Path(path)

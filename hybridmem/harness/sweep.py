@@ -192,7 +192,7 @@ def _tower_side(image_size: int | str) -> int:
     return height
 
 
-def _image_tokens(spec: TrainingSpec) -> int:
+def image_tokens_of(spec: TrainingSpec) -> int:
     """Image tokens per sample, as the model graph counts them (0 for a decoder)."""
     if not spec.images_per_sample:
         return 0
@@ -240,7 +240,7 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         raise SpecError("parallel", "tp/cp/pp/ep", reason="hybridmem collect runs "
                         "data-parallel layouts only")
     runnable = spec.with_(model=_materialize(cfg))
-    tokens = _image_tokens(runnable)  # SpecError unless a text token fits beside them
+    tokens = image_tokens_of(runnable)  # SpecError unless a text token fits beside them
     build_graph(runnable)  # SpecError for what the model graph refuses (dropped as impossible)
     axes = tuple(combo[a] for a in AXES)
     if train != "lora":  # the rank means nothing then: do not let it count as a new axis value

@@ -87,6 +87,17 @@ OPTIONS: tuple[Option, ...] = (
            f"{_CONFIG_FORMATS} (default: by keys).", FILES_PANEL,
            api="llamafactory, axolotl, torchtune, accelerate, training_args or deepspeed "
            "(default: from its keys)"),
+    Option("jobs", ("--jobs",), Optional[str],
+           "Many jobs: a JSONL file, one job per line (the `job` names); answers in order.",
+           FILES_PANEL,
+           doc="a JSONL file, one job per line with the `job` object's names (an answer's "
+           "`job` is a valid line; `gpu`, `gpu_mem`, `method`, `find_max_batch` and the "
+           "config files may be set per line; the other options are every line's "
+           "defaults): answered in order, priced in `--workers` processes, each job's "
+           "error in its own row; `--json` prints one JSON object per line "
+           "([docs/many-jobs.md](docs/many-jobs.md))"),
+    Option("workers", ("--workers",), Optional[int],
+           "With --jobs: worker processes (default: the CPUs available).", FILES_PANEL),
     Option("gpu", ("--gpu",), Optional[str],
            "GPU from the catalogue, e.g. h100-80gb, a100-40gb, h200.", OUTPUT_PANEL,
            doc="catalogue in `hybridmem/gpus.py` (A100 40/80 GB, H100, H200, L40S, RTX "

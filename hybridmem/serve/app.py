@@ -33,6 +33,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from hybridmem.errors import SpecError
 from hybridmem.jsonfile import parse_json
+from hybridmem.serve.page import mount as mount_page
 from hybridmem.serve.pool import AnswerPool, Busy, Failed, Unavailable, warm_analytic
 from hybridmem.serve.request import REQUEST_FIELDS, Job, parse_body
 from hybridmem.serve.schema import request_schema, schema_view
@@ -356,6 +357,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except SpecError as err:
             return _error(422, f"body: {err.reason}")
 
+    mount_page(app)  # POST /v1/config (the page's "fill the form") and /docs offline
     return app
 
 
