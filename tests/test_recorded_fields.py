@@ -7,8 +7,9 @@ from dataclasses import fields
 from pathlib import Path
 
 from hybridmem.harness.schema import ADDED_COLUMNS, COLUMNS
-from hybridmem.harness.sweep import AXES, SPEC_AXES
-from hybridmem.job.recorded import RECORDED, recorded_fields, recorded_values
+from hybridmem.harness.sweep import AXES, PARALLEL_AXES, SPEC_AXES
+from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.recorded import PARALLEL_RECORDED, RECORDED, recorded_fields, recorded_values
 from hybridmem.job.spec import TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,10 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_each_recorded_field_is_a_column_an_axis_and_documented():
     doc = (ROOT / "datasets" / "README.md").read_text()
     defaults = {f.name: f.default for f in fields(TrainingSpec)}
+    # the model-parallel layout's recorded fields live on the spec's ParallelSpec
+    defaults |= {f.name: f.default for f in fields(ParallelSpec) if f.name in PARALLEL_RECORDED}
     for name, (dtype, default) in RECORDED.items():
         assert COLUMNS[name] == dtype and ADDED_COLUMNS[name] == default
         assert defaults[name] == default  # older parts read back as the spec's own default
-        assert AXES[name] == [default] and name in SPEC_AXES
+        assert AXES[name] == [default]
+        assert name in (PARALLEL_AXES if name in PARALLEL_RECORDED else SPEC_AXES)
         assert f"| `{name}` | {dtype} |" in doc
 
 
