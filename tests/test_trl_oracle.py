@@ -240,6 +240,10 @@ def _tensor_peak(p) -> int:
     dict(objective="dpo", precision="fp32", train="lora", grad_ckpt=True),
     dict(objective="kto", precision="fp32", ref_model="separate", grad_ckpt=True),
     dict(objective="kto", precision="bf16", ref_model="separate"),
+    dict(objective="grpo", precision="fp32", seq_len=32, num_generations=2,
+         max_completion_length=8, grad_ckpt=True),
+    dict(objective="grpo", precision="bf16", seq_len=32, num_generations=2,
+         max_completion_length=8, num_iterations=2, grad_ckpt=True),
 ], ids=lambda kw: "-".join(map(str, kw.values())))
 def test_analytic_within_3pct_of_the_trace_tiers_gpu_path(tmp_path, kw):
     # the GPU (Triton) path both tiers price by default; the trace tier runs TRL's own code
@@ -353,3 +357,46 @@ def test_kto_trainer_step_equals_the_trace_tier(tmp_path):
                         optimizer="sgd", attn="sdpa", objective="kto", ref_model="separate",
                         grad_ckpt=True)
     assert trace_peak(spec) == real
+
+
+# ---------------------------------------------------------------- GRPO
+
+def grpo_trainer(config: str, num_iterations: int, dtype=torch.float32):
+    """GRPOTrainer without vLLM (its own `generate()`), beta 0 (no reference, TRL's default):
+    two prompts of 24 tokens, groups of 2, 8 completion tokens."""
+    from datasets import Dataset
+    from tokenizers import pre_tokenizers
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = tokenizer(DPO_VOCAB)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GRPOTrainer(
+            model=model_from(config, dtype),
+            reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+            args=GRPOConfig(**TRAINER_ARGS, num_generations=2, max_completion_length=8,
+                            use_vllm=False, beta=0.0, num_iterations=num_iterations),
+            train_dataset=Dataset.from_dict({"prompt": [words(24, 0), words(24, 1)]}),
+            processing_class=tok)
+
+
+def grpo_spec(config: str, num_iterations: int, precision: str = "fp32") -> TrainingSpec:
+    return TrainingSpec(model=config, micro_batch=BATCH, seq_len=24 + 8, precision=precision,
+                        optimizer="sgd", attn="sdpa", objective="grpo", num_generations=2,
+                        max_completion_length=8, num_iterations=num_iterations, grad_ckpt=True)
+
+
+# the torch fold's trace of GRPO's step is above the real one by a measured, not yet
+# explained amount (fp32: 4 041 728 B of 15 290 880, docs/objectives.md); the old policy's
+# log-probs that num_iterations 2 keeps are priced to the byte
+GRPO_UNEXPLAINED = 0.3
+
+
+def test_grpo_trainer_keeps_the_old_policys_logps_as_the_trace_tier_does(tmp_path):
+    config = tiny_config(tmp_path, DPO_VOCAB)
+    real = {ni: real_peak(grpo_trainer(config, ni))[0] for ni in (1, 2)}
+    traced = {ni: trace_peak(grpo_spec(config, ni)) for ni in (1, 2)}
+    # (2 sequences x 8 completion tokens) fp32, one 512-byte block: `old_per_token_logps`
+    assert real[2] - real[1] == traced[2] - traced[1] == 512
+    assert abs(traced[1] - real[1]) <= GRPO_UNEXPLAINED * real[1]

@@ -41,7 +41,8 @@ FUSED_HEAD_SINCE = (1, 15)
 FUSED_OUTPUTS: dict[str, tuple[str, ...]] = {
     "sft": ("log_probs", "entropy", "is_top1"),
     "dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
-    "kto": ("log_probs", "entropy", "mean_logits")}
+    "kto": ("log_probs", "entropy", "mean_logits"),
+    "grpo": ("log_probs", "entropy")}  # grpo_trainer.py __init__
 
 WITH_REFERENCE: tuple[str, ...] = ("dpo", "kto", "grpo")
 """Objectives whose loss reads a reference model's log-probs (GRPO only with beta > 0)."""
@@ -86,8 +87,7 @@ def trl_runs(spec) -> bool:
 def fused_head(spec, trl_version: str | None) -> bool:
     """Whether the step's log-probs go through TRL's fused, chunked LM head: a TRL trainer with
     the head (`FUSED_HEAD_SINCE`) on `trl_version` (the installed TRL; None: not installed,
-    the older full-logits step is priced). SFT's, DPO's and KTO's are priced through it;
-    GRPO's (which TRL 1.15 also moved onto it) keeps its full-logits step so far
+    the older full-logits step is priced): SFT's, DPO's, KTO's and GRPO's
     (docs/objectives.md, "TRL's fused head")."""
     from hybridmem.environment import release
 
@@ -95,18 +95,12 @@ def fused_head(spec, trl_version: str | None) -> bool:
             and release(trl_version) >= FUSED_HEAD_SINCE)
 
 
-def fused_head_unpriced(spec) -> str | None:
-    """What the answer must say when the installed TRL's trainer runs a step the tiers do not
-    price yet: TRL 1.15 moved GRPO's log-probs onto its fused, chunked LM head
-    (grpo_trainer.py `add_fused_lm_head`), priced here as the older full-logits step
-    (docs/objectives.md, "TRL's fused head")."""
-    from hybridmem.environment import installed, release
-
-    have = installed("trl")
-    if spec.objective != "grpo" or have is None or release(have) < FUSED_HEAD_SINCE:
-        return None
-    return (f"trl {have} computes {spec.objective.upper()}'s log-probs through its fused LM "
-            "head, priced as the older full-logits step (docs/objectives.md)")
+def old_logps(spec) -> bool:
+    """Whether GRPO's generation phase computes the old policy's log-probs (grpo_trainer.py
+    `_generate_and_score_completions`: when `gradient_accumulation_steps % (steps_per_generation
+    x num_iterations)` is not 0; steps_per_generation defaults to the accumulation steps, so
+    exactly when `num_iterations > 1`)."""
+    return spec.objective == "grpo" and spec.num_iterations > 1
 
 
 def completion_length(spec) -> int:
@@ -256,9 +250,6 @@ def note(spec) -> str | None:
              "none": "none"}[ref]
     text = (f"objective {o}: {rows(spec)} sequences of {spec.seq_len} tokens per policy forward; "
             f"reference: {where}")
-    unpriced = fused_head_unpriced(spec)
-    if unpriced:
-        text += "; " + unpriced
     if o == "kto":
         text += f"; KL batch of {spec.micro_batch} sequences under no_grad"
     if o == "grpo":

@@ -622,6 +622,13 @@ class TrainingSpec:
         doc="GRPO's generated tokens per completion (TRL default 256), the end of each "
         "`--seq-len` sequence")
     """GRPO completion tokens (TRL `max_completion_length`); None: 256."""
+    num_iterations: int = job_field(
+        1, help="GRPO optimisation passes per generation.", group="objective",
+        unit="passes", added=53, keys={"training_args": ("num_iterations",)},
+        doc="GRPO's passes over each generated batch (TRL `num_iterations`, default 1); above "
+        "1 the generation phase also computes the old policy's per-token log-probs under "
+        "no_grad and keeps them through the step")
+    """GRPO passes per generation (TRL `num_iterations`, the paper's mu)."""
     vllm_gpu_memory_utilization: float = job_field(
         0.0, help="vLLM colocated: its GPU memory fraction.",
         group="objective", added=39, keys={"training_args": (
@@ -637,6 +644,7 @@ class TrainingSpec:
         if not isinstance(self.model, str) or not self.model.strip():
             raise SpecError("model", self.model, reason="give a preset name or a config path")
         _check_positive("micro_batch", self.micro_batch)
+        _check_positive("num_iterations", self.num_iterations)
         _check_positive("seq_len", self.seq_len)
         if self.images_per_sample is not None and (
             isinstance(self.images_per_sample, bool) or not isinstance(self.images_per_sample, int)

@@ -554,12 +554,90 @@ def grpo_prepare(job, spec, every_step: bool = False) -> None:
     with part(job, GENERATION), torch.no_grad():
         ids = generate(job.model, prompt_ids, completion, every_step)
     del prompt_ids
-    job.grpo = {"ids": ids, "advantages": torch.zeros(seqs, device=ids.device)}
     job.generated = True
+    if job.fused:
+        _grpo_fused_prepare(job, spec, ids, completion)
+        return
+    job.grpo = {"ids": ids, "advantages": torch.zeros(seqs, device=ids.device)}
     if rules.ref_model_of(spec) != "none":
         model, ctx = reference_context(job, spec)
         with part(job, REFERENCE), torch.no_grad(), ctx:
             job.grpo["ref"] = grpo_logps(model, ids, completion, spec.micro_batch)
+
+
+def grpo_fused_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
+                     batch_size: int, entropy: bool = False) -> torch.Tensor:
+    """GRPOTrainer `_get_per_token_logps_and_entropies` (trl 1.16): chunks of `batch_size`
+    sequences, labels -100 off the completion's last `keep` positions and the padding, the
+    fused forward (`add_fused_lm_head(outputs=("log_probs", "entropy"))`: both computed
+    whatever is asked), the last `keep` log-probs (and entropies) of each chunk, each list's
+    `torch.cat` (a copy)."""
+    logps, entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-keep] = -100
+        outputs = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        logps.append(outputs.log_probs[:, -keep:])
+        if entropy:
+            entropies.append(outputs.entropy[:, -keep:])
+        del outputs, labels
+    out = torch.cat(logps, dim=0)
+    if entropy:
+        torch.cat(entropies, dim=0)  # `entropies`: read by the metrics, dead after the loss
+    return out
+
+
+def _grpo_fused_prepare(job, spec, ids: torch.Tensor, completion: int) -> None:
+    """`_generate_and_score_completions` (trl 1.16) after the generation: the prompt and
+    completion ids and masks (the completion's a padded one, `padded_mask`: a sequence that
+    stops early is the case that builds the attention masks), then under no_grad the old
+    policy's log-probs when `objective.old_logps` (num_iterations > 1) and the reference's
+    when beta > 0; advantages per sequence. All alive until the step ends (the buffer)."""
+    seqs, prompt = ids.size(0), ids.size(1) - completion
+    grpo = {"prompt_ids": ids[:, :prompt].clone(), "completion_ids": ids[:, prompt:].clone()}
+    del ids
+    grpo["prompt_mask"] = torch.ones_like(grpo["prompt_ids"])
+    grpo["completion_mask"] = padded_mask(grpo["completion_ids"])
+    job.grpo = grpo
+    full = torch.cat([grpo["prompt_ids"], grpo["completion_ids"]], dim=1)
+    mask = torch.cat([grpo["prompt_mask"], grpo["completion_mask"]], dim=1)
+    with torch.no_grad():
+        if rules.old_logps(spec):
+            with part(job, GENERATION):
+                grpo["old"] = grpo_fused_logps(job.model, full, mask, completion,
+                                               spec.micro_batch)
+        if rules.ref_model_of(spec) != "none":
+            model, ctx = reference_context(job, spec)
+            with part(job, REFERENCE), ctx:
+                grpo["ref"] = grpo_fused_logps(model, full, mask, completion, spec.micro_batch)
+    del full, mask
+    grpo["advantages"] = torch.zeros(seqs, device=grpo["prompt_ids"].device)
+
+
+def grpo_fused_loss(job, spec, micro: int) -> torch.Tensor:
+    """GRPOTrainer `_compute_loss` (trl 1.16, loss_type "dapo", token-level importance
+    sampling) on micro-step `micro`'s slice: the prompt and completion concatenated, the fused
+    log-probs and entropies, the ratio against the old policy's log-probs (the detached
+    current ones at num_iterations 1), the clipped surrogate, the KL when beta > 0, the
+    masked sum over `num_items_in_batch`."""
+    n, keep = spec.micro_batch, rules.completion_length(spec)
+    part_of = {k: v[micro * n:(micro + 1) * n] for k, v in job.grpo.items()}
+    input_ids = torch.cat([part_of["prompt_ids"], part_of["completion_ids"]], dim=1)
+    attention_mask = torch.cat([part_of["prompt_mask"], part_of["completion_mask"]], dim=1)
+    mask = part_of["completion_mask"]
+    logps = grpo_fused_logps(job.model, input_ids, attention_mask, keep, n, entropy=True)
+    advantages = part_of["advantages"].unsqueeze(1)
+    old = part_of.get("old", logps.detach())
+    coef_1 = torch.exp(logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)  # GRPOConfig epsilon 0.2 (epsilon_high too)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if "ref" in part_of:
+        ref = part_of["ref"]
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        per_token_loss = per_token_loss + rules.beta_of(spec) * kl
+    normalizer = mask.sum().clamp(min=1.0)  # num_items_in_batch: the masks' count
+    return (per_token_loss * mask).sum() / normalizer
 
 
 def grpo_loss(job, spec, micro: int) -> torch.Tensor:
@@ -592,7 +670,7 @@ def loss(job, spec, micro: int = 0) -> torch.Tensor:
     if o == "kto" and job.fused:
         return kto_fused_loss(job, spec)
     if o == "grpo":
-        return grpo_loss(job, spec, micro)
+        return (grpo_fused_loss if job.fused else grpo_loss)(job, spec, micro)
     return {"dpo": dpo_loss, "orpo": orpo_loss, "kto": kto_loss, "rm": rm_loss}[o](job, spec)
 
 
