@@ -155,8 +155,10 @@ def generation(priced, spec, c: Ctx) -> dict:
     decode = cache(P + C - 1) + t(G * (P + C - 1), 8) + max(
         kv(P + C - 2), sampling, t(G * (P + C), 8))
     ids, advantages = t(G * (P + C), 8), t(G, FP32)
-    held = ids + advantages
     peak = max(prefill, decode)
+    if c.trl_head:  # trl >= 1.15: the buffer's ids and masks (`_grpo_fused_prepare`)
+        return _fused_generation(priced, spec, gc, peak)
+    held = ids + advantages
     if rules.ref_model_of(spec) != "none":
         logps = t(G * C, FP32)
         row = 0 if g == FP32 else t(C * V, g)
@@ -166,6 +168,32 @@ def generation(priced, spec, c: Ctx) -> dict:
 
         peak = max(peak, held + logps + _no_grad_forward(priced, gc, (n, P + C), head))
         held += logps
+    return {"generation": peak, "generation_held": held}
+
+
+def _fused_generation(priced, spec, gc: Ctx, sampling: int) -> dict:
+    """GRPO's generation phase at a TRL with the fused head (trl 1.16
+    `_generate_and_score_completions`, `trace.objectives._grpo_fused_prepare`) after the
+    sampling loop's high point `sampling`: the buffer's prompt and completion ids and masks
+    (4 x G x tokens int64 over P + C), the (P + C) concatenations of ids and masks for the
+    no_grad forwards, then the old policy's log-probs (num_iterations > 1) and the
+    reference's (beta > 0), each a fused forward of micro_batch rows (`trl_reference_head`)
+    whose (G x C) fp32 result is kept; the advantages (G fp32)."""
+    n, G, S = spec.micro_batch, spec.micro_batch * spec.grad_accum, spec.seq_len
+    C = rules.completion_length(spec)
+    buffer = 2 * t(G * (S - C), 8) + 2 * t(G * C, 8)
+    held, peak = buffer, sampling
+    forwards = int(rules.old_logps(spec)) + int(rules.ref_model_of(spec) != "none")
+    if forwards:
+        concat = 2 * t(G * S, 8)
+        step = _no_grad_forward(priced, gc, (n, S), lambda d: trl_reference_head(
+            d["b"], d["s"], d["h"], d["vocab"], gc))
+        for _ in range(forwards):
+            # each forward's per-token outputs (n x (S - 1) fp32 log-probs and entropy) and
+            # its kept slice's `cat` (G x C fp32)
+            peak = max(peak, held + concat + step + 2 * t(n * (S - 1), FP32))
+            held += t(G * C, FP32)
+    held += t(G, FP32)
     return {"generation": peak, "generation_held": held}
 
 
@@ -186,9 +214,16 @@ def held_bytes(spec) -> tuple[int, int]:
     the reference's log-probs (G x C fp32), the generated ids (G x (P + C) int64)."""
     if spec.objective != "grpo":
         return 0, 0
-    G = spec.micro_batch * spec.grad_accum
-    ref = t(G * rules.completion_length(spec), FP32) if rules.ref_model_of(spec) != "none" else 0
-    return ref, t(G * spec.seq_len, 8)
+    from hybridmem.environment import installed
+
+    G, C = spec.micro_batch * spec.grad_accum, rules.completion_length(spec)
+    ref = t(G * C, FP32) if rules.ref_model_of(spec) != "none" else 0
+    if not rules.fused_head(spec, installed("trl")):
+        return ref, t(G * spec.seq_len, 8)
+    # trl >= 1.15 (`_fused_generation`): the prompt and completion ids and masks, the old
+    # policy's log-probs at num_iterations > 1
+    old = t(G * C, FP32) if rules.old_logps(spec) else 0
+    return ref, 2 * t(G * (spec.seq_len - C), 8) + 2 * t(G * C, 8) + old
 
 
 def batch_bytes(spec) -> int:
