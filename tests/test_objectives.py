@@ -374,14 +374,16 @@ def test_generation_shortcut_keeps_the_full_loops_peak(backend):
     from hybridmem.trace.tracker import StorageTracker
 
     s = spec(objective="grpo", num_generations=2, max_completion_length=12)
-    peaks = []
+    peaks, shapes = [], []
     for every in (True, False):
         with runner.prepared(s, load_config(s.model), backend) as job, StorageTracker() as tr:
             with torch.no_grad():
-                objectives.generate(job.model, torch.ones(2, 20, dtype=torch.long), 12,
-                                    every_step=every)
+                ids = objectives.generate(job.model, torch.ones(2, 20, dtype=torch.long), 12,
+                                          every_step=every)
         peaks.append(int(tr.live_curve(device_only=False).max()))
+        shapes.append(tuple(ids.shape))
     assert peaks[0] == peaks[1]
+    assert shapes == [(2, 20 + 12)] * 2  # prompt + completion, as `_sample` returns them
 
 
 def test_grpo_micro_batch_search_keeps_whole_groups():

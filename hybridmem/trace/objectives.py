@@ -505,7 +505,9 @@ def generate(model, prompt_ids: torch.Tensor, new_tokens: int, every_step: bool 
     ids, step = prompt_ids, prompt_ids
     for n in range(new_tokens):
         if n == 1 and new_tokens > 2 and not every_step:  # to the loop's last step
-            jump = new_tokens - 2
+            # before step m's forward the cache holds P + m - 1 tokens and the ids P + m:
+            # step 1 becomes step new_tokens - 2, the one before the last
+            jump = new_tokens - 3
             for layer in cache.layers:
                 layer.keys = _grown(layer.keys, jump)
                 layer.values = _grown(layer.values, jump)
