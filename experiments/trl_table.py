@@ -7,7 +7,8 @@ the trace tier on TRL's torch fold (what the CPU run executes), its difference t
 peak, the trace tier's GPU (Triton) path and the analytic tier (what a GPU user is told).
 Bytes of tensors (no cuBLAS workspace). Prints one JSON line per row.
 
-    PYTHONPATH=. python experiments/trl_table.py            # SFT, DPO, KTO, RM, ORPO, GRPO
+    PYTHONPATH=. python experiments/trl_table.py            # SFT, DPO, GRPO, KTO, RM, ORPO
+    PYTHONPATH=. python experiments/trl_table.py --grpo     # GRPO only
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def spec(config: str, seq: int, precision: str, **kw) -> TrainingSpec:
 
 
 def others(which: str, config: str, dtype):
-    """KTO, the reward model, ORPO (trl.experimental) and GRPO (use_vllm=False, 8 tokens)."""
+    """KTO, the reward model and ORPO (trl.experimental)."""
     from datasets import Dataset
     from tokenizers import pre_tokenizers
 
@@ -80,15 +81,7 @@ def others(which: str, config: str, dtype):
                            args=ORPOConfig(**args, max_length=None),
                            train_dataset=Dataset.from_dict(pairs), processing_class=tok), {
             "objective": "orpo"}
-    from trl import GRPOConfig, GRPOTrainer
-
-    return GRPOTrainer(model=T.model_from(config, dtype),
-                       reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                       args=GRPOConfig(**args, num_generations=2, max_completion_length=8,
-                                       use_vllm=False, beta=0.0),
-                       train_dataset=Dataset.from_dict({"prompt": [w(24, 0), w(24, 1)]}),
-                       processing_class=tok), {"objective": "grpo", "num_generations": 2,
-                                               "max_completion_length": 8}
+    raise ValueError(which)
 
 
 def longest(trainer) -> int:
@@ -106,6 +99,15 @@ def main() -> None:
     (root / "small").mkdir()
     big, small = T.tiny_config(root / "sft"), T.tiny_config(root / "small", T.DPO_VOCAB)
     for precision in ("fp32", "bf16"):
+        for ni in (1, 2):
+            # GRPOConfig's bf16=True default under GRPOTrainer's own autocast: fp32 weights
+            # run bf16-mixed (tests/test_trl_oracle.py)
+            real, _ = T.real_peak(T.grpo_trainer(small, ni, T.PRECISION[precision]))
+            row(f"grpo (num_iterations {ni})", "-", precision, real,
+                T.grpo_spec(small, ni, "bf16-mixed" if precision == "fp32" else precision))
+    if "--grpo" in sys.argv:
+        return
+    for precision in ("fp32", "bf16"):
         real, seq = T.real_peak(T.sft_trainer(big, [T.SEQ, T.SEQ // 2],
                                               T.PRECISION[precision]))
         row("sft (SFTTrainer)", "-", precision, real, spec(big, seq, precision, trainer="trl"))
@@ -115,7 +117,7 @@ def main() -> None:
             row("dpo", ref, precision, real,
                 spec(small, seq, precision, objective="dpo", ref_model=ref,
                      train="lora" if ref == "adapter" else "full"))
-    for which in ("kto", "rm", "orpo", "grpo"):
+    for which in ("kto", "rm", "orpo"):
         for precision in ("fp32", "bf16"):
             trainer, kw = others(which, small, T.PRECISION[precision])
             seq = longest(trainer)

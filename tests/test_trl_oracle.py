@@ -244,6 +244,8 @@ def _tensor_peak(p) -> int:
          max_completion_length=8, grad_ckpt=True),
     dict(objective="grpo", precision="bf16", seq_len=32, num_generations=2,
          max_completion_length=8, num_iterations=2, grad_ckpt=True),
+    dict(objective="grpo", precision="bf16-mixed", seq_len=32, num_generations=2,
+         max_completion_length=8, num_iterations=2, beta=0.04, grad_ckpt=True),
 ], ids=lambda kw: "-".join(map(str, kw.values())))
 def test_analytic_within_3pct_of_the_trace_tiers_gpu_path(tmp_path, kw):
     # the GPU (Triton) path both tiers price by default; the trace tier runs TRL's own code

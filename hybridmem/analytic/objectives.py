@@ -157,7 +157,7 @@ def generation(priced, spec, c: Ctx) -> dict:
     ids, advantages = t(G * (P + C), 8), t(G, FP32)
     peak = max(prefill, decode)
     if c.trl_head:  # trl >= 1.15: the buffer's ids and masks (`_grpo_fused_prepare`)
-        return _fused_generation(priced, spec, gc, peak)
+        return _fused_generation(priced, spec, c, peak)
     held = ids + advantages
     if rules.ref_model_of(spec) != "none":
         logps = t(G * C, FP32)
@@ -171,14 +171,15 @@ def generation(priced, spec, c: Ctx) -> dict:
     return {"generation": peak, "generation_held": held}
 
 
-def _fused_generation(priced, spec, gc: Ctx, sampling: int) -> dict:
+def _fused_generation(priced, spec, c: Ctx, sampling: int) -> dict:
     """GRPO's generation phase at a TRL with the fused head (trl 1.16
     `_generate_and_score_completions`, `trace.objectives._grpo_fused_prepare`) after the
     sampling loop's high point `sampling`: the buffer's prompt and completion ids and masks
     (4 x G x tokens int64 over P + C), the (P + C) concatenations of ids and masks for the
     no_grad forwards, then the old policy's log-probs (num_iterations > 1) and the
     reference's (beta > 0), each a fused forward of micro_batch rows (`trl_reference_head`)
-    whose (G x C) fp32 result is kept; the advantages (G fp32)."""
+    under the loss's autocast (`c`: GRPOTrainer's `accelerator.autocast()`) whose (G x C)
+    fp32 result is kept; the advantages (G fp32)."""
     n, G, S = spec.micro_batch, spec.micro_batch * spec.grad_accum, spec.seq_len
     C = rules.completion_length(spec)
     buffer = 2 * t(G * (S - C), 8) + 2 * t(G * C, 8)
@@ -186,8 +187,8 @@ def _fused_generation(priced, spec, gc: Ctx, sampling: int) -> dict:
     forwards = int(rules.old_logps(spec)) + int(rules.ref_model_of(spec) != "none")
     if forwards:
         concat = 2 * t(G * S, 8)
-        step = _no_grad_forward(priced, gc, (n, S), lambda d: trl_reference_head(
-            d["b"], d["s"], d["h"], d["vocab"], gc))
+        step = _no_grad_forward(priced, c, (n, S), lambda d: trl_reference_head(
+            d["b"], d["s"], d["h"], d["vocab"], c))
         for _ in range(forwards):
             # each forward's per-token outputs (n x (S - 1) fp32 log-probs and entropy) and
             # its kept slice's `cat` (G x C fp32)

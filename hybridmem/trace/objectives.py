@@ -542,13 +542,14 @@ def _grown(t: torch.Tensor, extra: int, dim: int = -2) -> torch.Tensor:
     return t.new_zeros(shape)
 
 
-def grpo_prepare(job, spec, every_step: bool = False) -> None:
+def grpo_prepare(job, spec, every_step: bool = False, autocast=contextlib.nullcontext) -> None:
     """`_generate_and_score_completions`, once per optimizer step for `micro_batch x
     grad_accum` sequences (steps_per_generation = gradient_accumulation_steps): outside the
     loss's autocast (it runs in `_prepare_inputs`), the generation, then under no_grad the
     reference's per-token log-probs when beta > 0. Its outputs (ids, masks, reference
     log-probs, advantages) are the step's inputs, alive until the step ends. `every_step`:
-    `generate`'s full loop (the CUDA harness measures it)."""
+    `generate`'s full loop (the CUDA harness measures it). `autocast`: the loss's autocast
+    context, which GRPOTrainer enters around each fused log-prob forward (trl >= 1.15)."""
     seqs = spec.micro_batch * spec.grad_accum
     completion = rules.completion_length(spec)
     prompt_ids = torch.ones(seqs, spec.seq_len - completion, dtype=torch.long,
@@ -558,7 +559,7 @@ def grpo_prepare(job, spec, every_step: bool = False) -> None:
     del prompt_ids
     job.generated = True
     if job.fused:
-        _grpo_fused_prepare(job, spec, ids, completion)
+        _grpo_fused_prepare(job, spec, ids, completion, autocast)
         return
     job.grpo = {"ids": ids, "advantages": torch.zeros(seqs, device=ids.device)}
     if rules.ref_model_of(spec) != "none":
@@ -590,12 +591,14 @@ def grpo_fused_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return out
 
 
-def _grpo_fused_prepare(job, spec, ids: torch.Tensor, completion: int) -> None:
+def _grpo_fused_prepare(job, spec, ids: torch.Tensor, completion: int, autocast) -> None:
     """`_generate_and_score_completions` (trl 1.16) after the generation: the prompt and
     completion ids and masks (the completion's a padded one, `padded_mask`: a sequence that
     stops early is the case that builds the attention masks), then under no_grad the old
     policy's log-probs when `objective.old_logps` (num_iterations > 1) and the reference's
-    when beta > 0; advantages per sequence. All alive until the step ends (the buffer)."""
+    when beta > 0, each under the loss's `autocast` (grpo_trainer.py
+    `_get_per_token_logps_and_entropies`: `with self.accelerator.autocast()`); advantages
+    per sequence. All alive until the step ends (the buffer)."""
     seqs, prompt = ids.size(0), ids.size(1) - completion
     grpo = {"prompt_ids": ids[:, :prompt].clone(), "completion_ids": ids[:, prompt:].clone()}
     del ids
@@ -604,7 +607,7 @@ def _grpo_fused_prepare(job, spec, ids: torch.Tensor, completion: int) -> None:
     job.grpo = grpo
     full = torch.cat([grpo["prompt_ids"], grpo["completion_ids"]], dim=1)
     mask = torch.cat([grpo["prompt_mask"], grpo["completion_mask"]], dim=1)
-    with torch.no_grad():
+    with torch.no_grad(), autocast():
         if rules.old_logps(spec):
             with part(job, GENERATION):
                 grpo["old"] = grpo_fused_logps(job.model, full, mask, completion,

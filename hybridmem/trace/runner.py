@@ -168,9 +168,19 @@ def _call(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
 
 
 def _forward(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
+    with _loss_autocast(job, spec):
+        return _call(job, spec)
+
+
+@contextlib.contextmanager
+def _loss_autocast(job: Job, spec: TrainingSpec):
+    """The loss's autocast (`Trainer.compute_loss_context_manager`; GRPOTrainer's
+    `accelerator.autocast()` around each fused forward): the emulated CUDA autocast on meta
+    tensors, torch's CPU autocast otherwise, nothing without a *-mixed precision."""
     if job.amp is not None:
         with job.amp.region(True):
-            return _call(job, spec)
+            yield
+        return
     ctx = (torch.autocast("cpu", dtype=AUTOCAST[spec.precision]) if spec.precision in AUTOCAST
            else contextlib.nullcontext())
     if spec.precision in AUTOCAST:
@@ -178,7 +188,7 @@ def _forward(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]
         # too (checkpoint.py restores the autocast state; a half weight's fp32 cast must recur)
         wrap_checkpointing(job.model, None, corrections.CudaAutocastFp32)
     with ctx, corrections.cuda_autocast_rules(spec.precision in AUTOCAST):
-        return _call(job, spec)
+        yield
 
 
 @contextlib.contextmanager
@@ -342,7 +352,8 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
         where = empty_cache_at(spec, it)
         if spec.objective == "grpo":  # the step's completions, before its first forward
             tracker.mark("generation", it)
-            objectives.grpo_prepare(job, spec)
+            objectives.grpo_prepare(job, spec,
+                                    autocast=lambda: _loss_autocast(job, spec))
         for micro in range(spec.grad_accum):
             _micro_step(job, spec, tracker, it, micro, workspace, where == "after_forward")
         tracker.mark("optimizer", it)
