@@ -9,6 +9,7 @@ Bytes of tensors (no cuBLAS workspace). Prints one JSON line per row.
 
     PYTHONPATH=. python experiments/trl_table.py            # SFT, DPO, GRPO, KTO, RM, ORPO
     PYTHONPATH=. python experiments/trl_table.py --grpo     # GRPO only
+    PYTHONPATH=. python experiments/trl_table.py --sft      # GRPO, SFT's data paths
 """
 
 from __future__ import annotations
@@ -106,6 +107,13 @@ def main() -> None:
             row(f"grpo (num_iterations {ni})", "-", precision, real,
                 T.grpo_spec(small, ni, "bf16-mixed" if precision == "fp32" else precision))
     if "--grpo" in sys.argv:
+        return
+    for variant in ("packing", "padding_free", "completion_only"):
+        real, seq = T.real_peak(T.sft_variant(small, variant))
+        packed = variant != "completion_only"
+        row(f"sft (SFTTrainer, {variant})", "-", "fp32", real,
+            spec(small, seq // 2 if packed else seq, "fp32", trainer="trl", packing=packed))
+    if "--sft" in sys.argv:
         return
     for precision in ("fp32", "bf16"):
         real, seq = T.real_peak(T.sft_trainer(big, [T.SEQ, T.SEQ // 2],

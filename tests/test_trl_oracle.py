@@ -234,6 +234,7 @@ def _tensor_peak(p) -> int:
     dict(precision="fp32"), dict(precision="bf16"), dict(precision="bf16-mixed"),
     dict(precision="fp32", train="lora", grad_ckpt=True),
     dict(precision="fp32", micro_batch=4, seq_len=1100),  # two token tiles (N > 4096)
+    dict(precision="fp32", packing=True, grad_ckpt=True),  # SFTTrainer's packing
     dict(objective="dpo", precision="fp32", ref_model="separate"),
     dict(objective="dpo", precision="bf16", ref_model="separate", grad_ckpt=True),
     dict(objective="dpo", precision="fp32", ref_model="precomputed"),
@@ -405,3 +406,46 @@ def test_grpo_trainer_step_and_its_old_policy_logps_match_the_trace_tier(tmp_pat
     # num_iterations 2: `old_per_token_logps`, (2 sequences x 8 tokens) fp32, one 512-byte block
     assert real[2] - real[1] == traced[2] - traced[1] == 512
     assert 0 <= traced[1] - real[1] <= GRPO_PADDED_MASK
+
+
+# ---------------------------------------------------------------- SFT's data paths
+
+def sft_variant(config: str, variant: str):
+    """SFTTrainer on the vocab-4,000 Llama (fp32) with one of its data paths: `packing` (BFD
+    into one row of 192 tokens: 128 + 64, `position_ids` restarting), `padding_free` (the
+    collator flattens the batch into one row), `completion_only` (a prompt-completion
+    dataset: labels -100 on the prompt, `completion_only_loss`'s default for it)."""
+    from datasets import Dataset
+    from tokenizers import pre_tokenizers
+    from trl import SFTConfig, SFTTrainer
+
+    tok = tokenizer(DPO_VOCAB)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    ids = {"input_ids": token_rows([128, 64], DPO_VOCAB)}
+    data, args = {
+        "packing": (ids, dict(packing=True, max_length=192)),
+        "padding_free": (ids, dict(padding_free=True, max_length=None)),
+        # the prompt ends on a word boundary: its tokens are a prefix of prompt + completion
+        "completion_only": ({"prompt": [words(30, 0) + " ", words(20, 1) + " "],
+                             "completion": [words(60, 2), words(40, 3)]},
+                            dict(max_length=None))}[variant]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SFTTrainer(model=model_from(config, torch.float32),
+                          args=SFTConfig(**TRAINER_ARGS, **args),
+                          train_dataset=Dataset.from_dict(data), processing_class=tok)
+
+
+@pytest.mark.parametrize("variant", ["packing", "padding_free", "completion_only"])
+def test_sft_trainer_data_paths_equal_the_trace_tier(tmp_path, variant):
+    # packing and padding-free: one row of 192 tokens, the trace tier's `packing` (2 x 96
+    # tokens in one row); completion-only: the padded batch (the torch fold scores every
+    # position, the prompt's too: only the labels differ)
+    config = tiny_config(tmp_path, DPO_VOCAB)
+    real, seq = real_peak(sft_variant(config, variant))
+    packed = variant != "completion_only"
+    assert seq == (192 if packed else 91)
+    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=seq // 2 if packed else seq,
+                        packing=packed, precision="fp32", optimizer="sgd", attn="sdpa",
+                        trainer="trl", grad_ckpt=True)
+    assert trace_peak(spec) == real
