@@ -23,8 +23,6 @@ import warnings
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import torch  # noqa: E402
-
 import test_trl_oracle as T  # noqa: E402
 from hybridmem import trace  # noqa: E402
 from hybridmem.analytic import estimate as analytic  # noqa: E402
@@ -53,44 +51,9 @@ def spec(config: str, seq: int, precision: str, **kw) -> TrainingSpec:
 
 def others(which: str, config: str, dtype):
     """KTO, the reward model and ORPO (trl.experimental)."""
-    from datasets import Dataset
-    from tokenizers import pre_tokenizers
-
-    tok = T.tokenizer(T.DPO_VOCAB)
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    w, args = T.words, dict(T.TRAINER_ARGS)
-    pairs = {"prompt": [w(20, 0), w(30, 1)], "chosen": [w(60, 2), w(40, 3)],
-             "rejected": [w(50, 4), w(80, 5)]}
     if which == "kto":
         return T.kto_trainer(config, dtype), {"objective": "kto", "ref_model": "separate"}
-    if which == "rm":
-        from transformers import AutoConfig, AutoModelForSequenceClassification
-        from trl import RewardConfig, RewardTrainer
-
-        cfg = AutoConfig.from_pretrained(config)
-        cfg.num_labels = 1
-        torch.manual_seed(0)
-        model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation="sdpa")
-        data = {k: pairs[k] for k in ("chosen", "rejected")}
-        return RewardTrainer(model=model.to(dtype), args=RewardConfig(**args, max_length=None),
-                             train_dataset=Dataset.from_dict(data), processing_class=tok), {
-            "objective": "rm"}
-    if which == "orpo":
-        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
-
-        return ORPOTrainer(model=T.model_from(config, dtype),
-                           args=ORPOConfig(**args, max_length=None),
-                           train_dataset=Dataset.from_dict(pairs), processing_class=tok), {
-            "objective": "orpo"}
-    raise ValueError(which)
-
-
-def longest(trainer) -> int:
-    """The padded length of the trainer's first batch (GRPO: prompt + completion)."""
-    batch = next(iter(trainer.get_train_dataloader()))
-    if not isinstance(batch, dict):
-        return 24 + 8
-    return max(v.shape[-1] for v in batch.values() if hasattr(v, "shape") and v.dim() == 2)
+    return T.pair_trainer(which, config, dtype), {"objective": which}
 
 
 def main() -> None:
@@ -128,7 +91,7 @@ def main() -> None:
     for which in ("kto", "rm", "orpo"):
         for precision in ("fp32", "bf16"):
             trainer, kw = others(which, small, T.PRECISION[precision])
-            seq = longest(trainer)
+            seq = T.padded_length(trainer)
             real, _ = T.real_peak(trainer)
             row(which, kw.get("ref_model", "-"), precision, real, spec(small, seq, precision,
                                                                         **kw))

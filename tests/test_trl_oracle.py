@@ -449,3 +449,62 @@ def test_sft_trainer_data_paths_equal_the_trace_tier(tmp_path, variant):
                         packing=packed, precision="fp32", optimizer="sgd", attn="sdpa",
                         trainer="trl", grad_ckpt=True)
     assert trace_peak(spec) == real
+
+
+# ---------------------------------------------------------------- RM and ORPO
+
+def pair_trainer(which: str, config: str, dtype=torch.float32):
+    """RewardTrainer (a 1-label sequence classifier) or ORPOTrainer (trl.experimental) on the
+    DPO test's pairs: their collators pad chosen and rejected to the longest."""
+    from datasets import Dataset
+    from tokenizers import pre_tokenizers
+
+    tok = tokenizer(DPO_VOCAB)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    pairs = {"prompt": [words(20, 0), words(30, 1)], "chosen": [words(60, 2), words(40, 3)],
+             "rejected": [words(50, 4), words(80, 5)]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if which == "rm":
+            from transformers import AutoConfig, AutoModelForSequenceClassification
+            from trl import RewardConfig, RewardTrainer
+
+            cfg = AutoConfig.from_pretrained(config)
+            cfg.num_labels = 1
+            torch.manual_seed(0)
+            model = AutoModelForSequenceClassification.from_config(cfg,
+                                                                   attn_implementation="sdpa")
+            return RewardTrainer(model=model.to(dtype),
+                                 args=RewardConfig(**TRAINER_ARGS, max_length=None),
+                                 train_dataset=Dataset.from_dict(
+                                     {k: pairs[k] for k in ("chosen", "rejected")}),
+                                 processing_class=tok)
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        return ORPOTrainer(model=model_from(config, dtype),
+                           args=ORPOConfig(**TRAINER_ARGS, max_length=None),
+                           train_dataset=Dataset.from_dict(pairs), processing_class=tok)
+
+
+def padded_length(trainer) -> int:
+    """The padded length of the trainer's first batch."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    return max(v.shape[-1] for v in batch.values() if hasattr(v, "shape") and v.dim() == 2)
+
+
+# measured, not yet explained: the trace is below the real step by one 512-byte block (RM)
+# and by 11 (ORPO: 5 632 B of 34 490 368, a few (rows x seq) vectors of its metrics)
+PAIR_UNEXPLAINED = {"rm": 512, "orpo": 11 * 512}
+
+
+@pytest.mark.parametrize("which", ["rm", "orpo"])
+def test_rm_and_orpo_trainers_pad_as_the_trace_tier(tmp_path, which):
+    # the collators' attention mask reaches each layer's SDPA (`objective.PADDED`); without it
+    # the trace was 135 680 B (RM) and 57 856 B (ORPO) below the real step
+    config = tiny_config(tmp_path, DPO_VOCAB)
+    trainer = pair_trainer(which, config)
+    seq = padded_length(trainer)
+    real, _ = real_peak(trainer)
+    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=seq, precision="fp32",
+                        optimizer="sgd", attn="sdpa", objective=which, grad_ckpt=True)
+    assert 0 <= real - trace_peak(spec) <= PAIR_UNEXPLAINED[which]

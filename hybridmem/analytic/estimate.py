@@ -111,7 +111,8 @@ def context(spec: TrainingSpec) -> A.Ctx:
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
     acts = _formula_acts(layer, c, need_in, need_w, tied_grad, merged)
-    if c.trl_head and layer.kind == "decoder_layer" and c.attn == "sdpa" and acts.saved:
+    padded = c.trl_head or c.objective in objective_rules.PADDED  # the collator's mask
+    if padded and layer.kind == "decoder_layer" and c.attn == "sdpa" and acts.saved:
         acts = objectives.padded_sdpa_mask(layer, c, acts)
     if layer.quantized and layer.kind != "decoder_layer" and layer.runs:
         # vision tower / projector linears: the dequantised weight in their forward

@@ -46,6 +46,11 @@ FUSED_OUTPUTS: dict[str, tuple[str, ...]] = {
 
 WITH_REFERENCE: tuple[str, ...] = ("dpo", "kto", "grpo")
 """Objectives whose loss reads a reference model's log-probs (GRPO only with beta > 0)."""
+PADDED: tuple[str, ...] = ("orpo", "rm")
+"""Objectives whose batch carries an attention mask whatever the TRL version: their collators
+pad chosen and rejected to the longest (trl 1.16 reward_trainer.py `DataCollatorForPreference`,
+trl/experimental/orpo `DPODataCollatorWithPadding`); DPO's, KTO's and SFT's do with the
+fused head (`fused_head`)."""
 CONCATENATED: tuple[str, ...] = ("dpo", "orpo", "rm")
 """Objectives whose batch is chosen + rejected in one forward (2 x micro_batch sequences)."""
 

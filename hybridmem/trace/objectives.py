@@ -400,7 +400,8 @@ def orpo_loss(job, spec) -> torch.Tensor:
     chosen half (`logits[..., :-1, :].contiguous()` into CrossEntropyLoss), the averaged
     log-probs of both halves, the log-odds-ratio term (beta)."""
     half = spec.micro_batch
-    logits = job.model(job.batch["input_ids"], use_cache=False).logits
+    logits = job.model(job.batch["input_ids"], attention_mask=job.batch["attention_mask"],
+                       use_cache=False).logits
     labels = job.batch["labels"]
     chosen = logits[:half][..., :-1, :].contiguous()
     nll = F.cross_entropy(chosen.view(-1, chosen.shape[-1]),
@@ -461,7 +462,8 @@ def rm_loss(job, spec) -> torch.Tensor:
     chosen + rejected batch (`AutoModelForSequenceClassification`, num_labels=1: the score of
     each sequence's last token), `-logsigmoid(chosen - rejected).mean()`."""
     half = spec.micro_batch
-    rewards = job.model(input_ids=job.batch["input_ids"], use_cache=False).logits
+    rewards = job.model(input_ids=job.batch["input_ids"],
+                        attention_mask=job.batch["attention_mask"], use_cache=False).logits
     return -F.logsigmoid(rewards[:half] - rewards[half:]).mean()
 
 
@@ -698,6 +700,8 @@ def batch(spec, device=None, fused: bool = False) -> dict:
         out["loss_mask"] = mask
         if fused:  # DataCollatorForPreference (trl >= 1.15): the attention and completion masks
             out = {"input_ids": ids, "attention_mask": padded_mask(ids), "completion_mask": mask}
+    if o in rules.PADDED:  # their collators pad chosen and rejected to the longest
+        out["attention_mask"] = padded_mask(ids)
     if o in ("orpo", "kto"):
         labels = torch.ones(rows, s, dtype=torch.long, device=device)
         labels[:, :prompt] = -100
