@@ -230,9 +230,11 @@ def held_bytes(spec) -> tuple[int, int]:
 def batch_bytes(spec) -> int:
     """The objective's collated batch against the SFT one's ids + labels over the same rows
     (`trace.objectives.batch`): DPO's loss mask and ORPO's labels take the labels' place, the
-    reward model has ids only; KTO adds the KL batch's ids and labels; precomputed reference
+    reward model's attention mask too, ORPO's adds one; KTO adds the KL batch's ids and labels; precomputed reference
     log-probs are fp32 per sequence (KTO's KL batch's too)."""
-    out = -t(rules.rows(spec) * spec.seq_len, 8) if spec.objective in ("rm", "grpo") else 0
+    out = -t(rules.rows(spec) * spec.seq_len, 8) if spec.objective == "grpo" else 0
+    if spec.objective == "orpo":  # the collator's attention mask (`objective.PADDED`); the
+        out += t(rules.rows(spec) * spec.seq_len, 8)  # reward model's takes the labels' place
     if spec.objective == "grpo":  # a stand-in batch of ids; the generation's outputs
         out += generation_held(spec)
     if spec.objective == "kto":  # the KL batch's ids and labels

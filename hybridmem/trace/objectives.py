@@ -400,7 +400,7 @@ def orpo_loss(job, spec) -> torch.Tensor:
     chosen half (`logits[..., :-1, :].contiguous()` into CrossEntropyLoss), the averaged
     log-probs of both halves, the log-odds-ratio term (beta)."""
     half = spec.micro_batch
-    logits = job.model(job.batch["input_ids"], attention_mask=job.batch["attention_mask"],
+    logits = job.model(job.batch["input_ids"], attention_mask=job.batch.get("attention_mask"),
                        use_cache=False).logits
     labels = job.batch["labels"]
     chosen = logits[:half][..., :-1, :].contiguous()
@@ -463,7 +463,7 @@ def rm_loss(job, spec) -> torch.Tensor:
     each sequence's last token), `-logsigmoid(chosen - rejected).mean()`."""
     half = spec.micro_batch
     rewards = job.model(input_ids=job.batch["input_ids"],
-                        attention_mask=job.batch["attention_mask"], use_cache=False).logits
+                        attention_mask=job.batch.get("attention_mask"), use_cache=False).logits
     return -F.logsigmoid(rewards[:half] - rewards[half:]).mean()
 
 
