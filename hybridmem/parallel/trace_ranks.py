@@ -54,6 +54,10 @@ class RankTracker(StorageTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            # wait_tensor returns its input (`_c10d_functional` CPU/CUDA kernels); the fake
+            # kernel makes a new tensor, whose storage would be counted twice
+            return args[0]
         for t in tree_iter(out):
             if isinstance(t, torch.Tensor):
                 sid = self.track(_local(t).untyped_storage())
@@ -137,6 +141,27 @@ class RankTrace:
 
 
 @contextlib.contextmanager
+def _real_meshes():
+    """FSDP2 x tp joins the two sub-meshes (`FSDPParam._init_sharding_spec_tp` ->
+    `DeviceMesh._concatenate`), which computes on the rank table's values: done on real tensors,
+    outside the fake mode (a mesh's rank table is host data, no device memory)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh._concatenate
+
+    def concatenate(meshes):
+        with unset_fake_temporarily():
+            return original(meshes)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original
+
+
+@contextlib.contextmanager
 def _fake_world(rank: int, world: int):
     """torch's fake process group for this process, torn down afterwards."""
     import torch.distributed as dist
@@ -166,7 +191,7 @@ def trace_rank(spec: TrainingSpec, rank: int = 0, backend: str = "fake") -> Rank
     dp, tp = ps.data_shard, ps.tp
     config = load_config(spec.model)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if backend == "fake" else contextlib.nullcontext()
-    with _fake_world(rank, dp * tp):
+    with _fake_world(rank, dp * tp), _real_meshes():
         # the mesh reads its rank table's values: built on real tensors, before the fake mode
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         return _traced(spec, config, (mesh["dp"], mesh["tp"]), mode)
