@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_iter
 
-from hybridmem.allocator.overheads import CONTEXT_BYTES
+from hybridmem.allocator.overheads import CONTEXT_BYTES, cublas_workspace
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.job.spec import TrainingSpec
@@ -304,6 +304,8 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
             breakdown[key] += round_size(s.nbytes)
     assert sum(breakdown.values()) == allocated
     breakdown["context"] = CONTEXT_BYTES + NCCL_BYTES
+    # cuBLAS's workspaces, outside the allocated peak as the analytic tier counts them
+    breakdown["workspace"] = cublas_workspace(gpu)
     phase, iteration = tracker.phase_at(at)
     ps = spec.parallel
     params = model_tensors(spec.with_(parallel=ParallelSpec()))
