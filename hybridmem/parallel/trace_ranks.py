@@ -69,7 +69,7 @@ class RankTracker(StorageTracker):
 def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
     """torchtitan's tensor-parallel plan (`apply_tp`) on an HF Llama-shaped model: q/k/v and
     gate/up `ColwiseParallel`, o and down `RowwiseParallel`, the embedding `RowwiseParallel`, the
-    `lm_head` `ColwiseParallel` gathered to `Replicate` (HF's loss runs on whole logits); with
+    `lm_head` `ColwiseParallel` left vocabulary-sharded for the parallel loss; with
     sequence parallelism the norms are `SequenceParallel` and each block's input is
     all-gathered (`PrepareModuleInput` -> `Replicate`), the row-parallel outputs `Shard(1)`."""
     from torch.distributed.tensor import Replicate, Shard
@@ -95,7 +95,10 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
                                           desired_input_layouts=(Replicate(),))})
         parallelize_module(layer, mesh, plan)
     top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-           "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+           # loss parallel (torchtitan's default, `disable_loss_parallel = false`): the logits
+           # stay vocabulary-sharded DTensors and the cross entropy runs on the shards
+           "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                      use_local_output=False)}
     if sequence_parallel:
         top["model.norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
@@ -228,6 +231,8 @@ def _traced(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
 
 def _run(model, opt, batch: dict, tracker: RankTracker) -> RankTrace:
     """Two iterations of the training step, everything labelled as `trace.runner` labels it."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
     out = RankTrace(tracker)
     current, seen, saved = [None], set(), {}
 
@@ -256,11 +261,13 @@ def _run(model, opt, batch: dict, tracker: RankTracker) -> RankTrace:
             tracker.label(t, "activation")
         for it in range(ITERATIONS):
             tracker.mark("forward", it)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = model(**batch).loss
-            tracker.mark("backward", it)
-            loss.backward()
-            del loss
+            # torchtitan's train context: forward, loss and backward inside `loss_parallel`
+            with loss_parallel():
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = model(**batch).loss
+                tracker.mark("backward", it)
+                loss.backward()
+                del loss
             for p in model.parameters():
                 if p.grad is not None:
                     tracker.label(_local(p.grad), "grad")
