@@ -318,12 +318,19 @@ def test_trace_tier_answers_and_refusals():
     from hybridmem.tiers import estimator
 
     estimate = estimator("trace")
-    traced = estimate(_spec("sp"))
-    analytic = price_ranks(_spec("sp"))[0]
-    assert traced.method == "trace+layout" and traced.extras["per_rank"]
-    # analytic within 3 % on tp + sp (docs/parallel.md has the grid and why tp alone and
-    # FSDP x TP are further)
-    assert abs(analytic.peak.allocated_bytes / traced.peak.allocated_bytes - 1) < 0.03
+    for layout in LAYOUTS:
+        traced = estimate(_spec(layout))
+        analytic = price_ranks(_spec(layout))[0]
+        assert traced.method == "trace+layout" and traced.extras["per_rank"]
+        assert traced.breakdown["workspace"] == analytic.breakdown["workspace"]
+        ratio = analytic.peak.allocated_bytes / traced.peak.allocated_bytes
+        if layout == "fsdp_tp":
+            # the analytic tier adds the next layer's all-gather overlapping on a CUDA stream
+            # and the unsharded grads before their reduce-scatter (docs/parallel.md), which a
+            # CPU run does not have: higher (+12 % here)
+            assert 1 < ratio < 1.15
+        else:  # within 3 % (docs/parallel.md's grid)
+            assert abs(ratio - 1) < 0.03, (layout, ratio)
     with pytest.raises(SpecError, match="cp"):
         estimate(TrainingSpec(model="tiny-llama", seq_len=32, parallel=ParallelSpec(
             world_size=2, cp=2)))

@@ -311,8 +311,9 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
             breakdown[key] += round_size(s.nbytes)
     assert sum(breakdown.values()) == allocated
     breakdown["context"] = CONTEXT_BYTES + NCCL_BYTES
-    # cuBLAS's workspaces, outside the allocated peak as the analytic tier counts them
-    breakdown["workspace"] = cublas_workspace(gpu)
+    # cuBLAS's two workspaces (the forward thread's and the autograd device thread's, as
+    # `trace.runner.train` adds them), outside the allocated peak as the analytic tier has them
+    breakdown["workspace"] = 2 * cublas_workspace(gpu)
     phase, iteration = tracker.phase_at(at)
     ps = spec.parallel
     params = model_tensors(spec.with_(parallel=ParallelSpec()))
