@@ -238,8 +238,10 @@ def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[.
     def run(spec: TrainingSpec, **options: object) -> Prediction:
         if spec.parallel.model_parallel:
             if single_gpu_estimate is not analytic:
-                raise SpecError("method", "trace", ("analytic",), reason="tp/cp/pp/ep layouts "
-                                "are priced per rank by the analytic tier")
+                # the trace tier runs tp / sp / FSDP2 x tp ranks (`trace_ranks`), refuses others
+                from hybridmem.parallel.trace_ranks import estimate as traced
+
+                return traced(spec, gpu=options.get("gpu"))
             from hybridmem.parallel.ranks import price_ranks
 
             return price_ranks(spec, gpu=options.get("gpu"))[0]

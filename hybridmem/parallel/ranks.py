@@ -56,6 +56,12 @@ EDGE_KINDS = {"embedding": "first", "norm": "last", "rmsnorm": "last", "lm_head"
 the rotary table is rebuilt on every stage)."""
 
 
+SEQUENCE_SHARDED = ("embedding", "norm", "rmsnorm")
+"""Non-repeated layers whose tensors sequence parallelism shards (torchtitan `apply_tp`:
+`tok_embeddings` `RowwiseParallel(output_layouts=Shard(1))`, `norm` `SequenceParallel()`); the
+`lm_head` all-gathers its input and keeps the vocabulary shard of the logits."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankAnswer:
     """One pipeline rank's priced peak (all its tp/cp/dp peers are the same)."""
@@ -177,6 +183,11 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
             if kind == "decoder_layer" and p.layer.name in acts_of:
                 step = dataclasses.replace(step, acts=_sequence_parallel(
                     acts_of[p.layer.name], step.acts, _gathered_inputs(spec, shape)))
+            elif kind in SEQUENCE_SHARDED and p.layer.name in acts_of:
+                # torchtitan's plan: the embedding's output `Shard(1)`, the final norm
+                # `SequenceParallel`; both run on the rank's seq / tp tokens
+                step = dataclasses.replace(step, acts=dataclasses.replace(
+                    acts_of[p.layer.name], cache=step.acts.cache))
             chosen.append((p, step))
     steps = [s for _, s in chosen]
     k = in_flight(ps, rank)

@@ -1,0 +1,336 @@
+"""The trace tier for tensor-parallel layouts: torch's own DTensor code, one rank at a time.
+
+A tp (optionally sequence-parallel) or FSDP2 x tp rank is run as torchtitan runs it, in this
+process, under torch's fake process group (`torch.testing._internal.distributed.fake_pg`: every
+collective returns at once, its output allocated with the right shape): the HF model is built
+on fake (or, for tests, real CPU) tensors, `parallelize_module` applies torchtitan's plan
+(`torchtitan/models/llama3/infra/parallelize.py::apply_tp`), `fully_shard` wraps each decoder
+layer and the root over the data-parallel sub-mesh (`apply_fsdp`), and two training iterations
+run (forward with HF's loss, backward, AdamW, `zero_grad`). The storage tracker
+(`trace.tracker`) sees each DTensor op's output by its local shard, so what it counts is what the
+rank's allocator would hold. Rank 0 is traced: DTensor's and FSDP2's uneven shards put the
+`ceil` rows on the first ranks (`torch.chunk` semantics, `_StridedShard` aside), so rank 0 is the
+highest; every other rank is the same shape or smaller.
+
+Context, pipeline and expert parallelism are not run here (the analytic tier prices them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_iter
+
+from hybridmem.allocator.overheads import CONTEXT_BYTES, cublas_workspace
+from hybridmem.errors import SpecError
+from hybridmem.gpus import GPU
+from hybridmem.job.spec import TrainingSpec
+from hybridmem.prediction import Peak, Prediction
+from hybridmem.trace.tracker import StorageTracker, round_size
+
+TRACED = "tp / sequence parallelism, with dp_shard (FSDP2) or alone"
+"""What this tier runs; cp / pp / ep layouts are refused with this line's choices."""
+
+PRECISIONS = ("fp32", "bf16", "bf16-mixed")
+"""`bf16-mixed` only with FSDP2: `MixedPrecisionPolicy(bf16, fp32)`, torchtitan's default."""
+
+ITERATIONS = 2  # as `trace.runner.ITERATIONS`: AdamW's state appears in the first step
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own tensor behind a DTensor (and behind a pending functional collective)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    t = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+class RankTracker(StorageTracker):
+    """The storage tracker, seeing through DTensors: an op on DTensors is one dispatch here
+    (DTensor's own dispatch runs its local ops below this mode), so its outputs are followed by
+    their local shards; collectives issued on local tensors (redistributes) are seen as ops."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            # wait_tensor returns its input (`_c10d_functional` CPU/CUDA kernels); the fake
+            # kernel makes a new tensor, whose storage would be counted twice
+            return args[0]
+        for t in tree_iter(out):
+            if isinstance(t, torch.Tensor):
+                sid = self.track(_local(t).untyped_storage())
+                if sid is not None and self.storages[sid].op is None:
+                    self.storages[sid].op = func
+        return out
+
+
+def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
+    """torchtitan's tensor-parallel plan (`apply_tp`) on an HF Llama-shaped model: q/k/v and
+    gate/up `ColwiseParallel`, o and down `RowwiseParallel`, the embedding `RowwiseParallel`, the
+    `lm_head` `ColwiseParallel` left vocabulary-sharded for the parallel loss; with
+    sequence parallelism the norms are `SequenceParallel` and each block's input is
+    all-gathered (`PrepareModuleInput` -> `Replicate`), the row-parallel outputs `Shard(1)`."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    for layer in model.model.layers:
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
+        if sequence_parallel:
+            plan.update({
+                "input_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),))})
+        parallelize_module(layer, mesh, plan)
+    top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+           # loss parallel (torchtitan's default, `disable_loss_parallel = false`): the logits
+           # stay vocabulary-sharded DTensors and the cross entropy runs on the shards
+           "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                      use_local_output=False)}
+    if sequence_parallel:
+        top["model.norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+
+
+def refusal(spec: TrainingSpec) -> SpecError | None:
+    """The layouts and jobs this tier does not run, as one-line errors."""
+    ps = spec.parallel
+    for name in ("cp", "pp", "ep", "dp_replicate"):
+        if getattr(ps, name) > 1:
+            return SpecError(name, getattr(ps, name), (1,), reason="the trace tier runs "
+                             f"{TRACED}; use --method analytic for this layout")
+    if ps.data_shard > 1 and ps.strategy != "fsdp":
+        return SpecError("strategy", ps.strategy, ("fsdp",), reason="the trace tier shards "
+                         "tp x dp layouts with FSDP2 (torchtitan's)")
+    if spec.precision not in PRECISIONS or (spec.precision == "bf16-mixed"
+                                            and ps.data_shard == 1):
+        return SpecError("precision", spec.precision, PRECISIONS[:2] if ps.data_shard == 1
+                         else PRECISIONS, reason="the trace tier's tp ranks run one dtype "
+                         "(bf16-mixed: FSDP2's MixedPrecisionPolicy)")
+    if spec.train != "full" or spec.grad_ckpt or spec.optimizer != "adamw":
+        return SpecError("method", "trace", ("analytic",), reason="the trace tier's tp ranks "
+                         "run full training with AdamW, no checkpointing")
+    return None
+
+
+@dataclass
+class RankTrace:
+    """One traced rank: its tracker and the bytes counted from its tensors."""
+
+    tracker: RankTracker
+    param: int = 0
+    grad: int = 0
+    optimizer: int = 0
+    layer_saved: list[int] = field(default_factory=list)
+    """Unique storages autograd saves while each decoder layer runs, parameters excluded."""
+
+    def peak(self, rounded: bool = True) -> tuple[int, int]:
+        """(peak allocated bytes, event index); CUDA's 512 B rounding unless `rounded=False`."""
+        curve = self.tracker.live_curve(rounded=rounded)
+        at = int(curve.argmax())
+        return int(curve[at]), at
+
+
+@contextlib.contextmanager
+def _real_meshes():
+    """FSDP2 x tp joins the two sub-meshes (`FSDPParam._init_sharding_spec_tp` ->
+    `DeviceMesh._concatenate`), which computes on the rank table's values: done on real tensors,
+    outside the fake mode (a mesh's rank table is host data, no device memory)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh._concatenate
+
+    def concatenate(meshes):
+        with unset_fake_temporarily():
+            return original(meshes)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original
+
+
+@contextlib.contextmanager
+def _fake_world(rank: int, world: int):
+    """torch's fake process group for this process, torn down afterwards."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise SpecError("method", "trace", ("analytic",), reason="a process group is already "
+                        "initialised in this process; the trace tier needs its own fake one")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_rank(spec: TrainingSpec, rank: int = 0, backend: str = "fake") -> RankTrace:
+    """Run `spec`'s tp / FSDP2 x tp rank `rank` on `backend` ("fake" or "real" CPU tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridmem.models.loader import load_config
+
+    refused = refusal(spec)
+    if refused is not None:
+        raise refused
+    ps = spec.parallel
+    dp, tp = ps.data_shard, ps.tp
+    config = load_config(spec.model)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if backend == "fake" else contextlib.nullcontext()
+    with _fake_world(rank, dp * tp), _real_meshes():
+        # the mesh reads its rank table's values: built on real tensors, before the fake mode
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        return _traced(spec, config, (mesh["dp"], mesh["tp"]), mode)
+
+
+def _traced(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from hybridmem.trace.inputs import make_batch
+    from hybridmem.trace.model import build_model
+
+    ps = spec.parallel
+    dp_mesh, tp_mesh = meshes
+    with mode:
+        built = spec.with_(precision="fp32") if spec.precision == "bf16-mixed" else spec
+        model = build_model(built, config)
+        apply_tp(model, tp_mesh, ps.sequence_parallel)
+        if ps.data_shard > 1:
+            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if spec.precision == "bf16-mixed" else MixedPrecisionPolicy())
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        batch = make_batch(spec, config, model, torch.float32)[0]
+        ids = batch["input_ids"]
+        if ps.sequence_parallel:  # the local sequence shard cannot derive the positions
+            batch["position_ids"] = torch.arange(ids.shape[1])[None].expand_as(ids)
+        # foreach (`--optimizer adamw`) needs every param a DTensor: FSDP2 makes the norms
+        # ones; under tp alone they are plain tensors and AdamW runs per parameter
+        foreach = all(hasattr(p, "_local_tensor") for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+        return _run(model, opt, batch, RankTracker())
+
+
+def _run(model, opt, batch: dict, tracker: RankTracker) -> RankTrace:
+    """Two iterations of the training step, everything labelled as `trace.runner` labels it."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    out = RankTrace(tracker)
+    current, seen, saved = [None], set(), {}
+
+    def pack(t):
+        # storages are told apart by the tracker's ids (a fake storage has no data pointer)
+        x = _local(t)
+        tracker.label(x, "activation")
+        sid = tracker.track(x.untyped_storage())
+        if current[0] is not None and sid is not None and sid not in seen \
+                and tracker.storages[sid].category != "param":
+            seen.add(sid)
+            saved[current[0]] = saved.get(current[0], 0) + tracker.storages[sid].nbytes
+        return t
+
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
+        hooks.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    count = lambda ts: sum(_local(t).numel() * _local(t).element_size() for t in ts)  # noqa: E731
+    with tracker:
+        for p in model.parameters():
+            tracker.label(_local(p), "param")
+        for b in model.buffers():
+            tracker.label(_local(b), "param")
+        for t in batch.values():
+            tracker.label(t, "activation")
+        for it in range(ITERATIONS):
+            tracker.mark("forward", it)
+            # torchtitan's train context: forward, loss and backward inside `loss_parallel`
+            with loss_parallel():
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = model(**batch).loss
+                tracker.mark("backward", it)
+                loss.backward()
+                del loss
+            for p in model.parameters():
+                if p.grad is not None:
+                    tracker.label(_local(p.grad), "grad")
+            if it == 0:
+                out.layer_saved = [saved[i] for i in sorted(saved)]
+                out.param = count(model.parameters())
+                out.grad = count(p.grad for p in model.parameters() if p.grad is not None)
+            tracker.mark("optimizer", it)
+            opt.step()
+            for state in opt.state.values():
+                for k, v in state.items():
+                    if k != "step" and isinstance(v, torch.Tensor):
+                        tracker.label(_local(v), "optimizer")
+                    elif isinstance(v, torch.Tensor):  # AdamW's scalar steps stay on the host
+                        tracker.label(_local(v), "host")
+            if it == 0:
+                out.optimizer = count(v for s in opt.state.values()
+                                      for k, v in s.items() if k != "step")
+            opt.zero_grad(set_to_none=True)
+            current[0] = None
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
+    """The trace tier's answer for a tp / FSDP2 x tp `spec`: rank 0's traced peak."""
+    from hybridmem.parallel.phases import NCCL_BYTES
+    from hybridmem.parallel.ranks import layout_dict, layout_text
+    from hybridmem.parallel.states import model_tensors
+    from hybridmem.job.parallel import ParallelSpec
+
+    traced = trace_rank(spec)
+    tracker = traced.tracker
+    allocated, at = traced.peak()
+    breakdown = dict.fromkeys(("param", "grad", "optimizer", "activation", "temporary",
+                               "workspace", "context", "fragmentation"), 0)
+    for s in tracker.live_at(at):
+        if s.category not in ("host", "paged"):
+            key = s.category if s.category in breakdown else "temporary"
+            breakdown[key] += round_size(s.nbytes)
+    assert sum(breakdown.values()) == allocated
+    breakdown["context"] = CONTEXT_BYTES + NCCL_BYTES
+    # cuBLAS's two workspaces (the forward thread's and the autograd device thread's, as
+    # `trace.runner.train` adds them), outside the allocated peak as the analytic tier has them
+    breakdown["workspace"] = 2 * cublas_workspace(gpu)
+    phase, iteration = tracker.phase_at(at)
+    ps = spec.parallel
+    params = model_tensors(spec.with_(parallel=ParallelSpec()))
+    peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated,
+                device_bytes=sum(breakdown.values()), phase=phase, iteration=iteration)
+    notes = (f"per rank of {ps.world_size} GPUs: {layout_text(ps)}",
+             "traced: torch's parallelize_module (torchtitan's plan)"
+             + (" and fully_shard" if ps.data_shard > 1 else "")
+             + " under the fake process group, rank 0 (DTensor and FSDP2 put the uneven "
+             "shards' extra rows on the first ranks, so rank 0 is the highest)",
+             "fragmentation is not replayed per model-parallel rank (reserved = allocated)",
+             f"NCCL buffers outside PyTorch: nominal {NCCL_BYTES >> 20} MiB in context")
+    extras = {"world_size": ps.world_size, "strategy": ps.strategy, "per_rank": True,
+              "layout": layout_dict(ps), "highest_rank": 0,
+              "layer_saved": traced.layer_saved}
+    return Prediction(
+        model=spec.model, method="trace+layout", params_total=params.params,
+        params_trainable=params.trainable, breakdown=breakdown, peak=peak, notes=notes,
+        extras=extras, modules=(), gpu_name=gpu.name if gpu else None,
+        gpu_memory_bytes=gpu.memory_bytes if gpu else None)
