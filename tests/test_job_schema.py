@@ -52,7 +52,7 @@ def test_added_defaults_keep_old_spec_hashes():
         "sampler": "random", "seed": 42, "max_steps": 0, "drop_last": False,
         "objective": "sft", "ref_model": None, "beta": None,
         "num_generations": 8, "max_prompt_length": None, "max_completion_length": None,
-        "vllm_gpu_memory_utilization": 0.0,
+        "num_iterations": 1, "vllm_gpu_memory_utilization": 0.0,
         "tp": 1, "sequence_parallel": False, "cp": 1, "pp": 1, "pp_schedule": "1f1b",
         "pp_virtual_stages": 1, "pp_microbatches": None, "ep": 1, "dp_replicate": 1,
         "dp_shard": None, "loss": None, "target_regex": None, "trainer": "transformers"}
