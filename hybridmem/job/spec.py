@@ -572,7 +572,7 @@ class TrainingSpec:
         "[docs/objectives.md](docs/objectives.md)")
     """Training objective (`hybridmem.job.objective`): sft, dpo, orpo, kto, rm or grpo."""
     trainer: str = job_field(
-        "transformers", help="Who runs SFT: transformers' Trainer or TRL's SFTTrainer.",
+        "transformers", help="SFT by Trainer or SFTTrainer (TRL).",
         group="objective", choices=TRAINERS, added=52,
         keys={"training_args": ("dataset_text_field", "completion_only_loss",
                                 "assistant_only_loss", "dataset_kwargs")},

@@ -75,6 +75,12 @@ def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tupl
 def note(spec, model_type: str, applies: bool) -> str | None:
     if not applies:
         return rules.liger_note(model_type)
+    from hybridmem.techniques import _trl_head
+
+    if _trl_head(spec):
+        return ("liger: RMSNorm, SwiGLU, RoPE as liger-kernel 0.8.5's kernels allocate; the head "
+                "is TRL's own fused LM head (its trainers turn Liger's fused linear "
+                "cross-entropy off under use_liger_kernel; docs/loss.md)")
     return ("liger: fused linear cross-entropy (no logits; grad_input and grad_weight made in "
             "the forward), RMSNorm, SwiGLU, RoPE as liger-kernel 0.8.5's kernels allocate "
             "(docs/loss.md); RMSNorm's (sm_count x H) dW partials are not counted")
@@ -82,6 +88,12 @@ def note(spec, model_type: str, applies: bool) -> str | None:
 
 def install(model, spec, config) -> str | None:
     from hybridmem.job import liger
+    from hybridmem.techniques import _trl_head
+
+    if spec.objective != "sft" and _trl_head(spec):
+        raise SpecError("liger", True, [False], reason=f"the trace tier does not run Liger's "
+                        f"layer kernels beside TRL's fused head ({spec.objective}): use "
+                        "--method analytic")
 
     text_cfg = getattr(config, "text_config", None)
     text = rules.liger_text_type(config.model_type, getattr(text_cfg, "model_type", None))
