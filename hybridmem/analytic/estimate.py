@@ -352,7 +352,7 @@ def timeline(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     """The graph, every priced layer and every timeline point of two iterations; `workspace`:
     bytes of one cuBLAS workspace (`overheads.cublas_workspace`)."""
     spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
-    graph, priced, st = _setup(spec, workspace)
+    graph, priced, st = setup(spec, workspace)
     return graph, priced, walk([p.step for p in priced], st)
 
 
@@ -366,9 +366,13 @@ def _config_key(model: str) -> str:
     return json.dumps(load_config_dict(model)[1], sort_keys=True, default=str)
 
 
-def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
+def setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
            ) -> tuple[ModelGraph, list[Priced], Statics]:
-    """The graph, the priced layers and the statics of `spec`, cached per (spec, workspace,
+    """The analytic tier's public pricing entry: the graph, the priced layers (`Priced`: each
+    layer's states and activation step) and the statics (`Statics`: the job-wide bytes) of
+    `spec`. The sharding layer (`parallel.stream`, `parallel.ranks`) prices a rank's narrow
+    or single-GPU spec through it and rewrites the result, so it is part of the tier's API,
+    not an internal. Cached per (spec, workspace,
     model config): one answer prices the same spec several times (its timeline, its replayed
     stream, the micro-batch search, `--gpu`'s advice). Callers do not mutate what it returns
     (frozen records in a list)."""
@@ -433,7 +437,7 @@ def _loop(graph: ModelGraph, spec: TrainingSpec, stepped) -> dict:
 
 def _events(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> list[tuple]:
     """The approximate alloc/free stream of two iterations of `spec` (`events.py`)."""
-    _, priced, st = _setup(spec, workspace)
+    _, priced, st = setup(spec, workspace)
     return build_events(priced, spec, st)
 
 
@@ -448,14 +452,14 @@ def stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
 @lru_cache(maxsize=8)  # a stream holds ~10^4-10^5 events: a handful of micro-batches' worth
 def _stream_cached(spec: TrainingSpec, workspace: int, config_key: str
                    ) -> tuple[list[tuple], list[tuple[int, str, int]]]:
-    _, priced, st = _setup(spec, workspace)
+    _, priced, st = setup(spec, workspace)
     marks: list[tuple[int, str, int]] = []
     return build_events(priced, spec, st, marks=marks), marks
 
 
 def _measure(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> tuple[int, list[tuple]]:
     """(closed-form allocated peak, event stream) of `spec`, for `reserved.envelope`."""
-    _, priced, st = _setup(spec, workspace)
+    _, priced, st = setup(spec, workspace)
     points = walk([p.step for p in priced], st)
     return peak(points).allocated, stream(spec, workspace)[0]
 
@@ -466,7 +470,7 @@ def shape_stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     (event index, phase, iteration)): what `hybridmem.batches.run` composes per batch shape.
     The stream is the cached one (`stream`): callers read it, never change it."""
     spec = resolved(spec)
-    _, priced, st = _setup(spec, workspace)
+    _, priced, st = setup(spec, workspace)
     events, marks = stream(spec, workspace)
     return peak(walk([p.step for p in priced], st)).allocated, events, marks
 
@@ -512,7 +516,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     paged = sum(p.states.paged for p in priced)
     breakdown["context"] = CUDA_CONTEXT_DEFAULT + paged
     modules = _modules(graph, priced)
-    st = _setup(spec, ws)[2] if spec.objective != "sft" else None
+    st = setup(spec, ws)[2] if spec.objective != "sft" else None
     ref_line = objectives.reference_module(priced, spec) if st else None
     modules += (ref_line,) if ref_line is not None else ()
     gen_line = objectives.generation_module(spec)  # GRPO's generated ids
