@@ -215,14 +215,14 @@ def apply_loss(model: nn.Module, spec: TrainingSpec, config, device) -> None:
     trace tier's emulated kernels (`trace.model.apply_loss`), RoPE patched for the rest of this
     (one-job) process as Liger's own patch is."""
     from hybridmem import techniques
-    from hybridmem.job import liger
+    from hybridmem.techniques.liger_kernels import rope_patched
 
     if device.type != "cuda":
         from hybridmem.trace.model import apply_loss as emulated
 
         text = emulated(model, spec, config)
         if text is not None:
-            liger.rope_patched(text).__enter__()  # noqa: SIM115 - process-wide, as Liger's
+            rope_patched(text).__enter__()  # noqa: SIM115 - process-wide, as Liger's
         return
     try:
         techniques.apply_real(model, spec)

@@ -424,7 +424,7 @@ class TrainingSpec:
         "no logits; RMSNorm, SwiGLU, RoPE; llama / mistral / qwen2 / LLaVA text models); not "
         "with `--chunked-ce`. [docs/loss.md](docs/loss.md)")
     """Liger kernels as transformers' `use_liger_kernel=True` applies them (fused linear
-    cross-entropy, RMSNorm, SwiGLU, RoPE; `hybridmem.job.loss`)."""
+    cross-entropy, RMSNorm, SwiGLU, RoPE; `hybridmem.techniques.liger`)."""
     chunked_ce: int = job_field(
         0, help="Chunked cross-entropy (torchtune) in N chunks; 0 = off.",
         group="savers", unit="chunks", feature=True, added=15, recorded="int64",
@@ -440,7 +440,7 @@ class TrainingSpec:
         "`cut-cross-entropy`): no logits, only the log-sum-exp per token; bf16 / fp16 weights; "
         "llama / mistral / qwen2 / LLaVA. Not with `--liger` or `--chunked-ce`. Both tiers and "
         "the harness; [docs/loss.md](docs/loss.md)")
-    """Cut Cross-Entropy (`hybridmem.job.cce`): the loss from the hidden states and
+    """Cut Cross-Entropy (`hybridmem.techniques.cce`): the loss from the hidden states and
     lm_head.weight without (N, V) logits."""
     offload_activations: str = job_field(
         "none", help="Activation offload.", group="savers",

@@ -22,8 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from hybridmem.errors import SpecError
 from hybridmem.job.checkpointing import enable_checkpointing
 from hybridmem.job import offload, optim_in_backward
-from hybridmem.job.liger import rope_patched
-from hybridmem.job.loss import liger_note
+from hybridmem.techniques.liger import liger_note
+from hybridmem.techniques.liger_kernels import rope_patched
 from hybridmem.families import family
 from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, empty_cache_at

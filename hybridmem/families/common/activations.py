@@ -64,11 +64,11 @@ class Ctx:
     """`hybridmem.job.quantize.Quant` of a quantised base (`--quantize`), else None."""
     liger: bool = False
     """Liger's kernels replace RMSNorm, SwiGLU, RoPE and the lm_head + loss (`--liger`, on a
-    model type Liger patches; `hybridmem.job.loss`)."""
+    model type Liger patches; `hybridmem.techniques.liger`)."""
     ce_chunks: int = 0
     """torchtune's chunked cross-entropy in N chunks (`--chunked-ce N`); 0 = HF's loss."""
     cce: bool = False
-    """Cut Cross-Entropy replaces the lm_head + loss (`--cut-cross-entropy`; `job.cce`)."""
+    """Cut Cross-Entropy replaces the lm_head + loss (`--cut-cross-entropy`; `techniques.cce`)."""
     head: object = None
     """A technique module whose `head_tensors` replace the lm_head + loss (`hybridmem.techniques
     .head_of`: Liger's fused preference losses), else None."""

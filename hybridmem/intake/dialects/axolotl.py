@@ -192,7 +192,7 @@ ATTN_FLAGS: dict[str, str] = {"flash_attention": "flash_attention_2", "sdp_atten
 ATTN_NAMES: dict[str, str] = {"flash_attention_2": "flash_attention_2", "flash": "flash_attention_2",
                               "sdpa": "sdpa", "sdp": "sdpa", "eager": "eager"}
 # liger plugin args (integrations/liger/args.py) -> Liger's kernel flags
-# (`hybridmem.job.loss.LIGER_DEFAULTS`); `liger_swiglu` is glu_activation's old name
+# (`hybridmem.techniques.liger.LIGER_DEFAULTS`); `liger_swiglu` is glu_activation's old name
 LIGER: dict[str, str] = {"liger_rope": "rope", "liger_rms_norm": "rms_norm",
                          "liger_glu_activation": "swiglu", "liger_swiglu": "swiglu",
                          "liger_cross_entropy": "cross_entropy",
@@ -451,7 +451,7 @@ def _savers(cfg: dict, out: Layer, where: str) -> None:
             out.set("attn", ATTN_NAMES[str(cfg[key])], key)
     given = {LIGER[k]: flag(f"{where}: {k}", cfg[k]) for k in LIGER if k in cfg}
     if any(given.values()):
-        from hybridmem.job.loss import LIGER_DEFAULTS, check_liger_config
+        from hybridmem.techniques.liger import LIGER_DEFAULTS, check_liger_config
 
         # the plugin applies only the kernels set true: Liger's default set is priced
         check_liger_config({k: given.get(k, False) for k in LIGER_DEFAULTS}, f"{where}: liger")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
-from hybridmem.job.loss import check_liger_config
+from hybridmem.techniques.liger import check_liger_config
 from hybridmem.jsonfile import read_json_object
 from hybridmem.intake import config_keys
 from hybridmem.intake.readers import fsdp as fsdp_config
@@ -437,7 +437,7 @@ def _empty_cache_steps(args: dict, out: dict) -> None:
 def _liger(args: dict, out: dict) -> None:
     """`use_liger_kernel` (+ `liger_kernel_config`): TrainingArguments fields that TRL's
     SFTConfig inherits; Trainer applies Liger with them (transformers `integrations/liger.py`).
-    Only Liger's default kernel set is priced (`job.loss.check_liger_config`)."""
+    Only Liger's default kernel set is priced (`techniques.liger.check_liger_config`)."""
     if args.get("use_liger_kernel") is None:
         if args.get("liger_kernel_config"):
             raise SpecError("training_args.liger_kernel_config", args["liger_kernel_config"],
