@@ -18,7 +18,6 @@ from functools import lru_cache
 from hybridmem.analytic import objectives, offloaded, packed, sac, scope
 from hybridmem.job import objective as objective_rules
 from hybridmem.families.common import activations as A
-from hybridmem.job import packing
 from hybridmem.allocator.alloc import t
 from hybridmem.families import family, layer_kind
 from hybridmem.analytic.events import MLP_ALL, build as build_events
@@ -46,6 +45,7 @@ from hybridmem.errors import SpecError
 from hybridmem.environment import installed
 from hybridmem.gpus import GPU
 from hybridmem.job.quantize import quant_of
+from hybridmem import techniques
 from hybridmem.techniques import Technique, head_of, loss_of
 from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
@@ -386,10 +386,10 @@ def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
     refused = scope.refusal(spec)  # PEFT methods, families and MoE settings it does not price
     if refused is not None:
         raise refused
-    graph = build_graph(packing.one_row(spec) if spec.packing
-                        else objectives.graph_spec(spec))  # job.packing, job.objective
+    g = techniques.graph_spec(spec)  # packing's one row (techniques.packing)
+    graph = build_graph(g if g is not spec else objectives.graph_spec(spec))  # job.objective
     graph = objectives.with_score_head(graph, spec)  # the reward model's (1, hidden) head
-    packing.check_model(spec, graph.vision_batch)
+    techniques.check_batch(spec, graph.vision_batch)
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
     priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
     priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)
@@ -538,7 +538,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
                   iteration=top.iteration),
         breakdown=breakdown, modules=modules, paged_bytes=paged,
         notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + offloaded.notes(priced, spec)
-        + ((packing.note(spec),) if spec.packing else ())
+        + techniques.notes(spec)  # packing's (techniques.packing)
         + ((objective_rules.note(spec),) if spec.objective != "sft" else ())
         + ((objective_rules.VLLM_WITHOUT_GPU,)
            if spec.vllm_gpu_memory_utilization and gpu is None else ())

@@ -465,7 +465,7 @@ class TrainingSpec:
         "block-diagonal L x L mask (and loses GQA-in-SDPA), eager's scores are quadratic in the "
         "packed length, flash_attention_2 runs varlen. Text-only. Both tiers and the harness; "
         "[docs/savers.md](docs/savers.md)")
-    """Padding-free packed batches (TRL `padding_free` / `packing`; `hybridmem.job.packing`):
+    """Padding-free packed batches (TRL `padding_free` / `packing`; `hybridmem.techniques.packing`):
     the micro-batch's sequences in one row with restarting position ids, no padding."""
     peft_config: str | None = job_field(
         None, help="Canonical JSON of a non-LoRA PEFT adapter config (from --peft-config).",
@@ -706,8 +706,6 @@ class TrainingSpec:
         optim_in_backward.check(self)
         from hybridmem.job import offload_rules  # likewise (torch-free)
         offload_rules.check(self)
-        from hybridmem.job import packing
-        packing.check(self)
         from hybridmem.job import batching
         batching.check(self)
         if self.train == "peft" and not self.peft_config:

@@ -95,6 +95,38 @@ def head_of(spec, loss: Technique | None = None) -> Technique | None:
     return loss if loss is not None and hasattr(loss, "head_tensors") else None
 
 
+def graph_spec(spec):
+    """The spec the model graph and the batch are built for: an asked-for technique's
+    (`graph_spec`, e.g. packing's one row), else `spec` itself."""
+    for technique in active(spec):
+        if hasattr(technique, "graph_spec"):
+            return technique.graph_spec(spec)
+    return spec
+
+
+def check_batch(spec, images: int) -> None:
+    """Every asked-for technique's refusals of the batch (`images`: image inputs per sample)."""
+    for technique in active(spec):
+        if hasattr(technique, "check_batch"):
+            technique.check_batch(spec, images)
+
+
+def batch_inputs(spec, device=None) -> dict:
+    """The tensors the asked-for techniques add to the batch (packing's `position_ids`)."""
+    out: dict = {}
+    for technique in active(spec):
+        if hasattr(technique, "batch_inputs"):
+            out.update(technique.batch_inputs(spec, device))
+    return out
+
+
+def notes(spec) -> tuple[str, ...]:
+    """The notes of the asked-for techniques off any axis that do not replace the head (the
+    head's and the loss axis's note is the tier's own, `head_of` / `loss_of`)."""
+    return tuple(m.note(spec, None, True) for m in active(spec)
+                 if m.AXIS is None and not hasattr(m, "head_tensors"))
+
+
 def active(spec) -> list[Technique]:
     """The techniques the job asks for."""
     return [m for m in TECHNIQUES.values() if m.active(spec)]

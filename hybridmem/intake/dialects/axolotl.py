@@ -370,7 +370,7 @@ def _batch(cfg: dict, out: Layer, where: str) -> None:
     config.py: sequence_len 512. `sample_packing` packs samples into each of the micro-batch's
     rows of sequence_len tokens (utils/samplers/multipack.py `MultipackBatchSampler`, the
     collator's position ids restarting per sample: utils/collators/batching.py
-    `V2BatchSamplerDataCollatorForSeq2Seq`): the job's `packing` (`job.packing`: the
+    `V2BatchSamplerDataCollatorForSeq2Seq`): the job's `packing` (`techniques.packing`: the
     micro-batch's tokens with per-sample position ids). With flash-attention varlen that is
     the same memory; sdpa / eager build one mask per row, which `packing` prices over all the
     micro-batch's tokens (an upper bound, warned)."""

@@ -263,7 +263,7 @@ def _offloading(args: dict, out: dict) -> None:
 @converts("training_args", "padding_free", "packing")
 def _packing(args: dict, out: dict) -> None:
     """TRL SFTConfig `padding_free` / `packing` (sft_trainer.py: packing, or padding_free, makes
-    the collator `DataCollatorForLanguageModeling(padding_free=True)`; hybridmem.job.packing)."""
+    the collator `DataCollatorForLanguageModeling(padding_free=True)`; hybridmem.techniques.packing)."""
     for key in ("padding_free", "packing"):
         if args.get(key) is not None and _flag(f"training_args.{key}", args[key]):
             out["spec"]["packing"] = True
