@@ -306,7 +306,7 @@ def _logit_parts(extra: list[int], logits: int) -> list[int]:
 
 
 def _stepper(s: Stream, priced, optimizer: str, iteration: int):
-    """Optimizer-in-backward (`hybridmem.job.optim_in_backward`): `step(i, keys)` steps the
+    """Optimizer-in-backward (`hybridmem.techniques.optim_in_backward`): `step(i, keys)` steps the
     layer's parameters whose grads `keys` were just made, one at a time: its state (iteration 0,
     made by the first step), one parameter's temporaries, then `zero_grad` frees the grad."""
     made: set[int] = set()

@@ -278,12 +278,12 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
     # fp32 master copies of the trainable bf16 params; the optimizer steps on them
     masters = ([p.detach().float().requires_grad_(True) for p in params]
                if spec.precision == "bf16-master" else [])
-    if spec.optimizer_in_backward:  # torchtune's hooks: one optimizer per parameter
-        from hybridmem.job import optim_in_backward
+    from hybridmem import techniques
 
-        optimizer = optim_in_backward.make(
-            params, lambda ps: make_optimizer(spec.optimizer, ps, device=device))
-    else:
+    # optimizer-in-backward: torchtune's hooks, one optimizer per parameter
+    optimizer = techniques.optimizer(
+        spec, params, lambda ps: make_optimizer(spec.optimizer, ps, device=device))
+    if optimizer is None:
         optimizer = lorafa if lorafa is not None else make_optimizer(
             spec.optimizer, masters or params, device=device)
     scaler = torch.amp.GradScaler(device.type) if spec.precision == "fp16-mixed" else None

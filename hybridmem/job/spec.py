@@ -406,7 +406,7 @@ class TrainingSpec:
         "> 0, `lora-fa`, `fp16-mixed`, `bf16-master` and any multi-GPU strategy. Both tiers "
         "and the harness; [docs/savers.md](docs/savers.md)")
     """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
-    `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
+    `hybridmem.techniques.optim_in_backward`): gradients are never all alive at once."""
     loss: str | None = job_field(
         None, help="Loss replacement (--liger, --chunked-ce N, --cut-cross-entropy are its shorthands).",
         group="savers", choices=techniques.LOSS_CHOICES, added=50,
@@ -700,10 +700,6 @@ class TrainingSpec:
                 or self.empty_cache_steps < 0:
             raise SpecError("empty_cache_steps", self.empty_cache_steps,
                             reason="must be a non-negative integer (0 = never)")
-        if not isinstance(self.optimizer_in_backward, bool):
-            raise SpecError("optimizer_in_backward", self.optimizer_in_backward, [True, False])
-        from hybridmem.job import optim_in_backward  # its clashes, stated once there
-        optim_in_backward.check(self)
         from hybridmem.job import offload_rules  # likewise (torch-free)
         offload_rules.check(self)
         from hybridmem.job import batching

@@ -123,8 +123,19 @@ def batch_inputs(spec, device=None) -> dict:
 def notes(spec) -> tuple[str, ...]:
     """The notes of the asked-for techniques off any axis that do not replace the head (the
     head's and the loss axis's note is the tier's own, `head_of` / `loss_of`)."""
-    return tuple(m.note(spec, None, True) for m in active(spec)
-                 if m.AXIS is None and not hasattr(m, "head_tensors"))
+    said = (m.note(spec, None, True) for m in active(spec)
+            if m.AXIS is None and not hasattr(m, "head_tensors"))
+    return tuple(n for n in said if n is not None)
+
+
+def optimizer(spec, params: list, build, step=None):
+    """The optimizer an asked-for technique builds over `params` in place of `build(params)`
+    (optimizer-in-backward's per-parameter hooks; `step(opt)` replaces `opt.step()`), else
+    None: the caller builds its own."""
+    for technique in active(spec):
+        if hasattr(technique, "optimizer"):
+            return technique.optimizer(params, build, step)
+    return None
 
 
 def active(spec) -> list[Technique]:

@@ -21,7 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hybridmem.errors import SpecError
 from hybridmem.job.checkpointing import enable_checkpointing
-from hybridmem.job import offload, optim_in_backward
+from hybridmem import techniques
+from hybridmem.job import offload
+from hybridmem.techniques import optim_in_backward
 from hybridmem.techniques.liger import liger_note
 from hybridmem.techniques.liger_kernels import rope_patched
 from hybridmem.families import family
@@ -120,11 +122,11 @@ def prepare(spec: TrainingSpec, config) -> Job:
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in trainable]
     masters = _master_copies(params) if spec.precision == "bf16-master" else []
-    if spec.optimizer_in_backward:  # one optimizer per parameter, stepped in its grad hook
-        optimizer = optim_in_backward.make(masters or params,
-                                           lambda ps: make_optimizer(spec.optimizer, ps),
-                                           step=_stepped_as_on_cuda)
-    else:
+    # optimizer-in-backward: one optimizer per parameter, stepped in its grad hook
+    optimizer = techniques.optimizer(spec, masters or params,
+                                     lambda ps: make_optimizer(spec.optimizer, ps),
+                                     step=_stepped_as_on_cuda)
+    if optimizer is None:
         optimizer = lorafa if lorafa is not None else make_optimizer(spec.optimizer,
                                                                      masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
