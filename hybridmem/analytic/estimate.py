@@ -350,8 +350,8 @@ def _master_grads(priced: list[Priced], spec: TrainingSpec) -> int:
 def timeline(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
              ) -> tuple[ModelGraph, list[Priced], list[Point]]:
     """The graph, every priced layer and every timeline point of two iterations; `workspace`:
-    bytes of one cuBLAS workspace (`overheads.cublas_workspace`)."""
-    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
+    bytes of one cuBLAS workspace (`overheads.cublas_workspace`); `setup` fills the model's
+    defaults (the walk reads only what it returns)."""
     graph, priced, st = setup(spec, workspace)
     return graph, priced, walk([p.step for p in priced], st)
 
