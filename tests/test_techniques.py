@@ -14,7 +14,7 @@ from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
 from hybridmem.techniques.protocol import REQUIRED
 
-SHARED = {"protocol", "kernels", "liger_kernels"}  # helpers, not techniques
+SHARED = {"protocol", "kernels", "liger_kernels", "offload_hooks"}  # helpers, not techniques
 
 
 def tiny(**kw) -> TrainingSpec:

@@ -42,7 +42,8 @@ class Job:
     outputs: object | None = None
     """The output object `loop="custom"` holds: the last forward's, until the next returns."""
     offload: object | None = None
-    """TRL's activation-offloading context (`spec.offload_activations == "all"`), else None."""
+    """The context each forward runs in (`techniques.loop_context`: TRL's activation
+    offloading for `offload_activations="all"`), else None."""
     ref: nn.Module | None = None
     """The separate reference model of an objective beyond SFT (`trace.objectives`)."""
     fused: bool = False
@@ -198,13 +199,9 @@ def build_trainable(spec: TrainingSpec, config, device,
     if spec.grad_ckpt:
         from hybridmem.job.checkpointing import enable_checkpointing
         enable_checkpointing(model, spec)  # the trace tier's call, incl. --grad-ckpt-policy
-        if spec.offload_activations == "ckpt-inputs" and torch.device(device).type != "cuda":
-            # transformers' save_on_cpu(pin_memory=True) raises without an accelerator (torch
-            # CPU build): the CPU stand-in runs the trace tier's port instead
-            from hybridmem.job import offload
+        from hybridmem import techniques
 
-            c = offload.Copies()
-            offload.enable_ckpt_offload(model, lambda: offload.SaveOnHost(c.to_host, c.to_device))
+        techniques.checkpointed(model, spec, torch.device(device).type)  # ckpt-inputs' port
     return model
 
 
@@ -288,10 +285,7 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
             spec.optimizer, masters or params, device=device)
     scaler = torch.amp.GradScaler(device.type) if spec.precision == "fp16-mixed" else None
     job = Job(model, optimizer, batch or {}, params, masters, scaler)
-    if spec.offload_activations == "all":  # SFTTrainer's get_act_offloading_ctx_manager
-        from hybridmem.job import offload
-
-        job.offload = offload.offload_context(model, device)
+    job.offload = techniques.loop_context(model, spec, device)  # offload "all": TRL's context
     return job
 
 

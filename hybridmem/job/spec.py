@@ -15,7 +15,7 @@ from hybridmem.job.field import added_defaults, check_bounds, check_value, job_f
 from hybridmem import techniques
 from hybridmem.job.objective import OBJECTIVES, REF_MODELS, TRAINERS
 from hybridmem.job.images import normalize_image_size
-from hybridmem.job.offload_rules import MODES as OFFLOAD_MODES
+from hybridmem.techniques.offload import MODES as OFFLOAD_MODES
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.job.precision import POLICIES, PrecisionPolicy  # noqa: F401 (read as spec.POLICIES)
 from hybridmem.job.precision import AUTOCASTS, check_adapters, fold
@@ -453,7 +453,7 @@ class TrainingSpec:
         "transformers' checkpointing `offload=True` (`activation_checkpointing_kwargs.offload`: "
         "the checkpointed layers' inputs; needs `--grad-ckpt`). Both tiers and the harness; "
         "[docs/savers.md](docs/savers.md)")
-    """Saved activations kept in host memory (`hybridmem.job.offload`): `all` (TRL
+    """Saved activations kept in host memory (`hybridmem.techniques.offload`): `all` (TRL
     `activation_offloading`, the whole step) or `ckpt-inputs` (transformers' checkpointing
     `offload=True`: the checkpointed layers' inputs); `none` keeps them on the GPU."""
     packing: bool = job_field(
@@ -700,8 +700,6 @@ class TrainingSpec:
                 or self.empty_cache_steps < 0:
             raise SpecError("empty_cache_steps", self.empty_cache_steps,
                             reason="must be a non-negative integer (0 = never)")
-        from hybridmem.job import offload_rules  # likewise (torch-free)
-        offload_rules.check(self)
         from hybridmem.job import batching
         batching.check(self)
         if self.train == "peft" and not self.peft_config:

@@ -138,6 +138,24 @@ def optimizer(spec, params: list, build, step=None):
     return None
 
 
+def checkpointed(model, spec, device) -> None:
+    """The harness's patches of the asked-for techniques once checkpointing is on (activation
+    offloading's `ckpt-inputs` port on the CPU stand-in)."""
+    for technique in active(spec):
+        if hasattr(technique, "checkpointed"):
+            technique.checkpointed(model, spec, device)
+
+
+def loop_context(model, spec, device):
+    """The context each forward runs in (TRL's activation offloading), or None."""
+    for technique in active(spec):
+        if hasattr(technique, "loop_context"):
+            ctx = technique.loop_context(model, spec, device)
+            if ctx is not None:
+                return ctx
+    return None
+
+
 def active(spec) -> list[Technique]:
     """The techniques the job asks for."""
     return [m for m in TECHNIQUES.values() if m.active(spec)]

@@ -1,6 +1,7 @@
 """The sizing rules the loss techniques share with each other and with the analytic closed
 forms (`families/decoders/acts.py`): torch's `chunk`, Triton's `next_power_of_2`, Liger's FLCE
-chunk rule and RMSNorm partials, the ignore index and the causal label shift.
+chunk rule and RMSNorm partials, the ignore index and the causal label shift, TRL's activation
+offloading thresholds.
 
 Why a shared module: the technique modules are independent (pyproject.toml's "techniques are
 independent" contract), yet Liger's emulated kernels, its analytic terms, torchtune's chunked
@@ -14,6 +15,10 @@ from __future__ import annotations
 # count of an H100 SXM (NVIDIA H100 datasheet: 132 SMs), a few MiB either way
 LIGER_SM_COUNT = 132
 IGNORE_INDEX = -100  # transformers / Liger / torchtune `ignore_index` default
+# TRL get_act_offloading_ctx_manager / OffloadActivations defaults (SFTTrainer passes none),
+# read by the offloading hooks (`offload_hooks`) and the analytic tier (`analytic/offloaded.py`)
+MIN_OFFLOAD_SIZE = 1024  # bytes: `min_offload_size`, element_size() * nelement()
+MAX_FWD_STASH_SIZE = 5  # `max_fwd_stash_size`: ids a device copy outlives its offload by
 
 
 def next_power_of_2(n: int) -> int:

@@ -67,7 +67,10 @@ def adapts_lm_head(spec) -> bool:
 # `graph_spec(spec)` -> the spec the model graph and the batch are built for (`graph_spec`);
 # `check_batch(spec, images)` -> its refusals of the batch (`check_batch`; `images`: per sample);
 # `batch_inputs(spec, device)` -> tensors it adds to the batch (`batch_inputs`).
-# `optimizer(params, build, step)` -> the optimizer that replaces `build(params)` (`optimizer`).
+# `optimizer(params, build, step)` -> the optimizer that replaces `build(params)` (`optimizer`);
+# `checkpointed(model, spec, device)` -> the harness's patch once checkpointing is on
+# (`checkpointed`); `loop_context(model, spec, device)` -> a context each forward runs in, or
+# None (`loop_context`).
 # An off-axis technique's `note` is the answers' note on it, None for none (`notes`).
 # optional: `head_tensors(R, S, H, V, e, stream, param, reference) -> {"saved", "fwd",
 # "grad_in_saved": [(numel, bytes)]}`, the analytic tier's lm_head + loss where it replaces them

@@ -22,7 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from hybridmem.errors import SpecError
 from hybridmem.job.checkpointing import enable_checkpointing
 from hybridmem import techniques
-from hybridmem.job import offload
+from hybridmem.techniques import offload_hooks as offload
+from hybridmem.techniques.offload import STUCK
 from hybridmem.techniques import optim_in_backward
 from hybridmem.techniques.liger import liger_note
 from hybridmem.techniques.liger_kernels import rope_patched
@@ -352,7 +353,7 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
         job.grpo = None  # the step's generation buffers die with the step
     job.outputs = None
     if job.offloader is not None and job.offloader.tracker:
-        job.notes.append(offload.STUCK + f"{len(job.offloader.tracker)} packed tensors left, "
+        job.notes.append(STUCK + f"{len(job.offloader.tracker)} packed tensors left, "
                          "priced as TRL runs them")
 
 

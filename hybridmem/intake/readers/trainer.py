@@ -253,7 +253,7 @@ def _checkpointing(args: dict, out: dict) -> None:
 @converts("training_args", "activation_offloading")
 def _offloading(args: dict, out: dict) -> None:
     """TRL SFTConfig `activation_offloading` (trl/trainer/sft_config.py): SFTTrainer wraps each
-    training_step in get_act_offloading_ctx_manager(model) (hybridmem.job.offload "all"); it
+    training_step in get_act_offloading_ctx_manager(model) (hybridmem.techniques.offload "all"); it
     takes precedence over the checkpoint-inputs-only variant, whose inputs it offloads too."""
     if args.get("activation_offloading") is not None and _flag(
             "training_args.activation_offloading", args["activation_offloading"]):
