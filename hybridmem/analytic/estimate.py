@@ -391,7 +391,7 @@ def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
     graph = objectives.with_score_head(graph, spec)  # the reward model's (1, hidden) head
     techniques.check_batch(spec, graph.vision_batch)
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
-    priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
+    priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (techniques.sac)
     priced = offloaded.apply(priced, spec)  # activation offloading (techniques.offload)
     stepped = [s for p in priced for s in p.states.stepped]
     if not stepped:

@@ -82,7 +82,7 @@ def _check_positive(name: str, value: object) -> None:
 # (torchtitan's `selective_ac_option="N"`, torchtitan/distributed/activation_checkpoint.py
 # `_apply_layer_sac`, counts from 1 and so checkpoints blocks N-1, 2N-1, ...; not followed.)
 # `ops`: every layer, op-level selective checkpointing as torchtitan's `_apply_op_sac`
-# (hybridmem.job.sac: matmul / SDPA outputs saved, except every second mm, the rest recomputed).
+# (hybridmem.techniques.sac: matmul / SDPA outputs saved, except every second mm, the rest recomputed).
 CKPT_POLICIES: tuple[str, ...] = ("full", "every:N", "ops")
 
 

@@ -146,6 +146,15 @@ def checkpointed(model, spec, device) -> None:
             technique.checkpointed(model, spec, device)
 
 
+def checkpoint_kwargs(spec) -> dict | None:
+    """The kwargs an asked-for technique gives transformers' checkpointing (op-level SAC's
+    `context_fn`), else None: transformers' own non-reentrant default."""
+    for technique in active(spec):
+        if hasattr(technique, "checkpoint_kwargs"):
+            return technique.checkpoint_kwargs(spec)
+    return None
+
+
 def loop_context(model, spec, device):
     """The context each forward runs in (TRL's activation offloading), or None."""
     for technique in active(spec):

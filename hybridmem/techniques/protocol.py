@@ -69,7 +69,8 @@ def adapts_lm_head(spec) -> bool:
 # `batch_inputs(spec, device)` -> tensors it adds to the batch (`batch_inputs`).
 # `optimizer(params, build, step)` -> the optimizer that replaces `build(params)` (`optimizer`);
 # `checkpointed(model, spec, device)` -> the harness's patch once checkpointing is on
-# (`checkpointed`); `loop_context(model, spec, device)` -> a context each forward runs in, or
+# (`checkpointed`); `checkpoint_kwargs(spec)` -> the checkpoint's kwargs (`checkpoint_kwargs`;
+# op-level SAC's policy); `loop_context(model, spec, device)` -> a context each forward runs in, or
 # None (`loop_context`).
 # An off-axis technique's `note` is the answers' note on it, None for none (`notes`).
 # optional: `head_tensors(R, S, H, V, e, stream, param, reference) -> {"saved", "fwd",
