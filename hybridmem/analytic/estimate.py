@@ -44,7 +44,7 @@ from hybridmem.job.optimizers import paged_notes
 from hybridmem.errors import SpecError
 from hybridmem.environment import installed
 from hybridmem.gpus import GPU
-from hybridmem.job.quantize import quant_of
+from hybridmem.techniques.quantize import quant_of
 from hybridmem import techniques
 from hybridmem.techniques import Technique, head_of, loss_of
 from hybridmem.families.defaults import resolved

@@ -44,7 +44,7 @@ from hybridmem.analytic.states import state_bytes
 from hybridmem.job.precision import casts_weights
 from hybridmem.job.objective import ref_model_of
 from hybridmem.job.optimizers import rule
-from hybridmem.job.quantize import quant_of
+from hybridmem.techniques.quantize import quant_of
 from hybridmem.job.spec import POLICIES, TrainingSpec, empty_cache_at
 
 # parameters of a transformer layer's MLP half (its grads appear first in backward);

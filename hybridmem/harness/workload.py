@@ -138,12 +138,12 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
 def quantize_bnb(model: nn.Module, spec: TrainingSpec, device) -> int:
     """Quantise the base weights for real with bitsandbytes, as transformers'
     `replace_with_bnb_linear` + loading does (no hub download: the random weights in place):
-    every nn.Linear the rules convert (`hybridmem.job.quantize.Quant.converts`) becomes a
+    every nn.Linear the rules convert (`hybridmem.techniques.quantize.Quant.converts`) becomes a
     `bnb.nn.Linear4bit` / `Linear8bitLt` whose weight is quantised when moved to `device`
     (`Params4bit.to` / `Int8Params.to` call `_quantize`); then peft's
     `prepare_model_for_kbit_training(use_gradient_checkpointing=False)` when `kbit_prep`
     (checkpointing is switched on by the caller, as for any spec). Returns the count."""
-    from hybridmem.job.quantize import quant_of
+    from hybridmem.techniques.quantize import quant_of
 
     quant = quant_of(spec)
     if quant is None:

@@ -20,9 +20,9 @@ from hybridmem.job.parallel import ParallelSpec
 from hybridmem.job.precision import POLICIES, PrecisionPolicy  # noqa: F401 (read as spec.POLICIES)
 from hybridmem.job.precision import AUTOCASTS, check_adapters, fold
 from hybridmem.job.precision import DTYPES as PRECISION_DTYPES
-from hybridmem.job.quantize import COMPUTE_DTYPES as QUANT_COMPUTE_DTYPES
-from hybridmem.job.quantize import QUANTIZE
-from hybridmem.job.quantize import STORAGE_DTYPES as QUANT_STORAGE_DTYPES
+from hybridmem.techniques.quantize import COMPUTE_DTYPES as QUANT_COMPUTE_DTYPES
+from hybridmem.techniques.quantize import QUANTIZE
+from hybridmem.techniques.quantize import STORAGE_DTYPES as QUANT_STORAGE_DTYPES
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master",
                     "bf16-autocast"]
@@ -484,7 +484,7 @@ class TrainingSpec:
         "`--train full` / `llm+projector` exit 2. Both tiers and the harness; "
         "[docs/quantize.md](docs/quantize.md)")
     """Frozen base weights quantised with bitsandbytes: `none`, `nf4`, `fp4` (4-bit, QLoRA) or
-    `int8` (LLM.int8); rules in `hybridmem.job.quantize`. Needs train lora or peft."""
+    `int8` (LLM.int8); rules in `hybridmem.techniques.quantize`. Needs train lora or peft."""
     quant_double_quant: bool = job_field(
         True, help="4-bit: nested quantisation of the absmax (bnb_4bit_use_double_quant).",
         group="precision", cli=False, added=9, keys={"bnb": ("bnb_4bit_use_double_quant",)})
@@ -710,7 +710,9 @@ class TrainingSpec:
                             reason=f"a non-LoRA PEFT config needs train='peft', not {self.train!r}")
         if isinstance(self.quant_skip, list):
             object.__setattr__(self, "quant_skip", tuple(self.quant_skip))
-        from hybridmem.job.quantize import check as check_quantize
+        # before the adapters' checks, which read it (`techniques.check` below runs it again
+        # among the others; it is idempotent)
+        from hybridmem.techniques.quantize import check as check_quantize
 
         check_quantize(self)
 

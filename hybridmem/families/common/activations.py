@@ -61,7 +61,7 @@ class Ctx:
     frozen_a: bool = False
     """lora_A has requires_grad=False (optimizer `lora-fa`)."""
     quant: object = None
-    """`hybridmem.job.quantize.Quant` of a quantised base (`--quantize`), else None."""
+    """`hybridmem.techniques.quantize.Quant` of a quantised base (`--quantize`), else None."""
     liger: bool = False
     """Liger's kernels replace RMSNorm, SwiGLU, RoPE and the lm_head + loss (`--liger`, on a
     model type Liger patches; `hybridmem.techniques.liger`)."""
@@ -330,7 +330,7 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
                      ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Tensors alive at the top of the largest quantised linear's (forward, MLP backward,
     attention backward), from bitsandbytes `Linear4bit.forward` / `MatMul4Bit`
-    (`hybridmem.job.quantize`). `in_bytes`: linear name -> itemsize of its input (= of its
+    (`hybridmem.techniques.quantize`). `in_bytes`: linear name -> itemsize of its input (= of its
     output). The order (trace tier, tiny-llama nf4 LoRA b2 s64, per-op events of one linear):
     forward `x.to(compute)` (when the input differs), the dequantised weight
     (`Quant.dequant`), the matmul output in the compute dtype, its cast back to the input

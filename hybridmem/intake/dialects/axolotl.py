@@ -314,7 +314,7 @@ def _training(cfg: dict, out: Layer, where: str, dtype: str, dtype_keys: tuple) 
                         reason="axolotl loads 4-bit for qlora, 8-bit for lora")
     else:
         return
-    from hybridmem.job.quantize import from_bnb_config
+    from hybridmem.techniques.quantize import from_bnb_config
 
     for key, value in from_bnb_config(bnb, f"{where}: bnb").items():
         out.set(key, value, *keys)
