@@ -26,7 +26,7 @@ def resolve_job(values: dict) -> tuple[Resolved, list[str]]:
     None = not given) and the config readers' warnings (keys of the user's files not read)."""
     from hybridmem.intake.config_keys import collect_warnings
     from hybridmem.intake.resolve import resolve_cli
-    from hybridmem.job.quantize import KBIT_CHECKPOINTING, kbit_checkpointing
+    from hybridmem.techniques.quantize import KBIT_CHECKPOINTING, kbit_checkpointing
 
     with collect_warnings() as warnings:
         resolved = resolve_cli(**values)

@@ -10,7 +10,7 @@ from hybridmem.allocator.alloc import t
 from hybridmem.analytic import estimate as analytic
 from hybridmem.analytic.estimate import timeline
 from hybridmem.errors import SpecError
-from hybridmem.job import cce
+from hybridmem.techniques import cce
 from hybridmem.job.recorded import recorded_values
 from hybridmem.job.spec import LoraSpec, TrainingSpec
 from hybridmem.trace import estimate as trace_estimate
@@ -157,7 +157,7 @@ def test_real_cce_missing_is_one_line():
     except ImportError:
         pass
     with pytest.raises(ImportError, match="pip install cut-cross-entropy"):
-        cce.apply_real(torch.nn.Linear(1, 1))
+        cce.apply_cce(torch.nn.Linear(1, 1))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(train="lora", grad_ckpt=True, loop="custom")],

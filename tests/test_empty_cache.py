@@ -156,11 +156,11 @@ def test_an_empty_releases_segments():
 
 @pytest.mark.parametrize("kw", STREAM_SPECS[:4], ids=_id)
 def test_analytic_stream_has_the_empty_at_the_documented_place(kw):
-    from hybridmem.analytic.estimate import _setup
+    from hybridmem.analytic.estimate import setup
     from hybridmem.analytic.events import build
 
     def stream(spec, marks=None):
-        _, priced, statics = _setup(spec)
+        _, priced, statics = setup(spec)
         return build(priced, spec, statics, marks=marks)
 
     marks: list = []

@@ -29,7 +29,7 @@ TINY = {"tiny-qwen3": {}, "tiny-phi3": {}, "tiny-gemma2": {"attn": "eager"},
 GRID = [dict(precision=p, train=tr, grad_ckpt=c)
         for p in ("fp32", "bf16", "bf16-mixed") for tr in ("full", "lora") for c in (False, True)]
 # MoE families: full bf16 only in the analytic tier (LoRA on the fused 3-D experts and other
-# dtypes are refused: estimate._setup); micro-batch 1 and 2, with and without checkpointing
+# dtypes are refused: estimate.setup); micro-batch 1 and 2, with and without checkpointing
 MOE = {"tiny-mixtral": {"precision": "bf16"}, "tiny-qwen3-moe": {"precision": "bf16"}}
 MOE_GRID = [dict(micro_batch=b, grad_ckpt=c) for b in (1, 2) for c in (False, True)]
 # one real-sized config per family: bf16 full fine-tuning with a backward peak

@@ -45,7 +45,7 @@ def test_policy_syntax():
                 None):
         with pytest.raises(SpecError, match=r"^grad_ckpt_policy=.*\(valid: full, every:N, ops\)$"):
             ckpt_every(bad)
-    assert ckpt_every("ops") == 1  # every layer, op-level (job.sac)
+    assert ckpt_every("ops") == 1  # every layer, op-level (techniques.sac)
 
 
 def test_policy_needs_grad_ckpt():

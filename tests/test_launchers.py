@@ -442,7 +442,7 @@ def test_axolotl_qlora_is_the_job_its_source_says(tmp_path):
         lora_targets=",".join(DEFAULT_LORA_TARGETS),  # lora_target_linear: all but lm_head
         micro_batch=2, grad_accum=4,  # micro_batch_size, gradient_accumulation_steps
         seq_len=4096,               # sequence_len (sample_packing fills rows of it)
-        packing=True,               # sample_packing: the samples packed per row (job.packing)
+        packing=True,               # sample_packing: the samples packed per row (techniques.packing)
         precision="bf16-autocast",  # bf16 auto -> torch_dtype bf16 base, PEFT's fp32 adapters,
                                     # Trainer bf16=True (builders/base.py)
         optimizer="paged-adamw",    # optimizer paged_adamw_32bit

@@ -63,7 +63,7 @@ def test_empty_dataset_is_an_error(rows):
 
 def test_unknown_source_and_newer_schema_are_errors(rows):
     bad = rows.assign(source="synthetic")
-    with pytest.raises(SpecError, match="source.*valid: cuda, published, trace, analytic"):
+    with pytest.raises(SpecError, match="source.*valid: cuda, published, user, trace, analytic"):
         dataset.validate(bad)
     with pytest.raises(SpecError, match="schema_version.*newer"):
         dataset.validate(rows.assign(schema_version=99))

@@ -9,7 +9,7 @@ import pytest
 from hybridmem import TrainingSpec
 from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
-from hybridmem.techniques import head_of, liger_preference
+from hybridmem.techniques import _trl_head, head_of, liger_preference
 
 
 def test_head_tensors_by_hand():
@@ -32,6 +32,13 @@ def test_the_analytic_tier_prices_the_fused_preference_loss(objective):
     kw = dict(model="llama-3.2-3b", micro_batch=2, seq_len=1024, precision="bf16",
               objective=objective, train="lora")
     plain, fused = analytic(TrainingSpec(**kw)), analytic(TrainingSpec(**kw, liger=True))
+    if _trl_head(TrainingSpec(**kw)):
+        # the installed TRL runs DPO through its own fused head and, under use_liger_kernel,
+        # applies Liger's layer kernels only (trl 1.16 dpo_trainer.py): no Liger DPO loss
+        assert head_of(TrainingSpec(**kw, liger=True)) is None
+        assert fused.peak.allocated_bytes < plain.peak.allocated_bytes  # the layer kernels
+        assert not any("LigerFusedLinear" in n for n in fused.notes)
+        return
     assert head_of(TrainingSpec(**kw, liger=True)) is liger_preference
     # no (2 x micro-batch, S, V) logits: llama-3.2-3b's 128256-token vocabulary costs less
     assert fused.peak.allocated_bytes < plain.peak.allocated_bytes

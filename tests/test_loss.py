@@ -13,8 +13,8 @@ from hybridmem.analytic import estimate as analytic
 from hybridmem.allocator.alloc import t
 from hybridmem.analytic.estimate import timeline
 from hybridmem.errors import SpecError
-from hybridmem.job import liger as L
-from hybridmem.job.loss import flce_chunk_size, torch_chunks
+from hybridmem.techniques import liger_kernels as L
+from hybridmem.techniques.kernels import flce_chunk_size, torch_chunks
 from hybridmem.models import load_config
 from hybridmem.intake.resolve import spec_from_cli
 from hybridmem.job.spec import LoraSpec, TrainingSpec
@@ -187,7 +187,7 @@ def test_model_type_liger_skips_trains_unchanged_with_a_note(tmp_path):
 
 
 def test_model_type_liger_patches_but_not_priced_is_refused():
-    from hybridmem.job.loss import liger_text_type
+    from hybridmem.techniques.liger import liger_text_type
 
     with pytest.raises(SpecError, match="gemma2"):
         liger_text_type("gemma2", None)

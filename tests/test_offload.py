@@ -1,4 +1,4 @@
-"""Activation offloading (`--offload-activations`, hybridmem/job/offload.py).
+"""Activation offloading (`--offload-activations`, hybridmem/techniques/offload.py, offload_hooks.py).
 
 Oracles: a hand derivation of TRL's stash rules on a chain of ops; a hand count of the
 checkpointed layers' inputs that `ckpt-inputs` moves off the device; a real CPU run of the same
@@ -18,7 +18,7 @@ import torch
 from hybridmem import TrainingSpec
 from hybridmem.analytic.estimate import estimate as analytic
 from hybridmem.errors import SpecError
-from hybridmem.job import offload
+from hybridmem.techniques import offload_hooks as offload
 from hybridmem.models import load_config
 from hybridmem.intake.merge import spec_from_inputs
 

@@ -1,4 +1,4 @@
-"""Optimizer-in-backward (`--optimizer-in-backward`, hybridmem/job/optim_in_backward.py).
+"""Optimizer-in-backward (`--optimizer-in-backward`, hybridmem/techniques/optim_in_backward.py).
 
 torchtune's `register_optim_in_bwd_hooks`: one optimizer per parameter, stepped and zeroed in
 its post-accumulate-grad hook, so the gradients are never all alive. Oracles: a real CPU run of

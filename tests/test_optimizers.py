@@ -16,7 +16,7 @@ import json
 import pytest
 
 from hybridmem.analytic import estimate as analytic
-from hybridmem.analytic.estimate import _setup
+from hybridmem.analytic.estimate import setup
 from hybridmem.errors import SpecError
 from hybridmem.job.optimizers import HF_OPTIMS, OPTIMIZERS, Stepped, flat, from_hf, rule
 from hybridmem.intake.merge import spec_from_inputs
@@ -174,7 +174,7 @@ def test_paged_emulation_allocates_as_its_unpaged_twin_on_a_real_cpu_run(tmp_pat
 
 
 def _opt_temp(spec: TrainingSpec) -> int:
-    return _setup(spec)[2].opt_temp
+    return setup(spec)[2].opt_temp
 
 
 @pytest.mark.parametrize("name", PLAIN)

@@ -1,4 +1,4 @@
-"""Packed / padding-free batches (`--packing`, hybridmem/job/packing.py).
+"""Packed / padding-free batches (`--packing`, hybridmem/techniques/packing.py).
 
 Oracles: a real CPU run of the same packed batch (the trace tier must equal its live bytes);
 a hand count of what the packed row adds to the same tokens as one unpacked row (position ids,

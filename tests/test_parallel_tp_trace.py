@@ -193,13 +193,13 @@ def test_analytic_per_rank_states_equal_the_real_tp_rank(measured):
                         attn="eager", parallel=ParallelSpec(world_size=2, tp=2))
     _, answers = ranks.price_ranks(spec)
     # the optimizer step holds every grad and the state: its breakdown is the states' own
-    from hybridmem.analytic.estimate import _setup
+    from hybridmem.analytic.estimate import setup
     from hybridmem.models.loader import load_config_dict, materialize_config
     from hybridmem.parallel.layout import rank_config, model_shape
 
     narrow = spec.with_(model=materialize_config(json.dumps(rank_config(
         load_config_dict("tiny-llama")[1], 2, 1))), parallel=ParallelSpec())
-    _, priced, _ = _setup(narrow)
+    _, priced, _ = setup(narrow)
     layers = [(p.module, p.layer) for p in priced]
     states = ranks._states(spec, layers)
     extra = ranks._embedding_grad(spec, layers, model_shape(load_config_dict("tiny-llama")[1]))
@@ -218,7 +218,7 @@ def test_fsdp_times_tp_states_equal_the_real_2x2_rank():
     """FSDP 2 x TP 2 (world 4): the rank's local shards of params, grads and AdamW state are
     the narrow (tp) model's FSDP shards over dp, as `ranks._states` prices them, exactly; the
     embedding's gradient is reduce-scattered by FSDP here (no whole-vocabulary copy)."""
-    from hybridmem.analytic.estimate import _setup
+    from hybridmem.analytic.estimate import setup
     from hybridmem.models.loader import load_config_dict, materialize_config
     from hybridmem.parallel import ranks
     from hybridmem.parallel.layout import rank_config
@@ -231,7 +231,7 @@ def test_fsdp_times_tp_states_equal_the_real_2x2_rank():
                         attn="eager", parallel=ParallelSpec(world_size=4, tp=2, strategy="fsdp"))
     narrow = spec.with_(model=materialize_config(json.dumps(rank_config(
         load_config_dict("tiny-llama")[1], 2, 1))), parallel=ParallelSpec())
-    layers = [(p.module, p.layer) for p in _setup(narrow)[1]]
+    layers = [(p.module, p.layer) for p in setup(narrow)[1]]
     states = ranks._states(spec, layers)
     assert (states.param, states.grad, states.optimizer) == (
         real["param"], real["grad"], real["optimizer"])

@@ -1,4 +1,4 @@
-"""Quantised base weights (`--quantize`, hybridmem/job/quantize.py): hand-derived weight bytes,
+"""Quantised base weights (`--quantize`, hybridmem/techniques/quantize.py): hand-derived weight bytes,
 the trace tier's bitsandbytes emulation against a real CPU run of real `bnb.nn.Linear4bit`
 layers, analytic vs trace, clashes and the BitsAndBytesConfig readers."""
 
@@ -13,7 +13,7 @@ import torch
 from hybridmem.analytic.estimate import timeline
 from hybridmem.analytic.timeline import peak
 from hybridmem.errors import SpecError
-from hybridmem.job.quantize import from_bnb_config
+from hybridmem.techniques.quantize import from_bnb_config
 from hybridmem.models import build_graph, load_config
 from hybridmem.intake.resolve import spec_from_cli
 from hybridmem.job.spec import TrainingSpec
@@ -71,7 +71,7 @@ def test_int8_weight_bytes_by_hand():
 def test_bits_per_weight_match_the_weight_itemsizes():
     """`quantize.BITS` (a learned feature) against what the tiers price per weight element:
     int8 keeps one byte (CB), the 4-bit methods pack two elements per byte."""
-    from hybridmem.job.quantize import BITS, QUANTIZE, quant_of
+    from hybridmem.techniques.quantize import BITS, QUANTIZE, quant_of
 
     assert set(BITS) == set(QUANTIZE) and BITS["none"] == 0
     spec = TrainingSpec(model="tiny-llama", train="lora", precision="bf16", seq_len=64)

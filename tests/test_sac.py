@@ -1,4 +1,4 @@
-"""Op-level selective checkpointing (`--grad-ckpt-policy ops`, hybridmem/job/sac.py).
+"""Op-level selective checkpointing (`--grad-ckpt-policy ops`, hybridmem/techniques/sac.py).
 
 Oracles: a hand count of the tensors torchtitan's policy keeps per layer (against full
 checkpointing, at the end of the forward); a real CPU run of the same policy (the trace tier
@@ -48,7 +48,7 @@ def test_policy_counts_mms_per_region():
     """The policy's own decisions on one Llama layer's forward: of 7 mms, 4 saved."""
     from torch.utils.checkpoint import checkpoint
 
-    from hybridmem.job import sac
+    from hybridmem.techniques import sac
 
     lin = [torch.nn.Linear(8, 8, bias=False) for _ in range(7)]
     seen = []

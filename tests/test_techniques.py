@@ -14,7 +14,7 @@ from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
 from hybridmem.techniques.protocol import REQUIRED
 
-SHARED = {"protocol"}
+SHARED = {"protocol", "kernels", "liger_kernels", "offload_hooks"}  # helpers, not techniques
 
 
 def tiny(**kw) -> TrainingSpec:
@@ -26,6 +26,8 @@ def test_every_technique_module_is_registered_with_the_protocol():
     assert {m.__name__.rsplit(".", 1)[1] for m in techniques.TECHNIQUES.values()} == modules
     for module in techniques.TECHNIQUES.values():
         assert all(hasattr(module, attr) for attr in REQUIRED), module.__name__
+    assert {"packing", "optimizer-in-backward", "offload", "sac",
+            "quantize"} <= set(techniques.TECHNIQUES)
     assert set(techniques.LOSS_CHOICES) >= {"none", "liger", "chunked-ce", "cce"}
 
 

@@ -169,7 +169,7 @@ def test_module_table_sums_to_the_device_peak():
 def test_quantised_default_checkpointing_follows_peft_and_says_so():
     """peft `prepare_model_for_kbit_training(model)`: use_gradient_checkpointing=True by
     default (peft/utils/other.py); `kbit_prep` (default on) says the user's script calls it."""
-    from hybridmem.job.quantize import KBIT_CHECKPOINTING
+    from hybridmem.techniques.quantize import KBIT_CHECKPOINTING
 
     base = {"model": "llama-3.2-1b", "train": "lora", "quantize": "nf4"}
     on, _ = resolve_job(base)

@@ -18,7 +18,6 @@ from functools import lru_cache
 from hybridmem.analytic import objectives, offloaded, packed, sac, scope
 from hybridmem.job import objective as objective_rules
 from hybridmem.families.common import activations as A
-from hybridmem.job import packing
 from hybridmem.allocator.alloc import t
 from hybridmem.families import family, layer_kind
 from hybridmem.analytic.events import MLP_ALL, build as build_events
@@ -45,7 +44,8 @@ from hybridmem.job.optimizers import paged_notes
 from hybridmem.errors import SpecError
 from hybridmem.environment import installed
 from hybridmem.gpus import GPU
-from hybridmem.job.quantize import quant_of
+from hybridmem.techniques.quantize import quant_of
+from hybridmem import techniques
 from hybridmem.techniques import Technique, head_of, loss_of
 from hybridmem.families.defaults import resolved
 from hybridmem.models import ModelGraph, build_graph
@@ -351,9 +351,9 @@ def _master_grads(priced: list[Priced], spec: TrainingSpec) -> int:
 def timeline(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
              ) -> tuple[ModelGraph, list[Priced], list[Point]]:
     """The graph, every priced layer and every timeline point of two iterations; `workspace`:
-    bytes of one cuBLAS workspace (`overheads.cublas_workspace`)."""
-    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
-    graph, priced, st = _setup(spec, workspace)
+    bytes of one cuBLAS workspace (`overheads.cublas_workspace`); `setup` fills the model's
+    defaults (the walk reads only what it returns)."""
+    graph, priced, st = setup(spec, workspace)
     return graph, priced, walk([p.step for p in priced], st)
 
 
@@ -367,9 +367,13 @@ def _config_key(model: str) -> str:
     return json.dumps(load_config_dict(model)[1], sort_keys=True, default=str)
 
 
-def _setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
+def setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
            ) -> tuple[ModelGraph, list[Priced], Statics]:
-    """The graph, the priced layers and the statics of `spec`, cached per (spec, workspace,
+    """The analytic tier's public pricing entry: the graph, the priced layers (`Priced`: each
+    layer's states and activation step) and the statics (`Statics`: the job-wide bytes) of
+    `spec`. The sharding layer (`parallel.stream`, `parallel.ranks`) prices a rank's narrow
+    or single-GPU spec through it and rewrites the result, so it is part of the tier's API,
+    not an internal. Cached per (spec, workspace,
     model config): one answer prices the same spec several times (its timeline, its replayed
     stream, the micro-batch search, `--gpu`'s advice). Callers do not mutate what it returns
     (frozen records in a list)."""
@@ -383,13 +387,13 @@ def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
     refused = scope.refusal(spec)  # PEFT methods, families and MoE settings it does not price
     if refused is not None:
         raise refused
-    graph = build_graph(packing.one_row(spec) if spec.packing
-                        else objectives.graph_spec(spec))  # job.packing, job.objective
+    g = techniques.graph_spec(spec)  # packing's one row (techniques.packing)
+    graph = build_graph(g if g is not spec else objectives.graph_spec(spec))  # job.objective
     graph = objectives.with_score_head(graph, spec)  # the reward model's (1, hidden) head
-    packing.check_model(spec, graph.vision_batch)
+    techniques.check_batch(spec, graph.vision_batch)
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
-    priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (job.sac)
-    priced = offloaded.apply(priced, spec)  # activation offloading (job.offload)
+    priced = sac.apply(priced, spec, context(spec))  # --grad-ckpt-policy ops (techniques.sac)
+    priced = offloaded.apply(priced, spec)  # activation offloading (techniques.offload)
     stepped = [s for p in priced for s in p.states.stepped]
     if not stepped:
         raise SpecError("train", spec.train, reason="no parameter receives a gradient "
@@ -434,7 +438,7 @@ def _loop(graph: ModelGraph, spec: TrainingSpec, stepped) -> dict:
 
 def _events(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> list[tuple]:
     """The approximate alloc/free stream of two iterations of `spec` (`events.py`)."""
-    _, priced, st = _setup(spec, workspace)
+    _, priced, st = setup(spec, workspace)
     return build_events(priced, spec, st)
 
 
@@ -449,14 +453,14 @@ def stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
 @lru_cache(maxsize=8)  # a stream holds ~10^4-10^5 events: a handful of micro-batches' worth
 def _stream_cached(spec: TrainingSpec, workspace: int, config_key: str
                    ) -> tuple[list[tuple], list[tuple[int, str, int]]]:
-    _, priced, st = _setup(spec, workspace)
+    _, priced, st = setup(spec, workspace)
     marks: list[tuple[int, str, int]] = []
     return build_events(priced, spec, st, marks=marks), marks
 
 
 def _measure(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES) -> tuple[int, list[tuple]]:
     """(closed-form allocated peak, event stream) of `spec`, for `reserved.envelope`."""
-    _, priced, st = _setup(spec, workspace)
+    _, priced, st = setup(spec, workspace)
     points = walk([p.step for p in priced], st)
     return peak(points).allocated, stream(spec, workspace)[0]
 
@@ -467,7 +471,7 @@ def shape_stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     (event index, phase, iteration)): what `hybridmem.batches.run` composes per batch shape.
     The stream is the cached one (`stream`): callers read it, never change it."""
     spec = resolved(spec)
-    _, priced, st = _setup(spec, workspace)
+    _, priced, st = setup(spec, workspace)
     events, marks = stream(spec, workspace)
     return peak(walk([p.step for p in priced], st)).allocated, events, marks
 
@@ -513,7 +517,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     paged = sum(p.states.paged for p in priced)
     breakdown["context"] = CUDA_CONTEXT_DEFAULT + paged
     modules = _modules(graph, priced)
-    st = _setup(spec, ws)[2] if spec.objective != "sft" else None
+    st = setup(spec, ws)[2] if spec.objective != "sft" else None
     ref_line = objectives.reference_module(priced, spec) if st else None
     modules += (ref_line,) if ref_line is not None else ()
     gen_line = objectives.generation_module(spec)  # GRPO's generated ids
@@ -535,7 +539,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
                   iteration=top.iteration),
         breakdown=breakdown, modules=modules, paged_bytes=paged,
         notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + offloaded.notes(priced, spec)
-        + ((packing.note(spec),) if spec.packing else ())
+        + techniques.notes(spec)  # packing's (techniques.packing)
         + ((objective_rules.note(spec),) if spec.objective != "sft" else ())
         + ((objective_rules.VLLM_WITHOUT_GPU,)
            if spec.vllm_gpu_memory_utilization and gpu is None else ())

@@ -44,7 +44,7 @@ from hybridmem.analytic.states import state_bytes
 from hybridmem.job.precision import casts_weights
 from hybridmem.job.objective import ref_model_of
 from hybridmem.job.optimizers import rule
-from hybridmem.job.quantize import quant_of
+from hybridmem.techniques.quantize import quant_of
 from hybridmem.job.spec import POLICIES, TrainingSpec, empty_cache_at
 
 # parameters of a transformer layer's MLP half (its grads appear first in backward);
@@ -306,7 +306,7 @@ def _logit_parts(extra: list[int], logits: int) -> list[int]:
 
 
 def _stepper(s: Stream, priced, optimizer: str, iteration: int):
-    """Optimizer-in-backward (`hybridmem.job.optim_in_backward`): `step(i, keys)` steps the
+    """Optimizer-in-backward (`hybridmem.techniques.optim_in_backward`): `step(i, keys)` steps the
     layer's parameters whose grads `keys` were just made, one at a time: its state (iteration 0,
     made by the first step), one parameter's temporaries, then `zero_grad` frees the grad."""
     made: set[int] = set()

@@ -1,6 +1,6 @@
 """Activation offloading in the analytic tier: what each layer keeps on the GPU.
 
-The rules are `hybridmem.job.offload`'s (TRL `OffloadActivations` for `all`, transformers'
+The rules are `hybridmem.techniques.offload`'s (its hooks `offload_hooks`) (TRL `OffloadActivations` for `all`, transformers'
 checkpoint `offload=True` for `ckpt-inputs`); here they become per-layer `Step`s for the
 timeline (`timeline.walk`):
 
@@ -27,7 +27,8 @@ from dataclasses import replace
 
 from hybridmem.allocator.alloc import t
 from hybridmem.analytic.timeline import Step
-from hybridmem.job.offload_rules import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, STUCK
+from hybridmem.techniques.kernels import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE
+from hybridmem.techniques.offload import STUCK
 
 # One backward node saves up to 5 tensors (SDPA: q, k, v, out, logsumexp; derivatives.yaml);
 # two nodes' worth are on the GPU at once (trl activation_offloading.py: `prev_node_ids` are
@@ -102,7 +103,7 @@ def notes(priced: list, spec) -> tuple[str, ...]:
     if spec.offload_activations == "none":
         return ()
     out = [f"offload {spec.offload_activations}: saved activations in pinned host memory "
-           "(not counted here; hybridmem.job.offload)"]
+           "(not counted here; hybridmem.techniques.offload)"]
     if spec.offload_activations == "all" and any(
             not p.step.on_path and p.step.acts.saved for p in priced):
         out.append(STUCK + "not priced by the analytic tier: use --method trace")

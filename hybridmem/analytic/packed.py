@@ -1,6 +1,6 @@
-"""Packed (padding-free) batches in the analytic tier: `hybridmem.job.packing`'s rules as steps.
+"""Packed (padding-free) batches in the analytic tier: `hybridmem.techniques.packing`'s rules as steps.
 
-The graph is built for one row of micro_batch x seq_len tokens (`packing.one_row`): every
+The graph is built for one row of micro_batch x seq_len tokens (`packing.graph_spec`): every
 per-token tensor, the loss and eager's scores over the whole row come out of the ordinary
 formulas. On top (transformers 5.x masking_utils.py `sdpa_mask` with a packed-sequence mask):
 

@@ -1,6 +1,6 @@
 """Op-level selective checkpointing (`--grad-ckpt-policy ops`) in the analytic tier.
 
-`hybridmem.job.sac`'s policy (torchtitan `_apply_op_sac`) as bytes per checkpointed layer:
+`hybridmem.techniques.sac`'s policy (torchtitan `_apply_op_sac`) as bytes per checkpointed layer:
 what the selective-checkpoint cache keeps from the forward to the recompute (on top of the
 layer's input, as full checkpointing keeps), and which of those the recompute does not make
 again (they are in the layer's ordinary saved set, so the recompute's peak shrinks by them).

@@ -1,6 +1,6 @@
 """What the analytic tier prices: the one rule, kept next to the tier.
 
-`refusal(spec)` is the tier's own refusal (`estimate._setup` raises it) and what every other
+`refusal(spec)` is the tier's own refusal (`estimate.setup` raises it) and what every other
 reader asks to know whether this tier prices a job: the tier chooser and its advice
 (`hybridmem.predict`), the micro-batch search's guide, the hybrid tier's fallback. Torch-free:
 it reads the config JSON only, so choosing a tier costs no torch import.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from hybridmem.allocator.alloc import segment_waste, t
 from hybridmem.allocator.foreach import foreach_norm_scratch
 from hybridmem.job.optimizers import Stepped, raw, rule
-from hybridmem.job.quantize import Quant
+from hybridmem.techniques.quantize import Quant
 from hybridmem.models.graph import Layer, ParamTensor
 from hybridmem.job.spec import PrecisionPolicy
 
@@ -103,7 +103,7 @@ def layer_states(layer: Layer, policy: PrecisionPolicy, optimizer: str,
                  quant: Quant | None = None) -> LayerStates:
     """Param / grad / optimizer bytes of one layer (base params, buffers, LoRA adapters);
     `quant`: the layer's `quantized` weights are the tensors bitsandbytes keeps
-    (`hybridmem.job.quantize.Quant.weight_allocs`), each its own allocation."""
+    (`hybridmem.techniques.quantize.Quant.weight_allocs`), each its own allocation."""
     base = [(p, _size(p, policy)) for p in layer.params]
     lora = [(p, _size(p, policy)) for p in layer.lora + layer.copies]
     buffers = [t(b.numel, _size(b, policy)) for b in layer.buffers]

@@ -132,7 +132,7 @@ class Statics:
     """What the generation phase leaves alive until the step ends (the completions' ids, the
     advantages, the reference's log-probs), part of `inputs`."""
     in_backward: bool = False
-    """Optimizer-in-backward (`hybridmem.job.optim_in_backward`): each parameter is stepped
+    """Optimizer-in-backward (`hybridmem.techniques.optim_in_backward`): each parameter is stepped
     and its grad freed inside backward; the optimizer phase steps nothing."""
 
 

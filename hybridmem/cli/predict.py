@@ -27,8 +27,7 @@ EXAMPLES = """Examples:
   hybridmem predict --model llava-1.5-7b --train lora --grad-ckpt --gpu rtx-4090
   hybridmem predict --model path/to/config.json --gpu-mem 24 --find-max-batch
   hybridmem predict --model llama-3.2-3b --deepspeed ds.json --gpu h200 --json
-Many jobs from a JSONL: README "Options"; the cheapest fits: hybridmem plan.
-The GPUs: hybridmem gpus. Every choice and config key: README "Options"."""
+GPUs: hybridmem gpus. Grids: hybridmem plan. --jobs, every key: README."""
 """The help's epilog (`cli.help.CompactHelp` prints it as written)."""
 
 

@@ -42,7 +42,8 @@ class Job:
     outputs: object | None = None
     """The output object `loop="custom"` holds: the last forward's, until the next returns."""
     offload: object | None = None
-    """TRL's activation-offloading context (`spec.offload_activations == "all"`), else None."""
+    """The context each forward runs in (`techniques.loop_context`: TRL's activation
+    offloading for `offload_activations="all"`), else None."""
     ref: nn.Module | None = None
     """The separate reference model of an objective beyond SFT (`trace.objectives`)."""
     fused: bool = False
@@ -137,12 +138,12 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
 def quantize_bnb(model: nn.Module, spec: TrainingSpec, device) -> int:
     """Quantise the base weights for real with bitsandbytes, as transformers'
     `replace_with_bnb_linear` + loading does (no hub download: the random weights in place):
-    every nn.Linear the rules convert (`hybridmem.job.quantize.Quant.converts`) becomes a
+    every nn.Linear the rules convert (`hybridmem.techniques.quantize.Quant.converts`) becomes a
     `bnb.nn.Linear4bit` / `Linear8bitLt` whose weight is quantised when moved to `device`
     (`Params4bit.to` / `Int8Params.to` call `_quantize`); then peft's
     `prepare_model_for_kbit_training(use_gradient_checkpointing=False)` when `kbit_prep`
     (checkpointing is switched on by the caller, as for any spec). Returns the count."""
-    from hybridmem.job.quantize import quant_of
+    from hybridmem.techniques.quantize import quant_of
 
     quant = quant_of(spec)
     if quant is None:
@@ -198,13 +199,9 @@ def build_trainable(spec: TrainingSpec, config, device,
     if spec.grad_ckpt:
         from hybridmem.job.checkpointing import enable_checkpointing
         enable_checkpointing(model, spec)  # the trace tier's call, incl. --grad-ckpt-policy
-        if spec.offload_activations == "ckpt-inputs" and torch.device(device).type != "cuda":
-            # transformers' save_on_cpu(pin_memory=True) raises without an accelerator (torch
-            # CPU build): the CPU stand-in runs the trace tier's port instead
-            from hybridmem.job import offload
+        from hybridmem import techniques
 
-            c = offload.Copies()
-            offload.enable_ckpt_offload(model, lambda: offload.SaveOnHost(c.to_host, c.to_device))
+        techniques.checkpointed(model, spec, torch.device(device).type)  # ckpt-inputs' port
     return model
 
 
@@ -215,14 +212,14 @@ def apply_loss(model: nn.Module, spec: TrainingSpec, config, device) -> None:
     trace tier's emulated kernels (`trace.model.apply_loss`), RoPE patched for the rest of this
     (one-job) process as Liger's own patch is."""
     from hybridmem import techniques
-    from hybridmem.job import liger
+    from hybridmem.techniques.liger_kernels import rope_patched
 
     if device.type != "cuda":
         from hybridmem.trace.model import apply_loss as emulated
 
         text = emulated(model, spec, config)
         if text is not None:
-            liger.rope_patched(text).__enter__()  # noqa: SIM115 - process-wide, as Liger's
+            rope_patched(text).__enter__()  # noqa: SIM115 - process-wide, as Liger's
         return
     try:
         techniques.apply_real(model, spec)
@@ -278,20 +275,17 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
     # fp32 master copies of the trainable bf16 params; the optimizer steps on them
     masters = ([p.detach().float().requires_grad_(True) for p in params]
                if spec.precision == "bf16-master" else [])
-    if spec.optimizer_in_backward:  # torchtune's hooks: one optimizer per parameter
-        from hybridmem.job import optim_in_backward
+    from hybridmem import techniques
 
-        optimizer = optim_in_backward.make(
-            params, lambda ps: make_optimizer(spec.optimizer, ps, device=device))
-    else:
+    # optimizer-in-backward: torchtune's hooks, one optimizer per parameter
+    optimizer = techniques.optimizer(
+        spec, params, lambda ps: make_optimizer(spec.optimizer, ps, device=device))
+    if optimizer is None:
         optimizer = lorafa if lorafa is not None else make_optimizer(
             spec.optimizer, masters or params, device=device)
     scaler = torch.amp.GradScaler(device.type) if spec.precision == "fp16-mixed" else None
     job = Job(model, optimizer, batch or {}, params, masters, scaler)
-    if spec.offload_activations == "all":  # SFTTrainer's get_act_offloading_ctx_manager
-        from hybridmem.job import offload
-
-        job.offload = offload.offload_context(model, device)
+    job.offload = techniques.loop_context(model, spec, device)  # offload "all": TRL's context
     return job
 
 

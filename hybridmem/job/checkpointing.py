@@ -29,13 +29,11 @@ def enable_checkpointing(model: nn.Module, spec: TrainingSpec) -> list[str]:
     for its own `every_n_layers`, by `spec.ckpt_layer`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     # `--training-args` activation_checkpointing_kwargs.offload: transformers' own
-    # save_on_cpu(pin_memory=True) around each checkpoint (job.offload "ckpt-inputs"; the trace
-    # tier replaces it by a port that works on meta tensors, job.offload.enable_ckpt_offload)
-    kwargs = None
-    if spec.grad_ckpt_policy == "ops":  # torchtitan's op-level policy (job.sac)
-        from hybridmem.job import sac
+    # save_on_cpu(pin_memory=True) around each checkpoint (techniques.offload "ckpt-inputs"; the
+    # trace tier replaces it by a port that works on meta tensors, offload_hooks.enable_ckpt_offload)
+    from hybridmem import techniques
 
-        kwargs = {"use_reentrant": False, "context_fn": sac.context_fn}
+    kwargs = techniques.checkpoint_kwargs(spec)  # torchtitan's op-level policy (techniques.sac)
     offload = spec.offload_activations == "ckpt-inputs"
     if hasattr(base, "activation_checkpointing_enable"):
         base.activation_checkpointing_enable(kwargs, offload=offload)

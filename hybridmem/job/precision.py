@@ -6,7 +6,7 @@ A precision shorthand (`fp32`, `bf16`, `bf16-mixed`, ...) names one combination 
 shorthand they name (`fold`), so every tier keeps pricing the shorthand's `PrecisionPolicy`.
 The adapter dtype is its own axis (`check_adapters`, `adapter_bytes`).
 
-Its own module so that the technique modules (`job/quantize.py`: the weight dtype of quantised
+Its own module so that the technique modules (`techniques/quantize.py`: the weight dtype of quantised
 layers) read it without importing the spec that checks them.
 """
 

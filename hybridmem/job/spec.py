@@ -15,14 +15,14 @@ from hybridmem.job.field import added_defaults, check_bounds, check_value, job_f
 from hybridmem import techniques
 from hybridmem.job.objective import OBJECTIVES, REF_MODELS, TRAINERS
 from hybridmem.job.images import normalize_image_size
-from hybridmem.job.offload_rules import MODES as OFFLOAD_MODES
+from hybridmem.techniques.offload import MODES as OFFLOAD_MODES
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.job.precision import POLICIES, PrecisionPolicy  # noqa: F401 (read as spec.POLICIES)
 from hybridmem.job.precision import AUTOCASTS, check_adapters, fold
 from hybridmem.job.precision import DTYPES as PRECISION_DTYPES
-from hybridmem.job.quantize import COMPUTE_DTYPES as QUANT_COMPUTE_DTYPES
-from hybridmem.job.quantize import QUANTIZE
-from hybridmem.job.quantize import STORAGE_DTYPES as QUANT_STORAGE_DTYPES
+from hybridmem.techniques.quantize import COMPUTE_DTYPES as QUANT_COMPUTE_DTYPES
+from hybridmem.techniques.quantize import QUANTIZE
+from hybridmem.techniques.quantize import STORAGE_DTYPES as QUANT_STORAGE_DTYPES
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "bf16-master",
                     "bf16-autocast"]
@@ -82,7 +82,7 @@ def _check_positive(name: str, value: object) -> None:
 # (torchtitan's `selective_ac_option="N"`, torchtitan/distributed/activation_checkpoint.py
 # `_apply_layer_sac`, counts from 1 and so checkpoints blocks N-1, 2N-1, ...; not followed.)
 # `ops`: every layer, op-level selective checkpointing as torchtitan's `_apply_op_sac`
-# (hybridmem.job.sac: matmul / SDPA outputs saved, except every second mm, the rest recomputed).
+# (hybridmem.techniques.sac: matmul / SDPA outputs saved, except every second mm, the rest recomputed).
 CKPT_POLICIES: tuple[str, ...] = ("full", "every:N", "ops")
 
 
@@ -406,7 +406,7 @@ class TrainingSpec:
         "> 0, `lora-fa`, `fp16-mixed`, `bf16-master` and any multi-GPU strategy. Both tiers "
         "and the harness; [docs/savers.md](docs/savers.md)")
     """The step fused into backward per parameter (torchtune `optimizer_in_bwd`;
-    `hybridmem.job.optim_in_backward`): gradients are never all alive at once."""
+    `hybridmem.techniques.optim_in_backward`): gradients are never all alive at once."""
     loss: str | None = job_field(
         None, help="Loss replacement (--liger, --chunked-ce N, --cut-cross-entropy are its shorthands).",
         group="savers", choices=techniques.LOSS_CHOICES, added=50,
@@ -424,7 +424,7 @@ class TrainingSpec:
         "no logits; RMSNorm, SwiGLU, RoPE; llama / mistral / qwen2 / LLaVA text models); not "
         "with `--chunked-ce`. [docs/loss.md](docs/loss.md)")
     """Liger kernels as transformers' `use_liger_kernel=True` applies them (fused linear
-    cross-entropy, RMSNorm, SwiGLU, RoPE; `hybridmem.job.loss`)."""
+    cross-entropy, RMSNorm, SwiGLU, RoPE; `hybridmem.techniques.liger`)."""
     chunked_ce: int = job_field(
         0, help="Chunked cross-entropy (torchtune) in N chunks; 0 = off.",
         group="savers", unit="chunks", feature=True, added=15, recorded="int64",
@@ -440,7 +440,7 @@ class TrainingSpec:
         "`cut-cross-entropy`): no logits, only the log-sum-exp per token; bf16 / fp16 weights; "
         "llama / mistral / qwen2 / LLaVA. Not with `--liger` or `--chunked-ce`. Both tiers and "
         "the harness; [docs/loss.md](docs/loss.md)")
-    """Cut Cross-Entropy (`hybridmem.job.cce`): the loss from the hidden states and
+    """Cut Cross-Entropy (`hybridmem.techniques.cce`): the loss from the hidden states and
     lm_head.weight without (N, V) logits."""
     offload_activations: str = job_field(
         "none", help="Activation offload.", group="savers",
@@ -453,7 +453,7 @@ class TrainingSpec:
         "transformers' checkpointing `offload=True` (`activation_checkpointing_kwargs.offload`: "
         "the checkpointed layers' inputs; needs `--grad-ckpt`). Both tiers and the harness; "
         "[docs/savers.md](docs/savers.md)")
-    """Saved activations kept in host memory (`hybridmem.job.offload`): `all` (TRL
+    """Saved activations kept in host memory (`hybridmem.techniques.offload`): `all` (TRL
     `activation_offloading`, the whole step) or `ckpt-inputs` (transformers' checkpointing
     `offload=True`: the checkpointed layers' inputs); `none` keeps them on the GPU."""
     packing: bool = job_field(
@@ -465,7 +465,7 @@ class TrainingSpec:
         "block-diagonal L x L mask (and loses GQA-in-SDPA), eager's scores are quadratic in the "
         "packed length, flash_attention_2 runs varlen. Text-only. Both tiers and the harness; "
         "[docs/savers.md](docs/savers.md)")
-    """Padding-free packed batches (TRL `padding_free` / `packing`; `hybridmem.job.packing`):
+    """Padding-free packed batches (TRL `padding_free` / `packing`; `hybridmem.techniques.packing`):
     the micro-batch's sequences in one row with restarting position ids, no padding."""
     peft_config: str | None = job_field(
         None, help="Canonical JSON of a non-LoRA PEFT adapter config (from --peft-config).",
@@ -484,7 +484,7 @@ class TrainingSpec:
         "`--train full` / `llm+projector` exit 2. Both tiers and the harness; "
         "[docs/quantize.md](docs/quantize.md)")
     """Frozen base weights quantised with bitsandbytes: `none`, `nf4`, `fp4` (4-bit, QLoRA) or
-    `int8` (LLM.int8); rules in `hybridmem.job.quantize`. Needs train lora or peft."""
+    `int8` (LLM.int8); rules in `hybridmem.techniques.quantize`. Needs train lora or peft."""
     quant_double_quant: bool = job_field(
         True, help="4-bit: nested quantisation of the absmax (bnb_4bit_use_double_quant).",
         group="precision", cli=False, added=9, keys={"bnb": ("bnb_4bit_use_double_quant",)})
@@ -572,7 +572,7 @@ class TrainingSpec:
         "[docs/objectives.md](docs/objectives.md)")
     """Training objective (`hybridmem.job.objective`): sft, dpo, orpo, kto, rm or grpo."""
     trainer: str = job_field(
-        "transformers", help="Who runs SFT: transformers' Trainer or TRL's SFTTrainer.",
+        "transformers", help="SFT by Trainer or SFTTrainer (TRL).",
         group="objective", choices=TRAINERS, added=52,
         keys={"training_args": ("dataset_text_field", "completion_only_loss",
                                 "assistant_only_loss", "dataset_kwargs")},
@@ -708,14 +708,6 @@ class TrainingSpec:
                 or self.empty_cache_steps < 0:
             raise SpecError("empty_cache_steps", self.empty_cache_steps,
                             reason="must be a non-negative integer (0 = never)")
-        if not isinstance(self.optimizer_in_backward, bool):
-            raise SpecError("optimizer_in_backward", self.optimizer_in_backward, [True, False])
-        from hybridmem.job import optim_in_backward  # its clashes, stated once there
-        optim_in_backward.check(self)
-        from hybridmem.job import offload_rules  # likewise (torch-free)
-        offload_rules.check(self)
-        from hybridmem.job import packing
-        packing.check(self)
         from hybridmem.job import batching
         batching.check(self)
         if self.train == "peft" and not self.peft_config:
@@ -726,7 +718,9 @@ class TrainingSpec:
                             reason=f"a non-LoRA PEFT config needs train='peft', not {self.train!r}")
         if isinstance(self.quant_skip, list):
             object.__setattr__(self, "quant_skip", tuple(self.quant_skip))
-        from hybridmem.job.quantize import check as check_quantize
+        # before the adapters' checks, which read it (`techniques.check` below runs it again
+        # among the others; it is idempotent)
+        from hybridmem.techniques.quantize import check as check_quantize
 
         check_quantize(self)
 

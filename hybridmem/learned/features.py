@@ -22,7 +22,7 @@ from hybridmem.learned.versions import major_minor  # noqa: F401 (also this modu
 from hybridmem.adapters import peft_type
 from hybridmem.errors import SpecError
 from hybridmem.job.images import parse_image_size
-from hybridmem.job.quantize import BITS
+from hybridmem.techniques.quantize import BITS
 from hybridmem.job.schema import feature_values
 from hybridmem.prediction import Prediction
 from hybridmem.job.spec import TrainingSpec, ckpt_every
@@ -128,7 +128,7 @@ def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
         "ckpt_share": (1.0 / ckpt_every(spec.grad_ckpt_policy)) if spec.grad_ckpt else 0.0,
         "lora_r": spec.lora.r if spec.lora is not None else 0,
         "peft_type": peft_type(spec) or "none",
-        # bits of a quantised base weight (0 = not quantised; `job.quantize.BITS`)
+        # bits of a quantised base weight (0 = not quantised; `techniques.quantize.BITS`)
         "quant_bits": BITS[spec.quantize],
     }
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from hybridmem.job.lora_targets import default_targets
 from hybridmem.errors import SpecError
-from hybridmem.job.quantize import quant_of
+from hybridmem.techniques.quantize import quant_of
 from hybridmem.families.decoders.model import language_model_layers, lm_head_layer
 from hybridmem.models.graph import ImageLayout, Layer, ModelGraph, Module, ParamTensor as T
 from hybridmem.families import DECODER, attention, family, layer_kind
@@ -224,7 +224,7 @@ def _sample_linear(modules: list[Module]) -> str:
 
 
 def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
-    """Mark the Linear weights bitsandbytes quantises (`hybridmem.job.quantize`)."""
+    """Mark the Linear weights bitsandbytes quantises (`hybridmem.techniques.quantize`)."""
     quant = quant_of(spec)
     if quant is None:
         return modules

@@ -61,7 +61,7 @@ class Layer:
     """Trainable copies of frozen params (PEFT `modules_to_save`): params, grads, state."""
     quantized: tuple[str, ...] = ()
     """Names (in `params`) of the Linear weights bitsandbytes quantises (`--quantize`): priced
-    by `hybridmem.job.quantize.Quant.weight_allocs` instead of the policy's dtype."""
+    by `hybridmem.techniques.quantize.Quant.weight_allocs` instead of the policy's dtype."""
     trainable: bool = False
     """The base params have requires_grad=True under the spec's `train` mode."""
     on_grad_path: bool = True

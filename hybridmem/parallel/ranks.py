@@ -266,7 +266,7 @@ class _Base:
 
 def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction, list[RankAnswer]]:
     """The highest per-rank peak of a model-parallel `spec`, and every pipeline rank's."""
-    from hybridmem.analytic.estimate import _setup
+    from hybridmem.analytic.estimate import setup as _setup  # the tier's public entry
     from hybridmem.models.loader import load_config_dict, materialize_config
 
     spec = resolved(spec)

@@ -168,11 +168,11 @@ def rewrite(events, marks, kinds: dict, rank: RankStates) -> list[tuple]:
 def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
     """(peak live bytes, event stream) of one rank of `spec` (module docstring); raises
     `SpecError` where the analytic tier has no stream (e.g. `train='peft'`)."""
-    from hybridmem.analytic.estimate import _setup, stream
+    from hybridmem.analytic.estimate import setup, stream
     from hybridmem.parallel.phases import forward_precision
 
     single = spec.with_(parallel=ParallelSpec(), precision=forward_precision(spec))
-    _, priced, statics = _setup(single, workspace)
+    _, priced, statics = setup(single, workspace)
     events, marks = stream(single, workspace)  # the single-GPU replay's stream, built once
     n_param, n_master = _setup_counts(priced, POLICIES[single.precision])
     mt = model_tensors(spec)

@@ -16,10 +16,18 @@ from hybridmem.errors import SpecError
 from hybridmem.techniques.protocol import REQUIRED, Technique
 
 
+HELPERS = frozenset({"protocol", "kernels", "liger_kernels", "offload_hooks"})
+"""Modules here that are not techniques: the protocol, shared sizing rules and the torch code
+the techniques call (Liger's kernels, the offload hooks). The registry never imports them, so
+the analytic CLI stays torch-free (tests/test_front_door.py)."""
+
+
 def _registry() -> dict[str, Technique]:
     """`NAME` -> module, of every module here that provides the protocol, by name."""
     found = {}
     for info in pkgutil.iter_modules(__path__):
+        if info.name in HELPERS:
+            continue
         module = import_module(f"{__name__}.{info.name}")
         if all(hasattr(module, name) for name in REQUIRED):
             found[module.NAME] = module
@@ -92,7 +100,89 @@ def head_of(spec, loss: Technique | None = None) -> Technique | None:
     own = [m for m in active(spec) if m.AXIS is None and hasattr(m, "head_tensors")]
     if own:
         return own[0]
+    if loss is not None and loss.NAME == "liger" and _trl_head(spec):
+        return None  # TRL's fused head stays: use_liger_kernel applies the layer kernels only
     return loss if loss is not None and hasattr(loss, "head_tensors") else None
+
+
+def _trl_head(spec) -> bool:
+    """Whether the installed TRL runs the step through its own fused LM head; its trainers then
+    turn Liger's fused linear cross-entropy off (trl 1.16 sft/dpo/kto_trainer.py:
+    `liger_kernel_config["fused_linear_cross_entropy"] = False`)."""
+    from hybridmem.environment import installed
+    from hybridmem.job.trl_head import fused_head
+
+    return fused_head(spec, installed("trl"))
+
+
+def graph_spec(spec):
+    """The spec the model graph and the batch are built for: an asked-for technique's
+    (`graph_spec`, e.g. packing's one row), else `spec` itself."""
+    for technique in active(spec):
+        if hasattr(technique, "graph_spec"):
+            return technique.graph_spec(spec)
+    return spec
+
+
+def check_batch(spec, images: int) -> None:
+    """Every asked-for technique's refusals of the batch (`images`: image inputs per sample)."""
+    for technique in active(spec):
+        if hasattr(technique, "check_batch"):
+            technique.check_batch(spec, images)
+
+
+def batch_inputs(spec, device=None) -> dict:
+    """The tensors the asked-for techniques add to the batch (packing's `position_ids`)."""
+    out: dict = {}
+    for technique in active(spec):
+        if hasattr(technique, "batch_inputs"):
+            out.update(technique.batch_inputs(spec, device))
+    return out
+
+
+def notes(spec) -> tuple[str, ...]:
+    """The notes of the asked-for techniques off any axis that do not replace the head (the
+    head's and the loss axis's note is the tier's own, `head_of` / `loss_of`)."""
+    said = (m.note(spec, None, True) for m in active(spec)
+            if m.AXIS is None and not hasattr(m, "head_tensors"))
+    return tuple(n for n in said if n is not None)
+
+
+def optimizer(spec, params: list, build, step=None):
+    """The optimizer an asked-for technique builds over `params` in place of `build(params)`
+    (optimizer-in-backward's per-parameter hooks; `step(opt)` replaces `opt.step()`), else
+    None: the caller builds its own."""
+    for technique in active(spec):
+        if hasattr(technique, "optimizer"):
+            return technique.optimizer(params, build, step)
+    return None
+
+
+def checkpointed(model, spec, device) -> None:
+    """The harness's patches of the asked-for techniques once checkpointing is on (activation
+    offloading's `ckpt-inputs` port on the CPU stand-in)."""
+    for technique in active(spec):
+        if hasattr(technique, "checkpointed"):
+            technique.checkpointed(model, spec, device)
+
+
+def checkpoint_kwargs(spec) -> dict | None:
+    """The kwargs an asked-for technique gives transformers' checkpointing (op-level SAC's
+    `context_fn`), else None: transformers' own non-reentrant default."""
+    for technique in active(spec):
+        if hasattr(technique, "checkpoint_kwargs"):
+            return technique.checkpoint_kwargs(spec)
+    return None
+
+
+def loop_context(model, spec, device):
+    """The context each forward runs in (TRL's activation offloading), or None."""
+    for technique in active(spec):
+        if hasattr(technique, "loop_context"):
+            ctx = technique.loop_context(model, spec, device)
+            if ctx is not None:
+                return ctx
+    return None
 
 
 def active(spec) -> list[Technique]:

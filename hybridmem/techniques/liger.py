@@ -1,14 +1,85 @@
 """Liger kernels (`--loss liger`, `--liger`; TrainingArguments `use_liger_kernel`): fused linear
-cross-entropy (no logits), RMSNorm, SwiGLU, RoPE, as liger-kernel 0.8.5 allocates them. The
-rules and emulated kernels are `hybridmem.job.loss` (which models, the default kernel set) and
-`hybridmem.job.liger` (the kernels in torch, the real patch); docs/loss.md.
+cross-entropy (no logits), RMSNorm, SwiGLU, RoPE, as liger-kernel 0.8.5 allocates them; the one
+home of their rules (which models, the default kernel set). The kernels emulated in torch and the
+real patch are `liger_kernels` (imported only when a model is patched: no torch here); the sizing
+rules shared with the analytic tier are `kernels`; docs/loss.md.
+
+Sources, read at liger-kernel 0.8.5 (PyPI):
+
+- `liger_kernel/transformers/monkey_patch.py`: transformers' `Trainer` with
+  `use_liger_kernel=True` calls `_apply_liger_kernel_to_instance(model, **liger_kernel_config)`
+  (transformers `integrations/liger.py` `apply_liger_kernel`, on the PEFT-unwrapped model).
+  Unknown model types are skipped with an info log (`MODEL_TYPE_TO_APPLY_LIGER_FN`); for
+  llama / mistral / qwen2 `apply_liger_kernel_to_<type>` defaults to rope, rms_norm, swiglu and
+  fused_linear_cross_entropy on, cross_entropy off; for llava it patches the text model with
+  the text type's function and warns that the vision type (clip, siglip) is not supported.
+- FLCE (`liger_kernel/ops/fused_linear_cross_entropy.py` `fused_linear_cross_entropy_forward`):
+  the logits are never materialised; the input grad (BT x H, input dtype) and weight grad
+  (V x H, weight dtype, if it trains) are computed in the forward over chunks of
+  `flce_chunk_size` rows and saved for backward, which only scales them.
 """
 
 from __future__ import annotations
 
 from hybridmem.errors import SpecError
-from hybridmem.job import loss as rules
+from hybridmem.techniques.kernels import flce_chunks
 from hybridmem.techniques.protocol import adapts_lm_head
+
+# model_type -> the text model Liger patches (monkey_patch.py MODEL_TYPE_TO_APPLY_LIGER_FN and
+# apply_liger_kernel_to_llava); only these are priced (their kernels are emulated here).
+LIGER_TEXT_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+LIGER_PRICED: tuple[str, ...] = (*LIGER_TEXT_TYPES, "llava")
+# model types Liger patches with kernels this project does not emulate (a refusal, not a skip):
+# the keys of MODEL_TYPE_TO_APPLY_LIGER_FN (monkey_patch.py, liger-kernel 0.8.5) less the above
+LIGER_OTHER: frozenset[str] = frozenset({
+    "deepseek_v2", "deepseek_v3", "deepseek_v4", "gemma", "gemma2", "gemma3_text", "gemma3",
+    "gemma4_text", "gemma4", "glm4", "glm4v", "glm4v_moe", "gpt_oss", "internvl", "llama4_text",
+    "llama4", "granite", "mllama", "mllama_text_model", "ministral", "mixtral", "muse_glimmer",
+    "nemotron", "olmo2", "pixtral", "olmo3", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_vl_text",
+    "qwen2_5_vl", "qwen2_5_vl_text", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+    "qwen3_5_moe_text", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text",
+    "smollm3", "phi3", "paligemma", "falcon_h1", "smolvlm", "hunyuan_v1_dense",
+    "hunyuan_v1_moe", "exaone4",
+})
+# apply_liger_kernel_to_llama / _mistral / _qwen2 defaults (monkey_patch.py)
+LIGER_DEFAULTS: dict[str, bool] = {"rope": True, "cross_entropy": False,
+                                   "fused_linear_cross_entropy": True, "rms_norm": True,
+                                   "swiglu": True}
+def liger_text_type(model_type: str, text_type: str | None) -> str | None:
+    """The text model type whose Liger kernels apply, or None when Liger skips the model
+    (`_apply_liger_kernel_to_instance`: "no Liger kernels supported for model type");
+    a type Liger patches but this project does not emulate is a SpecError."""
+    if model_type in LIGER_OTHER or (model_type == "llava" and text_type in LIGER_OTHER):
+        raise SpecError("liger", True, [f"model_type {t}" for t in LIGER_PRICED],
+                        reason=f"Liger's kernels for {text_type or model_type!r} are not "
+                        "priced yet")
+    if model_type in LIGER_TEXT_TYPES:
+        return model_type
+    if model_type == "llava" and text_type in LIGER_TEXT_TYPES:
+        return text_type
+    return None
+
+
+def liger_note(model_type: str) -> str:
+    return (f"liger: model_type {model_type!r} has no Liger kernels; transformers' Trainer "
+            "trains it unchanged (liger_kernel `_apply_liger_kernel_to_instance` skips it)")
+
+
+def check_liger_config(config: object, field: str = "training_args.liger_kernel_config") -> None:
+    """`liger_kernel_config` (kwargs of `_apply_liger_kernel_to_instance`): only the defaults
+    are priced; anything else is a one-line SpecError naming the key."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise SpecError(field, config, reason="must be an object of kernel flags")
+    for key, value in config.items():
+        if key not in LIGER_DEFAULTS:
+            raise SpecError(f"{field}.{key}", value, sorted(LIGER_DEFAULTS))
+        if value is not LIGER_DEFAULTS[key]:
+            raise SpecError(f"{field}.{key}", value, [LIGER_DEFAULTS[key]],
+                            reason="only Liger's default kernel set is priced")
+
+
 
 INT64, FP32 = 8, 4
 
@@ -34,7 +105,7 @@ def check(spec) -> None:
 
 
 def applies(model_type: str, text_type: str | None) -> bool:
-    return rules.liger_text_type(model_type, text_type) is not None
+    return liger_text_type(model_type, text_type) is not None
 
 
 def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int]] | None:
@@ -43,7 +114,7 @@ def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int
 
 def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tuple[int, int]]]:
     """lm_head + loss under Liger (`lce_forward` -> `LigerForCausalLMLoss` ->
-    `LigerFusedLinearCrossEntropyFunction`; the rules are `hybridmem.job.liger`'s docstring),
+    `LigerFusedLinearCrossEntropyFunction`; the rules are `liger_kernels`'s docstring),
     as (numel, bytes) for the analytic tier (`families.decoders.acts.technique_head`).
 
     Saved: grad_input (B x H, the input's = the stream dtype) and, when both the input and the
@@ -57,7 +128,7 @@ def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tupl
     product. Backward: a 0-dim tensor (`torch.tensor(1.0)` for the comparison)."""
     b, s, h, V = d["b"], d["s"], d["h"], d["vocab"]
     B = b * s
-    rows = rules.flce_chunks(B, h, V)[0]
+    rows = flce_chunks(B, h, V)[0]
     grad_w = [(V * h, c.param)] if need_in and need_w else []
     fwd = [(B * h, c.stream), (b * (s + 1), INT64), (B, INT64), (B, FP32), (B, 1), (1, INT64)]
     if c.amp:
@@ -74,23 +145,34 @@ def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tupl
 
 def note(spec, model_type: str, applies: bool) -> str | None:
     if not applies:
-        return rules.liger_note(model_type)
+        return liger_note(model_type)
+    from hybridmem.techniques import _trl_head
+
+    if _trl_head(spec):
+        return ("liger: RMSNorm, SwiGLU, RoPE as liger-kernel 0.8.5's kernels allocate; the head "
+                "is TRL's own fused LM head (its trainers turn Liger's fused linear "
+                "cross-entropy off under use_liger_kernel; docs/loss.md)")
     return ("liger: fused linear cross-entropy (no logits; grad_input and grad_weight made in "
             "the forward), RMSNorm, SwiGLU, RoPE as liger-kernel 0.8.5's kernels allocate "
             "(docs/loss.md); RMSNorm's (sm_count x H) dW partials are not counted")
 
 
 def install(model, spec, config) -> str | None:
-    from hybridmem.job import liger
+    from hybridmem.techniques import _trl_head, liger_kernels
+
+    if spec.objective != "sft" and _trl_head(spec):
+        raise SpecError("liger", True, [False], reason=f"the trace tier does not run Liger's "
+                        f"layer kernels beside TRL's fused head ({spec.objective}): use "
+                        "--method analytic")
 
     text_cfg = getattr(config, "text_config", None)
-    text = rules.liger_text_type(config.model_type, getattr(text_cfg, "model_type", None))
+    text = liger_text_type(config.model_type, getattr(text_cfg, "model_type", None))
     if text is not None:
-        liger.patch_instance(model)
+        liger_kernels.patch_instance(model)
     return text
 
 
 def apply_real(model, spec) -> None:
-    from hybridmem.job import liger
+    from hybridmem.techniques import liger_kernels
 
-    liger.apply_real(model)
+    liger_kernels.apply_real(model)

@@ -40,7 +40,14 @@ FP32 = 4
 
 
 def active(spec) -> bool:
-    return bool(spec.liger) and spec.objective in OBJECTIVES
+    """Asked for, and not overridden by TRL's own fused head: where the installed TRL runs the
+    step through it (`job.objective.fused_head`), `use_liger_kernel` applies Liger's layer
+    kernels only (trl 1.16 dpo_trainer.py: `liger_kernel_config["fused_linear_cross_entropy"]
+    = False`, "which this trainer patches with a fused LM head"), and no TRL trainer calls
+    `LigerFusedLinear*Loss` any more."""
+    from hybridmem.techniques import _trl_head
+
+    return bool(spec.liger) and spec.objective in OBJECTIVES and not _trl_head(spec)
 
 
 def check(spec) -> None:

@@ -63,6 +63,16 @@ def adapts_lm_head(spec) -> bool:
                                       or "lm_head" in spec.lora.modules_to_save)
 
 
+# optional hooks, each read through a function of `hybridmem.techniques` (off-axis techniques):
+# `graph_spec(spec)` -> the spec the model graph and the batch are built for (`graph_spec`);
+# `check_batch(spec, images)` -> its refusals of the batch (`check_batch`; `images`: per sample);
+# `batch_inputs(spec, device)` -> tensors it adds to the batch (`batch_inputs`).
+# `optimizer(params, build, step)` -> the optimizer that replaces `build(params)` (`optimizer`);
+# `checkpointed(model, spec, device)` -> the harness's patch once checkpointing is on
+# (`checkpointed`); `checkpoint_kwargs(spec)` -> the checkpoint's kwargs (`checkpoint_kwargs`;
+# op-level SAC's policy); `loop_context(model, spec, device)` -> a context each forward runs in, or
+# None (`loop_context`).
+# An off-axis technique's `note` is the answers' note on it, None for none (`notes`).
 # optional: `head_tensors(R, S, H, V, e, stream, param, reference) -> {"saved", "fwd",
 # "grad_in_saved": [(numel, bytes)]}`, the analytic tier's lm_head + loss where it replaces them
 # (read through `techniques.head_of`)

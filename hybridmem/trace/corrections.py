@@ -50,7 +50,7 @@ KNOWN_LIMITATIONS: tuple[str, ...] = (
 def _packed_sequences(original):
     """`find_packed_sequence_indices` as a real run of our batches computes it: on real tensors
     the original; on meta / fake ones (no values) None for one sequence per row, and for a
-    packed batch (`position_ids` given by the batch, `hybridmem.job.packing`) the original's
+    packed batch (`position_ids` given by the batch, `hybridmem.techniques.packing`) the original's
     `(diff != 1).cumsum(-1)`; the value check, which needs the values, answered from the batch."""
     def find(position_ids):
         from torch._subclasses.fake_tensor import FakeTensor

@@ -60,12 +60,13 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, dtype: torch
     check the rule against `get_image_features`; a ZeRO-3 model cannot run outside its
     engine). `host_shapes`: grid_thw / image_sizes stay readable, as the model code reads
     their values under fake tensors (`families.common.images.pixel_inputs`). A packed batch
-    (`job.packing`) is one row of all the tokens."""
-    from hybridmem.job import packing
+    (`techniques.packing`) is one row of all the tokens."""
+    from hybridmem import techniques
 
-    b, s = packing.row(spec)
+    shape = techniques.graph_spec(spec)  # packing's one row, else the spec's own
+    b, s = shape.micro_batch, shape.seq_len
     n_img = images_per_sample(spec, config)
-    packing.check_model(spec, n_img)
+    techniques.check_batch(spec, n_img)
     batch: dict = {}
     n_tok = 0
     if n_img:
@@ -73,6 +74,5 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, dtype: torch
         n_tok = check_seq_len(s, n_img, plan)
         batch = pixel_inputs(config, plan, b * n_img, dtype, device, host_shapes=host_shapes)
     batch.update(text_inputs(config, b, s, n_tok, device, images=n_img))
-    if spec.packing:  # TRL's padding-free collator: position ids restart per sequence
-        batch["position_ids"] = packing.position_ids(spec, device)
+    batch.update(techniques.batch_inputs(spec, device))  # packing's position ids
     return batch, n_tok

@@ -85,7 +85,7 @@ def quantize(model: nn.Module, spec: TrainingSpec) -> None:
     """Quantised base weights (`--quantize`): bitsandbytes' Linears emulated
     (`trace.quantized`), then peft's `prepare_model_for_kbit_training` casts when the spec
     says so. Call after `freeze` (the casts keep requires_grad=False)."""
-    from hybridmem.job.quantize import quant_of
+    from hybridmem.techniques.quantize import quant_of
     from hybridmem.trace import quantized
 
     quant = quant_of(spec)

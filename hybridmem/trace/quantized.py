@@ -1,10 +1,10 @@
 """bitsandbytes' quantised Linears emulated on meta / fake tensors, for the trace tier.
 
 bitsandbytes is no dependency of the project, and its kernels do not run on meta tensors; these
-modules hold the tensors bnb keeps per weight (`hybridmem.job.quantize.Quant.weight_allocs`) and
+modules hold the tensors bnb keeps per weight (`hybridmem.techniques.quantize.Quant.weight_allocs`) and
 allocate in forward and backward what `bnb.nn.Linear4bit` / `MatMul4Bit` and
 `bnb.nn.Linear8bitLt` / `MatMul8bitLt` (CUDA path) allocate, op output by op output (sources in
-`hybridmem.job.quantize`). The values are never computed: only the tensors' sizes and lifetimes
+`hybridmem.techniques.quantize`). The values are never computed: only the tensors' sizes and lifetimes
 matter. tests/test_quantize.py checks a traced tiny model against a real CPU run of the same
 step with real `bnb.nn.Linear4bit` layers (bnb's custom ops are atomic to the tracker, so the
 CPU kernels' internals do not show; their outputs are the CUDA kernels' outputs).
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hybridmem.job.quantize import BLOCKSIZE, Quant
+from hybridmem.techniques.quantize import BLOCKSIZE, Quant
 
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "float32": torch.float32}

@@ -21,9 +21,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hybridmem.errors import SpecError
 from hybridmem.job.checkpointing import enable_checkpointing
-from hybridmem.job import offload, optim_in_backward
-from hybridmem.job.liger import rope_patched
-from hybridmem.job.loss import liger_note
+from hybridmem import techniques
+from hybridmem.techniques import offload_hooks as offload
+from hybridmem.techniques.offload import STUCK
+from hybridmem.techniques import optim_in_backward
+from hybridmem.techniques.liger import liger_note
+from hybridmem.techniques.liger_kernels import rope_patched
 from hybridmem.families import family
 from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, empty_cache_at
@@ -120,11 +123,11 @@ def prepare(spec: TrainingSpec, config) -> Job:
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in trainable]
     masters = _master_copies(params) if spec.precision == "bf16-master" else []
-    if spec.optimizer_in_backward:  # one optimizer per parameter, stepped in its grad hook
-        optimizer = optim_in_backward.make(masters or params,
-                                           lambda ps: make_optimizer(spec.optimizer, ps),
-                                           step=_stepped_as_on_cuda)
-    else:
+    # optimizer-in-backward: one optimizer per parameter, stepped in its grad hook
+    optimizer = techniques.optimizer(spec, masters or params,
+                                     lambda ps: make_optimizer(spec.optimizer, ps),
+                                     step=_stepped_as_on_cuda)
+    if optimizer is None:
         optimizer = lorafa if lorafa is not None else make_optimizer(spec.optimizer,
                                                                      masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
@@ -361,7 +364,7 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
         job.grpo = None  # the step's generation buffers die with the step
     job.outputs = None
     if job.offloader is not None and job.offloader.tracker:
-        job.notes.append(offload.STUCK + f"{len(job.offloader.tracker)} packed tensors left, "
+        job.notes.append(STUCK + f"{len(job.offloader.tracker)} packed tensors left, "
                          "priced as TRL runs them")
 
 

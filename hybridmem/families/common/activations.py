@@ -61,14 +61,14 @@ class Ctx:
     frozen_a: bool = False
     """lora_A has requires_grad=False (optimizer `lora-fa`)."""
     quant: object = None
-    """`hybridmem.job.quantize.Quant` of a quantised base (`--quantize`), else None."""
+    """`hybridmem.techniques.quantize.Quant` of a quantised base (`--quantize`), else None."""
     liger: bool = False
     """Liger's kernels replace RMSNorm, SwiGLU, RoPE and the lm_head + loss (`--liger`, on a
-    model type Liger patches; `hybridmem.job.loss`)."""
+    model type Liger patches; `hybridmem.techniques.liger`)."""
     ce_chunks: int = 0
     """torchtune's chunked cross-entropy in N chunks (`--chunked-ce N`); 0 = HF's loss."""
     cce: bool = False
-    """Cut Cross-Entropy replaces the lm_head + loss (`--cut-cross-entropy`; `job.cce`)."""
+    """Cut Cross-Entropy replaces the lm_head + loss (`--cut-cross-entropy`; `techniques.cce`)."""
     head: object = None
     """A technique module whose `head_tensors` replace the lm_head + loss (`hybridmem.techniques
     .head_of`: Liger's fused preference losses), else None."""
@@ -330,7 +330,7 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
                      ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Tensors alive at the top of the largest quantised linear's (forward, MLP backward,
     attention backward), from bitsandbytes `Linear4bit.forward` / `MatMul4Bit`
-    (`hybridmem.job.quantize`). `in_bytes`: linear name -> itemsize of its input (= of its
+    (`hybridmem.techniques.quantize`). `in_bytes`: linear name -> itemsize of its input (= of its
     output). The order (trace tier, tiny-llama nf4 LoRA b2 s64, per-op events of one linear):
     forward `x.to(compute)` (when the input differs), the dequantised weight
     (`Quant.dequant`), the matmul output in the compute dtype, its cast back to the input

@@ -10,7 +10,7 @@ from hybridmem.families.common.activations import (
 from hybridmem.families.gemma3 import acts as GA
 from hybridmem.allocator.alloc import t
 from hybridmem.families.common.eager_top import backward_top, forward_top
-from hybridmem.job.loss import LIGER_SM_COUNT, torch_chunks
+from hybridmem.techniques.kernels import LIGER_SM_COUNT, torch_chunks
 from hybridmem.models.graph import Layer
 
 
@@ -436,7 +436,7 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
 def chunked_head(d: dict, c: Ctx, sv: Saved, copies: int, cache: int, need_in: bool,
                  need_w: bool) -> Acts:
     """lm_head + torchtune's `CEWithChunkedOutputLoss` over `c.ce_chunks` chunks of the
-    sequence (`h.chunk(N, dim=1)`, sizes `torch_chunks`; hybridmem.job.loss).
+    sequence (`h.chunk(N, dim=1)`, sizes `torch_chunks`; hybridmem.techniques.kernels).
 
     `sv` holds the head's saved input (per chunk, the same bytes as one projection); the
     chunks' log_softmax outputs (fp32) are saved in place of the single (B x V) one, and each

@@ -100,7 +100,7 @@ def block(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if not layer.runs or n == 0:
         return Acts()
     dec = as_decoder(layer)
-    # Liger patches the LM's modules only (`hybridmem.job.loss`), never the Pixtral tower
+    # Liger patches the LM's modules only (`hybridmem.techniques.liger`), never the Pixtral tower
     acts = TA.decoder_layer(dec, replace(c, liger=False), need_in, need_w)
     if c.amp and acts.saved:
         mask = t(n * n, c.e)  # SDPA's autocast cast of the fp32 mask, saved per block

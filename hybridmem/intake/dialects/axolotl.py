@@ -192,7 +192,7 @@ ATTN_FLAGS: dict[str, str] = {"flash_attention": "flash_attention_2", "sdp_atten
 ATTN_NAMES: dict[str, str] = {"flash_attention_2": "flash_attention_2", "flash": "flash_attention_2",
                               "sdpa": "sdpa", "sdp": "sdpa", "eager": "eager"}
 # liger plugin args (integrations/liger/args.py) -> Liger's kernel flags
-# (`hybridmem.job.loss.LIGER_DEFAULTS`); `liger_swiglu` is glu_activation's old name
+# (`hybridmem.techniques.liger.LIGER_DEFAULTS`); `liger_swiglu` is glu_activation's old name
 LIGER: dict[str, str] = {"liger_rope": "rope", "liger_rms_norm": "rms_norm",
                          "liger_glu_activation": "swiglu", "liger_swiglu": "swiglu",
                          "liger_cross_entropy": "cross_entropy",
@@ -314,7 +314,7 @@ def _training(cfg: dict, out: Layer, where: str, dtype: str, dtype_keys: tuple) 
                         reason="axolotl loads 4-bit for qlora, 8-bit for lora")
     else:
         return
-    from hybridmem.job.quantize import from_bnb_config
+    from hybridmem.techniques.quantize import from_bnb_config
 
     for key, value in from_bnb_config(bnb, f"{where}: bnb").items():
         out.set(key, value, *keys)
@@ -370,7 +370,7 @@ def _batch(cfg: dict, out: Layer, where: str) -> None:
     config.py: sequence_len 512. `sample_packing` packs samples into each of the micro-batch's
     rows of sequence_len tokens (utils/samplers/multipack.py `MultipackBatchSampler`, the
     collator's position ids restarting per sample: utils/collators/batching.py
-    `V2BatchSamplerDataCollatorForSeq2Seq`): the job's `packing` (`job.packing`: the
+    `V2BatchSamplerDataCollatorForSeq2Seq`): the job's `packing` (`techniques.packing`: the
     micro-batch's tokens with per-sample position ids). With flash-attention varlen that is
     the same memory; sdpa / eager build one mask per row, which `packing` prices over all the
     micro-batch's tokens (an upper bound, warned)."""
@@ -451,7 +451,7 @@ def _savers(cfg: dict, out: Layer, where: str) -> None:
             out.set("attn", ATTN_NAMES[str(cfg[key])], key)
     given = {LIGER[k]: flag(f"{where}: {k}", cfg[k]) for k in LIGER if k in cfg}
     if any(given.values()):
-        from hybridmem.job.loss import LIGER_DEFAULTS, check_liger_config
+        from hybridmem.techniques.liger import LIGER_DEFAULTS, check_liger_config
 
         # the plugin applies only the kernels set true: Liger's default set is priced
         check_liger_config({k: given.get(k, False) for k in LIGER_DEFAULTS}, f"{where}: liger")

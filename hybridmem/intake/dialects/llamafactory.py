@@ -324,7 +324,7 @@ def _quantization(cfg: dict, out: Layer, where: str, method: str) -> None:
     `prepare_model_for_training`, model_utils/checkpointing.py, upcasts nothing by default)."""
     if cfg.get("quantization_bit") is None:
         return
-    from hybridmem.job.quantize import from_bnb_config
+    from hybridmem.techniques.quantize import from_bnb_config
 
     bits = cfg["quantization_bit"]
     if method != "lora":  # parser.py _verify_model_args

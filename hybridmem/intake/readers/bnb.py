@@ -1,6 +1,6 @@
 """bitsandbytes' `BitsAndBytesConfig` (`--quantization-config`, or the `quantization_config` of
 a pre-quantised model's config.json) -> the quantisation fields of one layer, with their
-sources (`hybridmem.job.quantize.from_bnb_config` maps the keys).
+sources (`hybridmem.techniques.quantize.from_bnb_config` maps the keys).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def quantization(overrides: dict, model: str | None = None) -> tuple[dict, dict]
     config.json (a pre-quantised checkpoint's); `--quantize` given alone keeps the spec's
     defaults (QLoRA: nf4 + double quant). A `--quantize` that contradicts the file is an error
     naming both."""
-    from hybridmem.job.quantize import from_bnb_config
+    from hybridmem.techniques.quantize import from_bnb_config
 
     out: dict = {}
     where, data = None, {}

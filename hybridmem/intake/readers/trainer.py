@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
-from hybridmem.job.loss import check_liger_config
+from hybridmem.techniques.liger import check_liger_config
 from hybridmem.jsonfile import read_json_object
 from hybridmem.intake import config_keys
 from hybridmem.intake.readers import fsdp as fsdp_config
@@ -253,7 +253,7 @@ def _checkpointing(args: dict, out: dict) -> None:
 @converts("training_args", "activation_offloading")
 def _offloading(args: dict, out: dict) -> None:
     """TRL SFTConfig `activation_offloading` (trl/trainer/sft_config.py): SFTTrainer wraps each
-    training_step in get_act_offloading_ctx_manager(model) (hybridmem.job.offload "all"); it
+    training_step in get_act_offloading_ctx_manager(model) (hybridmem.techniques.offload "all"); it
     takes precedence over the checkpoint-inputs-only variant, whose inputs it offloads too."""
     if args.get("activation_offloading") is not None and _flag(
             "training_args.activation_offloading", args["activation_offloading"]):
@@ -263,7 +263,7 @@ def _offloading(args: dict, out: dict) -> None:
 @converts("training_args", "padding_free", "packing")
 def _packing(args: dict, out: dict) -> None:
     """TRL SFTConfig `padding_free` / `packing` (sft_trainer.py: packing, or padding_free, makes
-    the collator `DataCollatorForLanguageModeling(padding_free=True)`; hybridmem.job.packing)."""
+    the collator `DataCollatorForLanguageModeling(padding_free=True)`; hybridmem.techniques.packing)."""
     for key in ("padding_free", "packing"):
         if args.get(key) is not None and _flag(f"training_args.{key}", args[key]):
             out["spec"]["packing"] = True
@@ -437,7 +437,7 @@ def _empty_cache_steps(args: dict, out: dict) -> None:
 def _liger(args: dict, out: dict) -> None:
     """`use_liger_kernel` (+ `liger_kernel_config`): TrainingArguments fields that TRL's
     SFTConfig inherits; Trainer applies Liger with them (transformers `integrations/liger.py`).
-    Only Liger's default kernel set is priced (`job.loss.check_liger_config`)."""
+    Only Liger's default kernel set is priced (`techniques.liger.check_liger_config`)."""
     if args.get("use_liger_kernel") is None:
         if args.get("liger_kernel_config"):
             raise SpecError("training_args.liger_kernel_config", args["liger_kernel_config"],

@@ -42,9 +42,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.weak import WeakIdKeyDictionary
 
 
-from hybridmem.job.offload_rules import (  # noqa: F401 (re-exported)
-    MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, MODES, STUCK, check,
-)
+from hybridmem.techniques.kernels import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE
 
 
 def offloadable(t: torch.Tensor) -> bool:

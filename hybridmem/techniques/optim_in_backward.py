@@ -14,9 +14,10 @@ The hook fires once per backward per parameter, after AccumulateGrad has written
 weight's two contributions are summed in autograd's input buffer first), so the state is created
 lazily during iteration 0's backward, layer by layer, last layer first.
 
-The rules live here once; the analytic tier (`analytic/estimate.py`, `timeline.py`,
-`events.py`), the trace tier (`trace/runner.py`) and the CUDA harness (`harness/workload.py`)
-read them.
+A technique behind `techniques.protocol` (off any axis): the rules live here once; the trace
+tier (`trace/runner.py`) and the CUDA harness (`harness/workload.py`) build the job's optimizer
+through the protocol's `optimizer` hook (`techniques.optimizer`), and the analytic tier's
+timeline steps each parameter in backward where the job asks (`timeline.py`, `events.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from collections.abc import Callable
 
 from hybridmem.errors import SpecError
 
+NAME = "optimizer-in-backward"
+AXIS = None  # combines with the other techniques it does not refuse (`check`)
 FLAG = "optimizer_in_backward"
+# priced for sft (`job.objective.check` refuses it with the TRL objectives, naming why)
+OBJECTIVES: tuple[str, ...] = ("sft",)
 
 # Optimizers that can run per parameter in a post-accumulate-grad hook. LoRA-FA (peft
 # create_lorafa_optimizer) pairs lora_A with lora_B by name in one optimizer, so it cannot be
@@ -45,6 +50,8 @@ def check(spec) -> None:
     refusals: recipes/full_finetune_single_device.py raises for gradient accumulation and for
     gradient clipping with `optimizer_in_bwd`; `OptimizerInBackwardWrapper` is single-device
     only, torchtune/training/memory.py)."""
+    if not isinstance(spec.optimizer_in_backward, bool):
+        raise SpecError("optimizer_in_backward", spec.optimizer_in_backward, [True, False])
     if not spec.optimizer_in_backward:
         return
     if spec.grad_accum > 1:
@@ -70,6 +77,35 @@ def check(spec) -> None:
         raise SpecError("parallel.strategy", ps.strategy, ("none",), reason="optimizer_in_"
                         "backward is single-device (torchtune OptimizerInBackwardWrapper); "
                         "DDP buckets / ZeRO / FSDP reduce gradients after the hook would step")
+
+
+def active(spec) -> bool:
+    return spec.optimizer_in_backward is True
+
+
+def applies(model_type: str, text_type: str | None) -> bool:
+    return True  # hooks on the parameters, for any model
+
+
+def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int]] | None:
+    return None
+
+
+def note(spec, model_type: str | None = None, applies: bool = True) -> str | None:
+    return None  # the answer's peak phase says it (the step is inside backward)
+
+
+def install(model, spec, config) -> str | None:
+    return None  # the optimizer changes, not the model (`optimizer`)
+
+
+def apply_real(model, spec) -> None:
+    return None  # likewise on CUDA (`optimizer`, called by the harness's `finish_job`)
+
+
+def optimizer(params: list, build: Callable[[list], object], step=None) -> InBackward:
+    """The protocol's `optimizer` hook: the job's optimizer is `make`'s wrapper."""
+    return make(params, build, step)
 
 
 class InBackward:

@@ -1,5 +1,5 @@
 """Liger kernels emulated in torch: the same allocations (shapes, dtypes, lifetimes) as the
-Triton kernels, so the trace tier and the CPU stand-in of the harness can run `--liger` jobs.
+Triton kernels (`--loss liger`; the rules are `techniques.liger`), so the trace tier and the CPU stand-in of the harness can run `--liger` jobs.
 
 Why: liger-kernel needs triton and a CUDA GPU; the trace tier runs on CPU / meta tensors. Each
 `autograd.Function` below allocates, saves and frees what its Liger counterpart does (source:
@@ -18,7 +18,7 @@ from types import MethodType
 import torch
 from torch import nn
 
-from hybridmem.job.loss import IGNORE_INDEX, LIGER_SM_COUNT, flce_chunk_size, shift_labels
+from hybridmem.techniques.kernels import IGNORE_INDEX, LIGER_SM_COUNT, flce_chunk_size, shift_labels
 
 
 def _autocast_on() -> bool:

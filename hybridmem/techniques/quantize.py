@@ -42,6 +42,10 @@ transformers 5.24, peft 0.21; docs/quantize.md has the derivations and measured 
   own `grad_ckpt` (QLoRA recipes set it; peft's default would).
 - the dtype the base model is loaded in is the precision's parameter dtype (`PARAM_DTYPE`: fp32
   under *-mixed, bf16 under bf16): the quantised weights' `quant_state.dtype` is that dtype.
+
+A technique behind `techniques.protocol` (off any axis); its emulated layers for the trace tier
+are `trace/quantized.py` and the harness's real conversion `harness/workload.py quantize_bnb`,
+both gated on `quant_of(spec)`, as are the analytic tier's weight terms.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import re
 from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
+from hybridmem.job.objective import OBJECTIVES as ALL_OBJECTIVES
 from hybridmem.job.precision import POLICIES
 from hybridmem.jsonfile import read_json_object
 
@@ -146,6 +151,37 @@ def converts(name: str, skip: tuple[str, ...]) -> bool:
     a suffix of the name."""
     boundary = r"(?:(?<=\.)|(?=\.|$))"
     return not any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in skip)
+
+
+NAME = "quantize"
+AXIS = None  # the base weights' storage: combines with the other techniques
+FLAG = "quantize"
+# priced with every objective (it changes the base weights, not the loss)
+OBJECTIVES: tuple[str, ...] = ALL_OBJECTIVES
+
+
+def active(spec) -> bool:
+    return spec.quantize != "none"
+
+
+def applies(model_type: str, text_type: str | None) -> bool:
+    return True  # every nn.Linear the rules convert (`Quant.converts`), in any model
+
+
+def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int]] | None:
+    return None
+
+
+def note(spec, model_type: str | None = None, applies: bool = True) -> str | None:
+    return None  # the tiers' own (the quantised weights' bytes in the breakdown)
+
+
+def install(model, spec, config) -> str | None:
+    return None  # the trace tier builds its emulated layers itself (`trace/model.py quantize`)
+
+
+def apply_real(model, spec) -> None:
+    return None  # the harness converts with bitsandbytes itself (`quantize_bnb`), before PEFT
 
 
 def quant_of(spec) -> Quant | None:

@@ -17,21 +17,63 @@ linears have a bias (`aten.addmm`, not in the list): only SDPA's outputs are kep
 SDPA kernel is `_scaled_dot_product_flash_attention_for_cpu`: saved here as the CPU stand-in of
 CUDA's flash kernel (the trace tier runs on CPU).
 
-The rules live here once; `job/checkpointing.py` hands `context_fn` to transformers'
-checkpointing (trace tier and harness), `analytic/` prices the saved set.
+A technique behind `techniques.protocol` (off any axis): the rules live here once;
+`job/checkpointing.py` asks the protocol's `checkpoint_kwargs` hook (`techniques.
+checkpoint_kwargs`) and hands `context_fn` to transformers' checkpointing (trace tier and
+harness); `analytic/sac.py` prices the saved set. torch is imported only when a model runs.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
+from hybridmem.job.objective import OBJECTIVES as ALL_OBJECTIVES
 
+NAME = "sac"
+AXIS = None  # a checkpointing policy: combines with the other techniques
+FLAG = "grad_ckpt_policy"
+# priced with every objective the checkpointed layers run under (it changes no loss)
+OBJECTIVES: tuple[str, ...] = ALL_OBJECTIVES
 POLICY = "ops"
+
+
+def active(spec) -> bool:
+    return bool(spec.grad_ckpt) and spec.grad_ckpt_policy == POLICY
+
+
+def check(spec) -> None:
+    return None  # the policy's syntax and its need of grad_ckpt: the spec's (`ckpt_every`)
+
+
+def applies(model_type: str, text_type: str | None) -> bool:
+    return True  # a dispatch-level policy, for any checkpointed layer
+
+
+def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int]] | None:
+    return None
+
+
+def note(spec, model_type: str | None = None, applies: bool = True) -> str | None:
+    return None  # the analytic tier's own (`analytic/sac.py`)
+
+
+def install(model, spec, config) -> str | None:
+    return None  # applied where checkpointing is switched on (`checkpoint_kwargs`)
+
+
+def apply_real(model, spec) -> None:
+    return None  # likewise on CUDA
+
+
+def checkpoint_kwargs(spec) -> dict:
+    """The non-reentrant checkpoint's kwargs with torchtitan's selective policy."""
+    return {"use_reentrant": False, "context_fn": context_fn}
 
 
 def save_ops() -> set:
     """torchtitan's save list, plus the CPU flash kernel (the trace tier's stand-in)."""
+    import torch
+
     aten = torch.ops.aten
     ops = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
            aten._scaled_dot_product_flash_attention.default,
@@ -48,6 +90,7 @@ def save_ops() -> set:
 
 def context_fn():
     """torchtitan's `selective_checkpointing_context_fn`: a fresh mm counter per region."""
+    import torch
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     ops = save_ops()

@@ -17,16 +17,25 @@ runs varlen over `cu_seqlens` from the position ids (modeling_flash_attention_ut
 (as the padded batch), a quadratic mask for sdpa, and for eager the attention scores over the
 whole packed row per head, quadratic in L: micro_batch times the unpacked batch's scores.
 
-The rules live here once; the trace tier (`trace/inputs.py`), the analytic tier
-(`analytic/estimate.py`) and the CUDA harness (`harness/workload.py`) read them.
+A technique behind `techniques.protocol` (off any axis: it combines with a loss replacement):
+the rules live here once, and the tiers reach them through the protocol's hooks
+(`techniques.graph_spec`, `check_batch`, `batch_inputs`, `notes`), not `if spec.packing`. The
+analytic tier's packed-mask terms are `analytic/packed.py` (they need the allocator's rounding).
 """
 
 from __future__ import annotations
 
-
 from hybridmem.errors import SpecError
 
+NAME = "packing"
+AXIS = None  # combines with any loss replacement
 FLAG = "packing"
+# priced for sft (`job.objective.check` refuses it with the TRL objectives, naming why)
+OBJECTIVES: tuple[str, ...] = ("sft",)
+
+
+def active(spec) -> bool:
+    return spec.packing is True
 
 
 def check(spec) -> None:
@@ -34,33 +43,46 @@ def check(spec) -> None:
         raise SpecError("packing", spec.packing, [True, False])
 
 
-def check_model(spec, images: int) -> None:
+def check_batch(spec, images: int) -> None:
     """Packing is priced for text batches only (`images`: image inputs per sample)."""
     if spec.packing and images:
         raise SpecError("packing", True, [False], reason="packed batches are priced for "
                         "text-only samples (images_per_sample 0)")
 
 
-def row(spec) -> tuple[int, int]:
-    """(batch, tokens) of the packed input: one row of every token of the micro-batch."""
-    return (1, spec.micro_batch * spec.seq_len) if spec.packing else (spec.micro_batch,
-                                                                       spec.seq_len)
+def applies(model_type: str, text_type: str | None) -> bool:
+    return True  # the collator's batch, for any causal LM (text only: `check_batch`)
 
 
-def position_ids(spec, device=None):
-    """0..seq_len-1 once per packed sequence, as TRL's padding-free collator writes them."""
+def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int]] | None:
+    return None  # the ordinary (1, L, V) logits of the one row
+
+
+def batch_inputs(spec, device=None) -> dict:
+    """What TRL's padding-free collator adds to the batch: `position_ids`, 0..seq_len-1 once
+    per packed sequence (no attention mask)."""
     import torch  # only the batch builders need it: the spec and the analytic tier import this
 
-    return torch.arange(spec.seq_len, device=device).repeat(spec.micro_batch).unsqueeze(0)
+    return {"position_ids": torch.arange(spec.seq_len, device=device)
+            .repeat(spec.micro_batch).unsqueeze(0)}
 
 
-def one_row(spec):
-    """The spec as the model graph sees a packed batch: one sample of all the tokens (every
-    per-token tensor is the same; the attention is priced by `mask_bytes` on top)."""
+def graph_spec(spec):
+    """The spec as the model graph (and the batch builder) sees a packed batch: one sample of
+    all the tokens (every per-token tensor is the same; sdpa's mask is priced on top,
+    `analytic/packed.py`)."""
     return spec.with_(micro_batch=1, seq_len=spec.micro_batch * spec.seq_len, packing=False)
 
 
-def note(spec) -> str:
+def install(model, spec, config) -> str | None:
+    return None  # the batch changes, not the model (`batch_inputs`)
+
+
+def apply_real(model, spec) -> None:
+    return None  # likewise on CUDA: the harness builds the same batch (`trace.inputs`)
+
+
+def note(spec, model_type: str | None = None, applies: bool = True) -> str:
     return (f"packing: {spec.micro_batch} sequences of {spec.seq_len} tokens in one row of "
             f"{spec.micro_batch * spec.seq_len} (position ids restart per sequence, no padding); "
             + {"eager": "eager attention scores span the whole packed row, quadratic in its "
