@@ -295,7 +295,7 @@ def test_trace_tier_rank_equals_the_real_runs(measured):
 def test_trace_tier_fsdp_times_tp_rank():
     """FSDP2 x TP 2 x 2: the traced states equal the analytic rank's (themselves equal to the
     real run, `test_fsdp_times_tp_states_equal_the_real_2x2_rank`); fake peak = real peak."""
-    from hybridmem.analytic.estimate import _setup
+    from hybridmem.analytic.estimate import setup as _setup
     from hybridmem.models.loader import load_config_dict, materialize_config
     from hybridmem.parallel import ranks
     from hybridmem.parallel.layout import rank_config

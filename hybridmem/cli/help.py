@@ -25,10 +25,12 @@ ALL_CHOICES = frozenset({"precision"})
 OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep", "sequence_parallel", "cp", "pp",
                         "pp_schedule", "pp_virtual_stages", "pp_microbatches", "ep",
                         "dp_replicate", "dp_shard", "offload_param", "mp_reduce_dtype",
-                        "timeline", "cut_cross_entropy", "jobs", "workers"})
+                        "timeline", "cut_cross_entropy", "jobs", "workers",
+                        "num_iterations"})
 """Options the one-screen help leaves to the README: an alias (`--zero-stage N` =
 `--strategy zeroN`, `--cut-cross-entropy` = `--loss cce`), GRPO's / DPO's `--beta` (what it
-changes, the reference model, is `--ref-model`), `--no-kbit-prep` (peft's k-bit preparation is
+changes, the reference model, is `--ref-model`) and `--num-iterations` (GRPO's passes per
+generation, 1 in almost every run), `--no-kbit-prep` (peft's k-bit preparation is
 what almost every QLoRA job runs), the model-parallel layout beyond `--tp` (`--pp`,
 `--sequence-parallel`, `--cp`, `--ep`, the pipeline schedule and the data-parallel split:
 docs/parallel.md), ZeRO-Infinity's `--offload-param`, FSDP2's `--mp-reduce-dtype` (with

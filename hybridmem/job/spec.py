@@ -624,7 +624,7 @@ class TrainingSpec:
     """GRPO completion tokens (TRL `max_completion_length`); None: 256."""
     num_iterations: int = job_field(
         1, help="GRPO optimisation passes per generation.", group="objective",
-        unit="passes", added=53, keys={"training_args": ("num_iterations",)},
+        unit="passes", added=53, maximum=1024,  # TRL's default 1, the GRPO paper's mu 1-4 keys={"training_args": ("num_iterations",)},
         doc="GRPO's passes over each generated batch (TRL `num_iterations`, default 1); above "
         "1 the generation phase also computes the old policy's per-token log-probs under "
         "no_grad and keeps them through the step")

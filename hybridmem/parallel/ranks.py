@@ -4,7 +4,7 @@ Why this shape: one rank of a tensor/expert-parallel job runs the same layers as
 narrower (a rank's column/row-parallel linears are the full model's with `heads / tp`,
 `intermediate / tp` ...; `hybridmem.parallel.layout.rank_config`), on fewer tokens (`seq_len /
 cp`), and a pipeline rank runs only its stage's layers. So the analytic tier's own closed forms
-price the rank: the narrow model's graph is priced (`analytic.estimate._setup`), the stage's
+price the rank: the narrow model's graph is priced (`analytic.estimate.setup`), the stage's
 layers are chosen from it, its timeline is walked with the activations of the micro-batches its
 schedule keeps in flight held throughout (`layout.in_flight`), and its model states are sharded
 over the data-parallel ranks by `hybridmem.parallel.sharding` (the data-parallel rules, on the
