@@ -9,7 +9,7 @@ import pytest
 from hybridmem import TrainingSpec
 from hybridmem.analytic import estimate as analytic
 from hybridmem.errors import SpecError
-from hybridmem.techniques import _trl_head, head_of, liger_preference
+from hybridmem.techniques import trl_head_runs, head_of, liger_preference
 
 
 def test_head_tensors_by_hand():
@@ -32,7 +32,7 @@ def test_the_analytic_tier_prices_the_fused_preference_loss(objective):
     kw = dict(model="llama-3.2-3b", micro_batch=2, seq_len=1024, precision="bf16",
               objective=objective, train="lora")
     plain, fused = analytic(TrainingSpec(**kw)), analytic(TrainingSpec(**kw, liger=True))
-    if _trl_head(TrainingSpec(**kw)):
+    if trl_head_runs(TrainingSpec(**kw)):
         # the installed TRL runs DPO through its own fused head and, under use_liger_kernel,
         # applies Liger's layer kernels only (trl 1.16 dpo_trainer.py): no Liger DPO loss
         assert head_of(TrainingSpec(**kw, liger=True)) is None

@@ -100,12 +100,12 @@ def head_of(spec, loss: Technique | None = None) -> Technique | None:
     own = [m for m in active(spec) if m.AXIS is None and hasattr(m, "head_tensors")]
     if own:
         return own[0]
-    if loss is not None and loss.NAME == "liger" and _trl_head(spec):
+    if loss is not None and loss.NAME == "liger" and trl_head_runs(spec):
         return None  # TRL's fused head stays: use_liger_kernel applies the layer kernels only
     return loss if loss is not None and hasattr(loss, "head_tensors") else None
 
 
-def _trl_head(spec) -> bool:
+def trl_head_runs(spec) -> bool:
     """Whether the installed TRL runs the step through its own fused LM head; its trainers then
     turn Liger's fused linear cross-entropy off (trl 1.16 sft/dpo/kto_trainer.py:
     `liger_kernel_config["fused_linear_cross_entropy"] = False`)."""

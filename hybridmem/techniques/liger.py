@@ -146,9 +146,9 @@ def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tupl
 def note(spec, model_type: str, applies: bool) -> str | None:
     if not applies:
         return liger_note(model_type)
-    from hybridmem.techniques import _trl_head
+    from hybridmem.techniques import trl_head_runs
 
-    if _trl_head(spec):
+    if trl_head_runs(spec):
         return ("liger: RMSNorm, SwiGLU, RoPE as liger-kernel 0.8.5's kernels allocate; the head "
                 "is TRL's own fused LM head (its trainers turn Liger's fused linear "
                 "cross-entropy off under use_liger_kernel; docs/loss.md)")
@@ -158,9 +158,9 @@ def note(spec, model_type: str, applies: bool) -> str | None:
 
 
 def install(model, spec, config) -> str | None:
-    from hybridmem.techniques import _trl_head, liger_kernels
+    from hybridmem.techniques import trl_head_runs, liger_kernels
 
-    if spec.objective != "sft" and _trl_head(spec):
+    if spec.objective != "sft" and trl_head_runs(spec):
         raise SpecError("liger", True, [False], reason=f"the trace tier does not run Liger's "
                         f"layer kernels beside TRL's fused head ({spec.objective}): use "
                         "--method analytic")

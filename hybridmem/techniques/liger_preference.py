@@ -45,9 +45,9 @@ def active(spec) -> bool:
     kernels only (trl 1.16 dpo_trainer.py: `liger_kernel_config["fused_linear_cross_entropy"]
     = False`, "which this trainer patches with a fused LM head"), and no TRL trainer calls
     `LigerFusedLinear*Loss` any more."""
-    from hybridmem.techniques import _trl_head
+    from hybridmem.techniques import trl_head_runs
 
-    return bool(spec.liger) and spec.objective in OBJECTIVES and not _trl_head(spec)
+    return bool(spec.liger) and spec.objective in OBJECTIVES and not trl_head_runs(spec)
 
 
 def check(spec) -> None:
