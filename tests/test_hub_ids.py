@@ -133,4 +133,4 @@ def test_the_too_big_warning_does_not_suggest_a_search_the_answer_ran():
     (asked,) = [w for w in plausible.warnings(spec, huge) if "catalogue" in w]
     (ran,) = [w for w in plausible.warnings(spec, huge, searched=True) if "catalogue" in w]
     assert "--find-max-batch" in asked and "--find-max-batch" not in ran
-    assert "largest micro-batch that fits is in the answer" in ran
+    assert "the micro-batch search below says what fits" in ran
