@@ -28,8 +28,8 @@ from hybridmem.models.graph import Layer, Module, ModelGraph, ParamTensor
 def padded_sdpa_mask(layer: Layer, c: Ctx, acts):
     """A decoder layer's SDPA under TRL's collator, whose batch carries an attention mask (a
     batch of varied lengths is padded to its longest: `hybridmem.objectives.sft.step
-    .sft_trl_batch`, the objective's `PADDED`): masking_utils' boolean (b, 1, s, s) mask reaches each layer's
-    `scaled_dot_product_attention`, which converts it to the query's dtype
+    .sft_trl_batch`, the objective's `PADDED`): masking_utils' boolean (b, 1, s, s) mask
+    reaches each layer's `scaled_dot_product_attention`, which converts it to the query's dtype
     (aten/src/ATen/native/transformers/attention.cpp `convert_boolean_attn_mask`) and saves
     that float mask for backward: one (b x s x s, e) tensor per layer."""
     d = layer.dims
