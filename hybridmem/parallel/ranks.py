@@ -38,7 +38,7 @@ from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
 from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
-from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.parallel import INTERLEAVED, ParallelSpec
 from hybridmem.job.spec import POLICIES, TrainingSpec
 from hybridmem.parallel.layout import (
     check_layout, in_flight, model_shape, rank_config, stage_layers,
@@ -192,20 +192,31 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     steps = [s for _, s in chosen]
     k = in_flight(ps, rank)
     per_micro = sum(s.kept for s in steps)
-    held = round((k - 1) * per_micro)
-    grad_accum = 2 if ps.pp > 1 and ps.microbatches > 1 else st.grad_accum
+    buffers = _pipeline_buffers(spec, shape, rank)
     stage_st = dataclasses.replace(
-        st, grad_accum=grad_accum,
-        param=sum(p.states.param for p, _ in chosen),
+        st, param=sum(p.states.param for p, _ in chosen),
         master=sum(p.states.master for p, _ in chosen))
-    points = walk(steps, stage_st)
-    full = max((p.bytes["grad"] for p in points), default=0)
-    # the earlier micro-batches' activations are held through this one's forward and backward
-    # (not at the step: the schedule has run every backward by then)
-    acts = [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
-                     p.bytes["activation"] + held,
-                     p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
-            for p in points if p.phase != "optimizer"]
+    # two moments of a pipeline step (torch `Schedule1F1B` / `ScheduleGPipe` action order): the
+    # first backward, with `k` micro-batches in flight and none of this step's gradients yet;
+    # and the later backwards, every gradient accumulated (`grad_accum` 2 in the walk), with
+    # `min(k, m - 1)` in flight (1F1B's steady state refills to k until the last k; GPipe's
+    # backwards drain them). Interleaved schedules: k in flight at both.
+    m = ps.microbatches
+    later = k if ps.pp_schedule in INTERLEAVED else min(k, m - 1)
+    moments = [(round((k - 1) * per_micro), st.grad_accum)]
+    if ps.pp > 1 and m > 1:
+        moments.append((round((later - 1) * per_micro), 2))
+    acts, points = [], []
+    for held, accum in moments:
+        walked = walk(steps, dataclasses.replace(stage_st, grad_accum=accum))
+        full = max((p.bytes["grad"] for p in walked), default=0)
+        # the earlier micro-batches' activations are held through this one's forward and
+        # backward (not at the step: the schedule has run every backward by then)
+        acts += [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
+                          p.bytes["activation"] + held + buffers,
+                          p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
+                 for p in walked if p.phase != "optimizer"]
+        points = walked
     graph_layers = [(p.module, p.layer) for p, _ in chosen]
     states = _states(spec, graph_layers)
     extra_grad = _embedding_grad(spec, graph_layers, shape)
@@ -217,6 +228,7 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
                            key=lambda pb: sum(pb[1].values()))
     base = _Base(points)
     step_bd = step_phase(states, base, extra)
+    step_bd["activation"] += buffers  # allocated once, kept across steps
     if sum(step_bd.values()) > sum(best.values()):
         best_phase, best = "optimizer", step_bd
     holds = tuple(n for n, on in (("embedding", first), ("lm_head + loss", last)) if on)
@@ -224,6 +236,27 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     out = empty_breakdown()
     out.update(best)
     return RankAnswer(rank, span, k, holds, out, best_phase)
+
+
+def _pipeline_buffers(spec: TrainingSpec, shape, rank: int) -> int:
+    """Receive buffers torch's pipelining allocates once per stage and keeps: one per
+    micro-batch for the hidden states a non-first stage receives (`PipelineStage.
+    _setup_forward_recv_info`: `_make_tensor_from_meta` for each `chunk_id in
+    range(num_microbatches)`; the received buffer is the stage's input, so it doubles as the
+    first layer's saved input) and one per micro-batch for the gradient a non-last stage
+    receives (`_setup_backward_recv_info` -> `_create_grad_recv_info`). Measured by the trace
+    tier (`parallel.trace_pipeline`, tests/test_parallel_pp_trace.py)."""
+    ps = spec.parallel
+    if ps.pp == 1:
+        return 0
+    total = ps.pp * ps.pp_virtual_stages
+    stages = [rank + c * ps.pp for c in range(ps.pp_virtual_stages)]
+    ends = sum((s > 0) + (s < total - 1) for s in stages)
+    tokens = spec.micro_batch * (spec.seq_len // ps.cp)
+    if ps.sequence_parallel:
+        tokens //= ps.tp
+    e = POLICIES[forward_precision(spec)].compute_bytes
+    return ends * ps.microbatches * t(tokens * shape.hidden, e)
 
 
 def _gathered_inputs(spec: TrainingSpec, shape) -> int:

@@ -144,13 +144,14 @@ def build(new_model, ps, rank: int, layers_of, micro: int, seq: int, hidden: int
 
 
 def step(schedule, stages, ids: torch.Tensor, labels: torch.Tensor) -> None:
-    """One pipeline step on this rank (torchtitan `forward_backward_step`): the inputs where a
-    stage is first, the targets where one is last."""
+    """One pipeline step on this rank (torchtitan `Trainer.forward_backward_step`): the inputs
+    where a stage is first, the targets and a `losses` list where one is last, and
+    `return_outputs=False` (recent torchtitan: the last stage does not keep every
+    micro-batch's logits for `_merge_outputs`, `PipelineStage.output_chunks`)."""
     first = any(s.is_first for s in stages)
     last = any(s.is_last for s in stages)
+    kwargs = {"target": labels, "losses": []} if last else {}
     if first:
-        schedule.step(ids, target=labels if last else None)
-    elif last:
-        schedule.step(target=labels)
+        schedule.step(ids, return_outputs=False, **kwargs)
     else:
-        schedule.step()
+        schedule.step(return_outputs=False, **kwargs)
