@@ -160,7 +160,22 @@ def _comm(spec: TrainingSpec, shape, e: int, top_k: int) -> tuple[int, int]:
     return fwd, bwd
 
 
-def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> RankAnswer:
+def _expert_parallel_saved(spec: TrainingSpec, shape, e: int, top_k: int) -> int:
+    """Bytes an expert-parallel MoE layer saves beyond the same experts run locally, as
+    transformers' expert parallelism runs them (measured by the trace tier,
+    tests/test_parallel_ep_trace.py): the rows received by the dispatch all-to-all, which the
+    experts' grouped matmul saves as its input, and the combine's reordered output
+    (`AllToAllEP._dispatch_tokens` / `_combine_tokens`: `all_to_all_single_autograd`, then
+    `token_outputs[order] = recv_out`), each `rows x hidden`; and, with the experts split
+    (`_is_expert_parallel`), the sentinel masks' copies of the up and down projections'
+    outputs (`grouped_mm_experts_forward`: `proj_out.masked_fill(sentinel_mask, 0)` after
+    each grouped matmul), `rows x 2 x expert_ffn` and `rows x hidden`. `rows` = the rank's
+    tokens x top_k (balanced routing)."""
+    rows = spec.micro_batch * (spec.seq_len // spec.parallel.cp) * top_k
+    return 3 * t(rows * shape.hidden, e) + t(rows * 2 * (shape.expert_ffn // spec.parallel.tp), e)
+
+
+def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) -> RankAnswer:
     """Price pipeline rank `rank` from the priced narrow graph (`narrow`: the rank's shard at
     `seq / cp`) and, under sequence parallelism, the full-width one at `seq / (cp x tp)`."""
     from hybridmem.analytic.timeline import walk
@@ -183,6 +198,12 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
             if kind == "decoder_layer" and p.layer.name in acts_of:
                 step = dataclasses.replace(step, acts=_sequence_parallel(
                     acts_of[p.layer.name], step.acts, _gathered_inputs(spec, shape)))
+            if kind == "decoder_layer" and ps.ep > 1 and any(
+                    "experts" in q.name for q in p.layer.params):
+                extra = _expert_parallel_saved(spec, shape, e_top[0], e_top[1])
+                step = dataclasses.replace(step, acts=dataclasses.replace(
+                    step.acts, saved=step.acts.saved + extra,
+                    mlp_saved=step.acts.mlp_saved + extra))
             elif kind in SEQUENCE_SHARDED and p.layer.name in acts_of:
                 # torchtitan's plan: the embedding's output `Shard(1)`, the final norm
                 # `SequenceParallel`; both run on the rank's seq / tp tokens
@@ -323,8 +344,10 @@ def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction,
                                parallel=single, precision=compute)
         wide = _setup(wide_spec, ws)[1]
     e = POLICIES[compute].compute_bytes
-    comm = _comm(spec, shape, e, int(data.get("num_experts_per_tok") or 1))
-    answers = [_stage(spec, r, narrow, wide, st, shape, comm) for r in range(ps.pp)]
+    top_k = int(data.get("num_experts_per_tok") or 1)
+    comm = _comm(spec, shape, e, top_k)
+    answers = [_stage(spec, r, narrow, wide, st, shape, comm, (e, top_k))
+               for r in range(ps.pp)]
     top = max(answers, key=lambda a: a.device_bytes)
     params = model_tensors(spec.with_(parallel=single))
     allocated = sum(top.breakdown[c] for c in TENSOR_CATEGORIES)
