@@ -6,7 +6,7 @@ ways: torch's / transformers' parallel code on real CPU tensors under the fake p
 per-rank tier. Real and trace are unrounded live bytes; "trace (alloc.)" and "analytic" are
 CUDA-rounded allocated bytes (512 B blocks), which is what the tiers answer.
 
-    python experiments/parallel_trace_grid.py      # prints the markdown table (~30 s)
+    python experiments/parallel_trace_grid.py      # prints the markdown table (~90 s)
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ def layouts() -> list[tuple[str, TrainingSpec]]:
             world_size=2, pp=2, pp_microbatches=4, pp_schedule="gpipe"))),
         ("3-layer tiny-llama pp 2 1f1b (uneven: 2 + 1 layers)", spec(_llama(3), ParallelSpec(
             world_size=2, pp=2, pp_microbatches=4))),
+        ("4-layer tiny-llama pp 2 interleaved-1f1b, 2 stages/rank", spec(_llama(4), ParallelSpec(
+            world_size=2, pp=2, pp_microbatches=4, pp_schedule="interleaved-1f1b",
+            pp_virtual_stages=2))),
+        ("4-layer tiny-llama pp 2 zero-bubble, 2 stages/rank", spec(_llama(4), ParallelSpec(
+            world_size=2, pp=2, pp_microbatches=4, pp_schedule="zero-bubble",
+            pp_virtual_stages=2))),
         ("tiny-mixtral FSDP 2 x ep 2 (bf16)", spec("tiny-mixtral", ParallelSpec(
             world_size=2, ep=2, strategy="fsdp"), precision="bf16")),
         ("tiny-llama FSDP 2 x tp 2", spec("tiny-llama", ParallelSpec(
