@@ -223,6 +223,8 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
     # `min(k, m - 1)` in flight (1F1B's steady state refills to k until the last k; GPipe's
     # backwards drain them). Interleaved schedules: k in flight at both.
     m = ps.microbatches
+    if ps.pp_schedule == "zero-bubble":
+        k = _zero_bubble_in_flight(ps, rank)
     later = k if ps.pp_schedule in INTERLEAVED else min(k, m - 1)
     moments = [(round((k - 1) * per_micro), st.grad_accum)]
     if ps.pp > 1 and m > 1:
@@ -238,6 +240,12 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
                           p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
                  for p in walked if p.phase != "optimizer"]
         points = walked
+    if ps.pp_schedule == "zero-bubble":
+        # the split backward keeps each chunk's saved tensors from its forward to its weight
+        # step: priced action by action (`_zero_bubble_points`), not by the two moments
+        acts, leftover = _zero_bubble_points(spec, shape, rank, chosen, comm,
+                                             buffers + st.inputs)
+        buffers += leftover  # the input gradients on the receive buffers, through the step
     graph_layers = [(p.module, p.layer) for p, _ in chosen]
     states = _states(spec, graph_layers)
     extra_grad = _embedding_grad(spec, graph_layers, shape)
@@ -257,6 +265,162 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
     out = empty_breakdown()
     out.update(best)
     return RankAnswer(rank, span, k, holds, out, best_phase)
+
+
+def _chunk_of(spec: TrainingSpec, shape, rank: int, chosen: list) -> list[set[int]]:
+    """The local chunks (stage `rank + c x pp`) each chosen layer runs in: a decoder layer its
+    stage's; the embedding the first stage's, the final norm and `lm_head` the last's
+    (`EDGE_KINDS`); the rotary table every chunk's (each stage module rebuilds it)."""
+    ps = spec.parallel
+    v = ps.pp_virtual_stages
+    by_layer = {i: c for c in range(v) for i in _chunk_layers(ps, shape.layers, rank, c)}
+    decoder = iter(sorted(by_layer))  # the chosen decoder layers, in graph order
+    out = []
+    for p, _ in chosen:
+        kind = p.layer.kind
+        if kind == "decoder_layer":
+            out.append({by_layer[next(decoder)]})
+        elif kind in EDGE_KINDS:
+            out.append({0 if EDGE_KINDS[kind] == "first" else v - 1})
+        else:
+            out.append(set(range(v)))
+    return out
+
+
+def _chunk_layers(ps: ParallelSpec, layers: int, rank: int, chunk: int) -> set[int]:
+    from hybridmem.parallel.layout import stage_sizes
+
+    sizes = stage_sizes(layers, ps.pp * ps.pp_virtual_stages)
+    stage = rank + chunk * ps.pp
+    start = sum(sizes[:stage])
+    return set(range(start, start + sizes[stage]))
+
+
+def _stashed_grads(layer, tokens: int, e: int) -> int:
+    """Bytes of the gradients zero bubble's input-gradient step stashes for one layer until its
+    weight step: `stage_backward_input` (torch/distributed/pipelining/_backward.py) finds, per
+    parameter, the autograd nodes where the weight's path meets the input's
+    (`get_param_groups`: a linear's `mm`, a norm's `mul` by its weight) and a pre-hook keeps
+    the gradient flowing into each (`param_group["grads"]`), i.e. the op's output gradient:
+    `tokens x out_features` per linear weight `(out, in)`, `tokens x n` per norm weight `(n,)`;
+    `stage_backward_weight` starts from them. Grouped expert weights (3-D) are not priced."""
+    total = 0
+    for q in layer.params:
+        if q.frozen or len(q.shape) not in (1, 2):
+            continue
+        total += t(tokens * q.shape[0], e)
+    return total
+
+
+def _zero_bubble_in_flight(ps: ParallelSpec, rank: int) -> float:
+    """Most chunk forwards whose saved tensors rank `rank` holds at once under zero bubble, in
+    units of its whole layer set (`in_flight`'s unit): a chunk's forward is alive from its
+    "F" to its weight step "W" (`zero_bubble_order`), not to its input-gradient step "I"
+    (`stage_backward_input` runs `autograd.grad(..., retain_graph=True)`)."""
+    from hybridmem.parallel.layout import zero_bubble_order
+
+    alive, most = set(), 0
+    for kind, c, b in zero_bubble_order(ps, rank):
+        if kind == "F":
+            alive.add((c, b))
+            most = max(most, len(alive))
+        elif kind == "W":
+            alive.discard((c, b))
+    return most / ps.pp_virtual_stages
+
+
+def _zero_bubble_points(spec: TrainingSpec, shape, rank: int, chosen: list, comm,
+                        constant: int) -> tuple[list[ActPoint], int]:
+    """Every forward / backward point of rank `rank`'s zero-bubble step, action by action
+    (torch 2.13 `ScheduleInterleavedZeroBubble` order, `layout.zero_bubble_order`).
+
+    What each action leaves (torch/distributed/pipelining/stage.py `backward_one_chunk(...,
+    full_backward=False)` / `backward_weight_one_chunk`, _backward.py):
+    - F: the chunk's saved tensors (its layers' `kept`), alive until its W;
+    - I (a non-first stage): `stage_backward_input` computes the input gradient with
+      `retain_graph=True`, so nothing the forward saved is freed; the op-output gradients of
+      every weight are stashed (`_stashed_grads`) until W. The first stage skips I (its input,
+      the token ids, needs no gradient) and runs the whole backward at W;
+    - W: `stage_backward_weight` (first stage: `stage_backward`) frees the chunk's graph and
+      stash and accumulates its weight gradients.
+    Its one-chunk backward transients are the layer's own (`bwd_mlp` / `bwd_extra`). A
+    non-last stage's last linear's stashed gradient is the received gradient buffer (autograd
+    passes it through the residual add), already a receive buffer."""
+    from hybridmem.parallel.layout import zero_bubble_order
+
+    ps = spec.parallel
+    v, total = ps.pp_virtual_stages, ps.pp * ps.pp_virtual_stages
+    tokens = spec.micro_batch * (spec.seq_len // ps.cp)
+    if ps.sequence_parallel:
+        tokens //= ps.tp
+    e = POLICIES[forward_precision(spec)].compute_bytes
+    chunks = _chunk_of(spec, shape, rank, chosen)
+    steps = [[s for (_, s), cs in zip(chosen, chunks) if c in cs] for c in range(v)]
+    kept = [sum(s.kept for s in cs) for cs in steps]
+    stash = [[_stashed_grads(p.layer, tokens, e) if p.layer.kind != "embedding" else 0
+              for (p, _), cs in zip(chosen, chunks) if c in cs] for c in range(v)]
+    for c in range(v):
+        stage = rank + c * ps.pp
+        if stage == 0:
+            stash[c] = [0] * len(stash[c])
+        elif stage < total - 1 and stash[c]:
+            stash[c][-1] -= t(tokens * shape.hidden, e)
+    grads = [sum(s.grad for s in cs) for cs in steps]
+    all_grads = sum(s.grad for _, s in chosen) or 1
+    # the chunk's output, held in `fwd_cache` from its forward until `backward_one_chunk`
+    # returns (the first stage: until W, through `backward_state`): hidden states, or the
+    # last stage's logits (vocab shard)
+    vocab = math.ceil(shape.vocab / ps.tp)
+    output = [t(tokens * (vocab if rank + c * ps.pp == total - 1 else shape.hidden), e)
+              for c in range(v)]
+    # the input gradient `stage_backward_input` leaves on the stage's input, the receive
+    # buffer (`inp.grad = dinput`), until the next step's `clear_runtime_states`
+    dinput = t(tokens * shape.hidden, e)
+    alive, stashed, open_out, done, out = set(), set(), set(), set(), []
+    inputs_done = 0
+
+    def held(skip):
+        return (constant + inputs_done * dinput
+                + sum(kept[c] for c, b in alive if (c, b) != skip)
+                + sum(sum(stash[c]) for c, b in stashed if (c, b) != skip)
+                + sum(output[c] for c, b in open_out if (c, b) != skip))
+
+    for kind, c, b in zero_bubble_order(ps, rank):
+        frac = sum(grads[x] for x in done) / all_grads
+        first = rank + c * ps.pp == 0
+        if kind == "F":
+            base, act = held(None), 0
+            for s in steps[c]:
+                out.append(ActPoint("forward", frac, base + act + s.kept,
+                                    s.acts.fwd_extra + comm[0]))
+                act += s.kept
+            alive.add((c, b))
+            open_out.add((c, b))
+        elif kind == "I" and not first:
+            base, built = held((c, b)) + kept[c] + output[c], 0
+            for s, g in zip(reversed(steps[c]), reversed(stash[c])):
+                out.append(ActPoint("backward", frac, base + built,
+                                    max(s.acts.bwd_mlp, s.acts.bwd_extra) + comm[1]))
+                built += g
+            out.append(ActPoint("backward", frac, base + built + dinput, comm[1]))
+            stashed.add((c, b))
+            open_out.discard((c, b))
+            inputs_done += 1
+        elif kind == "W":
+            base = held((c, b))
+            if first:  # the whole backward now, freeing as it goes
+                act = kept[c] + output[c]
+                for s in reversed(steps[c]):
+                    out.append(ActPoint("backward", frac, base + act,
+                                        max(s.acts.bwd_mlp, s.acts.bwd_extra) + comm[1]))
+                    act -= s.kept
+            else:
+                out.append(ActPoint("backward", frac, base + kept[c] + sum(stash[c]), comm[1]))
+            alive.discard((c, b))
+            stashed.discard((c, b))
+            open_out.discard((c, b))
+            done.add(c)
+    return out, inputs_done * dinput
 
 
 def _pipeline_buffers(spec: TrainingSpec, shape, rank: int) -> int:
