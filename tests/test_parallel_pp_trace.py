@@ -146,7 +146,7 @@ def test_zero_bubble_order_is_torchs(pp, v, m):
 
     from torch.distributed.pipelining import schedules
 
-    from hybridmem.parallel.layout import zero_bubble_order
+    from hybridmem.parallel.layout import in_flight, zero_bubble_order
 
     kinds = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
     ps = ParallelSpec(world_size=pp, pp=pp, pp_microbatches=m, pp_schedule="zero-bubble",
@@ -160,6 +160,15 @@ def test_zero_bubble_order_is_torchs(pp, v, m):
         torch_order = [(kinds[o.computation_type.name], (o.stage_index - rank) // pp,
                         o.microbatch_index) for o in ops if o is not None]
         assert zero_bubble_order(ps, rank) == torch_order, rank
+        # the in-flight count: most chunks between their F and their W in torch's order
+        alive, most = set(), 0
+        for kind, chunk, micro in torch_order:
+            if kind == "F":
+                alive.add((chunk, micro))
+            elif kind == "W":
+                alive.discard((chunk, micro))
+            most = max(most, len(alive))
+        assert in_flight(ps, rank) * v == most, rank
 
 
 @pytest.mark.slow

@@ -41,7 +41,8 @@ from hybridmem.gpus import GPU
 from hybridmem.job.parallel import INTERLEAVED, ParallelSpec
 from hybridmem.job.spec import POLICIES, TrainingSpec
 from hybridmem.parallel.layout import (
-    check_layout, in_flight, model_shape, rank_config, stage_layers,
+    check_layout, in_flight, model_shape, rank_config, stage_layers, stage_sizes,
+    zero_bubble_order,
 )
 from hybridmem.parallel.sharding import RankStates, rank_states
 from hybridmem.parallel.states import layer_tensors, model_tensors
@@ -223,8 +224,6 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
     # `min(k, m - 1)` in flight (1F1B's steady state refills to k until the last k; GPipe's
     # backwards drain them). Interleaved schedules: k in flight at both.
     m = ps.microbatches
-    if ps.pp_schedule == "zero-bubble":
-        k = _zero_bubble_in_flight(ps, rank)
     later = k if ps.pp_schedule in INTERLEAVED else min(k, m - 1)
     moments = [(round((k - 1) * per_micro), st.grad_accum)]
     if ps.pp > 1 and m > 1:
@@ -240,7 +239,7 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
                           p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
                  for p in walked if p.phase != "optimizer"]
         points = walked
-    if ps.pp_schedule == "zero-bubble":
+    if ps.pp_schedule == "zero-bubble" and ps.pp > 1:
         # the split backward keeps each chunk's saved tensors from its forward to its weight
         # step: priced action by action (`_zero_bubble_points`), not by the two moments
         acts, leftover = _zero_bubble_points(spec, shape, rank, chosen, comm,
@@ -288,8 +287,6 @@ def _chunk_of(spec: TrainingSpec, shape, rank: int, chosen: list) -> list[set[in
 
 
 def _chunk_layers(ps: ParallelSpec, layers: int, rank: int, chunk: int) -> set[int]:
-    from hybridmem.parallel.layout import stage_sizes
-
     sizes = stage_sizes(layers, ps.pp * ps.pp_virtual_stages)
     stage = rank + chunk * ps.pp
     start = sum(sizes[:stage])
@@ -312,23 +309,6 @@ def _stashed_grads(layer, tokens: int, e: int) -> int:
     return total
 
 
-def _zero_bubble_in_flight(ps: ParallelSpec, rank: int) -> float:
-    """Most chunk forwards whose saved tensors rank `rank` holds at once under zero bubble, in
-    units of its whole layer set (`in_flight`'s unit): a chunk's forward is alive from its
-    "F" to its weight step "W" (`zero_bubble_order`), not to its input-gradient step "I"
-    (`stage_backward_input` runs `autograd.grad(..., retain_graph=True)`)."""
-    from hybridmem.parallel.layout import zero_bubble_order
-
-    alive, most = set(), 0
-    for kind, c, b in zero_bubble_order(ps, rank):
-        if kind == "F":
-            alive.add((c, b))
-            most = max(most, len(alive))
-        elif kind == "W":
-            alive.discard((c, b))
-    return most / ps.pp_virtual_stages
-
-
 def _zero_bubble_points(spec: TrainingSpec, shape, rank: int, chosen: list, comm,
                         constant: int) -> tuple[list[ActPoint], int]:
     """Every forward / backward point of rank `rank`'s zero-bubble step, action by action
@@ -346,8 +326,6 @@ def _zero_bubble_points(spec: TrainingSpec, shape, rank: int, chosen: list, comm
     Its one-chunk backward transients are the layer's own (`bwd_mlp` / `bwd_extra`). A
     non-last stage's last linear's stashed gradient is the received gradient buffer (autograd
     passes it through the residual add), already a receive buffer."""
-    from hybridmem.parallel.layout import zero_bubble_order
-
     ps = spec.parallel
     v, total = ps.pp_virtual_stages, ps.pp * ps.pp_virtual_stages
     tokens = spec.micro_batch * (spec.seq_len // ps.cp)
