@@ -96,6 +96,7 @@ def test_in_flight_follows_the_torch_schedules():
     # r's (v-1)*m/rounds + (pp-1-r) warm-up forwards, r more forward/input-gradient pairs
     # before its first W (`num_1f1b_microbatches = rank`), then one more forward: (v-1)*pp + pp
     # chunks alive on every rank, / v -> (4 + 4) / 2
+    zb = dataclasses.replace(inter, pp_schedule="zero-bubble")
     assert [in_flight(zb, r) for r in range(4)] == [4, 4, 4, 4]
 
 
