@@ -171,9 +171,8 @@ def test_zero_bubble_order_is_torchs(pp, v, m):
         assert in_flight(ps, rank) * v == most, rank
 
 
-@pytest.mark.slow
 def test_trace_hook_keeps_no_graph_alive_across_steps():
-    """(~25 s) The trace tier's saved-tensor hook makes no autograd cycle: under zero bubble (whose
+    """(~5 s) The trace tier's saved-tensor hook makes no autograd cycle: under zero bubble (whose
     input-gradient step retains the graph) a third step peaks no higher than the second
     (with the hook returning the tensor itself, rank 1 grew 5.74 -> 7.16 MB)."""
     from hybridmem.models.loader import load_config_dict, materialize_config

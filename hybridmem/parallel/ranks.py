@@ -24,7 +24,8 @@ Activations per rank (sources in `docs/parallel.md`, "Model parallelism"):
   one layer during its attention; the backward adds the dK/dV chunks sent round the ring);
 - expert parallelism: `experts / ep` expert weights; the routed rows stay `tokens x top_k` per
   rank (balanced routing) and travel in all-to-all send and receive buffers;
-- pipeline parallelism: the stage's layers; the schedule's in-flight micro-batches.
+- pipeline parallelism: the stage's layers; the schedule's in-flight micro-batches (zero bubble
+  priced action by action in torch's order, `_zero_bubble_points`).
 """
 
 from __future__ import annotations
