@@ -33,3 +33,25 @@ def fused_head(spec, trl_version: str | None) -> bool:
 
     return (spec.objective in FUSED_OUTPUTS and trl_runs(spec) and trl_version is not None
             and release(trl_version) >= FUSED_HEAD_SINCE)
+
+
+# The TRL trainers whose `compute_loss` returns a loss NOT scaled for gradient accumulation
+# (`loss_is_scaled_for_ga = False`: trl 1.16 dpo_trainer.py:494, kto_trainer.py:550,
+# reward_trainer.py:330, experimental/orpo/orpo_trainer.py:132): transformers' `training_step`
+# (trainer.py 5.24, `if not loss_is_scaled_for_ga: loss = loss / current_gradient_accumulation_steps`)
+# divides their loss at every step, accumulation 1 too. GRPOTrainer sets it True; SFTTrainer
+# leaves None, scaled by `num_items_in_batch` (its batch has labels).
+UNSCALED_LOSS: tuple[str, ...] = ("dpo", "kto", "rm", "orpo")
+
+
+def loop_divisions(spec) -> tuple[bool, bool]:
+    """The new 0-dim tensors the Trainer loop makes of the step's loss before backward:
+    (transformers' `loss / current_gradient_accumulation_steps`, accelerate's
+    `Accelerator.backward` `loss / gradient_accumulation_steps`, made whenever the run is not
+    DeepSpeed: accelerator.py `backward`). The first is held by `training_step` through the
+    backward, the second by `backward`; the loss they divide dies with its last name. Priced
+    for the TRL trainers; transformers' own `Trainer` SFT step keeps the division at
+    accumulation > 1 only, without accelerate's (one 512-byte block, docs/objectives.md)."""
+    if not trl_runs(spec):
+        return spec.grad_accum > 1, False
+    return spec.objective in UNSCALED_LOSS, True

@@ -30,6 +30,7 @@ from hybridmem.techniques.liger_kernels import rope_patched
 from hybridmem.families import family
 from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, empty_cache_at
+from hybridmem.job.trl_head import loop_divisions
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 from hybridmem.trace import corrections, model as build, objectives
 from hybridmem.trace.autocast import (CudaAutocast, emulated, meta_torch_autocast,
@@ -320,10 +321,11 @@ def _forward_backward(job: Job, spec: TrainingSpec, tracker: StorageTracker, it:
         tracker.empty_cache()
     if workspace and first:
         tracker.add_external(workspace, "workspace")
-    if spec.grad_accum > 1:  # transformers Trainer.training_step: loss / accumulation steps
+    trainer_divides, accelerate_divides = loop_divisions(spec)
+    if trainer_divides:  # transformers Trainer.training_step: loss / accumulation steps
         loss = loss / spec.grad_accum
     held = loss  # Trainer.training_step's `loss`, which it returns detached after backward
-    if job.fused:  # accelerate `Accelerator.backward`: `loss / gradient_accumulation_steps`,
+    if accelerate_divides:  # accelerate `Accelerator.backward`: `loss / accumulation steps`,
         loss = loss / 1  # a new 0-dim tensor beside the step's
     (loss * LOSS_SCALE if spec.precision == "fp16-mixed" else loss).backward()
     del loss, held
