@@ -27,7 +27,7 @@ import test_trl_oracle as T  # noqa: E402
 from hybridmem import trace  # noqa: E402
 from hybridmem.analytic import estimate as analytic  # noqa: E402
 from hybridmem.job.spec import TrainingSpec  # noqa: E402
-from hybridmem.trace import objectives  # noqa: E402
+from hybridmem.objectives import steps as objectives  # noqa: E402
 
 
 def tensors(p) -> int:

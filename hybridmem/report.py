@@ -72,7 +72,7 @@ def module_rows(pred: Prediction) -> list[list[str]]:
 
 def smallest_micro_batch(pred: Prediction) -> int:
     """The smallest micro-batch the search probes: 1, or GRPO's whole group of completions
-    (`job.objective.micro_batch_step`), read from the job echo."""
+    (`objectives.rules.micro_batch_step`), read from the job echo."""
     job = pred.job or {}
     return int(job.get("num_generations") or 1) if job.get("objective") == "grpo" else 1
 

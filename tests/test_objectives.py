@@ -1,6 +1,6 @@
 """Objectives beyond SFT (`--objective`, hybridmem/job/objective.py).
 
-Oracles: a real CPU run of the same step (the trainer's code path of `trace.objectives`, real
+Oracles: a real CPU run of the same step (the trainer's code path of `objectives.steps`, real
 tensors, live bytes counted by address) equals the trace tier to the byte; a hand count of what
 the reference adds; the trace tier for the analytic one; the schema contract (old jobs keep
 their hash, bad combinations are one line naming the field).
@@ -16,12 +16,13 @@ import torch
 
 from hybridmem import TrainingSpec
 from hybridmem.errors import SpecError
-from hybridmem.job import objective as rules
+from hybridmem.objectives import rules as rules
 from hybridmem.models import load_config
 from hybridmem.intake.merge import spec_from_inputs
 
 trace = pytest.importorskip("hybridmem.trace")
-from hybridmem.trace import objectives, runner  # noqa: E402
+from hybridmem.objectives import steps as objectives  # noqa: E402
+from hybridmem.trace import runner  # noqa: E402
 
 from test_trace import DataPtrCounter  # noqa: E402
 
@@ -279,7 +280,7 @@ def test_analytic_grpo_generation_phase_against_trace():
 
 def test_analytic_names_reference_generation_and_vllm():
     """The analytic tier's `reference` and `generation` lines, and vLLM's stated share of the
-    GPU (0.3 x its memory, `job.objective.vllm_bytes`) in `context`."""
+    GPU (0.3 x its memory, `objectives.rules.vllm_bytes`) in `context`."""
     from hybridmem.analytic.estimate import estimate as analytic
     from hybridmem.gpus import gpu_by_name
 
@@ -378,9 +379,9 @@ def test_axolotl_dpo_full_gets_a_reference_copy(tmp_path):
 
 @pytest.mark.parametrize("backend", ["real", "fake"])
 def test_generation_shortcut_keeps_the_full_loops_peak(backend):
-    """`trace.objectives.generate` skips the decode steps between the prefill and the last
+    """`objectives.grpo.step.generate` skips the decode steps between the prefill and the last
     one; the allocated peak of every step run one by one is the same."""
-    from hybridmem.trace import objectives
+    from hybridmem.objectives.grpo.step import generate
     from hybridmem.trace.tracker import StorageTracker
 
     s = spec(objective="grpo", num_generations=2, max_completion_length=12)
@@ -388,8 +389,8 @@ def test_generation_shortcut_keeps_the_full_loops_peak(backend):
     for every in (True, False):
         with runner.prepared(s, load_config(s.model), backend) as job, StorageTracker() as tr:
             with torch.no_grad():
-                ids = objectives.generate(job.model, torch.ones(2, 20, dtype=torch.long), 12,
-                                          every_step=every)
+                ids = generate(job.model, torch.ones(2, 20, dtype=torch.long), 12,
+                               every_step=every)
         peaks.append(int(tr.live_curve(device_only=False).max()))
         shapes.append(tuple(ids.shape))
     assert peaks[0] == peaks[1]
@@ -401,7 +402,7 @@ def test_grpo_micro_batch_search_keeps_whole_groups():
     whose generation batch splits into groups of num_generations (grpo_trainer.py): the answer
     is a multiple of the group size, and a job whose replays fall between groups prices."""
     from hybridmem.gpus import custom_gpu
-    from hybridmem.job.objective import micro_batch_step
+    from hybridmem.objectives.rules import micro_batch_step
     from hybridmem.predict import find_max_micro_batch
 
     s = spec(seq_len=64, micro_batch=4, objective="grpo", num_generations=4,

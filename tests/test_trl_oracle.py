@@ -27,7 +27,8 @@ from test_trace import DataPtrCounter  # noqa: E402
 
 from hybridmem.job.spec import TrainingSpec  # noqa: E402
 from hybridmem.models import load_config  # noqa: E402
-from hybridmem.trace import objectives, runner  # noqa: E402
+from hybridmem.objectives import steps as objectives  # noqa: E402
+from hybridmem.trace import runner  # noqa: E402
 
 # the issue's case scaled to a 2-core test: vocab 32,000 (Llama 2's), fp32 full fine-tuning;
 # 2 layers of hidden 64 keep the head the step's high point, as on the issue's small Llama

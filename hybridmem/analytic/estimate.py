@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hybridmem.analytic import objectives, offloaded, packed, sac, scope
-from hybridmem.job import objective as objective_rules
+from hybridmem.objectives import rules as objective_rules
 from hybridmem.families.common import activations as A
 from hybridmem.allocator.alloc import t
 from hybridmem.families import family, layer_kind
@@ -388,7 +388,7 @@ def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
     if refused is not None:
         raise refused
     g = techniques.graph_spec(spec)  # packing's one row (techniques.packing)
-    graph = build_graph(g if g is not spec else objectives.graph_spec(spec))  # job.objective
+    graph = build_graph(g if g is not spec else objectives.graph_spec(spec))  # objectives.rules
     graph = objectives.with_score_head(graph, spec)  # the reward model's (1, hidden) head
     techniques.check_batch(spec, graph.vision_batch)
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
@@ -522,7 +522,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     modules += (ref_line,) if ref_line is not None else ()
     gen_line = objectives.generation_module(spec)  # GRPO's generated ids
     modules += (gen_line,) if gen_line is not None else ()
-    # vLLM colocated: a stated fraction of the GPU's memory (job.objective.vllm_bytes)
+    # vLLM colocated: a stated fraction of the GPU's memory (objectives.rules.vllm_bytes)
     vllm = objective_rules.vllm_bytes(spec, gpu.memory_bytes if gpu is not None else None)
     breakdown["context"] += vllm
     phases = {}

@@ -1,6 +1,6 @@
-"""The analytic tier's terms for the objectives beyond SFT (`hybridmem.job.objective`).
+"""The analytic tier's terms for the objectives beyond SFT (`hybridmem.objectives.rules`).
 
-What changes against the SFT step, as `hybridmem.trace.objectives` runs it: the policy's graph
+What changes against the SFT step, as `hybridmem.objectives.steps` runs it: the policy's graph
 has `objective.rows` sequences (chosen + rejected concatenated); its head is the trainer's loss
 (`families.decoders.objective_acts`); the reward model's head is a (1, hidden) `score`; a
 separate reference adds a frozen copy of the model's weights (`Statics.param`, its own module
@@ -19,13 +19,13 @@ from dataclasses import replace
 from hybridmem.analytic.events import _no_grad_working_set
 from hybridmem.families.common.activations import FP32, Ctx
 from hybridmem.families.decoders.objective_acts import reference_head, trl_reference_head
-from hybridmem.job import objective as rules
+from hybridmem.objectives import rules as rules
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer, Module, ModelGraph, ParamTensor
 
 def padded_sdpa_mask(layer: Layer, c: Ctx, acts):
     """A decoder layer's SDPA under TRL's collator, whose batch carries an attention mask (a
-    batch of varied lengths is padded to its longest: `hybridmem.trace.objectives
+    batch of varied lengths is padded to its longest: `hybridmem.objectives.sft.step
     .sft_trl_batch`, `objective.PADDED`): masking_utils' boolean (b, 1, s, s) mask reaches each layer's
     `scaled_dot_product_attention`, which converts it to the query's dtype
     (aten/src/ATen/native/transformers/attention.cpp `convert_boolean_attn_mask`) and saves
@@ -115,7 +115,7 @@ def _layer_no_grad(d: dict, c: Ctx, b: int, s: int) -> int:
 
 
 def generation(priced, spec, c: Ctx) -> dict:
-    """GRPO's generation phase (`trace.objectives.grpo_prepare`), the `Statics` fields
+    """GRPO's generation phase (`objectives.grpo.step.grpo_prepare`), the `Statics` fields
     `generation` and `generation_held`; empty for the other objectives.
 
     It runs in `_prepare_inputs`, outside the loss's autocast: the weights' dtype (g bytes).
@@ -173,7 +173,7 @@ def generation(priced, spec, c: Ctx) -> dict:
 
 def _fused_generation(priced, spec, c: Ctx, sampling: int) -> dict:
     """GRPO's generation phase at a TRL with the fused head (trl 1.16
-    `_generate_and_score_completions`, `trace.objectives._grpo_fused_prepare`) after the
+    `_generate_and_score_completions`, `objectives.grpo.step._grpo_fused_prepare`) after the
     sampling loop's high point `sampling`: the buffer's prompt and completion ids and masks
     (4 x G x tokens int64 over P + C), the (P + C) concatenations of ids and masks for the
     no_grad forwards, then the old policy's log-probs (num_iterations > 1) and the
@@ -229,7 +229,7 @@ def held_bytes(spec) -> tuple[int, int]:
 
 def batch_bytes(spec) -> int:
     """The objective's collated batch against the SFT one's ids + labels over the same rows
-    (`trace.objectives.batch`): DPO's loss mask and ORPO's labels take the labels' place, the
+    (`objectives.steps.batch`): DPO's loss mask and ORPO's labels take the labels' place, the
     reward model's attention mask too, ORPO's adds one; KTO adds the KL batch's ids and labels; precomputed reference
     log-probs are fp32 per sequence (KTO's KL batch's too)."""
     out = -t(rules.rows(spec) * spec.seq_len, 8) if spec.objective == "grpo" else 0

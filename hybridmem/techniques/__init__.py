@@ -110,7 +110,7 @@ def trl_head_runs(spec) -> bool:
     turn Liger's fused linear cross-entropy off (trl 1.16 sft/dpo/kto_trainer.py:
     `liger_kernel_config["fused_linear_cross_entropy"] = False`)."""
     from hybridmem.environment import installed
-    from hybridmem.job.trl_head import fused_head
+    from hybridmem.objectives.trl_head import fused_head
 
     return fused_head(spec, installed("trl"))
 

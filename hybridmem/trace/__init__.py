@@ -156,8 +156,8 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
     if timeline is not None:
         extras["timeline"] = str(save_timeline(result, timeline, title_of(spec), gpu))
     vllm = 0
-    if spec.objective != "sft":  # the reference and generation lines (job.objective)
-        from hybridmem.job import objective
+    if spec.objective != "sft":  # the reference and generation lines (objectives.rules)
+        from hybridmem.objectives import rules as objective
 
         vllm = objective.vllm_bytes(spec, gpu.memory_bytes if gpu is not None else None)
         breakdown["context"] += vllm

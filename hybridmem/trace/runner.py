@@ -32,7 +32,10 @@ from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, empty_cache_at
 from hybridmem.job.trl_head import loop_divisions
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
-from hybridmem.trace import corrections, model as build, objectives
+from hybridmem.objectives import loss as objective_loss, steps as objectives
+from hybridmem.objectives.grpo import step as grpo_step
+from hybridmem.objectives.sft import step as sft_step
+from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import (CudaAutocast, emulated, meta_torch_autocast,
                                       wrap_checkpointing)
 from hybridmem.models.loader import is_analytic
@@ -137,7 +140,7 @@ def prepare(spec: TrainingSpec, config) -> Job:
         objectives.check_model(spec, image_tokens, config.model_type)
         batch = objectives.batch(spec, fused=fused)
     elif fused:
-        batch = objectives.sft_trl_batch(batch)
+        batch = sft_step.sft_trl_batch(batch)
     job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
     job.ref = objectives.reference_model(spec, config, build.build_model)
     if fused:
@@ -164,7 +167,7 @@ def _call(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
     (`outputs = model(**batch); loss = outputs.loss`, huggingface/peft
     method_comparison/MetaMathQA/run.py): the caller holds it."""
     if spec.objective != "sft" or job.fused:  # the TRL trainer's compute_loss (objectives)
-        return objectives.loss(job, spec, job.micro), None
+        return objective_loss(job, spec, job.micro), None
     if spec.loop == "custom":
         out = job.model(**job.batch, use_cache=False)
         return out.loss, out
@@ -357,8 +360,8 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
         where = empty_cache_at(spec, it)
         if spec.objective == "grpo":  # the step's completions, before its first forward
             tracker.mark("generation", it)
-            objectives.grpo_prepare(job, spec,
-                                    autocast=lambda: _loss_autocast(job, spec))
+            grpo_step.grpo_prepare(job, spec,
+                                   autocast=lambda: _loss_autocast(job, spec))
         for micro in range(spec.grad_accum):
             _micro_step(job, spec, tracker, it, micro, workspace, where == "after_forward")
         tracker.mark("optimizer", it)

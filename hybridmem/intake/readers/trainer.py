@@ -301,7 +301,7 @@ SFT_MARKERS: tuple[str, ...] = ("dataset_text_field", "completion_only_loss",
 @converts("training_args", *SFT_MARKERS)
 def _sft_trainer(args: dict, out: dict) -> None:
     """A TRL SFTConfig JSON (`SFT_MARKERS`) runs SFTTrainer's step: `trainer="trl"` (its
-    fused head at TRL >= 1.15, `hybridmem.job.objective.fused_head`)."""
+    fused head at TRL >= 1.15, `hybridmem.objectives.rules.fused_head`)."""
     if any(key in args for key in SFT_MARKERS):
         out["spec"]["trainer"] = "trl"
         out.setdefault("sources", {})["trainer"] = (
@@ -344,13 +344,13 @@ def objective_of(args: dict) -> str | None:
           "precompute_ref_log_probs", "max_prompt_length", "max_completion_length")
 def _objective(args: dict, out: dict) -> None:
     """TRL's DPOConfig / ORPOConfig / KTOConfig / RewardConfig / GRPOConfig as JSON
-    (`hybridmem.job.objective`): the objective from the keys only its config has, `beta`,
+    (`hybridmem.objectives.rules`): the objective from the keys only its config has, `beta`,
     `precompute_ref_log_probs` (-> ref_model precomputed), GRPO's `num_generations`, its
     sequence `max_prompt_length + max_completion_length` (defaults 512 + 256 in the TRL
     releases that have max_prompt_length) and vLLM colocated (`use_vllm` and `vllm_mode`
     "colocate": `vllm_gpu_memory_utilization`, default 0.3; "server", TRL's default mode, runs
     vLLM on other GPUs)."""
-    from hybridmem.job import objective as rules
+    from hybridmem.objectives import rules as rules
 
     spec = out["spec"]
     objective = objective_of(args)

@@ -1,6 +1,6 @@
 """Whether TRL's own fused, chunked LM head runs a job's step: the rule the objectives, the
 tiers and the loss techniques read (Liger's fused losses give way to it), kept apart from
-`job.objective` so that the technique modules can read it without an import cycle."""
+`objectives.rules` so that the technique modules can read it without an import cycle."""
 
 from __future__ import annotations
 

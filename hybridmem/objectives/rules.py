@@ -1,7 +1,7 @@
 """Training objectives beyond SFT: what each one runs in a step, as the trainers run it.
 
 The rules live here once (torch-free: every `TrainingSpec` checks them); the trace tier runs
-them (`hybridmem.trace.objectives`), the analytic tier prices them (`analytic.objectives`).
+them (`hybridmem.objectives.steps`), the analytic tier prices them (`analytic.objectives`).
 
 - `sft`: the language-model loss of transformers' `ForCausalLMLoss` (every other tier's default).
 - `dpo` (TRL `DPOTrainer`, trl/trainer/dpo_trainer.py `concatenated_forward` /
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from hybridmem.errors import SpecError
 # re-exported: the rule lives apart so that the technique modules read it without a cycle
-from hybridmem.job.trl_head import FUSED_HEAD_SINCE, FUSED_OUTPUTS, fused_head, trl_runs  # noqa: F401
+from hybridmem.objectives.trl_head import FUSED_HEAD_SINCE, FUSED_OUTPUTS, fused_head, trl_runs  # noqa: F401
 
 OBJECTIVES: tuple[str, ...] = ("sft", "dpo", "orpo", "kto", "rm", "grpo")
 REF_MODELS: tuple[str, ...] = ("separate", "adapter", "precomputed", "none")

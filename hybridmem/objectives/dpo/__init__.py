@@ -1,0 +1,1 @@
+"""The DPO objective (`hybridmem.objectives`): its step in `step.py`."""

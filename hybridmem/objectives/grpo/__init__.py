@@ -1,0 +1,1 @@
+"""The GRPO objective (`hybridmem.objectives`): its step in `step.py`."""

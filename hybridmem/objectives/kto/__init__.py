@@ -1,0 +1,1 @@
+"""The KTO objective (`hybridmem.objectives`): its step in `step.py`."""

@@ -1,0 +1,1 @@
+"""The ORPO objective (`hybridmem.objectives`): its step in `step.py`."""

@@ -1,0 +1,1 @@
+"""The RM objective (`hybridmem.objectives`): its step in `step.py`."""

@@ -1,0 +1,1 @@
+"""The SFT objective (`hybridmem.objectives`): its step in `step.py`."""
