@@ -502,7 +502,7 @@ def int64_block(rows: int, seq: int) -> int:
 def test_rm_and_orpo_trainers_pad_as_the_trace_tier(tmp_path, which):
     # the collators' attention mask reaches each layer's SDPA (`objective.PADDED`); the
     # Trainer loop divides these trainers' loss (`loss_is_scaled_for_ga = False`) and
-    # accelerate's `backward` divides it again (`job.trl_head.loop_divisions`): the reward
+    # accelerate's `backward` divides it again (`objectives.trl_head.loop_divisions`): the reward
     # model equals the trace to the byte
     config = tiny_config(tmp_path, DPO_VOCAB)
     trainer = pair_trainer(which, config)

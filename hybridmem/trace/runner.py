@@ -30,7 +30,7 @@ from hybridmem.techniques.liger_kernels import rope_patched
 from hybridmem.families import family
 from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, empty_cache_at
-from hybridmem.job.trl_head import loop_divisions
+from hybridmem.objectives.trl_head import loop_divisions
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
 from hybridmem.objectives import loss as objective_loss, steps as objectives
 from hybridmem.objectives.grpo import step as grpo_step
