@@ -413,3 +413,17 @@ def test_grpo_micro_batch_search_keeps_whole_groups():
     from hybridmem.analytic.estimate import estimate as analytic
 
     assert analytic(s.with_(micro_batch=12, num_generations=12)).peak.reserved_bytes > 0
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto", "rm"])
+def test_preference_answers_say_they_price_the_worst_case(objective):
+    # TRL truncates prompts to max_prompt_length and pads each batch to its longest: both
+    # tiers price every sequence at seq_len with the prompt scored (docs/objectives.md); the
+    # answer says so, naming the prompt cap when the job gives one
+    from hybridmem.analytic.estimate import estimate as analytic
+
+    kw = {} if objective == "rm" else {"max_prompt_length": 16}
+    notes = " ".join(analytic(spec(seq_len=64, objective=objective, **kw)).notes)
+    assert "worst case: every sequence 64 tokens" in notes
+    assert ("max_prompt_length=16" in notes) == (objective != "rm")
+    assert "worst case" not in " ".join(analytic(spec(seq_len=64, objective="sft")).notes)

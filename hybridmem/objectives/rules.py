@@ -229,6 +229,8 @@ def note(spec) -> str | None:
             f"reference: {where}")
     if o == "kto":
         text += f"; KL batch of {spec.micro_batch} sequences under no_grad"
+    if o in PREFERENCE:
+        text += "; " + worst_case(spec)
     if o == "grpo":
         text += (f"; generation of {completion_length(spec)} tokens for "
                  f"{spec.micro_batch * spec.grad_accum} sequences (micro_batch x grad_accum, "
@@ -238,6 +240,27 @@ def note(spec) -> str | None:
                      "GPU's memory (gpu_memory_utilization, a stated rule: vLLM pre-allocates "
                      "that fraction for its weights and KV cache)")
     return text
+
+
+PREFERENCE: tuple[str, ...] = ("dpo", "orpo", "kto", "rm")
+"""Objectives whose sequences come from a dataset's prompt / completion pairs, padded by the
+trainer's collator (their sequences are priced at the worst case, `worst_case`)."""
+
+
+def worst_case(spec) -> str:
+    """The answer's words for what a preference job is priced at: TRL's collators pad each
+    batch to its longest sequence after truncating prompts to `max_prompt_length` and the
+    sequences to `max_length` (trl/trainer/dpo_trainer.py, kto_trainer.py `_tokenize`; the
+    reward and ORPO collators pad the same way), so every sequence is priced at the cap
+    `seq_len`, the prompt's positions as scored completion tokens (the largest per-token
+    outputs) and the batch as padded (its attention mask reaching every layer's SDPA)."""
+    prompt = (f"truncated to max_prompt_length={spec.max_prompt_length}"
+              if spec.max_prompt_length else "at its longest")
+    scored = "" if spec.objective == "rm" else (
+        f", the prompt ({prompt}) counted as scored completion tokens")
+    return (f"priced at the worst case: every sequence {spec.seq_len} tokens (max_length, "
+            f"the collator padding to the longest){scored}, the batch padded (an attention "
+            "mask per layer); shorter data uses less")
 
 
 VLLM_WITHOUT_GPU = ("vLLM colocated: its reservation is a fraction of a GPU's memory; give "
