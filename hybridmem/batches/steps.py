@@ -73,6 +73,14 @@ def order(lengths: np.ndarray, spec, epoch: int = 0) -> np.ndarray:
 
     generator = torch.Generator()
     generator.manual_seed(spec.seed + epoch)
+    if spec.sampler == "group_by_length":
+        # LengthGroupedSampler draws from torch's global generator (generator=None), which
+        # Trainer.__init__'s `set_seed(seed)` seeded; the DataLoader's iterator draws its base
+        # seed from it first (torch/utils/data/dataloader.py `_BaseDataLoaderIter.__init__`:
+        # `_get_shared_seed`, one int64 `random_()`): epoch 0 is then the real run's draw
+        # (tests/test_lengths.py runs Trainer's loader); later epochs follow what training drew
+        # in between (dropout...): the same distribution, not the same draw
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
     perm = torch.randperm(n, generator=generator).numpy()
     if spec.sampler == "random":
         return perm
