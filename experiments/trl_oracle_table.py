@@ -142,9 +142,10 @@ def trainer_rows(root: pathlib.Path, config: str) -> None:
     # one batch of 100 + 60 tokens (the tests' case), then one epoch of `EPOCH`
     for name, (collator, kw) in collators().items():
         real, seq = T.real_peak(trainer_for(config, collator, [100, 60]))
-        s = TrainingSpec(model=config, micro_batch=T.BATCH, seq_len=80 if kw.get("packing")
-                         else seq, precision="fp32", optimizer="sgd", attn="sdpa",
-                         packing=bool(kw.get("packing")))
+        packed = bool(kw.get("packing"))  # the collators pad 100 + 60 unless they flatten
+        s = TrainingSpec(model=config, micro_batch=T.BATCH, seq_len=80 if packed else seq,
+                         precision="fp32", optimizer="sgd", attn="sdpa", packing=packed,
+                         padded=not packed)
         row(f"Trainer + {name}, one batch (100 + 60)", "-", "fp32", real, s)
     path = root / "lengths.txt"
     path.write_text("\n".join(map(str, EPOCH)) + "\n")

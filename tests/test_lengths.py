@@ -250,3 +250,24 @@ def test_launcher_configs_say_the_sampler(tmp_path):
                        "finetuning_type: lora\ngroup_by_length: true\ndata_seed: 3\n")
     spec = resolve(config=str(factory), overrides={}).spec
     assert (spec.sampler, spec.seed) == ("group_by_length", 3)
+
+
+@pytest.mark.parametrize("lengths, kw, padded", [
+    ([100, 100, 60, 60], {}, [False, False]),       # equal lengths in each batch: no mask
+    ([100, 60, 60, 60], {}, [True, False]),         # 60 padded to 100
+    ([128, 128, 60, 60], {"pad_multiple": 64}, [False, True]),  # 60 -> 64 pads too
+    ([100, 60, 60, 60], {"packing": True}, [False, False]),     # padding-free
+    ([60, 60, 60], {}, [False, False]),             # the last, partial batch is not padding
+])
+def test_each_batch_says_whether_it_is_padded(tmp_path, lengths, kw, padded):
+    # a collator pads a batch whose samples differ (or round up to pad_to_multiple_of): its
+    # attention mask has zeros and every sdpa layer builds the mask (`TrainingSpec.padded`)
+    from hybridmem.batches.read import read_lengths
+    from hybridmem.batches.steps import plan
+
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths)))
+    spec = TrainingSpec(model="tiny-llama", micro_batch=2, seq_len=128, sampler="sequential",
+                        **kw)
+    steps = plan(read_lengths(str(path)), spec, 0)
+    assert [steps.shapes[i].padded for i in steps.index] == padded

@@ -236,6 +236,7 @@ def _tensor_peak(p) -> int:
     dict(precision="fp32", train="lora", grad_ckpt=True),
     dict(precision="fp32", micro_batch=4, seq_len=1100),  # two token tiles (N > 4096)
     dict(precision="fp32", packing=True, grad_ckpt=True),  # SFTTrainer's packing
+    dict(precision="bf16", trainer="transformers", padded=True),  # Trainer, a padded batch
     dict(objective="dpo", precision="fp32", ref_model="separate"),
     dict(objective="dpo", precision="bf16", ref_model="separate", grad_ckpt=True),
     dict(objective="dpo", precision="fp32", ref_model="precomputed"),
@@ -301,11 +302,12 @@ def test_trainer_with_flattening_equals_the_packed_trace_but_the_loops_scalars(t
     assert real - _trainer_trace(spec) == LOOP_SCALARS
 
 
-def test_trainer_with_seq2seq_padding_builds_the_masks_the_trace_leaves_out(tmp_path):
+@pytest.mark.parametrize("padded", [False, True])
+def test_trainer_with_seq2seq_padding_builds_the_masks_priced_when_padded(tmp_path, padded):
     # DataCollatorForSeq2Seq(pad_to_multiple_of=64): 100 and 60 tokens padded to 128, with an
-    # attention mask; each layer's SDPA saves the mask converted to fp32 (b x s x s x 4), which
-    # the trace tier's unpadded SFT batch does not build: the real step is above the trace by
-    # those masks, the batch's int64 attention mask and the loop's scalars, to the byte
+    # attention mask; each layer's SDPA saves the mask converted to fp32 (b x s x s x 4): the
+    # job's `padded` batch prices them and the int64 attention mask; an unpadded job is
+    # short of exactly those, to the byte
     from transformers import DataCollatorForSeq2Seq
 
     config = tiny_config(tmp_path, DPO_VOCAB)
@@ -313,10 +315,10 @@ def test_trainer_with_seq2seq_padding_builds_the_masks_the_trace_leaves_out(tmp_
     real, seq = real_peak(_trainer_with(config, collator, [100, 60]))
     assert seq == 128
     spec = TrainingSpec(model=config, micro_batch=2, seq_len=seq, precision="fp32",
-                        optimizer="sgd", attn="sdpa")
+                        optimizer="sgd", attn="sdpa", padded=padded)
     masks = 2 * (2 * seq * seq * 4) + 2 * seq * 8  # 2 layers' fp32 masks, the int64 mask
     gap = real - _trainer_trace(spec)
-    assert gap == masks + LOOP_SCALARS
+    assert gap == (0 if padded else masks) + LOOP_SCALARS
 
 
 def test_an_sftconfig_json_means_trls_trainer(tmp_path):

@@ -105,13 +105,14 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
                  objective=spec.objective, prompt=objective_rules.prompt_length(spec),
                  ref_model=objective_rules.ref_model_of(spec), head=head_of(spec, loss),
-                 trl_head=objective_rules.fused_head(spec, installed("trl")))
+                 trl_head=objective_rules.fused_head(spec, installed("trl")),
+                 padded=spec.padded)
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
     acts = _formula_acts(layer, c, need_in, need_w, tied_grad, merged)
-    padded = c.trl_head or c.objective in objective_rules.PADDED  # the collator's mask
+    padded = c.trl_head or c.objective in objective_rules.PADDED or c.padded  # the mask
     if padded and layer.kind == "decoder_layer" and c.attn == "sdpa" and acts.saved:
         acts = objectives.padded_sdpa_mask(layer, c, acts)
     if layer.quantized and layer.kind != "decoder_layer" and layer.runs:
@@ -235,6 +236,9 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
     tier's batch is the same, `hybridmem.trace.inputs`)."""
     tokens = t(graph.micro_batch * graph.seq_len, A.INT64)
     out = 2 * tokens
+    if spec.padded and spec.objective == "sft" and not objective_rules.fused_head(
+            spec, installed("trl")):
+        out += tokens  # the collator's int64 attention mask (`spec.padded`)
     if graph.vision_batch:
         emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
         pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast

@@ -141,6 +141,8 @@ def prepare(spec: TrainingSpec, config) -> Job:
         batch = objectives.batch(spec, fused=fused)
     elif fused:
         batch = sft_step.sft_trl_batch(batch)
+    elif spec.padded:  # the collator's attention mask with its padding (`spec.padded`)
+        batch = {**batch, "attention_mask": objectives.padded_mask(batch["input_ids"])}
     job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
     job.ref = objectives.reference_model(spec, config, build.build_model)
     if fused:

@@ -78,6 +78,9 @@ class Ctx:
     """Bytes per element of the LoRA adapters (fp32: peft's default; else the weights' dtype
     in a pure run, `job.precision.check_adapters`): PEFT's `_cast_input_dtype` makes no copy
     when the input already has it."""
+    padded: bool = False
+    """The batch carries an attention mask with padding (`TrainingSpec.padded`): each sdpa
+    layer saves its converted (b x s x s) mask (`analytic.objectives.padded_sdpa_mask`)."""
     objective: str = "sft"
     """The training objective (`hybridmem.objectives.rules`): its loss replaces the LM loss at the
     head (`families.decoders.objective_acts`)."""
