@@ -16,6 +16,7 @@ cuBLAS workspace). One JSON line per row as it is measured, then the Markdown ta
 
     PYTHONPATH=. python experiments/trl_oracle_table.py            # every row (~5 min, 2 cores)
     PYTHONPATH=. python experiments/trl_oracle_table.py --trainer  # transformers' Trainer only
+    PYTHONPATH=. python experiments/trl_oracle_table.py --3b       # the issue's 3B case, scaled
 """
 
 from __future__ import annotations
@@ -159,15 +160,61 @@ def trainer_rows(root: pathlib.Path, config: str) -> None:
                 lengths_price(str(path)))
 
 
+# ---------------------------------------------------------------- the issue's 3B case, scaled
+
+LLAMA3_VOCAB = 128256  # Llama-3.2-3B's vocabulary (its config.json `vocab_size`)
+
+
+def sft_lora_trainer(config: str, seq: int, dtype):
+    """transformers' Trainer (full logits into ForCausalLMLoss) on a LoRA model (hybridmem's
+    default targets), checkpointing on (non-reentrant, as TRL's configs set it), two rows of
+    `seq` tokens: the issue's SFT job, scaled."""
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=list(T.LORA_TARGETS),
+                      lora_dropout=0.0)
+    model = get_peft_model(T.model_from(config, dtype), lora)
+    args = TrainingArguments(**T.TRAINER_ARGS, gradient_checkpointing=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": False})
+    return Trainer(model=model, args=args,
+                   train_dataset=Dataset.from_dict({"input_ids": T.token_rows([seq, seq],
+                                                                              T.DPO_VOCAB)}),
+                   data_collator=DataCollatorForLanguageModeling(T.tokenizer(T.DPO_VOCAB),
+                                                                 mlm=False))
+
+
+def scaled_3b_rows(root: pathlib.Path) -> None:
+    """Llama-3.2-3B LoRA, micro-batch 2, bf16, checkpointing: SFT (transformers' Trainer) and
+    DPO with the adapter-disabled reference, on the tiny Llama with Llama 3's vocabulary (the
+    head's share of the step, what decides the case), DPO's padded pairs (110 tokens) and SFT
+    at the same length."""
+    (root / "v128k").mkdir()
+    config = T.tiny_config(root / "v128k", LLAMA3_VOCAB)
+    dpo = T.dpo_trainer(config, torch.bfloat16, "adapter")
+    seq = T.padded_length(dpo)
+    real, _ = T.real_peak(dpo)
+    row("3B case scaled: DPO", "adapter", "bf16", real,
+        spec(config, seq, "bf16", objective="dpo", ref_model="adapter", train="lora"))
+    real, seq_sft = T.real_peak(sft_lora_trainer(config, seq, torch.bfloat16))
+    row("3B case scaled: SFT (Trainer)", "-", "bf16", real,
+        spec(config, seq_sft, "bf16", train="lora"))
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     root = pathlib.Path(tempfile.mkdtemp())
     (root / "sft").mkdir()
     (root / "small").mkdir()
     big, small = T.tiny_config(root / "sft"), T.tiny_config(root / "small", T.DPO_VOCAB)
+    if "--3b" in sys.argv:
+        scaled_3b_rows(root)
+        return table()
     trainer_rows(root, small)
     if "--trainer" in sys.argv:
         return table()
+    scaled_3b_rows(root)
     for precision in ("fp32", "bf16"):
         real, seq = T.real_peak(T.sft_trainer(big, [T.SEQ, T.SEQ // 2],
                                               T.PRECISION[precision]))
