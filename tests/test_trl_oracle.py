@@ -408,7 +408,11 @@ def test_grpo_trainer_step_and_its_old_policy_logps_match_the_trace_tier(tmp_pat
     traced = {ni: trace_peak(grpo_spec(config, ni, "bf16-mixed")) for ni in (1, 2)}
     # num_iterations 2: `old_per_token_logps`, (2 sequences x 8 tokens) fp32, one 512-byte block
     assert real[2] - real[1] == traced[2] - traced[1] == 512
-    assert 0 <= traced[1] - real[1] <= GRPO_PADDED_MASK
+    # and besides that mask, the same bytes: the trace's buffer keeps TRL's 0-dim
+    # `num_items_in_batch`; its stand-in batch ids at setup ((2, 32) int64, one 512-byte
+    # block) are as large here as GRPOTrainer's `reward_weights`, a (1,) fp32 tensor the real
+    # trainer holds on the device
+    assert traced[1] - real[1] == traced[2] - real[2] == GRPO_PADDED_MASK
 
 
 # ---------------------------------------------------------------- SFT's data paths

@@ -233,7 +233,8 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
     """input_ids and labels (int64) and pixel_values, alive for the whole iteration.
 
     No attention mask: an unpadded batch, for which HF takes the causal kernel path (the trace
-    tier's batch is the same, `hybridmem.trace.inputs`)."""
+    tier's batch is the same, `hybridmem.trace.inputs`); a `padded` one adds the collator's
+    int64 mask."""
     tokens = t(graph.micro_batch * graph.seq_len, A.INT64)
     out = 2 * tokens
     if spec.padded and spec.objective == "sft" and not objective_rules.fused_head(
@@ -291,8 +292,9 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
         "iterations replayed through the caching-allocator simulator (PYTORCH_ALLOC_CONF "
         "respected; allocated stays the closed form's), kept non-decreasing in the "
         "micro-batch; within ~2 points of the trace tier's reserved peak on 7B models",
-        "batch: unpadded (no attention mask), loss over every position with fp32 logits "
-        "(transformers ForCausalLMLoss)",
+        ("batch: padded (the collator's attention mask; each sdpa layer saves the "
+         "(b, 1, s, s) mask)" if spec.padded else "batch: unpadded (no attention mask)")
+        + ", loss over every position with fp32 logits (transformers ForCausalLMLoss)",
     ]
     patches = next((l.dims["n"] for m, l in graph.layers()
                     if l.kind in ("qwen_patch_embed", "pixtral_patch_conv")), 0)
