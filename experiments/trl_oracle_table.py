@@ -37,7 +37,7 @@ from test_trace import DataPtrCounter  # noqa: E402
 from hybridmem import trace  # noqa: E402
 from hybridmem.analytic import estimate as analytic  # noqa: E402
 from hybridmem.job.spec import TrainingSpec  # noqa: E402
-from hybridmem.objectives import steps as objectives  # noqa: E402
+from hybridmem.objectives import steps  # noqa: E402
 
 ROWS: list[dict] = []
 
@@ -50,7 +50,7 @@ def row(objective: str, ref: str, precision: str, real: int, spec: TrainingSpec,
         price=None) -> None:
     """One row: `price(spec, method)` answers a tier (a lengths job goes through `predict`)."""
     price = price or (lambda s, m: (trace.estimate(s) if m == "trace" else analytic(s)))
-    with objectives.head_path("torch"):
+    with steps.head_path("torch"):
         cpu = tensors(price(spec, "trace"))
     gpu, an = tensors(price(spec, "trace")), tensors(price(spec, "analytic"))
     out = dict(objective=objective, ref=ref, precision=precision, real=real, trace_cpu=cpu,

@@ -233,34 +233,32 @@ def prepare(spec: TrainingSpec, config, device) -> Job:
     One GPU; a multi-rank spec goes to `hybridmem.harness.distributed.prepare` (the child)."""
     model = build_trainable(spec, config, device)
     job = finish_job(model, spec, device)
-    from hybridmem.objectives import steps as objectives
+    from hybridmem import objectives
+    from hybridmem.objectives import steps
 
-    job.fused = objectives.uses_fused_head(spec)
+    job.fused = steps.uses_fused_head(spec)
     if job.fused:  # SFT / DPO / KTO trainers at TRL >= 1.15: TRL's own head on the model
-        objectives.add_fused_head(model, spec)
-    if spec.objective != "sft":  # the TRL trainer's batch and reference (objectives.steps)
+        steps.add_fused_head(model, spec)
+    if not objectives.lm_loss(spec):  # the TRL trainer's batch and reference (its step)
         objectives.check_model(spec, 0, config.model_type)
         job.batch = objectives.batch(spec, device, fused=job.fused)
-        job.ref = objectives.reference_model(
+        job.ref = steps.reference_model(
             spec, config, lambda s, c: build_model(s, c, device))
         if job.fused:
-            objectives.add_fused_reference_head(job.ref)
+            steps.add_fused_reference_head(job.ref)
         return job
     job.batch = make_batch(spec, config, model, device)
     if job.fused:
-        from hybridmem.objectives.sft.step import sft_trl_batch
-
-        job.batch = sft_trl_batch(job.batch)
+        job.batch = objectives.collate(spec, job.batch)
     return job
 
 
 def generation(job: Job, spec: TrainingSpec) -> None:
-    """GRPO's generation phase of a step (`objectives.grpo.step.grpo_prepare`, the full sampling
-    loop), before its first micro-step; a no-op for the other objectives."""
-    if spec.objective == "grpo":
-        from hybridmem.objectives.grpo.step import grpo_prepare
+    """The objective's generation phase of a step (GRPO's, `objectives.prepare`: the full
+    sampling loop), before its first micro-step; a no-op for the other objectives."""
+    from hybridmem import objectives
 
-        grpo_prepare(job, spec, every_step=True)
+    objectives.prepare(job, spec, every_step=True)
 
 
 def end_step(job: Job) -> None:
@@ -292,10 +290,10 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
 
 
 def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
-    if spec.objective != "sft" or job.fused:  # the TRL trainer's compute_loss (trace tier's)
-        from hybridmem.objectives import loss as objective_loss
+    from hybridmem import objectives
 
-        loss = objective_loss(job, spec, job.micro)
+    if not objectives.lm_loss(spec) or job.fused:  # the TRL trainer's compute_loss (step.loss)
+        loss = objectives.loss(job, spec, job.micro)
         job.micro += 1
         return loss
     if spec.loop == "custom":  # `outputs = model(**batch)`: the previous object dies here

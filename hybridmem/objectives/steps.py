@@ -18,7 +18,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from hybridmem.objectives import rules
+from hybridmem import objectives
 
 REFERENCE = "reference"
 GENERATION = "generation"
@@ -71,7 +71,7 @@ def part(job, name: str):
 def reference_context(job, spec):
     """The reference forward's model and context: the frozen copy, or the policy with its
     adapters disabled (peft `PeftModel.disable_adapter()`, TRL's `null_ref_context`)."""
-    if rules.ref_model_of(spec) == "adapter":
+    if objectives.ref_model_of(spec) == "adapter":
         return job.model, job.model.disable_adapter()
     return job.ref, contextlib.nullcontext()
 
@@ -100,14 +100,14 @@ def head_path(path: str):
 def add_fused_head(model, spec) -> None:
     """What `SFTTrainer.__init__` does after `Trainer.__init__` (trl 1.16 sft_trainer.py):
     TRL's own `add_fused_lm_head` on the PEFT-unwrapped model, `outputs=("log_probs",
-    "entropy", "is_top1")` (`objective.FUSED_OUTPUTS`: DPOTrainer's and KTOTrainer's ask
+    "entropy", "is_top1")` (the objective's `FUSED_OUTPUTS`: DPOTrainer's and KTOTrainer's ask
     for "mean_logits" too). Its forward then runs TRL's
     `_ChunkedLogProbFunction` (trl/kernels/chunked_logprob.py): the head in tiles of
     `TOKEN_CHUNK_SIZE` (4096) tokens x 32,768 vocabulary entries, fp32 accumulators."""
     from trl.trainer.utils import add_fused_lm_head
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    add_fused_lm_head(base, outputs=rules.FUSED_OUTPUTS[spec.objective])
+    add_fused_lm_head(base, outputs=objectives.of(spec).FUSED_OUTPUTS)
 
 
 def add_fused_reference_head(ref) -> None:
@@ -213,53 +213,28 @@ def batch_logps(logits, labels, average: bool) -> torch.Tensor:
 
 # ---------------------------------------------------------------- batch and reference
 
-def batch(spec, device=None, fused: bool = False) -> dict:
-    """The collated batch of the objective (token 1 stands for any id; -100 the label pad):
-    DPO the concatenated ids and loss mask (prompt tokens out); ORPO ids and labels; KTO the
-    completions and the KL batch; RM the concatenated ids; GRPO a stand-in (the generation
-    makes its ids). `precomputed` reference log-probs: fp32 per sequence, in the batch.
-    `fused`: the trainer's own collator at a TRL with the fused head (`uses_fused_head`)."""
-    o, n, s = spec.objective, spec.micro_batch, spec.seq_len
-    rows = rules.rows(spec)
-    ids = torch.ones(rows, s, dtype=torch.long, device=device)
-    out = {"input_ids": ids}
-    prompt = rules.prompt_length(spec)
-    if o == "dpo":
-        mask = torch.ones(rows, s, dtype=torch.long, device=device)
-        mask[:, :prompt] = 0
-        out["loss_mask"] = mask
-        if fused:  # DataCollatorForPreference (trl >= 1.15): the attention and completion masks
-            out = {"input_ids": ids, "attention_mask": padded_mask(ids), "completion_mask": mask}
-    if o in rules.PADDED:  # their collators pad chosen and rejected to the longest
-        out["attention_mask"] = padded_mask(ids)
-    if o in ("orpo", "kto"):
-        labels = torch.ones(rows, s, dtype=torch.long, device=device)
-        labels[:, :prompt] = -100
-        out["labels"] = labels
-    if o == "kto":
-        out["kl_input_ids"] = torch.ones(n, s, dtype=torch.long, device=device)
-        out["kl_labels"] = labels.clone()
-        if fused:  # KTOTrainer's collator (trl >= 1.15): masks, the KL batch's, the labels
-            completion = torch.ones(n, s, dtype=torch.long, device=device)
-            completion[:, :prompt] = 0
-            out = {"input_ids": ids, "attention_mask": padded_mask(ids),
-                   "completion_mask": completion, "KL_input_ids": out["kl_input_ids"],
-                   "KL_attention_mask": padded_mask(ids), "KL_completion_mask": completion.clone(),
-                   "label": torch.arange(n, device=device) % 2 == 0}
-    if rules.ref_model_of(spec) == "precomputed":
-        names = ("ref_chosen_logps", "ref_rejected_logps") + (("ref_kl_logps",)
-                                                              if o == "kto" else ())
-        if fused and o == "kto":  # KTOTrainer's precomputed columns (trl >= 1.15)
-            names = ("ref_logps", "ref_KL_logps")
+def ones(rows: int, seq: int, device=None, prompt: int = 0, fill: int = 1) -> torch.Tensor:
+    """A collated (rows, seq) int64 column: token 1 stands for any id (or a mask's 1), the
+    first `prompt` positions `fill` (a completion mask's 0, the label pad -100)."""
+    out = torch.ones(rows, seq, dtype=torch.long, device=device)
+    if fill != 1:
+        out[:, :prompt] = fill
+    return out
+
+
+def with_precomputed(out: dict, spec, names: tuple[str, ...], device=None) -> dict:
+    """`out` with the batch's precomputed reference log-probs (TRL `precompute_ref_log_probs`:
+    fp32 per sequence, one column per name) when the reference is `precomputed`."""
+    if objectives.ref_model_of(spec) == "precomputed":
         for name in names:
-            out[name] = torch.zeros(n, device=device)
+            out[name] = torch.zeros(spec.micro_batch, device=device)
     return out
 
 
 def reference_model(spec, config, build_model):
     """TRL `create_reference_model`: a frozen deep copy of the policy as loaded (its dtype),
     in eval mode; None unless the reference is `separate`."""
-    if rules.ref_model_of(spec) != "separate":
+    if objectives.ref_model_of(spec) != "separate":
         return None
     ref = build_model(spec, config)
     ref.requires_grad_(False)
@@ -268,12 +243,8 @@ def reference_model(spec, config, build_model):
 
 
 def uses_fused_head(spec) -> bool:
-    """`objective.fused_head` with the installed TRL (importable: the trace runs its code)."""
+    """`objectives.fused_head` with the installed TRL (importable: the trace runs its code)."""
     from hybridmem.environment import installed
 
-    return rules.fused_head(spec, installed("trl"))
+    return objectives.fused_head(spec, installed("trl"))
 
-
-def check_model(spec, image_tokens: int, model_type: str) -> None:
-    """`objectives.rules.check_model` on the built batch."""
-    rules.check_model(spec, image_tokens, model_type)

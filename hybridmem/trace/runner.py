@@ -30,11 +30,9 @@ from hybridmem.techniques.liger_kernels import rope_patched
 from hybridmem.families import family
 from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, empty_cache_at
-from hybridmem.objectives.trl_head import loop_divisions
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
-from hybridmem.objectives import loss as objective_loss, steps as objectives
-from hybridmem.objectives.grpo import step as grpo_step
-from hybridmem.objectives.sft import step as sft_step
+from hybridmem import objectives
+from hybridmem.objectives import steps
 from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import (CudaAutocast, emulated, meta_torch_autocast,
                                       wrap_checkpointing)
@@ -84,7 +82,7 @@ class Job:
     liger: str | None = None
     """The text model type whose Liger kernels are patched in (`--liger`), else None."""
     fused: bool = False
-    """The SFT step runs TRL's fused LM head (`objectives.uses_fused_head`)."""
+    """The SFT step runs TRL's fused LM head (`objectives.steps.uses_fused_head`)."""
     copies: offload.Copies | None = None
     """Host / device copies of offloaded activations (`spec.offload_activations`), else None."""
     offloader: offload.Offload | None = None
@@ -113,9 +111,9 @@ def prepare(spec: TrainingSpec, config) -> Job:
     if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
         model = build.add_adapters(model, spec)
     liger = build.apply_loss(model, spec, config)  # Trainer: after PEFT, before checkpointing
-    fused = objectives.uses_fused_head(spec)
+    fused = steps.uses_fused_head(spec)
     if fused:  # SFTTrainer: after Trainer.__init__ (PEFT), on the unwrapped model
-        objectives.add_fused_head(model, spec)
+        steps.add_fused_head(model, spec)
     if spec.grad_ckpt:
         enable_checkpointing(model, spec)
     copies = offload.Copies() if spec.offload_activations != "none" else None
@@ -136,17 +134,17 @@ def prepare(spec: TrainingSpec, config) -> Job:
                                                                      masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
-    if spec.objective != "sft":  # the trainer's collated batch (trace.objectives)
+    if not objectives.lm_loss(spec):  # the trainer's collated batch (its step.batch)
         objectives.check_model(spec, image_tokens, config.model_type)
         batch = objectives.batch(spec, fused=fused)
     elif fused:
-        batch = sft_step.sft_trl_batch(batch)
+        batch = objectives.collate(spec, batch)
     elif spec.padded:  # the collator's attention mask with its padding (`spec.padded`)
-        batch = {**batch, "attention_mask": objectives.padded_mask(batch["input_ids"])}
+        batch = {**batch, "attention_mask": steps.padded_mask(batch["input_ids"])}
     job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
-    job.ref = objectives.reference_model(spec, config, build.build_model)
+    job.ref = steps.reference_model(spec, config, build.build_model)
     if fused:
-        objectives.add_fused_reference_head(job.ref)
+        steps.add_fused_reference_head(job.ref)
     job.liger = liger
     job.fused = fused
     if spec.offload_activations == "all":  # TRL get_act_offloading_ctx_manager(model)
@@ -168,8 +166,8 @@ def _call(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
     logits included, dies before autocast's cache is cleared, as in a Trainer run. `custom`
     (`outputs = model(**batch); loss = outputs.loss`, huggingface/peft
     method_comparison/MetaMathQA/run.py): the caller holds it."""
-    if spec.objective != "sft" or job.fused:  # the TRL trainer's compute_loss (objectives)
-        return objective_loss(job, spec, job.micro), None
+    if not objectives.lm_loss(spec) or job.fused:  # the TRL trainer's compute_loss (step.loss)
+        return objectives.loss(job, spec, job.micro), None
     if spec.loop == "custom":
         out = job.model(**job.batch, use_cache=False)
         return out.loss, out
@@ -326,7 +324,7 @@ def _forward_backward(job: Job, spec: TrainingSpec, tracker: StorageTracker, it:
         tracker.empty_cache()
     if workspace and first:
         tracker.add_external(workspace, "workspace")
-    trainer_divides, accelerate_divides = loop_divisions(spec)
+    trainer_divides, accelerate_divides = objectives.loop_divisions(spec)
     if trainer_divides:  # transformers Trainer.training_step: loss / accumulation steps
         loss = loss / spec.grad_accum
     held = loss  # Trainer.training_step's `loss`, which it returns detached after backward
@@ -360,10 +358,9 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
     job.tracker = tracker
     for it in range(iterations):
         where = empty_cache_at(spec, it)
-        if spec.objective == "grpo":  # the step's completions, before its first forward
+        if objectives.of(spec).GENERATES:  # the step's completions, before its first forward
             tracker.mark("generation", it)
-            grpo_step.grpo_prepare(job, spec,
-                                   autocast=lambda: _loss_autocast(job, spec))
+            objectives.prepare(job, spec, autocast=lambda: _loss_autocast(job, spec))
         for micro in range(spec.grad_accum):
             _micro_step(job, spec, tracker, it, micro, workspace, where == "after_forward")
         tracker.mark("optimizer", it)
@@ -443,7 +440,7 @@ def prepared(spec: TrainingSpec, config, backend: str = "fake"):
         if backend == "meta":
             wrap_checkpointing(job.model, amp, corrections.CpuSdpaOnMeta)
         with rope_patched(job.liger) if job.liger else contextlib.nullcontext(), \
-                objectives.head_fold(job):
+                steps.head_fold(job):
             yield job
 
 
@@ -463,7 +460,7 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
                 tracker.label(b, "param", part_of(name))
             if job.ref is not None:  # the frozen reference copy: its own part
                 for t in [*job.ref.parameters(), *job.ref.buffers()]:
-                    tracker.label(t, "param", objectives.REFERENCE)
+                    tracker.label(t, "param", steps.REFERENCE)
             for name, q in quant_state_tensors(job.model):  # real bnb layers' QuantState
                 tracker.label(q, "param", part_of(name))
             for m, (name, _) in zip(job.masters, job.trainable):

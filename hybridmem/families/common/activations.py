@@ -78,18 +78,21 @@ class Ctx:
     """Bytes per element of the LoRA adapters (fp32: peft's default; else the weights' dtype
     in a pure run, `job.precision.check_adapters`): PEFT's `_cast_input_dtype` makes no copy
     when the input already has it."""
+    score_head: bool = False
+    """The lm_head is a sequence classifier's (1, hidden) `score` (the objective's `SCORE_HEAD`:
+    the reward model): no vocabulary-sized backward comes before the final norm's."""
     padded: bool = False
     """The batch carries an attention mask with padding (`TrainingSpec.padded`): each sdpa
     layer saves its converted (b x s x s) mask (`analytic.objectives.padded_sdpa_mask`)."""
     objective: str = "sft"
-    """The training objective (`hybridmem.objectives.rules`): its loss replaces the LM loss at the
+    """The training objective (`hybridmem.objectives`): its loss replaces the LM loss at the
     head (`families.decoders.objective_acts`)."""
     prompt: int = 0
-    """Prompt tokens per sequence the objective's loss masks out (`objective.prompt_length`)."""
+    """Prompt tokens per sequence the objective's loss masks out (`objectives.prompt_length`)."""
     ref_model: str = "none"
-    """Where a preference objective's reference log-probs come from (`objectives.rules.ref_model_of`)."""
+    """Where a preference objective's reference log-probs come from (`objectives.ref_model_of`)."""
     trl_head: bool = False
-    """The head is TRL's fused, chunked LM head (`objective.fused_head`, the installed TRL)."""
+    """The head is TRL's fused, chunked LM head (`objectives.fused_head`, the installed TRL)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -362,7 +362,7 @@ def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
         (t(B * h, c.stream),) if not need_w else ())
     bwd_extra, bwd_parts = 2 * t(B * h, c.stream), ()
-    if (c.cce and c.stream != FP32) or c.objective == "rm":
+    if (c.cce and c.stream != FP32) or c.score_head:
         # the fp32 chain of its backward (`x * rsqrt(x.pow(2).mean(-1) + eps)`: the rsqrt
         # product's grad, mean's expand, pow's `2 * x` and its products: five B x h fp32 at its
         # top, trace tier tiny-llama bf16). Without CCE the loss's backward is the higher point;
@@ -392,11 +392,13 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     e = c.e
     if c.head is not None:  # a technique's own head (Liger, CCE: `techniques.head_of`)
         return technique_head(d, c, need_in, need_w)
-    if c.trl_head:  # TRL's fused, chunked head (objective.fused_head)
+    if c.trl_head:  # TRL's fused, chunked head (objectives.fused_head)
         from hybridmem.families.decoders.objective_acts import trl_fused_head
 
         return trl_fused_head(layer, c, need_in, need_w)
-    if c.objective != "sft":  # a TRL trainer's loss on the logits (objective_acts)
+    from hybridmem.objectives import REGISTRY
+
+    if not REGISTRY[c.objective].LM_LOSS:  # a TRL trainer's loss on the logits (objective_acts)
         from hybridmem.families.decoders.objective_acts import objective_head
 
         return objective_head(layer, c, need_in, need_w)

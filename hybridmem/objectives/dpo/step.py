@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridmem.objectives import rules
+from hybridmem import objectives
 from hybridmem.objectives.steps import (
-    REFERENCE, part, positions, reference_context, selective_log_softmax,
+    REFERENCE, ones, padded_mask, part, positions, reference_context, selective_log_softmax,
+    with_precomputed,
 )
 
 
@@ -42,16 +43,16 @@ def dpo_loss(job, spec) -> torch.Tensor:
     """`get_batch_loss_metrics`: the policy's concatenated forward, then the reference's log
     probs (`compute_ref_log_probs`: no_grad; or the batch's precomputed ones), then the
     sigmoid loss (`dpo_loss`, loss_type "sigmoid")."""
-    half, prompt = spec.micro_batch, rules.prompt_length(spec)
+    half, prompt = spec.micro_batch, objectives.prompt_length(spec)
     policy = dpo_forward(job.model, job.batch, half, prompt)
-    if rules.ref_model_of(spec) == "precomputed":
+    if objectives.ref_model_of(spec) == "precomputed":
         ref_chosen, ref_rejected = job.batch["ref_chosen_logps"], job.batch["ref_rejected_logps"]
     else:
         model, ctx = reference_context(job, spec)
         with part(job, REFERENCE), torch.no_grad(), ctx:
             ref = dpo_forward(model, job.batch, half, prompt)
         ref_chosen, ref_rejected = ref["chosen_logps"], ref["rejected_logps"]
-    beta = rules.beta_of(spec)
+    beta = objectives.beta_of(spec)
     logratios = policy["chosen_logps"] - policy["rejected_logps"]
     ref_logratios = ref_chosen - ref_rejected
     losses = -F.logsigmoid(beta * (logratios - ref_logratios))
@@ -75,7 +76,7 @@ def dpo_fused_loss(job, spec) -> torch.Tensor:
     seq_len = shift_mask.size(1)
     logps = outputs.log_probs[:, -seq_len:].sum(dim=1)
     chosen, rejected = logps.chunk(2, dim=0)
-    if rules.ref_model_of(spec) == "precomputed":
+    if objectives.ref_model_of(spec) == "precomputed":
         ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
     else:
         model, ctx = reference_context(job, spec)
@@ -86,7 +87,7 @@ def dpo_fused_loss(job, spec) -> torch.Tensor:
         ref_chosen, ref_rejected = ref_logps.chunk(2, dim=0)
     chosen_ratios, rejected_ratios = chosen - ref_chosen, rejected - ref_rejected
     delta = chosen_ratios - rejected_ratios
-    loss = 0.0 + (-F.logsigmoid(rules.beta_of(spec) * delta)).mean() * 1.0
+    loss = 0.0 + (-F.logsigmoid(objectives.beta_of(spec) * delta)).mean() * 1.0
     with torch.no_grad():  # the metrics (their `.item()` reads make nothing on a device)
         (outputs.entropy[:, -seq_len:].detach() * shift_mask).sum()
         shift_mask.sum()
@@ -97,3 +98,20 @@ def dpo_fused_loss(job, spec) -> torch.Tensor:
             (logits * m.bool()).sum()
         (outputs.is_top1[:, -seq_len:].chunk(2, dim=0)[0] & chosen_mask.bool()).sum()
     return loss
+
+
+def batch(spec, device=None, fused: bool = False) -> dict:
+    """The concatenated ids and the loss mask (prompt tokens out); at a TRL with the fused head
+    `DataCollatorForPreference` (trl >= 1.15): the attention and completion masks. Precomputed
+    reference log-probs: per sequence, chosen and rejected."""
+    rows, s = objectives.rows(spec), spec.seq_len
+    ids = ones(rows, s, device)
+    mask = ones(rows, s, device, objectives.prompt_length(spec), fill=0)
+    out = {"input_ids": ids, "loss_mask": mask}
+    if fused:
+        out = {"input_ids": ids, "attention_mask": padded_mask(ids), "completion_mask": mask}
+    return with_precomputed(out, spec, ("ref_chosen_logps", "ref_rejected_logps"), device)
+
+
+def loss(job, spec, micro: int = 0) -> torch.Tensor:
+    return (dpo_fused_loss if job.fused else dpo_loss)(job, spec)

@@ -12,10 +12,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from hybridmem.objectives import rules
+from hybridmem import objectives
+from hybridmem.objectives.grpo import completion_length, old_logps
 from hybridmem.objectives.steps import (
     GENERATION, REFERENCE, entropy_from_logits, padded_mask, part, reference_context,
-    selective_log_softmax,
+    ones, selective_log_softmax,
 )
 
 
@@ -103,7 +104,7 @@ def grpo_prepare(job, spec, every_step: bool = False, autocast=contextlib.nullco
     `generate`'s full loop (the CUDA harness measures it). `autocast`: the loss's autocast
     context, which GRPOTrainer enters around each fused log-prob forward (trl >= 1.15)."""
     seqs = spec.micro_batch * spec.grad_accum
-    completion = rules.completion_length(spec)
+    completion = completion_length(spec)
     prompt_ids = torch.ones(seqs, spec.seq_len - completion, dtype=torch.long,
                             device=job.batch["input_ids"].device)
     with part(job, GENERATION), torch.no_grad():
@@ -114,7 +115,7 @@ def grpo_prepare(job, spec, every_step: bool = False, autocast=contextlib.nullco
         _grpo_fused_prepare(job, spec, ids, completion, autocast)
         return
     job.grpo = {"ids": ids, "advantages": torch.zeros(seqs, device=ids.device)}
-    if rules.ref_model_of(spec) != "none":
+    if objectives.ref_model_of(spec) != "none":
         model, ctx = reference_context(job, spec)
         with part(job, REFERENCE), torch.no_grad(), ctx:
             job.grpo["ref"] = grpo_logps(model, ids, completion, spec.micro_batch)
@@ -163,11 +164,11 @@ def _grpo_fused_prepare(job, spec, ids: torch.Tensor, completion: int, autocast)
     full = torch.cat([grpo["prompt_ids"], grpo["completion_ids"]], dim=1)
     mask = torch.cat([grpo["prompt_mask"], grpo["completion_mask"]], dim=1)
     with torch.no_grad(), autocast():
-        if rules.old_logps(spec):
+        if old_logps(spec):
             with part(job, GENERATION):
                 grpo["old"] = grpo_fused_logps(job.model, full, mask, completion,
                                                spec.micro_batch)
-        if rules.ref_model_of(spec) != "none":
+        if objectives.ref_model_of(spec) != "none":
             model, ctx = reference_context(job, spec)
             with part(job, REFERENCE), ctx:
                 grpo["ref"] = grpo_fused_logps(model, full, mask, completion, spec.micro_batch)
@@ -181,7 +182,7 @@ def grpo_fused_loss(job, spec, micro: int) -> torch.Tensor:
     log-probs and entropies, the ratio against the old policy's log-probs (the detached
     current ones at num_iterations 1), the clipped surrogate, the KL when beta > 0, the
     masked sum over `num_items_in_batch`."""
-    n, keep = spec.micro_batch, rules.completion_length(spec)
+    n, keep = spec.micro_batch, completion_length(spec)
     # `split_tensor_dict`: a 0-dim tensor goes whole into every slice
     part_of = {k: v[micro * n:(micro + 1) * n] if v.dim() else v for k, v in job.grpo.items()}
     input_ids = torch.cat([part_of["prompt_ids"], part_of["completion_ids"]], dim=1)
@@ -196,7 +197,7 @@ def grpo_fused_loss(job, spec, micro: int) -> torch.Tensor:
     if "ref" in part_of:
         ref = part_of["ref"]
         kl = torch.exp(ref - logps) - (ref - logps) - 1
-        per_token_loss = per_token_loss + rules.beta_of(spec) * kl
+        per_token_loss = per_token_loss + objectives.beta_of(spec) * kl
     # "dapo": `num_items_in_batch.clamp(min=1.0) / num_processes`, rescaled by
     # accumulation steps / steps_per_generation (equal by default: a factor 1)
     normalizer = part_of["num_items_in_batch"].clamp(min=1.0) / 1
@@ -208,7 +209,7 @@ def grpo_loss(job, spec, micro: int) -> torch.Tensor:
     log-probs (entropy under no_grad), the clipped importance ratio against the detached
     log-probs (old = current: num_iterations 1), the KL to the reference when beta > 0, the
     masked token mean."""
-    n, completion = spec.micro_batch, rules.completion_length(spec)
+    n, completion = spec.micro_batch, completion_length(spec)
     ids = job.grpo["ids"][micro * n:(micro + 1) * n]
     logps = grpo_logps(job.model, ids, completion, n, entropy=True)
     advantages = job.grpo["advantages"][micro * n:(micro + 1) * n]
@@ -219,5 +220,18 @@ def grpo_loss(job, spec, micro: int) -> torch.Tensor:
     if "ref" in job.grpo:
         ref = job.grpo["ref"][micro * n:(micro + 1) * n]
         kl = torch.exp(ref - logps) - (ref - logps) - 1
-        per_token_loss = per_token_loss + rules.beta_of(spec) * kl
+        per_token_loss = per_token_loss + objectives.beta_of(spec) * kl
     return per_token_loss.sum() / per_token_loss.numel()
+
+
+def batch(spec, device=None, fused: bool = False) -> dict:
+    """A stand-in batch of ids: the generation makes the step's (`prepare`)."""
+    return {"input_ids": ones(objectives.rows(spec), spec.seq_len, device)}
+
+
+def prepare(job, spec, every_step: bool = False, autocast=None) -> None:
+    grpo_prepare(job, spec, every_step, autocast or contextlib.nullcontext)
+
+
+def loss(job, spec, micro: int = 0) -> torch.Tensor:
+    return (grpo_fused_loss if job.fused else grpo_loss)(job, spec, micro)

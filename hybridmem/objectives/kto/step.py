@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridmem.objectives import rules
-from hybridmem.objectives.steps import REFERENCE, batch_logps, part, reference_context
+from hybridmem import objectives
+from hybridmem.objectives.steps import (
+    REFERENCE, batch_logps, ones, padded_mask, part, reference_context, with_precomputed,
+)
 
 
 def _kto_kl_logps(model, batch) -> torch.Tensor:
@@ -40,7 +42,7 @@ def kto_fused_loss(job, spec) -> torch.Tensor:
     chosen_idx = torch.arange(0, n, 2, device=device)  # `torch.nonzero(bool_labels)`
     rejected_idx = torch.arange(1, n, 2, device=device)
     chosen, rejected = logps.index_select(0, chosen_idx), logps.index_select(0, rejected_idx)
-    if rules.ref_model_of(spec) == "precomputed":
+    if objectives.ref_model_of(spec) == "precomputed":
         ref = batch["ref_logps"]
         ref_kl = batch["ref_KL_logps"]
     else:
@@ -51,7 +53,7 @@ def kto_fused_loss(job, spec) -> torch.Tensor:
             ref = ref_out.log_probs[:, -seq_len:].sum(-1)
             del ref_out
     ref_chosen, ref_rejected = ref.index_select(0, chosen_idx), ref.index_select(0, rejected_idx)
-    beta = rules.beta_of(spec)
+    beta = objectives.beta_of(spec)
     kl = (kl_logps - ref_kl).mean().detach().mean().clamp(min=0)
     chosen_losses = 1 - F.sigmoid(beta * ((chosen - ref_chosen) - kl))
     rejected_losses = 1 - F.sigmoid(beta * (kl - (rejected - ref_rejected)))
@@ -89,7 +91,7 @@ def kto_loss(job, spec) -> torch.Tensor:
     """`get_batch_loss_metrics`: the policy's `forward`, the reference's (no_grad; or the
     batch's precomputed log-probs), then `kto_loss` (sigmoid of the KL-shifted log-ratios)."""
     chosen, rejected, kl, _ = kto_forward(job, job.model, spec)
-    if rules.ref_model_of(spec) == "precomputed":
+    if objectives.ref_model_of(spec) == "precomputed":
         ref_chosen, ref_rejected, ref_kl = (job.batch["ref_chosen_logps"],
                                             job.batch["ref_rejected_logps"],
                                             job.batch["ref_kl_logps"])
@@ -97,8 +99,33 @@ def kto_loss(job, spec) -> torch.Tensor:
         model, ctx = reference_context(job, spec)
         with part(job, REFERENCE), torch.no_grad(), ctx:
             ref_chosen, ref_rejected, ref_kl, _ = kto_forward(job, model, spec)
-    beta = rules.beta_of(spec)
+    beta = objectives.beta_of(spec)
     kl_term = (kl - ref_kl).mean().clamp(min=0).detach()
     losses = torch.cat((1 - F.sigmoid(beta * ((chosen - ref_chosen) - kl_term)),
                         1 - F.sigmoid(beta * (kl_term - (rejected - ref_rejected)))), 0)
     return losses.nanmean()
+
+
+def batch(spec, device=None, fused: bool = False) -> dict:
+    """The completions' ids and labels (-100 on the prompt), the KL batch's; at a TRL with the
+    fused head KTOTrainer's collator (trl >= 1.15): the masks, the KL batch's, the desirable
+    labels. Precomputed reference log-probs: per sequence, the completions' and the KL
+    batch's."""
+    n, s, prompt = spec.micro_batch, spec.seq_len, objectives.prompt_length(spec)
+    ids = ones(n, s, device)
+    labels = ones(n, s, device, prompt, fill=-100)
+    out = {"input_ids": ids, "labels": labels, "kl_input_ids": ones(n, s, device)}
+    out["kl_labels"] = labels.clone()
+    if not fused:
+        return with_precomputed(out, spec, ("ref_chosen_logps", "ref_rejected_logps",
+                                            "ref_kl_logps"), device)
+    completion = ones(n, s, device, prompt, fill=0)
+    out = {"input_ids": ids, "attention_mask": padded_mask(ids),
+           "completion_mask": completion, "KL_input_ids": out["kl_input_ids"],
+           "KL_attention_mask": padded_mask(ids), "KL_completion_mask": completion.clone(),
+           "label": torch.arange(n, device=device) % 2 == 0}
+    return with_precomputed(out, spec, ("ref_logps", "ref_KL_logps"), device)
+
+
+def loss(job, spec, micro: int = 0) -> torch.Tensor:
+    return (kto_fused_loss if job.fused else kto_loss)(job, spec)

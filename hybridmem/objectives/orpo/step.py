@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridmem.objectives import rules
-from hybridmem.objectives.steps import batch_logps
+from hybridmem import objectives
+from hybridmem.objectives.steps import batch_logps, ones, padded_mask
 
 
 def orpo_loss(job, spec) -> torch.Tensor:
@@ -30,4 +30,17 @@ def orpo_loss(job, spec) -> torch.Tensor:
     log_odds = (chosen_logps - rejected_logps) - (
         torch.log1p(-torch.exp(chosen_logps)) - torch.log1p(-torch.exp(rejected_logps)))
     ratio = F.logsigmoid(log_odds)
-    return nll - (rules.beta_of(spec) * ratio).mean()
+    return nll - (objectives.beta_of(spec) * ratio).mean()
+
+
+def batch(spec, device=None, fused: bool = False) -> dict:
+    """The concatenated ids, the collator's attention mask (`PADDED`) and the labels (-100 on
+    the prompt)."""
+    rows, s = objectives.rows(spec), spec.seq_len
+    ids = ones(rows, s, device)
+    return {"input_ids": ids, "attention_mask": padded_mask(ids),
+            "labels": ones(rows, s, device, objectives.prompt_length(spec), fill=-100)}
+
+
+def loss(job, spec, micro: int = 0) -> torch.Tensor:
+    return orpo_loss(job, spec)

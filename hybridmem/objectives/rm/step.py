@@ -8,6 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridmem import objectives
+from hybridmem.objectives.steps import ones, padded_mask
+
 
 
 def rm_loss(job, spec) -> torch.Tensor:
@@ -18,3 +21,13 @@ def rm_loss(job, spec) -> torch.Tensor:
     rewards = job.model(input_ids=job.batch["input_ids"],
                         attention_mask=job.batch.get("attention_mask"), use_cache=False).logits
     return -F.logsigmoid(rewards[:half] - rewards[half:]).mean()
+
+
+def batch(spec, device=None, fused: bool = False) -> dict:
+    """The concatenated ids and the collator's attention mask (`PADDED`)."""
+    ids = ones(objectives.rows(spec), spec.seq_len, device)
+    return {"input_ids": ids, "attention_mask": padded_mask(ids)}
+
+
+def loss(job, spec, micro: int = 0) -> torch.Tensor:
+    return rm_loss(job, spec)

@@ -52,3 +52,12 @@ def sft_trl_batch(batch: dict) -> dict:
     ids = batch["input_ids"]
     return {**batch, "attention_mask": padded_mask(ids),
             "num_items_in_batch": torch.zeros((), device=ids.device)}
+
+
+def collate(batch: dict) -> dict:
+    return sft_trl_batch(batch)
+
+
+def loss(job, spec, micro: int = 0) -> torch.Tensor:
+    """TRL's SFTTrainer through its fused head (transformers' Trainer runs `model(**batch)`)."""
+    return sft_trl_loss(job, spec)
