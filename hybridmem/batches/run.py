@@ -305,7 +305,7 @@ def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Pr
             "reserved from changing shapes (docs/lengths.md)")
     gap = steps_gap(steps) if stream_method == "analytic" else None
     if gap is not None:  # the chooser takes the trace tier for such a run (intake.resolve)
-        note += (f"; the closed form's growth is not the trace tier's here: {gap}; "
+        note += (f"; the closed form's growth may not be the trace tier's here: {gap}; "
                  "--method trace prices it")
     info["closed_form_gap"] = gap
     extras = {**answer.extras, "lengths": info}
