@@ -12,7 +12,12 @@ rank's allocator would hold. Rank 0 is traced: DTensor's and FSDP2's uneven shar
 `ceil` rows on the first ranks (`torch.chunk` semantics, `_StridedShard` aside), so rank 0 is the
 highest; every other rank is the same shape or smaller.
 
-Context, pipeline and expert parallelism are not run here (the analytic tier prices them).
+Context parallelism runs torch's `context_parallel` around forward and backward, as
+torchtitan's train context does (`torchtitan/distributed/utils.py::create_context_parallel_ctx`:
+the batch and the position buffer sharded on the sequence, the `allgather` rotate method), with
+torch's ring attention on the CPU flash kernel (`parallel.ring_cpu`); FSDP2 then shards over the
+flattened `dp_shard x cp` mesh (torchtitan's `dp_shard_cp`). Pipeline and expert parallelism
+are not run here (the analytic tier prices them).
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from hybridmem.job.spec import TrainingSpec
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.trace.tracker import StorageTracker, round_size
 
-TRACED = "tp / sequence parallelism, with dp_shard (FSDP2) or alone"
-"""What this tier runs; cp / pp / ep layouts are refused with this line's choices."""
+TRACED = "tp / sequence parallelism / cp, with dp_shard (FSDP2) or alone"
+"""What this tier runs; pp / ep layouts are refused with this line's choices."""
 
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 """`bf16-mixed` only with FSDP2: `MixedPrecisionPolicy(bf16, fp32)`, torchtitan's default."""
@@ -107,10 +112,16 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
 def refusal(spec: TrainingSpec) -> SpecError | None:
     """The layouts and jobs this tier does not run, as one-line errors."""
     ps = spec.parallel
-    for name in ("cp", "pp", "ep", "dp_replicate"):
+    for name in ("pp", "ep", "dp_replicate"):
         if getattr(ps, name) > 1:
             return SpecError(name, getattr(ps, name), (1,), reason="the trace tier runs "
                              f"{TRACED}; use --method analytic for this layout")
+    if ps.cp > 1 and spec.attn == "eager":  # torch's ring attention replaces SDPA only
+        return SpecError("attn", spec.attn, ("sdpa", "flash_attention_2"), reason="context "
+                         "parallelism (torch's context_parallel) runs SDPA's ring attention")
+    if ps.cp > 1 and ps.tp > 1:
+        return SpecError("tp", ps.tp, (1,), reason="the trace tier runs cp without tp; use "
+                         "--method analytic for cp x tp")
     if ps.data_shard > 1 and ps.strategy != "fsdp":
         return SpecError("strategy", ps.strategy, ("fsdp",), reason="the trace tier shards "
                          "tp x dp layouts with FSDP2 (torchtitan's)")
@@ -191,13 +202,15 @@ def trace_rank(spec: TrainingSpec, rank: int = 0, backend: str = "fake") -> Rank
     if refused is not None:
         raise refused
     ps = spec.parallel
-    dp, tp = ps.data_shard, ps.tp
+    dp, cp, tp = ps.data_shard, ps.cp, ps.tp
     config = load_config(spec.model)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if backend == "fake" else contextlib.nullcontext()
-    with _fake_world(rank, dp * tp), _real_meshes():
+    with _fake_world(rank, dp * cp * tp), _real_meshes():
         # the mesh reads its rank table's values: built on real tensors, before the fake mode
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        return _traced(spec, config, (mesh["dp"], mesh["tp"]), mode)
+        mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        # FSDP2 shards over dp x cp (torchtitan `parallel_dims`: the `dp_shard_cp` mesh)
+        shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else mesh["dp"]
+        return _traced(spec, config, (shard_mesh, mesh["tp"], mesh["cp"]), mode)
 
 
 def _traced(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
@@ -207,12 +220,13 @@ def _traced(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
     from hybridmem.trace.model import build_model
 
     ps = spec.parallel
-    dp_mesh, tp_mesh = meshes
+    dp_mesh, tp_mesh, cp_mesh = meshes
     with mode:
         built = spec.with_(precision="fp32") if spec.precision == "bf16-mixed" else spec
         model = build_model(built, config)
-        apply_tp(model, tp_mesh, ps.sequence_parallel)
-        if ps.data_shard > 1:
+        if ps.tp > 1:
+            apply_tp(model, tp_mesh, ps.sequence_parallel)
+        if ps.data_shard * ps.cp > 1 and ps.strategy == "fsdp":
             mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if spec.precision == "bf16-mixed" else MixedPrecisionPolicy())
             for layer in model.model.layers:
@@ -220,17 +234,49 @@ def _traced(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
             fully_shard(model, mesh=dp_mesh, mp_policy=mp)
         batch = make_batch(spec, config, model, torch.float32)[0]
         ids = batch["input_ids"]
-        if ps.sequence_parallel:  # the local sequence shard cannot derive the positions
-            batch["position_ids"] = torch.arange(ids.shape[1])[None].expand_as(ids)
-        # foreach (`--optimizer adamw`) needs every param a DTensor: FSDP2 makes the norms
-        # ones; under tp alone they are plain tensors and AdamW runs per parameter
-        foreach = all(hasattr(p, "_local_tensor") for p in model.parameters())
+        if ps.sequence_parallel or ps.cp > 1:  # a sequence shard cannot derive its positions
+            batch["position_ids"] = torch.arange(ids.shape[1])[None].expand_as(ids).contiguous()
+        # foreach (`--optimizer adamw`) refuses a mix of DTensors and plain tensors: FSDP2 makes
+        # every param a DTensor; under tp alone the norms stay plain and AdamW runs per
+        # parameter; under cp alone no param is a DTensor
+        kinds = {hasattr(p, "_local_tensor") for p in model.parameters()}
+        foreach = len(kinds) == 1
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
-        return _run(model, opt, batch, RankTracker())
+        step = cp_step(cp_mesh) if ps.cp > 1 else _whole_batch
+        return _run(model, opt, batch, RankTracker(), step)
 
 
-def _run(model, opt, batch: dict, tracker: RankTracker) -> RankTrace:
-    """Two iterations of the training step, everything labelled as `trace.runner` labels it."""
+@contextlib.contextmanager
+def _whole_batch(batch: dict):
+    yield batch
+
+
+def cp_step(cp_mesh):
+    """torchtitan's context-parallel train context for one step: a fresh copy of the batch
+    (the data loader's) is sharded on the sequence by torch's `context_parallel` (buffers
+    `input_ids`, `labels`, `position_ids` on dim 1, not restored: torchtitan's
+    `no_restore_buffers={inputs, labels}`; the position ids stand in for its `freqs_cis`), and
+    SDPA runs torch's ring attention (`ring_cpu.cpu_ring_attention`) until the backward ends."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from hybridmem.parallel.ring_cpu import cpu_ring_attention
+
+    @contextlib.contextmanager
+    def step(batch: dict):
+        local = {k: v.clone() for k, v in batch.items()}
+        names = [k for k in ("input_ids", "labels", "position_ids") if k in local]
+        buffers = [local[k] for k in names]
+        with cpu_ring_attention(), context_parallel(
+                cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                no_restore_buffers=set(buffers)):
+            yield local
+
+    return step
+
+
+def _run(model, opt, batch: dict, tracker: RankTracker, step=_whole_batch) -> RankTrace:
+    """Two iterations of the training step, everything labelled as `trace.runner` labels it;
+    `step(batch)` is the train context forward and backward run in (it yields the batch)."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     out = RankTrace(tracker)
@@ -262,9 +308,9 @@ def _run(model, opt, batch: dict, tracker: RankTracker) -> RankTrace:
         for it in range(ITERATIONS):
             tracker.mark("forward", it)
             # torchtitan's train context: forward, loss and backward inside `loss_parallel`
-            with loss_parallel():
+            with loss_parallel(), step(batch) as inputs:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    loss = model(**batch).loss
+                    loss = model(**inputs).loss
                 tracker.mark("backward", it)
                 loss.backward()
                 del loss
@@ -320,8 +366,11 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
     peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated,
                 device_bytes=sum(breakdown.values()), phase=phase, iteration=iteration)
     notes = (f"per rank of {ps.world_size} GPUs: {layout_text(ps)}",
-             "traced: torch's parallelize_module (torchtitan's plan)"
-             + (" and fully_shard" if ps.data_shard > 1 else "")
+             "traced: torch's " + " and ".join(
+                 w for w, on in (("parallelize_module (torchtitan's plan)", ps.tp > 1),
+                                 ("context_parallel (ring attention, allgather)", ps.cp > 1),
+                                 ("fully_shard", ps.data_shard * ps.cp > 1
+                                  and ps.strategy == "fsdp")) if on)
              + " under the fake process group, rank 0 (DTensor and FSDP2 put the uneven "
              "shards' extra rows on the first ranks, so rank 0 is the highest)",
              "fragmentation is not replayed per model-parallel rank (reserved = allocated)",
