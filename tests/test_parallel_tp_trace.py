@@ -312,7 +312,8 @@ def test_trace_tier_fsdp_times_tp_rank():
 
 
 def test_trace_tier_answers_and_refusals():
-    """The CLI's tier answers per rank with the job; cp/pp/ep get a one-line refusal."""
+    """The CLI's tier answers per rank with the job; HSDP (dp_replicate) gets a one-line
+    refusal (cp: tests/test_parallel_cp_trace.py)."""
     from hybridmem.errors import SpecError
     from hybridmem.parallel.ranks import price_ranks
     from hybridmem.tiers import estimator
@@ -331,6 +332,6 @@ def test_trace_tier_answers_and_refusals():
             assert 1 < ratio < 1.15
         else:  # within 3 % (docs/parallel.md's grid)
             assert abs(ratio - 1) < 0.03, (layout, ratio)
-    with pytest.raises(SpecError, match="cp"):
+    with pytest.raises(SpecError, match="dp_replicate"):
         estimate(TrainingSpec(model="tiny-llama", seq_len=32, parallel=ParallelSpec(
-            world_size=2, cp=2)))
+            world_size=8, tp=2, dp_replicate=2, strategy="fsdp")))
