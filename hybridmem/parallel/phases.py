@@ -31,6 +31,11 @@ class ActPoint:
     """Share of all gradients already produced (0 in forward, growing in backward)."""
     activation: int
     temporary: int
+    gathered: int | None = None
+    """Gathered params at this point (`fsdp_points.at_point`); None: the states' constant."""
+    grad: int | None = None
+    """Grads and reduce buffers at this point (`fsdp_points.at_point`); None: the states'
+    grads scaled by `grad_fraction`, plus their reduce buffers in backward."""
 
 
 def forward_precision(spec: TrainingSpec) -> str:
@@ -57,9 +62,9 @@ def fwd_bwd(states: RankStates, point: ActPoint, extra: dict) -> dict:
     states; grads that grow with the backward scaled like the single-GPU grads at the point."""
     out = empty_breakdown()
     growing = states.grad - states.grad_fixed
-    out["param"] = states.param + states.gathered
-    out["grad"] = states.grad_fixed + round(growing * point.grad_fraction) + (
-        states.comm if point.phase == "backward" else 0)
+    out["param"] = states.param + (states.gathered if point.gathered is None else point.gathered)
+    out["grad"] = states.grad_fixed + (round(growing * point.grad_fraction) + (
+        states.comm if point.phase == "backward" else 0) if point.grad is None else point.grad)
     out["optimizer"] = states.optimizer
     out["activation"] = point.activation
     out["temporary"] = point.temporary

@@ -44,7 +44,8 @@ from hybridmem.parallel.layout import (
     check_layout, in_flight, model_shape, rank_config, stage_layers,
 )
 from hybridmem.parallel.sharding import RankStates, rank_states
-from hybridmem.parallel.states import layer_tensors, model_tensors
+from hybridmem.parallel import fsdp_points
+from hybridmem.parallel.states import UNIT_KINDS, layer_tensors, model_tensors
 from hybridmem.prediction import Peak, Prediction
 
 from hybridmem.parallel.phases import NCCL_BYTES, ActPoint, forward_precision, fwd_bwd
@@ -202,12 +203,20 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     full = max((p.bytes["grad"] for p in points), default=0)
     # the earlier micro-batches' activations are held through this one's forward and backward
     # (not at the step: the schedule has run every backward by then)
-    acts = [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
-                     p.bytes["activation"] + held,
-                     p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
-            for p in points if p.phase != "optimizer"]
     graph_layers = [(p.module, p.layer) for p, _ in chosen]
     states = _states(spec, graph_layers)
+    per_point = _fsdp_units(spec, graph_layers, states)
+    step_grads = [s.grad for s in steps]
+    acts = []
+    for p in points:
+        if p.phase == "optimizer":
+            continue
+        at = (fsdp_points.at_point(per_point, p.phase, p.step, p.bytes["grad"], step_grads)
+              if per_point else (None, None))
+        acts.append(ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
+                             p.bytes["activation"] + held,
+                             p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]),
+                             *at))
     extra_grad = _embedding_grad(spec, graph_layers, shape)
     states = dataclasses.replace(states, grad=states.grad + extra_grad, detail={
         **states.detail, "replicated_embedding_grad_bytes": extra_grad}) if extra_grad else states
@@ -224,6 +233,28 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     out = empty_breakdown()
     out.update(best)
     return RankAnswer(rank, span, k, holds, out, best_phase)
+
+
+def _fsdp_units(spec: TrainingSpec, graph_layers: list, states: RankStates):
+    """FSDP2's units of the stage, for pricing its gathers per timeline point
+    (`fsdp_points`); None where the states' constants stay: not FSDP2, units kept unsharded
+    from forward to backward (`reshard_after_forward=False`), experts (their own mesh), or a
+    pipeline (several micro-batches' units in flight)."""
+    ps = spec.parallel
+    n = ps.data_shard * ps.cp
+    flat = _dp_spec(spec, n)
+    if (flat.parallel.strategy != "fsdp" or not ps.reshard_after_forward or ps.pp > 1
+            or ps.ep > 1):
+        return None
+    from hybridmem.parallel.sharding import _pbytes
+
+    mt = layer_tensors(graph_layers)
+    if any("experts" in t.unit for t in mt.tensors):
+        return None
+    of_step = tuple(f"{m}.{l.name}" if l.kind in UNIT_KINDS else "root" for m, l in graph_layers)
+    return fsdp_points.units(mt, of_step, n, states.detail["gather_dtype_bytes"],
+                             states.detail["reduce_dtype_bytes"],
+                             lambda t: _pbytes(resolved(flat), t))
 
 
 def _gathered_inputs(spec: TrainingSpec, shape) -> int:

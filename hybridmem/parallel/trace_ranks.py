@@ -70,6 +70,47 @@ class RankTracker(StorageTracker):
                     self.storages[sid].op = func
         return out
 
+    def _free(self, sid: int) -> None:
+        if self.storages[sid].death < 0:  # not a storage FSDP2 resized to 0 already
+            super()._free(sid)
+
+    def resized(self, storage: torch.UntypedStorage, category: str) -> None:
+        """FSDP2 frees and re-allocates its unsharded params by resizing their storage
+        (`_fsdp_param.free_storage` / `alloc_storage`: `untyped_storage().resize_(0)` and back,
+        the same Python object throughout), which the caching allocator sees as a free and a
+        new allocation but a weakref finaliser never does: record both as such."""
+        sid = self._sid.get(storage)
+        if sid is not None:
+            self._free(sid)
+            del self._sid[storage]
+        if storage.nbytes():
+            self.track(storage, category)
+
+
+@contextlib.contextmanager
+def fsdp_storage_events(tracker: RankTracker):
+    """While active, FSDP2's storage resizes are births and deaths in `tracker`: the unsharded
+    params live from their unit's all-gather copy-out to its reshard, as on CUDA."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_storage(tensor):
+        alloc(tensor)
+        tracker.resized(tensor.untyped_storage(), "param")
+
+    def free_storage(tensor):
+        free(tensor)
+        tracker.resized(tensor.untyped_storage(), "param")
+
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_storage
+    _fsdp_param.free_storage = free_storage
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
+        _fsdp_param.free_storage = free
+
 
 def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
     """torchtitan's tensor-parallel plan (`apply_tp`) on an HF Llama-shaped model: q/k/v and
@@ -298,7 +339,7 @@ def _run(model, opt, batch: dict, tracker: RankTracker, step=_whole_batch) -> Ra
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
     count = lambda ts: sum(_local(t).numel() * _local(t).element_size() for t in ts)  # noqa: E731
-    with tracker:
+    with tracker, fsdp_storage_events(tracker):
         for p in model.parameters():
             tracker.label(_local(p), "param")
         for b in model.buffers():
