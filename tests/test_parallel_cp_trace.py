@@ -127,3 +127,27 @@ def test_cp_refusals_are_one_line():
     both = refusal(_spec(ParallelSpec(world_size=4, cp=2, tp=2)))
     assert isinstance(both, SpecError) and "tp" in str(both)
     assert refusal(_spec(CP)) is None
+
+
+def test_rank_fragmentation_is_the_rank_replay():
+    """Reserved per model-parallel rank is the allocator simulator's replay of the rank's own
+    stream, not allocated + a margin: the trace tier replays the traced storages (whose
+    simulated allocated peak is the tracker's 512 B-rounded peak, two independent countings),
+    the analytic tier the narrow model's stream with the rank's states (`ranks.rank_events`);
+    sequence parallelism, whose stream is not the narrow model's, keeps reserved = allocated
+    and says so."""
+    from hybridmem.parallel.ranks import price_ranks
+    from hybridmem.parallel.trace_ranks import replayed, trace_rank
+    from hybridmem.tiers import estimator
+
+    spec = _spec(CP)
+    traced = estimator("trace")(spec)
+    sim, oom = replayed(trace_rank(spec).tracker, None)
+    assert not oom and sim.peak_allocated == traced.peak.allocated_bytes
+    assert traced.peak.reserved_bytes == sim.peak_reserved > traced.peak.allocated_bytes
+    analytic = price_ranks(spec)[0]
+    assert analytic.peak.reserved_bytes - analytic.peak.allocated_bytes == \
+        analytic.breakdown["fragmentation"] > 0
+    sp = price_ranks(_spec(ParallelSpec(world_size=2, tp=2, sequence_parallel=True)))[0]
+    assert sp.peak.reserved_bytes == sp.peak.allocated_bytes
+    assert any("not replayed for sequence-parallel" in n for n in sp.notes)

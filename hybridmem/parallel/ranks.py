@@ -30,6 +30,7 @@ Activations per rank (sources in `docs/parallel.md`, "Model parallelism"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -257,6 +258,65 @@ def _fsdp_units(spec: TrainingSpec, graph_layers: list, states: RankStates):
                              lambda t: _pbytes(resolved(flat), t))
 
 
+def replayable(ps: ParallelSpec) -> bool:
+    """Whether a rank's stream is the narrow model's (`rank_events`): tp without sequence
+    parallelism, cp, FSDP2 / data-parallel sharding over them. Not: sequence parallelism (its
+    layers' activations are the full-width ones on seq / tp tokens, which the narrow stream does
+    not have), pipelines (stage layers, micro-batches in flight), experts (their own mesh)."""
+    return not ps.sequence_parallel and ps.pp == 1 and ps.ep == 1
+
+
+def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
+    """(peak live bytes, alloc/free stream) of one model-parallel rank: the analytic stream of
+    the rank's narrow model at `seq / cp` tokens (`layout.rank_config`; the single-GPU tier's
+    own events, `analytic.estimate.stream`), its model states rewritten to the rank's
+    (`_states`, over dp x cp) and its gathers and reduce buffers added, as `parallel.stream`
+    does for data-parallel ranks; the ring's K/V and the tp all-gathers are transients of the
+    layer running, not in it."""
+    from hybridmem.allocator.replay import peak_requested
+    from hybridmem.analytic.estimate import setup as _setup
+    from hybridmem.analytic.estimate import stream as _stream
+    from hybridmem.models.loader import load_config_dict, materialize_config
+    from hybridmem.parallel.stream import _setup_counts, classify, rewrite
+
+    spec = resolved(spec)
+    ps = spec.parallel
+    _, data = load_config_dict(spec.model)
+    compute = forward_precision(spec)
+    narrow = spec.with_(model=materialize_config(json.dumps(rank_config(data, ps.tp, ps.ep))),
+                        seq_len=spec.seq_len // ps.cp, parallel=ParallelSpec(),
+                        precision=compute)
+    _, priced, _ = _setup(narrow, workspace)
+    events, marks = _stream(narrow, workspace)
+    n_param, n_master = _setup_counts(priced, POLICIES[compute])
+    states = _states(spec, [(p.module, p.layer) for p in priced])
+    out = rewrite(events, marks, classify(events, marks, n_param, n_master), states)
+    return peak_requested(out), out
+
+
+@functools.lru_cache(maxsize=None)
+def _measure_with(workspace: int):
+    """`rank_events` for one workspace, one function object (`allocator.reserved.bounded`'s
+    replay cache is keyed by it)."""
+    return lambda spec: rank_events(spec, workspace)
+
+
+def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None):
+    """The rank's fragmentation: `rank_events` replayed through the allocator simulator
+    within the rank's capacity (`estimate.rank_capacity`), monotone in the micro-batch
+    (`allocator.reserved.bounded`); None where the stream is not the rank's (`replayable`)."""
+    from hybridmem.allocator.config import alloc_conf_string
+    from hybridmem.allocator.reserved import _at, bounded
+    from hybridmem.parallel.estimate import rank_capacity
+
+    if not replayable(spec.parallel):
+        return None
+    measure = _measure_with(cublas_workspace(gpu))
+    capacity = rank_capacity(spec, gpu)
+    allocated = _at(spec, spec.micro_batch, measure, alloc_conf_string(), capacity)[0]
+    return bounded(spec, allocated, measure, capacity)
+
+
 def _gathered_inputs(spec: TrainingSpec, shape) -> int:
     """Bytes a sequence-parallel layer saves beyond its `1 / tp` share: torch's DTensor
     sequence parallelism (torchtitan's plan: `PrepareModuleInput` to `Replicate` before the
@@ -326,11 +386,24 @@ def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction,
     top = max(answers, key=lambda a: a.device_bytes)
     params = model_tensors(spec.with_(parallel=single))
     allocated = sum(top.breakdown[c] for c in TENSOR_CATEGORIES)
-    peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated,
+    fit = rank_fragmentation(spec, gpu)
+    if fit is not None:
+        frag = fit.fragmentation
+        if fit.capacity is not None and not fit.oom_batches:
+            # a replay that completed within the capacity reserves at most the capacity
+            frag = min(frag, max(0, fit.capacity - allocated))
+        top = dataclasses.replace(top, breakdown={**top.breakdown, "fragmentation": frag})
+        answers = [top if a.rank == top.rank else a for a in answers]
+        frag_note = ("fragmentation per rank: the rank's narrow-model stream with its sharded "
+                     "states and buffers, replayed through the allocator simulator")
+    else:
+        frag_note = ("fragmentation is not replayed for sequence-parallel, pipeline or expert "
+                     "ranks (reserved = allocated)")
+    peak = Peak(allocated_bytes=allocated,
+                reserved_bytes=allocated + top.breakdown["fragmentation"],
                 device_bytes=top.device_bytes, phase=top.phase, iteration=1)
     notes = (f"per rank of {ps.world_size} GPUs: {layout_text(ps)}",
-             why(top, answers, ps),
-             "fragmentation is not replayed per model-parallel rank (reserved = allocated)",
+             why(top, answers, ps), frag_note,
              f"NCCL buffers outside PyTorch: nominal {NCCL_BYTES >> 20} MiB in context")
     extras = {"world_size": ps.world_size, "strategy": ps.strategy, "per_rank": True,
               "layout": layout_dict(ps),

@@ -380,6 +380,23 @@ def _run(model, opt, batch: dict, tracker: RankTracker, step=_whole_batch) -> Ra
     return out
 
 
+def replayed(tracker: RankTracker, capacity: int | None):
+    """The rank's own alloc/free stream (every tracked storage's birth and death, host and
+    paged ones left out, as `trace.result` leaves them) replayed through the caching-allocator
+    simulator within `capacity` (`allocator.reserved.capped_replay`): (replay, ran out)."""
+    from hybridmem.allocator import AllocatorConfig
+    from hybridmem.allocator.reserved import capped_replay
+    from hybridmem.trace.tracker import OFF_ALLOCATOR
+
+    events = []
+    for e in tracker.events:
+        sid = e if e >= 0 else ~e
+        st = tracker.storages[sid]
+        if st.category not in OFF_ALLOCATOR:
+            events.append(("alloc", sid, st.nbytes) if e >= 0 else ("free", sid, 0))
+    return capped_replay(events, AllocatorConfig.from_environ(), capacity)
+
+
 def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
     """The trace tier's answer for a tp / FSDP2 x tp `spec`: rank 0's traced peak."""
     from hybridmem.parallel.phases import NCCL_BYTES
@@ -397,6 +414,10 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
             key = s.category if s.category in breakdown else "temporary"
             breakdown[key] += round_size(s.nbytes)
     assert sum(breakdown.values()) == allocated
+    from hybridmem.parallel.estimate import rank_capacity
+
+    sim, oom = replayed(tracker, rank_capacity(spec, gpu))
+    breakdown["fragmentation"] = max(0, sim.peak_reserved - allocated)
     breakdown["context"] = CONTEXT_BYTES + NCCL_BYTES
     # cuBLAS's two workspaces (the forward thread's and the autograd device thread's, as
     # `trace.runner.train` adds them), outside the allocated peak as the analytic tier has them
@@ -404,7 +425,7 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
     phase, iteration = tracker.phase_at(at)
     ps = spec.parallel
     params = model_tensors(spec.with_(parallel=ParallelSpec()))
-    peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated,
+    peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated + breakdown["fragmentation"],
                 device_bytes=sum(breakdown.values()), phase=phase, iteration=iteration)
     notes = (f"per rank of {ps.world_size} GPUs: {layout_text(ps)}",
              "traced: torch's " + " and ".join(
@@ -414,7 +435,9 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
                                   and ps.strategy == "fsdp")) if on)
              + " under the fake process group, rank 0 (DTensor and FSDP2 put the uneven "
              "shards' extra rows on the first ranks, so rank 0 is the highest)",
-             "fragmentation is not replayed per model-parallel rank (reserved = allocated)",
+             "fragmentation per rank: the traced rank's own alloc/free stream replayed "
+             "through the allocator simulator" + (" (it ran out of memory within the GPU's "
+                                                  "capacity: the unlimited replay's)" if oom else ""),
              f"NCCL buffers outside PyTorch: nominal {NCCL_BYTES >> 20} MiB in context")
     extras = {"world_size": ps.world_size, "strategy": ps.strategy, "per_rank": True,
               "layout": layout_dict(ps), "highest_rank": 0,
