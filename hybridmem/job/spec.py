@@ -13,7 +13,7 @@ from typing import Literal, get_args
 from hybridmem.errors import SpecError
 from hybridmem.job.field import added_defaults, check_bounds, check_value, job_field
 from hybridmem import techniques
-from hybridmem.job.objective import OBJECTIVES, REF_MODELS, TRAINERS
+from hybridmem.objectives import OBJECTIVES, REF_MODELS, TRAINERS
 from hybridmem.job.images import normalize_image_size
 from hybridmem.techniques.offload import MODES as OFFLOAD_MODES
 from hybridmem.job.parallel import ParallelSpec
@@ -570,7 +570,7 @@ class TrainingSpec:
         "(`num_generations`: GRPO, `desirable_weight`: KTO, `center_rewards_coefficient`: "
         "RM, `rpo_alpha` / `loss_type`: DPO, else `beta`: ORPO). Both tiers; "
         "[docs/objectives.md](docs/objectives.md)")
-    """Training objective (`hybridmem.job.objective`): sft, dpo, orpo, kto, rm or grpo."""
+    """Training objective (`hybridmem.objectives`): sft, dpo, orpo, kto, rm or grpo."""
     trainer: str = job_field(
         "transformers", help="SFT by Trainer or SFTTrainer (TRL).",
         group="objective", choices=TRAINERS, added=52,
@@ -581,7 +581,7 @@ class TrainingSpec:
         "`trl/kernels/chunked_logprob.py`: no full logits). The other objectives are TRL's "
         "trainers whatever it says; an SFTConfig JSON (its dataset keys) means `trl`. "
         "[docs/objectives.md](docs/objectives.md)")
-    """Who runs the SFT step (`objective.TRAINERS`); the other objectives are TRL's."""
+    """Who runs the SFT step (`objectives.TRAINERS`); the other objectives are TRL's."""
     ref_model: str | None = job_field(
         None, help="Ref.", group="objective", choices=REF_MODELS, added=34,
         keys={"training_args": ("precompute_ref_log_probs",)},
@@ -590,13 +590,13 @@ class TrainingSpec:
         "(TRL `precompute_ref_log_probs`: no reference in the step), `none`; default as TRL: "
         "DPO / KTO `adapter` with LoRA / PEFT, else `separate`; GRPO `none` at beta 0; "
         "ORPO / RM / SFT `none`")
-    """Reference model (`objective.ref_model_of` resolves None as TRL does)."""
+    """Reference model (`objectives.ref_model_of` resolves None as TRL does)."""
     beta: float | None = job_field(
         None, help="The loss's beta (GRPO: 0 = no reference).", group="objective",
         added=35, keys={"training_args": ("beta",)},
         doc="the objective's beta; memory only through GRPO's reference (beta 0, TRL's "
         "default, loads none); default: the trainer's (DPO / ORPO / KTO 0.1, GRPO 0.0)")
-    """KL / preference coefficient; None: the trainer's default (`objective.DEFAULT_BETA`)."""
+    """KL / preference coefficient; None: the trainer's default (each objective's `DEFAULT_BETA`)."""
     num_generations: int = job_field(
         8, help="GRPO completions per prompt.",
         group="objective", unit="sequences", added=36, recorded="int64",
@@ -727,9 +727,10 @@ class TrainingSpec:
         check_adapters(self.adapter_dtype, self.precision, self.train,
                        bool(self.lora and self.lora.use_dora), self.quantize)
         techniques.check(self)  # each technique's rules, and one loss replacement at a time
-        from hybridmem.job import objective
+        from hybridmem import objectives
 
-        objective.check(self)
+        objectives.check(self)  # the objective's fields and its trainer's rules
+        techniques.check_objective(self)  # the techniques priced with that objective
 
     def with_(self, **changes: object) -> "TrainingSpec":
         """A copy with some fields changed (validated again)."""

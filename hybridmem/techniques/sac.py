@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hybridmem.job.objective import OBJECTIVES as ALL_OBJECTIVES
+from hybridmem.objectives import OBJECTIVES as ALL_OBJECTIVES
 
 NAME = "sac"
 AXIS = None  # a checkpointing policy: combines with the other techniques
