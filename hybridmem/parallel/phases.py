@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
 from hybridmem.categories import empty_breakdown
+from hybridmem.gpus import GPU
 from hybridmem.job.precision import DTYPE_BYTES
 from hybridmem.job.spec import POLICIES, TrainingSpec
 from hybridmem.parallel.sharding import RankStates
@@ -36,6 +38,16 @@ class ActPoint:
     grad: int | None = None
     """Grads and reduce buffers at this point (`fsdp_points.at_point`); None: the states'
     grads scaled by `grad_fraction`, plus their reduce buffers in backward."""
+
+
+def rank_capacity(spec: TrainingSpec, gpu: GPU | None) -> int | None:
+    """Bytes one rank's caching allocator may reserve on `gpu`: its memory minus the CUDA
+    context (`overheads.CUDA_CONTEXT_DEFAULT`) and NCCL's buffers (`NCCL_BYTES`, cudaMalloc'd
+    by NCCL itself, outside PyTorch's allocator); None without a GPU (unlimited)."""
+    if gpu is None:
+        return None
+    nccl = NCCL_BYTES if spec.parallel.world_size > 1 else 0
+    return allocator_capacity(gpu, CUDA_CONTEXT_DEFAULT + nccl)
 
 
 def forward_precision(spec: TrainingSpec) -> str:

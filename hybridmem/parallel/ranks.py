@@ -303,11 +303,11 @@ def _measure_with(workspace: int):
 
 def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None):
     """The rank's fragmentation: `rank_events` replayed through the allocator simulator
-    within the rank's capacity (`estimate.rank_capacity`), monotone in the micro-batch
+    within the rank's capacity (`phases.rank_capacity`), monotone in the micro-batch
     (`allocator.reserved.bounded`); None where the stream is not the rank's (`replayable`)."""
     from hybridmem.allocator.config import alloc_conf_string
     from hybridmem.allocator.reserved import _at, bounded
-    from hybridmem.parallel.estimate import rank_capacity
+    from hybridmem.parallel.phases import rank_capacity
 
     if not replayable(spec.parallel):
         return None

@@ -414,7 +414,7 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
             key = s.category if s.category in breakdown else "temporary"
             breakdown[key] += round_size(s.nbytes)
     assert sum(breakdown.values()) == allocated
-    from hybridmem.parallel.estimate import rank_capacity
+    from hybridmem.parallel.phases import rank_capacity
 
     sim, oom = replayed(tracker, rank_capacity(spec, gpu))
     breakdown["fragmentation"] = max(0, sim.peak_reserved - allocated)
