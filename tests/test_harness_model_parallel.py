@@ -1,6 +1,6 @@
 """`hybridmem collect` on model-parallel layouts: the torchrun command it builds for a tp / cp
-config, the one-line refusals (too few GPUs, pipeline / expert layouts), and one tp = 2 rank
-pair run for real through torchrun on the CPU (gloo for NCCL, the stand-in probe for CUDA).
+config, the one-line refusals (too few GPUs, pipeline / expert layouts), and (`slow`) one tp = 2
+rank pair run for real through torchrun on the CPU (gloo for NCCL, the stand-in probe for CUDA).
 
 One lent GPU cannot measure any of these layouts (docs/parallel.md, "Measuring it"): each rank
 needs its own GPU, so on this machine the ranks are CPU processes.
@@ -79,6 +79,7 @@ def test_a_sweep_no_config_of_which_fits_this_machine_is_one_line(tmp_path, monk
         _collect_sweep(tmp_path, monkeypatch, "OneGpuProbe", TP_SWEEP.format(tp=2, cp=1))
 
 
+@pytest.mark.slow  # two torchrun ranks on gloo: ~10-25 s on 2 shared cores
 def test_a_tp_rank_pair_runs_through_torchrun(tmp_path, monkeypatch):
     """torchtitan's tp plan on two gloo ranks, measured by the child: each rank holds its
     column / row shards, so its parameter bytes are the tp rank's (`ranks._states`)."""
