@@ -187,10 +187,13 @@ def test_model_type_liger_skips_trains_unchanged_with_a_note(tmp_path):
 
 
 def test_model_type_liger_patches_but_not_priced_is_refused():
+    from hybridmem.families import target
     from hybridmem.techniques.liger import liger_text_type
 
     with pytest.raises(SpecError, match="gemma2"):
-        liger_text_type("gemma2", None)
+        liger_text_type(target("gemma2"))
+    assert liger_text_type(target("llava", "qwen2")) == "qwen2"  # LLaVA: its LM's kernels
+    assert liger_text_type(target("gpt2")) is None  # a type Liger skips trains unchanged
 
 
 def test_cli_clash_exits_2(capsys):

@@ -101,6 +101,20 @@ class Family:
     decoder's graph as is."""
     meta_patches: Callable | None = None
     """() -> a context manager the trace needs under meta tensors (data-dependent helpers)."""
+    count_check: bool = False
+    """Its transformers module (`transformers.models.<model_type>.modeling_<model_type>`)
+    checks the image-token count by reading tensor values: `torch_compilable_check` in 5.x,
+    `get_placeholder_mask`'s `inputs_embeds[mask].numel()` in 4.57. The trace's batch has
+    exactly the rule's image tokens, so the trace makes the check a no-op
+    (`trace.corrections.patched_model_checks`, `trace.compat.placeholder_patches`)."""
+    parts: tuple[tuple[str, str], ...] = ()
+    """(name fragment, part) pairs placing its transformers parameter / module names in the
+    graph's top-level parts (`models.build.part_of`; the first match wins, then the shared
+    fragments `models.build.PART_FRAGMENTS`): what the trace tier and the harness freeze."""
+    techniques: frozenset[str] = frozenset()
+    """The model-patching techniques (`techniques/<name>.py` `NAME`) whose patch of this
+    model_type is priced; a VLM that lists one is patched through its LM (Liger's
+    `apply_liger_kernel_to_llava`), so its LM family must list it too (`target`)."""
     layer_kinds: Callable[[], Mapping[str, LayerKind]] | None = None
     """() -> {layer kind: `LayerKind`} for the layers its graph makes (and the formula variants
     its layers name, `models.graph.Layer.formula`): how the analytic tier prices them."""
@@ -124,6 +138,12 @@ class LayerKind:
     sac_as: Callable | None = None
     """(layer) -> the layer as the shared kind whose op-level checkpointing cache it has
     (`analytic.sac`; Pixtral's block is a Llama decoder layer over one packed sequence)."""
+    pixel_bytes: Callable | None = None
+    """(layer, graph, model-dtype bytes) -> bytes of the processor's pixel inputs this layer
+    reads (alive the whole iteration: `analytic.estimate.batch_bytes`); None: none."""
+    packed: bool = False
+    """Its `dims["n"]` counts the patches of one packed native-resolution sequence (the
+    analytic answer's note on what the tower encodes)."""
 
 
 class UnpricedLayerKind(LookupError):
@@ -193,6 +213,26 @@ def types(kind: str | None = None, *,
     family has closed forms; the others are the trace tier's alone."""
     return tuple(mt for mt, f in REGISTRY.items()
                  if (kind is None or f.kind == kind) and (where is None or where(f)))
+
+
+def target(model_type: str, text_type: str | None = None):
+    """The model as the techniques see it (`techniques.protocol.Target`): which techniques'
+    patches of it are priced (`Family.techniques`; a VLM that lists one is patched through its
+    LM, whose family must list it too) and the model_type the library's patch is chosen by."""
+    from hybridmem.techniques.protocol import Target
+
+    fam = family(model_type)
+    listed = {}
+    for mt, f in REGISTRY.items():
+        for name in f.techniques:
+            listed[name] = (*listed.get(name, ()), mt)
+    if fam is not None and fam.kind == VLM and fam.techniques:
+        text = family(text_type)
+        return Target(model_type, text_type,
+                      fam.techniques & (text.techniques if text is not None else frozenset()),
+                      listed)
+    return Target(model_type, model_type, fam.techniques if fam is not None else frozenset(),
+                  listed)
 
 
 def with_trait(trait: str) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ Trainer applies to the model either way.
 from __future__ import annotations
 
 from hybridmem.errors import SpecError
+from hybridmem.techniques.protocol import Target
 
 NAME = "liger-preference"
 AXIS = None  # how `--loss liger` prices a preference objective, not a choice of its own
@@ -54,7 +55,7 @@ def check(spec) -> None:
     return None  # lm_head's LoRA clash is the `liger` technique's, as for SFT
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
+def applies(target: Target) -> bool:
     return True  # a plain-torch chunked loss on the lm_head's weight and hidden states
 
 
@@ -95,7 +96,7 @@ def note(spec, model_type: str, applies: bool) -> str | None:
             "forward (docs/loss.md)")
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     raise SpecError("liger", True, [False], reason=f"the trace tier does not emulate Liger's "
                     f"fused {spec.objective} loss: use --method analytic")
 

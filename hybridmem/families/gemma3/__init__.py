@@ -77,7 +77,7 @@ def layer_kinds() -> dict:
 
 
 FAMILIES = (
-    Family("gemma3", VLM, "modeling_gemma3.py", check_config=check_config,
+    Family("gemma3", VLM, "modeling_gemma3.py", count_check=True, check_config=check_config,
            light_config=light_config, image_plan=image_plan, text_extras=text_extras,
            vision_graph=vision_graph, vision_seq=vision_seq, lm_graph=lm_graph,
            layer_kinds=layer_kinds),

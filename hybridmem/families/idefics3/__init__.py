@@ -71,7 +71,9 @@ def layer_kinds() -> dict:
 _COMMON = dict(check_config=check_text_config, light_config=light_config, image_plan=image_plan,
                hw_images=True, pixel_inputs=pixel_inputs, pixel_mask=True,
                vision_graph=vision_graph, vision_seq=vision_seq, lm_prefix="model.text_model",
-               meta_patches=meta_patches, layer_kinds=layer_kinds)
+               meta_patches=meta_patches, layer_kinds=layer_kinds,
+               # `model.connector` (the pixel-shuffle projector), `model.vision_model`
+               parts=(("connector", "multi_modal_projector"), ("vision_model", "vision_tower")))
 FAMILIES = (
     Family("idefics3", VLM, "modeling_idefics3.py", **_COMMON),
     Family("smolvlm", VLM, "modeling_smolvlm.py", **_COMMON),

@@ -100,7 +100,9 @@ def layer_kinds() -> dict:
     from hybridmem.families import LayerKind
     from hybridmem.families.common.activations import keeps_nothing
 
-    return {"vision_embeddings": LayerKind(VA.vision_embeddings),
+    from hybridmem.families.common.images import crop_pixel_bytes
+
+    return {"vision_embeddings": LayerKind(VA.vision_embeddings, pixel_bytes=crop_pixel_bytes),
             "encoder_layer": LayerKind(VA.encoder_layer, checkpointed=True, linear=True),
             "layernorm": LayerKind(VA.layernorm), "projector": LayerKind(VA.projector, linear=True),
             "image_newline": LayerKind(keeps_nothing), "pooling_head": LayerKind(keeps_nothing)}
@@ -109,12 +111,15 @@ def layer_kinds() -> dict:
 _COMMON = dict(check_config=check_config, image_plan=image_plan, vision_graph=vision_graph,
                vision_seq=vision_seq, layer_kinds=layer_kinds)
 FAMILIES = (
-    Family("llava", VLM, "modeling_llava.py", hw_images=_pixtral, pixel_inputs=llava_pixels,
+    Family("llava", VLM, "modeling_llava.py", count_check=True,
+           techniques=frozenset({"liger", "cce"}), hw_images=_pixtral, pixel_inputs=llava_pixels,
            light_config=light_config, meta_patches=mistral3.meta_patches, **_COMMON),
-    Family("llava_next", VLM, "modeling_llava_next.py", pixel_inputs=anyres_pixels,
+    Family("llava_next", VLM, "modeling_llava_next.py", count_check=True,
+           pixel_inputs=anyres_pixels,
            light_config=light_config, **_COMMON),
     # configuration_llava_onevision.py: SigLIP so400m, "full" features of layer -1, 36
     # pinpoints by default: transformers' config class fills them
-    Family("llava_onevision", VLM, "modeling_llava_onevision.py", full_config=True,
+    Family("llava_onevision", VLM, "modeling_llava_onevision.py", count_check=True,
+           full_config=True,
            pixel_inputs=anyres_pixels, **_COMMON),
 )

@@ -70,7 +70,9 @@ def layer_kinds() -> dict:
     from hybridmem.families.mistral3 import acts as MA
     from hybridmem.families import LayerKind
 
-    return {"pixtral_patch_conv": LayerKind(MA.patch_conv), "pixtral_ln_pre": LayerKind(MA.ln_pre),
+    return {"pixtral_patch_conv": LayerKind(MA.patch_conv, pixel_bytes=MA.pixel_bytes,
+                                            packed=True),
+            "pixtral_ln_pre": LayerKind(MA.ln_pre),
             "pixtral_rotary": LayerKind(MA.rotary),
             "pixtral_block": LayerKind(MA.block, checkpointed=True, linear=True,
                                        sac_as=MA.as_decoder),
@@ -78,7 +80,7 @@ def layer_kinds() -> dict:
 
 
 FAMILIES = (
-    Family("mistral3", VLM, "modeling_mistral3.py", check_config=check_config,
+    Family("mistral3", VLM, "modeling_mistral3.py", count_check=True, check_config=check_config,
            light_config=light_config, image_plan=image_plan, hw_images=True,
            pixel_inputs=pixel_inputs, vision_graph=vision_graph, vision_seq=vision_seq,
            meta_patches=meta_patches, layer_kinds=layer_kinds),

@@ -131,3 +131,13 @@ def projector(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
                 fwd_extra=sum(merge), fwd_parts=merge, held=held,
                 bwd_extra=2 * t(n * h, sb))
+
+
+def pixel_bytes(layer: Layer, graph, pix: int) -> int:
+    """`LayerKind.pixel_bytes`: the processor's (images, C, H, W) `pixel_values` in the model
+    dtype and the (images, 2) int64 `image_sizes` (`Family.pixel_inputs`)."""
+    if not graph.image_tokens:
+        return 0
+    d = layer.dims
+    return t(d["images"] * d["channels"] * d["h_px"] * d["w_px"], pix) + t(2 * d["images"], INT64)
+
