@@ -61,6 +61,34 @@ REAL = [
 ]
 TRACE_REAL = {0, 1, 2, 13}
 
+# every objective and its reference / generation variants (hybridmem.objectives): small jobs
+# both tiers price, then real-sized ones the analytic tier prices
+_TINY = dict(model="tiny-llama", micro_batch=2, seq_len=64, optimizer="adamw")
+OBJECTIVE_JOBS = [
+    dict(_TINY, objective="sft", trainer="trl", precision="bf16-mixed"),
+    dict(_TINY, objective="dpo", precision="fp32"),
+    dict(_TINY, objective="dpo", train="lora", precision="bf16-mixed", grad_ckpt=True),
+    dict(_TINY, objective="dpo", ref_model="precomputed", precision="bf16"),
+    dict(_TINY, objective="orpo", precision="bf16-mixed"),
+    dict(_TINY, objective="kto", train="lora", precision="bf16"),
+    dict(_TINY, objective="kto", ref_model="precomputed", precision="fp32"),
+    dict(_TINY, objective="rm", precision="bf16-mixed"),
+    dict(_TINY, objective="grpo", num_generations=2, max_completion_length=16,
+         precision="bf16-mixed"),
+    dict(_TINY, objective="grpo", num_generations=2, max_completion_length=16, beta=0.04,
+         num_iterations=2, train="lora", precision="bf16"),
+]
+OBJECTIVE_REAL = [
+    dict(model="llama-3.2-3b", micro_batch=2, seq_len=2048, train="lora", grad_ckpt=True,
+         precision="bf16", objective="dpo"),
+    dict(model="llama-3.2-3b", micro_batch=8, seq_len=1024, train="lora", grad_ckpt=True,
+         precision="bf16", objective="grpo", beta=0.04, max_completion_length=256),
+    dict(model="qwen3-8b", micro_batch=1, seq_len=2048, train="lora", precision="bf16",
+         objective="kto"),
+    dict(model="qwen3-8b", micro_batch=1, seq_len=2048, train="lora", precision="bf16",
+         objective="rm"),
+]
+
 
 def _grid() -> list[dict]:
     sys.path.insert(0, str(ROOT / "tests"))
@@ -82,7 +110,11 @@ def _spec(kw: dict):
 
 def _numbers(result) -> dict:
     d = result.to_dict()
-    return {k: d.get(k) for k in NUMERIC_KEYS}
+    out = {k: d.get(k) for k in NUMERIC_KEYS}
+    objective = d.get("objective")  # `extras["objective"]`: the reference's and the
+    if objective is not None:       # generation's bytes (hybridmem.objectives)
+        out["objective"] = objective
+    return out
 
 
 def _jobs(quick: bool) -> list[tuple[str, object, tuple[str, ...]]]:
@@ -93,6 +125,11 @@ def _jobs(quick: bool) -> list[tuple[str, object, tuple[str, ...]]]:
     for i, kw in enumerate(REAL):
         tiers = ("analytic", "trace") if i in TRACE_REAL else ("analytic",)
         jobs.append(("real:" + json.dumps(kw, sort_keys=True), _spec(kw), tiers))
+    for kw in OBJECTIVE_JOBS:
+        jobs.append(("objective:" + json.dumps(kw, sort_keys=True), _spec(kw),
+                     ("analytic", "trace")))
+    for kw in OBJECTIVE_REAL:
+        jobs.append(("objective:" + json.dumps(kw, sort_keys=True), _spec(kw), ("analytic",)))
     if not quick:
         import pandas as pd
 

@@ -27,7 +27,7 @@ import test_trl_oracle as T  # noqa: E402
 from hybridmem import trace  # noqa: E402
 from hybridmem.analytic import estimate as analytic  # noqa: E402
 from hybridmem.job.spec import TrainingSpec  # noqa: E402
-from hybridmem.trace import objectives  # noqa: E402
+from hybridmem.objectives import steps  # noqa: E402
 
 
 def tensors(p) -> int:
@@ -35,7 +35,7 @@ def tensors(p) -> int:
 
 
 def row(objective: str, ref: str, precision: str, real: int, spec: TrainingSpec) -> None:
-    with objectives.head_path("torch"):
+    with steps.head_path("torch"):
         cpu = tensors(trace.estimate(spec))
     gpu, an = tensors(trace.estimate(spec)), tensors(analytic(spec))
     print(json.dumps(dict(objective=objective, ref=ref, precision=precision, real=real,

@@ -81,7 +81,8 @@ def answer(resolved: Resolved | ResolvedJob, warnings: list[str], gpu: GPU | Non
             raise SpecError("timeline", timeline, reason="--timeline needs --method trace")
         options["timeline"] = timeline
     result = predict(job, gpu=gpu, find_max_batch=find_max_batch, **options)
-    warnings = [*warnings, *plausible.warnings(spec, result.peak.device_bytes)]
+    warnings = [*warnings, *plausible.warnings(spec, result.peak.device_bytes,
+                                                     searched=find_max_batch)]
     result = dataclasses.replace(result, job={**result.job, "warnings": warnings,
                                               "sources": job.sources})
     advice = None

@@ -44,7 +44,7 @@ class Phase(str, Enum):
     OPTIMIZER = "optimizer"
     GENERATION = "generation"
     """GRPO's sampling of completions, before the step's first forward
-    (`hybridmem.job.objective`); listed last so the training phases keep their order."""
+    (`hybridmem.objectives.rules`); listed last so the training phases keep their order."""
 
 
 PHASES: tuple[str, ...] = tuple(p.value for p in Phase)

@@ -29,8 +29,9 @@ def context_window(model: str) -> int | None:
     return None
 
 
-def warnings(spec, peak_bytes: int | None = None) -> list[str]:
-    """What makes the job impossible to run as given (empty when nothing does)."""
+def warnings(spec, peak_bytes: int | None = None, searched: bool = False) -> list[str]:
+    """What makes the job impossible to run as given (empty when nothing does). `searched`:
+    the answer already ran the micro-batch search, so the warning does not suggest it."""
     out = []
     window = context_window(spec.model)
     if window is not None and spec.seq_len > window:
@@ -43,5 +44,7 @@ def warnings(spec, peak_bytes: int | None = None) -> list[str]:
                    f"{peak_bytes / GiB:,.0f} GiB per GPU is more than any GPU in the catalogue "
                    f"holds (the largest, {largest.name}: {largest.memory_bytes / GiB:.0f} GiB); "
                    + ("--find-max-batch gives the largest micro-batch that fits one"
-                      if spec.micro_batch > 1 else "a shorter sequence or more GPUs is needed"))
+                      if spec.micro_batch > 1 and not searched
+                      else "the micro-batch search below says what fits" if spec.micro_batch > 1
+                      else "a shorter sequence or more GPUs is needed"))
     return out

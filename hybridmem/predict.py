@@ -108,7 +108,7 @@ def find_max_micro_batch(spec: TrainingSpec, gpu: GPU, method: str = "analytic",
     """
     run = estimator(method)
     options = {**gpu_options(method, gpu), **tier_options}
-    from hybridmem.job.objective import micro_batch_step
+    from hybridmem.objectives import micro_batch_step
 
     unit = micro_batch_step(spec)  # GRPO: whole groups of num_generations completions
 
@@ -208,7 +208,7 @@ def predict(spec: TrainingSpec | ResolvedJob, method: str | None = None, gpu: GP
         raise no_tier(err, spec, "trace") from err
     notes = result.notes if choice.note is None else (*result.notes, choice.note)
     if max_batch == 0:  # the JSON keeps 0 (an int, a contract); the words say what it means
-        from hybridmem.job.objective import micro_batch_step
+        from hybridmem.objectives import micro_batch_step
 
         notes = (*notes, f"does not fit at any micro-batch: largest micro-batch that fits "
                  f"{gpu.name}: none, micro-batch {micro_batch_step(spec)} does not fit")

@@ -72,9 +72,12 @@ def module_rows(pred: Prediction) -> list[list[str]]:
 
 def smallest_micro_batch(pred: Prediction) -> int:
     """The smallest micro-batch the search probes: 1, or GRPO's whole group of completions
-    (`job.objective.micro_batch_step`), read from the job echo."""
+    (`objectives.micro_batch_step`), read from the job echo."""
+    from hybridmem import objectives
+
     job = pred.job or {}
-    return int(job.get("num_generations") or 1) if job.get("objective") == "grpo" else 1
+    hook = getattr(objectives.REGISTRY.get(job.get("objective")), "micro_batch_step", None)
+    return int(job.get("num_generations") or 1) if hook is not None else 1
 
 
 VERDICT_WORDS: dict[str, str] = {

@@ -1,5 +1,5 @@
 """The CUDA harness runs the objectives beyond SFT with the trace tier's step functions
-(`hybridmem.trace.objectives`), here through the CPU stand-in probe: DPO with the adapter-
+(`hybridmem.objectives.steps`), here through the CPU stand-in probe: DPO with the adapter-
 disabled (LoRA) and the separate (full) reference, GRPO with its generation phase."""
 
 from __future__ import annotations

@@ -121,3 +121,16 @@ def test_usage_errors_are_on_the_first_line():
     proc = _cli("--model", "llama-3.2-1b", "--seq-len", "abc")
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[0].startswith("error: Invalid value for '--seq-len'")
+
+
+def test_the_too_big_warning_does_not_suggest_a_search_the_answer_ran():
+    """The micro-batch search already ran: the warning points at its answer, not at the flag."""
+    from hybridmem import plausible
+    from hybridmem.job.spec import TrainingSpec
+
+    spec = TrainingSpec(model="llama-3.2-1b", micro_batch=8)
+    huge = 10**15  # bytes: more than any catalogue GPU (hybridmem/gpus.py, the largest about 140 GiB)
+    (asked,) = [w for w in plausible.warnings(spec, huge) if "catalogue" in w]
+    (ran,) = [w for w in plausible.warnings(spec, huge, searched=True) if "catalogue" in w]
+    assert "--find-max-batch" in asked and "--find-max-batch" not in ran
+    assert "the micro-batch search below says what fits" in ran

@@ -1,6 +1,6 @@
-"""Objectives beyond SFT (`--objective`, hybridmem/job/objective.py).
+"""Objectives beyond SFT (`--objective`, hybridmem/objectives/).
 
-Oracles: a real CPU run of the same step (the trainer's code path of `trace.objectives`, real
+Oracles: a real CPU run of the same step (the trainer's code path of `objectives.steps`, real
 tensors, live bytes counted by address) equals the trace tier to the byte; a hand count of what
 the reference adds; the trace tier for the analytic one; the schema contract (old jobs keep
 their hash, bad combinations are one line naming the field).
@@ -16,12 +16,13 @@ import torch
 
 from hybridmem import TrainingSpec
 from hybridmem.errors import SpecError
-from hybridmem.job import objective as rules
+from hybridmem import objectives as registry
 from hybridmem.models import load_config
 from hybridmem.intake.merge import spec_from_inputs
 
 trace = pytest.importorskip("hybridmem.trace")
-from hybridmem.trace import objectives, runner  # noqa: E402
+from hybridmem.objectives import steps  # noqa: E402
+from hybridmem.trace import runner  # noqa: E402
 
 from test_trace import DataPtrCounter  # noqa: E402
 
@@ -52,7 +53,7 @@ def real_cpu_peak(s: TrainingSpec) -> int:
 
 def traced_peak(s: TrainingSpec, backend: str = "fake") -> int:
     # TRL's fused head (DPO at TRL >= 1.15): the torch fold the real CPU run executes
-    with objectives.head_path("torch"):
+    with steps.head_path("torch"):
         tracker, _ = runner.trace(s, load_config(s.model), backend=backend)
     return int(tracker.live_curve(device_only=False).max())
 
@@ -100,11 +101,11 @@ def test_cli_refuses_in_one_line():
 def test_reference_defaults_follow_trl():
     # dpo_trainer.py: PEFT -> ref_model None (adapters disabled), else create_reference_model;
     # grpo_config.py: beta 0.0 by default, "the reference model is not loaded"
-    assert rules.ref_model_of(spec()) == "separate"
-    assert rules.ref_model_of(spec(train="lora")) == "adapter"
-    assert rules.ref_model_of(spec(objective="orpo")) == "none"
-    assert rules.ref_model_of(spec(objective="grpo", micro_batch=8, max_completion_length=8)) == "none"
-    assert rules.ref_model_of(spec(objective="grpo", micro_batch=8, max_completion_length=8,
+    assert registry.ref_model_of(spec()) == "separate"
+    assert registry.ref_model_of(spec(train="lora")) == "adapter"
+    assert registry.ref_model_of(spec(objective="orpo")) == "none"
+    assert registry.ref_model_of(spec(objective="grpo", micro_batch=8, max_completion_length=8)) == "none"
+    assert registry.ref_model_of(spec(objective="grpo", micro_batch=8, max_completion_length=8,
                                     beta=0.04)) == "separate"
 
 
@@ -218,7 +219,7 @@ def test_analytic_dpo_within_tolerance(kw):
 
 @pytest.mark.parametrize("objective,kw", [
     pytest.param(o, kw, marks=pytest.mark.xfail(strict=True, reason=(
-        "the collator's padding mask (objective.PADDED): in pure bf16 without checkpointing "
+        "the collator's padding mask (the objective's PADDED): in pure bf16 without checkpointing "
         "the reward model's peak is a decoder layer's backward, where the trace holds "
         "65 536 B more of the mask's SDPA tensors than the closed form's saved (b x s x s) "
         "one per layer, not yet derived")))
@@ -275,7 +276,7 @@ def test_analytic_grpo_generation_phase_against_trace():
 
 def test_analytic_names_reference_generation_and_vllm():
     """The analytic tier's `reference` and `generation` lines, and vLLM's stated share of the
-    GPU (0.3 x its memory, `job.objective.vllm_bytes`) in `context`."""
+    GPU (0.3 x its memory, `objectives.rules.vllm_bytes`) in `context`."""
     from hybridmem.analytic.estimate import estimate as analytic
     from hybridmem.gpus import gpu_by_name
 
@@ -363,20 +364,20 @@ def test_axolotl_grpo_trl_block(tmp_path):
     s, _ = _launched(tmp_path, "grpo.yaml", AX_GRPO)
     assert (s.objective, s.beta, s.num_generations, s.max_completion_length) == (
         "grpo", 0.04, 8, 1024)
-    assert s.vllm_gpu_memory_utilization == 0.4 and rules.ref_model_of(s) == "adapter"
+    assert s.vllm_gpu_memory_utilization == 0.4 and registry.ref_model_of(s) == "adapter"
 
 
 def test_axolotl_dpo_full_gets_a_reference_copy(tmp_path):
     s, _ = _launched(tmp_path, "dpo.yaml", "base_model: Qwen/Qwen2.5-7B-Instruct\nrl: dpo\n"
                      "rl_beta: 0.1\nsequence_len: 2048\nmicro_batch_size: 1\n")
-    assert (s.objective, rules.ref_model_of(s), s.seq_len) == ("dpo", "separate", 2048)
+    assert (s.objective, registry.ref_model_of(s), s.seq_len) == ("dpo", "separate", 2048)
 
 
 @pytest.mark.parametrize("backend", ["real", "fake"])
 def test_generation_shortcut_keeps_the_full_loops_peak(backend):
-    """`trace.objectives.generate` skips the decode steps between the prefill and the last
+    """`objectives.grpo.step.generate` skips the decode steps between the prefill and the last
     one; the allocated peak of every step run one by one is the same."""
-    from hybridmem.trace import objectives
+    from hybridmem.objectives.grpo.step import generate
     from hybridmem.trace.tracker import StorageTracker
 
     s = spec(objective="grpo", num_generations=2, max_completion_length=12)
@@ -384,8 +385,8 @@ def test_generation_shortcut_keeps_the_full_loops_peak(backend):
     for every in (True, False):
         with runner.prepared(s, load_config(s.model), backend) as job, StorageTracker() as tr:
             with torch.no_grad():
-                ids = objectives.generate(job.model, torch.ones(2, 20, dtype=torch.long), 12,
-                                          every_step=every)
+                ids = generate(job.model, torch.ones(2, 20, dtype=torch.long), 12,
+                               every_step=every)
         peaks.append(int(tr.live_curve(device_only=False).max()))
         shapes.append(tuple(ids.shape))
     assert peaks[0] == peaks[1]
@@ -397,7 +398,7 @@ def test_grpo_micro_batch_search_keeps_whole_groups():
     whose generation batch splits into groups of num_generations (grpo_trainer.py): the answer
     is a multiple of the group size, and a job whose replays fall between groups prices."""
     from hybridmem.gpus import custom_gpu
-    from hybridmem.job.objective import micro_batch_step
+    from hybridmem.objectives import micro_batch_step
     from hybridmem.predict import find_max_micro_batch
 
     s = spec(seq_len=64, micro_batch=4, objective="grpo", num_generations=4,

@@ -7,7 +7,7 @@ loop's pieces twice: `get_batch_samples` (the loop's `num_items_in_batch`), `tra
 bytes are counted by storage address with CUDA's 512-byte rounding (`DataPtrCounter`,
 independent of the trace tier's tracker). The trace tier runs TRL's own code for the installed
 TRL (`objective.fused_head`); on CPU TRL folds the fused head's tiles in torch, so the trace is
-asked for that path (`objectives.head_path("torch")`); the GPU path it prices by default is
+asked for that path (`steps.head_path("torch")`); the GPU path it prices by default is
 checked against the analytic tier.
 """
 
@@ -27,7 +27,8 @@ from test_trace import DataPtrCounter  # noqa: E402
 
 from hybridmem.job.spec import TrainingSpec  # noqa: E402
 from hybridmem.models import load_config  # noqa: E402
-from hybridmem.trace import objectives, runner  # noqa: E402
+from hybridmem.objectives import steps  # noqa: E402
+from hybridmem.trace import runner  # noqa: E402
 
 # the issue's case scaled to a 2-core test: vocab 32,000 (Llama 2's), fp32 full fine-tuning;
 # 2 layers of hidden 64 keep the head the step's high point, as on the issue's small Llama
@@ -133,7 +134,7 @@ def hf_trainer(config: str, lengths: list[int], dtype=torch.float32):
 
 
 def trace_peak(spec: TrainingSpec, path: str = "torch") -> int:
-    with objectives.head_path(path):
+    with steps.head_path(path):
         tracker, _ = runner.trace(spec, load_config(spec.model))
     return int(tracker.live_curve(device_only=False).max())  # host scalars are real on CPU
 
@@ -499,7 +500,7 @@ PAIR_UNEXPLAINED = {"rm": 512, "orpo": 11 * 512}
 
 @pytest.mark.parametrize("which", ["rm", "orpo"])
 def test_rm_and_orpo_trainers_pad_as_the_trace_tier(tmp_path, which):
-    # the collators' attention mask reaches each layer's SDPA (`objective.PADDED`); without it
+    # the collators' attention mask reaches each layer's SDPA (the objective's `PADDED`); without it
     # the trace was 135 680 B (RM) and 57 856 B (ORPO) below the real step
     config = tiny_config(tmp_path, DPO_VOCAB)
     trainer = pair_trainer(which, config)

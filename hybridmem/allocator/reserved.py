@@ -27,7 +27,7 @@ from hybridmem.allocator.sim import SimulatedOOM
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
-from hybridmem.job.objective import at_micro_batch
+from hybridmem.objectives import at_micro_batch
 
 # CARRY = 1 / CARRY_DIV: how much of a smaller micro-batch's device bytes carries over to a
 # larger one's, per byte of allocated growth. 1 would carry its whole fragmentation (always

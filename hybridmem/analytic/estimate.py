@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hybridmem.analytic import objectives, offloaded, packed, sac, scope
-from hybridmem.job import objective as objective_rules
+from hybridmem import objectives as objective_plugins
+from hybridmem.objectives import rules as objective_rules
 from hybridmem.families.common import activations as A
 from hybridmem.allocator.alloc import t
 from hybridmem.families import family, layer_kind, target
@@ -103,15 +104,15 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  ce_chunks=spec.chunked_ce, param=policy.param_bytes,
                  cce=loss is not None and loss.NAME == "cce",
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
-                 objective=spec.objective, prompt=objective_rules.prompt_length(spec),
-                 ref_model=objective_rules.ref_model_of(spec), head=head_of(spec, loss),
-                 trl_head=objective_rules.fused_head(spec, installed("trl")))
+                 objective=spec.objective, prompt=objective_plugins.prompt_length(spec),
+                 ref_model=objective_plugins.ref_model_of(spec), head=head_of(spec, loss),
+                 trl_head=objective_plugins.fused_head(spec, installed("trl")))
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
     acts = _formula_acts(layer, c, need_in, need_w, tied_grad, merged)
-    padded = c.trl_head or c.objective in objective_rules.PADDED  # the collator's mask
+    padded = c.trl_head or objective_plugins.REGISTRY[c.objective].PADDED  # the collator's mask
     if padded and layer.kind == "decoder_layer" and c.attn == "sdpa" and acts.saved:
         acts = objectives.padded_sdpa_mask(layer, c, acts)
     if layer.quantized and layer.kind != "decoder_layer" and layer.runs:
@@ -371,7 +372,7 @@ def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
     if refused is not None:
         raise refused
     g = techniques.graph_spec(spec)  # packing's one row (techniques.packing)
-    graph = build_graph(g if g is not spec else objectives.graph_spec(spec))  # job.objective
+    graph = build_graph(g if g is not spec else objectives.graph_spec(spec))  # objectives.rows
     graph = objectives.with_score_head(graph, spec)  # the reward model's (1, hidden) head
     techniques.check_batch(spec, graph.vision_batch)
     priced = packed.apply(price(graph, spec), spec, POLICIES[spec.precision].compute_bytes)
@@ -500,12 +501,12 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     paged = sum(p.states.paged for p in priced)
     breakdown["context"] = CUDA_CONTEXT_DEFAULT + paged
     modules = _modules(graph, priced)
-    st = setup(spec, ws)[2] if spec.objective != "sft" else None
+    st = setup(spec, ws)[2] if not objective_plugins.lm_loss(spec) else None
     ref_line = objectives.reference_module(priced, spec) if st else None
     modules += (ref_line,) if ref_line is not None else ()
     gen_line = objectives.generation_module(spec)  # GRPO's generated ids
     modules += (gen_line,) if gen_line is not None else ()
-    # vLLM colocated: a stated fraction of the GPU's memory (job.objective.vllm_bytes)
+    # vLLM colocated: a stated fraction of the GPU's memory (objectives.rules.vllm_bytes)
     vllm = objective_rules.vllm_bytes(spec, gpu.memory_bytes if gpu is not None else None)
     breakdown["context"] += vllm
     phases = {}
@@ -523,7 +524,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
         breakdown=breakdown, modules=modules, paged_bytes=paged,
         notes=_notes(graph, spec, gpu, ws) + paged_notes(paged) + offloaded.notes(priced, spec)
         + techniques.notes(spec)  # packing's (techniques.packing)
-        + ((objective_rules.note(spec),) if spec.objective != "sft" else ())
+        + ((objective_plugins.note(spec),) if not objective_plugins.lm_loss(spec) else ())
         + ((objective_rules.VLLM_WITHOUT_GPU,)
            if spec.vllm_gpu_memory_utilization and gpu is None else ())
         + tuple(
@@ -538,7 +539,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
             # and what the loop holds right after `optimizer.step()` (timeline.walk)
             "after_step_allocated_bytes": after_step(points),
             **allocator_extras(fit),
-            **({"objective": objective_rules.summary(
+            **({"objective": objective_plugins.summary(
                 spec, (ref_line.param + objectives.held_bytes(spec)[0]
                        + (st.ref_forward if top.phase == "forward"
                           and top.bytes["temporary"] == st.ref_forward else 0))

@@ -42,7 +42,7 @@ from hybridmem.allocator.alloc import t
 from hybridmem.allocator.foreach import foreach_norm_scratch
 from hybridmem.analytic.states import state_bytes
 from hybridmem.job.precision import casts_weights
-from hybridmem.job.objective import ref_model_of
+from hybridmem.objectives import ref_model_of
 from hybridmem.job.optimizers import rule
 from hybridmem.techniques.quantize import quant_of
 from hybridmem.job.spec import POLICIES, TrainingSpec, empty_cache_at

@@ -1,6 +1,6 @@
-"""The analytic tier's terms for the objectives beyond SFT (`hybridmem.job.objective`).
+"""The analytic tier's terms for the objectives beyond SFT (`hybridmem.objectives.rules`).
 
-What changes against the SFT step, as `hybridmem.trace.objectives` runs it: the policy's graph
+What changes against the SFT step, as `hybridmem.objectives.steps` runs it: the policy's graph
 has `objective.rows` sequences (chosen + rejected concatenated); its head is the trainer's loss
 (`families.decoders.objective_acts`); the reward model's head is a (1, hidden) `score`; a
 separate reference adds a frozen copy of the model's weights (`Statics.param`, its own module
@@ -19,13 +19,14 @@ from dataclasses import replace
 from hybridmem.analytic.events import _no_grad_working_set
 from hybridmem.families.common.activations import FP32, Ctx
 from hybridmem.families.decoders.objective_acts import reference_head, trl_reference_head
-from hybridmem.job import objective as rules
+from hybridmem import objectives as rules
+from hybridmem.objectives.grpo import completion_length, old_logps
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer, Module, ModelGraph, ParamTensor
 
 def padded_sdpa_mask(layer: Layer, c: Ctx, acts):
     """A decoder layer's SDPA under TRL's collator, whose batch carries an attention mask (a
-    batch of varied lengths is padded to its longest: `hybridmem.trace.objectives
+    batch of varied lengths is padded to its longest: `hybridmem.objectives.sft.step
     .sft_trl_batch`, `objective.PADDED`): masking_utils' boolean (b, 1, s, s) mask reaches each layer's
     `scaled_dot_product_attention`, which converts it to the query's dtype
     (aten/src/ATen/native/transformers/attention.cpp `convert_boolean_attn_mask`) and saves
@@ -44,7 +45,7 @@ def graph_spec(spec):
 def with_score_head(graph: ModelGraph, spec) -> ModelGraph:
     """The reward model's graph: the lm_head replaced by `score`, Linear(hidden, 1, bias=False)
     (transformers `LlamaForSequenceClassification`; no tying: it has no output embedding)."""
-    if spec.objective != "rm":
+    if not rules.of(spec).SCORE_HEAD:
         return graph
     head = graph.module("lm_head")
     old = head.layers[0]
@@ -69,7 +70,7 @@ def reference_forward(priced, spec, c: Ctx) -> int:
     at the end of the policy's forward: the residual stream and one decoder layer's no-grad
     working set, or the head's (`objective_acts.reference_head`); 0 without a reference
     forward there (GRPO's runs in its generation phase: `generation`)."""
-    if rules.ref_model_of(spec) in ("none", "precomputed") or spec.objective == "grpo":
+    if rules.ref_model_of(spec) in ("none", "precomputed") or rules.of(spec).GENERATES:
         return 0
     if c.head is not None:  # a technique's fused loss runs the reference's head in its chunks
         return _no_grad_forward(priced, c, None, lambda d: 0)
@@ -115,7 +116,7 @@ def _layer_no_grad(d: dict, c: Ctx, b: int, s: int) -> int:
 
 
 def generation(priced, spec, c: Ctx) -> dict:
-    """GRPO's generation phase (`trace.objectives.grpo_prepare`), the `Statics` fields
+    """GRPO's generation phase (`objectives.grpo.step.grpo_prepare`), the `Statics` fields
     `generation` and `generation_held`; empty for the other objectives.
 
     It runs in `_prepare_inputs`, outside the loss's autocast: the weights' dtype (g bytes).
@@ -132,12 +133,12 @@ def generation(priced, spec, c: Ctx) -> dict:
       `/ temperature` copy and one row's log_softmax; the ids and advantages alive.
     Held until the step ends: the ids (G x (P + C) int64), the advantages (G fp32), the
     reference's log-probs (G x C fp32)."""
-    if spec.objective != "grpo":
+    if not rules.of(spec).GENERATES:
         return {}
     g = c.param
     gc = replace(c, e=g, stream=g, amp=False, autocast=False)
     n, G = spec.micro_batch, spec.micro_batch * spec.grad_accum
-    C = rules.completion_length(spec)
+    C = completion_length(spec)
     P = spec.seq_len - C
     layers = [p.layer.dims for p in priced if p.layer.kind == "decoder_layer"]
     V = next(p.layer.dims["vocab"] for p in priced if p.layer.kind == "lm_head")
@@ -173,7 +174,7 @@ def generation(priced, spec, c: Ctx) -> dict:
 
 def _fused_generation(priced, spec, c: Ctx, sampling: int) -> dict:
     """GRPO's generation phase at a TRL with the fused head (trl 1.16
-    `_generate_and_score_completions`, `trace.objectives._grpo_fused_prepare`) after the
+    `_generate_and_score_completions`, `objectives.grpo.step._grpo_fused_prepare`) after the
     sampling loop's high point `sampling`: the buffer's prompt and completion ids and masks
     (4 x G x tokens int64 over P + C), the (P + C) concatenations of ids and masks for the
     no_grad forwards, then the old policy's log-probs (num_iterations > 1) and the
@@ -181,10 +182,10 @@ def _fused_generation(priced, spec, c: Ctx, sampling: int) -> dict:
     under the loss's autocast (`c`: GRPOTrainer's `accelerator.autocast()`) whose (G x C)
     fp32 result is kept; the advantages (G fp32)."""
     n, G, S = spec.micro_batch, spec.micro_batch * spec.grad_accum, spec.seq_len
-    C = rules.completion_length(spec)
+    C = completion_length(spec)
     buffer = 2 * t(G * (S - C), 8) + 2 * t(G * C, 8)
     held, peak = buffer, sampling
-    forwards = int(rules.old_logps(spec)) + int(rules.ref_model_of(spec) != "none")
+    forwards = int(old_logps(spec)) + int(rules.ref_model_of(spec) != "none")
     if forwards:
         concat = 2 * t(G * S, 8)
         step = _no_grad_forward(priced, c, (n, S), lambda d: trl_reference_head(
@@ -204,7 +205,7 @@ def generation_module(spec):
     and the reference's log-probs are `extras["objective"]` (`held_bytes`)."""
     from hybridmem.prediction import ModuleMemory
 
-    if spec.objective != "grpo":
+    if not rules.of(spec).GENERATES:
         return None
     return ModuleMemory(name="generation", params=0, trainable_params=0, param=0, grad=0,
                         optimizer=0, activation=0)
@@ -213,34 +214,32 @@ def generation_module(spec):
 def held_bytes(spec) -> tuple[int, int]:
     """(reference, generation) bytes GRPO's generation phase leaves alive through the step:
     the reference's log-probs (G x C fp32), the generated ids (G x (P + C) int64)."""
-    if spec.objective != "grpo":
+    if not rules.of(spec).GENERATES:
         return 0, 0
     from hybridmem.environment import installed
 
-    G, C = spec.micro_batch * spec.grad_accum, rules.completion_length(spec)
+    G, C = spec.micro_batch * spec.grad_accum, completion_length(spec)
     ref = t(G * C, FP32) if rules.ref_model_of(spec) != "none" else 0
     if not rules.fused_head(spec, installed("trl")):
         return ref, t(G * spec.seq_len, 8)
     # trl >= 1.15 (`_fused_generation`): the prompt and completion ids and masks, the old
     # policy's log-probs at num_iterations > 1
-    old = t(G * C, FP32) if rules.old_logps(spec) else 0
+    old = t(G * C, FP32) if old_logps(spec) else 0
     return ref, 2 * t(G * (spec.seq_len - C), 8) + 2 * t(G * C, 8) + old
 
 
 def batch_bytes(spec) -> int:
     """The objective's collated batch against the SFT one's ids + labels over the same rows
-    (`trace.objectives.batch`): DPO's loss mask and ORPO's labels take the labels' place, the
-    reward model's attention mask too, ORPO's adds one; KTO adds the KL batch's ids and labels; precomputed reference
-    log-probs are fp32 per sequence (KTO's KL batch's too)."""
-    out = -t(rules.rows(spec) * spec.seq_len, 8) if spec.objective == "grpo" else 0
-    if spec.objective == "orpo":  # the collator's attention mask (`objective.PADDED`); the
-        out += t(rules.rows(spec) * spec.seq_len, 8)  # reward model's takes the labels' place
-    if spec.objective == "grpo":  # a stand-in batch of ids; the generation's outputs
+    (its `step.batch`): `BATCH_COLUMNS` more (rows x seq) int64 columns (ORPO's attention
+    mask, KTO's KL ids and labels; GRPO's stand-in has one fewer), the generation's outputs
+    (`generation_held`), and `PRECOMPUTED_COLUMNS` fp32 per sequence of precomputed reference
+    log-probs."""
+    objective = rules.of(spec)
+    out = objective.BATCH_COLUMNS * t(rules.rows(spec) * spec.seq_len, 8)
+    if objective.GENERATES:
         out += generation_held(spec)
-    if spec.objective == "kto":  # the KL batch's ids and labels
-        out += 2 * t(spec.micro_batch * spec.seq_len, 8)
     if rules.ref_model_of(spec) == "precomputed":
-        out += (3 if spec.objective == "kto" else 2) * t(spec.micro_batch, 4)
+        out += objective.PRECOMPUTED_COLUMNS * t(spec.micro_batch, 4)
     return out
 
 

@@ -79,6 +79,7 @@ def measure(request: dict, probe) -> dict:
     """Run one config under `probe`; always returns a result dict (ok / oom / error)."""
     import torch
 
+    from hybridmem import objectives
     from hybridmem.harness import distributed
     from hybridmem.job.spec import TrainingSpec
 
@@ -122,7 +123,8 @@ def measure(request: dict, probe) -> dict:
             # step (clipping included); torch.cuda.empty_cache() where the loop calls it
             where = empty_cache_at(spec, iteration)
             steps = ("forward", "backward") * spec.grad_accum + ("optimizer",)
-            for phase in (("generation",) if spec.objective == "grpo" else ()) + steps:
+            generates = objectives.of(spec).GENERATES  # GRPO's generation phase
+            for phase in (("generation",) if generates else ()) + steps:
                 probe.phase_start(phase, iteration)
                 if phase == "generation":  # GRPO's completions, before the first forward
                     workload.generation(job, spec)

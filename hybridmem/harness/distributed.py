@@ -93,9 +93,13 @@ def prepare(spec: TrainingSpec, config, device) -> workload.Job:
     no rank holds a whole replica (as accelerate loads FSDP models); ZeRO-3 models are built
     under `deepspeed.zero.Init` (as transformers does under ZeRO-3); DDP and ZeRO-1/2 keep a
     whole replica per rank anyway and are built on the GPU."""
-    if spec.objective != "sft":  # trace.objectives' steps are measured on one GPU
-        raise SpecError("objective", spec.objective, ["sft"], reason="the harness measures "
-                        "objectives beyond sft on one GPU (strategy none)")
+    from hybridmem import objectives
+
+    if not objectives.lm_loss(spec):  # the objectives' steps are measured on one GPU
+        raise SpecError("objective", spec.objective,
+                        [n for n, o in objectives.REGISTRY.items() if o.LM_LOSS],
+                        reason="the harness measures objectives beyond sft on one GPU "
+                        "(strategy none)")
     strategy = spec.parallel.strategy
     if strategy == "fsdp":
         model = workload.build_trainable(spec, config, torch.device("cpu"))

@@ -7,7 +7,7 @@ divided by `grad_accum`, `clip_grad_norm_(foreach=True)` before the step when `m
 > 0, `zero_grad(set_to_none=True)`, `torch.cuda.empty_cache()` where `spec.empty_cache_at` says
 (the child calls it; `empty_cache_steps` > 0), LoRA adapters on the language model's linears only,
 image tokens right after BOS and masked out of the labels, no attention mask (unpadded batch).
-Objectives beyond SFT run the trace tier's step functions (`hybridmem.trace.objectives`: the
+Objectives beyond SFT run the trace tier's step functions (`hybridmem.objectives.steps`: the
 TRL trainers' code paths) on the real model: one code path for both.
 """
 
@@ -45,12 +45,12 @@ class Job:
     """The context each forward runs in (`techniques.loop_context`: TRL's activation
     offloading for `offload_activations="all"`), else None."""
     ref: nn.Module | None = None
-    """The separate reference model of an objective beyond SFT (`trace.objectives`)."""
+    """The separate reference model of an objective beyond SFT (`objectives.steps`)."""
     fused: bool = False
-    """The step runs TRL's fused LM head (`trace.objectives.uses_fused_head`): on a GPU,
+    """The step runs TRL's fused LM head (`objectives.steps.uses_fused_head`): on a GPU,
     TRL's own Triton kernels."""
     tracker: object | None = None
-    """Unused here: the trace tier's tracker, which `trace.objectives` relabels parts on."""
+    """Unused here: the trace tier's tracker, which `objectives.steps` relabels parts on."""
     grpo: dict | None = None
     """GRPO's generated ids, advantages and reference log-probs for the step's micro-steps."""
     generated: bool = False
@@ -233,32 +233,32 @@ def prepare(spec: TrainingSpec, config, device) -> Job:
     One GPU; a multi-rank spec goes to `hybridmem.harness.distributed.prepare` (the child)."""
     model = build_trainable(spec, config, device)
     job = finish_job(model, spec, device)
-    from hybridmem.trace import objectives
+    from hybridmem import objectives
+    from hybridmem.objectives import steps
 
-    job.fused = objectives.uses_fused_head(spec)
+    job.fused = steps.uses_fused_head(spec)
     if job.fused:  # SFT / DPO / KTO trainers at TRL >= 1.15: TRL's own head on the model
-        objectives.add_fused_head(model, spec)
-    if spec.objective != "sft":  # the TRL trainer's batch and reference (trace.objectives)
+        steps.add_fused_head(model, spec)
+    if not objectives.lm_loss(spec):  # the TRL trainer's batch and reference (its step)
         objectives.check_model(spec, 0, config.model_type)
         job.batch = objectives.batch(spec, device, fused=job.fused)
-        job.ref = objectives.reference_model(
+        job.ref = steps.reference_model(
             spec, config, lambda s, c: build_model(s, c, device))
         if job.fused:
-            objectives.add_fused_reference_head(job.ref)
+            steps.add_fused_reference_head(job.ref)
         return job
     job.batch = make_batch(spec, config, model, device)
     if job.fused:
-        job.batch = objectives.sft_trl_batch(job.batch)
+        job.batch = objectives.collate(spec, job.batch)
     return job
 
 
 def generation(job: Job, spec: TrainingSpec) -> None:
-    """GRPO's generation phase of a step (`trace.objectives.grpo_prepare`, the full sampling
-    loop), before its first micro-step; a no-op for the other objectives."""
-    if spec.objective == "grpo":
-        from hybridmem.trace import objectives
+    """The objective's generation phase of a step (GRPO's, `objectives.prepare`: the full
+    sampling loop), before its first micro-step; a no-op for the other objectives."""
+    from hybridmem import objectives
 
-        objectives.grpo_prepare(job, spec, every_step=True)
+    objectives.prepare(job, spec, every_step=True)
 
 
 def end_step(job: Job) -> None:
@@ -290,9 +290,9 @@ def finish_job(model: nn.Module, spec: TrainingSpec, device, batch: dict | None 
 
 
 def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
-    if spec.objective != "sft" or job.fused:  # the TRL trainer's compute_loss (trace tier's)
-        from hybridmem.trace import objectives
+    from hybridmem import objectives
 
+    if not objectives.lm_loss(spec) or job.fused:  # the TRL trainer's compute_loss (step.loss)
         loss = objectives.loss(job, spec, job.micro)
         job.micro += 1
         return loss

@@ -130,7 +130,7 @@ TRANSFORMERS_4_FIELDS: frozenset[str] = frozenset({
 })
 # The other fields of TRL's DPOConfig, ORPOConfig, KTOConfig, RewardConfig and GRPOConfig
 # (trl/trainer/*_config.py, TRL 0.1x-0.2x) that change no memory the tiers price (the ones
-# that do are the objective fields' keys, `hybridmem.job.objective`)
+# that do are the objective fields' keys, `hybridmem.objectives.rules`)
 TRL_OBJECTIVE_KEYS: frozenset[str] = frozenset({
     "ref_model_init_kwargs", "model_adapter_name", "ref_adapter_name", "force_use_ref_model",
     "disable_dropout", "use_logits_to_keep", "padding_value", "label_pad_token_id",

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from importlib import import_module
 
+from hybridmem import objectives
 from hybridmem.errors import SpecError
 from hybridmem.families.defaults import resolve_defaults
 from hybridmem.intake.merge import Resolved, resolve_inputs
@@ -104,7 +105,7 @@ def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
         why = f"the analytic tier refuses {clause(refused)}"
         return Choice("trace", why,
                       note=f"method: trace chosen because {why} (pass --method to override)")
-    if spec.objective != "sft":  # the learned residuals were fit on SFT steps only
+    if not objectives.lm_loss(spec):  # the learned residuals were fit on SFT steps only
         return Choice("analytic", f"objective={spec.objective!r}: the learned tier is fit on "
                       "SFT steps only")
     try:

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 from hybridmem.errors import SpecError
 from hybridmem.job.field import added_defaults, check_bounds, check_value, job_field
 from hybridmem import techniques
-from hybridmem.job.objective import OBJECTIVES, REF_MODELS, TRAINERS
+from hybridmem.objectives import OBJECTIVES, REF_MODELS, TRAINERS
 from hybridmem.job.images import normalize_image_size
 from hybridmem.techniques.offload import MODES as OFFLOAD_MODES
 from hybridmem.job.parallel import ParallelSpec
@@ -570,7 +570,7 @@ class TrainingSpec:
         "(`num_generations`: GRPO, `desirable_weight`: KTO, `center_rewards_coefficient`: "
         "RM, `rpo_alpha` / `loss_type`: DPO, else `beta`: ORPO). Both tiers; "
         "[docs/objectives.md](docs/objectives.md)")
-    """Training objective (`hybridmem.job.objective`): sft, dpo, orpo, kto, rm or grpo."""
+    """Training objective (`hybridmem.objectives`): sft, dpo, orpo, kto, rm or grpo."""
     trainer: str = job_field(
         "transformers", help="SFT by Trainer or SFTTrainer (TRL).",
         group="objective", choices=TRAINERS, added=52,
@@ -727,9 +727,10 @@ class TrainingSpec:
         check_adapters(self.adapter_dtype, self.precision, self.train,
                        bool(self.lora and self.lora.use_dora), self.quantize)
         techniques.check(self)  # each technique's rules, and one loss replacement at a time
-        from hybridmem.job import objective
+        from hybridmem import objectives
 
-        objective.check(self)
+        objectives.check(self)  # the objective's fields and its trainer's rules
+        techniques.check_objective(self)  # the techniques priced with that objective
 
     def with_(self, **changes: object) -> "TrainingSpec":
         """A copy with some fields changed (validated again)."""

@@ -18,7 +18,7 @@ from functools import cache
 from hybridmem.errors import SpecError
 from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
-from hybridmem.job.objective import micro_batch_step
+from hybridmem.objectives import micro_batch_step
 from hybridmem.job.precision import deepspeed_precision
 from hybridmem.prediction import Prediction
 from hybridmem.job.spec import TrainingSpec

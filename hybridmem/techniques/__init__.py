@@ -93,6 +93,23 @@ def objectives_of(flag: str) -> set[str]:
     return {o for m in TECHNIQUES.values() if m.FLAG == flag for o in m.OBJECTIVES}
 
 
+OBJECTIVE_FLAGS: tuple[str, ...] = ("liger", "cut_cross_entropy", "optimizer_in_backward",
+                                    "chunked_ce", "offload_activations")
+"""The spec fields whose techniques replace or rewire the LM loss's step: each is priced
+only with the objectives its technique modules declare (`OBJECTIVES`)."""
+
+
+def check_objective(spec) -> None:
+    """The first technique flag asked for with an objective no technique on that flag is
+    priced with (after `objectives.check`, which has made sure the objective exists)."""
+    asked = [n for n in OBJECTIVE_FLAGS
+             if getattr(spec, n) and getattr(spec, n) != "none"]
+    clashes = [n for n in asked if spec.objective not in objectives_of(n)]
+    if clashes:
+        raise SpecError(clashes[0], getattr(spec, clashes[0]), reason=f"priced with sft only, "
+                        f"not objective={spec.objective!r} (its loss replaces the LM loss)")
+
+
 def head_of(spec, loss: Technique | None = None) -> Technique | None:
     """The technique whose `head_tensors` replace the analytic lm_head + loss: one of its own
     (Liger's preference losses) first, else the job's loss replacement where it changes the
@@ -110,7 +127,7 @@ def trl_head_runs(spec) -> bool:
     turn Liger's fused linear cross-entropy off (trl 1.16 sft/dpo/kto_trainer.py:
     `liger_kernel_config["fused_linear_cross_entropy"] = False`)."""
     from hybridmem.environment import installed
-    from hybridmem.job.trl_head import fused_head
+    from hybridmem.objectives import fused_head
 
     return fused_head(spec, installed("trl"))
 

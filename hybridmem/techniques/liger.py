@@ -157,7 +157,9 @@ def note(spec, model_type: str, applies: bool) -> str | None:
 def install(model, spec, target: Target) -> str | None:
     from hybridmem.techniques import trl_head_runs, liger_kernels
 
-    if spec.objective != "sft" and trl_head_runs(spec):
+    from hybridmem.objectives import lm_loss
+
+    if not lm_loss(spec) and trl_head_runs(spec):
         raise SpecError("liger", True, [False], reason=f"the trace tier does not run Liger's "
                         f"layer kernels beside TRL's fused head ({spec.objective}): use "
                         "--method analytic")

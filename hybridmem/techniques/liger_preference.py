@@ -42,7 +42,7 @@ FP32 = 4
 
 def active(spec) -> bool:
     """Asked for, and not overridden by TRL's own fused head: where the installed TRL runs the
-    step through it (`job.objective.fused_head`), `use_liger_kernel` applies Liger's layer
+    step through it (`objectives.rules.fused_head`), `use_liger_kernel` applies Liger's layer
     kernels only (trl 1.16 dpo_trainer.py: `liger_kernel_config["fused_linear_cross_entropy"]
     = False`, "which this trainer patches with a fused LM head"), and no TRL trainer calls
     `LigerFusedLinear*Loss` any more."""
@@ -66,7 +66,7 @@ def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int
 def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tuple[int, int]]]:
     """The head for the analytic tier (`families.decoders.acts.technique_head`): `tensors` of
     the lm_head's dims and the step's dtypes; DPO with a reference model runs its chunks too."""
-    reference = c.objective == "dpo" and c.ref_model in ("separate", "adapter")
+    reference = c.ref_model in ("separate", "adapter")  # DPO's (ORPO reads none)
     return tensors(d["b"], d["s"], d["h"], d["vocab"], c.e, c.stream, c.param, reference)
 
 

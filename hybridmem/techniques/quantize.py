@@ -54,7 +54,7 @@ import re
 from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
-from hybridmem.job.objective import OBJECTIVES as ALL_OBJECTIVES
+from hybridmem.objectives import OBJECTIVES as ALL_OBJECTIVES
 from hybridmem.job.precision import POLICIES
 from hybridmem.jsonfile import read_json_object
 from hybridmem.techniques.protocol import Target

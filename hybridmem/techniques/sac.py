@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hybridmem.job.objective import OBJECTIVES as ALL_OBJECTIVES
+from hybridmem.objectives import OBJECTIVES as ALL_OBJECTIVES
 from hybridmem.techniques.protocol import Target
 
 NAME = "sac"

@@ -156,16 +156,17 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
     if timeline is not None:
         extras["timeline"] = str(save_timeline(result, timeline, title_of(spec), gpu))
     vllm = 0
-    if spec.objective != "sft":  # the reference and generation lines (job.objective)
-        from hybridmem.job import objective
+    from hybridmem import objectives
 
-        vllm = objective.vllm_bytes(spec, gpu.memory_bytes if gpu is not None else None)
+    if not objectives.lm_loss(spec):  # the reference and generation lines (objectives)
+        from hybridmem.objectives import rules
+
+        vllm = rules.vllm_bytes(spec, gpu.memory_bytes if gpu is not None else None)
         breakdown["context"] += vllm
-        notes.append(objective.note(spec))
+        notes.append(objectives.note(spec))
         if spec.vllm_gpu_memory_utilization and gpu is None:
-            notes.append("vLLM colocated: its reservation is a fraction of a GPU's memory; "
-                         "give --gpu to include it (left out here)")
-        extras["objective"] = objective.summary(
+            notes.append(rules.VLLM_WITHOUT_GPU)
+        extras["objective"] = objectives.summary(
             spec, result.by_part.get("reference", 0), result.by_part.get("generation", 0),
             _phase_peak(result, "generation"), vllm)
     return Prediction(

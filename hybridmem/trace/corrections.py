@@ -100,7 +100,7 @@ def patched_model_checks(packed: bool = False):
     - `warn_if_padding_and_no_attention_mask` only warns; skipped so fake and real runs match.
     - `_ignore_causal_mask_sdpa` reads a padding mask's values (`fast_all`; 5.x skips that for
       fake tensors, 4.57 does not): on fake and meta tensors it answers as for the padded
-      batch TRL's collators pass (`trace.objectives.padded_mask`): the mask is built.
+      batch TRL's collators pass (`objectives.steps.padded_mask`): the mask is built.
     """
     import importlib
 

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from hybridmem.adapters import (
     build_error, build_peft_config, lora_llm_pattern,
 )
+from hybridmem import objectives
 from hybridmem.errors import SpecError, UnsupportedModelError
 from hybridmem.job.lora_targets import default_targets
 from hybridmem.models.build import DECODER_TRAINS, TRAINABLE_MODULES, part_of
@@ -54,7 +55,7 @@ def build_model(spec: TrainingSpec, config) -> nn.Module:
     # from_config writes `dtype` into the config (and would use the preset's `torch_dtype`
     # without it): work on a copy, with the spec's dtype given explicitly.
     config = copy.deepcopy(config)
-    if spec.objective == "rm":  # TRL RewardTrainer: a sequence classifier with one label
+    if objectives.of(spec).SCORE_HEAD:  # TRL RewardTrainer: a classifier with one label
         auto = transformers.AutoModelForSequenceClassification
         config.num_labels = 1
         if getattr(config, "pad_token_id", None) is None:  # the last token's score is read

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_iter
 
+from hybridmem import objectives
 from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, ckpt_every
 from hybridmem.trace import metacache, runner
@@ -153,7 +154,7 @@ def planned(spec: TrainingSpec, config) -> tuple[list[Stack], list[str]]:
         raise NotRepeatable(f"{FULL_ENV} is set")
     if spec.train == "peft":  # e.g. AdaLoRA's per-layer ranks, layers_to_transform
         raise NotRepeatable("train='peft' adapters may differ per layer")
-    if spec.objective != "sft":  # a reference copy and a generation loop outside the layers
+    if not objectives.lm_loss(spec):  # a reference copy and a generation loop outside the layers
         raise NotRepeatable(f"objective={spec.objective} is traced whole")
     period = ckpt_every(spec.grad_ckpt_policy) if spec.grad_ckpt else 1
     feature = getattr(config, "vision_feature_layer", None)

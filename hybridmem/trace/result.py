@@ -141,7 +141,7 @@ def _modules(job, category_of, live: list[Storage], weight: dict[str, int]
 
 
 def _objective_rows(job, live: list[Storage]) -> list[ModuleMemory]:
-    """The objective's own lines (`hybridmem.trace.objectives`): "reference" (a separate copy's
+    """The objective's own lines (`hybridmem.objectives.steps`): "reference" (a separate copy's
     parameters) and "generation" (GRPO), each with the activation-category bytes of its part
     live at the peak as the other lines count them (what their forwards hold otherwise is
     temporary: `Prediction.extras["objective"]` gives those bytes)."""

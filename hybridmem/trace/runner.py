@@ -31,7 +31,9 @@ from hybridmem.families import family
 from hybridmem.models.build import part_of
 from hybridmem.job.spec import TrainingSpec, empty_cache_at
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE
-from hybridmem.trace import corrections, model as build, objectives
+from hybridmem import objectives
+from hybridmem.objectives import steps
+from hybridmem.trace import corrections, model as build
 from hybridmem.trace.autocast import (CudaAutocast, emulated, meta_torch_autocast,
                                       wrap_checkpointing)
 from hybridmem.models.loader import is_analytic
@@ -80,7 +82,7 @@ class Job:
     liger: str | None = None
     """The text model type whose Liger kernels are patched in (`--liger`), else None."""
     fused: bool = False
-    """The SFT step runs TRL's fused LM head (`objectives.uses_fused_head`)."""
+    """The SFT step runs TRL's fused LM head (`objectives.steps.uses_fused_head`)."""
     copies: offload.Copies | None = None
     """Host / device copies of offloaded activations (`spec.offload_activations`), else None."""
     offloader: offload.Offload | None = None
@@ -109,9 +111,9 @@ def prepare(spec: TrainingSpec, config) -> Job:
     if spec.train in ("lora", "peft"):  # PEFT adapters: LoRA/DoRA or any adapter_config.json
         model = build.add_adapters(model, spec)
     liger = build.apply_loss(model, spec, config)  # Trainer: after PEFT, before checkpointing
-    fused = objectives.uses_fused_head(spec)
+    fused = steps.uses_fused_head(spec)
     if fused:  # SFTTrainer: after Trainer.__init__ (PEFT), on the unwrapped model
-        objectives.add_fused_head(model, spec)
+        steps.add_fused_head(model, spec)
     if spec.grad_ckpt:
         enable_checkpointing(model, spec)
     copies = offload.Copies() if spec.offload_activations != "none" else None
@@ -132,15 +134,15 @@ def prepare(spec: TrainingSpec, config) -> Job:
                                                                      masters or params)
     pixel_dtype = PARAM_DTYPE[spec.precision]
     batch, image_tokens = make_batch(spec, config, model, pixel_dtype)
-    if spec.objective != "sft":  # the trainer's collated batch (trace.objectives)
+    if not objectives.lm_loss(spec):  # the trainer's collated batch (its step.batch)
         objectives.check_model(spec, image_tokens, config.model_type)
         batch = objectives.batch(spec, fused=fused)
     elif fused:
-        batch = objectives.sft_trl_batch(batch)
+        batch = objectives.collate(spec, batch)
     job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
-    job.ref = objectives.reference_model(spec, config, build.build_model)
+    job.ref = steps.reference_model(spec, config, build.build_model)
     if fused:
-        objectives.add_fused_reference_head(job.ref)
+        steps.add_fused_reference_head(job.ref)
     job.liger = liger
     job.fused = fused
     if spec.offload_activations == "all":  # TRL get_act_offloading_ctx_manager(model)
@@ -162,7 +164,7 @@ def _call(job: Job, spec: TrainingSpec) -> tuple[torch.Tensor, object | None]:
     logits included, dies before autocast's cache is cleared, as in a Trainer run. `custom`
     (`outputs = model(**batch); loss = outputs.loss`, huggingface/peft
     method_comparison/MetaMathQA/run.py): the caller holds it."""
-    if spec.objective != "sft" or job.fused:  # the TRL trainer's compute_loss (objectives)
+    if not objectives.lm_loss(spec) or job.fused:  # the TRL trainer's compute_loss (step.loss)
         return objectives.loss(job, spec, job.micro), None
     if spec.loop == "custom":
         out = job.model(**job.batch, use_cache=False)
@@ -353,10 +355,9 @@ def train(job: Job, spec: TrainingSpec, tracker: StorageTracker, iterations: int
     job.tracker = tracker
     for it in range(iterations):
         where = empty_cache_at(spec, it)
-        if spec.objective == "grpo":  # the step's completions, before its first forward
+        if objectives.of(spec).GENERATES:  # the step's completions, before its first forward
             tracker.mark("generation", it)
-            objectives.grpo_prepare(job, spec,
-                                    autocast=lambda: _loss_autocast(job, spec))
+            objectives.prepare(job, spec, autocast=lambda: _loss_autocast(job, spec))
         for micro in range(spec.grad_accum):
             _micro_step(job, spec, tracker, it, micro, workspace, where == "after_forward")
         tracker.mark("optimizer", it)
@@ -436,7 +437,7 @@ def prepared(spec: TrainingSpec, config, backend: str = "fake"):
         if backend == "meta":
             wrap_checkpointing(job.model, amp, corrections.CpuSdpaOnMeta)
         with rope_patched(job.liger) if job.liger else contextlib.nullcontext(), \
-                objectives.head_fold(job):
+                steps.head_fold(job):
             yield job
 
 
@@ -456,7 +457,7 @@ def trace(spec: TrainingSpec, config, iterations: int = ITERATIONS, backend: str
                 tracker.label(b, "param", part_of(name))
             if job.ref is not None:  # the frozen reference copy: its own part
                 for t in [*job.ref.parameters(), *job.ref.buffers()]:
-                    tracker.label(t, "param", objectives.REFERENCE)
+                    tracker.label(t, "param", steps.REFERENCE)
             for name, q in quant_state_tensors(job.model):  # real bnb layers' QuantState
                 tracker.label(q, "param", part_of(name))
             for m, (name, _) in zip(job.masters, job.trainable):

@@ -79,14 +79,14 @@ class Ctx:
     in a pure run, `job.precision.check_adapters`): PEFT's `_cast_input_dtype` makes no copy
     when the input already has it."""
     objective: str = "sft"
-    """The training objective (`hybridmem.job.objective`): its loss replaces the LM loss at the
+    """The training objective (`hybridmem.objectives`): its loss replaces the LM loss at the
     head (`families.decoders.objective_acts`)."""
     prompt: int = 0
-    """Prompt tokens per sequence the objective's loss masks out (`objective.prompt_length`)."""
+    """Prompt tokens per sequence the objective's loss masks out (`objectives.prompt_length`)."""
     ref_model: str = "none"
-    """Where a preference objective's reference log-probs come from (`job.objective.ref_model_of`)."""
+    """Where a preference objective's reference log-probs come from (`objectives.ref_model_of`)."""
     trl_head: bool = False
-    """The head is TRL's fused, chunked LM head (`objective.fused_head`, the installed TRL)."""
+    """The head is TRL's fused, chunked LM head (`objectives.fused_head`, the installed TRL)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -390,11 +390,13 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     e = c.e
     if c.head is not None:  # a technique's own head (Liger, CCE: `techniques.head_of`)
         return technique_head(d, c, need_in, need_w)
-    if c.trl_head:  # TRL's fused, chunked head (objective.fused_head)
+    if c.trl_head:  # TRL's fused, chunked head (objectives.fused_head)
         from hybridmem.families.decoders.objective_acts import trl_fused_head
 
         return trl_fused_head(layer, c, need_in, need_w)
-    if c.objective != "sft":  # a TRL trainer's loss on the logits (objective_acts)
+    from hybridmem.objectives import REGISTRY
+
+    if not REGISTRY[c.objective].LM_LOSS:  # a TRL trainer's loss on the logits (objective_acts)
         from hybridmem.families.decoders.objective_acts import objective_head
 
         return objective_head(layer, c, need_in, need_w)

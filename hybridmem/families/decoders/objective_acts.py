@@ -1,6 +1,6 @@
 """The head of a decoder under an objective beyond SFT: the tensors of the trainer's loss.
 
-The code paths are `hybridmem.trace.objectives`' (TRL's, cited there); here they are counted
+The code paths are `hybridmem.objectives.steps`' (TRL's, cited there); here they are counted
 in closed form. R = rows of the policy's forward (2 x micro_batch concatenated), S = tokens,
 V = vocabulary, e = the logits' dtype (the compute dtype), ls = bytes of a row's log_softmax
 output (fp32 under autocast, whose CUDA lists run log_softmax in fp32; else e).
@@ -182,7 +182,7 @@ TRL_ACCUMULATORS = 7  # running max, sum_exp, x_sum_exp, sq_sum_exp, z_sum, max_
 
 def trl_fused_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     """lm_head + loss of TRL's SFTTrainer through `add_fused_lm_head` on a GPU (the Triton
-    path; `hybridmem.trace.objectives._triton_fold` says why the kernels make nothing).
+    path; `hybridmem.objectives.steps._triton_fold` says why the kernels make nothing).
 
     N = b x (s - 1) scored positions (the last token has no label; every position is scored
     on the priced, fully labelled batch). Saved: the hidden states' copy (`last_hidden_state[:,

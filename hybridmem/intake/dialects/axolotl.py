@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hybridmem import objectives
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.job.optimizers import from_hf
@@ -547,9 +548,10 @@ def _objective(cfg: dict, out: Layer, where: str) -> None:
         if value is not None:
             out.set("beta", typed_value(f"{where}: {key}", schema.BY_KEY["beta"], value), key)
             break
-    if cfg.get("precompute_ref_log_probs") and objective in ("dpo", "kto"):
+    plugin = objectives.REGISTRY[objective]
+    if cfg.get("precompute_ref_log_probs") and plugin.PRECOMPUTED_COLUMNS:  # DPO's, KTO's
         out.set("ref_model", "precomputed", "precompute_ref_log_probs")
-    if objective != "grpo":
+    if not plugin.GENERATES:  # the rest is GRPO's generation
         return
     if trl.get("num_generations") is not None:
         out.set("num_generations", typed_value(f"{where}: trl.num_generations",

@@ -301,7 +301,7 @@ SFT_MARKERS: tuple[str, ...] = ("dataset_text_field", "completion_only_loss",
 @converts("training_args", *SFT_MARKERS)
 def _sft_trainer(args: dict, out: dict) -> None:
     """A TRL SFTConfig JSON (`SFT_MARKERS`) runs SFTTrainer's step: `trainer="trl"` (its
-    fused head at TRL >= 1.15, `hybridmem.job.objective.fused_head`)."""
+    fused head at TRL >= 1.15, `hybridmem.objectives.fused_head`)."""
     if any(key in args for key in SFT_MARKERS):
         out["spec"]["trainer"] = "trl"
         out.setdefault("sources", {})["trainer"] = (
@@ -344,13 +344,14 @@ def objective_of(args: dict) -> str | None:
           "precompute_ref_log_probs", "max_prompt_length", "max_completion_length")
 def _objective(args: dict, out: dict) -> None:
     """TRL's DPOConfig / ORPOConfig / KTOConfig / RewardConfig / GRPOConfig as JSON
-    (`hybridmem.job.objective`): the objective from the keys only its config has, `beta`,
+    (`hybridmem.objectives`): the objective from the keys only its config has, `beta`,
     `precompute_ref_log_probs` (-> ref_model precomputed), GRPO's `num_generations`, its
     sequence `max_prompt_length + max_completion_length` (defaults 512 + 256 in the TRL
     releases that have max_prompt_length) and vLLM colocated (`use_vllm` and `vllm_mode`
     "colocate": `vllm_gpu_memory_utilization`, default 0.3; "server", TRL's default mode, runs
     vLLM on other GPUs)."""
-    from hybridmem.job import objective as rules
+    from hybridmem import objectives
+    from hybridmem.objectives import grpo
 
     spec = out["spec"]
     objective = objective_of(args)
@@ -365,12 +366,12 @@ def _objective(args: dict, out: dict) -> None:
     for key in ("max_prompt_length", "max_completion_length"):
         if args.get(key) is not None:
             spec[key] = _count(f"training_args.{key}", args[key])
-    if objective != "grpo":
+    if not objectives.REGISTRY[objective].GENERATES:  # the rest is GRPOConfig's generation
         return
     if args.get("num_generations") is not None:
         spec["num_generations"] = _count("training_args.num_generations",
                                          args["num_generations"])
-    completion = spec.get("max_completion_length") or rules.DEFAULT_COMPLETION
+    completion = spec.get("max_completion_length") or grpo.DEFAULT_COMPLETION
     prompt = spec.get("max_prompt_length")
     if prompt is None and "max_prompt_length" not in args and "max_length" not in args:
         prompt = 512  # grpo_config.py max_prompt_length default (TRL 0.14-0.2x)
@@ -382,7 +383,7 @@ def _objective(args: dict, out: dict) -> None:
             and args.get("vllm_mode", "server") == "colocate":
         frac = args.get("vllm_gpu_memory_utilization")
         spec["vllm_gpu_memory_utilization"] = float(
-            rules.DEFAULT_VLLM_FRACTION if frac is None else frac)
+            grpo.DEFAULT_VLLM_FRACTION if frac is None else frac)
 
 
 @converts("training_args", "bf16", "fp16")

@@ -1,0 +1,38 @@
+"""Reward model (TRL `RewardTrainer`): an `AutoModelForSequenceClassification` with
+`num_labels=1` (a scalar `score` head, no vocabulary logits), chosen and rejected concatenated
+(`step.py`)."""
+
+from __future__ import annotations
+
+from hybridmem.objectives import rules
+
+NAME = "rm"
+ORDER = 4
+LM_LOSS = False
+CONCATENATED = True
+# trl 1.16 reward_trainer.py `DataCollatorForPreference`: padded to the longest
+PADDED = True
+DEFAULT_BETA = 0.0  # RewardConfig has no beta
+FUSED_OUTPUTS: tuple[str, ...] | None = None  # a score head: no log-probs
+BATCH_COLUMNS = 0  # the attention mask takes the labels' place
+PRECOMPUTED_COLUMNS = 0
+GENERATES = False
+SCORE_HEAD = True
+
+
+def reads_reference(spec) -> bool:
+    return False
+
+
+def prompt_length(spec) -> int:
+    return 0
+
+
+def check(spec) -> None:
+    rules.no_reference(spec, NAME)
+    rules.no_vllm(spec)
+    rules.trl_step(spec, NAME)
+
+
+def note(spec) -> str:
+    return ""

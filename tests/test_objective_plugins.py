@@ -1,0 +1,88 @@
+"""The objective plug-ins (`hybridmem.objectives`): the registry, the protocol every plug-in
+provides, the analytic traits agreeing with the batch its torch step builds, and no objective
+name compared outside the plug-ins (docs/design.md, "Where a newcomer adds things")."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from hybridmem import TrainingSpec, objectives
+from hybridmem.errors import SpecError
+from hybridmem.objectives.protocol import REQUIRED
+
+PACKAGE = Path(objectives.__file__).parent.parent  # hybridmem/
+
+
+def test_the_registry_finds_every_objective_in_order():
+    # the six objectives docs/objectives.md documents, the LM loss (the default) first
+    assert objectives.OBJECTIVES == ("sft", "dpo", "orpo", "kto", "rm", "grpo")
+    assert [n for n, o in objectives.REGISTRY.items() if o.LM_LOSS] == ["sft"]
+    for name, plugin in objectives.REGISTRY.items():
+        assert plugin.NAME == name and all(hasattr(plugin, a) for a in REQUIRED)
+    # the job field's choices are the registry's (hybridmem.job.spec)
+    from hybridmem.job.schema import BY_KEY
+
+    assert tuple(BY_KEY["objective"].choices) == objectives.OBJECTIVES
+
+
+def test_an_unknown_objective_is_one_line_naming_the_choices():
+    with pytest.raises(SpecError) as err:
+        TrainingSpec(model="tiny-llama", objective="ppo")
+    assert str(err.value) == ("objective='ppo' is not valid "
+                              "(valid: sft, dpo, orpo, kto, rm, grpo)")
+
+
+@pytest.mark.parametrize("name", [n for n, o in objectives.REGISTRY.items() if not o.LM_LOSS])
+def test_batch_columns_match_the_steps_batch(name):
+    """`BATCH_COLUMNS` / `PRECOMPUTED_COLUMNS` (what the analytic tier adds to the SFT batch's
+    ids + labels) count the int64 (rows x seq) and fp32 per-sequence columns the trainer's
+    collated batch has, as its `step.batch` builds it (the full-logits collators)."""
+    import torch
+
+    kw = dict(model="tiny-llama", micro_batch=2, seq_len=32, objective=name)
+    if name == "grpo":
+        kw.update(num_generations=2, max_completion_length=8)
+    spec = TrainingSpec(**kw)
+    plugin, rows = objectives.of(spec), objectives.rows(spec)
+    batch = objectives.batch(spec, torch.device("meta"))
+    columns = [v for v in batch.values() if v.dtype == torch.long and v.shape == (rows, 32)]
+    assert len(columns) - 2 == plugin.BATCH_COLUMNS  # against SFT's ids and labels
+    if plugin.PRECOMPUTED_COLUMNS:
+        pre = objectives.batch(spec.with_(ref_model="precomputed"), torch.device("meta"))
+        added = [k for k in pre if k not in batch]
+        assert len(added) == plugin.PRECOMPUTED_COLUMNS
+        assert all(pre[k].dtype == torch.float32 and pre[k].shape == (2,) for k in added)
+
+
+def test_every_step_module_provides_the_protocols_hooks():
+    from importlib import import_module
+
+    for name, plugin in objectives.REGISTRY.items():
+        step = import_module(f"hybridmem.objectives.{name}.step")
+        assert callable(step.loss)
+        assert callable(getattr(step, "collate" if plugin.LM_LOSS else "batch"))
+        assert callable(getattr(step, "prepare", None)) == plugin.GENERATES
+
+
+NAMES = "|".join(objectives.OBJECTIVES)
+COMPARED = re.compile(  # `objective == "dpo"`, `o in ("orpo", ...)`, `"grpo" != objective`
+    rf"""(objective["']?\)?|\bo) *(==|!=) *["']({NAMES})["']"""
+    rf"""|(objective|\bo) +(not +)?in +[({{]*["']({NAMES})"""
+    rf"""|["']({NAMES})["'] *(==|!=) *[a-z_.]*objective""")
+# the decoder head's closed form per objective (the family's, `objective_acts`) and the TRL
+# config reader's marker table, which names the configs the keys come from
+STILL_NAMED = {"families/decoders/objective_acts.py", "intake/readers/trainer.py"}
+
+
+def test_no_objective_name_is_compared_outside_the_plug_ins():
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("objectives/"):
+            continue
+        if COMPARED.search(path.read_text()):
+            found.add(rel)
+    assert found == STILL_NAMED
