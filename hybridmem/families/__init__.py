@@ -161,6 +161,13 @@ def check_sub_config(data: dict, key: str, allowed: tuple[str, ...], default: st
         raise SpecError(f"{key}.model_type", sub.get("model_type"), allowed)
 
 
+def check_text_config(data: dict, default: str = "llama") -> None:
+    """`text_config.model_type` (default `default`, the config class's) must be a decoder
+    family with closed forms: the LM is priced by the decoder closed form
+    (`families/common/decoder_acts.py`)."""
+    check_sub_config(data, "text_config", types(DECODER), default)
+
+
 def _discover() -> dict[str, Family]:
     found: dict[str, Family] = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):

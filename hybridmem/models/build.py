@@ -12,7 +12,7 @@ from dataclasses import replace
 from hybridmem.job.lora_targets import default_targets
 from hybridmem.errors import SpecError
 from hybridmem.techniques.quantize import quant_of
-from hybridmem.families.decoders.model import language_model_layers, lm_head_layer
+from hybridmem.families.common.decoder_graph import language_model_layers, lm_head_layer
 from hybridmem.models.graph import ImageLayout, Layer, ModelGraph, Module, ParamTensor as T
 from hybridmem.families import DECODER, attention, family, layer_kind
 from hybridmem.families.common.images import image_plan

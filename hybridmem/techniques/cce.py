@@ -2,7 +2,7 @@
 the loss from the hidden states and `lm_head.weight` without (N, V) logits; the one home of its rules, its allocations emulated in torch, and the real patch.
 
 Why one module: the analytic tier (`head_tensors` below, read by
-`hybridmem/families/decoders/acts.py` `technique_head`), the trace tier and the harness's CPU
+`hybridmem/families/common/decoder_acts.py` `technique_head`), the trace tier and the harness's CPU
 stand-in (`emulate`) and the CUDA harness (`apply_real`) must agree on what CCE keeps alive. CCE needs Triton and a CUDA GPU, so
 the trace tier runs `LinearCrossEntropy` below: plain torch ops that allocate, save and free
 what the kernels do, not their values. Sources: apple/ml-cross-entropy `cut_cross_entropy/`

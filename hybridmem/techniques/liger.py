@@ -112,7 +112,7 @@ def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int
 def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tuple[int, int]]]:
     """lm_head + loss under Liger (`lce_forward` -> `LigerForCausalLMLoss` ->
     `LigerFusedLinearCrossEntropyFunction`; the rules are `liger_kernels`'s docstring),
-    as (numel, bytes) for the analytic tier (`families.decoders.acts.technique_head`).
+    as (numel, bytes) for the analytic tier (`families.common.decoder_acts.technique_head`).
 
     Saved: grad_input (B x H, the input's = the stream dtype) and, when both the input and the
     weight need grads, grad_weight (V x H, the weight's dtype; it becomes the weight's .grad at

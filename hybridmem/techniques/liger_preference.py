@@ -64,7 +64,7 @@ def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int
 
 
 def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tuple[int, int]]]:
-    """The head for the analytic tier (`families.decoders.acts.technique_head`): `tensors` of
+    """The head for the analytic tier (`families.common.decoder_acts.technique_head`): `tensors` of
     the lm_head's dims and the step's dtypes; DPO with a reference model runs its chunks too."""
     reference = c.ref_model in ("separate", "adapter")  # DPO's (ORPO reads none)
     return tensors(d["b"], d["s"], d["h"], d["vocab"], c.e, c.stream, c.param, reference)

@@ -21,8 +21,8 @@ also saves the base output and lora_B's output for the magnitude's grad, and bui
 weight W + scale B@A (fp32) in every forward to take its (detached) column norm.
 
 Tokens: B = micro_batch x seq (language model), N = crops x tokens per crop (vision tower).
-This module holds the shared pieces; the formulas are in `families/decoders/acts.py` (decoder LLM, loss) and
-`families/llava/acts.py` (vision tower, projector).
+This module holds the shared pieces; the formulas are in `families/common/decoder_acts.py` (decoder LLM, loss) and
+`families/common/clip_siglip_acts.py` (vision tower, projector).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Ctx:
     when the input already has it."""
     objective: str = "sft"
     """The training objective (`hybridmem.objectives`): its loss replaces the LM loss at the
-    head (`families.decoders.objective_acts`)."""
+    head (`families.common.objective_acts`)."""
     prompt: int = 0
     """Prompt tokens per sequence the objective's loss masks out (`objectives.prompt_length`)."""
     ref_model: str = "none"

@@ -16,7 +16,7 @@ from hybridmem.families import DECODER, FUSED, GEMMA, MOE, NO_SDPA, QK_NORM, QKV
 
 def layer_kinds() -> dict:
     """The decoder's layers (`acts.py`)."""
-    from hybridmem.families.decoders import acts as TA
+    from hybridmem.families.common import decoder_acts as TA
     from hybridmem.families import LayerKind
 
     return {"embedding": LayerKind(TA.embedding), "rotary": LayerKind(TA.rotary),

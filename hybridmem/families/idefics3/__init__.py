@@ -11,8 +11,7 @@ meta-trace helpers (`meta.py`), the presets (`presets/`).
 
 from __future__ import annotations
 
-from hybridmem.families import VLM, Family
-from hybridmem.families.llava import check_text_config
+from hybridmem.families import VLM, Family, check_text_config
 
 
 def light_config(data: dict):
@@ -50,7 +49,7 @@ def vision_graph(cfg, spec, images, plan):
 
 
 def vision_seq(vc) -> int:
-    from hybridmem.families.llava.vision import tokens_per_crop
+    from hybridmem.families.common.clip_siglip import tokens_per_crop
 
     return tokens_per_crop(vc)  # the SigLIP-like tower's patches per tile
 

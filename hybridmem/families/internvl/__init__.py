@@ -11,8 +11,7 @@ projector); the presets (`presets/`).
 
 from __future__ import annotations
 
-from hybridmem.families import VLM, Family
-from hybridmem.families.llava import check_text_config
+from hybridmem.families import VLM, Family, check_text_config
 
 
 def light_config(data: dict):

@@ -26,7 +26,7 @@ from hybridmem.families.common.activations import (
     dora_saved, linear_inputs, lora_outputs, quant_transients,
 )
 from hybridmem.families.common.eager_top import backward_top
-from hybridmem.families.decoders import acts as TA
+from hybridmem.families.common import decoder_acts as TA
 from hybridmem.models.graph import Layer
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.families.decoders.model import (
+from hybridmem.families.common.decoder_graph import (
     decoder_layer_params, head_dim, kv_heads, language_model_layers,
 )
 from hybridmem.models.graph import Layer, ParamTensor as T

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridmem.errors import SpecError
-from hybridmem.families.llava.vision import (
+from hybridmem.families.common.clip_siglip import (
     has_cls, patches_per_side, tokens_per_crop, vision_layers,
 )
 from hybridmem.models.graph import ImageLayout, Layer, Module, ParamTensor as T, linear

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.families.decoders import acts as TA
+from hybridmem.families.common import decoder_acts as TA
 from hybridmem.families.common.activations import FP32, INT64, Acts, Ctx, Saved, amp_copies, linear_inputs
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer

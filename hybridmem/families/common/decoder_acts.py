@@ -7,7 +7,6 @@ from hybridmem.families.common.activations import (
     FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward,
     dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs, quant_transients,
 )
-from hybridmem.families.gemma3 import acts as GA
 from hybridmem.allocator.alloc import t
 from hybridmem.families.common.eager_top import backward_top, forward_top
 from hybridmem.techniques.kernels import LIGER_SM_COUNT, torch_chunks
@@ -49,7 +48,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
                            qkv=B * (qd + 2 * kvd) if fused else 0,
                            softcap=bool(d.get("attn_softcap")),
                            rep_kv=bool(d.get("masked")) and c.attn == "sdpa")
-    mask_bytes = GA.image_mask_saved(d, c)  # Gemma 3 VLM with images (families/gemma3)
+    mask_bytes = image_mask_saved(d, c)  # a VLM's per-layer image masks (Gemma 3)
     sv.add(mask_bytes, 1, cond=mask_bytes > 0)
     at_probs = sv.total  # eager: saved up to the probs and their cast (`eager_top`)
     before_o = sv.total
@@ -391,13 +390,13 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.head is not None:  # a technique's own head (Liger, CCE: `techniques.head_of`)
         return technique_head(d, c, need_in, need_w)
     if c.trl_head:  # TRL's fused, chunked head (objectives.fused_head)
-        from hybridmem.families.decoders.objective_acts import trl_fused_head
+        from hybridmem.families.common.objective_acts import trl_fused_head
 
         return trl_fused_head(layer, c, need_in, need_w)
     from hybridmem.objectives import REGISTRY
 
     if not REGISTRY[c.objective].LM_LOSS:  # a TRL trainer's loss on the logits (objective_acts)
-        from hybridmem.families.decoders.objective_acts import objective_head
+        from hybridmem.families.common.objective_acts import objective_head
 
         return objective_head(layer, c, need_in, need_w)
     sv = Saved()
@@ -510,7 +509,29 @@ def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
     # in every sliding layer: alive until the last of them ran backward, as cos/sin
     sdpa_mask = mask if c.attn == "sdpa" and d.get("sliding_masked") else 0
     if d.get("image_masks") and c.attn == "sdpa":  # Gemma 3 VLM with images: per-layer masks
-        sdpa_mask, masks = GA.image_bool_masks(d, c)
+        sdpa_mask, masks = image_bool_masks(d, c)
     # one cos/sin pair per RoPE table (Gemma 3: the local and the global base)
     return Acts(saved=2 * d.get("rope_tables", 1) * t(d["s"] * d["head_dim"], c.stream)
                 + sdpa_mask, held=masks)
+
+
+VLM_MASKS = 2
+"""`create_masks_for_vision_model` returns a full and a sliding mask whatever layer types the
+LM has (modeling_gemma3.py: Gemma 3's LM on a batch with images, `dims["image_masks"]`)."""
+
+
+def image_mask_saved(d: dict, c: Ctx) -> int:
+    """One decoder layer's SDPA on the VLM's bool mask (`model.image_masks`): torch
+    converts it per call to an additive mask in the query dtype over its (b, 1, s, s) shape
+    (attention.cpp `convert_boolean_attn_mask`), which the kernel saves for its backward."""
+    if not d.get("image_masks") or c.attn != "sdpa":
+        return 0
+    return t(d["b"] * d["s"] * d["s"], c.e)
+
+
+def image_bool_masks(d: dict, c: Ctx) -> tuple[int, int]:
+    """(saved, held) of the VLM's two (b, 1, s, s) bool masks: the model's forward holds them
+    until it returns; under checkpointing every layer's recompute reads them again, so they
+    stay until the backward is through the LM (priced at the rotary layer, the LM's first)."""
+    masks = VLM_MASKS * t(d["b"] * d["s"] * d["s"], 1)
+    return (masks, 0) if c.ckpt else (0, masks)
