@@ -14,6 +14,11 @@ from __future__ import annotations
 from hybridmem.families import check_sub_config, check_text_config
 from hybridmem.families.common import pixtral
 
+SINGLE, ANYRES, ONEVISION = "single", "anyres", "onevision"
+"""How a record's model lays an image out (`graph.image_layout`, bound in its hooks with
+`functools.partial`): LLaVA-1.5's one native crop, LLaVA-NeXT's anyres tiles + base crop
+(concatenated into one pixel tensor, packed features, `image_newline`), OneVision's anyres
+with anyres_max_N downsampling."""
 VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
 """Vision towers with closed forms (`families/common/clip_siglip.py`)."""
 PIXTRAL = "pixtral"
@@ -31,14 +36,14 @@ def check_config(data: dict, towers: tuple[str, ...] = VISION_TYPES) -> None:
     check_text_config(data)
 
 
-def image_plan(cfg, hw):
+def image_plan(cfg, hw, style: str = SINGLE):
     from hybridmem.job.images import ImagePlan
     from hybridmem.families.common.llava_arch.graph import image_layout
 
     if pixtral_tower(cfg):
         return pixtral.image_plan(cfg, hw)
     side = None if hw is None else hw[0]
-    layout = image_layout(cfg, side)
+    layout = image_layout(cfg, side, style)
     s = side or cfg.vision_config.image_size
     return ImagePlan(cfg.model_type, tokens=layout.tokens, size=(s, s), layout=layout)
 
@@ -65,12 +70,12 @@ def llava_pixels(config, plan, n_images, dtype, device=None, host_shapes=False) 
     return {"pixel_values": torch.zeros(n_images, 3, side, side, dtype=dtype, device=device)}
 
 
-def vision_graph(cfg, spec, images, plan):
+def vision_graph(cfg, spec, images, plan, style: str = SINGLE):
     from hybridmem.families.common.llava_arch.graph import vision_modules
 
     if pixtral_tower(cfg):
         return pixtral.vision_graph(cfg, spec, images, plan)
-    return vision_modules(cfg, spec, images, plan)
+    return vision_modules(cfg, spec, images, plan, style)
 
 
 def vision_seq(vc) -> int:
@@ -81,10 +86,10 @@ def vision_seq(vc) -> int:
     return 0 if vc.model_type == PIXTRAL else tokens_per_crop(vc)
 
 
-def light_config(data: dict):
+def light_config(data: dict, pinpoints: list | None = None):
     from hybridmem.families.common.llava_arch.config import light_llava
 
-    return light_llava(data)
+    return light_llava(data, pinpoints)
 
 
 def layer_kinds() -> dict:
