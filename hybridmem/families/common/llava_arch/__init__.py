@@ -13,12 +13,8 @@ from __future__ import annotations
 
 from hybridmem.families import check_sub_config, check_text_config
 from hybridmem.families.common import pixtral
+from hybridmem.families.common.llava_arch.styles import ANYRES, ONEVISION, SINGLE  # noqa: F401
 
-SINGLE, ANYRES, ONEVISION = "single", "anyres", "onevision"
-"""How a record's model lays an image out (`graph.image_layout`, bound in its hooks with
-`functools.partial`): LLaVA-1.5's one native crop, LLaVA-NeXT's anyres tiles + base crop
-(concatenated into one pixel tensor, packed features, `image_newline`), OneVision's anyres
-with anyres_max_N downsampling."""
 VISION_TYPES: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model")
 """Vision towers with closed forms (`families/common/clip_siglip.py`)."""
 PIXTRAL = "pixtral"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridmem.errors import SpecError
-from hybridmem.families.common.llava_arch import ANYRES, ONEVISION, SINGLE
+from hybridmem.families.common.llava_arch.styles import ANYRES, ONEVISION, SINGLE
 from hybridmem.families.common.clip_siglip import (
     has_cls, patches_per_side, tokens_per_crop, vision_layers,
 )
