@@ -27,7 +27,7 @@ VLM = "vlm"
 DECODER = "decoder"
 
 # Decoder traits (`Family.traits`) the decoder graph and its activation formulas switch on
-# (decoders/model.py, decoders/acts.py; docs/families.md):
+# (common/decoder_graph.py, common/decoder_acts.py; docs/families.md):
 QK_NORM = "qk_norm"   # RMSNorm over head_dim on q and k (modeling_qwen3.Qwen3Attention)
 FUSED = "fused"       # one qkv_proj and one gate_up_proj whose outputs are sliced (modeling_phi3)
 GEMMA = "gemma"       # four (1 + weight) norms per layer, scaled embedding (modeling_gemma2)
@@ -94,7 +94,7 @@ class Family:
     lm_layers: Callable | None = None
     """Decoder: (text config, micro_batch, seq_len) -> its base model's layers (embed_tokens,
     rotary, decoder layers, norm) where they are not the shared decoder graph's
-    (`decoders/model.py language_model_layers`); None: that graph."""
+    (`common/decoder_graph.py language_model_layers`); None: that graph."""
     lm_graph: Callable | None = None
     """(cfg, spec, lm Module, images per sample, plan) -> the LM as the family runs it on a
     batch with images (Gemma 3's per-layer masks, Qwen3-VL's DeepStack adds); None: the

@@ -342,7 +342,7 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
     sequence number): lora_A's input grad (`tokens x in`, the input's dtype) is alive through
     the base backward, whose input grad is then summed with it into a new tensor (autograd's
     input buffer, out of place), when `staged` (the caller subtracts what the adapter branch
-    freed: `decoders.acts.quant_mlp_backward`)."""
+    freed: `common.decoder_acts.quant_mlp_backward`)."""
     q = c.quant
     if q is None or not layer.quantized:
         return (), (), ()

@@ -1,6 +1,6 @@
 """Activation formulas of OLMo 2's language model (transformers 5.24 `modeling_olmo2.py`), op by
 op with PyTorch's `tools/autograd/derivatives.yaml`; what differs from the Llama layer of
-`decoders/acts.py`, whose pieces (linear inputs, attention, adapters) it reuses:
+`common/decoder_acts.py`, whose pieces (linear inputs, attention, adapters) it reuses:
 
 - no input norm: q/k/v read the layer input itself (saved once for their weight grads in a
   pure run; under autocast each linear saves its own bf16 cast);
@@ -41,7 +41,7 @@ def norm_saved(sv: Saved, tokens: int, width: int, grad: bool, need_w: bool) -> 
 def norm_backward(tokens: int, width: int) -> tuple[int, ...]:
     """The top of one `Olmo2RMSNorm`'s backward: the fp32 chain `x * rsqrt(x.pow(2).mean(-1) +
     eps)` (the cast's fp32 grad, the normalised tensor's grad, pow's `2 * x` product and the
-    input's fp32 grad), as Gemma's fp32 norm (`decoders/acts.py`)."""
+    input's fp32 grad), as Gemma's fp32 norm (`common/decoder_acts.py`)."""
     return (t(tokens * width, FP32),) * 4
 
 
@@ -94,7 +94,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # `k * cos`, `rotate_half(k) * sin` and their fp32 sum (apply_rotary_pos_emb)
     fwd_parts = (t(B * qd, e), t(B * kvd, e), t(B * qd, FP32), *[t(B * kvd, FP32)] * 3)
     # ... or, in half precision, down_proj's when larger (also a checkpointed layer's
-    # recompute top, as Llama's under autocast: `decoders/acts.py`): the residual stream h1
+    # recompute top, as Llama's under autocast: `common/decoder_acts.py`): the residual stream h1
     # (the layer's local until the last add), SiLU x up when down_proj's frozen weight does not
     # save it, and with an adapter PEFT's base result, fp32 input copy, lora_B's output and its
     # scaled copy (trace tier, tiny-olmo2 LoRA b2 s64 checkpointed, bf16 and bf16-mixed)
@@ -141,7 +141,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
 
 
 def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
-    """The decoder's rotary tables (`decoders/acts.py rotary`) with cos / sin in fp32 whatever
+    """The decoder's rotary tables (`common/decoder_acts.py rotary`) with cos / sin in fp32 whatever
     the activations' dtype (`Olmo2RotaryEmbedding.forward` returns them uncast)."""
     acts = TA.rotary(layer, c, active)
     if not active:
