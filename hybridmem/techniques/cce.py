@@ -37,11 +37,10 @@ from hybridmem.job.precision import POLICIES
 from hybridmem.techniques.kernels import IGNORE_INDEX
 from hybridmem.techniques.protocol import Target, adapts_lm_head
 
-# model types the CCE patch handles with a plain `lm_head` (no softcap): apple's
-# `transformers/patch.py` `cce_patch` (llama, mistral) and axolotl's fork (qwen2, llava, whose
-# `cce_forward` reads `self.lm_head.weight` of the LLaVA model)
-CCE_TEXT_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
-CCE_PRICED: tuple[str, ...] = (*CCE_TEXT_TYPES, "llava")
+# Which model types the CCE patch handles with a plain `lm_head` (no softcap) is their family
+# records' (`Family.techniques` "cce": apple's `transformers/patch.py` `cce_patch` (llama,
+# mistral) and axolotl's fork (qwen2, llava, whose `cce_forward` reads `self.lm_head.weight`
+# of the LLaVA model)); the refusal names them (`Target.listed`).
 LOCK_ROWS = 128   # `triton.cdiv(B, 128)` locks (cce_lse_forward_kernel, cce_backward_kernel)
 LOCK_COLS = 64    # `nd_locks = triton.cdiv(c.size(1), 64)` (cce_backward_kernel)
 INT64, INT32, FP32, BOOL = 8, 4, 4, 1
