@@ -21,8 +21,8 @@ also saves the base output and lora_B's output for the magnitude's grad, and bui
 weight W + scale B@A (fp32) in every forward to take its (detached) column norm.
 
 Tokens: B = micro_batch x seq (language model), N = crops x tokens per crop (vision tower).
-This module holds the shared pieces; the formulas are in `families/common/decoder_acts.py` (decoder LLM, loss) and
-`families/common/clip_siglip_acts.py` (vision tower, projector).
+This module holds the shared pieces; the formulas are in `families/common/decoder_acts.py`
+(decoder LLM, loss) and `families/common/clip_siglip_acts.py` (vision tower, projector).
 """
 
 from __future__ import annotations

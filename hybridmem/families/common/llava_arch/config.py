@@ -37,7 +37,7 @@ def vision_config(data: dict | None) -> SimpleNamespace:
     if data is None:
         data = LLAVA_VISION
     kind = data.get("model_type", "clip_vision_model")
-    if kind == "pixtral":  # LLaVA with a Pixtral tower (pixtral-12b; families/common/pixtral/config.py)
+    if kind == "pixtral":  # LLaVA with a Pixtral tower (pixtral-12b; common/pixtral/config.py)
         from hybridmem.families.common.pixtral.config import PIXTRAL_DEFAULTS as defaults
     else:
         defaults = VISION_DEFAULTS[kind]

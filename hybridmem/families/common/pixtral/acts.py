@@ -9,8 +9,8 @@ Op by op from transformers 5.24 `modeling_pixtral.py` / `modeling_mistral3.py` a
   residual stream is fp32 there (the param dtype in pure runs): the stream of the LM (`c.stream`);
 - a Pixtral block is a Llama decoder layer on one sequence of all N patches of the step
   (RMSNorm, q/k/v/o without bias, RoPE with cos/sin in the stream dtype, SDPA, SwiGLU): priced by
-  `common.decoder_acts.decoder_layer` (batch 1, sequence N, as many kv heads as heads), plus the block
-  mask: `generate_block_attention_mask` builds one dense (1, 1, N, N) additive mask in the
+  `common.decoder_acts.decoder_layer` (batch 1, sequence N, as many kv heads as heads), plus
+  the block mask: `generate_block_attention_mask` builds one dense (1, 1, N, N) additive mask in the
   stream dtype that every SDPA saves; under autocast SDPA casts it to bf16 in every block
   (autocast caches only leaf casts), a copy each block's SDPA saves;
 - the projector: Mistral3RMSNorm, `Mistral3PatchMerger` (`unfold` = a new (E·m², L) tensor per
