@@ -20,7 +20,7 @@ from hybridmem import objectives as objective_plugins
 from hybridmem.objectives import rules as objective_rules
 from hybridmem.families.common import activations as A
 from hybridmem.allocator.alloc import t
-from hybridmem.families import family, layer_kind
+from hybridmem.families import family, layer_kind, target
 from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.allocator.reserved import (
     FROM_GPU, allocator_extras, bounded, capacity_notes, capacity_source, gpu_capacity,
@@ -74,7 +74,7 @@ def loss_applied(spec: TrainingSpec) -> Technique | None:
 
     _, data = load_config_dict(spec.model)  # the JSON: no transformers import for two fields
     text = (data.get("text_config") or {}).get("model_type")
-    return technique if technique.applies(data["model_type"], text) else None
+    return technique if technique.applies(target(data["model_type"], text)) else None
 
 
 def context(spec: TrainingSpec) -> A.Ctx:
@@ -106,13 +106,15 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
                  objective=spec.objective, prompt=objective_plugins.prompt_length(spec),
                  ref_model=objective_plugins.ref_model_of(spec), head=head_of(spec, loss),
-                 trl_head=objective_plugins.fused_head(spec, installed("trl")))
+                 trl_head=objective_plugins.fused_head(spec, installed("trl")),
+                 padded=spec.padded, score_head=objective_plugins.of(spec).SCORE_HEAD)
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
     acts = _formula_acts(layer, c, need_in, need_w, tied_grad, merged)
-    padded = c.trl_head or objective_plugins.REGISTRY[c.objective].PADDED  # the collator's mask
+    # the collator's mask: TRL's, or a padded batch's (`TrainingSpec.padded`)
+    padded = c.trl_head or objective_plugins.REGISTRY[c.objective].PADDED or c.padded
     if padded and layer.kind == "decoder_layer" and c.attn == "sdpa" and acts.saved:
         acts = objectives.padded_sdpa_mask(layer, c, acts)
     if layer.quantized and layer.kind != "decoder_layer" and layer.runs:
@@ -233,32 +235,20 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
     """input_ids and labels (int64) and pixel_values, alive for the whole iteration.
 
     No attention mask: an unpadded batch, for which HF takes the causal kernel path (the trace
-    tier's batch is the same, `hybridmem.trace.inputs`)."""
+    tier's batch is the same, `hybridmem.trace.inputs`); a `padded` one adds the collator's
+    int64 mask."""
     tokens = t(graph.micro_batch * graph.seq_len, A.INT64)
     out = 2 * tokens
-    if graph.vision_batch:
-        emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
-        pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
-        out += t(graph.vision_batch * emb["channels"] * emb["side"] ** 2, pix)
-    if graph.vision_batch and family(graph.model_type).pixel_mask:
-        # Idefics3's bool pixel_attention_mask (crops, tile, tile), `Family.pixel_inputs`
-        out += t(graph.vision_batch * emb["side"] ** 2, 1)
+    if spec.padded and objective_plugins.lm_loss(spec) and not objective_plugins.fused_head(
+            spec, installed("trl")):
+        out += tokens  # the collator's int64 attention mask (`spec.padded`)
+    pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
+    # the processor's pixel inputs, as the tower layers that read them price them
+    # (`LayerKind.pixel_bytes`: crops, packed patches and their grids, Idefics3's mask)
+    out += sum(lk.pixel_bytes(layer, graph, pix) for _, layer in graph.layers()
+               if (lk := layer_kind(layer.kind)).pixel_bytes is not None)
     if graph.image_tokens and family(graph.model_type).text_extras is not None:
         out += tokens  # token type ids (b, s) int64 (`Family.text_extras`, families.common.images.text_inputs)
-    patches = next((l.dims for m, l in graph.layers() if l.kind == "qwen_patch_embed"), None)
-    if patches and graph.image_tokens:
-        # Qwen-VL (`Family.pixel_inputs`): pixel patches in the model dtype and image_grid_thw
-        # (images, 3) int64
-        pix = POLICIES[spec.precision].param_bytes
-        out += t(patches["n"] * patches["row"], pix)
-        out += t(3 * patches["images"], A.INT64)
-    conv = next((l.dims for m, l in graph.layers() if l.kind == "pixtral_patch_conv"), None)
-    if conv and graph.image_tokens:
-        # Mistral-3 (`Family.pixel_inputs`): (images, C, H, W) in the model dtype and the
-        # (images, 2) int64 image_sizes
-        pix = POLICIES[spec.precision].param_bytes
-        out += t(conv["images"] * conv["channels"] * conv["h_px"] * conv["w_px"], pix)
-        out += t(2 * conv["images"], A.INT64)
     return out
 
 
@@ -288,11 +278,11 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
         "iterations replayed through the caching-allocator simulator (PYTORCH_ALLOC_CONF "
         "respected; allocated stays the closed form's), kept non-decreasing in the "
         "micro-batch; within ~2 points of the trace tier's reserved peak on 7B models",
-        "batch: unpadded (no attention mask), loss over every position with fp32 logits "
-        "(transformers ForCausalLMLoss)",
+        ("batch: padded (the collator's attention mask; each sdpa layer saves the "
+         "(b, 1, s, s) mask)" if spec.padded else "batch: unpadded (no attention mask)")
+        + ", loss over every position with fp32 logits (transformers ForCausalLMLoss)",
     ]
-    patches = next((l.dims["n"] for m, l in graph.layers()
-                    if l.kind in ("qwen_patch_embed", "pixtral_patch_conv")), 0)
+    patches = next((l.dims["n"] for m, l in graph.layers() if layer_kind(l.kind).packed), 0)
     if graph.image_tokens:
         seen = (f"{patches} patches in one packed sequence" if patches
                 else f"{graph.vision_batch} crop(s)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from importlib import import_module
 
 from hybridmem import objectives
+from hybridmem.batches.scope import closed_form_gap
 from hybridmem.errors import SpecError
 from hybridmem.families.defaults import resolve_defaults
 from hybridmem.intake.merge import Resolved, resolve_inputs
@@ -88,7 +89,8 @@ def _by_name(target: str):
 
 def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
     """The tier for `spec`: `method` when given; else the trace tier for what only it prices
-    (the analytic tier's `refusal`), else hybrid when a GPU-calibrated learned model for this
+    (the analytic tier's `refusal`, and a `--lengths` run whose reserved growth the closed form
+    does not price, `batches.scope.closed_form_gap`), else hybrid when a GPU-calibrated learned model for this
     environment exists (`learned.predictor.default_method`), else analytic.
 
     One chooser for the Python API, the CLI and the service, called by `resolve_once` on the
@@ -103,6 +105,11 @@ def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
         if refusal("trace", spec) is not None:
             raise no_tier(refused, spec, "analytic")
         why = f"the analytic tier refuses {clause(refused)}"
+        return Choice("trace", why,
+                      note=f"method: trace chosen because {why} (pass --method to override)")
+    gap = closed_form_gap(spec)  # None without --lengths: the trace tier's rule (torch) only then
+    if gap is not None and refusal("trace", spec) is None:  # the hybrid tier's run uses the analytic streams too
+        why = f"the closed form does not price this run's reserved growth: {gap}"
         return Choice("trace", why,
                       note=f"method: trace chosen because {why} (pass --method to override)")
     if not objectives.lm_loss(spec):  # the learned residuals were fit on SFT steps only
