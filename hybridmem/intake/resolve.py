@@ -21,6 +21,7 @@ from hybridmem.errors import SpecError
 from hybridmem.families.defaults import resolve_defaults
 from hybridmem.intake.merge import Resolved, resolve_inputs
 from hybridmem.intake.dialects import LauncherConfig, read_config
+from hybridmem.job.resolved import Job
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import is_analytic, model_type_of
@@ -123,7 +124,8 @@ class ResolvedJob:
     """One job as every tier prices it: the spec with the model's defaults filled in, where its
     fields came from, what the model decided and why, and the tier that answers and why."""
 
-    spec: TrainingSpec
+    spec: Job
+    """The job every tier prices: its `attn` and `precision` decided (`job.resolved.Job`)."""
     tier: Choice
     given: TrainingSpec
     """The spec as given, before the model's defaults (the fit advice varies it and fills

@@ -36,9 +36,9 @@ import math
 from hybridmem.allocator.alloc import t
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
-from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
 from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.resolved import Job
 from hybridmem.job.spec import POLICIES, TrainingSpec
 from hybridmem.parallel.layout import (
     check_layout, in_flight, model_shape, rank_config, stage_layers,
@@ -264,12 +264,11 @@ class _Base:
         self.breakdown = dict(top.bytes)
 
 
-def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction, list[RankAnswer]]:
+def price_ranks(spec: Job, gpu: GPU | None = None) -> tuple[Prediction, list[RankAnswer]]:
     """The highest per-rank peak of a model-parallel `spec`, and every pipeline rank's."""
     from hybridmem.analytic.estimate import setup as _setup  # the tier's public entry
     from hybridmem.models.loader import load_config_dict, materialize_config
 
-    spec = resolved(spec)
     ps = spec.parallel
     _, data = load_config_dict(spec.model)
     shape = model_shape(data)
