@@ -9,7 +9,7 @@ import platform
 from importlib.metadata import PackageNotFoundError, version
 
 # the libraries whose code the trace tier runs (torch, transformers, peft; trl's fused LM head
-# when installed, `objective.fused_head`); docs/trace.md, "Versions"
+# when installed, `objectives.fused_head`); docs/trace.md, "Versions"
 PRICED_WITH = ("torch", "transformers", "peft", "trl")
 
 

@@ -86,3 +86,15 @@ def test_no_objective_name_is_compared_outside_the_plug_ins():
         if COMPARED.search(path.read_text()):
             found.add(rel)
     assert found == STILL_NAMED
+
+
+def test_the_independence_contract_lists_every_objective():
+    """pyproject.toml's "objectives are independent" contract names each plug-in: a new
+    objective's folder joins it (else it could import another unseen)."""
+    import tomllib
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    contracts = {c["name"]: c for c in config["tool"]["importlinter"]["contracts"]}
+    expected = {f"hybridmem.objectives.{n}" for n in objectives.OBJECTIVES}
+    assert set(contracts["objectives are independent"]["modules"]) == expected
+    assert set(contracts["objective helpers import no objective"]["forbidden_modules"]) == expected

@@ -6,7 +6,7 @@ loop's pieces twice: `get_batch_samples` (the loop's `num_items_in_batch`), `tra
 `optimizer.step()`, `model.zero_grad()` (transformers trainer.py `_inner_training_loop`). Live
 bytes are counted by storage address with CUDA's 512-byte rounding (`DataPtrCounter`,
 independent of the trace tier's tracker). The trace tier runs TRL's own code for the installed
-TRL (`objective.fused_head`); on CPU TRL folds the fused head's tiles in torch, so the trace is
+TRL (`objectives.fused_head`); on CPU TRL folds the fused head's tiles in torch, so the trace is
 asked for that path (`steps.head_path("torch")`); the GPU path it prices by default is
 checked against the analytic tier.
 """

@@ -1,7 +1,8 @@
-"""The analytic tier's terms for the objectives beyond SFT (`hybridmem.objectives.rules`).
+"""The analytic tier's terms for the objectives beyond SFT, read from the plug-ins' traits
+(`hybridmem.objectives`: `rows`, `SCORE_HEAD`, `GENERATES`, `BATCH_COLUMNS`, ...).
 
-What changes against the SFT step, as `hybridmem.objectives.steps` runs it: the policy's graph
-has `objective.rows` sequences (chosen + rejected concatenated); its head is the trainer's loss
+What changes against the SFT step, as each objective's `step.py` runs it: the policy's graph
+has `objectives.rows` sequences (chosen + rejected concatenated); its head is the trainer's loss
 (`families.decoders.objective_acts`); the reward model's head is a (1, hidden) `score`; a
 separate reference adds a frozen copy of the model's weights (`Statics.param`, its own module
 line) and every reference forward its no-grad high point at the end of the policy's forward
@@ -19,7 +20,7 @@ from dataclasses import replace
 from hybridmem.analytic.events import _no_grad_working_set
 from hybridmem.families.common.activations import FP32, Ctx
 from hybridmem.families.decoders.objective_acts import reference_head, trl_reference_head
-from hybridmem import objectives as rules
+from hybridmem import objectives as plugins
 from hybridmem.objectives.grpo import completion_length, old_logps
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer, Module, ModelGraph, ParamTensor
@@ -27,8 +28,8 @@ from hybridmem.models.graph import Layer, Module, ModelGraph, ParamTensor
 def padded_sdpa_mask(layer: Layer, c: Ctx, acts):
     """A decoder layer's SDPA under TRL's collator, whose batch carries an attention mask (a
     batch of varied lengths is padded to its longest: `hybridmem.objectives.sft.step
-    .sft_trl_batch`, `objective.PADDED`): masking_utils' boolean (b, 1, s, s) mask reaches each layer's
-    `scaled_dot_product_attention`, which converts it to the query's dtype
+    .sft_trl_batch`, the objective's `PADDED`): masking_utils' boolean (b, 1, s, s) mask
+    reaches each layer's `scaled_dot_product_attention`, which converts it to the query's dtype
     (aten/src/ATen/native/transformers/attention.cpp `convert_boolean_attn_mask`) and saves
     that float mask for backward: one (b x s x s, e) tensor per layer."""
     d = layer.dims
@@ -37,15 +38,15 @@ def padded_sdpa_mask(layer: Layer, c: Ctx, acts):
 
 
 def graph_spec(spec):
-    """The spec whose graph the policy runs: `objective.rows` sequences per forward."""
-    rows = rules.rows(spec)
+    """The spec whose graph the policy runs: `objectives.rows` sequences per forward."""
+    rows = plugins.rows(spec)
     return spec if rows == spec.micro_batch else spec.with_(micro_batch=rows)
 
 
 def with_score_head(graph: ModelGraph, spec) -> ModelGraph:
     """The reward model's graph: the lm_head replaced by `score`, Linear(hidden, 1, bias=False)
     (transformers `LlamaForSequenceClassification`; no tying: it has no output embedding)."""
-    if not rules.of(spec).SCORE_HEAD:
+    if not plugins.of(spec).SCORE_HEAD:
         return graph
     head = graph.module("lm_head")
     old = head.layers[0]
@@ -60,7 +61,7 @@ def with_score_head(graph: ModelGraph, spec) -> ModelGraph:
 def reference_param_bytes(priced, spec) -> int:
     """A separate reference: `create_reference_model`'s deep copy of the model's weights and
     buffers in their dtype (a full or projector run has no adapters to leave out)."""
-    if rules.ref_model_of(spec) != "separate":
+    if plugins.ref_model_of(spec) != "separate":
         return 0
     return sum(p.states.param for p in priced)
 
@@ -70,15 +71,15 @@ def reference_forward(priced, spec, c: Ctx) -> int:
     at the end of the policy's forward: the residual stream and one decoder layer's no-grad
     working set, or the head's (`objective_acts.reference_head`); 0 without a reference
     forward there (GRPO's runs in its generation phase: `generation`)."""
-    if rules.ref_model_of(spec) in ("none", "precomputed") or rules.of(spec).GENERATES:
+    if plugins.ref_model_of(spec) in ("none", "precomputed") or plugins.of(spec).GENERATES:
         return 0
     if c.head is not None:  # a technique's fused loss runs the reference's head in its chunks
         return _no_grad_forward(priced, c, None, lambda d: 0)
-    if c.trl_head:  # TRL's fused head (`objective.fused_head`)
+    if c.trl_head:  # TRL's fused head (`objectives.fused_head`)
         return _no_grad_forward(priced, c, None, lambda d: trl_reference_head(
             d["b"], d["s"], d["h"], d["vocab"], c))
     return _no_grad_forward(priced, c, None, lambda d: reference_head(
-        d["b"], d["s"], d["h"], d["vocab"], c, rules.prompt_length(spec), spec.objective))
+        d["b"], d["s"], d["h"], d["vocab"], c, plugins.prompt_length(spec), spec.objective))
 
 
 def _no_grad_forward(priced, c: Ctx, shape: tuple[int, int] | None, head) -> int:
@@ -133,7 +134,7 @@ def generation(priced, spec, c: Ctx) -> dict:
       `/ temperature` copy and one row's log_softmax; the ids and advantages alive.
     Held until the step ends: the ids (G x (P + C) int64), the advantages (G fp32), the
     reference's log-probs (G x C fp32)."""
-    if not rules.of(spec).GENERATES:
+    if not plugins.of(spec).GENERATES:
         return {}
     g = c.param
     gc = replace(c, e=g, stream=g, amp=False, autocast=False)
@@ -160,7 +161,7 @@ def generation(priced, spec, c: Ctx) -> dict:
     if c.trl_head:  # trl >= 1.15: the buffer's ids and masks (`_grpo_fused_prepare`)
         return _fused_generation(priced, spec, c, peak)
     held = ids + advantages
-    if rules.ref_model_of(spec) != "none":
+    if plugins.ref_model_of(spec) != "none":
         logps = t(G * C, FP32)
         row = 0 if g == FP32 else t(C * V, g)
 
@@ -185,7 +186,7 @@ def _fused_generation(priced, spec, c: Ctx, sampling: int) -> dict:
     C = completion_length(spec)
     buffer = 2 * t(G * (S - C), 8) + 2 * t(G * C, 8)
     held, peak = buffer, sampling
-    forwards = int(old_logps(spec)) + int(rules.ref_model_of(spec) != "none")
+    forwards = int(old_logps(spec)) + int(plugins.ref_model_of(spec) != "none")
     if forwards:
         concat = 2 * t(G * S, 8)
         step = _no_grad_forward(priced, c, (n, S), lambda d: trl_reference_head(
@@ -205,7 +206,7 @@ def generation_module(spec):
     and the reference's log-probs are `extras["objective"]` (`held_bytes`)."""
     from hybridmem.prediction import ModuleMemory
 
-    if not rules.of(spec).GENERATES:
+    if not plugins.of(spec).GENERATES:
         return None
     return ModuleMemory(name="generation", params=0, trainable_params=0, param=0, grad=0,
                         optimizer=0, activation=0)
@@ -214,13 +215,13 @@ def generation_module(spec):
 def held_bytes(spec) -> tuple[int, int]:
     """(reference, generation) bytes GRPO's generation phase leaves alive through the step:
     the reference's log-probs (G x C fp32), the generated ids (G x (P + C) int64)."""
-    if not rules.of(spec).GENERATES:
+    if not plugins.of(spec).GENERATES:
         return 0, 0
     from hybridmem.environment import installed
 
     G, C = spec.micro_batch * spec.grad_accum, completion_length(spec)
-    ref = t(G * C, FP32) if rules.ref_model_of(spec) != "none" else 0
-    if not rules.fused_head(spec, installed("trl")):
+    ref = t(G * C, FP32) if plugins.ref_model_of(spec) != "none" else 0
+    if not plugins.fused_head(spec, installed("trl")):
         return ref, t(G * spec.seq_len, 8)
     # trl >= 1.15 (`_fused_generation`): the prompt and completion ids and masks, the old
     # policy's log-probs at num_iterations > 1
@@ -234,11 +235,11 @@ def batch_bytes(spec) -> int:
     mask, KTO's KL ids and labels; GRPO's stand-in has one fewer), the generation's outputs
     (`generation_held`), and `PRECOMPUTED_COLUMNS` fp32 per sequence of precomputed reference
     log-probs."""
-    objective = rules.of(spec)
-    out = objective.BATCH_COLUMNS * t(rules.rows(spec) * spec.seq_len, 8)
+    objective = plugins.of(spec)
+    out = objective.BATCH_COLUMNS * t(plugins.rows(spec) * spec.seq_len, 8)
     if objective.GENERATES:
         out += generation_held(spec)
-    if rules.ref_model_of(spec) == "precomputed":
+    if plugins.ref_model_of(spec) == "precomputed":
         out += objective.PRECOMPUTED_COLUMNS * t(spec.micro_batch, 4)
     return out
 
@@ -253,9 +254,9 @@ def reference_module(priced, spec):
     parameters; its forward's high point is a temporary (`extras["objective"]`)."""
     from hybridmem.prediction import ModuleMemory
 
-    if rules.ref_model_of(spec) in ("none", "precomputed"):
+    if plugins.ref_model_of(spec) in ("none", "precomputed"):
         return None
-    separate = rules.ref_model_of(spec) == "separate"
+    separate = plugins.ref_model_of(spec) == "separate"
     return ModuleMemory(name="reference",
                         params=sum(p.states.param_count for p in priced) if separate else 0,
                         trainable_params=0, param=reference_param_bytes(priced, spec),

@@ -581,7 +581,7 @@ class TrainingSpec:
         "`trl/kernels/chunked_logprob.py`: no full logits). The other objectives are TRL's "
         "trainers whatever it says; an SFTConfig JSON (its dataset keys) means `trl`. "
         "[docs/objectives.md](docs/objectives.md)")
-    """Who runs the SFT step (`objective.TRAINERS`); the other objectives are TRL's."""
+    """Who runs the SFT step (`objectives.TRAINERS`); the other objectives are TRL's."""
     ref_model: str | None = job_field(
         None, help="Ref.", group="objective", choices=REF_MODELS, added=34,
         keys={"training_args": ("precompute_ref_log_probs",)},
@@ -590,13 +590,13 @@ class TrainingSpec:
         "(TRL `precompute_ref_log_probs`: no reference in the step), `none`; default as TRL: "
         "DPO / KTO `adapter` with LoRA / PEFT, else `separate`; GRPO `none` at beta 0; "
         "ORPO / RM / SFT `none`")
-    """Reference model (`objective.ref_model_of` resolves None as TRL does)."""
+    """Reference model (`objectives.ref_model_of` resolves None as TRL does)."""
     beta: float | None = job_field(
         None, help="The loss's beta (GRPO: 0 = no reference).", group="objective",
         added=35, keys={"training_args": ("beta",)},
         doc="the objective's beta; memory only through GRPO's reference (beta 0, TRL's "
         "default, loads none); default: the trainer's (DPO / ORPO / KTO 0.1, GRPO 0.0)")
-    """KL / preference coefficient; None: the trainer's default (`objective.DEFAULT_BETA`)."""
+    """KL / preference coefficient; None: the trainer's default (each objective's `DEFAULT_BETA`)."""
     num_generations: int = job_field(
         8, help="GRPO completions per prompt.",
         group="objective", unit="sequences", added=36, recorded="int64",

@@ -16,9 +16,10 @@ readers; each is written once here, with its source:
   into `2 x cp` chunks (`_context_parallel/_load_balancer.py`, `_HeadTailLoadBalancer`), so
   `seq_len` must divide by `2 x cp`; with sequence parallelism the rank's tokens also split
   over `tp`;
-- pipeline parallelism puts `layers / (pp x v)` consecutive layers on each stage, the token
-  embedding on the first stage and the final norm, `lm_head` and loss on the last
-  (torchtitan `pipeline_module_split`, Megatron `get_num_layers_to_build`);
+- pipeline parallelism puts `layers / (pp x v)` consecutive layers on each stage (an uneven
+  split gives the first stages one more, `stage_sizes`), the token embedding on the first
+  stage and the final norm, `lm_head` and loss on the last (torchtitan `pipeline_module_split`,
+  Megatron `get_num_layers_to_build`);
 - expert parallelism puts `experts / ep` experts on each rank (torchtitan `ExpertParallel`,
   Megatron `num_moe_experts % expert_model_parallel_size == 0`).
 """
@@ -74,9 +75,11 @@ def check_layout(ps: ParallelSpec, shape: ModelShape, seq_len: int) -> None:
                              ("tp", shape.expert_ffn, "experts' intermediate size")):
         if tp > 1 and dim and dim % tp:
             raise SpecError(f"parallel.{field}", tp, reason=f"does not divide the {dim} {what}")
-    if chunks > 1 and shape.layers % chunks:
-        raise SpecError("parallel.pp", ps.pp, reason=f"pp x pp_virtual_stages = {chunks} does "
-                        f"not divide the {shape.layers} layers")
+    if chunks > shape.layers:
+        # torchtitan `generate_llm_fqn_per_model_part`: "Number of stages cannot be greater
+        # than effective layers"; an uneven split is not an error (`stage_sizes`)
+        raise SpecError("parallel.pp", ps.pp, reason=f"pp x pp_virtual_stages = {chunks} "
+                        f"stages for the {shape.layers} layers: a stage would be empty")
     if ps.ep > 1 and not shape.experts:
         raise SpecError("parallel.ep", ps.ep, reason="the model has no experts (dense model)")
     if ps.ep > 1 and shape.experts % ps.ep:
@@ -113,14 +116,32 @@ def rank_config(data: dict, tp: int, ep: int) -> dict:
     return out
 
 
+def stage_sizes(layers: int, stages: int) -> list[int]:
+    """Decoder layers of each of `stages` pipeline stages, in stage order.
+
+    An even split where `stages` divides the layers. Otherwise torchtitan's rule
+    (`torchtitan/distributed/pipeline_parallel.py::generate_llm_fqn_per_model_part`:
+    `layers_per_stage = n // stages`, the `n % stages` extra layers to the first stages, one
+    each), with its `pipeline_parallel_first_stage_less_layers` and `..._last_stage_less_layers`
+    at 0 (the job has no field for them: the embedding and the head count as no layer);
+    transformers' pipeline split (`distributed/pipeline_parallel.py::layer_range_for_rank`) is
+    the same rule. Megatron-LM refuses an uneven split unless its first and last stages are
+    sized explicitly (`--decoder-first-pipeline-num-layers` / `--decoder-last-...`,
+    `num_layers % pipeline_model_parallel_size` asserted otherwise), which the job cannot
+    express; priced here as torchtitan splits it, every rank priced, so the answer is the rank
+    whose larger stage (with its in-flight micro-batches) peaks highest."""
+    per, extra = divmod(layers, stages)
+    return [per + (s < extra) for s in range(stages)]
+
+
 def stage_layers(ps: ParallelSpec, layers: int, rank: int) -> list[int]:
-    """Decoder layer indices on pipeline rank `rank`: its `v` chunks of `layers / (pp x v)`
-    consecutive layers, chunk c being stage `rank + c x pp` (torchtitan / torch pipelining's
+    """Decoder layer indices on pipeline rank `rank`: its `v` chunks of consecutive layers
+    (`stage_sizes`), chunk c being stage `rank + c x pp` (torchtitan / torch pipelining's
     loop style, `generate_stage_to_rank_mapping` style "loop")."""
-    v = ps.pp_virtual_stages
-    per = layers // (ps.pp * v)
-    return [i for c in range(v) for i in range((rank + c * ps.pp) * per,
-                                                (rank + c * ps.pp + 1) * per)]
+    sizes = stage_sizes(layers, ps.pp * ps.pp_virtual_stages)
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    return [i for c in range(ps.pp_virtual_stages)
+            for i in range(starts[rank + c * ps.pp], starts[rank + c * ps.pp] + sizes[rank + c * ps.pp])]
 
 
 def in_flight(ps: ParallelSpec, rank: int) -> float:

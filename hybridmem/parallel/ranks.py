@@ -37,7 +37,7 @@ from hybridmem.allocator.alloc import t
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
 from hybridmem.gpus import GPU
-from hybridmem.job.parallel import ParallelSpec
+from hybridmem.job.parallel import INTERLEAVED, ParallelSpec
 from hybridmem.job.resolved import Job
 from hybridmem.job.spec import POLICIES, TrainingSpec
 from hybridmem.parallel.layout import (
@@ -160,7 +160,22 @@ def _comm(spec: TrainingSpec, shape, e: int, top_k: int) -> tuple[int, int]:
     return fwd, bwd
 
 
-def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> RankAnswer:
+def _expert_parallel_saved(spec: TrainingSpec, shape, e: int, top_k: int) -> int:
+    """Bytes an expert-parallel MoE layer saves beyond the same experts run locally, as
+    transformers' expert parallelism runs them (measured by the trace tier,
+    tests/test_parallel_ep_trace.py): the rows received by the dispatch all-to-all, which the
+    experts' grouped matmul saves as its input, and the combine's reordered output
+    (`AllToAllEP._dispatch_tokens` / `_combine_tokens`: `all_to_all_single_autograd`, then
+    `token_outputs[order] = recv_out`), each `rows x hidden`; and, with the experts split
+    (`_is_expert_parallel`), the sentinel masks' copies of the up and down projections'
+    outputs (`grouped_mm_experts_forward`: `proj_out.masked_fill(sentinel_mask, 0)` after
+    each grouped matmul), `rows x 2 x expert_ffn` and `rows x hidden`. `rows` = the rank's
+    tokens x top_k (balanced routing)."""
+    rows = spec.micro_batch * (spec.seq_len // spec.parallel.cp) * top_k
+    return 3 * t(rows * shape.hidden, e) + t(rows * 2 * (shape.expert_ffn // spec.parallel.tp), e)
+
+
+def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) -> RankAnswer:
     """Price pipeline rank `rank` from the priced narrow graph (`narrow`: the rank's shard at
     `seq / cp`) and, under sequence parallelism, the full-width one at `seq / (cp x tp)`."""
     from hybridmem.analytic.timeline import walk
@@ -183,6 +198,12 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
             if kind == "decoder_layer" and p.layer.name in acts_of:
                 step = dataclasses.replace(step, acts=_sequence_parallel(
                     acts_of[p.layer.name], step.acts, _gathered_inputs(spec, shape)))
+            if kind == "decoder_layer" and ps.ep > 1 and any(
+                    "experts" in q.name for q in p.layer.params):
+                extra = _expert_parallel_saved(spec, shape, e_top[0], e_top[1])
+                step = dataclasses.replace(step, acts=dataclasses.replace(
+                    step.acts, saved=step.acts.saved + extra,
+                    mlp_saved=step.acts.mlp_saved + extra))
             elif kind in SEQUENCE_SHARDED and p.layer.name in acts_of:
                 # torchtitan's plan: the embedding's output `Shard(1)`, the final norm
                 # `SequenceParallel`; both run on the rank's seq / tp tokens
@@ -192,20 +213,31 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     steps = [s for _, s in chosen]
     k = in_flight(ps, rank)
     per_micro = sum(s.kept for s in steps)
-    held = round((k - 1) * per_micro)
-    grad_accum = 2 if ps.pp > 1 and ps.microbatches > 1 else st.grad_accum
+    buffers = _pipeline_buffers(spec, shape, rank)
     stage_st = dataclasses.replace(
-        st, grad_accum=grad_accum,
-        param=sum(p.states.param for p, _ in chosen),
+        st, param=sum(p.states.param for p, _ in chosen),
         master=sum(p.states.master for p, _ in chosen))
-    points = walk(steps, stage_st)
-    full = max((p.bytes["grad"] for p in points), default=0)
-    # the earlier micro-batches' activations are held through this one's forward and backward
-    # (not at the step: the schedule has run every backward by then)
-    acts = [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
-                     p.bytes["activation"] + held,
-                     p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
-            for p in points if p.phase != "optimizer"]
+    # two moments of a pipeline step (torch `Schedule1F1B` / `ScheduleGPipe` action order): the
+    # first backward, with `k` micro-batches in flight and none of this step's gradients yet;
+    # and the later backwards, every gradient accumulated (`grad_accum` 2 in the walk), with
+    # `min(k, m - 1)` in flight (1F1B's steady state refills to k until the last k; GPipe's
+    # backwards drain them). Interleaved schedules: k in flight at both.
+    m = ps.microbatches
+    later = k if ps.pp_schedule in INTERLEAVED else min(k, m - 1)
+    moments = [(round((k - 1) * per_micro), st.grad_accum)]
+    if ps.pp > 1 and m > 1:
+        moments.append((round((later - 1) * per_micro), 2))
+    acts, points = [], []
+    for held, accum in moments:
+        walked = walk(steps, dataclasses.replace(stage_st, grad_accum=accum))
+        full = max((p.bytes["grad"] for p in walked), default=0)
+        # the earlier micro-batches' activations are held through this one's forward and
+        # backward (not at the step: the schedule has run every backward by then)
+        acts += [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
+                          p.bytes["activation"] + held + buffers,
+                          p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
+                 for p in walked if p.phase != "optimizer"]
+        points = walked
     graph_layers = [(p.module, p.layer) for p, _ in chosen]
     states = _states(spec, graph_layers)
     extra_grad = _embedding_grad(spec, graph_layers, shape)
@@ -217,6 +249,7 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
                            key=lambda pb: sum(pb[1].values()))
     base = _Base(points)
     step_bd = step_phase(states, base, extra)
+    step_bd["activation"] += buffers  # allocated once, kept across steps
     if sum(step_bd.values()) > sum(best.values()):
         best_phase, best = "optimizer", step_bd
     holds = tuple(n for n, on in (("embedding", first), ("lm_head + loss", last)) if on)
@@ -224,6 +257,27 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm) -> Rank
     out = empty_breakdown()
     out.update(best)
     return RankAnswer(rank, span, k, holds, out, best_phase)
+
+
+def _pipeline_buffers(spec: TrainingSpec, shape, rank: int) -> int:
+    """Receive buffers torch's pipelining allocates once per stage and keeps: one per
+    micro-batch for the hidden states a non-first stage receives (`PipelineStage.
+    _setup_forward_recv_info`: `_make_tensor_from_meta` for each `chunk_id in
+    range(num_microbatches)`; the received buffer is the stage's input, so it doubles as the
+    first layer's saved input) and one per micro-batch for the gradient a non-last stage
+    receives (`_setup_backward_recv_info` -> `_create_grad_recv_info`). Measured by the trace
+    tier (`parallel.trace_pipeline`, tests/test_parallel_pp_trace.py)."""
+    ps = spec.parallel
+    if ps.pp == 1:
+        return 0
+    total = ps.pp * ps.pp_virtual_stages
+    stages = [rank + c * ps.pp for c in range(ps.pp_virtual_stages)]
+    ends = sum((s > 0) + (s < total - 1) for s in stages)
+    tokens = spec.micro_batch * (spec.seq_len // ps.cp)
+    if ps.sequence_parallel:
+        tokens //= ps.tp
+    e = POLICIES[forward_precision(spec)].compute_bytes
+    return ends * ps.microbatches * t(tokens * shape.hidden, e)
 
 
 def _gathered_inputs(spec: TrainingSpec, shape) -> int:
@@ -289,8 +343,10 @@ def price_ranks(spec: Job, gpu: GPU | None = None) -> tuple[Prediction, list[Ran
                                parallel=single, precision=compute)
         wide = _setup(wide_spec, ws)[1]
     e = POLICIES[compute].compute_bytes
-    comm = _comm(spec, shape, e, int(data.get("num_experts_per_tok") or 1))
-    answers = [_stage(spec, r, narrow, wide, st, shape, comm) for r in range(ps.pp)]
+    top_k = int(data.get("num_experts_per_tok") or 1)
+    comm = _comm(spec, shape, e, top_k)
+    answers = [_stage(spec, r, narrow, wide, st, shape, comm, (e, top_k))
+               for r in range(ps.pp)]
     top = max(answers, key=lambda a: a.device_bytes)
     params = model_tensors(spec.with_(parallel=single))
     allocated = sum(top.breakdown[c] for c in TENSOR_CATEGORIES)

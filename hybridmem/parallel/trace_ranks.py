@@ -12,7 +12,10 @@ rank's allocator would hold. Rank 0 is traced: DTensor's and FSDP2's uneven shar
 `ceil` rows on the first ranks (`torch.chunk` semantics, `_StridedShard` aside), so rank 0 is the
 highest; every other rank is the same shape or smaller.
 
-Context, pipeline and expert parallelism are not run here (the analytic tier prices them).
+Pipeline ranks run torch's pipelining stages and schedules (`parallel.trace_pipeline`), each
+pipeline rank traced alone, the highest answered; expert-parallel ranks run transformers' own
+expert parallelism (`parallel.trace_experts`) under FSDP2, torchtitan's MoE layout. Context
+parallelism is not run here (the analytic tier prices it).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from hybridmem.job.spec import TrainingSpec
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.trace.tracker import StorageTracker, round_size
 
-TRACED = "tp / sequence parallelism, with dp_shard (FSDP2) or alone"
+TRACED = ("tp / sequence parallelism with dp_shard (FSDP2) or alone; pp alone; ep with "
+          "dp_shard (FSDP2)")
 """What this tier runs; cp / pp / ep layouts are refused with this line's choices."""
 
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
@@ -107,22 +111,32 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
 def refusal(spec: TrainingSpec) -> SpecError | None:
     """The layouts and jobs this tier does not run, as one-line errors."""
     ps = spec.parallel
-    for name in ("cp", "pp", "ep", "dp_replicate"):
+    for name in ("cp", "dp_replicate"):
         if getattr(ps, name) > 1:
             return SpecError(name, getattr(ps, name), (1,), reason="the trace tier runs "
                              f"{TRACED}; use --method analytic for this layout")
+    axes = [n for n in ("tp", "pp", "ep") if getattr(ps, n) > 1]
+    if len(axes) > 1:
+        return SpecError(axes[1], getattr(ps, axes[1]), (1,), reason=f"the trace tier runs "
+                         f"one model-parallel axis at a time ({TRACED}); with {axes[0]} use "
+                         "--method analytic")
+    if ps.pp > 1 and ps.data_shard > 1:
+        return SpecError("dp_shard", ps.data_shard, (1,), reason="the trace tier runs a "
+                         "pipeline alone (no data-parallel ranks); use --method analytic")
     if ps.data_shard > 1 and ps.strategy != "fsdp":
         return SpecError("strategy", ps.strategy, ("fsdp",), reason="the trace tier shards "
-                         "tp x dp layouts with FSDP2 (torchtitan's)")
+                         "tp x dp and ep x dp layouts with FSDP2 (torchtitan's)")
     if spec.precision not in PRECISIONS or (spec.precision == "bf16-mixed"
                                             and ps.data_shard == 1):
         return SpecError("precision", spec.precision, PRECISIONS[:2] if ps.data_shard == 1
-                         else PRECISIONS, reason="the trace tier's tp ranks run one dtype "
-                         "(bf16-mixed: FSDP2's MixedPrecisionPolicy)")
+                         else PRECISIONS, reason="the trace tier's model-parallel ranks run "
+                         "one dtype (bf16-mixed: FSDP2's MixedPrecisionPolicy)")
     if spec.train != "full" or spec.grad_ckpt or spec.optimizer != "adamw":
-        return SpecError("method", "trace", ("analytic",), reason="the trace tier's tp ranks "
-                         "run full training with AdamW, no checkpointing")
-    return None
+        return SpecError("method", "trace", ("analytic",), reason="the trace tier's "
+                         "model-parallel ranks run full training with AdamW, no checkpointing")
+    from hybridmem.trace.scope import refusal as single_gpu_refusal
+
+    return single_gpu_refusal(spec)  # the MoE experts' bf16-only grouped mm, as on one GPU
 
 
 @dataclass
@@ -181,7 +195,8 @@ def _fake_world(rank: int, world: int):
 
 
 def trace_rank(spec: TrainingSpec, rank: int = 0, backend: str = "fake") -> RankTrace:
-    """Run `spec`'s tp / FSDP2 x tp rank `rank` on `backend` ("fake" or "real" CPU tensors)."""
+    """Run `spec`'s rank `rank` on `backend` ("fake" or "real" CPU tensors): a tp / FSDP2 x tp
+    or FSDP2 x ep rank (rank 0 is the highest), or pipeline rank `rank`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -194,14 +209,49 @@ def trace_rank(spec: TrainingSpec, rank: int = 0, backend: str = "fake") -> Rank
     dp, tp = ps.data_shard, ps.tp
     config = load_config(spec.model)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if backend == "fake" else contextlib.nullcontext()
+    if ps.pp > 1:
+        with _fake_world(rank, ps.pp):
+            return _traced_pipeline(spec, config, rank, mode)
     with _fake_world(rank, dp * tp), _real_meshes():
         # the mesh reads its rank table's values: built on real tensors, before the fake mode
+        if ps.ep > 1:
+            # torchtitan's MoE meshes (`ParallelDims`): experts over ep, their FSDP over
+            # dp_shard / ep ("dp_shard_mod_ep"), the dense layers' FSDP over all of dp_shard;
+            # transformers' dispatch reads the group holding the same batch (tp, here 1 rank)
+            world = init_device_mesh("cpu", (dp // ps.ep, ps.ep),
+                                     mesh_dim_names=("efsdp", "ep"))
+            alone = init_device_mesh("cpu", (dp, 1), mesh_dim_names=("batch", "tp"))
+            return _traced_experts(spec, config, (world._flatten("dp"), world["efsdp"],
+                                                  world["ep"], alone["tp"]), mode)
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         return _traced(spec, config, (mesh["dp"], mesh["tp"]), mode)
 
 
+def _mp_policy(spec: TrainingSpec):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if spec.precision == "bf16-mixed" else MixedPrecisionPolicy())
+
+
+def _model_step(model, batch: dict, tracker) -> callable:
+    """forward (HF's loss) and backward of one iteration, inside `loss_parallel` (torchtitan's
+    train context; nothing changes without DTensor logits)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def run(it: int) -> None:
+        tracker.mark("forward", it)
+        with loss_parallel():
+            loss = model(**batch).loss
+            tracker.mark("backward", it)
+            loss.backward()
+            del loss
+
+    return run
+
+
 def _traced(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     from hybridmem.trace.inputs import make_batch
     from hybridmem.trace.model import build_model
@@ -213,8 +263,7 @@ def _traced(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
         model = build_model(built, config)
         apply_tp(model, tp_mesh, ps.sequence_parallel)
         if ps.data_shard > 1:
-            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if spec.precision == "bf16-mixed" else MixedPrecisionPolicy())
+            mp = _mp_policy(spec)
             for layer in model.model.layers:
                 fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
             fully_shard(model, mesh=dp_mesh, mp_policy=mp)
@@ -226,13 +275,83 @@ def _traced(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
         # ones; under tp alone they are plain tensors and AdamW runs per parameter
         foreach = all(hasattr(p, "_local_tensor") for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
-        return _run(model, opt, batch, RankTracker())
+        tracker = RankTracker()
+        return _run([model], list(model.model.layers), opt, batch.values(), tracker,
+                    _model_step(model, batch, tracker))
 
 
-def _run(model, opt, batch: dict, tracker: RankTracker) -> RankTrace:
-    """Two iterations of the training step, everything labelled as `trace.runner` labels it."""
-    from torch.distributed.tensor.parallel import loss_parallel
+def _traced_experts(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
+    """An FSDP2 x ep rank as torchtitan lays a MoE model out (`apply_fsdp` with ep: each
+    layer's experts `fully_shard`ed over `dp_shard / ep` first, then the layer and the root
+    over `dp_shard`), the experts split by transformers' own plan (`trace_experts`)."""
+    from torch.distributed.fsdp import fully_shard
 
+    from hybridmem.parallel.trace_experts import apply_ep
+    from hybridmem.trace.inputs import make_batch
+    from hybridmem.trace.model import build_model
+
+    dp_mesh, efsdp_mesh, ep_mesh, tp_mesh = meshes
+    with mode:
+        built = spec.with_(precision="fp32") if spec.precision == "bf16-mixed" else spec
+        model = build_model(built, config)
+        apply_ep(model, ep_mesh, tp_mesh)
+        mp = _mp_policy(spec)
+        for layer in model.model.layers:
+            fully_shard(layer.mlp.experts, mesh=efsdp_mesh, mp_policy=mp)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        batch = make_batch(spec, config, model, torch.float32)[0]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        tracker = RankTracker()
+        return _run([model], list(model.model.layers), opt, batch.values(), tracker,
+                    _model_step(model, batch, tracker))
+
+
+def _traced_pipeline(spec: TrainingSpec, config, rank: int, mode) -> RankTrace:
+    """Pipeline rank `rank`: its stages of the model (`trace_pipeline.build`) stepped by the
+    spec's schedule over `pp_microbatches` micro-batches of `micro_batch` samples each."""
+    from hybridmem.models.loader import load_config_dict
+    from hybridmem.parallel import trace_pipeline
+    from hybridmem.parallel.layout import stage_sizes
+    from hybridmem.torch_dtype import PARAM_DTYPE
+    from hybridmem.trace.inputs import make_batch
+    from hybridmem.trace.model import build_model
+
+    ps = spec.parallel
+    layers = int(load_config_dict(spec.model)[1]["num_hidden_layers"])
+    sizes = stage_sizes(layers, ps.pp * ps.pp_virtual_stages)
+
+    def layers_of(stage: int) -> list[int]:
+        start = sum(sizes[:stage])
+        return list(range(start, start + sizes[stage]))
+
+    with mode:
+        step_batch = make_batch(spec.with_(micro_batch=spec.micro_batch * ps.microbatches),
+                                config, None, torch.float32)[0]
+        schedule, parts, stages = trace_pipeline.build(
+            lambda: build_model(spec, config), ps, rank, layers_of, spec.micro_batch,
+            spec.seq_len, config.hidden_size, config.vocab_size, PARAM_DTYPE[spec.precision])
+        params = [p for part in parts for p in part.parameters()]
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+        tracker = RankTracker()
+        for stage in stages:
+            stage.tracker = tracker
+
+        def run(it: int) -> None:
+            for stage in stages:
+                stage.iteration = it
+            tracker.mark("forward", it)
+            trace_pipeline.step(schedule, stages, step_batch["input_ids"],
+                                step_batch["labels"])
+
+        decoder = [layer for part in parts for layer in part.model.model.layers
+                   if type(layer).__name__ != "PipelineIdentityLayer"]
+        return _run(parts, decoder, opt, step_batch.values(), tracker, run)
+
+
+def _run(modules, layers, opt, inputs, tracker: RankTracker, step) -> RankTrace:
+    """Two iterations of `step` (forward and backward) and the optimizer, everything labelled
+    as `trace.runner` labels it; `layers`' saved activations counted per layer."""
     out = RankTrace(tracker)
     current, seen, saved = [None], set(), {}
 
@@ -248,33 +367,30 @@ def _run(model, opt, batch: dict, tracker: RankTracker) -> RankTrace:
         return t
 
     hooks = []
-    for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
-        hooks.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, *k, i=i: current.__setitem__(0, i)))
+        hooks.append(layer.register_forward_hook(lambda m, a, *k: current.__setitem__(0, None)))
+    params = [p for m in modules for p in m.parameters()]
     count = lambda ts: sum(_local(t).numel() * _local(t).element_size() for t in ts)  # noqa: E731
     with tracker:
-        for p in model.parameters():
+        for p in params:
             tracker.label(_local(p), "param")
-        for b in model.buffers():
-            tracker.label(_local(b), "param")
-        for t in batch.values():
-            tracker.label(t, "activation")
+        for m in modules:
+            for b in m.buffers():
+                tracker.label(_local(b), "param")
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                tracker.label(t, "activation")
         for it in range(ITERATIONS):
-            tracker.mark("forward", it)
-            # torchtitan's train context: forward, loss and backward inside `loss_parallel`
-            with loss_parallel():
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    loss = model(**batch).loss
-                tracker.mark("backward", it)
-                loss.backward()
-                del loss
-            for p in model.parameters():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                step(it)
+            for p in params:
                 if p.grad is not None:
                     tracker.label(_local(p.grad), "grad")
             if it == 0:
                 out.layer_saved = [saved[i] for i in sorted(saved)]
-                out.param = count(model.parameters())
-                out.grad = count(p.grad for p in model.parameters() if p.grad is not None)
+                out.param = count(params)
+                out.grad = count(p.grad for p in params if p.grad is not None)
             tracker.mark("optimizer", it)
             opt.step()
             for state in opt.state.values():
@@ -300,7 +416,13 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
     from hybridmem.parallel.states import model_tensors
     from hybridmem.job.parallel import ParallelSpec
 
-    traced = trace_rank(spec)
+    ps = spec.parallel
+    # every pipeline rank holds different layers and in-flight micro-batches: each traced,
+    # the highest answered; tp / ep ranks are the same shape, rank 0 the highest of them
+    traced_ranks = [trace_rank(spec, rank=r) for r in range(ps.pp)]
+    peaks = [t.peak()[0] for t in traced_ranks]
+    highest = max(range(ps.pp), key=peaks.__getitem__)
+    traced = traced_ranks[highest]
     tracker = traced.tracker
     allocated, at = traced.peak()
     breakdown = dict.fromkeys(("param", "grad", "optimizer", "activation", "temporary",
@@ -315,22 +437,37 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
     # `trace.runner.train` adds them), outside the allocated peak as the analytic tier has them
     breakdown["workspace"] = 2 * cublas_workspace(gpu)
     phase, iteration = tracker.phase_at(at)
-    ps = spec.parallel
     params = model_tensors(spec.with_(parallel=ParallelSpec()))
     peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated,
                 device_bytes=sum(breakdown.values()), phase=phase, iteration=iteration)
-    notes = (f"per rank of {ps.world_size} GPUs: {layout_text(ps)}",
-             "traced: torch's parallelize_module (torchtitan's plan)"
-             + (" and fully_shard" if ps.data_shard > 1 else "")
-             + " under the fake process group, rank 0 (DTensor and FSDP2 put the uneven "
-             "shards' extra rows on the first ranks, so rank 0 is the highest)",
+    notes = (f"per rank of {ps.world_size} GPUs: {layout_text(ps)}", _traced_note(ps, peaks),
              "fragmentation is not replayed per model-parallel rank (reserved = allocated)",
              f"NCCL buffers outside PyTorch: nominal {NCCL_BYTES >> 20} MiB in context")
     extras = {"world_size": ps.world_size, "strategy": ps.strategy, "per_rank": True,
-              "layout": layout_dict(ps), "highest_rank": 0,
+              "layout": layout_dict(ps), "highest_rank": highest,
               "layer_saved": traced.layer_saved}
+    if ps.pp > 1:
+        extras["ranks"] = [{"pp_rank": r, "allocated_bytes": b} for r, b in enumerate(peaks)]
     return Prediction(
         model=spec.model, method="trace+layout", params_total=params.params,
         params_trainable=params.trainable, breakdown=breakdown, peak=peak, notes=notes,
         extras=extras, modules=(), gpu_name=gpu.name if gpu else None,
         gpu_memory_bytes=gpu.memory_bytes if gpu else None)
+
+
+def _traced_note(ps, peaks: list[int]) -> str:
+    """What ran, and why the answered rank is the highest."""
+    if ps.pp > 1:
+        top = max(range(len(peaks)), key=peaks.__getitem__)
+        rest = ", ".join(f"rank {r} {b / 2**20:.2f} MiB" for r, b in enumerate(peaks) if r != top)
+        why = (f"holds {min(ps.microbatches, ps.pp - top)} micro-batches in flight"
+               if ps.pp_schedule == "1f1b" and top < ps.pp - 1 else
+               "holds the lm_head + loss" if top == ps.pp - 1 else "its stages' layers")
+        return (f"traced: torch.distributed.pipelining {ps.pp_schedule} stages under the fake "
+                f"process group, every pipeline rank; highest: pipeline rank {top} "
+                f"({peaks[top] / 2**20:.2f} MiB, {why}; {rest})")
+    what = ("transformers' expert-parallel plan and fully_shard (torchtitan's MoE layout)"
+            if ps.ep > 1 else "torch's parallelize_module (torchtitan's plan)"
+            + (" and fully_shard" if ps.data_shard > 1 else ""))
+    return (f"traced: {what} under the fake process group, rank 0 (DTensor and FSDP2 put the "
+            "uneven shards' extra rows on the first ranks, so rank 0 is the highest)")

@@ -41,7 +41,7 @@ FP32 = 4
 
 def active(spec) -> bool:
     """Asked for, and not overridden by TRL's own fused head: where the installed TRL runs the
-    step through it (`objectives.rules.fused_head`), `use_liger_kernel` applies Liger's layer
+    step through it (`objectives.fused_head`), `use_liger_kernel` applies Liger's layer
     kernels only (trl 1.16 dpo_trainer.py: `liger_kernel_config["fused_linear_cross_entropy"]
     = False`, "which this trainer patches with a fused LM head"), and no TRL trainer calls
     `LigerFusedLinear*Loss` any more."""

@@ -15,7 +15,7 @@ from hybridmem.errors import SpecError
 NAME = "offload"
 AXIS = None  # combines with the other techniques
 FLAG = "offload_activations"
-# priced for sft (`objectives.rules.check` refuses it with the TRL objectives, naming why)
+# priced for sft (`techniques.check_objective` refuses it with the TRL objectives, naming why)
 OBJECTIVES: tuple[str, ...] = ("sft",)
 MODES: tuple[str, ...] = ("none", "all", "ckpt-inputs")
 

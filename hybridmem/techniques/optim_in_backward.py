@@ -29,7 +29,7 @@ from hybridmem.errors import SpecError
 NAME = "optimizer-in-backward"
 AXIS = None  # combines with the other techniques it does not refuse (`check`)
 FLAG = "optimizer_in_backward"
-# priced for sft (`objectives.rules.check` refuses it with the TRL objectives, naming why)
+# priced for sft (`techniques.check_objective` refuses it with the TRL objectives, naming why)
 OBJECTIVES: tuple[str, ...] = ("sft",)
 
 # Optimizers that can run per parameter in a post-accumulate-grad hook. LoRA-FA (peft

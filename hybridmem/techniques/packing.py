@@ -30,7 +30,7 @@ from hybridmem.errors import SpecError
 NAME = "packing"
 AXIS = None  # combines with any loss replacement
 FLAG = "packing"
-# priced for sft (`objectives.rules.check` refuses it with the TRL objectives, naming why)
+# priced for sft (`objectives.rules.trl_step` refuses it with the TRL objectives, naming why)
 OBJECTIVES: tuple[str, ...] = ("sft",)
 
 

@@ -88,7 +88,7 @@ class Job:
     offloader: offload.Offload | None = None
     """TRL's offloading hooks around each forward + backward (`offload_activations="all"`)."""
     ref: nn.Module | None = None
-    """The separate reference model (`objective.ref_model_of` "separate"), else None."""
+    """The separate reference model (`objectives.ref_model_of` "separate"), else None."""
     tracker: StorageTracker | None = None
     """The run's tracker (objectives relabel the reference's and the generation's tensors)."""
     micro: int = 0

@@ -46,9 +46,9 @@ def _average_tokens_across_devices() -> bool:
 
 def sft_trl_batch(batch: dict) -> dict:
     """TRL's `DataCollatorForLanguageModeling` batch (trl 1.16 sft_trainer.py): input_ids,
-    labels and a padded batch's attention mask (int64, `padded_mask`), with the loop's `num_items_in_batch`
-    (`Trainer._get_num_items_in_batch`: the count of labels not -100 over the parallel
-    degrees, a true division: a 0-dim fp32 tensor)."""
+    labels and a padded batch's attention mask (int64, `padded_mask`), with the loop's
+    `num_items_in_batch` (`Trainer._get_num_items_in_batch`: the count of labels not -100
+    over the parallel degrees, a true division: a 0-dim fp32 tensor)."""
     ids = batch["input_ids"]
     return {**batch, "attention_mask": padded_mask(ids),
             "num_items_in_batch": torch.zeros((), device=ids.device)}
