@@ -29,6 +29,7 @@ from hybridmem.allocator import AllocatorConfig, CachingAllocatorSim, SimulatedO
 from hybridmem.allocator.reserved import FROM_GPU, gpu_capacity
 from hybridmem.allocator.overheads import CUBLAS_WORKSPACE_BYTES, cublas_workspace
 from hybridmem.batches.read import read_lengths
+from hybridmem.batches.scope import steps_gap
 from hybridmem.batches.steps import Shape, plan
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
@@ -301,6 +302,11 @@ def simulate(spec: Job, method: str, price: Callable[[TrainingSpec], Prediction]
             f"({longest.batch} x {longest.tokens} tokens), {len(steps.shapes)} distinct "
             f"shapes replayed in order ({run.replayed_steps} steps), + {growth >> 20} MiB "
             "reserved from changing shapes (docs/lengths.md)")
+    gap = steps_gap(steps) if stream_method == "analytic" else None
+    if gap is not None:  # the chooser takes the trace tier for such a run (intake.resolve)
+        note += (f"; the closed form's growth may not be the trace tier's here: {gap}; "
+                 "--method trace prices it")
+    info["closed_form_gap"] = gap
     extras = {**answer.extras, "lengths": info}
     if verdict.allocator is not None:
         extras["allocator"] = verdict.allocator

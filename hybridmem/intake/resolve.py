@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from hybridmem import objectives
+from hybridmem.batches.scope import closed_form_gap
 from hybridmem.errors import SpecError
 from hybridmem.families.defaults import resolve_defaults
 from hybridmem.intake.merge import Resolved, resolve_inputs
@@ -78,7 +79,8 @@ class Choice:
 
 def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
     """The tier for `spec`: `method` when given; else the trace tier for what only it prices
-    (the analytic tier's `refusal`), else hybrid when a GPU-calibrated learned model for this
+    (the analytic tier's `refusal`, and a `--lengths` run whose reserved growth the closed form
+    does not price, `batches.scope.closed_form_gap`), else hybrid when a GPU-calibrated learned model for this
     environment exists (`learned.predictor.default_method`), else analytic.
 
     One chooser for the Python API, the CLI and the service, called by `resolve_once` on the
@@ -93,6 +95,11 @@ def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
         if refusal("trace", spec) is not None:
             raise no_tier(refused, spec, "analytic")
         why = f"the analytic tier refuses {clause(refused)}"
+        return Choice("trace", why,
+                      note=f"method: trace chosen because {why} (pass --method to override)")
+    gap = closed_form_gap(spec) if refusal("trace", spec) is None else None
+    if gap is not None:  # the hybrid tier's run uses the analytic streams too
+        why = f"the closed form does not price this run's reserved growth: {gap}"
         return Choice("trace", why,
                       note=f"method: trace chosen because {why} (pass --method to override)")
     if not objectives.lm_loss(spec):  # the learned residuals were fit on SFT steps only
