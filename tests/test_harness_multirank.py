@@ -79,13 +79,18 @@ class DeadRankProbe(CpuProbe):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _collect_sweep(tmp_path, monkeypatch, probe: str, sweep: str, **options):
+    """`collect` of `sweep` with this file's stand-in probe `probe`: the report and rows."""
+    report, out = collect_with_probe(tmp_path, monkeypatch, f"test_harness_multirank:{probe}",
+                                     sweep, **options)
+    return report, load_dataset(out) if out.exists() else None
+
+
 def _collect(tmp_path, monkeypatch, probe: str, strategies: list[str], resume: bool = False,
              record_history: bool = False, timeout: float = 120):
-    report, out = collect_with_probe(
-        tmp_path, monkeypatch, f"test_harness_multirank:{probe}",
-        SWEEP.format(strategies=json.dumps(strategies), timeout=timeout),
-        resume=resume, record_history=record_history)
-    return report, load_dataset(out) if out.exists() else None
+    return _collect_sweep(tmp_path, monkeypatch, probe,
+                          SWEEP.format(strategies=json.dumps(strategies), timeout=timeout),
+                          resume=resume, record_history=record_history)
 
 
 def test_ddp_and_fsdp_rows_carry_both_ranks_and_resume_adds_nothing(tmp_path, monkeypatch):
@@ -226,8 +231,11 @@ def test_zero_without_deepspeed_is_an_unavailable_error():
 
 
 def test_configs_needing_more_gpus_than_the_machine_has_are_not_run(tmp_path, monkeypatch):
-    report, df = _collect(tmp_path, monkeypatch, "OneGpuProbe", ["ddp"])
-    assert report.too_many_ranks == 1 and not report.rows and df is None  # nothing launched
+    """A sweep none of whose configs this machine can launch is a one-line error, before
+    anything is launched (configs beside runnable ones are counted as not run)."""
+    with pytest.raises(SpecError, match="needs 2 GPUs, one per rank; this machine shows 1"):
+        _collect(tmp_path, monkeypatch, "OneGpuProbe", ["ddp"])
+    assert not (tmp_path / "data").exists()
 
 
 def test_parts_written_before_the_parallel_columns_read_as_single_process(tmp_path):

@@ -55,7 +55,8 @@ def test_added_defaults_keep_old_spec_hashes():
         "num_iterations": 1, "vllm_gpu_memory_utilization": 0.0,
         "tp": 1, "sequence_parallel": False, "cp": 1, "pp": 1, "pp_schedule": "1f1b",
         "pp_virtual_stages": 1, "pp_microbatches": None, "ep": 1, "dp_replicate": 1,
-        "dp_shard": None, "loss": None, "target_regex": None, "trainer": "transformers"}
+        "dp_shard": None, "loss": None, "target_regex": None, "trainer": "transformers",
+        "padded": False}
     # a spec that uses none of them serialises with the first rows' keys only
     assert set(TrainingSpec(model="tiny-llama").to_dict()) == {
         "model", "micro_batch", "seq_len", "images_per_sample", "image_size", "precision",

@@ -86,6 +86,31 @@ def test_random_order_is_the_seeded_trainer_sampler():
         assert list(sampler) == order(np.ones(n, dtype=np.int64), spec, epoch).tolist()
 
 
+def test_group_by_length_first_epoch_is_the_trainers_own_draw():
+    """transformers' Trainer with `train_sampling_strategy="group_by_length"` (older releases'
+    `group_by_length=True`): its loader's first epoch yields exactly our order (the global
+    generator `set_seed(seed)` left, after the loader iterator's base-seed draw)."""
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    lengths = np.random.default_rng(1).integers(1, 60, 96)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8,
+                                         num_hidden_layers=1, num_attention_heads=1))
+    data = Dataset.from_dict({"input_ids": [[1] * int(n) for n in lengths],
+                              "idx": list(range(len(lengths)))})
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, seed=11, use_cpu=True,
+                             report_to=[], remove_unused_columns=False,
+                             train_sampling_strategy="group_by_length")
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      data_collator=lambda rows: {"idx": torch.tensor([r["idx"] for r in rows])})
+    real = [int(i) for b in trainer.get_train_dataloader() for i in b["idx"]]
+    spec = TrainingSpec(model="tiny-llama", sampler="group_by_length", micro_batch=2,
+                        grad_accum=2, seed=11)
+    assert real == order(lengths, spec).tolist()
+
+
 def test_group_by_length_is_transformers_grouping():
     import torch
     from transformers.trainer_pt_utils import get_length_grouped_indices
@@ -95,6 +120,7 @@ def test_group_by_length_is_transformers_grouping():
                         grad_accum=2, seed=5)
     generator = torch.Generator()
     generator.manual_seed(5)
+    torch.empty((), dtype=torch.int64).random_(generator=generator)  # the loader's base seed
     ref = get_length_grouped_indices(lengths.tolist(), 8, generator=generator)
     got = order(lengths, spec)
     assert got.tolist() == ref
@@ -224,3 +250,24 @@ def test_launcher_configs_say_the_sampler(tmp_path):
                        "finetuning_type: lora\ngroup_by_length: true\ndata_seed: 3\n")
     spec = resolve(config=str(factory), overrides={}).spec
     assert (spec.sampler, spec.seed) == ("group_by_length", 3)
+
+
+@pytest.mark.parametrize("lengths, kw, padded", [
+    ([100, 100, 60, 60], {}, [False, False]),       # equal lengths in each batch: no mask
+    ([100, 60, 60, 60], {}, [True, False]),         # 60 padded to 100
+    ([128, 128, 60, 60], {"pad_multiple": 64}, [False, True]),  # 60 -> 64 pads too
+    ([100, 60, 60, 60], {"packing": True}, [False, False]),     # padding-free
+    ([60, 60, 60], {}, [False, False]),             # the last, partial batch is not padding
+])
+def test_each_batch_says_whether_it_is_padded(tmp_path, lengths, kw, padded):
+    # a collator pads a batch whose samples differ (or round up to pad_to_multiple_of): its
+    # attention mask has zeros and every sdpa layer builds the mask (`TrainingSpec.padded`)
+    from hybridmem.batches.read import read_lengths
+    from hybridmem.batches.steps import plan
+
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths)))
+    spec = TrainingSpec(model="tiny-llama", micro_batch=2, seq_len=128, sampler="sequential",
+                        **kw)
+    steps = plan(read_lengths(str(path)), spec, 0)
+    assert [steps.shapes[i].padded for i in steps.index] == padded

@@ -106,13 +106,15 @@ def context(spec: TrainingSpec) -> A.Ctx:
                  adapter=adapter_bytes(spec.adapter_dtype) or policy.param_bytes,
                  objective=spec.objective, prompt=objective_plugins.prompt_length(spec),
                  ref_model=objective_plugins.ref_model_of(spec), head=head_of(spec, loss),
-                 trl_head=objective_plugins.fused_head(spec, installed("trl")))
+                 trl_head=objective_plugins.fused_head(spec, installed("trl")),
+                 padded=spec.padded, score_head=objective_plugins.of(spec).SCORE_HEAD)
 
 
 def _acts(layer: Layer, c: A.Ctx, need_in: bool, need_w: bool, tied_grad: int,
           merged: bool) -> A.Acts:
     acts = _formula_acts(layer, c, need_in, need_w, tied_grad, merged)
-    padded = c.trl_head or objective_plugins.REGISTRY[c.objective].PADDED  # the collator's mask
+    # the collator's mask: TRL's, or a padded batch's (`TrainingSpec.padded`)
+    padded = c.trl_head or objective_plugins.REGISTRY[c.objective].PADDED or c.padded
     if padded and layer.kind == "decoder_layer" and c.attn == "sdpa" and acts.saved:
         acts = objectives.padded_sdpa_mask(layer, c, acts)
     if layer.quantized and layer.kind != "decoder_layer" and layer.runs:
@@ -233,9 +235,13 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
     """input_ids and labels (int64) and pixel_values, alive for the whole iteration.
 
     No attention mask: an unpadded batch, for which HF takes the causal kernel path (the trace
-    tier's batch is the same, `hybridmem.trace.inputs`)."""
+    tier's batch is the same, `hybridmem.trace.inputs`); a `padded` one adds the collator's
+    int64 mask."""
     tokens = t(graph.micro_batch * graph.seq_len, A.INT64)
     out = 2 * tokens
+    if spec.padded and objective_plugins.lm_loss(spec) and not objective_plugins.fused_head(
+            spec, installed("trl")):
+        out += tokens  # the collator's int64 attention mask (`spec.padded`)
     if graph.vision_batch:
         emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
         pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
@@ -288,8 +294,9 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
         "iterations replayed through the caching-allocator simulator (PYTORCH_ALLOC_CONF "
         "respected; allocated stays the closed form's), kept non-decreasing in the "
         "micro-batch; within ~2 points of the trace tier's reserved peak on 7B models",
-        "batch: unpadded (no attention mask), loss over every position with fp32 logits "
-        "(transformers ForCausalLMLoss)",
+        ("batch: padded (the collator's attention mask; each sdpa layer saves the "
+         "(b, 1, s, s) mask)" if spec.padded else "batch: unpadded (no attention mask)")
+        + ", loss over every position with fp32 logits (transformers ForCausalLMLoss)",
     ]
     patches = next((l.dims["n"] for m, l in graph.layers()
                     if l.kind in ("qwen_patch_embed", "pixtral_patch_conv")), 0)

@@ -87,6 +87,10 @@ class Point:
     bytes: dict[str, int]
     waste: int = 0
     """Segment rounding of the persistent tensors alive here (a fragmentation lower bound)."""
+    step: int = -1
+    """Index of the step (layer) running at this point; -1 outside the layers (the step,
+    GRPO's generation, a reference forward). Read by per-layer state rules (FSDP2's
+    gathered units, `parallel.fsdp_points`)."""
 
     @property
     def allocated(self) -> int:
@@ -141,6 +145,8 @@ class _Walk:
     st: Statics
     iteration: int
     points: list[Point] = field(default_factory=list)
+    current: int = -1
+    """The step whose points are being made (`Point.step`)."""
 
     def point(self, phase: str, act: int, temp: int, grad: int, grad_waste: int,
               extra_opt: int = 0, state: bool = True) -> None:
@@ -151,7 +157,7 @@ class _Walk:
         b = {"param": self.st.param, "grad": grad, "optimizer": opt, "activation": act,
              "temporary": temp, "workspace": ws}
         waste = self.st.waste_param + grad_waste + (self.st.waste_optimizer if later else 0)
-        self.points.append(Point(phase, self.iteration, b, waste))
+        self.points.append(Point(phase, self.iteration, b, waste, self.current))
 
 
 def walk(steps: list[Step], st: Statics, iterations: int = 2) -> list[Point]:
@@ -187,10 +193,11 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
     """Forward + backward of one micro-step; `acc` = (grads, their waste) already live when
     accumulating, else None. Returns what its output object holds (0 for the trainer loop)."""
     act = st.inputs + before_out + (st.loss if before_out else 0)
-    for s in steps:  # forward
+    for w.current, s in enumerate(steps):  # forward
         early = s.acts.fwd_after_top if not s.ckpt and s.on_path else 0
         w.point("forward", act + s.kept - early, s.acts.fwd_extra, *(acc or (0, 0)))
         act += s.kept
+    w.current = -1
     if st.ref_forward:  # the reference's forward, the policy's graph alive
         w.point("forward", act, st.ref_forward, *(acc or (0, 0)))
     act -= sum(s.released_at_forward_end for s in steps)
@@ -200,10 +207,11 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
         act += output - before_out - (st.loss if before_out else 0)
     if st.in_backward:
         _backward_stepping(w, steps, act)
+        w.current = -1
         return output
     grad, grad_waste = acc or (0, 0)
     pending = 0  # a tied weight's lm_head grad in autograd's input buffer
-    for s in reversed(steps):  # backward
+    for w.current, s in reversed(list(enumerate(steps))):  # backward
         if acc is None:
             grad += s.grad
             grad_waste += s.grad_waste
@@ -232,6 +240,7 @@ def _micro_step(w: _Walk, steps: list[Step], st: Statics, before_out: int,
         if acc is not None and s.tie < 0:
             pending = 0
         act -= s.kept - s.released_at_forward_end
+    w.current = -1
     return output
 
 
@@ -246,7 +255,7 @@ def _backward_stepping(w: _Walk, steps: list[Step], act: int) -> None:
     input buffer until the embedding's backward."""
     state = 0  # state created so far in iteration 0 (the `later` flag covers iteration > 0)
     pending = 0
-    for s in reversed(steps):
+    for w.current, s in reversed(list(enumerate(steps))):
         if not s.on_path:  # no backward runs through it: its params get no grad, no step
             continue
         state += s.state

@@ -209,7 +209,8 @@ def _replay(streams, index, config, capacity, empties) -> Replayed:
 
 def _shape_spec(spec: TrainingSpec, shape: Shape) -> TrainingSpec:
     return spec.with_(lengths=None, micro_batch=shape.batch, seq_len=shape.tokens,
-                      images_per_sample=None if shape.images < 0 else shape.images)
+                      images_per_sample=None if shape.images < 0 else shape.images,
+                      padded=shape.padded)
 
 
 def _series(values: np.ndarray, points: int = SERIES_POINTS) -> dict:

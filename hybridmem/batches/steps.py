@@ -42,6 +42,9 @@ class Shape:
     batch: int
     tokens: int
     images: int
+    padded: bool = False
+    """A sample of the step is shorter than the padded length: its attention mask has zeros
+    (`TrainingSpec.padded`: each sdpa layer then builds and saves the mask)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,14 @@ def order(lengths: np.ndarray, spec, epoch: int = 0) -> np.ndarray:
 
     generator = torch.Generator()
     generator.manual_seed(spec.seed + epoch)
+    if spec.sampler == "group_by_length":
+        # LengthGroupedSampler draws from torch's global generator (generator=None), which
+        # Trainer.__init__'s `set_seed(seed)` seeded; the DataLoader's iterator draws its base
+        # seed from it first (torch/utils/data/dataloader.py `_BaseDataLoaderIter.__init__`:
+        # `_get_shared_seed`, one int64 `random_()`): epoch 0 is then the real run's draw
+        # (tests/test_lengths.py runs Trainer's loader); later epochs follow what training drew
+        # in between (dropout...): the same distribution, not the same draw
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
     perm = torch.randperm(n, generator=generator).numpy()
     if spec.sampler == "random":
         return perm
@@ -110,15 +121,16 @@ def plan(data: Lengths, spec, images_default: int, buckets: int = BUCKETS) -> St
         raise SpecError("lengths", data.source, reason=f"{len(tokens)} samples make no batch "
                         f"of {b} with drop_last")
     wanted = spec.max_steps * accum if spec.max_steps else per_epoch
-    rows, padded, imgs, seen, epochs = [], [], [], 0, 0
+    rows, padded, imgs, pads, seen, epochs = [], [], [], [], 0, 0
     while sum(map(len, rows)) < wanted:
         idx = order(tokens, spec, epochs)
         if spec.drop_last:
             idx = idx[:per_epoch * b]
-        r, p, i = _micro_batches(tokens[idx], images[idx], spec)
-        rows.append(r), padded.append(p), imgs.append(i)
+        r, p, i, q = _micro_batches(tokens[idx], images[idx], spec)
+        rows.append(r), padded.append(p), imgs.append(i), pads.append(q)
         epochs += 1
-    rows_, padded_, imgs_ = (np.concatenate(x)[:wanted] for x in (rows, padded, imgs))
+    rows_, padded_, imgs_, pads_ = (np.concatenate(x)[:wanted]
+                                    for x in (rows, padded, imgs, pads))
     seen = int(min(wanted * b, epochs * len(tokens)))
     # an optimizer step of `accum` micro-batches: its longest one (ceil: a last, partial step)
     steps = -(-len(rows_) // accum)
@@ -131,16 +143,20 @@ def plan(data: Lengths, spec, images_default: int, buckets: int = BUCKETS) -> St
     grid[:] = 0
     grid[:len(imgs_)] = imgs_
     step_imgs = grid.reshape(steps, accum).max(axis=1)
+    grid[:] = 0
+    grid[:len(pads_)] = pads_
+    step_pads = grid.reshape(steps, accum).max(axis=1)  # a micro-batch of the step is padded
     bucketed = bucket(step_len, buckets, spec.pad_multiple)
-    keys = np.stack([step_rows, bucketed, step_imgs], axis=1)
+    keys = np.stack([step_rows, bucketed, step_imgs, step_pads], axis=1)
     distinct, index = np.unique(keys, axis=0, return_inverse=True)
-    shapes = tuple(Shape(int(r), int(t), int(i)) for r, t, i in distinct)
+    shapes = tuple(Shape(int(r), int(t), int(i), bool(q)) for r, t, i, q in distinct)
     return Steps(shapes, index.reshape(-1), step_len, seen, epochs, len(rows_))
 
 
 def _micro_batches(tokens: np.ndarray, images: np.ndarray, spec
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, padded tokens per row, most images per sample) of each micro-batch, in order."""
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, padded tokens per row, most images per sample, whether a sample is shorter than
+    the padded length) of each micro-batch, in order."""
     b, cap = spec.micro_batch, spec.seq_len
     n = len(tokens)
     count = -(-n // b)
@@ -153,11 +169,14 @@ def _micro_batches(tokens: np.ndarray, images: np.ndarray, spec
         sizes[-1] = b - pad
     imgs = img_grid.max(axis=1)
     if spec.packing:  # padding-free: one row of every token of the micro-batch
-        return np.ones(count, dtype=np.int64), grid.sum(axis=1), imgs
+        return np.ones(count, dtype=np.int64), grid.sum(axis=1), imgs, np.zeros(count, bool)
     longest = grid.max(axis=1) if spec.pad_to == "longest" else np.full(count, cap)
     if spec.pad_multiple:
         longest = -(-longest // spec.pad_multiple) * spec.pad_multiple
-    return sizes, longest, imgs
+    # the rows a partial last batch lacks are not padding (they are not in the batch)
+    rows = np.arange(b) < sizes[:, None]
+    padded = ((grid < longest[:, None]) & rows).any(axis=1)
+    return sizes, longest, imgs, padded
 
 
 def bucket(padded: np.ndarray, buckets: int, multiple: int = 0) -> np.ndarray:

@@ -26,7 +26,7 @@ OFF_SCREEN = frozenset({"zero_stage", "beta", "kbit_prep", "sequence_parallel", 
                         "pp_schedule", "pp_virtual_stages", "pp_microbatches", "ep",
                         "dp_replicate", "dp_shard", "offload_param", "mp_reduce_dtype",
                         "timeline", "cut_cross_entropy", "jobs", "workers",
-                        "num_iterations"})
+                        "num_iterations", "padded"})
 """Options the one-screen help leaves to the README: an alias (`--zero-stage N` =
 `--strategy zeroN`, `--cut-cross-entropy` = `--loss cce`), GRPO's / DPO's `--beta` (what it
 changes, the reference model, is `--ref-model`) and `--num-iterations` (GRPO's passes per
@@ -35,7 +35,8 @@ what almost every QLoRA job runs), the model-parallel layout beyond `--tp` (`--p
 `--sequence-parallel`, `--cp`, `--ep`, the pipeline schedule and the data-parallel split:
 docs/parallel.md), ZeRO-Infinity's `--offload-param`, FSDP2's `--mp-reduce-dtype` (with
 `--mp-param-dtype`), the trace tier's `--timeline` and the many-jobs mode (`--jobs FILE.jsonl
---workers N`: the examples' line points at it)."""
+--workers N`: the examples' line points at it), and `--padded` (a padded batch's masks; with
+`--lengths` each batch decides it from its own padding)."""
 LONG_DEFAULT = 24
 """A default longer than this (the LoRA target list) is left to the README."""
 

@@ -112,7 +112,8 @@ def measure(request: dict, probe) -> dict:
             distributed.init(device, spec)
         probe.phase_start(phase, iteration)
         # a multi-rank spec is wrapped per its strategy; `workload` is the single-GPU job
-        build = distributed.prepare if spec.parallel.strategy != "none" else workload.prepare
+        multi = spec.parallel.strategy != "none" or spec.parallel.model_parallel
+        build = distributed.prepare if multi else workload.prepare
         job = build(spec, load_config(spec.model), device)
         phases.append({"phase": phase, "iteration": iteration, **probe.phase_end(phase, iteration)})
         result["params_total"] = sum(distributed.global_numel(p) for p in job.model.parameters())

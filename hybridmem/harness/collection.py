@@ -202,6 +202,10 @@ def collect(sweep_path: str | Path, out: str | Path | None = None, backend: str 
     skipped = len(sweep.items) - len(todo)
     gpus = env.pop("device_count", None) if backend == "cuda" else None
     runnable = [it for it in todo if gpus is None or it.spec.parallel.world_size <= gpus]
+    if todo and not runnable:  # nothing this machine can launch: say why, in one line
+        from hybridmem.harness.ranks import check_gpus
+
+        check_gpus(todo[0].spec.parallel, gpus)
     report = CollectReport(sweep=sweep, out=out, backend=backend, source=source,
                            planned=len(sweep.items), skipped=skipped,
                            too_many_ranks=len(todo) - len(runnable))

@@ -21,6 +21,7 @@ from torch import nn
 
 from hybridmem.errors import SpecError
 from hybridmem.harness import workload
+from hybridmem.harness.ranks import check_measurable
 from hybridmem.harness.ranks import launched  # noqa: F401  (the child asks it here)
 from hybridmem.job.optimizers import LR
 from hybridmem.job.spec import TrainingSpec
@@ -101,6 +102,8 @@ def prepare(spec: TrainingSpec, config, device) -> workload.Job:
                         reason="the harness measures objectives beyond sft on one GPU "
                         "(strategy none)")
     strategy = spec.parallel.strategy
+    if spec.parallel.model_parallel:
+        return model_parallel(spec, config, device)
     if strategy == "fsdp":
         model = workload.build_trainable(spec, config, torch.device("cpu"))
         batch = _batch(spec, config, model, device)
@@ -110,6 +113,55 @@ def prepare(spec: TrainingSpec, config, device) -> workload.Job:
         batch = _batch(spec, config, model, device)
         return workload.finish_job(ddp(model, spec, device), spec, device, batch)
     return deepspeed_job(spec, config, device)
+
+
+def model_parallel(spec: TrainingSpec, config, device) -> workload.Job:
+    """A tp / cp (x FSDP2) rank as torchtitan builds it: the (dp, cp, tp) device mesh,
+    `parallelize_module` with torchtitan's plan on "tp", `fully_shard` per decoder layer and the
+    root over dp x cp, and torch's `context_parallel` around each step's forward and backward
+    (`job.step_context`). The same code the trace tier runs (`parallel.trace_ranks`), here on
+    this rank's GPU with NCCL. Pipeline and expert parallelism are refused in one line."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hybridmem.parallel import trace_ranks
+
+    ps = spec.parallel
+    check_measurable(ps, spec.attn)
+    dp = ps.data_shard
+    mesh = init_device_mesh(device.type, (dp, ps.cp, ps.tp), mesh_dim_names=("dp", "cp", "tp"))
+    model = workload.build_trainable(spec, config, device)
+    if ps.tp > 1:
+        trace_ranks.apply_tp(model, mesh["tp"], ps.sequence_parallel)
+    if ps.strategy == "fsdp":
+        shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if ps.cp > 1 else mesh["dp"]
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=shard_mesh)
+        fully_shard(model, mesh=shard_mesh)
+    batch = _batch(spec, config, model, device)
+    if ps.sequence_parallel or ps.cp > 1:  # a sequence shard cannot derive its positions
+        ids = batch["input_ids"]
+        batch["position_ids"] = torch.arange(ids.shape[1], device=device)[None].expand_as(
+            ids).contiguous()
+    job = workload.finish_job(model, spec, device, batch)
+    if len({hasattr(p, "_local_tensor") for p in job.params}) > 1:
+        # foreach refuses DTensor shards beside plain tensors (the norm weights under tp
+        # without FSDP2): the step runs per parameter, as in the trace tier (`trace_ranks`)
+        for group in job.optimizer.param_groups:
+            if "foreach" in group:
+                group["foreach"] = False
+    job.step_context = partial(_mp_step, trace_ranks.cp_step(mesh["cp"]) if ps.cp > 1 else None)
+    return job
+
+
+@contextlib.contextmanager
+def _mp_step(cp_step, batch: dict):
+    """torchtitan's train context: `loss_parallel` (the vocabulary-sharded logits' cross
+    entropy) and, with cp, `context_parallel` over the batch."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel(), (cp_step(batch) if cp_step else contextlib.nullcontext(batch)) as b:
+        yield b
 
 
 def ddp(model: nn.Module, spec: TrainingSpec, device) -> nn.Module:

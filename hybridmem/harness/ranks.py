@@ -45,6 +45,33 @@ def torchrun_command(module: str, nproc: int, args: list[str] | tuple[str, ...] 
             f"--nproc-per-node={nproc}", "-m", module, *map(str, args)]
 
 
+MEASURED_LAYOUTS = "tp (with sequence parallelism), cp, with FSDP2 over dp"
+"""The model-parallel layouts the harness runs (`distributed.model_parallel`: torchtitan's
+plans, as the trace tier runs them)."""
+
+
+def check_measurable(ps, attn: str) -> None:
+    """One-line refusal of a model-parallel layout the harness does not run."""
+    for name in ("pp", "ep", "dp_replicate"):
+        if getattr(ps, name) > 1:
+            raise SpecError(f"parallel.{name}", getattr(ps, name), (1,),
+                            reason=f"the harness measures {MEASURED_LAYOUTS}")
+    if ps.cp > 1 and attn == "eager":
+        raise SpecError("attn", attn, ("sdpa", "flash_attention_2"),
+                        reason="context parallelism replaces SDPA (torch's ring attention)")
+
+
+def check_gpus(ps, visible: int | None) -> None:
+    """One-line refusal of a layout this machine cannot launch: every rank needs its own GPU,
+    dp_replicate x dp_shard x cp x tp x pp of them (`ParallelSpec.world_size`); `visible` None
+    means CPU ranks (gloo), which any world size runs."""
+    if visible is None or ps.world_size <= visible:
+        return
+    axes = f"dp {ps.data_parallel} x cp {ps.cp} x tp {ps.tp} x pp {ps.pp}"
+    raise SpecError("world_size", ps.world_size, reason=f"the layout ({axes}) needs "
+                    f"{ps.world_size} GPUs, one per rank; this machine shows {visible}")
+
+
 def launched() -> bool:
     """True inside a rank started by torchrun, which sets both variables."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -235,10 +235,11 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         **recorded_fields(combo), parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
     if spec.parallel.model_parallel:
-        # the child launches data-parallel jobs (DDP / ZeRO / FSDP2 through torchrun); a tp /
-        # cp / pp / ep layout needs a launcher of its own (docs/parallel.md, "Measuring it")
-        raise SpecError("parallel", "tp/cp/pp/ep", reason="hybridmem collect runs "
-                        "data-parallel layouts only")
+        # the child launches tp / cp (x FSDP2) ranks through torchrun
+        # (`distributed.model_parallel`); pipeline and expert layouts are refused in one line
+        from hybridmem.harness.ranks import check_measurable
+
+        check_measurable(spec.parallel, spec.attn)
     runnable = spec.with_(model=_materialize(cfg))
     tokens = image_tokens_of(runnable)  # SpecError unless a text token fits beside them
     build_graph(runnable)  # SpecError for what the model graph refuses (dropped as impossible)
@@ -246,7 +247,8 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
     if train != "lora":  # the rank means nothing then: do not let it count as a new axis value
         axes = tuple(0 if a == "lora_r" else v for a, v in zip(AXES, axes))
     est = estimate_seconds(cfg, spec.micro_batch * spec.seq_len, iterations, spec.grad_ckpt,
-                           launched=spec.parallel.strategy != "none")
+                           launched=spec.parallel.strategy != "none"
+                           or spec.parallel.model_parallel)
     return SweepItem(label=label, config=cfg, spec=spec, spec_hash=spec_hash(spec.to_dict(), cfg),
                      block=block, axes=axes, image_tokens=tokens, est_seconds=est,
                      priority=priority)

@@ -56,6 +56,11 @@ class Job:
     generated: bool = False
     micro: int = 0
     """The micro-step running (GRPO's slice of its generation batch)."""
+    step_context: object | None = None
+    """`step_context(batch)`: the context one micro-step's forward and backward run in,
+    yielding the batch they see (torch's `context_parallel`, `distributed.model_parallel`)."""
+    in_step: object | None = None
+    """The entered `step_context` of the micro-step running (its exit stack)."""
 
 
 def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
@@ -303,6 +308,11 @@ def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
 
 
 def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor:
+    if job.step_context is not None:  # entered here, left when the backward has run
+        job.in_step = contextlib.ExitStack()
+        whole = job.batch
+        job.batch = job.in_step.enter_context(job.step_context(whole))
+        job.in_step.callback(setattr, job, "batch", whole)
     ctx = (torch.autocast(device.type, dtype=AUTOCAST[spec.precision])
            if spec.precision in AUTOCAST else contextlib.nullcontext())
     with ctx, job.offload if job.offload is not None else contextlib.nullcontext():
@@ -316,6 +326,9 @@ def backward(job: Job, loss: torch.Tensor, spec: TrainingSpec | None = None) -> 
         job.engine.backward(loss)
         return
     (job.scaler.scale(loss) if job.scaler else loss).backward()
+    if job.in_step is not None:
+        job.in_step.close()
+        job.in_step = None
 
 
 def clip(job: Job, spec: TrainingSpec) -> None:

@@ -97,10 +97,8 @@ def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
         why = f"the analytic tier refuses {clause(refused)}"
         return Choice("trace", why,
                       note=f"method: trace chosen because {why} (pass --method to override)")
-    # the lengths rule first: a job without --lengths never loads the trace tier's rule (it
-    # imports torch, which the analytic front door must not: tests/test_front_door.py)
-    gap = closed_form_gap(spec)
-    if gap is not None and refusal("trace", spec) is None:  # the hybrid tier's run too
+    gap = closed_form_gap(spec)  # None without --lengths: the trace tier's rule (torch) only then
+    if gap is not None and refusal("trace", spec) is None:  # the hybrid tier's run uses the analytic streams too
         why = f"the closed form does not price this run's reserved growth: {gap}"
         return Choice("trace", why,
                       note=f"method: trace chosen because {why} (pass --method to override)")

@@ -42,6 +42,11 @@ def check(spec) -> None:
         _natural(name, getattr(spec, name))
     if not isinstance(spec.drop_last, bool):
         raise SpecError("drop_last", spec.drop_last, [True, False])
+    if not isinstance(spec.padded, bool):
+        raise SpecError("padded", spec.padded, [True, False])
+    if spec.padded and spec.packing:
+        raise SpecError("padded", True, [False], reason="packed batches are padding-free "
+                        "(--packing)")
 
 
 def sampler_from_hf(strategy: object, group_by_length: object) -> str | None:

@@ -558,6 +558,17 @@ class TrainingSpec:
         cli=False,
         keys={"training_args": ("dataloader_drop_last",)})
     """`dataloader_drop_last`."""
+    padded: bool = job_field(
+        False, help="The batch carries padding (samples shorter than the batch's longest).",
+        group="batch", added=54,
+        doc="the collator pads the batch (`DataCollatorForLanguageModeling` / "
+        "`DataCollatorForSeq2Seq` / `DataCollatorWithPadding` on samples of varied lengths, "
+        "or `pad_to_multiple_of`): its attention mask has zeros, so masking_utils builds the "
+        "(b, 1, s, s) boolean mask and each layer's sdpa converts it to the query's dtype and "
+        "saves it. With `--lengths` each batch's own padding decides (this field is then the "
+        "priced batch's); TRL's trainers always pad. [docs/lengths.md](docs/lengths.md)")
+    """The batch's attention mask has padding (`hybridmem.batches.steps`: set per batch from
+    the lengths); False: every sample is `seq_len` long (no mask is built)."""
     objective: str = job_field(
         "sft", help="Trainer.",
         group="objective", choices=OBJECTIVES, added=33, echo=True, recorded="string",

@@ -108,6 +108,24 @@ def fused_head(spec, trl_version: str | None) -> bool:
             and trl_head.has_fused_head(trl_version))
 
 
+def loop_divisions(spec) -> tuple[bool, bool]:
+    """The new 0-dim tensors the Trainer loop makes of the step's loss before backward:
+    (transformers' `loss / current_gradient_accumulation_steps`, accelerate's
+    `Accelerator.backward` `loss / gradient_accumulation_steps`, made whenever the run is not
+    DeepSpeed: accelerator.py `backward`). The first is held by `training_step` through the
+    backward, the second by `backward`; the loss they divide dies with its last name.
+
+    transformers' `training_step` (trainer.py 5.24: `if not loss_is_scaled_for_ga`) divides at
+    every step, accumulation 1 too, the loss of a TRL trainer whose `loss_is_scaled_for_ga` is
+    False (the plug-in's optional `UNSCALED_LOSS`: DPO, KTO, RM, ORPO); GRPOTrainer sets it
+    True and SFTTrainer's is scaled by `num_items_in_batch`. Priced for the TRL trainers;
+    transformers' own `Trainer` step keeps the division at accumulation > 1 only, without
+    accelerate's (one 512-byte block, docs/objectives.md)."""
+    if not trl_runs(spec):
+        return spec.grad_accum > 1, False
+    return bool(getattr(of(spec), "UNSCALED_LOSS", False)), True
+
+
 def check(spec) -> None:
     """One-line SpecErrors for the objective fields and the combinations no trainer runs:
     the shared field checks, then the objective's own."""

@@ -71,6 +71,8 @@ REQUIRED: tuple[str, ...] = ("NAME", "ORDER", "LM_LOSS", "CONCATENATED", "PADDED
                              "prompt_length", "check", "note")
 """The attributes a sub-package must have to be an objective."""
 
+# optional trait: `UNSCALED_LOSS = True` -> its trainer's `loss_is_scaled_for_ga` is False, so
+# transformers' loop divides its loss at every step (`objectives.loop_divisions`; default False).
 # optional hooks, read through `hybridmem.objectives` (GRPO's):
 # `micro_batch_step(spec)` -> the micro-batches it can take are the multiples of this
 # (`objectives.micro_batch_step`; default 1); `at_micro_batch(spec, batch)` -> `spec` at another

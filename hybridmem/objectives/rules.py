@@ -108,6 +108,22 @@ def note(spec, name: str, rows: int, ref: str) -> str:
             f"reference: {REFERENCE_WORDS[ref]}")
 
 
+def worst_case(spec, prompt: bool = True) -> str:
+    """The words a preference objective's note adds: TRL's collators pad each batch to its
+    longest sequence after truncating prompts to `max_prompt_length` and the sequences to
+    `max_length` (trl/trainer/dpo_trainer.py, kto_trainer.py `_tokenize`; the reward and ORPO
+    collators pad the same way), so every sequence is priced at the cap `seq_len`, the
+    prompt's positions as scored completion tokens (the largest per-token outputs; `prompt`:
+    the objective has one) and the batch as padded (its attention mask reaching every layer's
+    SDPA)."""
+    cap = (f"truncated to max_prompt_length={spec.max_prompt_length}"
+           if spec.max_prompt_length else "at its longest")
+    scored = f", the prompt ({cap}) counted as scored completion tokens" if prompt else ""
+    return (f"; priced at the worst case: every sequence {spec.seq_len} tokens (max_length, "
+            f"the collator padding to the longest){scored}, the batch padded (an attention "
+            "mask per layer); shorter data uses less")
+
+
 VLLM_WITHOUT_GPU = ("vLLM colocated: its reservation is a fraction of a GPU's memory; give "
                     "--gpu to include it (left out here)")
 

@@ -28,14 +28,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity, cublas_workspace
+from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
 from hybridmem.allocator.reserved import Bounded, _at, bounded, capacity_notes
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
 from hybridmem.parallel.phases import (  # noqa: F401 (NCCL_* read as estimate.NCCL_BYTES)
     NCCL_BUFFSIZE, NCCL_BYTES, NCCL_CHANNELS, NCCL_RING_PEERS, ActPoint, forward_precision,
-    fwd_bwd,
+    fwd_bwd, rank_capacity,
 )
 from hybridmem.parallel.phases import step as step_phase
 from hybridmem.parallel.sharding import RankStates, rank_states, replicated
@@ -114,16 +114,6 @@ def _scaled_modules(base: Prediction, rank: RankStates, single: RankStates) -> t
     return tuple(dataclasses.replace(
         m, param=f(m.param, rank.param, single.param), grad=f(m.grad, rank.grad, single.grad),
         optimizer=f(m.optimizer, rank.optimizer, single.optimizer)) for m in base.modules)
-
-
-def rank_capacity(spec: TrainingSpec, gpu: GPU | None) -> int | None:
-    """Bytes one rank's caching allocator may reserve on `gpu`: its memory minus the CUDA
-    context (`overheads.CUDA_CONTEXT_DEFAULT`) and NCCL's buffers (`NCCL_BYTES`, cudaMalloc'd
-    by NCCL itself, outside PyTorch's allocator); None without a GPU (unlimited)."""
-    if gpu is None:
-        return None
-    nccl = NCCL_BYTES if spec.parallel.world_size > 1 else 0
-    return allocator_capacity(gpu, CUDA_CONTEXT_DEFAULT + nccl)
 
 
 def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None) -> Bounded | None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, allocator_capacity
 from hybridmem.categories import empty_breakdown
+from hybridmem.gpus import GPU
 from hybridmem.job.precision import DTYPE_BYTES
 from hybridmem.job.spec import POLICIES, TrainingSpec
 from hybridmem.parallel.sharding import RankStates
@@ -31,6 +33,21 @@ class ActPoint:
     """Share of all gradients already produced (0 in forward, growing in backward)."""
     activation: int
     temporary: int
+    gathered: int | None = None
+    """Gathered params at this point (`fsdp_points.at_point`); None: the states' constant."""
+    grad: int | None = None
+    """Grads and reduce buffers at this point (`fsdp_points.at_point`); None: the states'
+    grads scaled by `grad_fraction`, plus their reduce buffers in backward."""
+
+
+def rank_capacity(spec: TrainingSpec, gpu: GPU | None) -> int | None:
+    """Bytes one rank's caching allocator may reserve on `gpu`: its memory minus the CUDA
+    context (`overheads.CUDA_CONTEXT_DEFAULT`) and NCCL's buffers (`NCCL_BYTES`, cudaMalloc'd
+    by NCCL itself, outside PyTorch's allocator); None without a GPU (unlimited)."""
+    if gpu is None:
+        return None
+    nccl = NCCL_BYTES if spec.parallel.world_size > 1 else 0
+    return allocator_capacity(gpu, CUDA_CONTEXT_DEFAULT + nccl)
 
 
 def forward_precision(spec: TrainingSpec) -> str:
@@ -57,9 +74,9 @@ def fwd_bwd(states: RankStates, point: ActPoint, extra: dict) -> dict:
     states; grads that grow with the backward scaled like the single-GPU grads at the point."""
     out = empty_breakdown()
     growing = states.grad - states.grad_fixed
-    out["param"] = states.param + states.gathered
-    out["grad"] = states.grad_fixed + round(growing * point.grad_fraction) + (
-        states.comm if point.phase == "backward" else 0)
+    out["param"] = states.param + (states.gathered if point.gathered is None else point.gathered)
+    out["grad"] = states.grad_fixed + (round(growing * point.grad_fraction) + (
+        states.comm if point.phase == "backward" else 0) if point.grad is None else point.grad)
     out["optimizer"] = states.optimizer
     out["activation"] = point.activation
     out["temporary"] = point.temporary

@@ -30,6 +30,7 @@ Activations per rank (sources in `docs/parallel.md`, "Model parallelism"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -44,7 +45,8 @@ from hybridmem.parallel.layout import (
     check_layout, in_flight, model_shape, rank_config, stage_layers,
 )
 from hybridmem.parallel.sharding import RankStates, rank_states
-from hybridmem.parallel.states import layer_tensors, model_tensors
+from hybridmem.parallel import fsdp_points
+from hybridmem.parallel.states import UNIT_KINDS, layer_tensors, model_tensors
 from hybridmem.prediction import Peak, Prediction
 
 from hybridmem.parallel.phases import NCCL_BYTES, ActPoint, forward_precision, fwd_bwd
@@ -217,6 +219,10 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
     stage_st = dataclasses.replace(
         st, param=sum(p.states.param for p, _ in chosen),
         master=sum(p.states.master for p, _ in chosen))
+    graph_layers = [(p.module, p.layer) for p, _ in chosen]
+    states = _states(spec, graph_layers)
+    per_point = _fsdp_units(spec, graph_layers, states)  # None with a pipeline
+    step_grads = [s.grad for s in steps]
     # two moments of a pipeline step (torch `Schedule1F1B` / `ScheduleGPipe` action order): the
     # first backward, with `k` micro-batches in flight and none of this step's gradients yet;
     # and the later backwards, every gradient accumulated (`grad_accum` 2 in the walk), with
@@ -232,14 +238,18 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
         walked = walk(steps, dataclasses.replace(stage_st, grad_accum=accum))
         full = max((p.bytes["grad"] for p in walked), default=0)
         # the earlier micro-batches' activations are held through this one's forward and
-        # backward (not at the step: the schedule has run every backward by then)
-        acts += [ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
-                          p.bytes["activation"] + held + buffers,
-                          p.bytes["temporary"] + (comm[0] if p.phase == "forward" else comm[1]))
-                 for p in walked if p.phase != "optimizer"]
+        # backward (not at the step: the schedule has run every backward by then); FSDP2's
+        # gathers and reduce buffers per point (`fsdp_points`) where it applies
+        for p in walked:
+            if p.phase == "optimizer":
+                continue
+            at = (fsdp_points.at_point(per_point, p.phase, p.step, p.bytes["grad"], step_grads)
+                  if per_point else (None, None))
+            acts.append(ActPoint(p.phase, p.bytes["grad"] / full if full else 1.0,
+                                 p.bytes["activation"] + held + buffers,
+                                 p.bytes["temporary"]
+                                 + (comm[0] if p.phase == "forward" else comm[1]), *at))
         points = walked
-    graph_layers = [(p.module, p.layer) for p, _ in chosen]
-    states = _states(spec, graph_layers)
     extra_grad = _embedding_grad(spec, graph_layers, shape)
     states = dataclasses.replace(states, grad=states.grad + extra_grad, detail={
         **states.detail, "replicated_embedding_grad_bytes": extra_grad}) if extra_grad else states
@@ -257,6 +267,86 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
     out = empty_breakdown()
     out.update(best)
     return RankAnswer(rank, span, k, holds, out, best_phase)
+
+
+def _fsdp_units(spec: Job, graph_layers: list, states: RankStates):
+    """FSDP2's units of the stage, for pricing its gathers per timeline point
+    (`fsdp_points`); None where the states' constants stay: not FSDP2, units kept unsharded
+    from forward to backward (`reshard_after_forward=False`), experts (their own mesh), or a
+    pipeline (several micro-batches' units in flight)."""
+    ps = spec.parallel
+    n = ps.data_shard * ps.cp
+    flat = _dp_spec(spec, n)
+    if (flat.parallel.strategy != "fsdp" or not ps.reshard_after_forward or ps.pp > 1
+            or ps.ep > 1):
+        return None
+    from hybridmem.parallel.sharding import _pbytes
+
+    mt = layer_tensors(graph_layers)
+    if any("experts" in t.unit for t in mt.tensors):
+        return None
+    of_step = tuple(f"{m}.{l.name}" if l.kind in UNIT_KINDS else "root" for m, l in graph_layers)
+    return fsdp_points.units(mt, of_step, n, states.detail["gather_dtype_bytes"],
+                             states.detail["reduce_dtype_bytes"],
+                             lambda t: _pbytes(flat, t))  # flat: a Job (the stage's)
+
+
+def replayable(ps: ParallelSpec) -> bool:
+    """Whether a rank's stream is the narrow model's (`rank_events`): tp without sequence
+    parallelism, cp, FSDP2 / data-parallel sharding over them. Not: sequence parallelism (its
+    layers' activations are the full-width ones on seq / tp tokens, which the narrow stream does
+    not have), pipelines (stage layers, micro-batches in flight), experts (their own mesh)."""
+    return not ps.sequence_parallel and ps.pp == 1 and ps.ep == 1
+
+
+def rank_events(spec: Job, workspace: int) -> tuple[int, list[tuple]]:
+    """(peak live bytes, alloc/free stream) of one model-parallel rank: the analytic stream of
+    the rank's narrow model at `seq / cp` tokens (`layout.rank_config`; the single-GPU tier's
+    own events, `analytic.estimate.stream`), its model states rewritten to the rank's
+    (`_states`, over dp x cp) and its gathers and reduce buffers added, as `parallel.stream`
+    does for data-parallel ranks; the ring's K/V and the tp all-gathers are transients of the
+    layer running, not in it."""
+    from hybridmem.allocator.replay import peak_requested
+    from hybridmem.analytic.estimate import setup as _setup
+    from hybridmem.analytic.estimate import stream as _stream
+    from hybridmem.models.loader import load_config_dict, materialize_config
+    from hybridmem.parallel.stream import _setup_counts, classify, rewrite
+
+    ps = spec.parallel
+    _, data = load_config_dict(spec.model)
+    compute = forward_precision(spec)
+    narrow = spec.with_(model=materialize_config(json.dumps(rank_config(data, ps.tp, ps.ep))),
+                        seq_len=spec.seq_len // ps.cp, parallel=ParallelSpec(),
+                        precision=compute)
+    _, priced, _ = _setup(narrow, workspace)
+    events, marks = _stream(narrow, workspace)
+    n_param, n_master = _setup_counts(priced, POLICIES[compute])
+    states = _states(spec, [(p.module, p.layer) for p in priced])
+    out = rewrite(events, marks, classify(events, marks, n_param, n_master), states)
+    return peak_requested(out), out
+
+
+@functools.lru_cache(maxsize=None)
+def _measure_with(workspace: int):
+    """`rank_events` for one workspace, one function object (`allocator.reserved.bounded`'s
+    replay cache is keyed by it)."""
+    return lambda spec: rank_events(spec, workspace)
+
+
+def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None):
+    """The rank's fragmentation: `rank_events` replayed through the allocator simulator
+    within the rank's capacity (`phases.rank_capacity`), monotone in the micro-batch
+    (`allocator.reserved.bounded`); None where the stream is not the rank's (`replayable`)."""
+    from hybridmem.allocator.config import alloc_conf_string
+    from hybridmem.allocator.reserved import _at, bounded
+    from hybridmem.parallel.phases import rank_capacity
+
+    if not replayable(spec.parallel):
+        return None
+    measure = _measure_with(cublas_workspace(gpu))
+    capacity = rank_capacity(spec, gpu)
+    allocated = _at(spec, spec.micro_batch, measure, alloc_conf_string(), capacity)[0]
+    return bounded(spec, allocated, measure, capacity)
 
 
 def _pipeline_buffers(spec: TrainingSpec, shape, rank: int) -> int:
@@ -350,11 +440,24 @@ def price_ranks(spec: Job, gpu: GPU | None = None) -> tuple[Prediction, list[Ran
     top = max(answers, key=lambda a: a.device_bytes)
     params = model_tensors(spec.with_(parallel=single))
     allocated = sum(top.breakdown[c] for c in TENSOR_CATEGORIES)
-    peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated,
+    fit = rank_fragmentation(spec, gpu)
+    if fit is not None:
+        frag = fit.fragmentation
+        if fit.capacity is not None and not fit.oom_batches:
+            # a replay that completed within the capacity reserves at most the capacity
+            frag = min(frag, max(0, fit.capacity - allocated))
+        top = dataclasses.replace(top, breakdown={**top.breakdown, "fragmentation": frag})
+        answers = [top if a.rank == top.rank else a for a in answers]
+        frag_note = ("fragmentation per rank: the rank's narrow-model stream with its sharded "
+                     "states and buffers, replayed through the allocator simulator")
+    else:
+        frag_note = ("fragmentation is not replayed for sequence-parallel, pipeline or expert "
+                     "ranks (reserved = allocated)")
+    peak = Peak(allocated_bytes=allocated,
+                reserved_bytes=allocated + top.breakdown["fragmentation"],
                 device_bytes=top.device_bytes, phase=top.phase, iteration=1)
     notes = (f"per rank of {ps.world_size} GPUs: {layout_text(ps)}",
-             why(top, answers, ps),
-             "fragmentation is not replayed per model-parallel rank (reserved = allocated)",
+             why(top, answers, ps), frag_note,
              f"NCCL buffers outside PyTorch: nominal {NCCL_BYTES >> 20} MiB in context")
     extras = {"world_size": ps.world_size, "strategy": ps.strategy, "per_rank": True,
               "layout": layout_dict(ps),

@@ -256,7 +256,8 @@ def fsdp(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     state, paged, temp = _optimizer(spec, shards)
     return RankStates(param=param, grad=grad, optimizer=opt + state, gathered=gathered, comm=comm,
                       step_temporary=temp, paged=paged,
-                      detail={"unsharded_param_bytes": m * unsharded, "reduce_scatter_bytes": comm})
+                      detail={"unsharded_param_bytes": m * unsharded, "reduce_scatter_bytes": comm,
+                              "gather_dtype_bytes": m, "reduce_dtype_bytes": r})
 
 
 SCHEMES = {"none": replicated, "ddp": ddp, "zero1": zero, "zero2": zero, "zero3": zero,

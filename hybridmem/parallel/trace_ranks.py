@@ -15,7 +15,11 @@ highest; every other rank is the same shape or smaller.
 Pipeline ranks run torch's pipelining stages and schedules (`parallel.trace_pipeline`), each
 pipeline rank traced alone, the highest answered; expert-parallel ranks run transformers' own
 expert parallelism (`parallel.trace_experts`) under FSDP2, torchtitan's MoE layout. Context
-parallelism is not run here (the analytic tier prices it).
+parallelism runs torch's `context_parallel` around forward and backward, as torchtitan's train
+context does (`torchtitan/distributed/utils.py::create_context_parallel_ctx`: the batch and the
+position buffer sharded on the sequence, the `allgather` rotate method), with torch's ring
+attention on the CPU flash kernel (`parallel.ring_cpu`); FSDP2 then shards over the flattened
+`dp_shard x cp` mesh (torchtitan's `dp_shard_cp`).
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from hybridmem.job.spec import TrainingSpec
 from hybridmem.prediction import Peak, Prediction
 from hybridmem.trace.tracker import StorageTracker, round_size
 
-TRACED = ("tp / sequence parallelism with dp_shard (FSDP2) or alone; pp alone; ep with "
+TRACED = ("tp / sequence parallelism / cp with dp_shard (FSDP2) or alone; pp alone; ep with "
           "dp_shard (FSDP2)")
-"""What this tier runs; cp / pp / ep layouts are refused with this line's choices."""
+"""What this tier runs; other layouts are refused with this line's choices."""
 
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 """`bf16-mixed` only with FSDP2: `MixedPrecisionPolicy(bf16, fp32)`, torchtitan's default."""
@@ -68,6 +72,47 @@ class RankTracker(StorageTracker):
                 if sid is not None and self.storages[sid].op is None:
                     self.storages[sid].op = func
         return out
+
+    def _free(self, sid: int) -> None:
+        if self.storages[sid].death < 0:  # not a storage FSDP2 resized to 0 already
+            super()._free(sid)
+
+    def resized(self, storage: torch.UntypedStorage, category: str) -> None:
+        """FSDP2 frees and re-allocates its unsharded params by resizing their storage
+        (`_fsdp_param.free_storage` / `alloc_storage`: `untyped_storage().resize_(0)` and back,
+        the same Python object throughout), which the caching allocator sees as a free and a
+        new allocation but a weakref finaliser never does: record both as such."""
+        sid = self._sid.get(storage)
+        if sid is not None:
+            self._free(sid)
+            del self._sid[storage]
+        if storage.nbytes():
+            self.track(storage, category)
+
+
+@contextlib.contextmanager
+def fsdp_storage_events(tracker: RankTracker):
+    """While active, FSDP2's storage resizes are births and deaths in `tracker`: the unsharded
+    params live from their unit's all-gather copy-out to its reshard, as on CUDA."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_storage(tensor):
+        alloc(tensor)
+        tracker.resized(tensor.untyped_storage(), "param")
+
+    def free_storage(tensor):
+        free(tensor)
+        tracker.resized(tensor.untyped_storage(), "param")
+
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_storage
+    _fsdp_param.free_storage = free_storage
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
+        _fsdp_param.free_storage = free
 
 
 def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
@@ -111,15 +156,18 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
 def refusal(spec: TrainingSpec) -> SpecError | None:
     """The layouts and jobs this tier does not run, as one-line errors."""
     ps = spec.parallel
-    for name in ("cp", "dp_replicate"):
+    for name in ("dp_replicate",):
         if getattr(ps, name) > 1:
             return SpecError(name, getattr(ps, name), (1,), reason="the trace tier runs "
                              f"{TRACED}; use --method analytic for this layout")
-    axes = [n for n in ("tp", "pp", "ep") if getattr(ps, n) > 1]
+    axes = [n for n in ("tp", "cp", "pp", "ep") if getattr(ps, n) > 1]
     if len(axes) > 1:
         return SpecError(axes[1], getattr(ps, axes[1]), (1,), reason=f"the trace tier runs "
                          f"one model-parallel axis at a time ({TRACED}); with {axes[0]} use "
                          "--method analytic")
+    if ps.cp > 1 and spec.attn == "eager":  # torch's ring attention replaces SDPA only
+        return SpecError("attn", spec.attn, ("sdpa", "flash_attention_2"), reason="context "
+                         "parallelism (torch's context_parallel) runs SDPA's ring attention")
     if ps.pp > 1 and ps.data_shard > 1:
         return SpecError("dp_shard", ps.data_shard, (1,), reason="the trace tier runs a "
                          "pipeline alone (no data-parallel ranks); use --method analytic")
@@ -206,13 +254,13 @@ def trace_rank(spec: TrainingSpec, rank: int = 0, backend: str = "fake") -> Rank
     if refused is not None:
         raise refused
     ps = spec.parallel
-    dp, tp = ps.data_shard, ps.tp
+    dp, cp, tp = ps.data_shard, ps.cp, ps.tp
     config = load_config(spec.model)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if backend == "fake" else contextlib.nullcontext()
     if ps.pp > 1:
         with _fake_world(rank, ps.pp):
             return _traced_pipeline(spec, config, rank, mode)
-    with _fake_world(rank, dp * tp), _real_meshes():
+    with _fake_world(rank, dp * cp * tp), _real_meshes():
         # the mesh reads its rank table's values: built on real tensors, before the fake mode
         if ps.ep > 1:
             # torchtitan's MoE meshes (`ParallelDims`): experts over ep, their FSDP over
@@ -223,8 +271,10 @@ def trace_rank(spec: TrainingSpec, rank: int = 0, backend: str = "fake") -> Rank
             alone = init_device_mesh("cpu", (dp, 1), mesh_dim_names=("batch", "tp"))
             return _traced_experts(spec, config, (world._flatten("dp"), world["efsdp"],
                                                   world["ep"], alone["tp"]), mode)
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        return _traced(spec, config, (mesh["dp"], mesh["tp"]), mode)
+        mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        # FSDP2 shards over dp x cp (torchtitan `parallel_dims`: the `dp_shard_cp` mesh)
+        shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else mesh["dp"]
+        return _traced(spec, config, (shard_mesh, mesh["tp"], mesh["cp"]), mode)
 
 
 def _mp_policy(spec: TrainingSpec):
@@ -234,15 +284,17 @@ def _mp_policy(spec: TrainingSpec):
             if spec.precision == "bf16-mixed" else MixedPrecisionPolicy())
 
 
-def _model_step(model, batch: dict, tracker) -> callable:
+def _model_step(model, batch: dict, tracker, train_context=None) -> callable:
     """forward (HF's loss) and backward of one iteration, inside `loss_parallel` (torchtitan's
-    train context; nothing changes without DTensor logits)."""
+    train context; nothing changes without DTensor logits) and `train_context(batch)`, which
+    yields the batch the step sees (`cp_step`), if given."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     def run(it: int) -> None:
         tracker.mark("forward", it)
-        with loss_parallel():
-            loss = model(**batch).loss
+        with loss_parallel(), (train_context(batch) if train_context
+                               else contextlib.nullcontext(batch)) as inputs:
+            loss = model(**inputs).loss
             tracker.mark("backward", it)
             loss.backward()
             del loss
@@ -257,27 +309,54 @@ def _traced(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
     from hybridmem.trace.model import build_model
 
     ps = spec.parallel
-    dp_mesh, tp_mesh = meshes
+    dp_mesh, tp_mesh, cp_mesh = meshes
     with mode:
         built = spec.with_(precision="fp32") if spec.precision == "bf16-mixed" else spec
         model = build_model(built, config)
-        apply_tp(model, tp_mesh, ps.sequence_parallel)
-        if ps.data_shard > 1:
+        if ps.tp > 1:
+            apply_tp(model, tp_mesh, ps.sequence_parallel)
+        if ps.data_shard * ps.cp > 1 and ps.strategy == "fsdp":
             mp = _mp_policy(spec)
             for layer in model.model.layers:
                 fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
             fully_shard(model, mesh=dp_mesh, mp_policy=mp)
         batch = make_batch(spec, config, model, torch.float32)[0]
         ids = batch["input_ids"]
-        if ps.sequence_parallel:  # the local sequence shard cannot derive the positions
-            batch["position_ids"] = torch.arange(ids.shape[1])[None].expand_as(ids)
-        # foreach (`--optimizer adamw`) needs every param a DTensor: FSDP2 makes the norms
-        # ones; under tp alone they are plain tensors and AdamW runs per parameter
-        foreach = all(hasattr(p, "_local_tensor") for p in model.parameters())
+        if ps.sequence_parallel or ps.cp > 1:  # a sequence shard cannot derive its positions
+            batch["position_ids"] = torch.arange(ids.shape[1])[None].expand_as(ids).contiguous()
+        # foreach (`--optimizer adamw`) refuses a mix of DTensors and plain tensors: FSDP2 makes
+        # every param a DTensor; under tp alone the norms stay plain and AdamW runs per
+        # parameter; under cp alone no param is a DTensor
+        kinds = {hasattr(p, "_local_tensor") for p in model.parameters()}
+        foreach = len(kinds) == 1
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
         tracker = RankTracker()
+        train_context = cp_step(cp_mesh) if ps.cp > 1 else None
         return _run([model], list(model.model.layers), opt, batch.values(), tracker,
-                    _model_step(model, batch, tracker))
+                    _model_step(model, batch, tracker, train_context))
+
+
+def cp_step(cp_mesh):
+    """torchtitan's context-parallel train context for one step: a fresh copy of the batch
+    (the data loader's) is sharded on the sequence by torch's `context_parallel` (buffers
+    `input_ids`, `labels`, `position_ids` on dim 1, not restored: torchtitan's
+    `no_restore_buffers={inputs, labels}`; the position ids stand in for its `freqs_cis`), and
+    SDPA runs torch's ring attention (`ring_cpu.cpu_ring_attention`) until the backward ends."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from hybridmem.parallel.ring_cpu import cpu_ring_attention
+
+    @contextlib.contextmanager
+    def step(batch: dict):
+        local = {k: v.clone() for k, v in batch.items()}
+        names = [k for k in ("input_ids", "labels", "position_ids") if k in local]
+        buffers = [local[k] for k in names]
+        with cpu_ring_attention(), context_parallel(
+                cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                no_restore_buffers=set(buffers)):
+            yield local
+
+    return step
 
 
 def _traced_experts(spec: TrainingSpec, config, meshes, mode) -> RankTrace:
@@ -372,7 +451,7 @@ def _run(modules, layers, opt, inputs, tracker: RankTracker, step) -> RankTrace:
         hooks.append(layer.register_forward_hook(lambda m, a, *k: current.__setitem__(0, None)))
     params = [p for m in modules for p in m.parameters()]
     count = lambda ts: sum(_local(t).numel() * _local(t).element_size() for t in ts)  # noqa: E731
-    with tracker:
+    with tracker, fsdp_storage_events(tracker):
         for p in params:
             tracker.label(_local(p), "param")
         for m in modules:
@@ -409,6 +488,23 @@ def _run(modules, layers, opt, inputs, tracker: RankTracker, step) -> RankTrace:
     return out
 
 
+def replayed(tracker: RankTracker, capacity: int | None):
+    """The rank's own alloc/free stream (every tracked storage's birth and death, host and
+    paged ones left out, as `trace.result` leaves them) replayed through the caching-allocator
+    simulator within `capacity` (`allocator.reserved.capped_replay`): (replay, ran out)."""
+    from hybridmem.allocator import AllocatorConfig
+    from hybridmem.allocator.reserved import capped_replay
+    from hybridmem.trace.tracker import OFF_ALLOCATOR
+
+    events = []
+    for e in tracker.events:
+        sid = e if e >= 0 else ~e
+        st = tracker.storages[sid]
+        if st.category not in OFF_ALLOCATOR:
+            events.append(("alloc", sid, st.nbytes) if e >= 0 else ("free", sid, 0))
+    return capped_replay(events, AllocatorConfig.from_environ(), capacity)
+
+
 def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
     """The trace tier's answer for a tp / FSDP2 x tp `spec`: rank 0's traced peak."""
     from hybridmem.parallel.phases import NCCL_BYTES
@@ -432,16 +528,22 @@ def estimate(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
             key = s.category if s.category in breakdown else "temporary"
             breakdown[key] += round_size(s.nbytes)
     assert sum(breakdown.values()) == allocated
+    from hybridmem.parallel.phases import rank_capacity
+
+    sim, oom = replayed(tracker, rank_capacity(spec, gpu))
+    breakdown["fragmentation"] = max(0, sim.peak_reserved - allocated)
     breakdown["context"] = CONTEXT_BYTES + NCCL_BYTES
     # cuBLAS's two workspaces (the forward thread's and the autograd device thread's, as
     # `trace.runner.train` adds them), outside the allocated peak as the analytic tier has them
     breakdown["workspace"] = 2 * cublas_workspace(gpu)
     phase, iteration = tracker.phase_at(at)
     params = model_tensors(spec.with_(parallel=ParallelSpec()))
-    peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated,
+    peak = Peak(allocated_bytes=allocated, reserved_bytes=allocated + breakdown["fragmentation"],
                 device_bytes=sum(breakdown.values()), phase=phase, iteration=iteration)
     notes = (f"per rank of {ps.world_size} GPUs: {layout_text(ps)}", _traced_note(ps, peaks),
-             "fragmentation is not replayed per model-parallel rank (reserved = allocated)",
+             "fragmentation per rank: the traced rank's own alloc/free stream replayed "
+             "through the allocator simulator" + (" (it ran out of memory within the GPU's "
+                                                  "capacity: the unlimited replay's)" if oom else ""),
              f"NCCL buffers outside PyTorch: nominal {NCCL_BYTES >> 20} MiB in context")
     extras = {"world_size": ps.world_size, "strategy": ps.strategy, "per_rank": True,
               "layout": layout_dict(ps), "highest_rank": highest,
@@ -467,7 +569,10 @@ def _traced_note(ps, peaks: list[int]) -> str:
                 f"process group, every pipeline rank; highest: pipeline rank {top} "
                 f"({peaks[top] / 2**20:.2f} MiB, {why}; {rest})")
     what = ("transformers' expert-parallel plan and fully_shard (torchtitan's MoE layout)"
-            if ps.ep > 1 else "torch's parallelize_module (torchtitan's plan)"
-            + (" and fully_shard" if ps.data_shard > 1 else ""))
+            if ps.ep > 1 else "torch's " + " and ".join(
+                w for w, on in (("parallelize_module (torchtitan's plan)", ps.tp > 1),
+                                ("context_parallel (ring attention, allgather)", ps.cp > 1),
+                                ("fully_shard", ps.data_shard * ps.cp > 1
+                                 and ps.strategy == "fsdp")) if on))
     return (f"traced: {what} under the fake process group, rank 0 (DTensor and FSDP2 put the "
             "uneven shards' extra rows on the first ranks, so rank 0 is the highest)")

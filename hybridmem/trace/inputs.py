@@ -4,8 +4,9 @@ VLMs replace each image token of `input_ids` by one projected image feature (`ma
 in `get_placeholder_mask`); how many there are per image and what pixel inputs go with them is
 the family's one rule (`hybridmem.families.common.images`), shared with the analytic graph and
 the harness.
-No attention mask is passed: an unpadded batch, the common training case, for which HF uses
-the causal kernel path instead of materialising a (B, 1, S, S) mask.
+No attention mask is passed: an unpadded batch, for which HF uses the causal kernel path
+instead of materialising a (B, 1, S, S) mask; a `padded` job's mask is added by the runner
+(`TrainingSpec.padded`).
 """
 
 from __future__ import annotations

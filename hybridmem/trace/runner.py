@@ -139,6 +139,8 @@ def prepare(spec: TrainingSpec, config) -> Job:
         batch = objectives.batch(spec, fused=fused)
     elif fused:
         batch = objectives.collate(spec, batch)
+    elif spec.padded:  # the collator's attention mask with its padding (`spec.padded`)
+        batch = {**batch, "attention_mask": steps.padded_mask(batch["input_ids"])}
     job = Job(model, optimizer, batch, trainable, masters, image_tokens, copies=copies)
     job.ref = steps.reference_model(spec, config, build.build_model)
     if fused:
@@ -322,10 +324,11 @@ def _forward_backward(job: Job, spec: TrainingSpec, tracker: StorageTracker, it:
         tracker.empty_cache()
     if workspace and first:
         tracker.add_external(workspace, "workspace")
-    if spec.grad_accum > 1:  # transformers Trainer.training_step: loss / accumulation steps
+    trainer_divides, accelerate_divides = objectives.loop_divisions(spec)
+    if trainer_divides:  # transformers Trainer.training_step: loss / accumulation steps
         loss = loss / spec.grad_accum
     held = loss  # Trainer.training_step's `loss`, which it returns detached after backward
-    if job.fused:  # accelerate `Accelerator.backward`: `loss / gradient_accumulation_steps`,
+    if accelerate_divides:  # accelerate `Accelerator.backward`: `loss / accumulation steps`,
         loss = loss / 1  # a new 0-dim tensor beside the step's
     (loss * LOSS_SCALE if spec.precision == "fp16-mixed" else loss).backward()
     del loss, held

@@ -78,6 +78,12 @@ class Ctx:
     """Bytes per element of the LoRA adapters (fp32: peft's default; else the weights' dtype
     in a pure run, `job.precision.check_adapters`): PEFT's `_cast_input_dtype` makes no copy
     when the input already has it."""
+    score_head: bool = False
+    """The lm_head is a sequence classifier's (1, hidden) `score` (the objective's `SCORE_HEAD`:
+    the reward model): no vocabulary-sized backward comes before the final norm's."""
+    padded: bool = False
+    """The batch carries an attention mask with padding (`TrainingSpec.padded`): each sdpa
+    layer saves its converted (b x s x s) mask (`analytic.objectives.padded_sdpa_mask`)."""
     objective: str = "sft"
     """The training objective (`hybridmem.objectives`): its loss replaces the LM loss at the
     head (`families.decoders.objective_acts`)."""

@@ -362,11 +362,13 @@ def rmsnorm(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     fwd_parts = ((t(B * h, FP32),) if c.stream != FP32 else ()) + (
         (t(B * h, c.stream),) if not need_w else ())
     bwd_extra, bwd_parts = 2 * t(B * h, c.stream), ()
-    if c.cce and c.stream != FP32:
+    if (c.cce and c.stream != FP32) or c.score_head:
         # the fp32 chain of its backward (`x * rsqrt(x.pow(2).mean(-1) + eps)`: the rsqrt
         # product's grad, mean's expand, pow's `2 * x` and its products: five B x h fp32 at its
         # top, trace tier tiny-llama bf16). Without CCE the loss's backward is the higher point;
-        # counted where CCE's backward leaves it the step's top
+        # counted where no vocabulary-sized backward comes first (CCE's; the reward model's
+        # (hidden, 1) score head, TRL RewardTrainer, whose fp32 stream makes the same five)
+        # and leaves it the step's top
         bwd_parts = (t(B * h, FP32),) * 5
         bwd_extra = sum(bwd_parts)
     return Acts(saved=sv.total, parts=tuple(sv.sizes), fwd_extra=sum(fwd_parts),

@@ -42,7 +42,11 @@ def _logps(c: Ctx, rows: int, seq: int, V: int) -> tuple[int, int, int]:
     `selective_log_softmax` over `rows` rows of `seq` positions."""
     e = c.e
     if e == FP32 and not c.amp:  # gather + logsumexp: the logits themselves are saved
-        return 0, t(seq, FP32), t(rows * seq * V, FP32) * 2
+        # backward: the logsumexp rows' grads stacked (`for lg in logits` is an unbind:
+        # UnbindBackward stacks them) wait in the logits' input buffer while the gather's
+        # backward makes its zeros and their `scatter_add` (aten gather_backward): three
+        # (rows x seq x V) fp32 tensors at once (the trace of the step: tests/test_objectives.py)
+        return 0, t(seq, FP32), t(rows * seq * V, FP32) * 3
     ls = _row_bytes(c)
     cast = t(seq * V, FP32) if c.amp and e != FP32 else 0
     saved = rows * t(seq * V, ls)

@@ -20,6 +20,9 @@ BATCH_COLUMNS = 0  # the loss mask takes the labels' place
 PRECOMPUTED_COLUMNS = 2  # chosen's and rejected's
 GENERATES = False
 SCORE_HEAD = False
+# its trainer's `loss_is_scaled_for_ga = False` (trl 1.16 trl/trainer/dpo_trainer.py:494):
+# transformers' loop divides the loss at every step (`objectives.loop_divisions`)
+UNSCALED_LOSS = True
 
 
 def reads_reference(spec) -> bool:
@@ -40,4 +43,4 @@ def check(spec) -> None:
 
 
 def note(spec) -> str:
-    return ""
+    return rules.worst_case(spec)

@@ -157,6 +157,9 @@ def _grpo_fused_prepare(job, spec, ids: torch.Tensor, completion: int, autocast)
     del ids
     grpo["prompt_mask"] = torch.ones_like(grpo["prompt_ids"])
     grpo["completion_mask"] = padded_mask(grpo["completion_ids"])
+    # `num_items_in_batch = accelerator.gather(loss_mask.sum()).sum()`: a 0-dim int64 the
+    # buffer keeps through the step (grpo_trainer.py `_generate_and_score_completions`)
+    grpo["num_items_in_batch"] = grpo["completion_mask"].sum().sum()
     job.grpo = grpo
     full = torch.cat([grpo["prompt_ids"], grpo["completion_ids"]], dim=1)
     mask = torch.cat([grpo["prompt_mask"], grpo["completion_mask"]], dim=1)
@@ -180,7 +183,8 @@ def grpo_fused_loss(job, spec, micro: int) -> torch.Tensor:
     current ones at num_iterations 1), the clipped surrogate, the KL when beta > 0, the
     masked sum over `num_items_in_batch`."""
     n, keep = spec.micro_batch, completion_length(spec)
-    part_of = {k: v[micro * n:(micro + 1) * n] for k, v in job.grpo.items()}
+    # `split_tensor_dict`: a 0-dim tensor goes whole into every slice
+    part_of = {k: v[micro * n:(micro + 1) * n] if v.dim() else v for k, v in job.grpo.items()}
     input_ids = torch.cat([part_of["prompt_ids"], part_of["completion_ids"]], dim=1)
     attention_mask = torch.cat([part_of["prompt_mask"], part_of["completion_mask"]], dim=1)
     mask = part_of["completion_mask"]
@@ -194,7 +198,9 @@ def grpo_fused_loss(job, spec, micro: int) -> torch.Tensor:
         ref = part_of["ref"]
         kl = torch.exp(ref - logps) - (ref - logps) - 1
         per_token_loss = per_token_loss + objectives.beta_of(spec) * kl
-    normalizer = mask.sum().clamp(min=1.0)  # num_items_in_batch: the masks' count
+    # "dapo": `num_items_in_batch.clamp(min=1.0) / num_processes`, rescaled by
+    # accumulation steps / steps_per_generation (equal by default: a factor 1)
+    normalizer = part_of["num_items_in_batch"].clamp(min=1.0) / 1
     return (per_token_loss * mask).sum() / normalizer
 
 

@@ -18,6 +18,9 @@ BATCH_COLUMNS = 2  # the KL batch's ids and labels
 PRECOMPUTED_COLUMNS = 3  # chosen's, rejected's, the KL batch's
 GENERATES = False
 SCORE_HEAD = False
+# its trainer's `loss_is_scaled_for_ga = False` (trl 1.16 trl/trainer/kto_trainer.py:550):
+# transformers' loop divides the loss at every step (`objectives.loop_divisions`)
+UNSCALED_LOSS = True
 
 
 def reads_reference(spec) -> bool:
@@ -37,4 +40,4 @@ def check(spec) -> None:
 
 
 def note(spec) -> str:
-    return f"; KL batch of {spec.micro_batch} sequences under no_grad"
+    return f"; KL batch of {spec.micro_batch} sequences under no_grad" + rules.worst_case(spec)

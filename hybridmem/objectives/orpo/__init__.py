@@ -17,6 +17,9 @@ BATCH_COLUMNS = 1  # the collator's attention mask beside ids and labels
 PRECOMPUTED_COLUMNS = 0
 GENERATES = False
 SCORE_HEAD = False
+# its trainer's `loss_is_scaled_for_ga = False` (trl 1.16 trl/experimental/orpo/orpo_trainer.py:132):
+# transformers' loop divides the loss at every step (`objectives.loop_divisions`)
+UNSCALED_LOSS = True
 
 
 def reads_reference(spec) -> bool:
@@ -35,4 +38,4 @@ def check(spec) -> None:
 
 
 def note(spec) -> str:
-    return ""
+    return rules.worst_case(spec)

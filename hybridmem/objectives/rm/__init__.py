@@ -18,6 +18,9 @@ BATCH_COLUMNS = 0  # the attention mask takes the labels' place
 PRECOMPUTED_COLUMNS = 0
 GENERATES = False
 SCORE_HEAD = True
+# its trainer's `loss_is_scaled_for_ga = False` (trl 1.16 trl/trainer/reward_trainer.py:330):
+# transformers' loop divides the loss at every step (`objectives.loop_divisions`)
+UNSCALED_LOSS = True
 
 
 def reads_reference(spec) -> bool:
@@ -35,4 +38,4 @@ def check(spec) -> None:
 
 
 def note(spec) -> str:
-    return ""
+    return rules.worst_case(spec, prompt=False)
