@@ -156,3 +156,24 @@ def test_by_name_edges_finds_a_lookup(tmp_path, monkeypatch):
     (tmp_path / "hybridmem" / "learned").mkdir()
     (tmp_path / "hybridmem" / "learned" / "predictor.py").write_text("")
     assert _by_name_edges(Graph()) == {"hybridmem.predict": {"hybridmem.learned.predictor"}}
+
+
+def family_folders() -> list[str]:
+    """The family folders (`hybridmem/families/<family>/`, each a package declaring
+    `FAMILIES`); `common/` is what they share."""
+    import hybridmem.families as fam
+
+    return [f"{fam.__name__}.{m.name}" for m in pkgutil.iter_modules(fam.__path__)
+            if m.ispkg and m.name != "common"]
+
+
+def test_no_family_folder_imports_another():
+    """A family is its folder: it shares `families/common/` and the registry, never another
+    family's modules (an independence contract over the folders found, so a new family needs
+    no pyproject.toml edit); nor does `common/` import a family."""
+    graph = grimp.build_graph(PACKAGE, exclude_type_checking_imports=True, cache_dir=None)
+    folders = family_folders()
+    assert len(folders) >= 8, folders  # the check would check nothing
+    found = [f"{a} -> {b}" for a in [*folders, "hybridmem.families.common"] for b in folders
+             if a != b and graph.chain_exists(importer=a, imported=b, as_packages=True)]
+    assert not found, "family folders importing each other:\n" + "\n".join(found)

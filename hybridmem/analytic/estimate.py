@@ -20,7 +20,7 @@ from hybridmem import objectives as objective_plugins
 from hybridmem.objectives import rules as objective_rules
 from hybridmem.families.common import activations as A
 from hybridmem.allocator.alloc import t
-from hybridmem.families import family, layer_kind
+from hybridmem.families import family, layer_kind, target
 from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.allocator.reserved import (
     FROM_GPU, allocator_extras, bounded, capacity_notes, capacity_source, gpu_capacity,
@@ -74,7 +74,7 @@ def loss_applied(spec: TrainingSpec) -> Technique | None:
 
     _, data = load_config_dict(spec.model)  # the JSON: no transformers import for two fields
     text = (data.get("text_config") or {}).get("model_type")
-    return technique if technique.applies(data["model_type"], text) else None
+    return technique if technique.applies(target(data["model_type"], text)) else None
 
 
 def context(spec: TrainingSpec) -> A.Ctx:
@@ -242,29 +242,13 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
     if spec.padded and objective_plugins.lm_loss(spec) and not objective_plugins.fused_head(
             spec, installed("trl")):
         out += tokens  # the collator's int64 attention mask (`spec.padded`)
-    if graph.vision_batch:
-        emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
-        pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
-        out += t(graph.vision_batch * emb["channels"] * emb["side"] ** 2, pix)
-    if graph.vision_batch and family(graph.model_type).pixel_mask:
-        # Idefics3's bool pixel_attention_mask (crops, tile, tile), `Family.pixel_inputs`
-        out += t(graph.vision_batch * emb["side"] ** 2, 1)
+    pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
+    # the processor's pixel inputs, as the tower layers that read them price them
+    # (`LayerKind.pixel_bytes`: crops, packed patches and their grids, Idefics3's mask)
+    out += sum(lk.pixel_bytes(layer, graph, pix) for _, layer in graph.layers()
+               if (lk := layer_kind(layer.kind)).pixel_bytes is not None)
     if graph.image_tokens and family(graph.model_type).text_extras is not None:
         out += tokens  # token type ids (b, s) int64 (`Family.text_extras`, families.common.images.text_inputs)
-    patches = next((l.dims for m, l in graph.layers() if l.kind == "qwen_patch_embed"), None)
-    if patches and graph.image_tokens:
-        # Qwen-VL (`Family.pixel_inputs`): pixel patches in the model dtype and image_grid_thw
-        # (images, 3) int64
-        pix = POLICIES[spec.precision].param_bytes
-        out += t(patches["n"] * patches["row"], pix)
-        out += t(3 * patches["images"], A.INT64)
-    conv = next((l.dims for m, l in graph.layers() if l.kind == "pixtral_patch_conv"), None)
-    if conv and graph.image_tokens:
-        # Mistral-3 (`Family.pixel_inputs`): (images, C, H, W) in the model dtype and the
-        # (images, 2) int64 image_sizes
-        pix = POLICIES[spec.precision].param_bytes
-        out += t(conv["images"] * conv["channels"] * conv["h_px"] * conv["w_px"], pix)
-        out += t(2 * conv["images"], A.INT64)
     return out
 
 
@@ -298,8 +282,7 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
          "(b, 1, s, s) mask)" if spec.padded else "batch: unpadded (no attention mask)")
         + ", loss over every position with fp32 logits (transformers ForCausalLMLoss)",
     ]
-    patches = next((l.dims["n"] for m, l in graph.layers()
-                    if l.kind in ("qwen_patch_embed", "pixtral_patch_conv")), 0)
+    patches = next((l.dims["n"] for m, l in graph.layers() if layer_kind(l.kind).packed), 0)
     if graph.image_tokens:
         seen = (f"{patches} patches in one packed sequence" if patches
                 else f"{graph.vision_batch} crop(s)")
