@@ -48,7 +48,7 @@ from hybridmem.gpus import GPU
 from hybridmem.techniques.quantize import quant_of
 from hybridmem import techniques
 from hybridmem.techniques import Technique, head_of, loss_of
-from hybridmem.families.defaults import resolved
+from hybridmem.families.defaults import as_job
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -368,13 +368,13 @@ def setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     model config): one answer prices the same spec several times (its timeline, its replayed
     stream, the micro-batch search, `--gpu`'s advice). Callers do not mutate what it returns
     (frozen records in a list)."""
+    spec = as_job(spec)  # a Job as it is; a plain spec (a script, a test): its defaults filled
     return _setup_cached(spec, workspace, _config_key(spec.model))
 
 
 @lru_cache(maxsize=32)
 def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
                   ) -> tuple[ModelGraph, list[Priced], Statics]:
-    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
     refused = scope.refusal(spec)  # PEFT methods, families and MoE settings it does not price
     if refused is not None:
         raise refused
@@ -461,7 +461,7 @@ def shape_stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     """(closed-form allocated peak, alloc/free stream of two iterations, its phase marks as
     (event index, phase, iteration)): what `hybridmem.batches.run` composes per batch shape.
     The stream is the cached one (`stream`): callers read it, never change it."""
-    spec = resolved(spec)
+    spec = as_job(spec)  # the tier's Python entry: a Job as it is
     _, priced, st = setup(spec, workspace)
     events, marks = stream(spec, workspace)
     return peak(walk([p.step for p in priced], st)).allocated, events, marks
@@ -483,7 +483,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     `capacity` says otherwise (bytes, or None: unlimited), the allocator's capacity the stream
     is replayed within (`reserved.bounded`): at a GPU's limit the allocator releases its cache
     instead of reserving more, so whether a job fits depends on it."""
-    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
+    spec = as_job(spec)  # the tier's Python entry: a Job as it is (families.defaults)
     ws = cublas_workspace(gpu)
     limit = gpu_capacity(gpu, capacity)
     graph, priced, points = timeline(spec, ws)

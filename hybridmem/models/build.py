@@ -257,9 +257,9 @@ def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
 
 def build_graph(spec: TrainingSpec) -> ModelGraph:
     """Parse the spec's model config into modules -> layers with the spec's shapes."""
-    from hybridmem.families.defaults import resolved  # it reads this package's loader
+    from hybridmem.families.defaults import as_job  # it reads this package's loader
 
-    spec = resolved(spec)  # attn / precision left open follow the model
+    spec = as_job(spec)  # the models' Python entry: a Job as it is
     name, cfg = light_config(spec.model)
     fam = family(cfg.model_type)
     attention.check(cfg.model_type, fam.kind, spec.attn)  # as the installed transformers says

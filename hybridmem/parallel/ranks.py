@@ -38,9 +38,9 @@ import math
 from hybridmem.allocator.alloc import t
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
-from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
 from hybridmem.job.parallel import INTERLEAVED, ParallelSpec
+from hybridmem.job.resolved import Job
 from hybridmem.job.spec import POLICIES, TrainingSpec
 from hybridmem.parallel.layout import (
     check_layout, in_flight, model_shape, rank_config, stage_layers, stage_sizes,
@@ -277,6 +277,7 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
     return RankAnswer(rank, span, k, holds, out, best_phase)
 
 
+<<<<<<< HEAD
 def _chunk_of(spec: TrainingSpec, shape, rank: int, chosen: list) -> list[set[int]]:
     """The local chunks (stage `rank + c x pp`) each chosen layer runs in: a decoder layer its
     stage's; the embedding the first stage's, the final norm and `lm_head` the last's
@@ -413,6 +414,9 @@ def _zero_bubble_points(spec: TrainingSpec, shape, rank: int, chosen: list, comm
 
 
 def _fsdp_units(spec: TrainingSpec, graph_layers: list, states: RankStates):
+=======
+def _fsdp_units(spec: Job, graph_layers: list, states: RankStates):
+>>>>>>> typed35
     """FSDP2's units of the stage, for pricing its gathers per timeline point
     (`fsdp_points`); None where the states' constants stay: not FSDP2, units kept unsharded
     from forward to backward (`reshard_after_forward=False`), experts (their own mesh), or a
@@ -431,7 +435,7 @@ def _fsdp_units(spec: TrainingSpec, graph_layers: list, states: RankStates):
     of_step = tuple(f"{m}.{l.name}" if l.kind in UNIT_KINDS else "root" for m, l in graph_layers)
     return fsdp_points.units(mt, of_step, n, states.detail["gather_dtype_bytes"],
                              states.detail["reduce_dtype_bytes"],
-                             lambda t: _pbytes(resolved(flat), t))
+                             lambda t: _pbytes(flat, t))  # flat: a Job (the stage's)
 
 
 def replayable(ps: ParallelSpec) -> bool:
@@ -442,7 +446,7 @@ def replayable(ps: ParallelSpec) -> bool:
     return not ps.sequence_parallel and ps.pp == 1 and ps.ep == 1
 
 
-def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
+def rank_events(spec: Job, workspace: int) -> tuple[int, list[tuple]]:
     """(peak live bytes, alloc/free stream) of one model-parallel rank: the analytic stream of
     the rank's narrow model at `seq / cp` tokens (`layout.rank_config`; the single-GPU tier's
     own events, `analytic.estimate.stream`), its model states rewritten to the rank's
@@ -455,7 +459,6 @@ def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
     from hybridmem.models.loader import load_config_dict, materialize_config
     from hybridmem.parallel.stream import _setup_counts, classify, rewrite
 
-    spec = resolved(spec)
     ps = spec.parallel
     _, data = load_config_dict(spec.model)
     compute = forward_precision(spec)
@@ -552,12 +555,11 @@ class _Base:
         self.breakdown = dict(top.bytes)
 
 
-def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction, list[RankAnswer]]:
+def price_ranks(spec: Job, gpu: GPU | None = None) -> tuple[Prediction, list[RankAnswer]]:
     """The highest per-rank peak of a model-parallel `spec`, and every pipeline rank's."""
     from hybridmem.analytic.estimate import setup as _setup  # the tier's public entry
     from hybridmem.models.loader import load_config_dict, materialize_config
 
-    spec = resolved(spec)
     ps = spec.parallel
     _, data = load_config_dict(spec.model)
     shape = model_shape(data)
