@@ -17,6 +17,24 @@ from test_harness_multirank import MiB, _collect_sweep  # noqa: F401  (shared st
 from hybridmem.errors import SpecError
 from hybridmem.job.parallel import ParallelSpec
 
+PP_SWEEP = """
+[sweep]
+name = "pp"
+timeout_s = 300
+[[block]]
+model = ["tiny-llama"]
+micro_batch = [2]
+seq_len = [32]
+precision = ["fp32"]
+attn = ["eager"]
+world_size = [2]
+strategy = ["none"]
+pp = [2]
+pp_microbatches = [4]
+pp_schedule = ["1f1b"]
+"""
+"""tests/test_parallel_pp_trace.py's job: tiny Llama, pp 2, 1F1B, 4 micro-batches of 2 x 32."""
+
 TP_SWEEP = """
 [sweep]
 name = "tp"
@@ -62,15 +80,58 @@ def test_too_few_gpus_is_one_line_naming_the_layout():
     check_gpus(ps, None)  # CPU ranks (gloo): any world size runs
 
 
-def test_pipeline_and_expert_layouts_are_refused_in_one_line(tmp_path):
+def test_expert_and_mixed_pipeline_layouts_are_refused_in_one_line(tmp_path):
     from hybridmem.harness import load_sweep
 
     path = tmp_path / "s.toml"
-    path.write_text(TP_SWEEP.format(tp=1, cp=1).replace("tp = [1]", "pp = [2]"))
+    path.write_text(TP_SWEEP.format(tp=1, cp=1).replace("world_size = [2]", "world_size = [4]")
+                    .replace("tp = [1]", "pp = [2]\nep = [2]\ndp_shard = [2]")
+                    .replace('strategy = ["none"]', 'strategy = ["fsdp"]'))
     sweep = load_sweep(path)  # an impossible combination is dropped, its one line kept
     assert not sweep.items
     (reason,) = sweep.dropped
-    assert reason.startswith("parallel.pp") and "tp (with sequence parallelism), cp" in reason
+    assert reason.startswith("parallel.ep") and "tp (with sequence parallelism), cp" in reason
+    from hybridmem.harness.ranks import check_measurable
+
+    with pytest.raises(SpecError, match=r"parallel.tp.*with pp=2 the harness runs the "
+                       "pipeline alone") as err:
+        check_measurable(ParallelSpec(world_size=4, pp=2, tp=2), "sdpa")
+    assert "\n" not in str(err.value)
+
+
+def test_a_pipeline_rank_is_built_with_torchs_stage_and_schedule(tmp_path):
+    """A pp = 2 (1F1B, 4 micro-batches) config is kept by the sweep and launched on 2 ranks;
+    rank 1's job, built under torch's fake process group (building exchanges nothing), is
+    torch's own `PipelineStage` (not the trace tier's `AloneStage`, which answers the start-up
+    vote alone) holding the last stage of torchtitan's split, stepped by `Schedule1F1B`."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybridmem.harness import distributed, load_sweep
+    from hybridmem.harness.runner import ranks_of
+    from hybridmem.models.loader import load_config
+
+    path = tmp_path / "s.toml"
+    path.write_text(PP_SWEEP)
+    (item,) = load_sweep(path).items
+    assert ranks_of({"spec": item.spec.to_dict()}) == 2
+    spec = item.spec.with_(model="tiny-llama")
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        job = distributed.prepare(spec, load_config("tiny-llama"), torch.device("cpu"))
+        schedule = job.pipeline.args[0]
+        (stage,) = job.pipeline.args[1]
+    finally:
+        dist.destroy_process_group()
+    assert type(stage) is PipelineStage and type(schedule) is Schedule1F1B
+    assert (stage.stage_index, stage.num_stages, schedule._n_microbatches) == (1, 2, 4)
+    kept = [type(m).__name__ for m in stage.submod.model.model.layers]
+    assert kept == ["PipelineIdentityLayer", "LlamaDecoderLayer"]  # tiny-llama: 2 layers
+    assert type(stage.submod.model.model.embed_tokens).__name__ == "PipelineIdentityLayer"
+    # the step's batch: 4 micro-batches of 2 samples (`pp_microbatches` x `micro_batch`)
+    assert tuple(job.batch["input_ids"].shape) == (8, 32)
 
 
 def test_a_sweep_no_config_of_which_fits_this_machine_is_one_line(tmp_path, monkeypatch):

@@ -120,7 +120,8 @@ def model_parallel(spec: TrainingSpec, config, device) -> workload.Job:
     `parallelize_module` with torchtitan's plan on "tp", `fully_shard` per decoder layer and the
     root over dp x cp, and torch's `context_parallel` around each step's forward and backward
     (`job.step_context`). The same code the trace tier runs (`parallel.trace_ranks`), here on
-    this rank's GPU with NCCL. Pipeline and expert parallelism are refused in one line."""
+    this rank's GPU with NCCL. Pipeline ranks: `pipeline`; expert parallelism is refused in
+    one line."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -128,6 +129,8 @@ def model_parallel(spec: TrainingSpec, config, device) -> workload.Job:
 
     ps = spec.parallel
     check_measurable(ps, spec.attn)
+    if ps.pp > 1:
+        return pipeline(spec, config, device)
     dp = ps.data_shard
     mesh = init_device_mesh(device.type, (dp, ps.cp, ps.tp), mesh_dim_names=("dp", "cp", "tp"))
     model = workload.build_trainable(spec, config, device)
@@ -151,6 +154,37 @@ def model_parallel(spec: TrainingSpec, config, device) -> workload.Job:
             if "foreach" in group:
                 group["foreach"] = False
     job.step_context = partial(_mp_step, trace_ranks.cp_step(mesh["cp"]) if ps.cp > 1 else None)
+    return job
+
+
+def pipeline(spec: TrainingSpec, config, device) -> workload.Job:
+    """A pipeline rank as torchtitan runs one, built by the trace tier's own builder
+    (`trace_pipeline.build`: torchtitan's layer split, transformers' `PipelineIdentityLayer`
+    for the other stages' modules, torch's `PipelineStage` and the `pp_schedule` class), here
+    with real stages exchanging real activations and gradients with the other ranks (NCCL,
+    gloo on the CPU). Each stage is cut from a model built whole on this rank's device (the
+    setup phase holds one whole model for a moment; the training phases hold the stage's).
+    The step feeds `pp_microbatches` micro-batches of `micro_batch` samples; the schedule runs
+    forwards and backwards interleaved, recorded as the step's forward phase."""
+    import torch.distributed as dist
+
+    from hybridmem.models.loader import load_config_dict
+    from hybridmem.parallel import trace_pipeline
+    from hybridmem.torch_dtype import PARAM_DTYPE
+
+    ps = spec.parallel
+    layers_of = trace_pipeline.stage_layers(
+        int(load_config_dict(spec.model)[1]["num_hidden_layers"]), ps)
+    schedule, parts, stages = trace_pipeline.build(
+        lambda: workload.build_trainable(spec, config, device), ps, dist.get_rank(), layers_of,
+        spec.micro_batch, spec.seq_len, config.hidden_size, config.vocab_size,
+        PARAM_DTYPE[spec.precision], device=device)
+    model = nn.ModuleList(parts)  # the rank's stages: its parameters, grads, optimizer
+    step_batch = workload.make_batch(spec.with_(micro_batch=spec.micro_batch * ps.microbatches),
+                                     config, None, device)
+    job = workload.finish_job(model, spec, device, step_batch)
+    job.pipeline = partial(trace_pipeline.step, schedule, stages, step_batch["input_ids"],
+                           step_batch["labels"])
     return job
 
 

@@ -45,17 +45,23 @@ def torchrun_command(module: str, nproc: int, args: list[str] | tuple[str, ...] 
             f"--nproc-per-node={nproc}", "-m", module, *map(str, args)]
 
 
-MEASURED_LAYOUTS = "tp (with sequence parallelism), cp, with FSDP2 over dp"
+MEASURED_LAYOUTS = "tp (with sequence parallelism), cp, with FSDP2 over dp; pp alone"
 """The model-parallel layouts the harness runs (`distributed.model_parallel`: torchtitan's
-plans, as the trace tier runs them)."""
+plans and torch's pipeline schedules, as the trace tier runs them)."""
 
 
 def check_measurable(ps, attn: str) -> None:
     """One-line refusal of a model-parallel layout the harness does not run."""
-    for name in ("pp", "ep", "dp_replicate"):
+    for name in ("ep", "dp_replicate"):
         if getattr(ps, name) > 1:
             raise SpecError(f"parallel.{name}", getattr(ps, name), (1,),
                             reason=f"the harness measures {MEASURED_LAYOUTS}")
+    if ps.pp > 1:  # the trace tier's pipeline ranks: one stage group, no other axis
+        for name, size in (("tp", ps.tp), ("cp", ps.cp), ("dp_shard", ps.data_shard)):
+            if size > 1:
+                raise SpecError(f"parallel.{name}", size, (1,),
+                                reason=f"with pp={ps.pp} the harness runs the pipeline "
+                                f"alone (it measures {MEASURED_LAYOUTS})")
     if ps.cp > 1 and attn == "eager":
         raise SpecError("attn", attn, ("sdpa", "flash_attention_2"),
                         reason="context parallelism replaces SDPA (torch's ring attention)")

@@ -235,8 +235,8 @@ def make_item(combo: dict, custom: dict, block: str, iterations: int, where: str
         **recorded_fields(combo), parallel=_parallel(combo, knobs or {}, where))
     check_parallel(spec)
     if spec.parallel.model_parallel:
-        # the child launches tp / cp (x FSDP2) ranks through torchrun
-        # (`distributed.model_parallel`); pipeline and expert layouts are refused in one line
+        # the child launches tp / cp (x FSDP2) and pipeline ranks through torchrun
+        # (`distributed.model_parallel`); expert layouts are refused in one line
         from hybridmem.harness.ranks import check_measurable
 
         check_measurable(spec.parallel, spec.attn)

@@ -61,6 +61,10 @@ class Job:
     yielding the batch they see (torch's `context_parallel`, `distributed.model_parallel`)."""
     in_step: object | None = None
     """The entered `step_context` of the micro-step running (its exit stack)."""
+    pipeline: object | None = None
+    """`pipeline()`: a pipeline rank's whole schedule step (`distributed.pipeline`: its stages'
+    forwards and backwards interleaved by torch's schedule), run as the micro-step's forward;
+    its backward then has nothing left to do."""
 
 
 def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
@@ -307,7 +311,10 @@ def _call(job: Job, spec: TrainingSpec) -> torch.Tensor:
     return job.model(**job.batch).loss  # Trainer: the output (and its logits) is dropped here
 
 
-def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor:
+def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor | None:
+    if job.pipeline is not None:
+        job.pipeline()
+        return None
     if job.step_context is not None:  # entered here, left when the backward has run
         job.in_step = contextlib.ExitStack()
         whole = job.batch
@@ -319,7 +326,9 @@ def forward(job: Job, spec: TrainingSpec, device) -> torch.Tensor:
         return _call(job, spec)
 
 
-def backward(job: Job, loss: torch.Tensor, spec: TrainingSpec | None = None) -> None:
+def backward(job: Job, loss: torch.Tensor | None, spec: TrainingSpec | None = None) -> None:
+    if job.pipeline is not None:  # the schedule's step ran the backwards (`forward`)
+        return
     if spec is not None and spec.grad_accum > 1:  # Trainer.training_step: loss / steps
         loss = loss / spec.grad_accum
     if job.engine is not None:

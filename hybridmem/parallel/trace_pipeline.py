@@ -107,15 +107,36 @@ def alone_stage_class():
     return AloneStage
 
 
+def stage_layers(num_layers: int, ps):
+    """`layers_of(stage)`: the decoder layers of pipeline stage `stage`, torchtitan's split
+    (`layout.stage_sizes`) over `pp x pp_virtual_stages` stages."""
+    from hybridmem.parallel.layout import stage_sizes
+
+    sizes = stage_sizes(num_layers, ps.pp * ps.pp_virtual_stages)
+
+    def layers_of(stage: int) -> list[int]:
+        start = sum(sizes[:stage])
+        return list(range(start, start + sizes[stage]))
+
+    return layers_of
+
+
 def build(new_model, ps, rank: int, layers_of, micro: int, seq: int, hidden: int,
-          vocab: int, dtype: torch.dtype):
+          vocab: int, dtype: torch.dtype, device: torch.device | None = None):
     """(schedule, stage modules, stages) of pipeline rank `rank`: its `pp_virtual_stages`
     stages `rank + c x pp` (loop style), each a model from `new_model()` cut to the stage and
-    given its input and output shapes."""
-    from torch.distributed.pipelining import schedules
+    given its input and output shapes.
+
+    `device` None: the trace tier's rank alone (`AloneStage`, CPU, fake or real tensors);
+    a device: a real rank among real ones (the harness, `harness.distributed.pipeline`), torch's
+    `PipelineStage` itself, whose start-up vote and p2p run over the real process group, its
+    example shapes given on the meta device (the stage only reads their shapes and dtypes:
+    `stage._make_tensor_from_meta` allocates its receive buffers on `device`)."""
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     total = ps.pp * ps.pp_virtual_stages
-    cls = alone_stage_class()
+    cls = alone_stage_class() if device is None else PipelineStage
+    where = torch.device("cpu") if device is None else torch.device("meta")
     parts, stages = [], []
     for c in range(ps.pp_virtual_stages):
         index = rank + c * ps.pp
@@ -123,12 +144,13 @@ def build(new_model, ps, rank: int, layers_of, micro: int, seq: int, hidden: int
         part = split_stage(new_model(), layers_of(index), first, last)
         # the shapes one micro-batch has at the stage's boundaries (plain tensors requiring
         # grad: the gradients travel back through them)
-        inp = (torch.zeros(micro, seq, dtype=torch.long) if first
-               else torch.empty(micro, seq, hidden, dtype=dtype, requires_grad=True))
-        out = torch.empty(micro, seq, vocab if last else hidden,
-                          dtype=dtype).requires_grad_()
-        stages.append(cls(part, index, total, torch.device("cpu"), input_args=(inp,),
-                          output_args=(out,)))
+        inp = (torch.zeros(micro, seq, dtype=torch.long, device=where) if first
+               else torch.empty(micro, seq, hidden, dtype=dtype, device=where,
+                                requires_grad=True))
+        out = torch.empty(micro, seq, vocab if last else hidden, dtype=dtype,
+                          device=where).requires_grad_()
+        stages.append(cls(part, index, total, device or torch.device("cpu"),
+                          input_args=(inp,), output_args=(out,)))
         parts.append(part)
     loss_function = parts[-1].model.loss_function
 

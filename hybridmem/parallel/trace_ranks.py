@@ -391,19 +391,13 @@ def _traced_pipeline(spec: TrainingSpec, config, rank: int, mode) -> RankTrace:
     spec's schedule over `pp_microbatches` micro-batches of `micro_batch` samples each."""
     from hybridmem.models.loader import load_config_dict
     from hybridmem.parallel import trace_pipeline
-    from hybridmem.parallel.layout import stage_sizes
     from hybridmem.torch_dtype import PARAM_DTYPE
     from hybridmem.trace.inputs import make_batch
     from hybridmem.trace.model import build_model
 
     ps = spec.parallel
-    layers = int(load_config_dict(spec.model)[1]["num_hidden_layers"])
-    sizes = stage_sizes(layers, ps.pp * ps.pp_virtual_stages)
-
-    def layers_of(stage: int) -> list[int]:
-        start = sum(sizes[:stage])
-        return list(range(start, start + sizes[stage]))
-
+    layers_of = trace_pipeline.stage_layers(
+        int(load_config_dict(spec.model)[1]["num_hidden_layers"]), ps)
     with mode:
         step_batch = make_batch(spec.with_(micro_batch=spec.micro_batch * ps.microbatches),
                                 config, None, torch.float32)[0]
