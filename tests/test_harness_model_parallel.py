@@ -14,8 +14,47 @@ import sys
 import pytest
 from test_harness_multirank import MiB, _collect_sweep  # noqa: F401  (shared stand-ins)
 
+from test_trace import DataPtrCounter
+
 from hybridmem.errors import SpecError
+from hybridmem.harness.probe import CpuProbe
 from hybridmem.job.parallel import ParallelSpec
+
+
+class CpuStorages(DataPtrCounter):
+    """test_trace's live-bytes counter (storages by address, 512 B-rounded) on the CPU's
+    storages only: the pipeline stage's example shapes are meta tensors (address 0, no
+    memory)."""
+
+    def _add(self, st) -> None:
+        if st.device.type == "cpu":
+            super()._add(st)
+
+
+class LiveBytesProbe(CpuProbe):
+    """A CPU rank's `torch.cuda.max_memory_allocated` stand-in: the live bytes of every
+    storage an op made since the probe started (`CpuStorages`); each phase's peak counted from
+    the bytes live at its start, as the CUDA probe resets the peak statistics."""
+
+    source = "cpu-live-bytes"
+
+    def init(self):
+        import torch
+
+        self.counter = CpuStorages([])
+        self.counter.__enter__()
+        return torch.device("cpu")
+
+    def phase_start(self, phase: str, iteration: int) -> None:
+        self.counter.peak = self.counter.current
+
+    def phase_end(self, phase: str, iteration: int) -> dict:
+        peak = self.counter.peak
+        return {"allocated": peak, "reserved": peak, "active": peak, "inactive_split": 0,
+                "device": peak}
+
+    def close(self) -> None:
+        self.counter.__exit__(None, None, None)
 
 PP_SWEEP = """
 [sweep]
@@ -160,3 +199,48 @@ def test_a_tp_rank_pair_runs_through_torchrun(tmp_path, monkeypatch):
     layers = [(p.module, p.layer) for p in setup(tp_spec.with_(
         model=narrow, parallel=ParallelSpec()))[1]]
     assert row["param_bytes"] == ranks._states(tp_spec, layers).param
+
+
+@pytest.mark.slow  # two torchrun ranks on gloo, and the trace tier's two real-CPU ranks: ~30 s
+def test_a_pipeline_rank_pair_runs_through_torchrun(tmp_path, monkeypatch):
+    """pp = 2 (1F1B, 4 micro-batches of 2 x 32) on two gloo ranks, each rank's live bytes
+    counted (`LiveBytesProbe`), against the trace tier's real-CPU pipeline oracle
+    (tests/test_parallel_pp_trace.py: the same stages and schedule, one rank at a time under
+    the fake process group, real tensors). Parameters agree exactly; each rank's peak is the
+    oracle's plus what the fake process group and the trace tier's host category leave out:
+
+    - one 512 B block per stage parameter (AdamW's `step` counters: CPU scalars, on CUDA too,
+      `torch/optim/adam.py::_init_group` without `capturable` / `fused`; the trace tier labels
+      them "host") and one more (`torch/distributed/pipelining/microbatch.py`'s import-time
+      `sum_reducer = _LossReducer(torch.tensor(0.0), ...)`, made before the oracle's tracker
+      starts);
+    - on rank 0, one micro-batch's stage output (2 x 32 x 64 fp32): `Schedule1F1B` keeps the
+      warm-up's first `send_work` list (waited, not dropped) until after its 1B1F loop
+      (torch/distributed/pipelining/schedules.py, `_step_microbatches`), and gloo's send work
+      holds the sent tensor (ProcessGroupGloo `SendWork::tensor_`), so micro-batch 0's output
+      outlives its backward; the fake process group's work holds nothing. Rank 1 (one warm-up
+      forward, whose send is fused into the 1B1F loop) has no such work."""
+    from test_harness_runner import collect_with_probe
+
+    from hybridmem.harness import load_dataset
+    from hybridmem.parallel.trace_ranks import trace_rank
+
+    report, out = collect_with_probe(tmp_path, monkeypatch,
+                                     "test_harness_model_parallel:LiveBytesProbe", PP_SWEEP)
+    df = load_dataset(out)
+    assert report.counts == {"ok": 1}, df["error"].tolist()
+    row = df.iloc[0]
+    assert row["pp"] == 2 and row["world_size"] == 2
+    ranks = json.loads(row["rank_peaks_json"])
+    assert [r["rank"] for r in ranks] == [0, 1]
+    (item,) = report.sweep.items
+    spec = item.spec.with_(model="tiny-llama")
+    oracle = [trace_rank(spec, r, backend="real") for r in (0, 1)]
+    assert [r["param_bytes"] for r in ranks] == [o.param for o in oracle]
+    # tiny-llama's decoder layer: 9 tensors (q, k, v, o, gate, up, down, 2 norms); stage 0
+    # adds the embedding, stage 1 the final norm and lm_head (torchtitan's split of 2 layers)
+    host = [512 * (10 + 1), 512 * (11 + 1)]
+    pending_send = [spec.micro_batch * spec.seq_len * 64 * 4, 0]  # tiny-llama hidden 64, fp32
+    expected = [o.peak()[0] + h + p for o, h, p in zip(oracle, host, pending_send)]
+    assert [r["peak_allocated_bytes"] for r in ranks] == expected
+    assert expected[0] > expected[1]  # 2 micro-batches in flight on rank 0, 1 on rank 1
