@@ -1,6 +1,8 @@
 """`hybridmem collect` on model-parallel layouts: the torchrun command it builds for a tp / cp
-config, the one-line refusals (too few GPUs, pipeline / expert layouts), and (`slow`) one tp = 2
-rank pair run for real through torchrun on the CPU (gloo for NCCL, the stand-in probe for CUDA).
+config, what a pipeline rank is built from, the one-line refusals (too few GPUs, expert
+layouts, pp beside another axis), and (`slow`) one tp = 2 and one pp = 2 rank pair run for real
+through torchrun on the CPU (gloo for NCCL; stand-in probes for CUDA: made-up per-rank numbers
+for tp, each rank's live bytes counted for pp).
 
 One lent GPU cannot measure any of these layouts (docs/parallel.md, "Measuring it"): each rank
 needs its own GPU, so on this machine the ranks are CPU processes.
