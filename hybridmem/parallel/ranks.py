@@ -162,19 +162,30 @@ def _comm(spec: TrainingSpec, shape, e: int, top_k: int) -> tuple[int, int]:
     return fwd, bwd
 
 
-def _expert_parallel_saved(spec: TrainingSpec, shape, e: int, top_k: int) -> int:
-    """Bytes an expert-parallel MoE layer saves beyond the same experts run locally, as
-    transformers' expert parallelism runs them (measured by the trace tier,
-    tests/test_parallel_ep_trace.py): the rows received by the dispatch all-to-all, which the
-    experts' grouped matmul saves as its input, and the combine's reordered output
-    (`AllToAllEP._dispatch_tokens` / `_combine_tokens`: `all_to_all_single_autograd`, then
-    `token_outputs[order] = recv_out`), each `rows x hidden`; and, with the experts split
-    (`_is_expert_parallel`), the sentinel masks' copies of the up and down projections'
-    outputs (`grouped_mm_experts_forward`: `proj_out.masked_fill(sentinel_mask, 0)` after
-    each grouped matmul), `rows x 2 x expert_ffn` and `rows x hidden`. `rows` = the rank's
-    tokens x top_k (balanced routing)."""
+def _expert_parallel_saved(spec: TrainingSpec, top_k: int, w: int) -> int:
+    """Bytes an expert-parallel MoE layer saves beyond the same experts run locally
+    (`families.decoders.acts.moe_saved`, transformers' `grouped_mm_experts_forward` on the
+    rank's tokens), as transformers' `AllToAllEP` runs them (transformers 5
+    `distributed/expert_parallel.py`, `integrations/moe.py`; op by op under the fake process
+    group, tests/test_parallel_ep_trace.py). `S` = the rank's tokens x top_k, which balanced
+    routing also makes the rows received.
+
+    - `_dispatch_tokens` sorts the pairs itself (`order = argsort(expert_ids)`; `order //
+      top_k` indexes the sent rows and is saved by that `index`), and the experts then run
+      top-1 on the received rows, sorting them again (`perm // 1`, saved by its `index`):
+      three S-row int64 permutations where the local block saves two (`perm`, `perm // k`);
+      `perm` itself is not saved, the receiver's unit weights (`ones_like`) needing no grad.
+    - the sentinel mask (`_is_expert_parallel`: `expert_ids_g >= num_experts`, S bools),
+      saved by the `masked_fill` after each grouped matmul.
+    - the weighting moves to the sender (`_combine_tokens`: `token_outputs * top_k_weights`),
+      so that multiply saves the reordered outputs (S x hidden) and the router's renormalised
+      top-k weights (tokens x top_k, dtype `w`), where the local block's multiply saves the
+      down projection's output (S x hidden); the receiver's multiply by unit weights saves
+      no rows.
+    """
     rows = spec.micro_batch * (spec.seq_len // spec.parallel.cp) * top_k
-    return 3 * t(rows * shape.hidden, e) + t(rows * 2 * (shape.expert_ffn // spec.parallel.tp), e)
+    # + order (int64) + sentinel mask (bool) + top-k weights; the S x hidden rows cancel
+    return t(rows, 8) + t(rows, 1) + t(rows, w)
 
 
 def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) -> RankAnswer:
@@ -202,7 +213,7 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
                     acts_of[p.layer.name], step.acts, _gathered_inputs(spec, shape)))
             if kind == "decoder_layer" and ps.ep > 1 and any(
                     "experts" in q.name for q in p.layer.params):
-                extra = _expert_parallel_saved(spec, shape, e_top[0], e_top[1])
+                extra = _expert_parallel_saved(spec, e_top[1], e_top[2])
                 step = dataclasses.replace(step, acts=dataclasses.replace(
                     step.acts, saved=step.acts.saved + extra,
                     mlp_saved=step.acts.mlp_saved + extra))
@@ -436,8 +447,11 @@ def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction,
         wide = _setup(wide_spec, ws)[1]
     e = POLICIES[compute].compute_bytes
     top_k = int(data.get("num_experts_per_tok") or 1)
+    # the router's top-k weights: fp32 in Mixtral, cast back to the compute dtype otherwise
+    # (`families.decoders.model.moe_dims`: `router_fp32_weights`)
+    router_w = 4 if data.get("model_type") == "mixtral" else e
     comm = _comm(spec, shape, e, top_k)
-    answers = [_stage(spec, r, narrow, wide, st, shape, comm, (e, top_k))
+    answers = [_stage(spec, r, narrow, wide, st, shape, comm, (e, top_k, router_w))
                for r in range(ps.pp)]
     top = max(answers, key=lambda a: a.device_bytes)
     params = model_tensors(spec.with_(parallel=single))
