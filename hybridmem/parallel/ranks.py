@@ -98,7 +98,9 @@ def _dp_spec(spec: TrainingSpec, ranks: int) -> TrainingSpec:
 def _sum_states(a: RankStates, b: RankStates) -> RankStates:
     fields = ("param", "grad", "optimizer", "grad_fixed", "gathered", "comm",
               "step_temporary", "paged")
-    detail = {k: a.detail.get(k, 0) + b.detail.get(k, 0) for k in {*a.detail, *b.detail}}
+    # byte counts add; a dtype's width (`*_dtype_bytes`) is the same on both sides
+    detail = {k: a.detail[k] if k.endswith("_dtype_bytes") and k in a.detail
+              else a.detail.get(k, 0) + b.detail.get(k, 0) for k in {*a.detail, *b.detail}}
     return RankStates(**{f: getattr(a, f) + getattr(b, f) for f in fields}, detail=detail)
 
 
@@ -109,15 +111,22 @@ def _states(spec: TrainingSpec, layers: list) -> RankStates:
     `dp_shard x cp / ep` (torchtitan's expert FSDP mesh)."""
     ps = spec.parallel
     dense_n = ps.data_shard * ps.cp
-    def part(keep):
-        return [(m, dataclasses.replace(l, params=tuple(p for p in l.params if keep(p.name))))
-                for m, l in layers]
-    dense = rank_states(_dp_spec(spec, dense_n), layer_tensors(part(lambda n: "experts" not in n)))
-    expert_layers = part(lambda n: "experts" in n)
+    dense_layers, expert_layers = _split_experts(layers)
+    dense = rank_states(_dp_spec(spec, dense_n), layer_tensors(dense_layers))
     if not any(l.params for _, l in expert_layers):
         return dense
     experts = rank_states(_dp_spec(spec, max(1, dense_n // ps.ep)), layer_tensors(expert_layers))
     return _sum_states(dense, experts)
+
+
+def _split_experts(layers: list) -> tuple[list, list]:
+    """(the layers without their expert weights, the layers with only those): the experts
+    shard over their own mesh (torchtitan `apply_fsdp`: `fully_shard(transformer_block.moe.
+    experts, mesh=dp_mod_ep_mesh)`)."""
+    def part(keep):
+        return [(m, dataclasses.replace(l, params=tuple(p for p in l.params if keep(p.name))))
+                for m, l in layers]
+    return part(lambda n: "experts" not in n), part(lambda n: "experts" in n)
 
 
 def _embedding_grad(spec: TrainingSpec, layers: list, shape) -> int:
@@ -283,23 +292,27 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
 def _fsdp_units(spec: TrainingSpec, graph_layers: list, states: RankStates):
     """FSDP2's units of the stage, for pricing its gathers per timeline point
     (`fsdp_points`); None where the states' constants stay: not FSDP2, units kept unsharded
-    from forward to backward (`reshard_after_forward=False`), experts (their own mesh), or a
-    pipeline (several micro-batches' units in flight)."""
+    from forward to backward (`reshard_after_forward=False`), or a pipeline (several
+    micro-batches' units in flight). With ep, each layer's experts are a unit nested in it,
+    sharded over their own mesh (`dp_shard x cp / ep`, as `_states`; `fsdp_points.with_inner`)."""
     ps = spec.parallel
     n = ps.data_shard * ps.cp
     flat = _dp_spec(spec, n)
-    if (flat.parallel.strategy != "fsdp" or not ps.reshard_after_forward or ps.pp > 1
-            or ps.ep > 1):
+    if flat.parallel.strategy != "fsdp" or not ps.reshard_after_forward or ps.pp > 1:
         return None
     from hybridmem.parallel.sharding import _pbytes
 
-    mt = layer_tensors(graph_layers)
-    if any("experts" in t.unit for t in mt.tensors):
-        return None
     of_step = tuple(f"{m}.{l.name}" if l.kind in UNIT_KINDS else "root" for m, l in graph_layers)
-    return fsdp_points.units(mt, of_step, n, states.detail["gather_dtype_bytes"],
-                             states.detail["reduce_dtype_bytes"],
-                             lambda t: _pbytes(resolved(flat), t))
+    gather, reduce = states.detail["gather_dtype_bytes"], states.detail["reduce_dtype_bytes"]
+    param_bytes = lambda t: _pbytes(resolved(flat), t)  # noqa: E731
+    dense, experts = _split_experts(graph_layers)
+    out = fsdp_points.units(layer_tensors(dense), of_step, n, gather, reduce, param_bytes)
+    if not any(l.params for _, l in experts):
+        return out
+    n_experts = max(1, n // ps.ep)
+    nested = fsdp_points.units(layer_tensors(experts), of_step, n_experts, gather, reduce,
+                               param_bytes)
+    return fsdp_points.with_inner(out, nested, n_experts)
 
 
 def replayable(ps: ParallelSpec) -> bool:
