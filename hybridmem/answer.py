@@ -87,5 +87,6 @@ def answer(resolved: Resolved | ResolvedJob, warnings: list[str], gpu: GPU | Non
                                               "sources": job.sources})
     advice = None
     if gpu is not None and (spec.parallel.strategy != "none" or not result.fits):
-        advice = smallest_fitting_setup(spec, gpu, lambda s: predict(s, method=chosen, gpu=gpu))
+        advice = smallest_fitting_setup(spec, gpu, lambda s: predict(s, method=chosen, gpu=gpu),
+                                        job=job.spec)
     return Answer(result, advice)

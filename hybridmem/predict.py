@@ -1,16 +1,15 @@
 """The public Python API: `predict(spec, method=...) -> Prediction`.
 
 The job is resolved once (`intake.resolve.resolve_once`: the model's defaults filled in, the tier
-chosen and why); the analytic and the trace tier are imported (`hybridmem.tiers`), only the
-learned tier is looked up (it sits above this module: its training tools read the harness's
-rows and call `predict`). `import hybridmem` stays fast: no tier is imported before it runs.
+chosen and why) and priced by its tier through the tier protocol (`hybridmem.tiers`: the
+analytic and the trace tier imported, the learned one registered from above). `import
+hybridmem` stays fast: no tier's estimate is imported before it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from importlib import import_module
 
 from hybridmem import environment
 from hybridmem.errors import SpecError, UnsupportedModelError
@@ -23,24 +22,16 @@ from hybridmem.models.light import light_config
 from hybridmem.models.loader import is_analytic, model_type_of
 from hybridmem.prediction import TIER_ERROR, Prediction
 from hybridmem.tiers import (  # noqa: F401  (re-exported: the tiers' rules, as named before)
-    PER_RANK_TIERS, SCOPES, gpu_options, no_tier, refusal,
+    SCOPES, gpu_options, no_tier, refusal,
 )
+from hybridmem.tiers import estimator as tier_estimator
 from hybridmem.job.spec import TrainingSpec
 
-HYBRID = "hybridmem.learned.predictor:estimate"
-"""The learned tier's estimate, the one tier looked up by name (it sits above this module)."""
-
-
 def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
-    """The estimate function of a tier (analytic and trace per rank for a multi-GPU spec,
-    `tiers.estimator`; the hybrid tier prices ranks itself, `tiers.PER_RANK_TIERS`)."""
+    """The estimate function of a tier, per rank for a multi-GPU spec (`tiers.estimator`: the
+    per-rank wrapper, or the tier itself where it prices ranks, `Tier.per_rank`)."""
     if method not in METHODS:
         raise SpecError("method", method, METHODS)
-    if method in PER_RANK_TIERS:
-        module, func = HYBRID.split(":")
-        return getattr(import_module(module), func)
-    from hybridmem.tiers import estimator as tier_estimator
-
     return tier_estimator(method)
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from hybridmem import SpecError, TrainingSpec
 from hybridmem.analytic import estimate
-from hybridmem.families.decoders import acts as A
+from hybridmem.families.common import decoder_acts as A
 from hybridmem.analytic.estimate import context, price, timeline
 from hybridmem.analytic.timeline import walk
 from hybridmem.models import build_graph

@@ -102,9 +102,14 @@ def test_clashes_are_one_line_spec_errors(kw, field):
 
 
 def test_model_the_patch_does_not_handle_is_refused():
-    with pytest.raises(SpecError, match="gemma2"):
-        cce.check_model("gemma2", None)
-    cce.check_model("llava", "llama")  # handled: no error
+    from hybridmem.families import target
+
+    with pytest.raises(SpecError, match="gemma2") as err:
+        cce.check_model(target("gemma2"))
+    assert "model_type llava" in str(err.value)  # the records that list cce are the choices
+    cce.check_model(target("llava", "llama"))  # handled: no error
+    with pytest.raises(SpecError, match="gemma2"):  # LLaVA is patched through its LM
+        cce.check_model(target("llava", "gemma2"))
 
 
 def test_cli_flag_and_clash_exit_2(capsys):

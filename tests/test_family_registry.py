@@ -46,7 +46,7 @@ def test_decoder_defaults_are_the_config_class_defaults(model_type):
 
 def test_the_tuples_other_modules_export_are_views_of_the_registry():
     from hybridmem.families.common.images import HXW_FAMILIES, IMAGE_FAMILIES
-    from hybridmem.families.decoders.model import MOE_TYPES, QK_NORM_TYPES
+    from hybridmem.families.common.decoder_graph import MOE_TYPES, QK_NORM_TYPES
     from hybridmem.models.loader import DECODER_TYPES, MULTIMODAL_TYPES
 
     assert set(MULTIMODAL_TYPES) == {m for m, f in REGISTRY.items() if f.kind == VLM}

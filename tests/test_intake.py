@@ -3,11 +3,14 @@ that are not job fields are declared once for the CLI and the HTTP API."""
 
 from __future__ import annotations
 
+import pytest
+
 import pkgutil
 
 import hybridmem.intake.dialects as dialects
 from hybridmem.intake.dialects.protocol import REQUIRED
 from hybridmem.job.options import API_FIELDS, CLI_OPTIONS, OPTIONS
+from hybridmem.job.spec import TrainingSpec
 
 SHARED = {"common", "protocol"}
 """Modules of `intake/dialects/` that are not a launcher."""
@@ -68,3 +71,44 @@ def test_a_job_is_resolved_and_its_tier_chosen_once_per_answer(monkeypatch, stub
     # the chooser saw the model's defaults (tiny-llama leaves attn and precision open)
     assert resolved.spec.attn is None and calls["choose"][0].attn == "sdpa"
     assert out.result.job["defaults"].keys() >= {"attn", "precision"}
+
+
+def test_the_tiers_take_the_resolved_job_and_never_resolve_it_again(monkeypatch):
+    """A whole answer with a GPU (the tier, the per-rank wrapper, the micro-batch search) fills
+    the model's defaults once: below `resolve_once` every function gets a `Job`,
+    whose type says its `attn` and `precision` are decided (`job/resolved.py`)."""
+    import hybridmem.families.defaults as defaults
+    import hybridmem.intake.resolve as resolve
+    from hybridmem.answer import answer, resolve_gpu, resolve_job
+    from hybridmem.job.resolved import Job
+
+    calls = []
+    real = defaults.resolve_defaults
+
+    def counted(spec):
+        calls.append(type(spec).__name__)
+        return real(spec)
+
+    monkeypatch.setattr(defaults, "resolve_defaults", counted)
+    monkeypatch.setattr(resolve, "resolve_defaults", counted)
+    resolved, warnings = resolve_job({"model": "tiny-llama", "micro_batch": 2})
+    job = resolve.resolve_once(resolved, "analytic")
+    assert isinstance(job.spec, Job) and not isinstance(job.given, Job)
+    assert isinstance(job.spec.with_(micro_batch=3), Job)  # a copy keeps the decided values
+    calls.clear()
+    out = answer(job, warnings, gpu=resolve_gpu(None, 0.8), find_max_batch=True)
+    assert out.result.fits and out.result.max_micro_batch > 2  # the search probed larger jobs
+    assert calls == [], calls  # the job came resolved: nothing below resolves it again
+    # the fit advice prices other jobs (more GPUs, a ZeRO stage: the precision defaults anew),
+    # each resolved once as a new job by `predict`
+    out = answer(job, warnings, gpu=resolve_gpu(None, 0.6))
+    assert not out.result.fits and out.advice is not None
+    assert calls and set(calls) == {"TrainingSpec"}  # never a Job resolved again
+
+
+def test_a_job_has_its_defaults_decided():
+    from hybridmem.job.resolved import Job
+
+    with pytest.raises(AssertionError, match="precision"):
+        Job.of(TrainingSpec(model="tiny-llama", attn="sdpa"))
+    assert Job.of(TrainingSpec(model="tiny-llama", attn="eager", precision="fp32")).attn == "eager"

@@ -135,14 +135,45 @@ def _by_name_edges(graph) -> dict[str, set[str]]:
     return out
 
 
-def test_no_cycles_through_what_is_looked_up_by_name():
-    """The learned tier and its policy are loaded by name (they sit above the chooser); counted
-    as imports, they must close no cycle either (the learned tier once imported `predict`)."""
+def test_no_tier_is_looked_up_by_name():
+    """The tiers are imported (`hybridmem.tiers`) and the learned one registers itself from
+    above (`learned/tier.py`): no "package.module:function" string loads a module the import
+    graph would not see (a lookup once hid the learned tier's cycle through `predict`)."""
     graph = grimp.build_graph(PACKAGE, exclude_type_checking_imports=True, cache_dir=None)
-    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
-    named = _by_name_edges(graph)
-    assert named, "no by-name lookups found: the check would check nothing"
-    for module, targets in named.items():
-        edges[module] |= targets
-    found = strongly_connected(edges)
-    assert not found, "cycles through by-name lookups:\n" + "\n".join(" <-> ".join(c) for c in found)
+    # a module naming its own class (the harness's default probe, sent to the child) is no lookup
+    across = {m: targets - {m} for m, targets in _by_name_edges(graph).items() if targets - {m}}
+    assert across == {}
+
+
+def test_by_name_edges_finds_a_lookup(tmp_path, monkeypatch):
+    """The check above can fail: a string naming a module's function is found."""
+    class Graph:
+        modules = {"hybridmem.predict", "hybridmem.learned.predictor"}
+
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)  # `_by_name_edges` reads the sources there
+    (tmp_path / "hybridmem").mkdir()
+    (tmp_path / "hybridmem" / "predict.py").write_text('X = "hybridmem.learned.predictor:estimate"\n')
+    (tmp_path / "hybridmem" / "learned").mkdir()
+    (tmp_path / "hybridmem" / "learned" / "predictor.py").write_text("")
+    assert _by_name_edges(Graph()) == {"hybridmem.predict": {"hybridmem.learned.predictor"}}
+
+
+def family_folders() -> list[str]:
+    """The family folders (`hybridmem/families/<family>/`, each a package declaring
+    `FAMILIES`); `common/` is what they share."""
+    import hybridmem.families as fam
+
+    return [f"{fam.__name__}.{m.name}" for m in pkgutil.iter_modules(fam.__path__)
+            if m.ispkg and m.name != "common"]
+
+
+def test_no_family_folder_imports_another():
+    """A family is its folder: it shares `families/common/` and the registry, never another
+    family's modules (an independence contract over the folders found, so a new family needs
+    no pyproject.toml edit); nor does `common/` import a family."""
+    graph = grimp.build_graph(PACKAGE, exclude_type_checking_imports=True, cache_dir=None)
+    folders = family_folders()
+    assert len(folders) >= 8, folders  # the check would check nothing
+    found = [f"{a} -> {b}" for a in [*folders, "hybridmem.families.common"] for b in folders
+             if a != b and graph.chain_exists(importer=a, imported=b, as_packages=True)]
+    assert not found, "family folders importing each other:\n" + "\n".join(found)

@@ -17,7 +17,7 @@ from hybridmem.batches import run as R
 from hybridmem.batches.read import read_lengths
 from hybridmem.batches.steps import BUCKETS, bucket, grouped, order, plan
 from hybridmem.errors import SpecError
-from hybridmem.families.defaults import resolved
+from hybridmem.families.defaults import as_job
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.predict import predict
 
@@ -182,7 +182,7 @@ def test_reserved_grows_when_shapes_change():
     """A short batch, then a long one: the short step's cached segments stay reserved and the
     long step's larger blocks need new ones (no empty_cache, no capacity: the simulator never
     releases a segment, as CUDACachingAllocator does below the device limit)."""
-    spec = resolved(TrainingSpec(model="llama-3.2-3b", micro_batch=4, seq_len=1024,
+    spec = as_job(TrainingSpec(model="llama-3.2-3b", micro_batch=4, seq_len=1024,
                                  train="lora", precision="bf16"))
     long_, short = (R.shape_stream("analytic", spec.with_(seq_len=n)) for n in (1024, 300))
     same = R.replay_steps([long_], np.zeros(3, dtype=np.int64))
@@ -192,7 +192,7 @@ def test_reserved_grows_when_shapes_change():
 
 
 def test_replay_skips_repeated_transitions():
-    spec = resolved(TrainingSpec(model="tiny-llama", micro_batch=2, seq_len=64))
+    spec = as_job(TrainingSpec(model="tiny-llama", micro_batch=2, seq_len=64))
     a, b = (R.shape_stream("analytic", spec.with_(seq_len=n)) for n in (64, 32))
     index = np.array([0, 1] * 500)
     out = R.replay_steps([a, b], index)

@@ -48,7 +48,7 @@ def test_liger_removes_the_fp32_logits_by_hand():
     # HF ForCausalLMLoss: log_softmax's fp32 output saved, logits + their fp32 upcast in forward
     assert logits32 in hf.parts and logits32 in hf.fwd_parts
     # nll_loss's grad and log_softmax's grad input: the first stage of the head's two-stage
-    # backward, before its weight grad exists (decoders.acts.lm_head, docs/families.md)
+    # backward, before its weight grad exists (common.decoder_acts.lm_head, docs/families.md)
     assert hf.bwd_mlp >= 2 * logits32
     # Liger: nothing of B x V size anywhere; saved = grad_input (B x H, fp32 stream) +
     # grad_weight (V x H, fp32 weight: the tied embedding trains)
@@ -187,10 +187,13 @@ def test_model_type_liger_skips_trains_unchanged_with_a_note(tmp_path):
 
 
 def test_model_type_liger_patches_but_not_priced_is_refused():
+    from hybridmem.families import target
     from hybridmem.techniques.liger import liger_text_type
 
     with pytest.raises(SpecError, match="gemma2"):
-        liger_text_type("gemma2", None)
+        liger_text_type(target("gemma2"))
+    assert liger_text_type(target("llava", "qwen2")) == "qwen2"  # LLaVA: its LM's kernels
+    assert liger_text_type(target("gpt2")) is None  # a type Liger skips trains unchanged
 
 
 def test_cli_clash_exits_2(capsys):

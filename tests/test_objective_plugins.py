@@ -74,7 +74,7 @@ COMPARED = re.compile(  # `objective == "dpo"`, `o in ("orpo", ...)`, `"grpo" !=
     rf"""|["']({NAMES})["'] *(==|!=) *[a-z_.]*objective""")
 # the decoder head's closed form per objective (the family's, `objective_acts`) and the TRL
 # config reader's marker table, which names the configs the keys come from
-STILL_NAMED = {"families/decoders/objective_acts.py", "intake/readers/trainer.py"}
+STILL_NAMED = {"families/common/objective_acts.py", "intake/readers/trainer.py"}
 
 
 def test_no_objective_name_is_compared_outside_the_plug_ins():

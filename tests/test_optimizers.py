@@ -21,6 +21,7 @@ from hybridmem.errors import SpecError
 from hybridmem.job.optimizers import HF_OPTIMS, OPTIMIZERS, Stepped, flat, from_hf, rule
 from hybridmem.intake.merge import spec_from_inputs
 from hybridmem.intake.readers.trainer import from_training_args
+from hybridmem.families.defaults import as_job
 from hybridmem.parallel.sharding import rank_states, replicated
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
@@ -189,7 +190,8 @@ def test_ddp_lion_on_llama_3b_equals_single_gpu():
     # the drift this registry fixed: DDP priced Lion at 1 x all trainable fp32 elements
     # (11.97 GiB), the single GPU at 2 x the largest tensor (the embedding, 2.94 GiB)
     spec = TrainingSpec(model="llama-3.2-3b", optimizer="lion", seq_len=512)
-    ddp = spec.with_(parallel=ParallelSpec(world_size=2, strategy="ddp"))
+    # `rank_states` takes a resolved job (its precision decided), as the tiers hand it on
+    ddp = as_job(spec.with_(parallel=ParallelSpec(world_size=2, strategy="ddp")))
     single = _opt_temp(spec)
     # 128256 x 3072 fp32 embedding (meta-device count, tests/test_models.py), twice
     assert single == 2 * 128256 * 3072 * 4

@@ -92,8 +92,12 @@ def test_in_flight_follows_the_torch_schedules():
     assert in_flight(inter, 0) == 5.5 and in_flight(inter, 3) == 2.5
     # Megatron's interleaving penalty on rank 0: pp * (1 + (pp-1)/(pp*v)) = 4 * (1 + 3/8)
     assert in_flight(inter, 0) == 4 * (1 + 3 / 8)
+    # zero bubble (hand count of torch's `_get_1f1b_rank_ops(enable_zero_bubble=True)`): rank
+    # r's (v-1)*m/rounds + (pp-1-r) warm-up forwards, r more forward/input-gradient pairs
+    # before its first W (`num_1f1b_microbatches = rank`), then one more forward: (v-1)*pp + pp
+    # chunks alive on every rank, / v -> (4 + 4) / 2
     zb = dataclasses.replace(inter, pp_schedule="zero-bubble")
-    assert in_flight(zb, 0) == (4 + 3 + 1) / 2
+    assert [in_flight(zb, r) for r in range(4)] == [4, 4, 4, 4]
 
 
 def test_stage_layers_loop_style():

@@ -20,7 +20,7 @@ from hybridmem import objectives as objective_plugins
 from hybridmem.objectives import rules as objective_rules
 from hybridmem.families.common import activations as A
 from hybridmem.allocator.alloc import t
-from hybridmem.families import family, layer_kind
+from hybridmem.families import family, layer_kind, target
 from hybridmem.analytic.events import MLP_ALL, build as build_events
 from hybridmem.allocator.reserved import (
     FROM_GPU, allocator_extras, bounded, capacity_notes, capacity_source, gpu_capacity,
@@ -48,7 +48,7 @@ from hybridmem.gpus import GPU
 from hybridmem.techniques.quantize import quant_of
 from hybridmem import techniques
 from hybridmem.techniques import Technique, head_of, loss_of
-from hybridmem.families.defaults import resolved
+from hybridmem.families.defaults import as_job
 from hybridmem.models import ModelGraph, build_graph
 from hybridmem.models.graph import Layer
 from hybridmem.prediction import ModuleMemory, Peak, Prediction
@@ -74,7 +74,7 @@ def loss_applied(spec: TrainingSpec) -> Technique | None:
 
     _, data = load_config_dict(spec.model)  # the JSON: no transformers import for two fields
     text = (data.get("text_config") or {}).get("model_type")
-    return technique if technique.applies(data["model_type"], text) else None
+    return technique if technique.applies(target(data["model_type"], text)) else None
 
 
 def context(spec: TrainingSpec) -> A.Ctx:
@@ -242,29 +242,13 @@ def batch_bytes(graph: ModelGraph, spec: TrainingSpec) -> int:
     if spec.padded and objective_plugins.lm_loss(spec) and not objective_plugins.fused_head(
             spec, installed("trl")):
         out += tokens  # the collator's int64 attention mask (`spec.padded`)
-    if graph.vision_batch:
-        emb = next(l for m, l in graph.layers() if l.kind == "vision_embeddings").dims
-        pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
-        out += t(graph.vision_batch * emb["channels"] * emb["side"] ** 2, pix)
-    if graph.vision_batch and family(graph.model_type).pixel_mask:
-        # Idefics3's bool pixel_attention_mask (crops, tile, tile), `Family.pixel_inputs`
-        out += t(graph.vision_batch * emb["side"] ** 2, 1)
+    pix = POLICIES[spec.precision].param_bytes  # the model's dtype: fp32 under autocast
+    # the processor's pixel inputs, as the tower layers that read them price them
+    # (`LayerKind.pixel_bytes`: crops, packed patches and their grids, Idefics3's mask)
+    out += sum(lk.pixel_bytes(layer, graph, pix) for _, layer in graph.layers()
+               if (lk := layer_kind(layer.kind)).pixel_bytes is not None)
     if graph.image_tokens and family(graph.model_type).text_extras is not None:
         out += tokens  # token type ids (b, s) int64 (`Family.text_extras`, families.common.images.text_inputs)
-    patches = next((l.dims for m, l in graph.layers() if l.kind == "qwen_patch_embed"), None)
-    if patches and graph.image_tokens:
-        # Qwen-VL (`Family.pixel_inputs`): pixel patches in the model dtype and image_grid_thw
-        # (images, 3) int64
-        pix = POLICIES[spec.precision].param_bytes
-        out += t(patches["n"] * patches["row"], pix)
-        out += t(3 * patches["images"], A.INT64)
-    conv = next((l.dims for m, l in graph.layers() if l.kind == "pixtral_patch_conv"), None)
-    if conv and graph.image_tokens:
-        # Mistral-3 (`Family.pixel_inputs`): (images, C, H, W) in the model dtype and the
-        # (images, 2) int64 image_sizes
-        pix = POLICIES[spec.precision].param_bytes
-        out += t(conv["images"] * conv["channels"] * conv["h_px"] * conv["w_px"], pix)
-        out += t(2 * conv["images"], A.INT64)
     return out
 
 
@@ -298,8 +282,7 @@ def _notes(graph: ModelGraph, spec: TrainingSpec, gpu: GPU | None = None,
          "(b, 1, s, s) mask)" if spec.padded else "batch: unpadded (no attention mask)")
         + ", loss over every position with fp32 logits (transformers ForCausalLMLoss)",
     ]
-    patches = next((l.dims["n"] for m, l in graph.layers()
-                    if l.kind in ("qwen_patch_embed", "pixtral_patch_conv")), 0)
+    patches = next((l.dims["n"] for m, l in graph.layers() if layer_kind(l.kind).packed), 0)
     if graph.image_tokens:
         seen = (f"{patches} patches in one packed sequence" if patches
                 else f"{graph.vision_batch} crop(s)")
@@ -385,13 +368,13 @@ def setup(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     model config): one answer prices the same spec several times (its timeline, its replayed
     stream, the micro-batch search, `--gpu`'s advice). Callers do not mutate what it returns
     (frozen records in a list)."""
+    spec = as_job(spec)  # a Job as it is; a plain spec (a script, a test): its defaults filled
     return _setup_cached(spec, workspace, _config_key(spec.model))
 
 
 @lru_cache(maxsize=32)
 def _setup_cached(spec: TrainingSpec, workspace: int, config_key: str
                   ) -> tuple[ModelGraph, list[Priced], Statics]:
-    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
     refused = scope.refusal(spec)  # PEFT methods, families and MoE settings it does not price
     if refused is not None:
         raise refused
@@ -478,7 +461,7 @@ def shape_stream(spec: TrainingSpec, workspace: int = CUBLAS_WORKSPACE_BYTES
     """(closed-form allocated peak, alloc/free stream of two iterations, its phase marks as
     (event index, phase, iteration)): what `hybridmem.batches.run` composes per batch shape.
     The stream is the cached one (`stream`): callers read it, never change it."""
-    spec = resolved(spec)
+    spec = as_job(spec)  # the tier's Python entry: a Job as it is
     _, priced, st = setup(spec, workspace)
     events, marks = stream(spec, workspace)
     return peak(walk([p.step for p in priced], st)).allocated, events, marks
@@ -500,7 +483,7 @@ def estimate(spec: TrainingSpec, *, gpu: GPU | None = None,
     `capacity` says otherwise (bytes, or None: unlimited), the allocator's capacity the stream
     is replayed within (`reserved.bounded`): at a GPU's limit the allocator releases its cache
     instead of reserving more, so whether a job fits depends on it."""
-    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
+    spec = as_job(spec)  # the tier's Python entry: a Job as it is (families.defaults)
     ws = cublas_workspace(gpu)
     limit = gpu_capacity(gpu, capacity)
     graph, priced, points = timeline(spec, ws)

@@ -292,7 +292,7 @@ def _forward(s: Stream, priced, statics, amp: bool):
 
 def _logit_parts(extra: list[int], logits: int) -> list[int]:
     """The lm_head's forward tensors that are the logits (`logits` bytes): one tensor, or the
-    leading N chunks of `--chunked-ce` (decoders.acts.chunked_head lists them first)."""
+    leading N chunks of `--chunked-ce` (common.decoder_acts.chunked_head lists them first)."""
     if logits in extra:
         return [logits]
     total = 0

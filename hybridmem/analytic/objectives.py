@@ -3,7 +3,7 @@
 
 What changes against the SFT step, as each objective's `step.py` runs it: the policy's graph
 has `objectives.rows` sequences (chosen + rejected concatenated); its head is the trainer's loss
-(`families.decoders.objective_acts`); the reward model's head is a (1, hidden) `score`; a
+(`families.common.objective_acts`); the reward model's head is a (1, hidden) `score`; a
 separate reference adds a frozen copy of the model's weights (`Statics.param`, its own module
 line) and every reference forward its no-grad high point at the end of the policy's forward
 (`Statics.ref_forward`, the trainer computes the reference log-probs then, with the policy's
@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from hybridmem.analytic.events import _no_grad_working_set
 from hybridmem.families.common.activations import FP32, Ctx
-from hybridmem.families.decoders.objective_acts import reference_head, trl_reference_head
+from hybridmem.families.common.objective_acts import reference_head, trl_reference_head
 from hybridmem import objectives as plugins
 from hybridmem.objectives.grpo import completion_length, old_logps
 from hybridmem.allocator.alloc import t

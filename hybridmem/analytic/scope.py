@@ -31,7 +31,7 @@ def refusal(spec) -> SpecError | None:
     model_type = model_type_of(spec.model)
     if not is_analytic(model_type):
         return analytic_refusal(model_type)
-    from hybridmem.families.decoders.model import MOE_TYPES
+    from hybridmem.families.common.decoder_graph import MOE_TYPES
 
     if model_type in MOE_TYPES:
         if spec.train != "full":

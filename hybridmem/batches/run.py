@@ -32,8 +32,8 @@ from hybridmem.batches.read import read_lengths
 from hybridmem.batches.scope import steps_gap
 from hybridmem.batches.steps import Shape, plan
 from hybridmem.errors import SpecError
-from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
+from hybridmem.job.resolved import Job
 from hybridmem.job.spec import TrainingSpec, empty_cache_at
 from hybridmem.prediction import Prediction
 
@@ -220,12 +220,11 @@ def _series(values: np.ndarray, points: int = SERIES_POINTS) -> dict:
     return {"step": idx.tolist(), "reserved_bytes": np.maximum.reduceat(values, idx).tolist()}
 
 
-def simulate(spec: TrainingSpec, method: str, price: Callable[[TrainingSpec], Prediction],
+def simulate(spec: Job, method: str, price: Callable[[TrainingSpec], Prediction],
              gpu: GPU | None = None) -> Prediction:
     """`spec`'s answer over the batches its lengths file makes: the tier's answer (`price`) at
     the step of the largest allocated peak, reserved raised by what the changing shapes add in
     the composed replay; `extras["lengths"]` the run's figures."""
-    spec = resolved(spec)
     data = read_lengths(spec.lengths)
     images = -1 if spec.images_per_sample is None else spec.images_per_sample
     steps = plan(data, spec, images)

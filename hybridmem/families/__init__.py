@@ -27,7 +27,7 @@ VLM = "vlm"
 DECODER = "decoder"
 
 # Decoder traits (`Family.traits`) the decoder graph and its activation formulas switch on
-# (decoders/model.py, decoders/acts.py; docs/families.md):
+# (common/decoder_graph.py, common/decoder_acts.py; docs/families.md):
 QK_NORM = "qk_norm"   # RMSNorm over head_dim on q and k (modeling_qwen3.Qwen3Attention)
 FUSED = "fused"       # one qkv_proj and one gate_up_proj whose outputs are sliced (modeling_phi3)
 GEMMA = "gemma"       # four (1 + weight) norms per layer, scaled embedding (modeling_gemma2)
@@ -94,13 +94,27 @@ class Family:
     lm_layers: Callable | None = None
     """Decoder: (text config, micro_batch, seq_len) -> its base model's layers (embed_tokens,
     rotary, decoder layers, norm) where they are not the shared decoder graph's
-    (`decoders/model.py language_model_layers`); None: that graph."""
+    (`common/decoder_graph.py language_model_layers`); None: that graph."""
     lm_graph: Callable | None = None
     """(cfg, spec, lm Module, images per sample, plan) -> the LM as the family runs it on a
     batch with images (Gemma 3's per-layer masks, Qwen3-VL's DeepStack adds); None: the
     decoder's graph as is."""
     meta_patches: Callable | None = None
     """() -> a context manager the trace needs under meta tensors (data-dependent helpers)."""
+    count_check: bool = False
+    """Its transformers module (`transformers.models.<model_type>.modeling_<model_type>`)
+    checks the image-token count by reading tensor values: `torch_compilable_check` in 5.x,
+    `get_placeholder_mask`'s `inputs_embeds[mask].numel()` in 4.57. The trace's batch has
+    exactly the rule's image tokens, so the trace makes the check a no-op
+    (`trace.corrections.patched_model_checks`, `trace.compat.placeholder_patches`)."""
+    parts: tuple[tuple[str, str], ...] = ()
+    """(name fragment, part) pairs placing its transformers parameter / module names in the
+    graph's top-level parts (`models.build.part_of`; the first match wins, then the shared
+    fragments `models.build.PART_FRAGMENTS`): what the trace tier and the harness freeze."""
+    techniques: frozenset[str] = frozenset()
+    """The model-patching techniques (`techniques/<name>.py` `NAME`) whose patch of this
+    model_type is priced; a VLM that lists one is patched through its LM (Liger's
+    `apply_liger_kernel_to_llava`), so its LM family must list it too (`target`)."""
     layer_kinds: Callable[[], Mapping[str, LayerKind]] | None = None
     """() -> {layer kind: `LayerKind`} for the layers its graph makes (and the formula variants
     its layers name, `models.graph.Layer.formula`): how the analytic tier prices them."""
@@ -124,6 +138,12 @@ class LayerKind:
     sac_as: Callable | None = None
     """(layer) -> the layer as the shared kind whose op-level checkpointing cache it has
     (`analytic.sac`; Pixtral's block is a Llama decoder layer over one packed sequence)."""
+    pixel_bytes: Callable | None = None
+    """(layer, graph, model-dtype bytes) -> bytes of the processor's pixel inputs this layer
+    reads (alive the whole iteration: `analytic.estimate.batch_bytes`); None: none."""
+    packed: bool = False
+    """Its `dims["n"]` counts the patches of one packed native-resolution sequence (the
+    analytic answer's note on what the tower encodes)."""
 
 
 class UnpricedLayerKind(LookupError):
@@ -139,6 +159,13 @@ def check_sub_config(data: dict, key: str, allowed: tuple[str, ...], default: st
     sub = data.get(key)
     if isinstance(sub, dict) and sub.get("model_type", default) not in allowed:
         raise SpecError(f"{key}.model_type", sub.get("model_type"), allowed)
+
+
+def check_text_config(data: dict, default: str = "llama") -> None:
+    """`text_config.model_type` (default `default`, the config class's) must be a decoder
+    family with closed forms: the LM is priced by the decoder closed form
+    (`families/common/decoder_acts.py`)."""
+    check_sub_config(data, "text_config", types(DECODER), default)
 
 
 def _discover() -> dict[str, Family]:
@@ -193,6 +220,26 @@ def types(kind: str | None = None, *,
     family has closed forms; the others are the trace tier's alone."""
     return tuple(mt for mt, f in REGISTRY.items()
                  if (kind is None or f.kind == kind) and (where is None or where(f)))
+
+
+def target(model_type: str, text_type: str | None = None):
+    """The model as the techniques see it (`techniques.protocol.Target`): which techniques'
+    patches of it are priced (`Family.techniques`; a VLM that lists one is patched through its
+    LM, whose family must list it too) and the model_type the library's patch is chosen by."""
+    from hybridmem.techniques.protocol import Target
+
+    fam = family(model_type)
+    listed = {}
+    for mt, f in REGISTRY.items():
+        for name in f.techniques:
+            listed[name] = (*listed.get(name, ()), mt)
+    if fam is not None and fam.kind == VLM and fam.techniques:
+        text = family(text_type)
+        return Target(model_type, text_type,
+                      fam.techniques & (text.techniques if text is not None else frozenset()),
+                      listed)
+    return Target(model_type, model_type, fam.techniques if fam is not None else frozenset(),
+                  listed)
 
 
 def with_trait(trait: str) -> tuple[str, ...]:

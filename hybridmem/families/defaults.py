@@ -1,8 +1,10 @@
 """The defaults that follow the model: attention implementation and precision, one rule each.
 
 Why here: both depend on the model (its transformers code, its checkpoint's `torch_dtype`), which
-the job layer cannot read. `predict` and each tier's entry apply `resolve_defaults`; a value the
-user gave (`--attn`, `--precision`, a config file's key) is never touched.
+the job layer cannot read. `intake.resolve.resolve_once` applies `resolve_defaults` once per job
+and hands the typed `Job` on; a tier's Python entry given a plain spec (a script, a test) takes
+it through `as_job`, which returns a `Job` as it is. A value the user gave (`--attn`,
+`--precision`, a config file's key) is never touched.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridmem.families import NO_SDPA, family
+from hybridmem.job.resolved import Job
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.models.loader import load_config_dict, validate_types
 
@@ -31,7 +34,7 @@ Precision"): the setting the HF fine-tuning scripts and most recipes use."""
 class Resolved:
     """The spec with its model-dependent defaults filled in, and what was filled in and why."""
 
-    spec: TrainingSpec
+    spec: Job
     defaults: dict[str, str]
     """field -> the one-line reason for the value taken (empty when the user gave both)."""
 
@@ -94,7 +97,7 @@ def default_precision(train: str, dtype: str | None) -> tuple[str, str]:
 def resolve_defaults(spec: TrainingSpec) -> Resolved:
     """`spec` with `attn` and `precision` filled in where the user left them None."""
     if spec.attn is not None and spec.precision is not None:
-        return Resolved(spec, {})
+        return Resolved(Job.of(spec), {})
     _, data = load_config_dict(spec.model)
     model_type = validate_types(data)
     changes: dict[str, str] = {}
@@ -104,9 +107,11 @@ def resolve_defaults(spec: TrainingSpec) -> Resolved:
     if spec.precision is None:
         changes["precision"], why["precision"] = default_precision(spec.train,
                                                                    checkpoint_dtype(data))
-    return Resolved(spec.with_(**changes), why)
+    return Resolved(Job.of(spec.with_(**changes)), why)
 
 
-def resolved(spec: TrainingSpec) -> TrainingSpec:
-    """`resolve_defaults(spec).spec`: for the tiers' entry points (idempotent)."""
-    return resolve_defaults(spec).spec
+def as_job(spec: TrainingSpec) -> Job:
+    """`spec` as a `Job`: a job as it is (every path through `intake.resolve`), a plain spec
+    with its defaults filled in. Only a tier's Python entry calls it, for the scripts and tests
+    that price a `TrainingSpec` directly; the code below that entry takes a `Job`."""
+    return spec if isinstance(spec, Job) else resolve_defaults(spec).spec

@@ -103,10 +103,11 @@ def measure(request: dict, probe) -> dict:
         from hybridmem.models.loader import load_config
         from hybridmem.job.spec import empty_cache_at
 
-        from hybridmem.families.defaults import resolve_defaults
+        from hybridmem.families.defaults import as_job
 
-        # the precision / attention the model implies where the spec leaves them unset
-        spec = resolve_defaults(TrainingSpec.from_dict(request["spec"])).spec
+        # the job the parent sent, as JSON: the precision / attention the model implies where
+        # the spec leaves them unset, decided once here for the model, the batch and the step
+        spec = as_job(TrainingSpec.from_dict(request["spec"]))
         if ranked:  # the process group (NCCL's buffers) is part of what the job pays for
             distributed.init(device, spec)
         probe.phase_start(phase, iteration)

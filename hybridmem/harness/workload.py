@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hybridmem.families.defaults import resolve_defaults
+from hybridmem.families.defaults import as_job
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.models.build import TRAINABLE_MODULES, part_of
 from hybridmem.torch_dtype import AUTOCAST, PARAM_DTYPE, default_dtype
@@ -68,7 +68,7 @@ def build_model(spec: TrainingSpec, config, device: torch.device) -> nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    spec = resolve_defaults(spec).spec  # the precision / attention the model implies, if unset
+    spec = as_job(spec)  # a Job as it is (the child's); a plain spec's defaults filled
     dtype = PARAM_DTYPE[spec.precision]
     try:
         # `dtype=` explicitly: a config's own `torch_dtype` (llava-1.5-7b's is float16) would
@@ -135,7 +135,7 @@ def make_batch(spec: TrainingSpec, config, model: nn.Module | None, device) -> d
     collator puts it (no host-side shape inputs)."""
     from hybridmem.trace.inputs import make_batch as batch_of
 
-    spec = resolve_defaults(spec).spec  # the precision the model implies, if unset
+    spec = as_job(spec)  # a Job as it is (the child's); a plain spec's defaults filled
     return batch_of(spec, config, model, PARAM_DTYPE[spec.precision], device,
                     host_shapes=False)[0]
 

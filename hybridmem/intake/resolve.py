@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from importlib import import_module
 
 from hybridmem import objectives
 from hybridmem.batches.scope import closed_form_gap
@@ -22,18 +21,14 @@ from hybridmem.errors import SpecError
 from hybridmem.families.defaults import resolve_defaults
 from hybridmem.intake.merge import Resolved, resolve_inputs
 from hybridmem.intake.dialects import LauncherConfig, read_config
+from hybridmem.job.resolved import Job
 from hybridmem.job.spec import TrainingSpec
 from hybridmem.models.light import light_config
 from hybridmem.models.loader import is_analytic, model_type_of
-from hybridmem.tiers import clause, no_tier, refusal
+from hybridmem.tiers import TIERS, clause, no_tier, refusal
 
 METHODS: tuple[str, ...] = ("analytic", "trace", "hybrid")
 """The tiers `--method` names."""
-# the learned tier's rule for whether a calibrated model applies to this environment, and
-# where it looks for models (shipped with hybridmem, or $HYBRIDMEM_MODELS): looked up, as the
-# learned tier sits above (its training tools read the harness's rows and call `predict`)
-LEARNED_POLICY = "hybridmem.learned.predictor:default_method"
-LEARNED_ROOT = "hybridmem.learned.registry:models_root"
 
 
 def resolve(recipe: str | None = None, deepspeed: str | os.PathLike | dict | None = None,
@@ -82,11 +77,6 @@ class Choice:
     """Said in the answer's notes: a tier picked because the default one refuses the job."""
 
 
-def _by_name(target: str):
-    module, func = target.split(":")
-    return getattr(import_module(module), func)
-
-
 def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
     """The tier for `spec`: `method` when given; else the trace tier for what only it prices
     (the analytic tier's `refusal`, and a `--lengths` run whose reserved growth the closed form
@@ -115,14 +105,16 @@ def choose_method(spec: TrainingSpec, method: str | None = None) -> Choice:
     if not objectives.lm_loss(spec):  # the learned residuals were fit on SFT steps only
         return Choice("analytic", f"objective={spec.objective!r}: the learned tier is fit on "
                       "SFT steps only")
+    hybrid = TIERS.get("hybrid")  # registered by `learned/tier.py` (it sits above)
     try:
-        default_method, models_root = map(_by_name, (LEARNED_POLICY, LEARNED_ROOT))
+        applies = hybrid is not None and hybrid.applies(spec)
     except ImportError:  # the `learned` extra is not installed
         return Choice("analytic", "the learned extra is not installed (no hybrid tier)")
-    if default_method(spec=spec) == "hybrid":
+    if applies:
         return Choice("hybrid", "a GPU-calibrated learned model trained on this torch applies")
+    where = hybrid.models_root() if hybrid is not None else "no registry"
     return Choice("analytic", "no GPU-calibrated learned model trained on this torch and CUDA "
-                  f"in {models_root()} (the models shipped with hybridmem, or $HYBRIDMEM_MODELS)")
+                  f"in {where} (the models shipped with hybridmem, or $HYBRIDMEM_MODELS)")
 
 
 @dataclass(frozen=True)
@@ -130,7 +122,8 @@ class ResolvedJob:
     """One job as every tier prices it: the spec with the model's defaults filled in, where its
     fields came from, what the model decided and why, and the tier that answers and why."""
 
-    spec: TrainingSpec
+    spec: Job
+    """The job every tier prices: its `attn` and `precision` decided (`job.resolved.Job`)."""
     tier: Choice
     given: TrainingSpec
     """The spec as given, before the model's defaults (the fit advice varies it and fills

@@ -205,7 +205,8 @@ class TrainingSpec:
         "are refused by name (docs/design.md, Job schema); `hybridmem "
         "models` lists every preset with its family, parameter count and tiers) or a path to a "
         "HF `config.json` / its folder; nothing is downloaded. `model_type` `llava` (CLIP, "
-        "SigLIP or Pixtral tower), `llava_next`, `llava_onevision`, `qwen2_vl`, `qwen2_5_vl`, "
+        "SigLIP or Pixtral tower), `llava_next`, `llava_onevision`, `llava_next_video`, "
+        "`qwen2_vl`, `qwen2_5_vl`, "
         "`qwen3_vl`, `qwen3_vl_moe`, `idefics3`, `smolvlm`, `internvl`, `mistral3`, `gemma3` "
         "(VLMs with their image-token rule, [docs/vlm-families.md](docs/vlm-families.md)) and "
         "`llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3_text`, `mixtral`, "
@@ -651,6 +652,12 @@ class TrainingSpec:
     """vLLM colocated: fraction of GPU memory it reserves (0 = no vLLM on this GPU)."""
 
     def __post_init__(self) -> None:
+        self._check_values()
+        self._fold_shorthands()
+        self._check_rules()
+
+    def _check_values(self) -> None:
+        """Each field on its own: the schema's bounds, then the shapes and the choices."""
         check_bounds(self)  # first: no check below may loop or allocate on 10**20
         if not isinstance(self.model, str) or not self.model.strip():
             raise SpecError("model", self.model, reason="give a preset name or a config path")
@@ -671,6 +678,9 @@ class TrainingSpec:
                     check_value(meta, int(side), "image_size")
         if self.precision is not None:  # None: resolved per model (families.defaults)
             _check_choice("precision", self.precision, PRECISIONS)
+
+    def _fold_shorthands(self) -> None:
+        """The axes given one by one stored as their shorthand fields (precision, the loss)."""
         # the axes given one by one name a shorthand (job.precision.fold); stored as it
         object.__setattr__(self, "precision", fold(self.precision, self.weights_dtype,
                                                    self.autocast, self.master_weights))
@@ -681,6 +691,10 @@ class TrainingSpec:
                                                 self.cut_cross_entropy).items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "loss", None)
+
+    def _check_rules(self) -> None:
+        """The rules between fields: choices, pairs, what each setting needs, then each
+        technique's and the objective's own checks."""
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("trainer", self.trainer, TRAINERS)
         _check_choice("train", self.train, TRAINABLES)

@@ -100,10 +100,9 @@ def config_features(config: Mapping) -> dict[str, float]:
 def spec_features(spec: TrainingSpec, config: Mapping) -> dict[str, object]:
     """What the user chose: sizes, batch, lengths, image tokens, dtypes, optimizer, ...; the
     precision and attention the model implies where the spec leaves them unset, as predicted."""
-    from hybridmem.families.defaults import resolved
+    from hybridmem.families.defaults import as_job
 
-    if spec.precision is None or spec.attn is None:
-        spec = resolved(spec)
+    spec = as_job(spec)  # a dataset row's or a test's plain spec; a Job as it is
     vision = config.get("vision_config") or {}
     multimodal = bool(vision)
     images = spec.images_per_sample if spec.images_per_sample is not None else int(multimodal)

@@ -329,12 +329,12 @@ def estimate(spec: TrainingSpec, *, models_dir: str | Path | None = None,
 
     The base is `features.analytic_base` (per rank for a multi-GPU spec), the very function the
     training rows were featurised with; `predict.estimator` therefore does not shard this tier's
-    answer again (`tiers.PER_RANK_TIERS`)."""
+    answer again (`learned.tier`: `per_rank`)."""
     from hybridmem.learned.features import resolve_base
     from hybridmem.tiers import estimator, refusal
-    from hybridmem.families.defaults import resolved
+    from hybridmem.families.defaults import as_job
 
-    spec = resolved(spec)  # attn / precision left open follow the model
+    spec = as_job(spec)  # the hybrid tier's Python entry: a Job as it is
 
     refused = refusal("analytic", spec) if base_fn is None else None
     if refused is not None:  # no analytic base to correct: the trace tier's answer, said so

@@ -12,7 +12,7 @@ from dataclasses import replace
 from hybridmem.job.lora_targets import default_targets
 from hybridmem.errors import SpecError
 from hybridmem.techniques.quantize import quant_of
-from hybridmem.families.decoders.model import language_model_layers, lm_head_layer
+from hybridmem.families.common.decoder_graph import language_model_layers, lm_head_layer
 from hybridmem.models.graph import ImageLayout, Layer, ModelGraph, Module, ParamTensor as T
 from hybridmem.families import DECODER, attention, family, layer_kind
 from hybridmem.families.common.images import image_plan
@@ -45,14 +45,13 @@ TRAINABLE_MODULES: dict[str, frozenset[str]] = {
 # fragment; the same names as this graph's modules, so the trace tier and the CUDA harness
 # freeze exactly what the analytic tier prices.
 PARTS: tuple[str, ...] = ("vision_tower", "multi_modal_projector", "image_newline", "lm_head")
-# The same parts in the families the trace tier alone prices, read off their
-# transformers module trees: fragment -> part, the first match wins, so a projector nested in
-# its vision module (Qwen2-VL / Qwen2.5-VL `model.visual.merger`) is matched before `visual`.
-# None of these fragments occurs in a LLaVA or decoder name the analytic tier prices, so those
-# map as before. Checked on tiny models in tests/test_generic.py (per-part counts).
+# The same parts by the names transformers' VLMs commonly give them (fragment -> part, the first
+# match wins), for the families the trace tier alone prices; a declared family's own names
+# (`Family.parts`) are matched first. Checked on tiny models in tests/test_generic.py
+# (per-part counts).
 PART_FRAGMENTS: tuple[tuple[str, str], ...] = (
     ("multi_modal_projector", "multi_modal_projector"),  # LLaVA, PaliGemma, Gemma 3, Mllama
-    ("merger", "multi_modal_projector"),     # Qwen2-VL / Qwen2.5-VL `model.visual.merger`
+    ("merger", "multi_modal_projector"),     # a projector nested in its vision module
     ("connector", "multi_modal_projector"),  # Idefics3 / SmolVLM `model.connector`
     ("image_newline", "image_newline"),      # LLaVA-NeXT
     ("vision_tower", "vision_tower"),        # LLaVA, PaliGemma, Gemma 3
@@ -65,9 +64,11 @@ PART_FRAGMENTS: tuple[tuple[str, str], ...] = (
 NON_LM_FRAGMENTS: tuple[str, ...] = tuple(f for f, part in PART_FRAGMENTS if part != "lm_head")
 
 
-def part_of(name: str) -> str:
-    """Top-level part of a dotted parameter/module name (`language_model` if none matches)."""
-    for fragment, part in PART_FRAGMENTS:
+def part_of(name: str, model_type: str | None = None) -> str:
+    """Top-level part of a dotted parameter/module name of a `model_type` model
+    (`language_model` if none matches)."""
+    fam = family(model_type)
+    for fragment, part in (*(fam.parts if fam is not None else ()), *PART_FRAGMENTS):
         if fragment in name:
             return part
     return "language_model"
@@ -256,9 +257,9 @@ def _quantize(modules: list[Module], spec: TrainingSpec) -> list[Module]:
 
 def build_graph(spec: TrainingSpec) -> ModelGraph:
     """Parse the spec's model config into modules -> layers with the spec's shapes."""
-    from hybridmem.families.defaults import resolved  # it reads this package's loader
+    from hybridmem.families.defaults import as_job  # it reads this package's loader
 
-    spec = resolved(spec)  # attn / precision left open follow the model
+    spec = as_job(spec)  # the models' Python entry: a Job as it is
     name, cfg = light_config(spec.model)
     fam = family(cfg.model_type)
     attention.check(cfg.model_type, fam.kind, spec.attn)  # as the installed transformers says

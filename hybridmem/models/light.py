@@ -4,8 +4,8 @@
 few dozen fields, so it reads the JSON itself and fills what is missing with the defaults of
 the transformers 5.x config classes: here the decoder's (each decoder family's defaults in its
 record, `hybridmem/families/decoders/`), a VLM's by its family's `light_config` hook (LLaVA's
-in `families/llava/config.py`). tests/test_models.py checks the result against models built
-from the real transformers configs, presets and random configs.
+in `families/common/llava_arch/config.py`). tests/test_models.py checks the result against
+models built from the real transformers configs, presets and random configs.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ An objective is one folder, `objectives/<name>/`:
   collated batch (`batch`) and its loss of one micro-step (`loss`), op for op as TRL runs
   them, on the helpers of `objectives.steps`.
 The analytic tier's closed forms read the same traits (`analytic.objectives`); the head's
-tensors under the trainer's loss are the decoder family's (`families.decoders.objective_acts`).
+tensors under the trainer's loss are the decoder family's (`families.common.objective_acts`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from hybridmem.families.defaults import resolved
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
 from hybridmem.allocator.reserved import Bounded, _at, bounded, capacity_notes
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
@@ -44,6 +43,8 @@ from hybridmem.job.parallel import ParallelSpec
 from hybridmem.parallel.states import model_tensors
 from hybridmem.parallel.validate import check_parallel
 from hybridmem.prediction import Peak, Prediction
+from hybridmem.families.defaults import as_job
+from hybridmem.job.resolved import Job
 from hybridmem.job.spec import TrainingSpec
 
 Estimator = Callable[[TrainingSpec], Prediction]
@@ -132,7 +133,7 @@ def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None) -> Bounded | None:
         return None
 
 
-def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
+def estimate_per_rank(spec: Job, single_gpu_estimate: Estimator,
                       points: Callable[[TrainingSpec], list[ActPoint]] | None = None,
                       gpu: GPU | None = None) -> Prediction:
     """Peak memory of one rank of `spec` (per GPU), given any single-GPU tier's estimate;
@@ -140,7 +141,6 @@ def estimate_per_rank(spec: TrainingSpec, single_gpu_estimate: Estimator,
     `gpu` sets the cuBLAS workspace of the rank's stream and the capacity it is replayed within
     (`rank_fragmentation`); `single_gpu_estimate` should then replay without a capacity, as its
     own fragmentation is not used unless the rank has no stream."""
-    spec = resolved(spec)  # the precision / attention the model implies, if unset
     check_parallel(spec)
     ps = spec.parallel
     base, fwd = _activation_side(spec, single_gpu_estimate, timeline_known=points is not None)
@@ -226,6 +226,7 @@ def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[.
     points = analytic_points if single_gpu_estimate is analytic else None
 
     def run(spec: TrainingSpec, **options: object) -> Prediction:
+        spec = as_job(spec)  # the tier's entry: a Job as it is; a plain spec's defaults filled
         if spec.parallel.model_parallel:
             if single_gpu_estimate is not analytic:
                 # the trace tier runs tp / sp / FSDP2 x tp ranks (`trace_ranks`), refuses others

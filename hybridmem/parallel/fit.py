@@ -16,7 +16,8 @@ from dataclasses import replace
 from functools import cache
 
 from hybridmem.errors import SpecError
-from hybridmem.families.defaults import resolved
+from hybridmem.families.defaults import as_job
+from hybridmem.job.resolved import Job
 from hybridmem.gpus import GPU
 from hybridmem.objectives import micro_batch_step
 from hybridmem.job.precision import deepspeed_precision
@@ -130,7 +131,7 @@ class _Budget:
 def _saver_sets(spec: TrainingSpec) -> list[tuple[str, TrainingSpec]]:
     """(label, spec with the savers on) for each `SAVERS` set, less the savers already on, that
     changes the job and that the job accepts (a SpecError from `with_`: skipped)."""
-    spec = resolved(spec)  # the savers' own checks read the precision the model decides
+    spec = as_job(spec)  # the savers' own checks read the precision the model decides
     out = []
     for changes in SAVERS:
         new = {k: v for k, v in changes.items() if getattr(spec, k) != v}
@@ -147,12 +148,13 @@ def _label(changes: dict) -> str:
     return " + ".join(SAVER_NAMES[k] for k in changes)
 
 
-def _combined(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> list[dict]:
+def _combined(spec: TrainingSpec, gpu: GPU, estimate: Callable, job: Job | None = None
+              ) -> list[dict]:
     """For each `SAVERS` set the job accepts, the savers with the largest micro-batch (at most
     the job's) that then fits; where none does, checkpointing with the smallest world size.
     Empty when nothing fits within the probe budget."""
     budget = _Budget(estimate)
-    sets = _saver_sets(spec)
+    sets = _saver_sets(spec if job is None else job)
     out = []
     for label, saved in sets:
         option = _largest_micro_batch(saved, gpu, budget, start=saved.micro_batch + 1)
@@ -170,14 +172,16 @@ def _combined(spec: TrainingSpec, gpu: GPU, estimate: Callable) -> list[dict]:
 
 
 def smallest_fitting_setup(spec: TrainingSpec, gpu: GPU,
-                           estimate: Callable[[TrainingSpec], Prediction]) -> dict:
+                           estimate: Callable[[TrainingSpec], Prediction],
+                           job: Job | None = None) -> dict:
     """What makes `spec` fit `gpu`: as is; else the smallest world size (same sharding, or ZeRO-3
     if the job does not shard), the smallest higher ZeRO stage at this world size, and turning
     on gradient checkpointing, and the largest smaller micro-batch. `estimate` must price parallel
     specs (e.g. `predict`). Options that do not fit are None. Where neither more GPUs, a higher
     ZeRO stage nor checkpointing alone fits, `combined` is the best combination of savers and
     micro-batch (or savers and GPUs) within the probe budget (`_combined`), its `changes` in
-    words."""
+    words. `job`: `spec` as resolved (`intake.resolve.ResolvedJob.spec`), whose decided
+    precision the savers' checks read; without it they decide it (`_saver_sets`)."""
     current = estimate(spec)
     out: dict = {"gpu": gpu.name, "gpu_memory_bytes": gpu.memory_bytes,
                  "fits_as_is": current.fits_within(gpu.memory_bytes),
@@ -194,5 +198,5 @@ def smallest_fitting_setup(spec: TrainingSpec, gpu: GPU,
             out["grad_ckpt"] = _option(candidate, pred, gpu)
     out["combined"] = []
     if not any(out[k] for k in ("world_size", "zero_stage", "grad_ckpt")):
-        out["combined"] = _combined(spec, gpu, estimate)
+        out["combined"] = _combined(spec, gpu, estimate, job)
     return out

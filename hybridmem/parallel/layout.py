@@ -153,9 +153,12 @@ def in_flight(ps: ParallelSpec, rank: int) -> float:
       stage_index)`, then one forward and one backward alternate): min(m, pp - rank).
     - interleaved-1f1b (ScheduleInterleaved1F1B, `_get_warmup_ops(..., multiply_factor=2)`:
       `(v - 1) x microbatches_per_round + 2 (pp - 1 - rank)` warm-up chunk forwards, capped at
-      m x v) and zero-bubble (ScheduleInterleavedZeroBubble: `multiply_factor=1`): warm-up + 1
-      chunk forwards, each a 1/v share of the rank's layers. Megatron's penalty
-      `1 + (pp - 1) / (pp v)` on pp micro-batches is the rank-0 value of the first.
+      m x v): warm-up + 1 chunk forwards, each a 1/v share of the rank's layers. Megatron's
+      penalty `1 + (pp - 1) / (pp v)` on pp micro-batches is its rank-0 value.
+    - zero-bubble (ScheduleInterleavedZeroBubble): the most chunk forwards alive at once in
+      its action order (`zero_bubble_order`), a chunk's alive from its forward "F" to its
+      weight step "W", not to its input-gradient step "I" (`stage_backward_input` runs
+      `autograd.grad(..., retain_graph=True)`; torch/distributed/pipelining/_backward.py).
     """
     m, pp, v = ps.microbatches, ps.pp, ps.pp_virtual_stages
     if pp == 1:
@@ -164,8 +167,57 @@ def in_flight(ps: ParallelSpec, rank: int) -> float:
         return float(m)
     if ps.pp_schedule not in INTERLEAVED:
         return float(min(m, pp - rank))
+    if ps.pp_schedule == "zero-bubble":
+        alive, most = set(), 0
+        for kind, c, b in zero_bubble_order(ps, rank):
+            if kind == "F":
+                alive.add((c, b))
+                most = max(most, len(alive))
+            elif kind == "W":
+                alive.discard((c, b))
+        return most / v
     rounds = max(1, m // pp)
     per_round = m // rounds
-    factor = 2 if ps.pp_schedule == "interleaved-1f1b" else 1
-    warmup = min((v - 1) * per_round + factor * (pp - 1 - rank), m * v)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
     return min(warmup + 1, m * v) / v
+
+
+def zero_bubble_order(ps: ParallelSpec, rank: int) -> list[tuple[str, int, int]]:
+    """Pipeline rank `rank`'s actions under zero bubble, in order: ("F" forward, "I" input
+    gradient, "W" weight gradient; local chunk c, i.e. stage `rank + c x pp`; micro-batch).
+
+    torch 2.13 `ScheduleInterleavedZeroBubble._calculate_single_rank_operations` ->
+    `_get_1f1b_rank_ops(..., enable_zero_bubble=True)` (torch/distributed/pipelining/
+    schedules.py), without its no-op slots: `_get_warmup_ops(multiply_factor=1)` forwards;
+    then, per remaining op, a forward and an input-gradient step, and, once `rank` of them
+    have run (`num_1f1b_microbatches = rank`), the weight step of the oldest input-gradient
+    step still owed; the cool-down's input-gradient steps likewise; the weight steps still owed
+    last. A forward's chunk advances every `microbatches_per_round` ops, a backward's runs the
+    chunks in reverse (`forward_stage_index` / `backward_stage_index`).
+    """
+    m, pp, v = ps.microbatches, ps.pp, ps.pp_virtual_stages
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + (pp - 1 - rank), m * v)
+    total = m * v
+    fwd_chunk = lambda op: (op // per_round) % v  # noqa: E731
+    bwd_chunk = lambda op: v - 1 - ((op - warmup) // per_round) % v  # noqa: E731
+    nxt = {"F": [0] * v, "I": [0] * v, "W": [0] * v}
+    out: list[tuple[str, int, int]] = []
+    owed: list[int] = []
+
+    def emit(kind: str, chunk: int) -> None:
+        out.append((kind, chunk, nxt[kind][chunk]))
+        nxt[kind][chunk] += 1
+
+    for op in range(total + warmup):  # warm-up, then `total - warmup` 1F1B ops, `warmup` cool-down
+        if op < total:
+            emit("F", fwd_chunk(op))
+        if op >= warmup:
+            emit("I", bwd_chunk(op))
+            owed.append(bwd_chunk(op))
+            if op - warmup >= rank:
+                emit("W", owed.pop(0))
+    while owed:
+        emit("W", owed.pop(0))
+    return out

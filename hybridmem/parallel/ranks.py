@@ -24,7 +24,8 @@ Activations per rank (sources in `docs/parallel.md`, "Model parallelism"):
   one layer during its attention; the backward adds the dK/dV chunks sent round the ring);
 - expert parallelism: `experts / ep` expert weights; the routed rows stay `tokens x top_k` per
   rank (balanced routing) and travel in all-to-all send and receive buffers;
-- pipeline parallelism: the stage's layers; the schedule's in-flight micro-batches.
+- pipeline parallelism: the stage's layers; the schedule's in-flight micro-batches (zero bubble
+  priced action by action in torch's order, `_zero_bubble_points`).
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ import math
 from hybridmem.allocator.alloc import t
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
-from hybridmem.families.defaults import resolved
 from hybridmem.gpus import GPU
 from hybridmem.job.parallel import INTERLEAVED, ParallelSpec
+from hybridmem.job.resolved import Job
 from hybridmem.job.spec import POLICIES, TrainingSpec
 from hybridmem.parallel.layout import (
-    check_layout, in_flight, model_shape, rank_config, stage_layers,
+    check_layout, in_flight, model_shape, rank_config, stage_layers, stage_sizes,
+    zero_bubble_order,
 )
 from hybridmem.parallel.sharding import RankStates, rank_states
 from hybridmem.parallel import fsdp_points
@@ -270,6 +272,12 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
                                  p.bytes["temporary"]
                                  + (comm[0] if p.phase == "forward" else comm[1]), *at))
         points = walked
+    if ps.pp_schedule == "zero-bubble" and ps.pp > 1:
+        # the split backward keeps each chunk's saved tensors from its forward to its weight
+        # step: priced action by action (`_zero_bubble_points`), not by the two moments
+        acts, leftover = _zero_bubble_points(spec, shape, rank, chosen, comm,
+                                             buffers + st.inputs)
+        buffers += leftover  # the input gradients on the receive buffers, through the step
     extra_grad = _embedding_grad(spec, graph_layers, shape)
     states = dataclasses.replace(states, grad=states.grad + extra_grad, detail={
         **states.detail, "replicated_embedding_grad_bytes": extra_grad}) if extra_grad else states
@@ -289,7 +297,142 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
     return RankAnswer(rank, span, k, holds, out, best_phase)
 
 
-def _fsdp_units(spec: TrainingSpec, graph_layers: list, states: RankStates):
+def _chunk_of(spec: TrainingSpec, shape, rank: int, chosen: list) -> list[set[int]]:
+    """The local chunks (stage `rank + c x pp`) each chosen layer runs in: a decoder layer its
+    stage's; the embedding the first stage's, the final norm and `lm_head` the last's
+    (`EDGE_KINDS`); the rotary table every chunk's (each stage module rebuilds it)."""
+    ps = spec.parallel
+    v = ps.pp_virtual_stages
+    by_layer = {i: c for c in range(v) for i in _chunk_layers(ps, shape.layers, rank, c)}
+    decoder = iter(sorted(by_layer))  # the chosen decoder layers, in graph order
+    out = []
+    for p, _ in chosen:
+        kind = p.layer.kind
+        if kind == "decoder_layer":
+            out.append({by_layer[next(decoder)]})
+        elif kind in EDGE_KINDS:
+            out.append({0 if EDGE_KINDS[kind] == "first" else v - 1})
+        else:
+            out.append(set(range(v)))
+    return out
+
+
+def _chunk_layers(ps: ParallelSpec, layers: int, rank: int, chunk: int) -> set[int]:
+    sizes = stage_sizes(layers, ps.pp * ps.pp_virtual_stages)
+    stage = rank + chunk * ps.pp
+    start = sum(sizes[:stage])
+    return set(range(start, start + sizes[stage]))
+
+
+def _stashed_grads(layer, tokens: int, e: int) -> int:
+    """Bytes of the gradients zero bubble's input-gradient step stashes for one layer until its
+    weight step: `stage_backward_input` (torch/distributed/pipelining/_backward.py) finds, per
+    parameter, the autograd nodes where the weight's path meets the input's
+    (`get_param_groups`: a linear's `mm`, a norm's `mul` by its weight) and a pre-hook keeps
+    the gradient flowing into each (`param_group["grads"]`), i.e. the op's output gradient:
+    `tokens x out_features` per linear weight `(out, in)`, `tokens x n` per norm weight `(n,)`;
+    `stage_backward_weight` starts from them. Grouped expert weights (3-D) are not priced."""
+    total = 0
+    for q in layer.params:
+        if q.frozen or len(q.shape) not in (1, 2):
+            continue
+        total += t(tokens * q.shape[0], e)
+    return total
+
+
+def _zero_bubble_points(spec: TrainingSpec, shape, rank: int, chosen: list, comm,
+                        constant: int) -> tuple[list[ActPoint], int]:
+    """Every forward / backward point of rank `rank`'s zero-bubble step, action by action
+    (torch 2.13 `ScheduleInterleavedZeroBubble` order, `layout.zero_bubble_order`).
+
+    What each action leaves (torch/distributed/pipelining/stage.py `backward_one_chunk(...,
+    full_backward=False)` / `backward_weight_one_chunk`, _backward.py):
+    - F: the chunk's saved tensors (its layers' `kept`), alive until its W;
+    - I (a non-first stage): `stage_backward_input` computes the input gradient with
+      `retain_graph=True`, so nothing the forward saved is freed; the op-output gradients of
+      every weight are stashed (`_stashed_grads`) until W. The first stage skips I (its input,
+      the token ids, needs no gradient) and runs the whole backward at W;
+    - W: `stage_backward_weight` (first stage: `stage_backward`) frees the chunk's graph and
+      stash and accumulates its weight gradients.
+    Its one-chunk backward transients are the layer's own (`bwd_mlp` / `bwd_extra`). A
+    non-last stage's last linear's stashed gradient is the received gradient buffer (autograd
+    passes it through the residual add), already a receive buffer."""
+    ps = spec.parallel
+    v, total = ps.pp_virtual_stages, ps.pp * ps.pp_virtual_stages
+    tokens = spec.micro_batch * (spec.seq_len // ps.cp)
+    if ps.sequence_parallel:
+        tokens //= ps.tp
+    e = POLICIES[forward_precision(spec)].compute_bytes
+    chunks = _chunk_of(spec, shape, rank, chosen)
+    steps = [[s for (_, s), cs in zip(chosen, chunks) if c in cs] for c in range(v)]
+    kept = [sum(s.kept for s in cs) for cs in steps]
+    stash = [[_stashed_grads(p.layer, tokens, e) if p.layer.kind != "embedding" else 0
+              for (p, _), cs in zip(chosen, chunks) if c in cs] for c in range(v)]
+    for c in range(v):
+        stage = rank + c * ps.pp
+        if stage == 0:
+            stash[c] = [0] * len(stash[c])
+        elif stage < total - 1 and stash[c]:
+            stash[c][-1] -= t(tokens * shape.hidden, e)
+    grads = [sum(s.grad for s in cs) for cs in steps]
+    all_grads = sum(s.grad for _, s in chosen) or 1
+    # the chunk's output, held in `fwd_cache` from its forward until `backward_one_chunk`
+    # returns (the first stage: until W, through `backward_state`): hidden states, or the
+    # last stage's logits (vocab shard)
+    vocab = math.ceil(shape.vocab / ps.tp)
+    output = [t(tokens * (vocab if rank + c * ps.pp == total - 1 else shape.hidden), e)
+              for c in range(v)]
+    # the input gradient `stage_backward_input` leaves on the stage's input, the receive
+    # buffer (`inp.grad = dinput`), until the next step's `clear_runtime_states`
+    dinput = t(tokens * shape.hidden, e)
+    alive, stashed, open_out, done, out = set(), set(), set(), set(), []
+    inputs_done = 0
+
+    def held(skip):
+        return (constant + inputs_done * dinput
+                + sum(kept[c] for c, b in alive if (c, b) != skip)
+                + sum(sum(stash[c]) for c, b in stashed if (c, b) != skip)
+                + sum(output[c] for c, b in open_out if (c, b) != skip))
+
+    for kind, c, b in zero_bubble_order(ps, rank):
+        frac = sum(grads[x] for x in done) / all_grads
+        first = rank + c * ps.pp == 0
+        if kind == "F":
+            base, act = held(None), 0
+            for s in steps[c]:
+                out.append(ActPoint("forward", frac, base + act + s.kept,
+                                    s.acts.fwd_extra + comm[0]))
+                act += s.kept
+            alive.add((c, b))
+            open_out.add((c, b))
+        elif kind == "I" and not first:
+            base, built = held((c, b)) + kept[c] + output[c], 0
+            for s, g in zip(reversed(steps[c]), reversed(stash[c])):
+                out.append(ActPoint("backward", frac, base + built,
+                                    max(s.acts.bwd_mlp, s.acts.bwd_extra) + comm[1]))
+                built += g
+            out.append(ActPoint("backward", frac, base + built + dinput, comm[1]))
+            stashed.add((c, b))
+            open_out.discard((c, b))
+            inputs_done += 1
+        elif kind == "W":
+            base = held((c, b))
+            if first:  # the whole backward now, freeing as it goes
+                act = kept[c] + output[c]
+                for s in reversed(steps[c]):
+                    out.append(ActPoint("backward", frac, base + act,
+                                        max(s.acts.bwd_mlp, s.acts.bwd_extra) + comm[1]))
+                    act -= s.kept
+            else:
+                out.append(ActPoint("backward", frac, base + kept[c] + sum(stash[c]), comm[1]))
+            alive.discard((c, b))
+            stashed.discard((c, b))
+            open_out.discard((c, b))
+            done.add(c)
+    return out, inputs_done * dinput
+
+
+def _fsdp_units(spec: Job, graph_layers: list, states: RankStates):
     """FSDP2's units of the stage, for pricing its gathers per timeline point
     (`fsdp_points`); None where the states' constants stay: not FSDP2, units kept unsharded
     from forward to backward (`reshard_after_forward=False`), or a pipeline (several
@@ -304,7 +447,7 @@ def _fsdp_units(spec: TrainingSpec, graph_layers: list, states: RankStates):
 
     of_step = tuple(f"{m}.{l.name}" if l.kind in UNIT_KINDS else "root" for m, l in graph_layers)
     gather, reduce = states.detail["gather_dtype_bytes"], states.detail["reduce_dtype_bytes"]
-    param_bytes = lambda t: _pbytes(resolved(flat), t)  # noqa: E731
+    param_bytes = lambda t: _pbytes(flat, t)  # noqa: E731  (flat: a Job, the stage's)
     dense, experts = _split_experts(graph_layers)
     out = fsdp_points.units(layer_tensors(dense), of_step, n, gather, reduce, param_bytes)
     if not any(l.params for _, l in experts):
@@ -323,7 +466,7 @@ def replayable(ps: ParallelSpec) -> bool:
     return not ps.sequence_parallel and ps.pp == 1 and ps.ep == 1
 
 
-def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
+def rank_events(spec: Job, workspace: int) -> tuple[int, list[tuple]]:
     """(peak live bytes, alloc/free stream) of one model-parallel rank: the analytic stream of
     the rank's narrow model at `seq / cp` tokens (`layout.rank_config`; the single-GPU tier's
     own events, `analytic.estimate.stream`), its model states rewritten to the rank's
@@ -336,7 +479,6 @@ def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
     from hybridmem.models.loader import load_config_dict, materialize_config
     from hybridmem.parallel.stream import _setup_counts, classify, rewrite
 
-    spec = resolved(spec)
     ps = spec.parallel
     _, data = load_config_dict(spec.model)
     compute = forward_precision(spec)
@@ -433,12 +575,11 @@ class _Base:
         self.breakdown = dict(top.bytes)
 
 
-def price_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> tuple[Prediction, list[RankAnswer]]:
+def price_ranks(spec: Job, gpu: GPU | None = None) -> tuple[Prediction, list[RankAnswer]]:
     """The highest per-rank peak of a model-parallel `spec`, and every pipeline rank's."""
     from hybridmem.analytic.estimate import setup as _setup  # the tier's public entry
     from hybridmem.models.loader import load_config_dict, materialize_config
 
-    spec = resolved(spec)
     ps = spec.parallel
     _, data = load_config_dict(spec.model)
     shape = model_shape(data)

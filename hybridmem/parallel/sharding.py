@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hybridmem.families.defaults import resolved
 from hybridmem.allocator import alloc
 from hybridmem.job.optimizers import Stepped, flat, raw, rule
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.job.precision import DTYPE_BYTES
 from hybridmem.parallel.states import ModelTensors, Tensor
+from hybridmem.job.resolved import Job
 from hybridmem.job.spec import POLICIES, TrainingSpec
 
 # DeepSpeed keeps an fp32 partition of the trainable params whatever the model dtype
@@ -264,7 +264,6 @@ SCHEMES = {"none": replicated, "ddp": ddp, "zero1": zero, "zero2": zero, "zero3"
            "fsdp": fsdp}
 
 
-def rank_states(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
-    """Per-rank states of `spec` under its `parallel.strategy`."""
-    spec = resolved(spec)  # the precision the model implies, if unset
+def rank_states(spec: Job, mt: ModelTensors) -> RankStates:
+    """Per-rank states of `spec` (its precision decided: a `Job`) under its `parallel.strategy`."""
     return SCHEMES[spec.parallel.strategy](spec, mt)

@@ -13,7 +13,7 @@ import pkgutil
 from importlib import import_module
 
 from hybridmem.errors import SpecError
-from hybridmem.techniques.protocol import REQUIRED, Technique
+from hybridmem.techniques.protocol import REQUIRED, Target, Technique
 
 
 HELPERS = frozenset({"protocol", "kernels", "liger_kernels", "offload_hooks"})
@@ -207,12 +207,13 @@ def active(spec) -> list[Technique]:
     return [m for m in TECHNIQUES.values() if m.active(spec)]
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     """Every asked-for technique's emulated patch on the trace tier's model instance; the text
-    model type whose RoPE the run patches (Liger's), if any."""
+    model type whose RoPE the run patches (Liger's), if any; `target`: the model as its family
+    record says (`hybridmem.families.target`)."""
     patched = None
     for technique in active(spec):
-        patched = technique.install(model, spec, config) or patched
+        patched = technique.install(model, spec, target) or patched
     return patched
 
 

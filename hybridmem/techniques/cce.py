@@ -2,7 +2,7 @@
 the loss from the hidden states and `lm_head.weight` without (N, V) logits; the one home of its rules, its allocations emulated in torch, and the real patch.
 
 Why one module: the analytic tier (`head_tensors` below, read by
-`hybridmem/families/decoders/acts.py` `technique_head`), the trace tier and the harness's CPU
+`hybridmem/families/common/decoder_acts.py` `technique_head`), the trace tier and the harness's CPU
 stand-in (`emulate`) and the CUDA harness (`apply_real`) must agree on what CCE keeps alive. CCE needs Triton and a CUDA GPU, so
 the trace tier runs `LinearCrossEntropy` below: plain torch ops that allocate, save and free
 what the kernels do, not their values. Sources: apple/ml-cross-entropy `cut_cross_entropy/`
@@ -35,13 +35,12 @@ from types import MethodType
 from hybridmem.errors import SpecError
 from hybridmem.job.precision import POLICIES
 from hybridmem.techniques.kernels import IGNORE_INDEX
-from hybridmem.techniques.protocol import adapts_lm_head
+from hybridmem.techniques.protocol import Target, adapts_lm_head
 
-# model types the CCE patch handles with a plain `lm_head` (no softcap): apple's
-# `transformers/patch.py` `cce_patch` (llama, mistral) and axolotl's fork (qwen2, llava, whose
-# `cce_forward` reads `self.lm_head.weight` of the LLaVA model)
-CCE_TEXT_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
-CCE_PRICED: tuple[str, ...] = (*CCE_TEXT_TYPES, "llava")
+# Which model types the CCE patch handles with a plain `lm_head` (no softcap) is their family
+# records' (`Family.techniques` "cce": apple's `transformers/patch.py` `cce_patch` (llama,
+# mistral) and axolotl's fork (qwen2, llava, whose `cce_forward` reads `self.lm_head.weight`
+# of the LLaVA model)); the refusal names them (`Target.listed`).
 LOCK_ROWS = 128   # `triton.cdiv(B, 128)` locks (cce_lse_forward_kernel, cce_backward_kernel)
 LOCK_COLS = 64    # `nd_locks = triton.cdiv(c.size(1), 64)` (cce_backward_kernel)
 INT64, INT32, FP32, BOOL = 8, 4, 4, 1
@@ -51,13 +50,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def check_model(model_type: str, text_type: str | None) -> None:
-    """A model the patch handles (`CCE_PRICED`); others are a one-line SpecError (apple's
-    `cce_patch` raises "Unknown model type" for types it does not list)."""
-    if model_type in CCE_TEXT_TYPES or (model_type == "llava" and text_type in CCE_TEXT_TYPES):
+def check_model(target: Target) -> None:
+    """A model the patch handles (its family record lists `cce`); others are a one-line
+    SpecError (apple's `cce_patch` raises "Unknown model type" for types it does not list)."""
+    if NAME in target.priced:
         return
-    raise SpecError("cut_cross_entropy", True, [f"model_type {t}" for t in CCE_PRICED],
-                    reason=f"Cut Cross-Entropy for {text_type or model_type!r} is not priced")
+    raise SpecError("cut_cross_entropy", True,
+                    [f"model_type {t}" for t in target.listed.get(NAME, ())],
+                    reason=f"Cut Cross-Entropy for {target.patched or target.model_type!r} "
+                    "is not priced")
 
 
 def cce_head_tensors(b: int, s: int, h: int, v: int, e_bytes: int, need_e: bool,
@@ -106,8 +107,8 @@ def check(spec) -> None:
                         "directly: LoRA / modules_to_save on lm_head is bypassed")
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
-    check_model(model_type, text_type)  # a model the patch does not list: a SpecError
+def applies(target: Target) -> bool:
+    check_model(target)  # a model the patch does not list: a SpecError
     return True
 
 
@@ -128,8 +129,8 @@ def note(spec, model_type: str, applies: bool) -> str | None:
             "saved, as cut-cross-entropy's kernels allocate (docs/loss.md)")
 
 
-def install(model, spec, config) -> str | None:
-    emulate(model, config)
+def install(model, spec, target: Target) -> str | None:
+    emulate(model, target)
     return None
 
 
@@ -218,10 +219,9 @@ def cce_forward(self, input_ids=None, labels=None, **kwargs):
     return CausalLMOutputWithPast(loss=None, logits=self.lm_head(hidden))
 
 
-def emulate(model, config) -> None:
+def emulate(model, target: Target) -> None:
     """The emulated patch on the PEFT-unwrapped instance (trace tier, CPU stand-in)."""
-    text = getattr(config, "text_config", None)
-    check_model(config.model_type, getattr(text, "model_type", None))
+    check_model(target)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.forward = MethodType(cce_forward, base)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from hybridmem.errors import SpecError
 from hybridmem.techniques.kernels import IGNORE_INDEX, shift_labels, torch_chunks
+from hybridmem.techniques.protocol import Target
 
 NAME = "chunked-ce"
 AXIS = "loss"
@@ -30,7 +31,7 @@ def check(spec) -> None:
         raise SpecError("chunked_ce", n, reason="must be a non-negative integer (0 = off)")
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
+def applies(target: Target) -> bool:
     return True  # a plain-torch loss on any causal LM's lm_head
 
 
@@ -44,7 +45,7 @@ def note(spec, model_type: str, applies: bool) -> str | None:
             "loss (torchtune CEWithChunkedOutputLoss)")
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     apply_chunked_ce(model, spec.chunked_ce)
     return None
 

@@ -1,5 +1,5 @@
 """The sizing rules the loss techniques share with each other and with the analytic closed
-forms (`families/decoders/acts.py`): torch's `chunk`, Triton's `next_power_of_2`, Liger's FLCE
+forms (`families/common/decoder_acts.py`): torch's `chunk`, Triton's `next_power_of_2`, Liger's FLCE
 chunk rule and RMSNorm partials, the ignore index and the causal label shift, TRL's activation
 offloading thresholds.
 

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 from hybridmem.errors import SpecError
 from hybridmem.techniques.kernels import flce_chunks
-from hybridmem.techniques.protocol import adapts_lm_head
+from hybridmem.techniques.protocol import Target, adapts_lm_head
 
-# model_type -> the text model Liger patches (monkey_patch.py MODEL_TYPE_TO_APPLY_LIGER_FN and
-# apply_liger_kernel_to_llava); only these are priced (their kernels are emulated here).
-LIGER_TEXT_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
-LIGER_PRICED: tuple[str, ...] = (*LIGER_TEXT_TYPES, "llava")
+# Which model types are priced is their family records' (`Family.techniques` "liger": Liger's
+# monkey_patch.py MODEL_TYPE_TO_APPLY_LIGER_FN and apply_liger_kernel_to_llava, the kernels
+# `liger_kernels.py` emulates); the refusals name them (`Target.listed`).
 # model types Liger patches with kernels this project does not emulate (a refusal, not a skip):
-# the keys of MODEL_TYPE_TO_APPLY_LIGER_FN (monkey_patch.py, liger-kernel 0.8.5) less the above
+# the keys of MODEL_TYPE_TO_APPLY_LIGER_FN (monkey_patch.py, liger-kernel 0.8.5) less the
+# priced ones (llama, mistral, qwen2, llava)
 LIGER_OTHER: frozenset[str] = frozenset({
     "deepseek_v2", "deepseek_v3", "deepseek_v4", "gemma", "gemma2", "gemma3_text", "gemma3",
     "gemma4_text", "gemma4", "glm4", "glm4v", "glm4v_moe", "gpt_oss", "internvl", "llama4_text",
@@ -45,19 +45,16 @@ LIGER_OTHER: frozenset[str] = frozenset({
 LIGER_DEFAULTS: dict[str, bool] = {"rope": True, "cross_entropy": False,
                                    "fused_linear_cross_entropy": True, "rms_norm": True,
                                    "swiglu": True}
-def liger_text_type(model_type: str, text_type: str | None) -> str | None:
+def liger_text_type(target: Target) -> str | None:
     """The text model type whose Liger kernels apply, or None when Liger skips the model
     (`_apply_liger_kernel_to_instance`: "no Liger kernels supported for model type");
     a type Liger patches but this project does not emulate is a SpecError."""
-    if model_type in LIGER_OTHER or (model_type == "llava" and text_type in LIGER_OTHER):
-        raise SpecError("liger", True, [f"model_type {t}" for t in LIGER_PRICED],
-                        reason=f"Liger's kernels for {text_type or model_type!r} are not "
-                        "priced yet")
-    if model_type in LIGER_TEXT_TYPES:
-        return model_type
-    if model_type == "llava" and text_type in LIGER_TEXT_TYPES:
-        return text_type
-    return None
+    if target.model_type in LIGER_OTHER or target.patched in LIGER_OTHER:
+        raise SpecError("liger", True,
+                        [f"model_type {t}" for t in target.listed.get(NAME, ())],
+                        reason=f"Liger's kernels for {target.patched or target.model_type!r} "
+                        "are not priced yet")
+    return target.patched if NAME in target.priced else None
 
 
 def liger_note(model_type: str) -> str:
@@ -104,8 +101,8 @@ def check(spec) -> None:
                         "lm_head.weight directly: LoRA / modules_to_save on lm_head is bypassed")
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
-    return liger_text_type(model_type, text_type) is not None
+def applies(target: Target) -> bool:
+    return liger_text_type(target) is not None
 
 
 def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int]] | None:
@@ -115,7 +112,7 @@ def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int
 def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tuple[int, int]]]:
     """lm_head + loss under Liger (`lce_forward` -> `LigerForCausalLMLoss` ->
     `LigerFusedLinearCrossEntropyFunction`; the rules are `liger_kernels`'s docstring),
-    as (numel, bytes) for the analytic tier (`families.decoders.acts.technique_head`).
+    as (numel, bytes) for the analytic tier (`families.common.decoder_acts.technique_head`).
 
     Saved: grad_input (B x H, the input's = the stream dtype) and, when both the input and the
     weight need grads, grad_weight (V x H, the weight's dtype; it becomes the weight's .grad at
@@ -157,7 +154,7 @@ def note(spec, model_type: str, applies: bool) -> str | None:
             "(docs/loss.md); RMSNorm's (sm_count x H) dW partials are not counted")
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     from hybridmem.techniques import trl_head_runs, liger_kernels
 
     from hybridmem.objectives import lm_loss
@@ -167,8 +164,7 @@ def install(model, spec, config) -> str | None:
                         f"layer kernels beside TRL's fused head ({spec.objective}): use "
                         "--method analytic")
 
-    text_cfg = getattr(config, "text_config", None)
-    text = liger_text_type(config.model_type, getattr(text_cfg, "model_type", None))
+    text = liger_text_type(target)
     if text is not None:
         liger_kernels.patch_instance(model)
     return text

@@ -30,6 +30,7 @@ Trainer applies to the model either way.
 from __future__ import annotations
 
 from hybridmem.errors import SpecError
+from hybridmem.techniques.protocol import Target
 
 NAME = "liger-preference"
 AXIS = None  # how `--loss liger` prices a preference objective, not a choice of its own
@@ -54,7 +55,7 @@ def check(spec) -> None:
     return None  # lm_head's LoRA clash is the `liger` technique's, as for SFT
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
+def applies(target: Target) -> bool:
     return True  # a plain-torch chunked loss on the lm_head's weight and hidden states
 
 
@@ -63,7 +64,7 @@ def kept_logits(spec, b: int, s: int, vocab: int, e: int) -> list[tuple[int, int
 
 
 def head_tensors(d: dict, c, need_in: bool, need_w: bool) -> dict[str, list[tuple[int, int]]]:
-    """The head for the analytic tier (`families.decoders.acts.technique_head`): `tensors` of
+    """The head for the analytic tier (`families.common.decoder_acts.technique_head`): `tensors` of
     the lm_head's dims and the step's dtypes; DPO with a reference model runs its chunks too."""
     reference = c.ref_model in ("separate", "adapter")  # DPO's (ORPO reads none)
     return tensors(d["b"], d["s"], d["h"], d["vocab"], c.e, c.stream, c.param, reference)
@@ -95,7 +96,7 @@ def note(spec, model_type: str, applies: bool) -> str | None:
             "forward (docs/loss.md)")
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     raise SpecError("liger", True, [False], reason=f"the trace tier does not emulate Liger's "
                     f"fused {spec.objective} loss: use --method analytic")
 

@@ -11,6 +11,7 @@ here, torch-free (every `TrainingSpec` checks them); its hooks in torch are `off
 from __future__ import annotations
 
 from hybridmem.errors import SpecError
+from hybridmem.techniques.protocol import Target
 
 NAME = "offload"
 AXIS = None  # combines with the other techniques
@@ -39,7 +40,7 @@ def active(spec) -> bool:
     return spec.offload_activations != "none"
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
+def applies(target: Target) -> bool:
     return True  # saved-tensor hooks, for any model
 
 
@@ -51,7 +52,7 @@ def note(spec, model_type: str | None = None, applies: bool = True) -> str | Non
     return None  # the analytic tier's notes say what stays on the GPU (`offloaded.notes`)
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     return None  # the trace tier wires the hooks to its recorder (`trace/runner.py`)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hybridmem.errors import SpecError
+from hybridmem.techniques.protocol import Target
 
 NAME = "optimizer-in-backward"
 AXIS = None  # combines with the other techniques it does not refuse (`check`)
@@ -83,7 +84,7 @@ def active(spec) -> bool:
     return spec.optimizer_in_backward is True
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
+def applies(target: Target) -> bool:
     return True  # hooks on the parameters, for any model
 
 
@@ -95,7 +96,7 @@ def note(spec, model_type: str | None = None, applies: bool = True) -> str | Non
     return None  # the answer's peak phase says it (the step is inside backward)
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     return None  # the optimizer changes, not the model (`optimizer`)
 
 

@@ -26,6 +26,7 @@ analytic tier's packed-mask terms are `analytic/packed.py` (they need the alloca
 from __future__ import annotations
 
 from hybridmem.errors import SpecError
+from hybridmem.techniques.protocol import Target
 
 NAME = "packing"
 AXIS = None  # combines with any loss replacement
@@ -50,7 +51,7 @@ def check_batch(spec, images: int) -> None:
                         "text-only samples (images_per_sample 0)")
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
+def applies(target: Target) -> bool:
     return True  # the collator's batch, for any causal LM (text only: `check_batch`)
 
 
@@ -74,7 +75,7 @@ def graph_spec(spec):
     return spec.with_(micro_batch=1, seq_len=spec.micro_batch * spec.seq_len, packing=False)
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     return None  # the batch changes, not the model (`batch_inputs`)
 
 

@@ -9,7 +9,23 @@ is one choice of that axis: the axis takes one choice at a time, checked once fo
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The model a technique patches, as the family records describe it
+    (`hybridmem.families.target`): techniques sit below the families and keep no list of them."""
+
+    model_type: str
+    patched: str | None
+    """The model_type the library's patch is chosen by: the LM's for a VLM patched through its
+    LM (Liger's `apply_liger_kernel_to_llava`), else `model_type`."""
+    priced: frozenset[str] = frozenset()
+    """The techniques (`NAME`) whose patch of this model is priced (`Family.techniques`)."""
+    listed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Technique -> the model_types whose records list it (the refusals' valid choices)."""
 
 
 class Technique(Protocol):
@@ -32,7 +48,7 @@ class Technique(Protocol):
         """Its spec-level rules (model-free), a one-line SpecError when broken."""
 
     @staticmethod
-    def applies(model_type: str, text_type: str | None) -> bool:
+    def applies(target: Target) -> bool:
         """Whether it changes this model: False where the library skips the model (it trains
         unchanged), a SpecError where the library patches it with what is not priced."""
 
@@ -47,7 +63,7 @@ class Technique(Protocol):
         """The analytic answer's note on it."""
 
     @staticmethod
-    def install(model, spec, config) -> str | None:
+    def install(model, spec, target: Target) -> str | None:
         """Patch the trace tier's (or the CPU stand-in's) model instance with its emulated
         kernels; returns the text model type whose RoPE the run patches, if any."""
 

@@ -57,6 +57,7 @@ from hybridmem.errors import SpecError
 from hybridmem.objectives import OBJECTIVES as ALL_OBJECTIVES
 from hybridmem.job.precision import POLICIES
 from hybridmem.jsonfile import read_json_object
+from hybridmem.techniques.protocol import Target
 
 QUANTIZE: tuple[str, ...] = ("none", "nf4", "fp4", "int8")
 FOUR_BIT: tuple[str, ...] = ("nf4", "fp4")
@@ -164,7 +165,7 @@ def active(spec) -> bool:
     return spec.quantize != "none"
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
+def applies(target: Target) -> bool:
     return True  # every nn.Linear the rules convert (`Quant.converts`), in any model
 
 
@@ -176,7 +177,7 @@ def note(spec, model_type: str | None = None, applies: bool = True) -> str | Non
     return None  # the tiers' own (the quantised weights' bytes in the breakdown)
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     return None  # the trace tier builds its emulated layers itself (`trace/model.py quantize`)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from hybridmem.objectives import OBJECTIVES as ALL_OBJECTIVES
+from hybridmem.techniques.protocol import Target
 
 NAME = "sac"
 AXIS = None  # a checkpointing policy: combines with the other techniques
@@ -45,7 +46,7 @@ def check(spec) -> None:
     return None  # the policy's syntax and its need of grad_ckpt: the spec's (`ckpt_every`)
 
 
-def applies(model_type: str, text_type: str | None) -> bool:
+def applies(target: Target) -> bool:
     return True  # a dispatch-level policy, for any checkpointed layer
 
 
@@ -57,7 +58,7 @@ def note(spec, model_type: str | None = None, applies: bool = True) -> str | Non
     return None  # the analytic tier's own (`analytic/sac.py`)
 
 
-def install(model, spec, config) -> str | None:
+def install(model, spec, target: Target) -> str | None:
     return None  # applied where checkpointing is switched on (`checkpoint_kwargs`)
 
 

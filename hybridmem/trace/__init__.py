@@ -20,7 +20,7 @@ from hybridmem.allocator.reserved import (
     gpu_capacity,
 )
 from hybridmem.categories import CATEGORIES
-from hybridmem.families.defaults import resolved
+from hybridmem.families.defaults import as_job
 from hybridmem.gpus import GPU
 from hybridmem.job.optimizers import paged_notes
 from hybridmem.models import build_graph, load_config
@@ -84,7 +84,7 @@ def run_trace(spec: TrainingSpec, *, backend: str = "meta",
     of one cuBLAS workspace (`allocator.overheads.cublas_workspace`, the analytic tier's too);
     `capacity`: bytes the allocator may reserve (None: unlimited), `_simulate_reserved`.
     """
-    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
+    spec = as_job(spec)  # the tier's Python entry: a Job as it is (families.defaults)
     from hybridmem.environment import trace_refusal
     from hybridmem.errors import SpecError, UnsupportedModelError
     from hybridmem.trace import repeat, runner
@@ -136,7 +136,7 @@ def estimate(spec: TrainingSpec, *, timeline: str | os.PathLike | None = None,
     the cuBLAS workspace as in the analytic tier (Hopper's when None) and, unless `capacity`
     says otherwise, the allocator capacity the recorded stream is replayed within
     (`analytic.estimate.gpu_capacity`: the GPU's memory minus the CUDA context)."""
-    spec = resolved(spec)  # attn / precision left open follow the model (families.defaults)
+    spec = as_job(spec)  # the tier's Python entry: a Job as it is (families.defaults)
     limit = gpu_capacity(gpu, capacity)
     result = run_trace(spec, backend=backend, workspace=cublas_workspace(gpu), capacity=limit)
     allocated = result.peak_allocated

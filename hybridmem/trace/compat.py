@@ -22,13 +22,6 @@ def transformers_major() -> int:
     return major("transformers") or 0
 
 
-# The VLM families with closed forms whose transformers 4.x `get_placeholder_mask` checks the
-# placeholder count by `inputs_embeds[mask].numel()` (transformers 4.57 modeling_<name>.py);
-# any other such model already imported is patched too (`placeholder_checks`).
-PLACEHOLDER_MODULES = ("llava", "llava_next", "llava_onevision", "gemma3", "internvl",
-                       "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-
-
 def _no_values(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -87,7 +80,12 @@ def placeholder_patches() -> list[tuple[object, str, object]]:
 
     if transformers_major() >= 5:
         return []
-    for name in PLACEHOLDER_MODULES:
+    from hybridmem.families import REGISTRY
+
+    # the declared families whose 4.x `get_placeholder_mask` checks the placeholder count by
+    # `inputs_embeds[mask].numel()` (`Family.count_check`; transformers 4.57
+    # modeling_<name>.py); any other such model already imported is patched too
+    for name in (mt for mt, fam in REGISTRY.items() if fam.count_check):
         with _quiet_import():
             importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     patches = []

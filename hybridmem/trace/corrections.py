@@ -102,23 +102,18 @@ def patched_model_checks(packed: bool = False):
       fake tensors, 4.57 does not): on fake and meta tensors it answers as for the padded
       batch TRL's collators pass (`objectives.steps.padded_mask`): the mask is built.
     """
-    from transformers import masking_utils, modeling_utils
-    from hybridmem.trace import compat
-    from transformers.models.llava import modeling_llava
-    from transformers.models.gemma3 import modeling_gemma3
-    from transformers.models.llava_next import modeling_llava_next
-    from transformers.models.llava_onevision import modeling_llava_onevision
-    from transformers.models.internvl import modeling_internvl
+    import importlib
 
-    patches = [(modeling_llava, "torch_compilable_check", lambda *a, **k: None),
-               (modeling_llava_next, "torch_compilable_check", lambda *a, **k: None),
-               (modeling_gemma3, "torch_compilable_check", lambda *a, **k: None),
-               (modeling_llava_onevision, "torch_compilable_check", lambda *a, **k: None),
-               (modeling_internvl, "torch_compilable_check", lambda *a, **k: None),
-               (modeling_utils.PreTrainedModel, "warn_if_padding_and_no_attention_mask",
-                lambda *a, **k: None)]
-    # transformers 4.x has no `torch_compilable_check`: its count checks index by a mask
-    # (`compat.placeholder_patches`); a patch applies where its target exists
+    from transformers import masking_utils, modeling_utils
+    from hybridmem.families import REGISTRY
+    from hybridmem.trace import compat
+
+    # each family whose record says its count check reads values (`Family.count_check`)
+    checked = [importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+               for mt, fam in REGISTRY.items() if fam.count_check]
+    patches = [(mod, "torch_compilable_check", lambda *a, **k: None) for mod in checked]
+    patches.append((modeling_utils.PreTrainedModel, "warn_if_padding_and_no_attention_mask",
+                    lambda *a, **k: None))
     patches = [p for p in patches if hasattr(p[0], p[1])] + compat.placeholder_patches()
     if compat.transformers_major() >= 5:  # 4.x's returns its mask always, reading no value
         patches.append((masking_utils, "find_packed_sequence_indices",

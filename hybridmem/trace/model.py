@@ -97,13 +97,20 @@ def quantize(model: nn.Module, spec: TrainingSpec) -> None:
         quantized.prepare_kbit(model)
 
 
+def model_type(model: nn.Module) -> str | None:
+    """The `model_type` of a transformers model (PEFT-wrapped or not): whose record's part
+    names `part_of` reads first."""
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
 def freeze(model: nn.Module, spec: TrainingSpec) -> None:
     """requires_grad per `spec.train` (LoRA: everything frozen, adapters added later).
 
     Parts come from the parameter names (`models.build.part_of`), so a VLM family without
     closed forms freezes its vision tower / projector / language model as LLaVA does; the
     analytic tier's own checks (`build_graph`) refuse the same modes for its families first."""
-    parts = {part_of(n) for n, _ in model.named_parameters()}
+    mt = model_type(model)
+    parts = {part_of(n, mt) for n, _ in model.named_parameters()}
     if spec.train not in DECODER_TRAINS and "vision_tower" not in parts:
         raise SpecError("train", spec.train, DECODER_TRAINS,
                         reason="a decoder-only model has no vision tower or projector")
@@ -112,7 +119,7 @@ def freeze(model: nn.Module, spec: TrainingSpec) -> None:
                         reason=f"no projector module found in {type(model).__name__}")
     trained = TRAINABLE_MODULES[spec.train]  # the model graph's table (LLaVA recipes)
     for name, p in model.named_parameters():
-        p.requires_grad_(part_of(name) in trained)
+        p.requires_grad_(part_of(name, mt) in trained)
 
 
 def llm_linear_names(model: nn.Module) -> tuple[str, ...]:
@@ -121,8 +128,9 @@ def llm_linear_names(model: nn.Module) -> tuple[str, ...]:
     (peft/tuners/tuners_utils.py `_maybe_include_all_linear_layers` skips the output layer)."""
     from transformers.pytorch_utils import Conv1D
 
+    mt = model_type(model)
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-             if isinstance(m, (nn.Linear, Conv1D)) and part_of(n) == "language_model"}
+             if isinstance(m, (nn.Linear, Conv1D)) and part_of(n, mt) == "language_model"}
     return tuple(sorted(names | _moe_expert_names(model)))
 
 
@@ -289,8 +297,10 @@ def apply_loss(model: nn.Module, spec: TrainingSpec, config) -> str | None:
     torchtune's chunked loss, Cut Cross-Entropy); returns the text model type whose RoPE the
     run patches (Liger's), or None."""
     from hybridmem import techniques
+    from hybridmem.families import target
 
-    return techniques.install(model, spec, config)
+    text = getattr(getattr(config, "text_config", None), "model_type", None)
+    return techniques.install(model, spec, target(config.model_type, text))
 
 
 def top_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -303,7 +313,7 @@ def top_modules(model: nn.Module) -> dict[str, nn.Module]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     out = {"language_model": base.get_decoder(), "lm_head": base.get_output_embeddings()}
     for name, module in base.named_modules():  # pre-order: a parent comes before its children
-        part = part_of(name)
+        part = part_of(name, model_type(base))
         if name and part in ("vision_tower", "multi_modal_projector") and part not in out:
             out[part] = module
     return {part: m for part, m in out.items() if m is not None}

@@ -213,7 +213,7 @@ def match_stacks(model, stacks: list[Stack], extra: int = 0) -> list[tuple[str, 
     """(name, layers, stack index) for the model's layer lists; each stack found exactly once."""
     found = []
     for name, layers in layer_lists(model):
-        part = part_of(name + ".0")
+        part = part_of(name + ".0", getattr(getattr(model, "config", None), "model_type", None))
         sub = "vision_config" if part == "vision_tower" else (
             "text_config" if any(s.sub for s in stacks) else "")  # a VLM's: text or vision
         for i, s in enumerate(stacks):

@@ -24,7 +24,7 @@ def refusal(spec) -> SpecError | None:
     `prepare_model_for_kbit_training` casts every unquantised parameter (the 3-D experts are not
     nn.Linear, so not quantised) to fp32. transformers 4.x's experts choose their tokens by
     value (`torch.where`), which no trace can run: refused there, naming the release needed."""
-    from hybridmem.families.decoders.model import MOE_TYPES
+    from hybridmem.families.common.decoder_graph import MOE_TYPES
     from hybridmem.models.loader import model_type_of
 
     model_type = model_type_of(spec.model)

@@ -21,8 +21,8 @@ also saves the base output and lora_B's output for the magnitude's grad, and bui
 weight W + scale B@A (fp32) in every forward to take its (detached) column norm.
 
 Tokens: B = micro_batch x seq (language model), N = crops x tokens per crop (vision tower).
-This module holds the shared pieces; the formulas are in `families/decoders/acts.py` (decoder LLM, loss) and
-`families/llava/acts.py` (vision tower, projector).
+This module holds the shared pieces; the formulas are in `families/common/decoder_acts.py`
+(decoder LLM, loss) and `families/common/clip_siglip_acts.py` (vision tower, projector).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Ctx:
     layer saves its converted (b x s x s) mask (`analytic.objectives.padded_sdpa_mask`)."""
     objective: str = "sft"
     """The training objective (`hybridmem.objectives`): its loss replaces the LM loss at the
-    head (`families.decoders.objective_acts`)."""
+    head (`families.common.objective_acts`)."""
     prompt: int = 0
     """Prompt tokens per sequence the objective's loss masks out (`objectives.prompt_length`)."""
     ref_model: str = "none"
@@ -348,7 +348,7 @@ def quant_transients(layer: Layer, c: Ctx, tokens: int, in_bytes: dict[str, int]
     sequence number): lora_A's input grad (`tokens x in`, the input's dtype) is alive through
     the base backward, whose input grad is then summed with it into a new tensor (autograd's
     input buffer, out of place), when `staged` (the caller subtracts what the adapter branch
-    freed: `decoders.acts.quant_mlp_backward`)."""
+    freed: `common.decoder_acts.quant_mlp_backward`)."""
     q = c.quant
     if q is None or not layer.quantized:
         return (), (), ()

@@ -94,3 +94,20 @@ def _image_row(config, fam, image_tokens: int, images: int) -> list[int]:
         raise ValueError(f"{image_tokens} image tokens are no whole number of {images} images")
     before, after = fam.image_wrap(config) if fam is not None and fam.image_wrap else ((), ())
     return [1, *([*before, *[image_token_id(config)] * per, *after] * images)]
+
+
+def crop_pixel_bytes(layer, graph, pix: int) -> int:
+    """`LayerKind.pixel_bytes` of a crop tower's embeddings (CLIP, SigLIP, InternViT): the
+    processor's (crops, C, side, side) `pixel_values` in the model dtype `pix`, and Idefics3's
+    bool `pixel_attention_mask` (crops, side, side) where the family sends one
+    (`Family.pixel_mask`)."""
+    from hybridmem.allocator.alloc import t
+
+    if not graph.vision_batch:
+        return 0
+    d = layer.dims
+    out = t(graph.vision_batch * d["channels"] * d["side"] ** 2, pix)
+    if family(graph.model_type).pixel_mask:
+        out += t(graph.vision_batch * d["side"] ** 2, 1)
+    return out
+

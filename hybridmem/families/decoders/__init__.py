@@ -16,7 +16,7 @@ from hybridmem.families import DECODER, FUSED, GEMMA, MOE, NO_SDPA, QK_NORM, QKV
 
 def layer_kinds() -> dict:
     """The decoder's layers (`acts.py`)."""
-    from hybridmem.families.decoders import acts as TA
+    from hybridmem.families.common import decoder_acts as TA
     from hybridmem.families import LayerKind
 
     return {"embedding": LayerKind(TA.embedding), "rotary": LayerKind(TA.rotary),
@@ -25,20 +25,21 @@ def layer_kinds() -> dict:
 
 
 FAMILIES = (
-    Family("llama", DECODER, "modeling_llama.py",
+    Family("llama", DECODER, "modeling_llama.py", techniques=frozenset({"liger", "cce"}),
            text_defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                               num_hidden_layers=32, num_attention_heads=32,
                               num_key_value_heads=None, head_dim=None, hidden_act="silu",
                               attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
                               attention_dropout=0.0),
            layer_kinds=layer_kinds),
-    Family("mistral", DECODER, "modeling_mistral.py",
+    Family("mistral", DECODER, "modeling_mistral.py", techniques=frozenset({"liger", "cce"}),
            text_defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                               head_dim=None, hidden_act="silu", tie_word_embeddings=False,
                               attention_dropout=0.0),
            layer_kinds=layer_kinds),
-    Family("qwen2", DECODER, "modeling_qwen2.py", traits=frozenset({QKV_BIAS}),
+    Family("qwen2", DECODER, "modeling_qwen2.py", techniques=frozenset({"liger", "cce"}),
+           traits=frozenset({QKV_BIAS}),
            # the Qwen2-VL / Qwen2.5-VL text models: the same attention (Qwen2VLAttention)
            sub_types=("qwen2_vl_text", "qwen2_5_vl_text"),
            text_defaults=dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,

@@ -22,7 +22,7 @@ def check_config(data: dict) -> None:
 
 def light_config(data: dict):
     from hybridmem.families.gemma3.model import light_config as gemma3_config
-    from hybridmem.families.llava.config import vision_config
+    from hybridmem.families.common.llava_arch.config import vision_config
     from hybridmem.models import light
 
     return gemma3_config(data, vision_config, light._text)
@@ -58,7 +58,7 @@ def vision_graph(cfg, spec, images, plan):
 
 
 def vision_seq(vc) -> int:
-    from hybridmem.families.llava.vision import tokens_per_crop
+    from hybridmem.families.common.clip_siglip import tokens_per_crop
 
     return tokens_per_crop(vc)  # SigLIP's patches
 
@@ -77,7 +77,7 @@ def layer_kinds() -> dict:
 
 
 FAMILIES = (
-    Family("gemma3", VLM, "modeling_gemma3.py", check_config=check_config,
+    Family("gemma3", VLM, "modeling_gemma3.py", count_check=True, check_config=check_config,
            light_config=light_config, image_plan=image_plan, text_extras=text_extras,
            vision_graph=vision_graph, vision_seq=vision_seq, lm_graph=lm_graph,
            layer_kinds=layer_kinds),

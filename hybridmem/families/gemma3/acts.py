@@ -48,25 +48,3 @@ def mm_projector(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     return Acts(saved=sv.total, parts=tuple(sv.sizes), cache=cache, held=held,
                 fwd_extra=sum(fwd), fwd_parts=fwd,
                 bwd_extra=t(n * K * h, FP32) + t(n * T * h, sb))
-
-
-VLM_MASKS = 2
-"""`create_masks_for_vision_model` returns a full and a sliding mask whatever layer types the
-LM has (modeling_gemma3.py)."""
-
-
-def image_mask_saved(d: dict, c: Ctx) -> int:
-    """One decoder layer's SDPA on the VLM's bool mask (`model.image_masks`): torch
-    converts it per call to an additive mask in the query dtype over its (b, 1, s, s) shape
-    (attention.cpp `convert_boolean_attn_mask`), which the kernel saves for its backward."""
-    if not d.get("image_masks") or c.attn != "sdpa":
-        return 0
-    return t(d["b"] * d["s"] * d["s"], c.e)
-
-
-def image_bool_masks(d: dict, c: Ctx) -> tuple[int, int]:
-    """(saved, held) of the VLM's two (b, 1, s, s) bool masks: the model's forward holds them
-    until it returns; under checkpointing every layer's recompute reads them again, so they
-    stay until the backward is through the LM (priced at the rotary layer, the LM's first)."""
-    masks = VLM_MASKS * t(d["b"] * d["s"] * d["s"], 1)
-    return (masks, 0) if c.ckpt else (0, masks)

@@ -9,7 +9,7 @@ average-pooled on the patch grid to `mm_tokens_per_image` soft tokens
 hidden, no bias). Every image is one crop at `vision_config.image_size` (896 px: 64 x 64
 patches -> 16 x 16 = 256 tokens; `hybridmem.job.images`).
 
-The language model is the `gemma3_text` decoder (`families/decoders/model.py`) at
+The language model is the `gemma3_text` decoder (`families/common/decoder_graph.py`) at
 `model.language_model`, with one difference the VLM makes (`image_masks`): a training batch
 with images carries `token_type_ids`, and `Gemma3Model.forward` then builds both attention
 masks itself (`create_masks_for_vision_model`: full = OR(causal, bidirectional image blocks),
@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from hybridmem.errors import SpecError
 from hybridmem.models.graph import Layer, Module, ParamTensor as T
-from hybridmem.families.llava.vision import vision_layers
+from hybridmem.families.common.clip_siglip import vision_layers
 
 # configuration_gemma3.Gemma3Config class defaults (the fields the graph reads)
 DEFAULTS = dict(mm_tokens_per_image=256, boi_token_index=255_999, eoi_token_index=256_000,

@@ -11,8 +11,7 @@ meta-trace helpers (`meta.py`), the presets (`presets/`).
 
 from __future__ import annotations
 
-from hybridmem.families import VLM, Family
-from hybridmem.families.llava import check_text_config
+from hybridmem.families import VLM, Family, check_text_config
 
 
 def light_config(data: dict):
@@ -50,7 +49,7 @@ def vision_graph(cfg, spec, images, plan):
 
 
 def vision_seq(vc) -> int:
-    from hybridmem.families.llava.vision import tokens_per_crop
+    from hybridmem.families.common.clip_siglip import tokens_per_crop
 
     return tokens_per_crop(vc)  # the SigLIP-like tower's patches per tile
 
@@ -71,7 +70,9 @@ def layer_kinds() -> dict:
 _COMMON = dict(check_config=check_text_config, light_config=light_config, image_plan=image_plan,
                hw_images=True, pixel_inputs=pixel_inputs, pixel_mask=True,
                vision_graph=vision_graph, vision_seq=vision_seq, lm_prefix="model.text_model",
-               meta_patches=meta_patches, layer_kinds=layer_kinds)
+               meta_patches=meta_patches, layer_kinds=layer_kinds,
+               # `model.connector` (the pixel-shuffle projector), `model.vision_model`
+               parts=(("connector", "multi_modal_projector"), ("vision_model", "vision_tower")))
 FAMILIES = (
     Family("idefics3", VLM, "modeling_idefics3.py", **_COMMON),
     Family("smolvlm", VLM, "modeling_smolvlm.py", **_COMMON),

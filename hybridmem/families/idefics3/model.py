@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridmem.models.graph import Layer, Module, ParamTensor as T
-from hybridmem.families.llava.vision import tokens_per_crop, vision_layers
+from hybridmem.families.common.clip_siglip import tokens_per_crop, vision_layers
 
 
 def connector_layer(cfg, n_crops: int) -> Layer:

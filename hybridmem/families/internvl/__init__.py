@@ -11,8 +11,7 @@ projector); the presets (`presets/`).
 
 from __future__ import annotations
 
-from hybridmem.families import VLM, Family
-from hybridmem.families.llava import check_text_config
+from hybridmem.families import VLM, Family, check_text_config
 
 
 def light_config(data: dict):
@@ -65,7 +64,8 @@ def layer_kinds() -> dict:
 
 
 FAMILIES = (
-    Family("internvl", VLM, "modeling_internvl.py", check_config=check_text_config,
+    Family("internvl", VLM, "modeling_internvl.py", count_check=True,
+           check_config=check_text_config,
            light_config=light_config, image_plan=image_plan, hw_images=True,
            pixel_inputs=pixel_inputs,
            vision_graph=vision_graph, vision_seq=vision_seq, layer_kinds=layer_kinds),

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from hybridmem.families.common.activations import FP32, Acts, Ctx, Saved
 from hybridmem.allocator.alloc import t
-from hybridmem.families.llava.acts import encoder_layer as clip_layer, layernorm
+from hybridmem.families.common.clip_siglip_acts import encoder_layer as clip_layer, layernorm
 from hybridmem.models.graph import Layer
 
 

@@ -1,6 +1,6 @@
 """Activation formulas of OLMo 2's language model (transformers 5.24 `modeling_olmo2.py`), op by
 op with PyTorch's `tools/autograd/derivatives.yaml`; what differs from the Llama layer of
-`decoders/acts.py`, whose pieces (linear inputs, attention, adapters) it reuses:
+`common/decoder_acts.py`, whose pieces (linear inputs, attention, adapters) it reuses:
 
 - no input norm: q/k/v read the layer input itself (saved once for their weight grads in a
   pure run; under autocast each linear saves its own bf16 cast);
@@ -23,10 +23,9 @@ from dataclasses import replace
 from hybridmem.allocator.alloc import t
 from hybridmem.families.common.activations import (
     FP32, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward, dora_linears,
-    dora_saved, linear_inputs, lora_outputs, quant_transients,
+    quant_transients,
 )
-from hybridmem.families.common.eager_top import backward_top
-from hybridmem.families.decoders import acts as TA
+from hybridmem.families.common import decoder_acts as TA
 from hybridmem.models.graph import Layer
 
 
@@ -41,66 +40,45 @@ def norm_saved(sv: Saved, tokens: int, width: int, grad: bool, need_w: bool) -> 
 def norm_backward(tokens: int, width: int) -> tuple[int, ...]:
     """The top of one `Olmo2RMSNorm`'s backward: the fp32 chain `x * rsqrt(x.pow(2).mean(-1) +
     eps)` (the cast's fp32 grad, the normalised tensor's grad, pow's `2 * x` product and the
-    input's fp32 grad), as Gemma's fp32 norm (`decoders/acts.py`)."""
+    input's fp32 grad), as Gemma's fp32 norm (`common/decoder_acts.py`)."""
     return (t(tokens * width, FP32),) * 4
 
 
 def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     """`Olmo2DecoderLayer`: attention with full-width q/k norms and a post-norm, a SwiGLU MLP
-    with a post-norm, each added to the residual stream."""
-    d = layer.dims
-    b, s, h, f = d["b"], d["s"], d["h"], d["ffn"]
-    B, qd, kvd = b * s, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    with a post-norm, each added to the residual stream; the linears' pieces are the shared
+    decoder's (`common/decoder_acts.py`), what differs is the norms' placement and kind."""
+    sh = TA.shape(layer)
+    b, s, B, h, f, qd, kvd = sh.b, sh.s, sh.B, sh.h, sh.f, sh.qd, sh.kvd
     lora = bool(layer.lora)
     if not (need_in or need_w or lora) or not layer.runs:
         return Acts()
     e, sb = c.e, c.stream
     sv = Saved()
-    QKV, GU = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-    n_qkv = adapters_on(layer, QKV)
-    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, GU)
-    n_down = adapters_on(layer, ("down_proj",))
     # q / k / v read the layer input (no pre-norm)
-    linear_inputs(sv, c, B * h, sb, 3, need_w, n_qkv, shared=False, in_grad=need_in)
-    lora_outputs(sv, c, B, n_qkv)
-    dora_saved(sv, c, B, dora_linears(layer, QKV), need_in)
+    TA.qkv_saved(sv, c, layer, sh, 3, need_in, need_w)
     for proj, width in (("q_proj", qd), ("k_proj", kvd)):
         norm_saved(sv, B, width, need_in or need_w or adapters_on(layer, (proj,)) > 0, need_w)
-    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd)
-    at_probs = before_o = sv.total
-    # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
-    linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
-                  in_grad=need_in or n_qkv > 0, bnb="self_attn.o_proj.weight" in layer.quantized)
-    lora_outputs(sv, c, B, n_o)
-    dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
-    o_saved = sv.total - before_o
+    probs = attention_core(sv, c, b, s, layer.dims["heads"], qd, kvd)
+    at_probs = sv.total
+    o_saved = TA.o_proj_saved(sv, c, layer, sh, need_in, need_w)
     norm_saved(sv, B, h, True, need_w)  # post_attention_layernorm on the attention output
     attn_part = sv.total
     # the MLP reads the residual stream h1 = input + normed attention output
-    linear_inputs(sv, c, B * h, sb, 2, need_w, n_gu, shared=False)
-    lora_outputs(sv, c, B, n_gu)
-    dora_saved(sv, c, B, dora_linears(layer, GU), True)
+    TA.gate_up_saved(sv, c, layer, sh, 2, need_w)
     quant_gu = {"mlp.gate_proj.weight"} & set(layer.quantized)
     mlp_e = sb if quant_gu else e  # a quantised gate returns its input's dtype
-    sv.add(B * f, mlp_e, times=3)  # gate output (SiLU input), SiLU output, up output
-    m_saved = sv.total
-    linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False)
-    m_saved = sv.total - m_saved
-    lora_outputs(sv, c, B, n_down)
-    dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
+    # gate output (SiLU input), SiLU output, up output; down_proj's input
+    m_saved = TA.act_down_saved(sv, c, layer, sh, mlp_e, 3, need_w)
     norm_saved(sv, B, h, True, need_w)  # post_feedforward_layernorm on the MLP output
     copies, cache = amp_copies(layer, c, True, need_w)
     # forward top, RoPE: the normed q and k (matmul dtype), q's rotated fp32 result, and k's
     # `k * cos`, `rotate_half(k) * sin` and their fp32 sum (apply_rotary_pos_emb)
     fwd_parts = (t(B * qd, e), t(B * kvd, e), t(B * qd, FP32), *[t(B * kvd, FP32)] * 3)
     # ... or, in half precision, down_proj's when larger (also a checkpointed layer's
-    # recompute top, as Llama's under autocast: `decoders/acts.py`): the residual stream h1
-    # (the layer's local until the last add), SiLU x up when down_proj's frozen weight does not
-    # save it, and with an adapter PEFT's base result, fp32 input copy, lora_B's output and its
-    # scaled copy (trace tier, tiny-olmo2 LoRA b2 s64 checkpointed, bf16 and bf16-mixed)
-    mlp_parts = (t(B * h, sb), *([t(B * f, e)] if not need_w else ()),
-                 *([*([t(B * f, FP32)] if c.adapter != e else []), *[t(B * h, e)] * 3]
-                   if n_down else ()))
+    # recompute top, as Llama's under autocast): the residual stream h1 is the layer's local
+    # until the last add (trace tier, tiny-olmo2 LoRA b2 s64 checkpointed, bf16 and bf16-mixed)
+    mlp_parts = TA.down_proj_top(c, layer, sh, need_w, fp32_copy=c.adapter != e)
     if e != FP32 and sum(mlp_parts) > sum(fwd_parts):
         fwd_parts = mlp_parts
     dora = dora_forward(c, dora_linears(layer))
@@ -117,9 +95,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     q_fwd, q_mlp, q_attn = quant_transients(layer, c, B, {"o_proj": e, "down_proj": mlp_e},
                                             lora=lora)
     bwd_parts = (t(B * h, sb), t(B * h, sb), *attn_bwd_parts, *q_attn)
-    v_saved = t(B * qd if kvd < qd else B * kvd, e)
-    top = backward_top(probs, e, t(B * h, sb), t(B * qd, e),
-                       o_saved + v_saved + (t(probs, e) if e != FP32 else 0), sum(bwd_parts))
+    top = TA.eager_backward(probs, c, sh, o_saved, kvd, sum(bwd_parts))
     bwd_freed = 0
     if top:
         bwd_parts, bwd_freed = top
@@ -141,7 +117,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
 
 
 def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
-    """The decoder's rotary tables (`decoders/acts.py rotary`) with cos / sin in fp32 whatever
+    """The decoder's rotary tables (`common/decoder_acts.py rotary`) with cos / sin in fp32 whatever
     the activations' dtype (`Olmo2RotaryEmbedding.forward` returns them uncast)."""
     acts = TA.rotary(layer, c, active)
     if not active:

@@ -1,5 +1,5 @@
 """OLMo 2's language model as layers (transformers 5.24 `modeling_olmo2.py`): the shared
-decoder graph (`decoders/model.py`: embed_tokens, rotary_emb, layers, norm) with OLMo 2's
+decoder graph (`common/decoder_graph.py`: embed_tokens, rotary_emb, layers, norm) with OLMo 2's
 decoder layer parameters and its closed forms named on the layers (`Layer.formula`).
 
 `Olmo2DecoderLayer`: q/k/v/o projections (`attention_bias` on all four), `self_attn.q_norm`
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.families.decoders.model import (
+from hybridmem.families.common.decoder_graph import (
     decoder_layer_params, head_dim, kv_heads, language_model_layers,
 )
 from hybridmem.models.graph import Layer, ParamTensor as T

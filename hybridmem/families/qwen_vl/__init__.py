@@ -106,14 +106,17 @@ def layer_kinds() -> dict:
     from hybridmem.families.qwen_vl import acts as QA, qwen3_acts as Q3
     from hybridmem.families import LayerKind
 
-    return {"qwen_patch_embed": LayerKind(QA.patch_embed),
+    return {"qwen_patch_embed": LayerKind(QA.patch_embed, pixel_bytes=QA.pixel_bytes,
+                                          packed=True),
             "qwen_vision_rotary": LayerKind(QA.vision_rotary),
             "qwen_vision_block": LayerKind(QA.vision_block, checkpointed=True),
             "patch_merger": LayerKind(QA.patch_merger), "qwen3_pos_embed": LayerKind(Q3.pos_embed),
             "qwen3_merger": LayerKind(Q3.merger), "deepstack_add": LayerKind(Q3.deepstack_add)}
 
 
-_COMMON = dict(hw_images=True, pixel_inputs=pixel_inputs, text_extras=text_extras,
+# `model.visual.merger` is the projector, nested in the tower: matched before `visual`
+_COMMON = dict(parts=(("merger", "multi_modal_projector"), ("visual", "vision_tower")),
+               hw_images=True, pixel_inputs=pixel_inputs, text_extras=text_extras,
                image_wrap=image_wrap, vision_seq=vision_seq, meta_patches=meta_patches,
                layer_kinds=layer_kinds)
 _QWEN2 = dict(_COMMON, full_config=True, image_plan=image_plan, vision_graph=vision_graph)
@@ -136,11 +139,12 @@ _QWEN3 = dict(_COMMON, light_config=qwen3_light_config, image_plan=partial(image
               tower_input_grads=False,
               vision_graph=qwen3_vision_graph, lm_graph=qwen3_lm_graph)
 FAMILIES = (
-    Family("qwen2_vl", VLM, "modeling_qwen2_vl.py", **_QWEN2),
-    Family("qwen2_5_vl", VLM, "modeling_qwen2_5_vl.py", **_QWEN2),
-    Family("qwen3_vl", VLM, "modeling_qwen3_vl.py",
+    Family("qwen2_vl", VLM, "modeling_qwen2_vl.py", count_check=True, **_QWEN2),
+    Family("qwen2_5_vl", VLM, "modeling_qwen2_5_vl.py", count_check=True, **_QWEN2),
+    Family("qwen3_vl", VLM, "modeling_qwen3_vl.py", count_check=True,
            sub_text_defaults={"qwen3_vl_text": _QWEN3_TEXT["qwen3_vl_text"]}, **_QWEN3),
     # its LM is a Qwen3-MoE (the MoE closed forms: full bf16 only, analytic/scope.py)
-    Family("qwen3_vl_moe", VLM, "modeling_qwen3_vl_moe.py", traits=frozenset({MOE}),
+    Family("qwen3_vl_moe", VLM, "modeling_qwen3_vl_moe.py", count_check=True,
+           traits=frozenset({MOE}),
            sub_text_defaults={"qwen3_vl_moe_text": _QWEN3_TEXT["qwen3_vl_moe_text"]}, **_QWEN3),
 )

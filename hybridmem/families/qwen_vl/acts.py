@@ -20,7 +20,7 @@ PyTorch's `tools/autograd/derivatives.yaml` (as `hybridmem.families.common.activ
 from __future__ import annotations
 
 from hybridmem.families.common.activations import (
-    FP32, LSE_ALIGN_EFFICIENT, TWO_TENSOR_ACTS, Acts, Ctx, Saved, linear_inputs,
+    FP32, INT64, LSE_ALIGN_EFFICIENT, TWO_TENSOR_ACTS, Acts, Ctx, Saved, linear_inputs,
 )
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer
@@ -139,3 +139,13 @@ def patch_merger(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
                 fwd_extra=t(d["tokens"] * out, e) + (t(d["tokens"] * out, FP32) if c.amp else 0),
                 bwd_extra=2 * t(N * h, e), held=held)
+
+
+def pixel_bytes(layer: Layer, graph, pix: int) -> int:
+    """`LayerKind.pixel_bytes`: the processor's flattened patches (n, row) in the model dtype
+    and `image_grid_thw` (images, 3) int64 (`Family.pixel_inputs`)."""
+    if not graph.image_tokens:
+        return 0
+    d = layer.dims
+    return t(d["n"] * d["row"], pix) + t(3 * d["images"], INT64)
+

@@ -18,7 +18,7 @@ Why its own module: Qwen3-VL keeps Qwen2-VL's packed patch sequence (attention p
   of LM layer i (`Qwen3VLTextModel._deepstack_process`), priced as a `deepstack_add` layer.
 
 The mergers are `multi_modal_projector` (their names hold `merger`, `build.PART_FRAGMENTS`).
-The LM is Qwen3's decoder (`families/decoders/model.py`, q/k norm) at `model.language_model`.
+The LM is Qwen3's decoder (`families/common/decoder_graph.py`, q/k norm) at `model.language_model`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Op by op from transformers 5.24 `modeling_pixtral.py` / `modeling_mistral3.py` a
   residual stream is fp32 there (the param dtype in pure runs): the stream of the LM (`c.stream`);
 - a Pixtral block is a Llama decoder layer on one sequence of all N patches of the step
   (RMSNorm, q/k/v/o without bias, RoPE with cos/sin in the stream dtype, SDPA, SwiGLU): priced by
-  `decoders.acts.decoder_layer` (batch 1, sequence N, as many kv heads as heads), plus the block
-  mask: `generate_block_attention_mask` builds one dense (1, 1, N, N) additive mask in the
+  `common.decoder_acts.decoder_layer` (batch 1, sequence N, as many kv heads as heads), plus
+  the block mask: `generate_block_attention_mask` builds one dense (1, 1, N, N) additive mask in the
   stream dtype that every SDPA saves; under autocast SDPA casts it to bf16 in every block
   (autocast caches only leaf casts), a copy each block's SDPA saves;
 - the projector: Mistral3RMSNorm, `Mistral3PatchMerger` (`unfold` = a new (E·m², L) tensor per
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.families.decoders import acts as TA
+from hybridmem.families.common import decoder_acts as TA
 from hybridmem.families.common.activations import FP32, INT64, Acts, Ctx, Saved, amp_copies, linear_inputs
 from hybridmem.allocator.alloc import t
 from hybridmem.models.graph import Layer
@@ -131,3 +131,13 @@ def projector(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
                 fwd_extra=sum(merge), fwd_parts=merge, held=held,
                 bwd_extra=2 * t(n * h, sb))
+
+
+def pixel_bytes(layer: Layer, graph, pix: int) -> int:
+    """`LayerKind.pixel_bytes`: the processor's (images, C, H, W) `pixel_values` in the model
+    dtype and the (images, 2) int64 `image_sizes` (`Family.pixel_inputs`)."""
+    if not graph.image_tokens:
+        return 0
+    d = layer.dims
+    return t(d["images"] * d["channels"] * d["h_px"] * d["w_px"], pix) + t(2 * d["images"], INT64)
+

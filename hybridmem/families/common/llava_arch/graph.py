@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridmem.errors import SpecError
-from hybridmem.families.llava.vision import (
+from hybridmem.families.common.llava_arch.styles import ANYRES, ONEVISION, SINGLE
+from hybridmem.families.common.clip_siglip import (
     has_cls, patches_per_side, tokens_per_crop, vision_layers,
 )
 from hybridmem.models.graph import ImageLayout, Layer, Module, ParamTensor as T, linear
@@ -111,20 +112,16 @@ def onevision_layout(cfg, image_size: int) -> ImageLayout:
                        tokens=nxt.features_per_crop + rows * (cols + 1), newlines=rows)
 
 
-def image_layout(cfg, image_size: int | None) -> ImageLayout:
+LAYOUTS = {SINGLE: llava_layout, ANYRES: llava_next_layout, ONEVISION: onevision_layout}
+
+
+def image_layout(cfg, image_size: int | None, style: str = SINGLE) -> ImageLayout:
     size = cfg.vision_config.image_size if image_size is None else image_size
-    if cfg.model_type == "llava_onevision":
-        return onevision_layout(cfg, size)
-    if cfg.model_type == "llava_next":
-        return llava_next_layout(cfg, size)
-    return llava_layout(cfg, size)
+    return LAYOUTS[style](cfg, size)
 
 
-ANYRES_TYPES: tuple[str, ...] = ("llava_next", "llava_onevision")
-"""Tiles + base crop concatenated into one pixel tensor, packed features, `image_newline`."""
-
-
-def vision_modules(cfg, spec, images: int, plan) -> tuple[list[Module], ImageLayout]:
+def vision_modules(cfg, spec, images: int, plan, style: str = SINGLE
+                   ) -> tuple[list[Module], ImageLayout]:
     """LLaVA / LLaVA-NeXT / OneVision: `model.vision_tower` (CLIP or SigLIP up to the feature
     layer), `model.multi_modal_projector` (Linear-act-Linear; modeling_llava
     LlavaMultiModalProjector) and, with anyres, `model.image_newline`."""
@@ -132,7 +129,7 @@ def vision_modules(cfg, spec, images: int, plan) -> tuple[list[Module], ImageLay
     vc, th = cfg.vision_config, cfg.text_config.hidden_size
     n_crops = spec.micro_batch * images * layout.crops
     runs = images > 0
-    anyres = cfg.model_type in ANYRES_TYPES
+    anyres = style != SINGLE
     vision = tuple(replace(layer, runs=runs)
                    for layer in vision_layers(vc, cfg.vision_feature_layer, n_crops))
     if anyres:  # crops are concatenated into a new pixel tensor

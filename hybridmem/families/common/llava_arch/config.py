@@ -30,7 +30,6 @@ LLAVA_VISION = dict(model_type="clip_vision_model", hidden_size=1024, intermedia
 MULTIMODAL_DEFAULTS = dict(vision_feature_layer=-2, vision_feature_select_strategy="default",
                            projector_hidden_act="gelu", multimodal_projector_bias=True,
                            tie_word_embeddings=False)
-NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 
 
 def vision_config(data: dict | None) -> SimpleNamespace:
@@ -38,8 +37,8 @@ def vision_config(data: dict | None) -> SimpleNamespace:
     if data is None:
         data = LLAVA_VISION
     kind = data.get("model_type", "clip_vision_model")
-    if kind == "pixtral":  # LLaVA with a Pixtral tower (pixtral-12b; families/mistral3/config.py)
-        from hybridmem.families.mistral3.config import PIXTRAL_DEFAULTS as defaults
+    if kind == "pixtral":  # LLaVA with a Pixtral tower (pixtral-12b; common/pixtral/config.py)
+        from hybridmem.families.common.pixtral.config import PIXTRAL_DEFAULTS as defaults
     else:
         defaults = VISION_DEFAULTS[kind]
     vc = _sub({**data, "model_type": kind}, defaults, "vision_config.")
@@ -49,8 +48,9 @@ def vision_config(data: dict | None) -> SimpleNamespace:
     return vc
 
 
-def light_llava(data: dict) -> SimpleNamespace:
-    """A LLaVA / LLaVA-NeXT config: the tower's, the LM's and the projector's fields."""
+def light_llava(data: dict, pinpoints: list | None = None) -> SimpleNamespace:
+    """A LLaVA / LLaVA-NeXT config: the tower's, the LM's and the projector's fields;
+    `pinpoints`: the config class's `image_grid_pinpoints` default (anyres models)."""
     cfg = SimpleNamespace(**{**MULTIMODAL_DEFAULTS,
                              **{k: v for k, v in data.items() if not k.startswith("_")}})
     cfg.vision_config = vision_config(data.get("vision_config"))
@@ -58,8 +58,8 @@ def light_llava(data: dict) -> SimpleNamespace:
     # configuration_llava.py: the tie flag was saved in text_config by older checkpoints
     if not cfg.tie_word_embeddings and cfg.text_config.tie_word_embeddings:
         cfg.tie_word_embeddings = True
-    if cfg.model_type == "llava_next" and getattr(cfg, "image_grid_pinpoints", None) is None:
-        cfg.image_grid_pinpoints = NEXT_PINPOINTS
+    if pinpoints is not None and getattr(cfg, "image_grid_pinpoints", None) is None:
+        cfg.image_grid_pinpoints = pinpoints
     if cfg.vision_feature_select_strategy not in ("default", "full"):
         raise SpecError("vision_feature_select_strategy", cfg.vision_feature_select_strategy,
                         ("default", "full"))

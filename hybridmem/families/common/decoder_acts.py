@@ -3,123 +3,272 @@ with the loss, token embedding, rotary tables (sources: `hybridmem.families.comm
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hybridmem.families.common.activations import (
     FP32, INT64, Acts, Ctx, Saved, adapters_on, amp_copies, attention_core, dora_forward,
     dora_linears, dora_saved, linear_inputs, lora_matrices, lora_outputs, quant_transients,
 )
-from hybridmem.families.gemma3 import acts as GA
 from hybridmem.allocator.alloc import t
 from hybridmem.families.common.eager_top import backward_top, forward_top
 from hybridmem.techniques.kernels import LIGER_SM_COUNT, torch_chunks
 from hybridmem.models.graph import Layer
 
 
-def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
-    """Llama/Mistral/Qwen2 decoder layer: RMSNorm, GQA attention with RoPE, SwiGLU MLP."""
+QKV = ("q_proj", "k_proj", "v_proj", "qkv_proj")
+GU = ("gate_proj", "up_proj", "gate_up_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The sizes a decoder layer's formulas read (`shape`): batch, sequence, hidden, MLP width,
+    tokens (b·s), the q and kv projections' widths."""
+
+    b: int
+    s: int
+    h: int
+    f: int
+    B: int
+    qd: int
+    kvd: int
+
+
+def shape(layer: Layer) -> Shape:
     d = layer.dims
-    b, s, h, f = d["b"], d["s"], d["h"], d["ffn"]
-    B, qd, kvd = b * s, d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    b, s = d["b"], d["s"]
+    return Shape(b, s, d["h"], d["ffn"], b * s, d["heads"] * d["head_dim"],
+                 d["kv_heads"] * d["head_dim"])
+
+
+def qkv_saved(sv: Saved, c: Ctx, layer: Layer, sh: Shape, n_base: int, need_in: bool,
+              need_w: bool, bnb: bool = False) -> None:
+    """q/k/v (or the fused qkv_proj) over the B x h stream-dtype input: what the linears, their
+    LoRA outputs and DoRA keep (bitsandbytes adapters, `linear_inputs` bnb: only a half input
+    skips PEFT's fp32 copy)."""
+    n_qkv = adapters_on(layer, QKV)
+    linear_inputs(sv, c, sh.B * sh.h, c.stream, n_base, need_w, n_qkv, shared=False,
+                  in_grad=need_in, bnb=bnb)
+    lora_outputs(sv, c, sh.B, n_qkv)
+    dora_saved(sv, c, sh.B, dora_linears(layer, QKV), need_in)
+
+
+def o_proj_saved(sv: Saved, c: Ctx, layer: Layer, sh: Shape, need_in: bool,
+                 need_w: bool) -> int:
+    """o_proj's input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused.
+    Returns the bytes it saved."""
+    before = sv.total
+    n_o = adapters_on(layer, ("o_proj",))
+    linear_inputs(sv, c, sh.B * sh.qd, c.e, 1, need_w, n_o, shared=c.attn != "eager",
+                  in_grad=need_in or adapters_on(layer, QKV) > 0,
+                  bnb="self_attn.o_proj.weight" in layer.quantized)
+    lora_outputs(sv, c, sh.B, n_o)
+    dora_saved(sv, c, sh.B, dora_linears(layer, ("o_proj",)), True)
+    return sv.total - before
+
+
+def gate_up_saved(sv: Saved, c: Ctx, layer: Layer, sh: Shape, n_base: int, need_w: bool,
+                  bnb: bool = False) -> None:
+    """gate / up (or the fused gate_up_proj) over the B x h stream-dtype input."""
+    n_gu = adapters_on(layer, GU)
+    linear_inputs(sv, c, sh.B * sh.h, c.stream, n_base, need_w, n_gu, shared=False, bnb=bnb)
+    lora_outputs(sv, c, sh.B, n_gu)
+    dora_saved(sv, c, sh.B, dora_linears(layer, GU), True)
+
+
+def act_down_saved(sv: Saved, c: Ctx, layer: Layer, sh: Shape, mlp_e: int, times: int,
+                   need_w: bool, bnb: bool = False) -> int:
+    """The SwiGLU's saved operands (`times` B x f tensors of `mlp_e` bytes: gate output, SiLU
+    output, up output) and down_proj's input; returns down_proj's input as its adapter saves
+    it (bytes)."""
+    sv.add(sh.B * sh.f, mlp_e, times=times)
+    before = sv.total
+    n_down = adapters_on(layer, ("down_proj",))
+    linear_inputs(sv, c, sh.B * sh.f, c.e, 1, need_w, n_down, shared=False, bnb=bnb)
+    m_saved = sv.total - before
+    lora_outputs(sv, c, sh.B, n_down)
+    dora_saved(sv, c, sh.B, dora_linears(layer, ("down_proj",)), True)
+    return m_saved
+
+
+def down_proj_top(c: Ctx, layer: Layer, sh: Shape, need_w: bool, fp32_copy: bool
+                  ) -> tuple[int, ...]:
+    """The MLP's high point under half-precision compute (down_proj's forward): the residual /
+    normed stream (stream dtype, the layer's local), SiLU x up when down_proj's frozen weight
+    does not save it, and with an adapter PEFT lora.Linear.forward's base result, its fp32
+    `_cast_input_dtype` copy of the input (`fp32_copy`), lora_B's output and its scaled copy.
+    A checkpointed layer reaches it again in its recompute, the output's grad waiting (trace
+    tier, tiny-llama / tiny-olmo2 LoRA b2 s64 checkpointed: the step's peak)."""
+    B, h, f, e = sh.B, sh.h, sh.f, c.e
+    n_down = adapters_on(layer, ("down_proj",))
+    return (t(B * h, c.stream), *([t(B * f, e)] if not need_w else ()),
+            *([*([t(B * f, FP32)] if fp32_copy else []), *[t(B * h, e)] * 3]
+              if n_down else ()))
+
+
+def eager_backward(probs: int, c: Ctx, sh: Shape, o_saved: int, v_width: int, other: int,
+                   keep: tuple[int, ...] = ()):
+    """eager: the probs' backward (`eager_top.backward_top`), after o_proj's input, v (a
+    repeat_kv copy, or the projection's output, `v_width` wide) and the probs cast were
+    released."""
+    e = c.e
+    v_saved = t(sh.B * (sh.qd if sh.kvd < sh.qd else v_width), e)
+    return backward_top(probs, e, t(sh.B * sh.h, c.stream), t(sh.B * sh.qd, e),
+                        o_saved + v_saved + (t(probs, e) if e != FP32 else 0), other, keep)
+
+
+def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """Llama/Mistral/Qwen2 decoder layer: RMSNorm, GQA attention with RoPE, SwiGLU MLP; the
+    families' traits (fused projections, Gemma's norms, q/k norms, experts) switch its parts."""
+    d = layer.dims
+    sh = shape(layer)
     lora = bool(layer.lora)
     active = need_in or need_w or lora
     if not active or not layer.runs:
         return Acts()
-    e, sb = c.e, c.stream
     sv = Saved()
     fused = bool(d.get("fused"))  # Phi-3: one qkv_proj, one gate_up_proj (decoder.FUSED_TYPES)
-    QKV, GU = ("q_proj", "k_proj", "v_proj", "qkv_proj"), ("gate_proj", "up_proj", "gate_up_proj")
-    n_qkv = adapters_on(layer, QKV)
-    n_o, n_gu = adapters_on(layer, ("o_proj",)), adapters_on(layer, GU)
-    n_down = adapters_on(layer, ("down_proj",))
     gem = bool(d.get("gemma"))  # Gemma 2: four (1 + weight) fp32 norms (decoder.GEMMA_TYPES)
+    sparse = bool(d.get("moe"))  # Mixtral / Qwen3-MoE sparse block (decoder.MOE_TYPES)
+    probs, at_probs, o_saved, attn_part = _attention_half(sv, c, layer, sh, need_in, need_w,
+                                                          fused, gem)
+    moe_fwd, moe_bwd, m_saved, mlp_e = _mlp_half(sv, c, layer, sh, need_w, fused, gem, sparse)
+    copies, cache = amp_copies(layer, c, active, need_w)
+    fwd_parts = _forward_parts(c, layer, sh, need_w, moe_fwd if sparse else ())
+    bw = _backward(c, layer, sh, probs, fused, gem, sparse, moe_bwd, m_saved, mlp_e, o_saved,
+                   lora)
+    fwd_parts = bw.q_fwd if sum(bw.q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
+    # eager's with-grad top in a recompute (scores beside the saved half) is not priced yet
+    recompute_extra = 0 if probs else sum(fwd_parts)
+    fwd_parts, after_top = eager_forward(c, probs, at_probs, sv.total, fwd_parts, sh.B, sh.qd,
+                                         sh.kvd)
+    B, h, sb = sh.B, sh.h, c.stream
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
+                ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
+                # both norms' fp32 inputs, saved twice each (TRL's offloader keeps the second
+                # copy on the GPU); Liger's RMSNorm saves its input once
+                shared=0 if c.liger else t(B * h, FP32) * (int(need_in) + 1),
+                bwd_extra=bw.extra, bwd_top_freed=bw.freed,
+                mlp_saved=sv.total - attn_part,
+                bwd_mlp=bw.mlp,
+                # the input norm's fp32 input is the layer input when the stream is fp32
+                # (`_norm_saved`, `gemma_norm_saved`); Liger's saves X too, not priced so yet;
+                # eager keeps the older recompute (its scores top unpriced, docs/quantize.md)
+                ckpt_alias=t(B * h, FP32) if sb == FP32 and need_in and not (c.liger or probs)
+                else 0,
+                recompute_extra=recompute_extra,
+                fwd_parts=fwd_parts,
+                bwd_parts=bw.parts,
+                fwd_after_top=after_top,
+                bwd_mlp_parts=bw.mlp_parts)
+
+
+def _attention_half(sv: Saved, c: Ctx, layer: Layer, sh: Shape, need_in: bool, need_w: bool,
+                    fused: bool, gem: bool) -> tuple[int, int, int, int]:
+    """What the input norm, q/k/v, the q/k norms, attention and o_proj save (and Gemma's
+    post-attention norm): (probs bytes, saved at the probs, o_proj's saved bytes, saved at the
+    attention half's end)."""
+    d = layer.dims
+    B, h, qd, kvd = sh.B, sh.h, sh.qd, sh.kvd
     norm = gemma_norm_saved if gem else _norm_saved
     # input RMSNorm: fp32 input (or upcast copy), rsqrt; normalised input for the weight grad
     norm(sv, c, B, h, need_in, need_w)
-    # bitsandbytes adapters (`linear_inputs` bnb): only a half input skips PEFT's fp32 copy
-    linear_inputs(sv, c, B * h, sb, 1 if fused else 3, need_w, n_qkv, shared=False,
-                  in_grad=need_in,
-                  bnb=bool({"self_attn.q_proj.weight", "self_attn.qkv_proj.weight"}
-                           & set(layer.quantized)))
-    lora_outputs(sv, c, B, n_qkv)
-    dora_saved(sv, c, B, dora_linears(layer, QKV), need_in)
+    qkv_saved(sv, c, layer, sh, 1 if fused else 3, need_in, need_w,
+              bnb=bool({"self_attn.q_proj.weight", "self_attn.qkv_proj.weight"}
+                       & set(layer.quantized)))
     if d.get("qk_norm"):
         for proj, width, rows in (("q_proj", qd, d["heads"]), ("k_proj", kvd, d["kv_heads"])):
             grad = need_in or need_w or adapters_on(layer, (proj,)) > 0
             head_norm(sv, c, B, width, rows, grad, need_w, gemma=gem)
-    probs = attention_core(sv, c, b, s, d["heads"], qd, kvd,
+    probs = attention_core(sv, c, sh.b, sh.s, d["heads"], qd, kvd,
                            qkv=B * (qd + 2 * kvd) if fused else 0,
                            softcap=bool(d.get("attn_softcap")),
                            rep_kv=bool(d.get("masked")) and c.attn == "sdpa")
-    mask_bytes = GA.image_mask_saved(d, c)  # Gemma 3 VLM with images (families/gemma3)
+    mask_bytes = image_mask_saved(d, c)  # a VLM's per-layer image masks (Gemma 3)
     sv.add(mask_bytes, 1, cond=mask_bytes > 0)
     at_probs = sv.total  # eager: saved up to the probs and their cast (`eager_top`)
-    before_o = sv.total
-    # o_proj input: eager's transpose(1,2).contiguous() copy; SDPA/flash output is reused
-    linear_inputs(sv, c, B * qd, e, 1, need_w, n_o, shared=c.attn != "eager",
-                  in_grad=need_in or n_qkv > 0, bnb="self_attn.o_proj.weight" in layer.quantized)
-    lora_outputs(sv, c, B, n_o)
-    dora_saved(sv, c, B, dora_linears(layer, ("o_proj",)), True)
-    o_saved = sv.total - before_o
+    o_saved = o_proj_saved(sv, c, layer, sh, need_in, need_w)
     if gem:  # post_attention_layernorm on the attention output, before the residual add
         gemma_norm_saved(sv, c, B, h, True, need_w)
-    attn_part = sv.total
+    return probs, at_probs, o_saved, sv.total
+
+
+def _mlp_half(sv: Saved, c: Ctx, layer: Layer, sh: Shape, need_w: bool, fused: bool,
+              gem: bool, sparse: bool):
+    """What the post-attention norm and the MLP (or the sparse block) save: (the sparse
+    block's forward and backward transients, down_proj's saved input, the gate/up output's
+    dtype bytes)."""
+    B, h = sh.B, sh.h
+    norm = gemma_norm_saved if gem else _norm_saved
     # post-attention RMSNorm on the residual h1 (always on the grad path once active; Gemma's
     # pre_feedforward_layernorm)
     norm(sv, c, B, h, True, need_w, hf_in=FP32)
-    sparse = bool(d.get("moe"))  # Mixtral / Qwen3-MoE sparse block (decoder.MOE_TYPES)
+    moe_fwd = moe_bwd = ()
     if sparse:
-        moe_fwd, moe_bwd = moe_saved(sv, c, d, need_w)
+        moe_fwd, moe_bwd = moe_saved(sv, c, layer.dims, need_w)
     else:
-        linear_inputs(sv, c, B * h, sb, 1 if fused else 2, need_w, n_gu, shared=False,
+        gate_up_saved(sv, c, layer, sh, 1 if fused else 2, need_w,
                       bnb=bool({"mlp.gate_proj.weight", "mlp.gate_up_proj.weight"}
                                & set(layer.quantized)))
-        lora_outputs(sv, c, B, n_gu)
-        dora_saved(sv, c, B, dora_linears(layer, GU), True)
     # a quantised gate/up returns its input's dtype (bnb Linear4bit `.to(inp_dtype)`): the
     # stream's, fp32 under autocast
     quant_gu = {"mlp.gate_proj.weight", "mlp.gate_up_proj.weight"} & set(layer.quantized)
-    mlp_e = sb if quant_gu else e
+    mlp_e = c.stream if quant_gu else c.e
     # gate output (SiLU input), SiLU output, up output (mul operands); fused: gate and up are
     # `chunk` views of one B x 2f output, the same bytes; Liger's SiLUMul saves a and b only
-    # and recomputes silu in backward (liger_kernel/ops/swiglu.py)
+    # and recomputes silu in backward (liger_kernel/ops/swiglu.py). (Over fp32 weights the
+    # quantised gate/up make an fp32 product: priced as a cast copy.)
     m_saved = 0
     if not sparse:
-        sv.add(B * f, mlp_e, times=2 if c.liger else 3)
-        m_saved = sv.total
-        # (over fp32 weights the quantised gate/up make an fp32 product: priced as a cast copy)
-        linear_inputs(sv, c, B * f, e, 1, need_w, n_down, shared=False,
-                      bnb="mlp.down_proj.weight" in layer.quantized and not c.amp)
-        m_saved = sv.total - m_saved  # down_proj's input as its adapter saves it
-        lora_outputs(sv, c, B, n_down)
-        dora_saved(sv, c, B, dora_linears(layer, ("down_proj",)), True)
+        m_saved = act_down_saved(sv, c, layer, sh, mlp_e, 2 if c.liger else 3, need_w,
+                                 bnb="mlp.down_proj.weight" in layer.quantized and not c.amp)
     if gem:  # post_feedforward_layernorm on the MLP output
         gemma_norm_saved(sv, c, B, h, True, need_w)
-    copies, cache = amp_copies(layer, c, active, need_w)
-    # forward transients: RoPE's rotated q, k (fp32 under autocast), eager's two probs casts
+    return moe_fwd, moe_bwd, m_saved, mlp_e
+
+
+def _forward_parts(c: Ctx, layer: Layer, sh: Shape, need_w: bool, moe_fwd) -> tuple[int, ...]:
+    """The forward's transients on top of what is saved: RoPE's rotated q, k (fp32 under
+    autocast), or under autocast down_proj's high point when larger (always with Liger's
+    in-place RoPE), or the sparse block's, or DoRA's (not alive together)."""
+    B, qd, kvd, e = sh.B, sh.qd, sh.kvd, c.e
     rope_parts = [t(B * qd, FP32), t(B * kvd, FP32)] if c.amp else [t(B * qd, e)] * 2
     if c.liger:  # LigerRopeFunction rotates q, k in place (liger_kernel/ops/rope.py)
         rope_parts = []
     fwd_parts = tuple(rope_parts)
     if c.autocast:
-        # the MLP's high point (down_proj's forward) when larger than RoPE's copies (always
-        # with Liger's in-place RoPE): the post-attention norm's output (stream dtype, read by
-        # the linears through their bf16 casts, so not saved; the layer's local keeps it), SiLU x
-        # up when down_proj's frozen weight does not save it, and with an adapter PEFT
-        # lora.Linear.forward's base result, fp32 `_cast_input_dtype` copy of the input,
-        # lora_B's output and its scaled copy. A checkpointed layer reaches it again in its
-        # recompute, the output's grad waiting (trace tier, tiny-llama LoRA bf16-mixed b2 s64
-        # checkpointed: the step's peak, at down_proj's lora_A in the recompute)
-        # (a bitsandbytes down_proj under autocast makes no fp32 copy: `linear_inputs` bnb)
+        # the post-attention norm's output is read by the linears through their bf16 casts, so
+        # not saved; a bitsandbytes down_proj under autocast makes no fp32 copy
+        # (`linear_inputs` bnb)
         down_bnb = "mlp.down_proj.weight" in layer.quantized and not c.amp
-        mlp_parts = (t(B * h, sb), *([t(B * f, e)] if not need_w else ()),
-                     *([*([t(B * f, FP32)] if not down_bnb else []), *[t(B * h, e)] * 3]
-                       if n_down else ()))
+        mlp_parts = down_proj_top(c, layer, sh, need_w, fp32_copy=not down_bnb)
         fwd_parts = mlp_parts if sum(mlp_parts) > sum(fwd_parts) else fwd_parts
-    if sparse and sum(moe_fwd) > sum(fwd_parts):
+    if moe_fwd and sum(moe_fwd) > sum(fwd_parts):
         fwd_parts = moe_fwd
     dora = dora_forward(c, dora_linears(layer))
-    fwd_parts = dora if sum(dora) > sum(fwd_parts) else fwd_parts  # not alive together
-    # backward: the grad of the layer output, then in the MLP grad(m) with grad(act), grad(up)
-    # (m itself is freed once down_proj's backward ran); in attention dq, dk, dv.
+    return dora if sum(dora) > sum(fwd_parts) else fwd_parts  # not alive together
+
+
+@dataclass(frozen=True, slots=True)
+class _Backward:
+    parts: tuple[int, ...]
+    extra: int
+    freed: int
+    mlp: int
+    mlp_parts: tuple[int, ...]
+    q_fwd: tuple[int, ...]
+
+
+def _backward(c: Ctx, layer: Layer, sh: Shape, probs: int, fused: bool, gem: bool,
+              sparse: bool, moe_bwd, m_saved: int, mlp_e: int, o_saved: int,
+              lora: bool) -> _Backward:
+    """The backward's transients: the grad of the layer output, then in the MLP grad(m) with
+    grad(act), grad(up) (m itself is freed once down_proj's backward ran); in attention dq,
+    dk, dv."""
+    d = layer.dims
+    b, s, B, h, f, qd, kvd = sh.b, sh.s, sh.B, sh.h, sh.f, sh.qd, sh.kvd
+    e, sb = c.e, c.stream
+    n_qkv, n_o = adapters_on(layer, QKV), adapters_on(layer, ("o_proj",))
+    n_gu, n_down = adapters_on(layer, GU), adapters_on(layer, ("down_proj",))
     mlp_bwd = 2 * t(B * f, e)
     # ... unless nothing saves m (frozen down_proj without an adapter): then grad(m) is one
     # more (trace tier, tiny-llava projector fp32 checkpointed: the step's peak)
@@ -170,12 +319,8 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         layer, c, B, {"o_proj": e, "down_proj": mlp_e}, lora=lora, staged=staged)
     bwd_parts = (t(B * h, sb), t(B * h, sb), *[t(B * qd, e)] * 3, *soft, *q_attn)
     bwd_extra = 2 * t(B * h, sb) + attn_bwd + sum(q_attn)
-    # eager: the probs' backward (`eager_top.backward_top`), after o_proj's input, v (a
-    # repeat_kv copy, or the projection's output) and the probs cast were released
-    v_saved = t(B * qd if kvd < qd else (B * (qd + 2 * kvd) if fused else B * kvd), e)
-    top = backward_top(probs, e, t(B * h, sb), t(B * qd, e),
-                       o_saved + v_saved + (t(probs, e) if e != FP32 else 0),
-                       bwd_extra, tuple(soft))
+    top = eager_backward(probs, c, sh, o_saved, (qd + 2 * kvd) if fused else kvd, bwd_extra,
+                         tuple(soft))
     bwd_freed = 0
     if top:
         bwd_parts, bwd_freed = top
@@ -187,28 +332,7 @@ def decoder_layer(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if q_mlp and staged:  # MatMul4Bit's order (MatMul8bitLt keeps its input in ctx)
         bwd_mlp, bwd_mlp_parts = quant_mlp_backward(t(B * h, sb), t(B * f, mlp_e), m_saved,
                                                     q_mlp)
-    fwd_parts = q_fwd if sum(q_fwd) > sum(fwd_parts) else fwd_parts  # not alive together
-    # eager's with-grad top in a recompute (scores beside the saved half) is not priced yet
-    recompute_extra = 0 if probs else sum(fwd_parts)
-    fwd_parts, after_top = eager_forward(c, probs, at_probs, sv.total, fwd_parts, B, qd, kvd)
-    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes),
-                ckpt_saved=t(B * h, sb), cache=cache, fwd_extra=sum(fwd_parts),
-                # both norms' fp32 inputs, saved twice each (TRL's offloader keeps the second
-                # copy on the GPU); Liger's RMSNorm saves its input once
-                shared=0 if c.liger else t(B * h, FP32) * (int(need_in) + 1),
-                bwd_extra=bwd_extra, bwd_top_freed=bwd_freed,
-                mlp_saved=sv.total - attn_part,
-                bwd_mlp=bwd_mlp,
-                # the input norm's fp32 input is the layer input when the stream is fp32
-                # (`_norm_saved`, `gemma_norm_saved`); Liger's saves X too, not priced so yet;
-                # eager keeps the older recompute (its scores top unpriced, docs/quantize.md)
-                ckpt_alias=t(B * h, FP32) if sb == FP32 and need_in and not (c.liger or probs)
-                else 0,
-                recompute_extra=recompute_extra,
-                fwd_parts=fwd_parts,
-                bwd_parts=bwd_parts,
-                fwd_after_top=after_top,
-                bwd_mlp_parts=bwd_mlp_parts)
+    return _Backward(bwd_parts, bwd_extra, bwd_freed, bwd_mlp, bwd_mlp_parts, q_fwd)
 
 
 def quant_mlp_backward(grad_out: int, act: int, m_saved: int, q_mlp: tuple[int, ...]
@@ -393,13 +517,13 @@ def lm_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     if c.head is not None:  # a technique's own head (Liger, CCE: `techniques.head_of`)
         return technique_head(d, c, need_in, need_w)
     if c.trl_head:  # TRL's fused, chunked head (objectives.fused_head)
-        from hybridmem.families.decoders.objective_acts import trl_fused_head
+        from hybridmem.families.common.objective_acts import trl_fused_head
 
         return trl_fused_head(layer, c, need_in, need_w)
     from hybridmem.objectives import REGISTRY
 
     if not REGISTRY[c.objective].LM_LOSS:  # a TRL trainer's loss on the logits (objective_acts)
-        from hybridmem.families.decoders.objective_acts import objective_head
+        from hybridmem.families.common.objective_acts import objective_head
 
         return objective_head(layer, c, need_in, need_w)
     sv = Saved()
@@ -512,7 +636,29 @@ def rotary(layer: Layer, c: Ctx, active: bool) -> Acts:
     # in every sliding layer: alive until the last of them ran backward, as cos/sin
     sdpa_mask = mask if c.attn == "sdpa" and d.get("sliding_masked") else 0
     if d.get("image_masks") and c.attn == "sdpa":  # Gemma 3 VLM with images: per-layer masks
-        sdpa_mask, masks = GA.image_bool_masks(d, c)
+        sdpa_mask, masks = image_bool_masks(d, c)
     # one cos/sin pair per RoPE table (Gemma 3: the local and the global base)
     return Acts(saved=2 * d.get("rope_tables", 1) * t(d["s"] * d["head_dim"], c.stream)
                 + sdpa_mask, held=masks)
+
+
+VLM_MASKS = 2
+"""`create_masks_for_vision_model` returns a full and a sliding mask whatever layer types the
+LM has (modeling_gemma3.py: Gemma 3's LM on a batch with images, `dims["image_masks"]`)."""
+
+
+def image_mask_saved(d: dict, c: Ctx) -> int:
+    """One decoder layer's SDPA on the VLM's bool mask (`model.image_masks`): torch
+    converts it per call to an additive mask in the query dtype over its (b, 1, s, s) shape
+    (attention.cpp `convert_boolean_attn_mask`), which the kernel saves for its backward."""
+    if not d.get("image_masks") or c.attn != "sdpa":
+        return 0
+    return t(d["b"] * d["s"] * d["s"], c.e)
+
+
+def image_bool_masks(d: dict, c: Ctx) -> tuple[int, int]:
+    """(saved, held) of the VLM's two (b, 1, s, s) bool masks: the model's forward holds them
+    until it returns; under checkpointing every layer's recompute reads them again, so they
+    stay until the backward is through the LM (priced at the rotary layer, the LM's first)."""
+    masks = VLM_MASKS * t(d["b"] * d["s"] * d["s"], 1)
+    return (masks, 0) if c.ckpt else (0, masks)
