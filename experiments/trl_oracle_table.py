@@ -17,6 +17,7 @@ cuBLAS workspace). One JSON line per row as it is measured, then the Markdown ta
     PYTHONPATH=. python experiments/trl_oracle_table.py            # every row (~5 min, 2 cores)
     PYTHONPATH=. python experiments/trl_oracle_table.py --trainer  # transformers' Trainer only
     PYTHONPATH=. python experiments/trl_oracle_table.py --3b       # the issue's 3B case, scaled
+    PYTHONPATH=. python experiments/trl_oracle_table.py --kto      # KTO's rows only
 """
 
 from __future__ import annotations
@@ -66,11 +67,24 @@ def spec(config: str, seq: int, precision: str, **kw) -> TrainingSpec:
                         optimizer="sgd", attn="sdpa", grad_ckpt=True, **kw)
 
 
-def others(which: str, config: str, dtype):
-    """KTO, the reward model and ORPO (trl.experimental)."""
-    if which == "kto":
-        return T.kto_trainer(config, dtype), {"objective": "kto", "ref_model": "separate"}
-    return T.pair_trainer(which, config, dtype), {"objective": which}
+def pair_rows(small: str) -> None:
+    """The reward model and ORPO (trl.experimental)."""
+    for which in ("rm", "orpo"):
+        for precision in ("fp32", "bf16"):
+            trainer = T.pair_trainer(which, small, T.PRECISION[precision])
+            seq = T.padded_length(trainer)
+            real, _ = T.real_peak(trainer)
+            row(which.upper(), "-", precision, real, spec(small, seq, precision, objective=which))
+
+
+def kto_rows(small: str) -> None:
+    """KTOTrainer with each reference (`tests/test_trl_oracle.kto_trainer`)."""
+    for precision in ("fp32", "bf16"):
+        for ref in ("separate", "precomputed", "adapter"):
+            real, seq = T.real_peak(T.kto_trainer(small, T.PRECISION[precision], ref))
+            row("KTO", ref, precision, real,
+                spec(small, seq, precision, objective="kto", ref_model=ref,
+                     train="lora" if ref == "adapter" else "full"))
 
 
 # ---------------------------------------------------------------- transformers' Trainer
@@ -211,6 +225,9 @@ def main() -> None:
     if "--3b" in sys.argv:
         scaled_3b_rows(root)
         return table()
+    if "--kto" in sys.argv:
+        kto_rows(small)
+        return table()
     trainer_rows(root, small)
     if "--trainer" in sys.argv:
         return table()
@@ -230,13 +247,8 @@ def main() -> None:
             row("DPO", ref, precision, real,
                 spec(small, seq, precision, objective="dpo", ref_model=ref,
                      train="lora" if ref == "adapter" else "full"))
-    for which in ("kto", "rm", "orpo"):
-        for precision in ("fp32", "bf16"):
-            trainer, kw = others(which, small, T.PRECISION[precision])
-            seq = T.padded_length(trainer)
-            real, _ = T.real_peak(trainer)
-            row(which.upper(), kw.get("ref_model", "-"), precision, real,
-                spec(small, seq, precision, **kw))
+    kto_rows(small)
+    pair_rows(small)
     for precision in ("fp32", "bf16"):
         for ni in (1, 2):
             # GRPOConfig's bf16=True default under GRPOTrainer's own autocast: fp32 weights

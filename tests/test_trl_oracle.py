@@ -243,6 +243,10 @@ def _tensor_peak(p) -> int:
     dict(objective="dpo", precision="fp32", train="lora", grad_ckpt=True),
     dict(objective="kto", precision="fp32", ref_model="separate", grad_ckpt=True),
     dict(objective="kto", precision="bf16", ref_model="separate"),
+    dict(objective="kto", precision="fp32", ref_model="precomputed", grad_ckpt=True),
+    dict(objective="kto", precision="bf16", ref_model="precomputed", grad_ckpt=True),
+    dict(objective="kto", precision="fp32", ref_model="adapter", train="lora", grad_ckpt=True),
+    dict(objective="kto", precision="bf16", ref_model="adapter", train="lora", grad_ckpt=True),
     dict(objective="grpo", precision="fp32", seq_len=32, num_generations=2,
          max_completion_length=8, grad_ckpt=True),
     dict(objective="grpo", precision="bf16", seq_len=32, num_generations=2,
@@ -336,10 +340,12 @@ def test_an_sftconfig_json_means_trls_trainer(tmp_path):
 
 # ---------------------------------------------------------------- KTO
 
-def kto_trainer(config: str, dtype=torch.float32):
-    """KTOTrainer with a separate reference: one desirable and one undesirable completion of
-    varied lengths; its collator builds the KL batch from mismatched pairs."""
+def kto_trainer(config: str, dtype=torch.float32, ref: str = "separate"):
+    """KTOTrainer with a reference as `dpo_trainer` builds it (separate, precomputed, or the
+    adapter-disabled LoRA model): one desirable and one undesirable completion of varied
+    lengths; its collator builds the KL batch from mismatched pairs."""
     from datasets import Dataset
+    from peft import LoraConfig
     from tokenizers import pre_tokenizers
     from trl import KTOConfig, KTOTrainer
 
@@ -347,21 +353,28 @@ def kto_trainer(config: str, dtype=torch.float32):
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     data = {"prompt": [words(20, 0), words(30, 1)], "completion": [words(60, 2), words(80, 3)],
             "label": [True, False]}
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return KTOTrainer(model=model_from(config, dtype), ref_model=model_from(config, dtype),
-                          args=KTOConfig(**TRAINER_ARGS, max_length=None),
-                          train_dataset=Dataset.from_dict(data), processing_class=tok)
+        return KTOTrainer(
+            model=model_from(config, dtype),
+            ref_model=model_from(config, dtype) if ref == "separate" else None,
+            args=KTOConfig(**TRAINER_ARGS, max_length=None,
+                           precompute_ref_log_probs=ref == "precomputed"),
+            train_dataset=Dataset.from_dict(data), processing_class=tok,
+            peft_config=lora if ref == "adapter" else None)
 
 
-def test_kto_trainer_step_equals_the_trace_tier(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("ref", ["separate", "precomputed", "adapter"])
+def test_kto_trainer_step_equals_the_trace_tier(tmp_path, ref, precision):
     # the KL batch (100 tokens here) runs under no_grad before the policy's graph exists: the
     # priced KL batch is as long as the completions' (the job's one seq_len), below the peak
     config = tiny_config(tmp_path, DPO_VOCAB)
-    real, seq = real_peak(kto_trainer(config))
-    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=seq, precision="fp32",
-                        optimizer="sgd", attn="sdpa", objective="kto", ref_model="separate",
-                        grad_ckpt=True)
+    real, seq = real_peak(kto_trainer(config, PRECISION[precision], ref))
+    spec = TrainingSpec(model=config, micro_batch=BATCH, seq_len=seq, precision=precision,
+                        optimizer="sgd", attn="sdpa", objective="kto", ref_model=ref,
+                        train="lora" if ref == "adapter" else "full", grad_ckpt=True)
     assert trace_peak(spec) == real
 
 

@@ -36,7 +36,7 @@ its backward: the constant of `sharding.fsdp` is already that case, and is kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from hybridmem.parallel.sharding import fsdp_shard
 from hybridmem.parallel.states import ModelTensors
@@ -55,6 +55,13 @@ class Units:
     """Unit -> bytes of its sharded grads (the params' own dtype)."""
     reduce_input: dict[str, int]
     """Unit -> bytes of its reduce-scatter input (`reduce_dtype`)."""
+    inner: dict[str, int] = field(default_factory=dict)
+    """Unit -> bytes of the unsharded params of the unit nested in it (a MoE layer's experts,
+    `fully_shard`ed over their own mesh, `with_inner`); empty without one."""
+    inner_flat: dict[str, int] = field(default_factory=dict)
+    """Unit -> bytes of its nested unit's flat all-gather buffer: none on a mesh of one rank
+    (`FSDPParamGroup.unshard` / `wait_for_unshard` with `world_size == 1`: the unsharded
+    params are copied from the shards, no all-gather output is kept)."""
 
 
 def units(mt: ModelTensors, of_step: tuple[str, ...], n: int, gather_bytes: int,
@@ -72,6 +79,20 @@ def units(mt: ModelTensors, of_step: tuple[str, ...], n: int, gather_bytes: int,
     return Units(of_step, gathered, grads, reduce)
 
 
+def with_inner(outer: Units, nested: Units, nested_ranks: int) -> Units:
+    """`outer`'s units, each holding the unit nested in it (`nested`, on the same steps):
+    torchtitan's `apply_fsdp` with ep `fully_shard`s each layer's experts over `dp_shard x
+    cp / ep` before the layer over `dp_shard x cp`, so each is a unit of its own. Its grads
+    reach their shard with their layer's (its `post_backward` runs first); its reduce-scatter
+    input is freed at the layer's own `post_backward` (`reduce_scatter_max_input_buffers =
+    1`), so the reduce input kept past a layer is the layer's."""
+    grads = {u: outer.shard_grad.get(u, 0) + nested.shard_grad.get(u, 0)
+             for u in {*outer.shard_grad, *nested.shard_grad}}
+    inner = {u: b for u, b in nested.gathered.items() if u != "root"}
+    return replace(outer, shard_grad=grads, inner=inner,
+                   inner_flat=inner if nested_ranks > 1 else {})
+
+
 def at_point(u: Units, phase: str, step: int, grad: int, step_grads: list[int]) -> tuple[int, int]:
     """(gathered param bytes, grad bytes) at a forward/backward point of step `step` whose
     timeline grads (unsharded) are `grad`; `step_grads[i]`: grads step i makes."""
@@ -82,9 +103,14 @@ def at_point(u: Units, phase: str, step: int, grad: int, step_grads: list[int]) 
         return root, grad
     first, last = layers[0], layers[-1]
     name = of[step]
+    inner = u.inner.get(name, 0)
     if phase == "forward":
         if name != "root":
-            return root + 2 * u.gathered[name], grad
+            # the layer's flat buffer lives until the nested unit's copy-out
+            # (`wait_for_unshard` frees `comm_ctx.all_gather_state`), whose own flat buffer
+            # then lives until the next unit's
+            nested = inner + u.inner_flat.get(name, 0)
+            return root + u.gathered[name] + max(u.gathered[name], nested), grad
         # before the first unit: the root's own flat buffer; after the last: the last unit's
         return root + (u.gathered["root"] if step < first else u.gathered[of[last]]), grad
     # backward: the units after `step` are done; their grads are shards now
@@ -94,6 +120,10 @@ def at_point(u: Units, phase: str, step: int, grad: int, step_grads: list[int]) 
         grad += u.reduce_input.get(of[min(done)], 0)
     if name == "root":
         return root, grad
+    # a nested unit's `pre_backward` prefetches the previous layer (the unit before it in
+    # `post_forward_order`), while the layer itself prefetches only its nested unit, which is
+    # copied out at once: the nested unit's backward holds both of the layer's and the
+    # previous layer's flat buffer
     earlier = [i for i in layers if i < step]
     prefetched = u.gathered[of[max(earlier)]] if earlier else 0
-    return root + u.gathered[name] + prefetched, grad
+    return root + u.gathered[name] + inner + prefetched, grad

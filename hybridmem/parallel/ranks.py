@@ -100,7 +100,9 @@ def _dp_spec(spec: TrainingSpec, ranks: int) -> TrainingSpec:
 def _sum_states(a: RankStates, b: RankStates) -> RankStates:
     fields = ("param", "grad", "optimizer", "grad_fixed", "gathered", "comm",
               "step_temporary", "paged")
-    detail = {k: a.detail.get(k, 0) + b.detail.get(k, 0) for k in {*a.detail, *b.detail}}
+    # byte counts add; a dtype's width (`*_dtype_bytes`) is the same on both sides
+    detail = {k: a.detail[k] if k.endswith("_dtype_bytes") and k in a.detail
+              else a.detail.get(k, 0) + b.detail.get(k, 0) for k in {*a.detail, *b.detail}}
     return RankStates(**{f: getattr(a, f) + getattr(b, f) for f in fields}, detail=detail)
 
 
@@ -111,15 +113,22 @@ def _states(spec: TrainingSpec, layers: list) -> RankStates:
     `dp_shard x cp / ep` (torchtitan's expert FSDP mesh)."""
     ps = spec.parallel
     dense_n = ps.data_shard * ps.cp
-    def part(keep):
-        return [(m, dataclasses.replace(l, params=tuple(p for p in l.params if keep(p.name))))
-                for m, l in layers]
-    dense = rank_states(_dp_spec(spec, dense_n), layer_tensors(part(lambda n: "experts" not in n)))
-    expert_layers = part(lambda n: "experts" in n)
+    dense_layers, expert_layers = _split_experts(layers)
+    dense = rank_states(_dp_spec(spec, dense_n), layer_tensors(dense_layers))
     if not any(l.params for _, l in expert_layers):
         return dense
     experts = rank_states(_dp_spec(spec, max(1, dense_n // ps.ep)), layer_tensors(expert_layers))
     return _sum_states(dense, experts)
+
+
+def _split_experts(layers: list) -> tuple[list, list]:
+    """(the layers without their expert weights, the layers with only those): the experts
+    shard over their own mesh (torchtitan `apply_fsdp`: `fully_shard(transformer_block.moe.
+    experts, mesh=dp_mod_ep_mesh)`)."""
+    def part(keep):
+        return [(m, dataclasses.replace(l, params=tuple(p for p in l.params if keep(p.name))))
+                for m, l in layers]
+    return part(lambda n: "experts" not in n), part(lambda n: "experts" in n)
 
 
 def _embedding_grad(spec: TrainingSpec, layers: list, shape) -> int:
@@ -164,19 +173,30 @@ def _comm(spec: TrainingSpec, shape, e: int, top_k: int) -> tuple[int, int]:
     return fwd, bwd
 
 
-def _expert_parallel_saved(spec: TrainingSpec, shape, e: int, top_k: int) -> int:
-    """Bytes an expert-parallel MoE layer saves beyond the same experts run locally, as
-    transformers' expert parallelism runs them (measured by the trace tier,
-    tests/test_parallel_ep_trace.py): the rows received by the dispatch all-to-all, which the
-    experts' grouped matmul saves as its input, and the combine's reordered output
-    (`AllToAllEP._dispatch_tokens` / `_combine_tokens`: `all_to_all_single_autograd`, then
-    `token_outputs[order] = recv_out`), each `rows x hidden`; and, with the experts split
-    (`_is_expert_parallel`), the sentinel masks' copies of the up and down projections'
-    outputs (`grouped_mm_experts_forward`: `proj_out.masked_fill(sentinel_mask, 0)` after
-    each grouped matmul), `rows x 2 x expert_ffn` and `rows x hidden`. `rows` = the rank's
-    tokens x top_k (balanced routing)."""
+def _expert_parallel_saved(spec: TrainingSpec, top_k: int, w: int) -> int:
+    """Bytes an expert-parallel MoE layer saves beyond the same experts run locally
+    (`families.decoders.acts.moe_saved`, transformers' `grouped_mm_experts_forward` on the
+    rank's tokens), as transformers' `AllToAllEP` runs them (transformers 5
+    `distributed/expert_parallel.py`, `integrations/moe.py`; op by op under the fake process
+    group, tests/test_parallel_ep_trace.py). `S` = the rank's tokens x top_k, which balanced
+    routing also makes the rows received.
+
+    - `_dispatch_tokens` sorts the pairs itself (`order = argsort(expert_ids)`; `order //
+      top_k` indexes the sent rows and is saved by that `index`), and the experts then run
+      top-1 on the received rows, sorting them again (`perm // 1`, saved by its `index`):
+      three S-row int64 permutations where the local block saves two (`perm`, `perm // k`);
+      `perm` itself is not saved, the receiver's unit weights (`ones_like`) needing no grad.
+    - the sentinel mask (`_is_expert_parallel`: `expert_ids_g >= num_experts`, S bools),
+      saved by the `masked_fill` after each grouped matmul.
+    - the weighting moves to the sender (`_combine_tokens`: `token_outputs * top_k_weights`),
+      so that multiply saves the reordered outputs (S x hidden) and the router's renormalised
+      top-k weights (tokens x top_k, dtype `w`), where the local block's multiply saves the
+      down projection's output (S x hidden); the receiver's multiply by unit weights saves
+      no rows.
+    """
     rows = spec.micro_batch * (spec.seq_len // spec.parallel.cp) * top_k
-    return 3 * t(rows * shape.hidden, e) + t(rows * 2 * (shape.expert_ffn // spec.parallel.tp), e)
+    # + order (int64) + sentinel mask (bool) + top-k weights; the S x hidden rows cancel
+    return t(rows, 8) + t(rows, 1) + t(rows, w)
 
 
 def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) -> RankAnswer:
@@ -204,7 +224,7 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
                     acts_of[p.layer.name], step.acts, _gathered_inputs(spec, shape)))
             if kind == "decoder_layer" and ps.ep > 1 and any(
                     "experts" in q.name for q in p.layer.params):
-                extra = _expert_parallel_saved(spec, shape, e_top[0], e_top[1])
+                extra = _expert_parallel_saved(spec, e_top[1], e_top[2])
                 step = dataclasses.replace(step, acts=dataclasses.replace(
                     step.acts, saved=step.acts.saved + extra,
                     mlp_saved=step.acts.mlp_saved + extra))
@@ -277,7 +297,6 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
     return RankAnswer(rank, span, k, holds, out, best_phase)
 
 
-<<<<<<< HEAD
 def _chunk_of(spec: TrainingSpec, shape, rank: int, chosen: list) -> list[set[int]]:
     """The local chunks (stage `rank + c x pp`) each chosen layer runs in: a decoder layer its
     stage's; the embedding the first stage's, the final norm and `lm_head` the last's
@@ -413,29 +432,30 @@ def _zero_bubble_points(spec: TrainingSpec, shape, rank: int, chosen: list, comm
     return out, inputs_done * dinput
 
 
-def _fsdp_units(spec: TrainingSpec, graph_layers: list, states: RankStates):
-=======
 def _fsdp_units(spec: Job, graph_layers: list, states: RankStates):
->>>>>>> typed35
     """FSDP2's units of the stage, for pricing its gathers per timeline point
     (`fsdp_points`); None where the states' constants stay: not FSDP2, units kept unsharded
-    from forward to backward (`reshard_after_forward=False`), experts (their own mesh), or a
-    pipeline (several micro-batches' units in flight)."""
+    from forward to backward (`reshard_after_forward=False`), or a pipeline (several
+    micro-batches' units in flight). With ep, each layer's experts are a unit nested in it,
+    sharded over their own mesh (`dp_shard x cp / ep`, as `_states`; `fsdp_points.with_inner`)."""
     ps = spec.parallel
     n = ps.data_shard * ps.cp
     flat = _dp_spec(spec, n)
-    if (flat.parallel.strategy != "fsdp" or not ps.reshard_after_forward or ps.pp > 1
-            or ps.ep > 1):
+    if flat.parallel.strategy != "fsdp" or not ps.reshard_after_forward or ps.pp > 1:
         return None
     from hybridmem.parallel.sharding import _pbytes
 
-    mt = layer_tensors(graph_layers)
-    if any("experts" in t.unit for t in mt.tensors):
-        return None
     of_step = tuple(f"{m}.{l.name}" if l.kind in UNIT_KINDS else "root" for m, l in graph_layers)
-    return fsdp_points.units(mt, of_step, n, states.detail["gather_dtype_bytes"],
-                             states.detail["reduce_dtype_bytes"],
-                             lambda t: _pbytes(flat, t))  # flat: a Job (the stage's)
+    gather, reduce = states.detail["gather_dtype_bytes"], states.detail["reduce_dtype_bytes"]
+    param_bytes = lambda t: _pbytes(flat, t)  # noqa: E731  (flat: a Job, the stage's)
+    dense, experts = _split_experts(graph_layers)
+    out = fsdp_points.units(layer_tensors(dense), of_step, n, gather, reduce, param_bytes)
+    if not any(l.params for _, l in experts):
+        return out
+    n_experts = max(1, n // ps.ep)
+    nested = fsdp_points.units(layer_tensors(experts), of_step, n_experts, gather, reduce,
+                               param_bytes)
+    return fsdp_points.with_inner(out, nested, n_experts)
 
 
 def replayable(ps: ParallelSpec) -> bool:
@@ -581,8 +601,11 @@ def price_ranks(spec: Job, gpu: GPU | None = None) -> tuple[Prediction, list[Ran
         wide = _setup(wide_spec, ws)[1]
     e = POLICIES[compute].compute_bytes
     top_k = int(data.get("num_experts_per_tok") or 1)
+    # the router's top-k weights: fp32 in Mixtral, cast back to the compute dtype otherwise
+    # (`families.decoders.model.moe_dims`: `router_fp32_weights`)
+    router_w = 4 if data.get("model_type") == "mixtral" else e
     comm = _comm(spec, shape, e, top_k)
-    answers = [_stage(spec, r, narrow, wide, st, shape, comm, (e, top_k))
+    answers = [_stage(spec, r, narrow, wide, st, shape, comm, (e, top_k, router_w))
                for r in range(ps.pp)]
     top = max(answers, key=lambda a: a.device_bytes)
     params = model_tensors(spec.with_(parallel=single))
