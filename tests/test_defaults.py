@@ -3,6 +3,8 @@ transformers picks, the precision a model is loaded and trained in; explicit val
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hybridmem import SpecError, TrainingSpec, predict
@@ -48,7 +50,8 @@ def test_lora_default_is_the_checkpoint_dtype_and_full_is_bf16_mixed():
 def test_explicit_values_are_never_replaced():
     spec = TrainingSpec(model="tiny-gemma2", train="lora", precision="fp32", attn="eager")
     out = resolve_defaults(spec)
-    assert out.spec == spec and out.defaults == {}
+    # a resolved `Job` (job/resolved.py) with every field as given
+    assert dataclasses.asdict(out.spec) == dataclasses.asdict(spec) and out.defaults == {}
 
 
 def test_echo_states_the_precision_in_words():
