@@ -76,8 +76,9 @@ def smallest_micro_batch(pred: Prediction) -> int:
     from hybridmem import objectives
 
     job = pred.job or {}
-    hook = getattr(objectives.REGISTRY.get(job.get("objective")), "micro_batch_step", None)
-    return int(job.get("num_generations") or 1) if hook is not None else 1
+    plugin = objectives.REGISTRY.get(job.get("objective"))
+    # a generating objective's micro-batch counts completions in groups of num_generations
+    return int(job.get("num_generations") or 1) if plugin and plugin.GENERATES else 1
 
 
 VERDICT_WORDS: dict[str, str] = {

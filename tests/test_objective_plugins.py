@@ -11,7 +11,7 @@ import pytest
 
 from hybridmem import TrainingSpec, objectives
 from hybridmem.errors import SpecError
-from hybridmem.objectives.protocol import REQUIRED
+from hybridmem.objectives.protocol import DEFAULTS, DERIVED, HEADS, LM_HEAD, REQUIRED
 
 PACKAGE = Path(objectives.__file__).parent.parent  # hybridmem/
 
@@ -21,7 +21,8 @@ def test_the_registry_finds_every_objective_in_order():
     assert objectives.OBJECTIVES == ("sft", "dpo", "orpo", "kto", "rm", "grpo")
     assert [n for n, o in objectives.REGISTRY.items() if o.LM_LOSS] == ["sft"]
     for name, plugin in objectives.REGISTRY.items():
-        assert plugin.NAME == name and all(hasattr(plugin, a) for a in REQUIRED)
+        assert plugin.NAME == name
+        assert all(hasattr(plugin, a) for a in (*REQUIRED, *DERIVED, *DEFAULTS))
     # the job field's choices are the registry's (hybridmem.job.spec)
     from hybridmem.job.schema import BY_KEY
 
@@ -72,9 +73,8 @@ COMPARED = re.compile(  # `objective == "dpo"`, `o in ("orpo", ...)`, `"grpo" !=
     rf"""(objective["']?\)?|\bo) *(==|!=) *["']({NAMES})["']"""
     rf"""|(objective|\bo) +(not +)?in +[({{]*["']({NAMES})"""
     rf"""|["']({NAMES})["'] *(==|!=) *[a-z_.]*objective""")
-# the decoder head's closed form per objective (the family's, `objective_acts`) and the TRL
-# config reader's marker table, which names the configs the keys come from
-STILL_NAMED = {"families/common/objective_acts.py", "intake/readers/trainer.py"}
+# the TRL config reader's marker table, which names the configs the keys come from
+STILL_NAMED = {"intake/readers/trainer.py"}
 
 
 def test_no_objective_name_is_compared_outside_the_plug_ins():
@@ -98,3 +98,51 @@ def test_the_independence_contract_lists_every_objective():
     expected = {f"hybridmem.objectives.{n}" for n in objectives.OBJECTIVES}
     assert set(contracts["objectives are independent"]["modules"]) == expected
     assert set(contracts["objective helpers import no objective"]["forbidden_modules"]) == expected
+
+
+def _plugin(**traits):
+    """A stand-in objective sub-package with only `traits`."""
+    from types import ModuleType
+
+    module = ModuleType("hybridmem.objectives.fake")
+    for name, value in traits.items():
+        setattr(module, name, value)
+    return module
+
+
+def test_an_objective_without_a_head_is_refused_at_registration():
+    """The head formula is never guessed: a plug-in that names none, or one the decoder
+    families do not price, is an error when the registry loads it."""
+    with pytest.raises(RuntimeError, match=r"objective hybridmem.objectives.fake: no HEAD "):
+        objectives.register(_plugin(NAME="fake", ORDER=9))
+    with pytest.raises(RuntimeError, match=r"HEAD 'logps' is not a head formula \(valid: lm, "):
+        objectives.register(_plugin(NAME="fake", ORDER=9, HEAD="logps"))
+    with pytest.raises(RuntimeError, match=r"LM_LOSS follow from HEAD, not declared"):
+        objectives.register(_plugin(NAME="fake", ORDER=9, HEAD="score", LM_LOSS=False))
+
+
+def test_a_plug_in_declares_only_what_differs_from_sft():
+    """The registry gives every trait a plug-in leaves out SFT's step (one forward of
+    micro_batch rows, SFT's ids + labels batch, no beta, reference or prompt mask, a loss
+    SFTTrainer scales itself: the LM-loss step of `objectives/sft/step.py`), and LM_LOSS /
+    SCORE_HEAD follow from its head."""
+    plugin = objectives.register(_plugin(NAME="fake", ORDER=9, HEAD="logps_split"))
+    spec = TrainingSpec(model="tiny-llama", micro_batch=3)
+    assert (plugin.CONCATENATED, plugin.PADDED, plugin.GENERATES, plugin.UNSCALED_LOSS) == (
+        False, False, False, False)
+    assert (plugin.DEFAULT_BETA, plugin.BATCH_COLUMNS, plugin.PRECOMPUTED_COLUMNS) == (0, 0, 0)
+    assert not plugin.reads_reference(spec) and plugin.prompt_length(spec) == 0
+    assert plugin.FUSED_OUTPUTS is None  # no fused head unless its trainer has one
+    assert plugin.micro_batch_step(spec) == 1 and plugin.at_micro_batch(spec, 2).micro_batch == 2
+    assert plugin.check(spec) is None and plugin.note(spec) == ""
+    assert not plugin.LM_LOSS and not plugin.SCORE_HEAD
+    assert objectives.register(_plugin(NAME="fake", ORDER=9, HEAD="score")).SCORE_HEAD
+
+
+def test_every_head_formula_has_the_decoder_familys_closed_form():
+    """Each formula a plug-in may name is priced: `objective_acts.HEADS` holds all but the LM
+    loss's, which is `decoder_acts.lm_head`'s own; each registered plug-in names one."""
+    from hybridmem.families.common.objective_acts import HEADS as FORMULAS
+
+    assert set(FORMULAS) == set(HEADS) - {LM_HEAD}
+    assert {o.HEAD for o in objectives.REGISTRY.values()} == set(HEADS)

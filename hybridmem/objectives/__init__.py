@@ -16,7 +16,9 @@ from importlib import import_module
 
 from hybridmem.errors import SpecError
 from hybridmem.objectives import rules, trl_head
-from hybridmem.objectives.protocol import REQUIRED, Objective
+from hybridmem.objectives.protocol import (
+    DEFAULTS, DERIVED, HEADS, LM_HEAD, REQUIRED, SCORE, Objective,
+)
 from hybridmem.objectives.rules import REF_MODELS, TRAINERS  # noqa: F401  (the job's choices)
 
 HELPERS = frozenset({"protocol", "rules", "trl_head", "steps"})
@@ -24,15 +26,33 @@ HELPERS = frozenset({"protocol", "rules", "trl_head", "steps"})
 release rule and the torch code the steps share. The registry never imports `steps`."""
 
 
+def register(module) -> Objective:
+    """`module` as a plug-in: it must name its `REQUIRED` traits, its head among `HEADS` (an
+    objective's head is never guessed), and none of the `DERIVED`; every trait it leaves out
+    is set to SFT's (`DEFAULTS`), `LM_LOSS` and `SCORE_HEAD` from its head."""
+    where = f"objective {module.__name__}"
+    missing = [n for n in REQUIRED if not hasattr(module, n)]
+    if missing:
+        raise RuntimeError(f"{where}: no {', '.join(missing)} (objectives.protocol.REQUIRED)")
+    if module.HEAD not in HEADS:
+        raise RuntimeError(f"{where}: HEAD {module.HEAD!r} is not a head formula "
+                           f"(valid: {', '.join(HEADS)})")
+    declared = [n for n in DERIVED if hasattr(module, n)]
+    if declared:
+        raise RuntimeError(f"{where}: {', '.join(declared)} follow from HEAD, not declared")
+    for name, value in DEFAULTS.items():
+        if not hasattr(module, name):
+            setattr(module, name, value)
+    module.LM_LOSS = module.HEAD == LM_HEAD
+    module.SCORE_HEAD = module.HEAD == SCORE
+    return module
+
+
 def _registry() -> dict[str, Objective]:
-    """`NAME` -> plug-in, of every sub-package here that provides the protocol, in `ORDER`."""
-    found = []
-    for info in pkgutil.iter_modules(__path__):
-        if info.name in HELPERS or not info.ispkg:
-            continue
-        module = import_module(f"{__name__}.{info.name}")
-        if all(hasattr(module, name) for name in REQUIRED):
-            found.append(module)
+    """`NAME` -> plug-in, of every sub-package here (`register`), in `ORDER`."""
+    found = [register(import_module(f"{__name__}.{info.name}"))
+             for info in pkgutil.iter_modules(__path__)
+             if info.ispkg and info.name not in HELPERS]
     return {m.NAME: m for m in sorted(found, key=lambda m: m.ORDER)}
 
 
@@ -83,15 +103,13 @@ def padded(spec) -> bool:
 def micro_batch_step(spec) -> int:
     """The micro-batches a job can take are the multiples of this (GRPO's whole groups of
     `num_generations`); 1 for the other objectives."""
-    hook = getattr(of(spec), "micro_batch_step", None)
-    return 1 if hook is None else hook(spec)
+    return of(spec).micro_batch_step(spec)
 
 
 def at_micro_batch(spec, batch: int):
     """`spec` at another micro-batch, for a question about memory only (the allocator's
     replays at smaller micro-batches; GRPO's group shrinks to one that still divides it)."""
-    hook = getattr(of(spec), "at_micro_batch", None)
-    return spec.with_(micro_batch=batch) if hook is None else hook(spec, batch)
+    return of(spec).at_micro_batch(spec, batch)
 
 
 def trl_runs(spec) -> bool:
@@ -117,13 +135,13 @@ def loop_divisions(spec) -> tuple[bool, bool]:
 
     transformers' `training_step` (trainer.py 5.24: `if not loss_is_scaled_for_ga`) divides at
     every step, accumulation 1 too, the loss of a TRL trainer whose `loss_is_scaled_for_ga` is
-    False (the plug-in's optional `UNSCALED_LOSS`: DPO, KTO, RM, ORPO); GRPOTrainer sets it
+    False (the plug-in's `UNSCALED_LOSS`: DPO, KTO, RM, ORPO); GRPOTrainer sets it
     True and SFTTrainer's is scaled by `num_items_in_batch`. Priced for the TRL trainers;
     transformers' own `Trainer` step keeps the division at accumulation > 1 only, without
     accelerate's (one 512-byte block, docs/objectives.md)."""
     if not trl_runs(spec):
         return spec.grad_accum > 1, False
-    return bool(getattr(of(spec), "UNSCALED_LOSS", False)), True
+    return of(spec).UNSCALED_LOSS, True
 
 
 def check(spec) -> None:

@@ -3,8 +3,9 @@ does, and the spec's checks, the tiers, the harness and the answers call them th
 instead of comparing `spec.objective` with a name.
 
 An objective is one folder, `objectives/<name>/`:
-- `__init__.py` (torch-free: every `TrainingSpec` and the analytic tier read it): its traits
-  below, its rules (`check`), the reference it reads, its prompt, its note;
+- `__init__.py` (torch-free: every `TrainingSpec` and the analytic tier read it): its `NAME`,
+  `ORDER` and `HEAD`, then only the traits below where it differs from `DEFAULTS` (SFT's
+  step): its rules (`check`), the reference it reads, its prompt, its note;
 - `step.py` (torch, imported only when a trace or the harness runs the step): the trainer's
   collated batch (`batch`) and its loss of one micro-step (`loss`), op for op as TRL runs
   them, on the helpers of `objectives.steps`.
@@ -16,15 +17,35 @@ from __future__ import annotations
 
 from typing import Protocol
 
+LM_HEAD = "lm"
+SCORE = "score"
+HEADS: dict[str, str] = {
+    LM_HEAD: "transformers' ForCausalLMLoss on the full logits (the family's `lm_head`)",
+    SCORE: "a sequence classifier's (1, hidden) `score`: no vocabulary logits",
+    "logps_mean_logits": "per-token log-probs of every row, then each half's mean-logits copy",
+    "logps_nll": "per-token log-probs beside the chosen half's NLL (cross_entropy)",
+    "logps_split": "per-token log-probs, then the desirable / undesirable rows' index copies",
+    "logps_kept": "the last completion + 1 positions' logits only (`logits_to_keep`), their "
+                  "`/ temperature` copy's per-token log-probs",
+}
+"""The head formulas an objective's `HEAD` names; the decoder family prices each
+(`families.common.objective_acts.HEADS`, `LM_HEAD` the family's own `lm_head`)."""
+
 
 class Objective(Protocol):
     NAME: str
     """The `--objective` choice."""
     ORDER: int
     """Its place among the choices (SFT, the default, first)."""
+    HEAD: str
+    """The head formula its trainer's loss runs on the logits (a key of `HEADS`)."""
     LM_LOSS: bool
-    """transformers' causal-LM loss (SFT): no batch, loss, reference or answer lines of its
-    own; TRL runs it only under `trainer="trl"`. Every other objective is a TRL trainer's."""
+    """`HEAD == LM_HEAD`, set by the registry: transformers' causal-LM loss (SFT): no batch,
+    loss, reference or answer lines of its own; TRL runs it only under `trainer="trl"`. Every
+    other objective is a TRL trainer's."""
+    SCORE_HEAD: bool
+    """`HEAD == SCORE`, set by the registry: a sequence classifier, the lm_head replaced by a
+    (1, hidden) `score` (RM)."""
     CONCATENATED: bool
     """Chosen and rejected in ONE forward: 2 x micro_batch sequences (`objectives.rows`)."""
     PADDED: bool
@@ -44,8 +65,9 @@ class Objective(Protocol):
     GENERATES: bool
     """A generation phase once per optimizer step before its first micro-step (GRPO): its step
     module's `prepare`, the analytic tier's `generation` terms."""
-    SCORE_HEAD: bool
-    """A sequence classifier: the lm_head replaced by a (1, hidden) `score` (RM)."""
+    UNSCALED_LOSS: bool
+    """Its trainer's `loss_is_scaled_for_ga` is False, so transformers' loop divides its loss
+    at every step (`objectives.loop_divisions`)."""
 
     @staticmethod
     def reads_reference(spec) -> bool:
@@ -64,20 +86,38 @@ class Objective(Protocol):
     def note(spec) -> str:
         """Words its answers' note adds after the shared start (`rules.note`); "" for none."""
 
+    @staticmethod
+    def micro_batch_step(spec) -> int:
+        """The micro-batches it can take are the multiples of this
+        (`objectives.micro_batch_step`)."""
 
-REQUIRED: tuple[str, ...] = ("NAME", "ORDER", "LM_LOSS", "CONCATENATED", "PADDED", "DEFAULT_BETA",
-                             "FUSED_OUTPUTS", "BATCH_COLUMNS",
-                             "PRECOMPUTED_COLUMNS", "GENERATES", "SCORE_HEAD", "reads_reference",
-                             "prompt_length", "check", "note")
-"""The attributes a sub-package must have to be an objective."""
+    @staticmethod
+    def at_micro_batch(spec, batch: int):
+        """`spec` at another micro-batch for a question about memory only
+        (`objectives.at_micro_batch`)."""
 
-# optional trait: `UNSCALED_LOSS = True` -> its trainer's `loss_is_scaled_for_ga` is False, so
-# transformers' loop divides its loss at every step (`objectives.loop_divisions`; default False).
-# optional hooks, read through `hybridmem.objectives` (GRPO's):
-# `micro_batch_step(spec)` -> the micro-batches it can take are the multiples of this
-# (`objectives.micro_batch_step`; default 1); `at_micro_batch(spec, batch)` -> `spec` at another
-# micro-batch for a question about memory only (`objectives.at_micro_batch`; default `with_`).
-#
+
+REQUIRED: tuple[str, ...] = ("NAME", "ORDER", "HEAD")
+"""The attributes a sub-package must have to be an objective; the registry refuses one that
+lacks any (a head is never guessed)."""
+
+DERIVED: tuple[str, ...] = ("LM_LOSS", "SCORE_HEAD")
+"""Traits the registry sets from `HEAD`; a plug-in does not declare them."""
+
+
+def _no_rules(spec) -> None:
+    return None
+
+
+DEFAULTS: dict[str, object] = dict(
+    CONCATENATED=False, PADDED=False, DEFAULT_BETA=0.0, FUSED_OUTPUTS=None, BATCH_COLUMNS=0,
+    PRECOMPUTED_COLUMNS=0, GENERATES=False, UNSCALED_LOSS=False,
+    reads_reference=lambda spec: False, prompt_length=lambda spec: 0, check=_no_rules,
+    note=lambda spec: "", micro_batch_step=lambda spec: 1,
+    at_micro_batch=lambda spec, batch: spec.with_(micro_batch=batch))
+"""What a plug-in that leaves a trait out gets: SFT's step (one forward of micro_batch rows,
+no reference, no prompt mask, no rules or note of its own, any micro-batch) and no fused head."""
+
 # its `step.py` (torch; `objectives.step_of`): `loss(job, spec, micro)` -> the loss of one
 # micro-step (the runner's `model(**batch).loss`); `batch(spec, device, fused)` -> the trainer's
 # collated batch (not for the LM loss, whose batch is the SFT one); optional `collate(batch)` ->

@@ -17,6 +17,8 @@ output (fp32 under autocast, whose CUDA lists run log_softmax in fp32; else e).
   undesirable split's index copies of the logits' rows (freed when `forward` returns).
 - GRPO: `logits_to_keep = completion + 1` (`_grpo_head`).
 - The reward model's `score` head: R x S x 1 logits, nothing vocabulary-sized.
+Each objective's plug-in names its formula (`HEAD`, a key of `objectives.protocol.HEADS`);
+`HEADS` below holds their closed forms, and `objective_head` dispatches through the plug-in.
 Backward: the per-row grads wait in the unbind's input buffer until every row has one (each
 row's saved output released as its grad arrives), then stack into the logits' grad
 (R x S x V, e).
@@ -24,12 +26,15 @@ row's saved output released as its grad arrives), then stack into the logits' gr
 
 from __future__ import annotations
 
+from functools import partial
+
 from hybridmem.allocator.alloc import t
 from hybridmem.families.common.activations import (
     FP32, INT64, Acts, Ctx, Saved, dora_linears, dora_saved, linear_inputs, lora_matrices,
     lora_outputs,
 )
 from hybridmem.models.graph import Layer
+from hybridmem.objectives import REGISTRY
 
 
 def _row_bytes(c: Ctx) -> int:
@@ -59,10 +64,11 @@ def _logps(c: Ctx, rows: int, seq: int, V: int) -> tuple[int, int, int]:
 
 
 def objective_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
+    """The lm_head's input and autocast copies, then the head formula the job's objective
+    plug-in names (`HEADS`)."""
     d = layer.dims
     R, S, h, V = d["b"], d["s"], d["h"], d["vocab"]
     B = R * S
-    e = c.e
     sv = Saved()
     n_lora = len(lora_matrices(layer)) // 2
     linear_inputs(sv, c, B * h, c.stream, 1, need_w, n_lora, shared=False, in_grad=need_in)
@@ -73,43 +79,60 @@ def objective_head(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         w = t(V * h, 2)
         copies = (w if need_in or need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
         cache = (w if need_w else 0) + sum(t(p.numel, 2) for p in lora_matrices(layer))
-    if c.objective == "grpo":
-        return _grpo_head(R, S, h, V, c, sv, copies, cache, need_w)
+    return HEADS[REGISTRY[c.objective].HEAD](R, S, h, V, c, sv, copies, cache, need_w)
+
+
+def _score_head(R: int, S: int, h: int, V: int, c: Ctx, sv: Saved, copies: int, cache: int,
+                need_w: bool) -> Acts:
+    """The reward model's score head: (R, S, 1) scores, the last token's read."""
+    B, e = R * S, c.e
     logits = t(B * V, e)
-    if c.objective == "rm":  # the score head: (R, S, 1) scores, the last token's read
-        return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
-                    fwd_extra=logits, fwd_parts=(logits,), bwd_extra=logits + t(B * h, e),
-                    bwd_parts=(logits, t(B * h, e)))
-    keeps_logits = e == FP32 and not c.amp
-    fwd: list[int] = []
-    bwd_loss = 0
-    if c.objective == "dpo":
-        saved, row, bwd_loss = _logps(c, R, S, V)
-        half, n = R // 2, S - 1 - max(c.prompt - 1, 0)
-        fwd.append(max(row, t(half * n * V, e)))  # a row's cast, or a half's mean copy
-        sv.add(B, INT64)  # the rolled labels, gather's index
-    elif c.objective == "orpo":
-        half = R // 2
-        nll_rows = half * (S - 1)
-        ls = FP32 if (c.amp or e == FP32) else e
-        nll_saved = t(nll_rows * V, ls)
-        nll_fwd = t(nll_rows * V, e) + (t(nll_rows * V, FP32) if c.amp and e != FP32 else 0)
-        saved, row, bwd_loss = _logps(c, R, S - 1, V)
-        saved += nll_saved
-        fwd.append(max(nll_fwd, row))
-        bwd_loss = max(bwd_loss, 2 * nll_saved)
-        sv.add(R * (S - 1), INT64)
-    else:  # kto, grpo: the per-token log-probs of R sequences
-        saved, row, bwd_loss = _logps(c, R, S - 1, V)
-        # KTO's desirable / undesirable split: `logits[idx]` copies every row once, after
-        # the log-probs' row work (kto_trainer.py `forward`)
-        fwd.append(max(row, _split_copies(R, S, V, e)) if c.objective == "kto" else row)
-        sv.add(R * (S - 1), INT64)
+    return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
+                fwd_extra=logits, fwd_parts=(logits,), bwd_extra=logits + t(B * h, e),
+                bwd_parts=(logits, t(B * h, e)))
+
+
+def _mean_logits_loss(R: int, S: int, V: int, c: Ctx, sv: Saved) -> tuple[int, int, int]:
+    """DPO: the log-probs of every row, then each half's mean-logits copy (`_logps`' triple)."""
+    saved, row, bwd_loss = _logps(c, R, S, V)
+    half, n = R // 2, S - 1 - max(c.prompt - 1, 0)
+    sv.add(R * S, INT64)  # the rolled labels, gather's index
+    return saved, max(row, t(half * n * V, c.e)), bwd_loss  # a row's cast, or a half's copy
+
+
+def _nll_loss(R: int, S: int, V: int, c: Ctx, sv: Saved) -> tuple[int, int, int]:
+    """ORPO: the chosen half's shifted NLL beside the log-probs of every row."""
+    e = c.e
+    nll_rows = R // 2 * (S - 1)
+    ls = FP32 if (c.amp or e == FP32) else e
+    nll_saved = t(nll_rows * V, ls)
+    nll_fwd = t(nll_rows * V, e) + (t(nll_rows * V, FP32) if c.amp and e != FP32 else 0)
+    saved, row, bwd_loss = _logps(c, R, S - 1, V)
+    sv.add(R * (S - 1), INT64)
+    return saved + nll_saved, max(nll_fwd, row), max(bwd_loss, 2 * nll_saved)
+
+
+def _split_loss(R: int, S: int, V: int, c: Ctx, sv: Saved) -> tuple[int, int, int]:
+    """KTO: the per-token log-probs of R sequences, then the desirable / undesirable split:
+    `logits[idx]` copies every row once, after the log-probs' row work (kto_trainer.py
+    `forward`)."""
+    saved, row, bwd_loss = _logps(c, R, S - 1, V)
+    sv.add(R * (S - 1), INT64)
+    return saved, max(row, _split_copies(R, S, V, c.e)), bwd_loss
+
+
+def _on_logits(loss, R: int, S: int, h: int, V: int, c: Ctx, sv: Saved, copies: int,
+               cache: int, need_w: bool) -> Acts:
+    """The full (R, S, V) logits, then `loss`'s (saved, forward transient, backward
+    transient); fp32 logits outside autocast stay saved for backward (`_logps`)."""
+    B, e = R * S, c.e
+    saved, top, bwd_loss = loss(R, S, V, c, sv)
+    fwd = [top]
     sv.add(saved, 1)
-    if keeps_logits:
+    if e == FP32 and not c.amp:
         sv.add(B * V, e)
     else:
-        fwd.insert(0, logits)
+        fwd.insert(0, t(B * V, e))
     bwd = [t(B * V, e), t(B * h, e)] + ([t(V * h, 2)] if c.amp and need_w else [])
     return Acts(saved=sv.total + copies, parts=(copies, *sv.sizes), cache=cache,
                 fwd_extra=sum(fwd), fwd_parts=tuple(fwd), bwd_extra=sum(bwd),
@@ -152,6 +175,15 @@ def _grpo_head(R: int, S: int, h: int, V: int, c: Ctx, sv: Saved, copies: int, c
                 fwd_after_top=after, bwd_top_freed=0 if keeps_copy else saved)
 
 
+HEADS = {"score": _score_head,
+         "logps_mean_logits": partial(_on_logits, _mean_logits_loss),
+         "logps_nll": partial(_on_logits, _nll_loss),
+         "logps_split": partial(_on_logits, _split_loss),
+         "logps_kept": _grpo_head}
+"""The closed form of each head formula an objective names (`objectives.protocol.HEADS`; its
+`LM_HEAD` is `decoder_acts.lm_head`'s own)."""
+
+
 def _split_copies(R: int, S: int, V: int, e: int) -> int:
     """KTO's chosen / undesirable logits: two index copies of alternating rows (rows 0, 2, ...
     and 1, 3, ...: kto_trainer.py `forward`, `logits[chosen_idx, ...]`)."""
@@ -168,10 +200,18 @@ def reference_head(R: int, S: int, h: int, V: int, c: Ctx, prompt: int, objectiv
     cast = t(V * h, 2) if c.amp else 0
     row = 0 if (e == FP32 and not c.amp) else t(S * V, _row_bytes(c)) + (
         t(S * V, FP32) if c.amp and e != FP32 else 0)
-    half, n = R // 2, S - 1 - max(prompt - 1, 0)
-    metric = t(half * n * V, e) if objective == "dpo" else (
-        _split_copies(R, S, V, e) if objective == "kto" else 0)
-    return logits + max(cast, row, metric)
+    copy = REFERENCE_COPIES.get(REGISTRY[objective].HEAD)  # the other heads copy none
+    return logits + max(cast, row, copy(R, S, V, e, prompt) if copy else 0)
+
+
+def _mean_logits_copy(R: int, S: int, V: int, e: int, prompt: int) -> int:
+    """DPO's half's mean-logits copy (half x completion x V)."""
+    return t(R // 2 * (S - 1 - max(prompt - 1, 0)) * V, e)
+
+
+REFERENCE_COPIES = {"logps_mean_logits": _mean_logits_copy,
+                    "logps_split": lambda R, S, V, e, prompt: _split_copies(R, S, V, e)}
+"""The head formulas whose reference forward copies logits beside its log-probs."""
 
 
 # TRL's fused LM head (trl/kernels/chunked_logprob.py, read at trl 1.16.0): tokens per tile

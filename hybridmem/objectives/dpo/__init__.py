@@ -10,16 +10,13 @@ from hybridmem.objectives import rules
 
 NAME = "dpo"
 ORDER = 1
-LM_LOSS = False
+HEAD = "logps_mean_logits"
 CONCATENATED = True
-PADDED = False
 DEFAULT_BETA = 0.1  # trl/trainer/dpo_config.py
 # trl 1.16.0 dpo_trainer.py (without `use_weighting`): `add_fused_lm_head(..., outputs=(...))`
 FUSED_OUTPUTS: tuple[str, ...] | None = ("log_probs", "entropy", "mean_logits", "is_top1")
 BATCH_COLUMNS = 0  # the loss mask takes the labels' place
 PRECOMPUTED_COLUMNS = 2  # chosen's and rejected's
-GENERATES = False
-SCORE_HEAD = False
 # its trainer's `loss_is_scaled_for_ga = False` (trl 1.16 trl/trainer/dpo_trainer.py:494):
 # transformers' loop divides the loss at every step (`objectives.loop_divisions`)
 UNSCALED_LOSS = True

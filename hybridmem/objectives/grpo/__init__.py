@@ -14,16 +14,12 @@ from hybridmem.objectives import rules
 
 NAME = "grpo"
 ORDER = 5
-LM_LOSS = False
-CONCATENATED = False
-PADDED = False
+HEAD = "logps_kept"
 # grpo_config.py: beta 0.0, "the reference model is not loaded"
 DEFAULT_BETA = 0.0
 FUSED_OUTPUTS: tuple[str, ...] | None = ("log_probs", "entropy")  # grpo_trainer.py __init__
 BATCH_COLUMNS = -1  # a stand-in of ids only: the generation makes the step's
-PRECOMPUTED_COLUMNS = 0
 GENERATES = True
-SCORE_HEAD = False
 # trl/trainer/grpo_config.py: max_completion_length 256, vllm_gpu_memory_utilization 0.3
 # (colocate mode)
 DEFAULT_COMPLETION = 256

@@ -8,28 +8,21 @@ from hybridmem.objectives import rules
 
 NAME = "kto"
 ORDER = 3
-LM_LOSS = False
-CONCATENATED = False
-PADDED = False
+HEAD = "logps_split"
 DEFAULT_BETA = 0.1  # trl/trainer/kto_config.py
 # trl 1.16.0 kto_trainer.py: `add_fused_lm_head(..., outputs=(...))`
 FUSED_OUTPUTS: tuple[str, ...] | None = ("log_probs", "entropy", "mean_logits")
 BATCH_COLUMNS = 2  # the KL batch's ids and labels
 PRECOMPUTED_COLUMNS = 3  # chosen's, rejected's, the KL batch's
-GENERATES = False
-SCORE_HEAD = False
 # its trainer's `loss_is_scaled_for_ga = False` (trl 1.16 trl/trainer/kto_trainer.py:550):
 # transformers' loop divides the loss at every step (`objectives.loop_divisions`)
 UNSCALED_LOSS = True
+# prompt_length 0 (the default): `max_prompt_length` only bounds the prompt (TRL truncates
+# to it), the worst case
 
 
 def reads_reference(spec) -> bool:
     return True
-
-
-def prompt_length(spec) -> int:
-    """0: `max_prompt_length` only bounds the prompt (TRL truncates to it): the worst case."""
-    return 0
 
 
 def check(spec) -> None:

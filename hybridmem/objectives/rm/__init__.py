@@ -8,27 +8,15 @@ from hybridmem.objectives import rules
 
 NAME = "rm"
 ORDER = 4
-LM_LOSS = False
+HEAD = "score"  # num_labels=1: the (1, hidden) score
 CONCATENATED = True
 # trl 1.16 reward_trainer.py `DataCollatorForPreference`: padded to the longest
 PADDED = True
-DEFAULT_BETA = 0.0  # RewardConfig has no beta
-FUSED_OUTPUTS: tuple[str, ...] | None = None  # a score head: no log-probs
-BATCH_COLUMNS = 0  # the attention mask takes the labels' place
-PRECOMPUTED_COLUMNS = 0
-GENERATES = False
-SCORE_HEAD = True
+# DEFAULT_BETA 0 (RewardConfig has no beta), FUSED_OUTPUTS None (a score head: no log-probs),
+# BATCH_COLUMNS 0 (the attention mask takes the labels' place): the protocol's defaults
 # its trainer's `loss_is_scaled_for_ga = False` (trl 1.16 trl/trainer/reward_trainer.py:330):
 # transformers' loop divides the loss at every step (`objectives.loop_divisions`)
 UNSCALED_LOSS = True
-
-
-def reads_reference(spec) -> bool:
-    return False
-
-
-def prompt_length(spec) -> int:
-    return 0
 
 
 def check(spec) -> None:
