@@ -34,7 +34,10 @@ GEMMA = "gemma"       # four (1 + weight) norms per layer, scaled embedding (mod
 MOE = "moe"           # router + 3-D expert weights (modeling_mixtral.MixtralExperts)
 NO_SDPA = "no_sdpa"   # `_supports_sdpa = False` in its transformers code (softcapping)
 QKV_BIAS = "qkv_bias"    # bias=True on q/k/v only, hard-coded (modeling_qwen2.Qwen2Attention)
-TRAITS = (QK_NORM, FUSED, GEMMA, MOE, NO_SDPA, QKV_BIAS)
+# local (sliding) and global layers: a RoPE table per layer type (Gemma3RotaryEmbedding), and
+# SDPA masks the sliding layers once the sequence reaches the window (masking_utils)
+SLIDING = "sliding"
+TRAITS = (QK_NORM, FUSED, GEMMA, MOE, NO_SDPA, QKV_BIAS, SLIDING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,16 @@ class Family:
     """(name fragment, part) pairs placing its transformers parameter / module names in the
     graph's top-level parts (`models.build.part_of`; the first match wins, then the shared
     fragments `models.build.PART_FRAGMENTS`): what the trace tier and the harness freeze."""
+    default_layer_types: Callable[[object], list[str]] | None = None
+    """Decoder: (text config) -> its per-layer attention types where the config lists none
+    (Gemma 3's local / global pattern); None: every layer full attention."""
+    experts: Callable[[object], dict] | None = None
+    """Decoder with `MOE`: (text config) -> its experts' fields and router rules as the layer's
+    dims read them: experts, top_k, ffn (an expert's intermediate size), router_copy (softmax
+    of an fp32 copy), router_norm (top-k weights renormalised), router_fp32_weights."""
+    sparse_layer: Callable[[object, int], bool] | None = None
+    """Decoder with `MOE`: (text config, layer index) -> whether the layer has the sparse
+    block; None: every layer has it."""
     techniques: frozenset[str] = frozenset()
     """The model-patching techniques (`techniques/<name>.py` `NAME`) whose patch of this
     model_type is priced; a VLM that lists one is patched through its LM (Liger's
@@ -240,6 +253,15 @@ def target(model_type: str, text_type: str | None = None):
                       listed)
     return Target(model_type, model_type, fam.techniques if fam is not None else frozenset(),
                   listed)
+
+
+def text_family(model_type: str | None) -> Family | None:
+    """The declared decoder family of a text config's `model_type`, its own or one of its
+    `sub_types` (Qwen3-VL-MoE's `qwen3_vl_moe_text` is Qwen3-MoE's); None for the others."""
+    for mt, f in REGISTRY.items():
+        if f.kind == DECODER and (model_type == mt or model_type in f.sub_types):
+            return f
+    return None
 
 
 def with_trait(trait: str) -> tuple[str, ...]:

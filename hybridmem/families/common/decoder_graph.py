@@ -11,7 +11,9 @@ projections, Gemma's four norms per layer, scaled embedding and logit softcappin
 
 from __future__ import annotations
 
-from hybridmem.families import FUSED, GEMMA, MOE, QK_NORM, QKV_BIAS, with_trait
+from hybridmem.families import (
+    FUSED, GEMMA, MOE, QK_NORM, QKV_BIAS, SLIDING, text_family, with_trait,
+)
 from hybridmem.models.graph import Layer, ParamTensor as T, linear as _linear
 
 FP32 = 4
@@ -43,9 +45,8 @@ GEMMA_TYPES = with_trait(GEMMA)
 # weights as 3-D parameters (`mlp.experts.gate_up_proj` E x 2f x h, `mlp.experts.down_proj`
 # E x h x f; modeling_mixtral.MixtralExperts / MixtralTopKRouter, modeling_qwen3_moe likewise)
 MOE_TYPES = with_trait(MOE)
-# Qwen3-MoE's layer rule and expert fields (Qwen3-VL-MoE's text model: modeling_qwen3_vl_moe
-# Qwen3VLMoeTextDecoderLayer, the same `mlp_only_layers` / `decoder_sparse_step` test)
-QWEN3_MOE_TEXT = ("qwen3_moe", "qwen3_vl_moe_text")
+# families with local (sliding) and global layers, a RoPE table per type (Gemma3RotaryEmbedding)
+SLIDING_TYPES = with_trait(SLIDING)
 
 
 def qk_norm(tc) -> bool:
@@ -54,23 +55,21 @@ def qk_norm(tc) -> bool:
 
 
 def layer_types(tc) -> list[str]:
-    """Per-layer attention types: `layer_types` from the config, else Gemma 3's default
-    (configuration_gemma3.Gemma3TextConfig: sliding unless (i + 1) % sliding_window_pattern
-    == 0, pattern 6); one type for the other families."""
+    """Per-layer attention types: `layer_types` from the config, else the family's default
+    (`Family.default_layer_types`: Gemma 3's pattern); one type for the other families."""
     types = getattr(tc, "layer_types", None)
     if types:
         return list(types)
-    if tc.model_type == "gemma3_text":
-        pattern = getattr(tc, "sliding_window_pattern", None) or 6
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                for i in range(tc.num_hidden_layers)]
+    fam = text_family(tc.model_type)
+    if fam is not None and fam.default_layer_types is not None:
+        return fam.default_layer_types(tc)
     return ["full_attention"] * tc.num_hidden_layers
 
 
 def rope_tables(tc) -> tuple[str, ...]:
     """Layer types with their own RoPE table (Gemma3RotaryEmbedding: `{type}_inv_freq` per
     type present, a local and a global base; one unnamed table elsewhere)."""
-    return tuple(sorted(set(layer_types(tc)))) if tc.model_type == "gemma3_text" else ("",)
+    return tuple(sorted(set(layer_types(tc)))) if tc.model_type in SLIDING_TYPES else ("",)
 
 
 def gemma(tc) -> bool:
@@ -90,24 +89,26 @@ def activation(tc) -> str:
     return getattr(tc, "hidden_activation", None) or tc.hidden_act
 
 
+def experts(tc) -> dict | None:
+    """The family's experts' fields and router rules (`Family.experts`); None for a dense
+    family."""
+    fam = text_family(tc.model_type)
+    return fam.experts(tc) if fam is not None and fam.experts is not None else None
+
+
 def moe(tc) -> tuple[int, int, int]:
-    """(experts, top_k, expert intermediate size); (0, 0, 0) for a dense family. Mixtral:
-    `num_local_experts`, `intermediate_size`; Qwen3-MoE: `num_experts`,
-    `moe_intermediate_size` (configuration_mixtral.py, configuration_qwen3_moe.py)."""
-    if tc.model_type == "mixtral":
-        return tc.num_local_experts, tc.num_experts_per_tok, tc.intermediate_size
-    if tc.model_type in QWEN3_MOE_TEXT:
-        return tc.num_experts, tc.num_experts_per_tok, tc.moe_intermediate_size
-    return 0, 0, 0
+    """(experts, top_k, expert intermediate size); (0, 0, 0) for a dense family."""
+    rules = experts(tc)
+    return (0, 0, 0) if rules is None else (rules["experts"], rules["top_k"], rules["ffn"])
 
 
 def moe_layer(tc, i: int) -> bool:
-    """Whether layer `i` has the sparse MoE block (Qwen3MoeDecoderLayer.__init__: not in
-    `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; Mixtral: every layer)."""
-    if tc.model_type in QWEN3_MOE_TEXT:
-        return (i not in (getattr(tc, "mlp_only_layers", None) or []) and tc.num_experts > 0
-                and (i + 1) % (getattr(tc, "decoder_sparse_step", 1) or 1) == 0)
-    return tc.model_type in MOE_TYPES
+    """Whether layer `i` has the sparse MoE block (`Family.sparse_layer`, else every layer of
+    a MoE family)."""
+    if tc.model_type not in MOE_TYPES:
+        return False
+    fam = text_family(tc.model_type)
+    return fam is None or fam.sparse_layer is None or fam.sparse_layer(tc, i)
 
 
 def _biases(tc) -> tuple[bool, bool, bool]:
@@ -174,21 +175,14 @@ def _sliding_masked(tc, seq: int) -> bool:
     `sdpa_mask` skips it (is_causal) only while kv_length < the window
     (`_ignore_causal_mask_sdpa`, `local_attention_size`); full layers always skip it."""
     window = getattr(tc, "sliding_window", None)
-    return (tc.model_type == "gemma3_text" and bool(window) and seq >= window
+    return (tc.model_type in SLIDING_TYPES and bool(window) and seq >= window
             and "sliding_attention" in layer_types(tc))
 
 
 def moe_dims(tc, dims: dict) -> dict:
     """A sparse layer's dims: experts, top_k, the experts' intermediate size as `ffn`, and
-    the router's rules (Mixtral: softmax of an fp32 copy, always renormalised, fp32 weights;
-    Qwen3-MoE: softmax(dtype=float), renormalised if `norm_topk_prob`, weights cast back)."""
-    n, k, fe = moe(tc)
-    mix = tc.model_type == "mixtral"
-    return dict(dims, moe=True, experts=n, top_k=k, ffn=fe, router_copy=mix,
-                # Qwen3VLMoeTextTopKRouter renormalises always (no norm_topk_prob test)
-                router_norm=mix or tc.model_type == "qwen3_vl_moe_text"
-                or bool(getattr(tc, "norm_topk_prob", False)),
-                router_fp32_weights=mix)
+    the router's rules, as the family gives them (`Family.experts`)."""
+    return dict(dims, moe=True, **experts(tc))
 
 
 def language_model_layers(tc, batch: int, seq: int) -> tuple[Layer, ...]:
