@@ -137,3 +137,51 @@ def test_a_kind_two_families_register_differently_is_refused(monkeypatch):
         monkeypatch.setitem(REGISTRY, "mistral", mistral)
         layer_kinds.cache_clear()
     assert layer_kinds()["rmsnorm"] == llama.layer_kinds()["rmsnorm"]
+
+
+def test_the_shared_decoder_code_names_no_family():
+    """What one decoder family does differently is in its record (`Family.traits`, its hooks),
+    never a `model_type` compared in the shared graph or closed forms."""
+    import re
+    from pathlib import Path
+
+    common = Path(families.__file__).parent / "common"
+    compared = re.compile(r"""model_type *(==|!=|(not +)?in) *[(\[{]*["']""")
+    for name in ("decoder_graph.py", "decoder_acts.py", "objective_acts.py"):
+        assert not compared.search((common / name).read_text()), name
+
+
+def test_gemma3s_default_layer_types_are_its_config_classes():
+    """Oracle: transformers' Gemma3TextConfig fills `layer_types` from the pattern itself."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from hybridmem.families.common.decoder_graph import layer_types, rope_tables
+
+    config = AutoConfig.for_model("gemma3_text", num_hidden_layers=13)
+    light = SimpleNamespace(model_type="gemma3_text", num_hidden_layers=13, layer_types=None,
+                            sliding_window_pattern=6)
+    assert layer_types(light) == list(config.layer_types)
+    assert rope_tables(light) == ("full_attention", "sliding_attention")
+    llama = SimpleNamespace(model_type="llama", num_hidden_layers=3)
+    assert layer_types(llama) == ["full_attention"] * 3 and rope_tables(llama) == ("",)
+
+
+def test_the_moe_families_records_give_their_experts():
+    """Oracle: the config classes' expert fields (configuration_mixtral.py: 8 local experts,
+    top-2, intermediate 14336; configuration_qwen3_moe.py: 128 experts, top-8, 768 with
+    `decoder_sparse_step` / `mlp_only_layers` choosing the sparse layers)."""
+    from transformers import AutoConfig
+
+    from hybridmem.families.common.decoder_graph import moe, moe_dims, moe_layer
+
+    mixtral = AutoConfig.for_model("mixtral")
+    assert moe(mixtral) == (8, 2, 14336) and moe_layer(mixtral, 0)
+    assert moe_dims(mixtral, {})["router_fp32_weights"]
+    qwen = AutoConfig.for_model("qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[3])
+    assert moe(qwen) == (128, 8, 768)
+    assert [moe_layer(qwen, i) for i in range(6)] == [False, True, False, False, False, True]
+    assert not moe_dims(qwen, {})["router_norm"]  # norm_topk_prob False
+    assert moe(AutoConfig.for_model("llama")) == (0, 0, 0)
+    assert not moe_layer(AutoConfig.for_model("llama"), 0)
