@@ -70,7 +70,7 @@ def vision_graph(cfg, spec, images, plan, style: str = SINGLE):
     from hybridmem.families.common.llava_arch.graph import vision_modules
 
     if pixtral_tower(cfg):
-        return pixtral.vision_graph(cfg, spec, images, plan)
+        return pixtral.vision_graph(cfg, spec, images, plan, llava=True)
     return vision_modules(cfg, spec, images, plan, style)
 
 

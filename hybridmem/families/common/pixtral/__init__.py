@@ -27,12 +27,14 @@ def pixel_inputs(config, plan, n_images, dtype, device=None, host_shapes=False) 
             "image_sizes": sizes if host_shapes else torch.tensor(sizes, device=device)}
 
 
-def vision_graph(cfg, spec, images, plan):
-    """One packed patch sequence per step (Mistral-3, pixtral-12b)."""
+def vision_graph(cfg, spec, images, plan, llava: bool = False):
+    """One packed patch sequence per step, then Mistral-3's projector (`llava`: LLaVA's,
+    pixtral-12b)."""
     from hybridmem.families.common.pixtral import graph as mistral3
     from hybridmem.models.graph import ImageLayout
 
-    modules = mistral3.vision_modules(cfg, plan, spec.micro_batch * images, runs=images > 0)
+    modules = mistral3.vision_modules(cfg, plan, spec.micro_batch * images, runs=images > 0,
+                                      llava=llava)
     return modules, ImageLayout(crops=0, features_per_crop=0, tokens=plan.tokens)
 
 

@@ -116,9 +116,11 @@ def llava_projector_layer(cfg, plan: ImagePlan, n_images: int, runs: bool = True
                            act=cfg.projector_hidden_act, packed=0))
 
 
-def vision_modules(cfg, plan: ImagePlan, n_images: int, runs: bool = True) -> list[Module]:
-    """`model.vision_tower` and `model.multi_modal_projector` for `n_images` images."""
-    proj = (projector_layer if cfg.model_type == "mistral3" else llava_projector_layer)
+def vision_modules(cfg, plan: ImagePlan, n_images: int, runs: bool = True,
+                   llava: bool = False) -> list[Module]:
+    """`model.vision_tower` and `model.multi_modal_projector` for `n_images` images: Mistral-3's
+    projector, or LLaVA's (`llava`: the record of a LLaVA with this tower says so)."""
+    proj = llava_projector_layer if llava else projector_layer
     return [Module(name="vision_tower", prefix="model.vision_tower",
                    layers=vision_layers(cfg, plan, n_images, runs)),
             Module(name="multi_modal_projector", prefix="model.multi_modal_projector",
