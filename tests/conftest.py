@@ -8,6 +8,15 @@ import pytest
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+# pytest-xdist (addopts `-n auto`): each worker gets its share of the CPUs for torch's and
+# OpenMP's thread pools, which default to one thread per core: N workers each using every core
+# would oversubscribe them. Set before any test imports torch.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, _SHARE)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_stores(tmp_path_factory):
