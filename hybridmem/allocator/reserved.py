@@ -139,7 +139,7 @@ def bounded(spec, allocated: int, measure: Callable, capacity: int | None = None
 
     def at(batch: int, default: int = 0) -> tuple[int, int]:
         nonlocal retries, floor
-        a, f, r, oom, peak = _at(spec, batch, measure, env, capacity, default)
+        a, f, r, oom, peak = at_batch(spec, batch, measure, env, capacity, default)
         if batch > b:  # the 2q probe: it bounds the estimate, its allocator events are not b's
             above.extend([batch] if oom else [])
             return a, f
@@ -171,7 +171,7 @@ def bounded(spec, allocated: int, measure: Callable, capacity: int | None = None
                    probe_oom=bool(above))
 
 
-def _at(spec, batch: int, measure: Callable, env: str, capacity: int | None = None,
+def at_batch(spec, batch: int, measure: Callable, env: str, capacity: int | None = None,
         default: int = 0) -> tuple[int, int, int, bool, int]:
     """(allocated, F, retries, OOM, reserved peak) at another micro-batch; a batch the spec
     rejects counts as (0, default, 0, False, 0)."""

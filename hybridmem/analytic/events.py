@@ -10,7 +10,7 @@ caching-allocator simulator the trace tier also uses (`hybridmem.allocator`):
 - forward, per layer: its saved tensors (`Acts.parts`, in forward order) with its transient
   tensors (`Acts.fwd_parts`; bytes a formula sums without listing are cut into tensors of the
   layer's hidden-state size) alive over the second half; a checkpointed layer runs under
-  no_grad (working set: `_no_grad_working_set` and the transients) and keeps its input
+  no_grad (working set: `no_grad_working_set` and the transients) and keeps its input
   (`ckpt_saved`) and autocast's cache; the tied embedding's grad is accumulated out of place;
 - backward, last layer first: recompute (checkpointing), the MLP half then the attention half
   (their transients, grads allocated per parameter as they are produced, the MLP's saved
@@ -117,7 +117,7 @@ def _recomputed_parts(acts) -> list[int]:
     return parts
 
 
-def _no_grad_working_set(layer, acts, amp: bool) -> list[int]:
+def no_grad_working_set(layer, acts, amp: bool) -> list[int]:
     """Tensors alive together at the high point of a checkpointed layer's no_grad forward.
 
     Under no_grad each op's output is freed once consumed; the high point is the gated MLP
@@ -277,7 +277,7 @@ def _forward(s: Stream, priced, statics, amp: bool):
         if st.on_path and st.ckpt:
             # no_grad: intermediates die as soon as they are consumed; only the working
             # set at the layer's high point and then its output are allocated
-            s.free(s.allocs(_no_grad_working_set(p.layer, a, amp) + extra))
+            s.free(s.allocs(no_grad_working_set(p.layer, a, amp) + extra))
             kept[i] = s.allocs([a.ckpt_saved])
             drop_at_end += s.allocs([a.cache])
         else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridmem.analytic.events import _no_grad_working_set
+from hybridmem.analytic.events import no_grad_working_set
 from hybridmem.families.common.activations import FP32, Ctx
 from hybridmem.families.common.objective_acts import reference_head, trl_reference_head
 from hybridmem import objectives as plugins
@@ -94,7 +94,7 @@ def _no_grad_forward(priced, c: Ctx, shape: tuple[int, int] | None, head) -> int
             best = max(best, _layer_no_grad(d, c, b, s))
         elif p.layer.kind == "decoder_layer":  # the policy's shape's acts: an approximation
             stream = t(b * s * d["h"], c.stream)
-            best = max(best, stream + sum(_no_grad_working_set(p.layer, p.step.acts, c.amp)))
+            best = max(best, stream + sum(no_grad_working_set(p.layer, p.step.acts, c.amp)))
         elif p.layer.kind == "lm_head":
             best = max(best, t(b * s * d["h"], c.stream) + head(dict(d, b=b, s=s)))
     return best

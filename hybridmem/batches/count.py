@@ -59,14 +59,14 @@ def load_records(path: str | os.PathLike) -> list[dict]:
                 raise SpecError("dataset", str(path), tuple(data), reason="has no train split")
             data = data["train"]
         return list(data)
-    from hybridmem.batches.read import TABLES, _table
+    from hybridmem.batches.read import TABLES, read_table
 
     kind = TABLES.get(path.suffix.lower())
     if not path.is_file() or kind is None:
         raise SpecError("dataset", str(path), tuple(TABLES),
                         reason="not a dataset folder or a table file with one of these suffixes")
     try:
-        return _table(path, kind).to_dict("records")
+        return read_table(path, kind).to_dict("records")
     except SpecError as err:
         raise SpecError("dataset", str(path), reason=err.reason) from None
 

@@ -69,7 +69,7 @@ def read_lengths(path: str | os.PathLike) -> Lengths:
     kind = TABLES.get(path.suffix.lower())
     if kind is None:
         return Lengths(_lines(path), None, str(path))
-    frame = _table(path, kind)
+    frame = read_table(path, kind)
     column = next((c for c in LENGTH_COLUMNS if c in frame.columns), None)
     if column is None:
         raise SpecError("lengths", str(path), LENGTH_COLUMNS,
@@ -84,7 +84,7 @@ def read_lengths(path: str | os.PathLike) -> Lengths:
     return Lengths(tokens, images, f"{path}: {column}")
 
 
-def _table(path: Path, kind: str):
+def read_table(path: Path, kind: str):
     import pandas as pd  # only for table files; a plain list of integers needs none
 
     try:

@@ -34,7 +34,7 @@ def _positive(field: str, value: object) -> None:
         raise SpecError(field, value, reason="must be a positive integer")
 
 
-def _sub(data: dict, defaults: dict, prefix: str) -> SimpleNamespace:
+def parse_sub(data: dict, defaults: dict, prefix: str) -> SimpleNamespace:
     cfg = dict(defaults)
     cfg.update({k: v for k, v in data.items() if not k.startswith("_")})
     for key in POSITIVE:
@@ -43,9 +43,9 @@ def _sub(data: dict, defaults: dict, prefix: str) -> SimpleNamespace:
     return SimpleNamespace(**cfg)
 
 
-def _text(data: dict, prefix: str = "") -> SimpleNamespace:
+def parse_text(data: dict, prefix: str = "") -> SimpleNamespace:
     kind = data.get("model_type", "llama")
-    tc = _sub({**data, "model_type": kind}, TEXT_DEFAULTS[kind], prefix)
+    tc = parse_sub({**data, "model_type": kind}, TEXT_DEFAULTS[kind], prefix)
     if tc.num_key_value_heads is None:
         tc.num_key_value_heads = tc.num_attention_heads
     _positive(prefix + "num_key_value_heads", tc.num_key_value_heads)
@@ -70,7 +70,7 @@ def config_from_dict(data: dict) -> SimpleNamespace:
         return load_config_data(data)
     fam = family(model_type)
     if fam.kind == DECODER:
-        return _text(data)
+        return parse_text(data)
     return fam.light_config(data)  # the family's own parser (hybridmem/families/<family>/)
 
 

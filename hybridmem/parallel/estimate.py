@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Callable
 
 from hybridmem.allocator.overheads import CUDA_CONTEXT_DEFAULT, cublas_workspace
-from hybridmem.allocator.reserved import Bounded, _at, bounded, capacity_notes
+from hybridmem.allocator.reserved import Bounded, at_batch, bounded, capacity_notes
 from hybridmem.categories import TENSOR_CATEGORIES, empty_breakdown
 from hybridmem.errors import SpecError
 from hybridmem.gpus import GPU
@@ -127,7 +127,7 @@ def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None) -> Bounded | None:
     measure = measure_with(cublas_workspace(gpu))
     capacity = rank_capacity(spec, gpu)
     try:
-        allocated = _at(spec, spec.micro_batch, measure, alloc_conf_string(), capacity)[0]
+        allocated = at_batch(spec, spec.micro_batch, measure, alloc_conf_string(), capacity)[0]
         return bounded(spec, allocated, measure, capacity)
     except SpecError:
         return None
@@ -217,25 +217,20 @@ def estimate_per_rank(spec: Job, single_gpu_estimate: Estimator,
         max_micro_batch=None, paged_bytes=states.paged)
 
 
-def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[..., Prediction]:
+def per_rank_aware(single_gpu_estimate: Callable[..., Prediction], *,
+                   model_parallel: Callable[..., Prediction],
+                   points: Callable[[TrainingSpec], list[ActPoint]] | None = None,
+                   ) -> Callable[..., Prediction]:
     """Wrap a tier's estimate so that data-parallel specs are priced per rank (the hook used by
-    `hybridmem.tiers.estimator`); tier options go to the single-GPU estimate. The analytic
-    tier also lends its whole timeline."""
-    from hybridmem.analytic import estimate as analytic
-
-    points = analytic_points if single_gpu_estimate is analytic else None
+    `hybridmem.tiers.estimator`); tier options go to the single-GPU estimate. What the tier
+    lends comes from its protocol (`tiers/protocol.py`): `points`, its whole forward/backward
+    timeline where it knows one (`analytic_points`); `model_parallel`, how it prices tp / sp /
+    pp ranks, `(spec, gpu=) -> Prediction`."""
 
     def run(spec: TrainingSpec, **options: object) -> Prediction:
         spec = as_job(spec)  # the tier's entry: a Job as it is; a plain spec's defaults filled
         if spec.parallel.model_parallel:
-            if single_gpu_estimate is not analytic:
-                # the trace tier runs tp / sp / FSDP2 x tp ranks (`trace_ranks`), refuses others
-                from hybridmem.parallel.trace_ranks import estimate as traced
-
-                return traced(spec, gpu=options.get("gpu"))
-            from hybridmem.parallel.ranks import price_ranks
-
-            return price_ranks(spec, gpu=options.get("gpu"))[0]
+            return model_parallel(spec, gpu=options.get("gpu"))
         if spec.parallel.strategy == "none":
             return single_gpu_estimate(spec, **options)
         # the single-GPU job replays unlimited: its reserved bytes are not the rank's, which
@@ -244,3 +239,11 @@ def per_rank_aware(single_gpu_estimate: Callable[..., Prediction]) -> Callable[.
         return estimate_per_rank(spec, lambda s: single_gpu_estimate(s, **single), points,
                                  gpu=options.get("gpu"))
     return run
+
+
+def analytic_ranks(spec: TrainingSpec, gpu: GPU | None = None) -> Prediction:
+    """The analytic tier's model-parallel ranks (`parallel.ranks.price_ranks`): the highest
+    rank's answer."""
+    from hybridmem.parallel.ranks import price_ranks
+
+    return price_ranks(spec, gpu=gpu)[0]

@@ -64,10 +64,11 @@ def _price(spec: TrainingSpec, gpu: GPU) -> tuple[int, int]:
     """(device peak, highest pipeline rank) of one layout, analytic; a GPU too small to hold
     even what a rank keeps outside PyTorch's allocator (`rank_capacity`) fits nothing."""
     from hybridmem.analytic import estimate as analytic
-    from hybridmem.parallel.estimate import per_rank_aware
+    from hybridmem.parallel.estimate import analytic_points, analytic_ranks, per_rank_aware
 
+    price = per_rank_aware(analytic, points=analytic_points, model_parallel=analytic_ranks)
     try:
-        pred = per_rank_aware(analytic)(spec, gpu=gpu)
+        pred = price(spec, gpu=gpu)
     except SpecError as err:
         if err.field != "gpu":
             raise

@@ -443,11 +443,11 @@ def _fsdp_units(spec: Job, graph_layers: list, states: RankStates):
     flat = _dp_spec(spec, n)
     if flat.parallel.strategy != "fsdp" or not ps.reshard_after_forward or ps.pp > 1:
         return None
-    from hybridmem.parallel.sharding import _pbytes
+    from hybridmem.parallel.sharding import param_elem_bytes
 
     of_step = tuple(f"{m}.{l.name}" if l.kind in UNIT_KINDS else "root" for m, l in graph_layers)
     gather, reduce = states.detail["gather_dtype_bytes"], states.detail["reduce_dtype_bytes"]
-    param_bytes = lambda t: _pbytes(flat, t)  # noqa: E731  (flat: a Job, the stage's)
+    param_bytes = lambda t: param_elem_bytes(flat, t)  # noqa: E731  (flat: a Job, the stage's)
     dense, experts = _split_experts(graph_layers)
     out = fsdp_points.units(layer_tensors(dense), of_step, n, gather, reduce, param_bytes)
     if not any(l.params for _, l in experts):
@@ -474,10 +474,9 @@ def rank_events(spec: Job, workspace: int) -> tuple[int, list[tuple]]:
     does for data-parallel ranks; the ring's K/V and the tp all-gathers are transients of the
     layer running, not in it."""
     from hybridmem.allocator.replay import peak_requested
-    from hybridmem.analytic.estimate import setup as _setup
-    from hybridmem.analytic.estimate import stream as _stream
+    from hybridmem.analytic.estimate import setup, stream
     from hybridmem.models.loader import load_config_dict, materialize_config
-    from hybridmem.parallel.stream import _setup_counts, classify, rewrite
+    from hybridmem.parallel.stream import classify, rewrite, setup_counts
 
     ps = spec.parallel
     _, data = load_config_dict(spec.model)
@@ -485,9 +484,9 @@ def rank_events(spec: Job, workspace: int) -> tuple[int, list[tuple]]:
     narrow = spec.with_(model=materialize_config(json.dumps(rank_config(data, ps.tp, ps.ep))),
                         seq_len=spec.seq_len // ps.cp, parallel=ParallelSpec(),
                         precision=compute)
-    _, priced, _ = _setup(narrow, workspace)
-    events, marks = _stream(narrow, workspace)
-    n_param, n_master = _setup_counts(priced, POLICIES[compute])
+    _, priced, _ = setup(narrow, workspace)
+    events, marks = stream(narrow, workspace)
+    n_param, n_master = setup_counts(priced, POLICIES[compute])
     states = _states(spec, [(p.module, p.layer) for p in priced])
     out = rewrite(events, marks, classify(events, marks, n_param, n_master), states)
     return peak_requested(out), out
@@ -505,14 +504,14 @@ def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None):
     within the rank's capacity (`phases.rank_capacity`), monotone in the micro-batch
     (`allocator.reserved.bounded`); None where the stream is not the rank's (`replayable`)."""
     from hybridmem.allocator.config import alloc_conf_string
-    from hybridmem.allocator.reserved import _at, bounded
+    from hybridmem.allocator.reserved import at_batch, bounded
     from hybridmem.parallel.phases import rank_capacity
 
     if not replayable(spec.parallel):
         return None
     measure = _measure_with(cublas_workspace(gpu))
     capacity = rank_capacity(spec, gpu)
-    allocated = _at(spec, spec.micro_batch, measure, alloc_conf_string(), capacity)[0]
+    allocated = at_batch(spec, spec.micro_batch, measure, alloc_conf_string(), capacity)[0]
     return bounded(spec, allocated, measure, capacity)
 
 
@@ -577,7 +576,7 @@ class _Base:
 
 def price_ranks(spec: Job, gpu: GPU | None = None) -> tuple[Prediction, list[RankAnswer]]:
     """The highest per-rank peak of a model-parallel `spec`, and every pipeline rank's."""
-    from hybridmem.analytic.estimate import setup as _setup  # the tier's public entry
+    from hybridmem.analytic.estimate import setup  # the tier's public entry
     from hybridmem.models.loader import load_config_dict, materialize_config
 
     ps = spec.parallel
@@ -592,13 +591,13 @@ def price_ranks(spec: Job, gpu: GPU | None = None) -> tuple[Prediction, list[Ran
     compute = forward_precision(spec)
     narrow_spec = spec.with_(model=narrow_model, seq_len=spec.seq_len // ps.cp, parallel=single,
                              precision=compute)
-    _, narrow, st = _setup(narrow_spec, ws)
+    _, narrow, st = setup(narrow_spec, ws)
     wide = None
     if ps.sequence_parallel and spec.attn != "eager":
         wide_model = materialize_config(json.dumps(rank_config(data, 1, ps.ep)))
         wide_spec = spec.with_(model=wide_model, seq_len=spec.seq_len // (ps.cp * ps.tp),
                                parallel=single, precision=compute)
-        wide = _setup(wide_spec, ws)[1]
+        wide = setup(wide_spec, ws)[1]
     e = POLICIES[compute].compute_bytes
     top_k = int(data.get("num_experts_per_tok") or 1)
     # the router's top-k weights: fp32 in Mixtral, cast back to the compute dtype otherwise

@@ -58,7 +58,7 @@ class RankStates:
     """Named buffers, for the JSON output and the docs."""
 
 
-def _pbytes(spec: TrainingSpec, t: Tensor, cast_all: bool = False) -> int:
+def param_elem_bytes(spec: TrainingSpec, t: Tensor, cast_all: bool = False) -> int:
     """Bytes per element of a parameter; DeepSpeed casts the whole module (`cast_all`)."""
     policy = POLICIES[spec.precision]
     return policy.param_bytes if cast_all or t.itemsize is None else t.itemsize
@@ -98,7 +98,7 @@ def replicated(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     """One GPU (or any replica): every tensor whole. Grads and state in the param's dtype when it
     is fixed (fp32 LoRA adapters), else the policy's."""
     policy = POLICIES[spec.precision]
-    param = sum(t.numel * _pbytes(spec, t) for t in mt.tensors)
+    param = sum(t.numel * param_elem_bytes(spec, t) for t in mt.tensors)
     grad = opt = 0
     for t in mt.tensors:
         if not t.trainable:
@@ -232,7 +232,7 @@ def fsdp(spec: TrainingSpec, mt: ModelTensors) -> RankStates:
     param = grad = opt = 0
     shards: list[Stepped] = []
     for t in mt.tensors:
-        s = _pbytes(spec, t)
+        s = param_elem_bytes(spec, t)
         k = fsdp_shard(t, n)
         param += s * k
         if t.trainable:

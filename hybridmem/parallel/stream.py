@@ -57,7 +57,7 @@ def _scaled(size: int, ratio: tuple[int, int]) -> int:
     return t(-(-size * num // den), 1) if size * num else 0
 
 
-def _setup_counts(priced, policy) -> tuple[int, int]:
+def setup_counts(priced, policy) -> tuple[int, int]:
     """(parameter-like, fp32 master) allocations `events.build` makes at setup, in its order."""
     params = sum(1 for p in priced for q in (*p.layer.params, *p.layer.buffers, *p.layer.lora,
                                              *p.layer.copies)
@@ -174,7 +174,7 @@ def rank_events(spec: TrainingSpec, workspace: int) -> tuple[int, list[tuple]]:
     single = spec.with_(parallel=ParallelSpec(), precision=forward_precision(spec))
     _, priced, statics = setup(single, workspace)
     events, marks = stream(single, workspace)  # the single-GPU replay's stream, built once
-    n_param, n_master = _setup_counts(priced, POLICIES[single.precision])
+    n_param, n_master = setup_counts(priced, POLICIES[single.precision])
     mt = model_tensors(spec)
     stream = rewrite(events, marks, classify(events, marks, n_param, n_master),
                      rank_states(spec, mt))

@@ -90,4 +90,5 @@ def estimator(method: str) -> Callable[[TrainingSpec], Prediction]:
         return found.single_gpu()
     from hybridmem.parallel.estimate import per_rank_aware
 
-    return per_rank_aware(found.single_gpu())
+    return per_rank_aware(found.single_gpu(), model_parallel=found.model_parallel(),
+                          points=found.timeline())

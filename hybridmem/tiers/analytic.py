@@ -1,14 +1,14 @@
-"""The analytic tier behind the tier protocol: its torch-free rule (`analytic/scope.py`) and
-its closed-form estimate (`analytic.estimate`), imported when it runs."""
+"""The analytic tier behind the tier protocol: its torch-free rule (`analytic/scope.py`), its
+closed-form estimate (`analytic.estimate`), its whole timeline and its model-parallel ranks
+(`parallel/`), imported when it runs."""
 
 from __future__ import annotations
 
-from hybridmem.tiers.protocol import Tier
+from hybridmem.tiers.protocol import OneGpuTier, Tier
 
 
-class _Analytic:
+class _Analytic(OneGpuTier):
     name = "analytic"
-    per_rank = False  # the per-rank wrapper lends it its whole timeline (parallel.estimate)
 
     @staticmethod
     def refusal(spec):
@@ -23,9 +23,16 @@ class _Analytic:
         return estimate
 
     @staticmethod
-    def gpu_options(gpu):
-        """Its cuBLAS workspace and capacity: the GPU itself (the same as the trace tier's)."""
-        return {} if gpu is None else {"gpu": gpu}
+    def timeline():
+        from hybridmem.parallel.estimate import analytic_points
+
+        return analytic_points
+
+    @staticmethod
+    def model_parallel():
+        from hybridmem.parallel.estimate import analytic_ranks
+
+        return analytic_ranks
 
 
 TIER: Tier = _Analytic()

@@ -36,3 +36,24 @@ class Tier(Protocol):
 
     def gpu_options(self, gpu: GPU | None) -> dict[str, object]:
         """The estimate's options for the target GPU (empty without one)."""
+
+    def timeline(self) -> Callable[[TrainingSpec], list] | None:
+        """Every forward/backward point of the step, `(spec) -> [ActPoint]`, where the tier
+        knows them (the per-rank wrapper then places each rank's collectives on them); None:
+        the wrapper reads the points off the tier's answer. Read only where not `per_rank`."""
+
+    def model_parallel(self) -> Callable[..., Prediction]:
+        """How the tier prices a tp / sp / pp / cp / ep job's ranks, `(spec: Job, gpu=) ->
+        Prediction` (the highest rank's answer). Read only where not `per_rank`."""
+
+
+class OneGpuTier:
+    """What the analytic and the trace tier share: each prices one GPU and is sharded per rank
+    by the wrapper (`per_rank` False), told the target GPU itself (its cuBLAS workspace and
+    capacity, the same for both, so their answers stay comparable)."""
+
+    per_rank = False
+
+    @staticmethod
+    def gpu_options(gpu: GPU | None) -> dict[str, object]:
+        return {} if gpu is None else {"gpu": gpu}

@@ -1,14 +1,15 @@
-"""The trace tier behind the tier protocol: its config-JSON rule (`trace/scope.py`) and the
-traced training step (`trace.estimate`), imported when it runs (it imports torch)."""
+"""The trace tier behind the tier protocol: its config-JSON rule (`trace/scope.py`), the traced
+training step (`trace.estimate`) and its traced tp / sp / FSDP2 x tp ranks
+(`parallel/trace_ranks.py`, which refuses the other layouts), imported when it runs (it imports
+torch)."""
 
 from __future__ import annotations
 
-from hybridmem.tiers.protocol import Tier
+from hybridmem.tiers.protocol import OneGpuTier, Tier
 
 
-class _Trace:
+class _Trace(OneGpuTier):
     name = "trace"
-    per_rank = False  # tp / sp / FSDP2 x tp ranks: `parallel.estimate.per_rank_aware`
 
     @staticmethod
     def refusal(spec):
@@ -23,9 +24,14 @@ class _Trace:
         return estimate
 
     @staticmethod
-    def gpu_options(gpu):
-        """Its cuBLAS workspace and capacity, as the analytic tier's (so they stay comparable)."""
-        return {} if gpu is None else {"gpu": gpu}
+    def timeline():
+        return None  # the per-rank wrapper reads the points off the traced answer
+
+    @staticmethod
+    def model_parallel():
+        from hybridmem.parallel.trace_ranks import estimate
+
+        return estimate
 
 
 TIER: Tier = _Trace()

@@ -25,7 +25,7 @@ def light_config(data: dict):
     from hybridmem.families.common.llava_arch.config import vision_config
     from hybridmem.models import light
 
-    return gemma3_config(data, vision_config, light._text)
+    return gemma3_config(data, vision_config, light.parse_text)
 
 
 def image_plan(cfg, hw):

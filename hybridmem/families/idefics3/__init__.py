@@ -18,7 +18,7 @@ def light_config(data: dict):
     from hybridmem.models import light
     from hybridmem.families.idefics3.config import split_config
 
-    return split_config(data, light._text, light._sub)
+    return split_config(data, light.parse_text, light.parse_sub)
 
 
 def image_plan(cfg, hw):

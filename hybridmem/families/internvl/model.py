@@ -122,7 +122,7 @@ def light_config(data: dict):
     gives with the meta-device model for every preset."""
     from types import SimpleNamespace
 
-    from hybridmem.models.light import _text
+    from hybridmem.models.light import parse_text
 
     clean = {k: v for k, v in data.items() if not k.startswith("_")}
     vision = {**VISION_DEFAULTS, **{k: v for k, v in (clean.pop("vision_config", None) or {})
@@ -140,7 +140,7 @@ def light_config(data: dict):
     text = {"model_type": "qwen2", **(clean.pop("text_config", None) or {})}
     cfg = SimpleNamespace(**{**TOP_DEFAULTS, **clean})
     cfg.vision_config = SimpleNamespace(**vision)
-    cfg.text_config = _text(text, "text_config.")
+    cfg.text_config = parse_text(text, "text_config.")
     return cfg
 
 

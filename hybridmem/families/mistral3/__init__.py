@@ -27,7 +27,7 @@ def light_config(data: dict):
     from hybridmem.models import light
     from hybridmem.families.common.pixtral.config import light_mistral3
 
-    return light_mistral3(data, light._text, light._sub)
+    return light_mistral3(data, light.parse_text, light.parse_sub)
 
 
 FAMILIES = (

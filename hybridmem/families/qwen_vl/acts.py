@@ -56,7 +56,7 @@ def _norm(sv: Saved, c: Ctx, n: int, h: int, rms: bool, need_w: bool) -> None:
         sv.add(n, FP32, times=2)      # mean, rstd
 
 
-def _norm_out(c: Ctx) -> int:
+def norm_out_bytes(c: Ctx) -> int:
     """Bytes per element of a norm's output: fp32 under autocast (fp32 LayerNorm; RMSNorm's
     fp32 weight times a bf16 tensor), else the compute dtype."""
     return FP32 if c.amp else c.e
@@ -67,7 +67,7 @@ def vision_block(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     N, h, f, heads, rms = d["n"], d["h"], d["ffn"], d["heads"], d["rms"]
     if not (need_in or need_w) or not layer.runs or N == 0:
         return Acts()
-    e, no = c.e, _norm_out(c)
+    e, no = c.e, norm_out_bytes(c)
     sv = Saved()
     _norm(sv, c, N, h, rms, need_w)
     linear_inputs(sv, c, N * h, no, 1, need_w, 0, shared=False)   # qkv input
@@ -132,7 +132,7 @@ def patch_merger(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
         return Acts(held=held)
     sv = Saved()
     _norm(sv, c, N, h, rms, need_w)
-    linear_inputs(sv, c, N * h, _norm_out(c), 1, need_w, 0, shared=False)  # mlp.0 input
+    linear_inputs(sv, c, N * h, norm_out_bytes(c), 1, need_w, 0, shared=False)  # mlp.0 input
     sv.add(N * h, e)                  # GELU input
     sv.add(N * h, e, need_w)          # mlp.2 input
     copies, cache = _amp_weights(layer, c, need_w)

@@ -41,7 +41,7 @@ def ffn_dim(vc) -> int:
     return vc.intermediate_size if is_qwen25(vc) else int(vc.embed_dim * vc.mlp_ratio)
 
 
-def _norm(prefix: str, e: int, rms: bool) -> tuple[T, ...]:
+def norm_params(prefix: str, e: int, rms: bool) -> tuple[T, ...]:
     return (T(f"{prefix}.weight", (e,)),) + (() if rms else (T(f"{prefix}.bias", (e,)),))
 
 
@@ -53,7 +53,7 @@ def block_params(vc) -> tuple[T, ...]:
                + linear("mlp.down_proj", e, f, True))
     else:  # VisionMlp: fc1, act, fc2
         mlp = linear("mlp.fc1", f, e, True) + linear("mlp.fc2", e, f, True)
-    return _norm("norm1", e, rms) + _norm("norm2", e, rms) + attn + mlp
+    return norm_params("norm1", e, rms) + norm_params("norm2", e, rms) + attn + mlp
 
 
 def window_segments(vc, plan: ImagePlan) -> tuple[int, ...]:
@@ -101,7 +101,7 @@ def vision_layers(vc, plan: ImagePlan, n_images: int) -> tuple[Layer, ...]:
 def merger_layer(vc, plan: ImagePlan, n_images: int) -> Layer:
     e, m2 = embed_dim(vc), vc.spatial_merge_size ** 2
     rms = is_qwen25(vc)
-    params = (_norm("ln_q", e, rms) + linear("mlp.0", e * m2, e * m2, True)
+    params = (norm_params("ln_q", e, rms) + linear("mlp.0", e * m2, e * m2, True)
               + linear("mlp.2", out_dim(vc), e * m2, True))
     return Layer(name="merger", kind="patch_merger", params=params,
                  dims=dict(n=n_images * plan.patches, h=e, m2=m2, out=out_dim(vc), rms=rms,

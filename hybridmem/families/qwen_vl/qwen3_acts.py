@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from hybridmem.families.common.activations import FP32, INT64, Acts, Ctx, Saved, linear_inputs
 from hybridmem.allocator.alloc import t
-from hybridmem.families.qwen_vl.acts import _norm_out
+from hybridmem.families.qwen_vl.acts import norm_out_bytes
 from hybridmem.models.graph import Layer
 
 LINEARS = ("linear_fc1.", "linear_fc2.")  # a merger's linears (cast under autocast)
@@ -62,7 +62,7 @@ def merger(layer: Layer, c: Ctx, need_in: bool, need_w: bool) -> Acts:
     # next block (or, for the last block, the final merger) saves: counted there
     sv.add(n * h, FP32 if c.amp else e, cond=c.amp or not post)
     sv.add(rows, FP32, times=2)                      # mean, rstd
-    linear_inputs(sv, c, n * h, _norm_out(c), 1, need_w, 0, shared=False)  # linear_fc1 input
+    linear_inputs(sv, c, n * h, norm_out_bytes(c), 1, need_w, 0, shared=False)  # linear_fc1 input
     sv.add(n * h, e)                                 # GELU input
     sv.add(n * h, e, need_w)                         # linear_fc2 input
     copies = (sum(t(p.numel, 2) for p in layer.params if p.name.startswith(LINEARS))

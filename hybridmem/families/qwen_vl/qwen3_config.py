@@ -24,14 +24,14 @@ TEXT_TYPE = {"qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
 
 def light_qwen3_vl(data: dict) -> SimpleNamespace:
     """The fields the graph parser reads, with transformers' defaults, as attributes."""
-    from hybridmem.models.light import _sub, _text
+    from hybridmem.models.light import parse_sub, parse_text
 
     mt = data["model_type"]
     cfg = SimpleNamespace(**{**TOP_DEFAULTS, **{k: v for k, v in data.items()
                                                 if not k.startswith("_")}})
     text = data.get("text_config") or {}
-    cfg.text_config = _text({**text, "model_type": TEXT_TYPE[mt]}, "text_config.")
+    cfg.text_config = parse_text({**text, "model_type": TEXT_TYPE[mt]}, "text_config.")
     vision = {k: v for k, v in (data.get("vision_config") or {}).items() if k != "model_type"}
-    cfg.vision_config = _sub(vision, VISION_DEFAULTS, "vision_config.")
+    cfg.vision_config = parse_sub(vision, VISION_DEFAULTS, "vision_config.")
     cfg.vision_config.model_type = f"{mt}_vision"
     return cfg

@@ -27,12 +27,12 @@ from dataclasses import replace
 
 from hybridmem.job.images import ImagePlan
 from hybridmem.models.graph import Layer, Module, ParamTensor as T, linear
-from hybridmem.families.qwen_vl.model import _norm
+from hybridmem.families.qwen_vl.model import norm_params
 
 
 def _ln(prefix: str, e: int) -> tuple[T, ...]:
     """LayerNorm weight + bias (Qwen2-VL's helper, `rms=False`)."""
-    return _norm(prefix, e, rms=False)
+    return norm_params(prefix, e, rms=False)
 
 
 FP32 = 4  # rotary inv_freq buffers are float32 (Qwen3VLVisionRotaryEmbedding)

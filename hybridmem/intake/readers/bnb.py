@@ -9,7 +9,7 @@ import os
 
 from hybridmem.errors import SpecError
 from hybridmem.intake import config_keys
-from hybridmem.intake.readers.trainer import _where, file_source, used_keys
+from hybridmem.intake.readers.trainer import key_where, file_source, used_keys
 from hybridmem.jsonfile import read_json_object
 
 
@@ -40,7 +40,7 @@ def quantization(overrides: dict, model: str | None = None) -> tuple[dict, dict]
     if overrides.get("quantization_config") is not None:
         source = overrides["quantization_config"]
         data = _bnb_dict(source)
-        where = _where(source, "quantization_config")
+        where = key_where(source, "quantization_config")
         config_keys.check_keys("bnb", data, where, used=used_keys("bnb"),
                                known=config_keys.bnb_known)
         out = from_bnb_config(data)

@@ -13,7 +13,7 @@ from dataclasses import fields
 from hybridmem.adapters import read_adapter_config, spec_fields
 from hybridmem.errors import SpecError
 from hybridmem.intake import config_keys
-from hybridmem.intake.readers.trainer import _where, file_source, used_keys
+from hybridmem.intake.readers.trainer import key_where, file_source, used_keys
 from hybridmem.job.spec import LoraSpec
 
 
@@ -23,7 +23,7 @@ def from_peft_config(source: str | os.PathLike | dict,
     `--train` given beside it, must agree with the file's method."""
     spec, lora, sources = {}, {}, {}
     cfg = read_adapter_config(source)
-    where = _where(source, "peft_config")
+    where = key_where(source, "peft_config")
     known = config_keys.peft_known(cfg["peft_type"])
     if known is not None:
         config_keys.check_keys("peft", cfg, where, used=used_keys("peft"), known=lambda: known)

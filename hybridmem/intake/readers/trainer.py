@@ -72,7 +72,7 @@ def _read_json(source: str | os.PathLike | dict, field: str) -> dict:
     return read_json_object(source, field)
 
 
-def _where(source: object, default: str) -> str:
+def key_where(source: object, default: str) -> str:
     """How a warning names the file: its path, else what it came from."""
     return default if isinstance(source, dict) else os.fspath(source)
 
@@ -520,7 +520,7 @@ def from_training_args(source: str | os.PathLike | dict, where: str | None = Non
     resolve DeepSpeed "auto" keys, and "_given": whether the file set the batch size.
     """
     args = _read_json(source, "training_args")
-    where = where or _where(source, "training_args")
+    where = where or key_where(source, "training_args")
     config_keys.check_keys("training_args", args, where, used=used_keys("training_args"),
                            known=config_keys.training_args_known)
     config_keys.unpriced("training_args", args, where, config_keys.TRAINING_ARGS_UNPRICED)
@@ -585,7 +585,7 @@ def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | 
     HF defaults when None) and `hidden_size` (the model's; needed only for hidden-size keys).
     Keys neither read nor DeepSpeed's own are warnings (`config_keys`)."""
     cfg = _read_json(source, "deepspeed")
-    where = where or _where(source, "deepspeed")
+    where = where or key_where(source, "deepspeed")
     hf = hf or HF_DEFAULTS
     used = used_keys("deepspeed")
     config_keys.check_keys("deepspeed", cfg, where, used={k.split(".")[0] for k in used},

@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from hybridmem.errors import SpecError
-from hybridmem.models.light import _sub, _text
+from hybridmem.models.light import parse_sub, parse_text
 
 # defaults of the transformers 5.x config classes, for the fields the parser reads
 VISION_DEFAULTS: dict[str, dict] = {
@@ -41,7 +41,7 @@ def vision_config(data: dict | None) -> SimpleNamespace:
         from hybridmem.families.common.pixtral.config import PIXTRAL_DEFAULTS as defaults
     else:
         defaults = VISION_DEFAULTS[kind]
-    vc = _sub({**data, "model_type": kind}, defaults, "vision_config.")
+    vc = parse_sub({**data, "model_type": kind}, defaults, "vision_config.")
     if vc.hidden_size % vc.num_attention_heads:
         raise SpecError("vision_config.hidden_size", vc.hidden_size,
                         reason=f"not a multiple of num_attention_heads={vc.num_attention_heads}")
@@ -54,7 +54,7 @@ def light_llava(data: dict, pinpoints: list | None = None) -> SimpleNamespace:
     cfg = SimpleNamespace(**{**MULTIMODAL_DEFAULTS,
                              **{k: v for k, v in data.items() if not k.startswith("_")}})
     cfg.vision_config = vision_config(data.get("vision_config"))
-    cfg.text_config = _text(data.get("text_config") or {}, "text_config.")
+    cfg.text_config = parse_text(data.get("text_config") or {}, "text_config.")
     # configuration_llava.py: the tie flag was saved in text_config by older checkpoints
     if not cfg.tie_word_embeddings and cfg.text_config.tie_word_embeddings:
         cfg.tie_word_embeddings = True

@@ -31,7 +31,7 @@ VISION_WHEN_MISSING = dict(intermediate_size=4096, hidden_size=1024, patch_size=
 
 
 def light_mistral3(data: dict, text, sub) -> SimpleNamespace:
-    """The fields the graph parser reads (`text` / `sub`: light.py's `_text` / `_sub`)."""
+    """The fields the graph parser reads (`text` / `sub`: light.py's `parse_text` / `parse_sub`)."""
     cfg = SimpleNamespace(**{**MISTRAL3_DEFAULTS,
                              **{k: v for k, v in data.items() if not k.startswith("_")}})
     cfg.image_token_id = cfg.image_token_index  # Mistral3Config.attribute_map
