@@ -157,6 +157,33 @@ class LayerKind:
     packed: bool = False
     """Its `dims["n"]` counts the patches of one packed native-resolution sequence (the
     analytic answer's note on what the tower encodes)."""
+    dims: type | None = None
+    """The `TypedDict` of the layer's `dims` (`models.graph.Layer.dims`): the keys its closed
+    form reads and their types, declared where the graph builds them; `dims_problems` checks a
+    layer against it (tests/test_layer_dims.py, over every preset's graph)."""
+
+
+def dims_problems(layer) -> list[str]:
+    """How a graph layer's `dims` break its priced kind's declared `LayerKind.dims`: a key the
+    type does not declare, a required key missing, a value of another type (a bool is not an
+    int here). Empty where they fit; a kind with no declared type is itself a problem."""
+    import typing
+
+    name = layer.formula or layer.kind
+    declared = layer_kind(name).dims
+    if declared is None:
+        return [f"{name}: no LayerKind.dims declared"]
+    hints = typing.get_type_hints(declared)
+    out = [f"{name}.{key}: missing" for key in sorted(declared.__required_keys__ - set(layer.dims))]
+    for key, value in layer.dims.items():
+        want = hints.get(key)
+        if want is None:
+            out.append(f"{name}.{key}: not declared in {declared.__name__}")
+            continue
+        want = typing.get_origin(want) or want
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            out.append(f"{name}.{key}: {type(value).__name__}, declared {want.__name__}")
+    return out
 
 
 class UnpricedLayerKind(LookupError):

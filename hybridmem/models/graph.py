@@ -69,7 +69,9 @@ class Layer:
     runs: bool = True
     """The layer runs in the forward (a vision tower does not run when there are no images)."""
     dims: dict = field(default_factory=dict)
-    """Shapes its activation formula needs (b, s, h, heads, kv_heads, head_dim, ffn, ...)."""
+    """Shapes and traits its closed form reads (b, s, h, heads, kv_heads, head_dim, ffn, ...):
+    a plain dict whose keys and types its kind declares as a `TypedDict`
+    (`families.LayerKind.dims`, checked over every preset's graph by tests/test_layer_dims.py)."""
 
     @property
     def num_params(self) -> int:

@@ -250,29 +250,19 @@ def _page() -> str:
     return resources.files("hybridmem.serve").joinpath("static/index.html").read_text()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """The app; `settings` default to `hybridmem serve`'s defaults."""
-    settings = settings or Settings()
-    service = Service(settings)
+async def _json_body(request: Request, max_body_bytes: int) -> object:
+    """The parsed body, or the 413 / 422 answer."""
+    raw = await _body(request, max_body_bytes)
+    if raw is None:
+        return _error(413, f"body: larger than {max_body_bytes} bytes")
+    try:  # not UTF-8, malformed or nested past jsonfile.MAX_DEPTH: one 422 line
+        return parse_json(raw or b"null", "body", "request")
+    except SpecError as err:
+        return _error(422, f"body: {err.reason}")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        # the analytic workers start with the server, so the first answers find them warm
-        await anyio.to_thread.run_sync(service.analytic.start)
-        try:
-            yield
-        finally:  # uvicorn's SIGTERM / SIGINT handling ends here: no worker outlives us
-            service.shutdown()
 
-    app = FastAPI(title="hybridmem", version="1", lifespan=lifespan,
-                  description="Predict the peak GPU memory of a training job before it runs. "
-                  "`POST /v1/predict` answers what `hybridmem predict --json` answers.")
-    app.state.service = service
-    if settings.cors_origins:
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["content-type"])
+def _info_routes(app: FastAPI) -> None:
+    """The page, the health check and the read-only catalogues."""
 
     @app.exception_handler(SpecError)
     async def _spec_error(_request: Request, err: SpecError) -> JSONResponse:
@@ -304,13 +294,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """The shipped presets (`hybridmem models --json`)."""
         return _models()
 
+
+def _predict_routes(app: FastAPI, service: Service, settings: Settings) -> None:
+    """`POST /v1/predict` and `/v1/predict/batch`: the job bodies, each priced by `service`."""
+
     @app.post("/v1/predict", openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": request_schema()}}}})
     async def predict(request: Request) -> JSONResponse:
         """The job as JSON (the `job` object's names, plus gpu, method, find_max_batch and
         inline config files) -> the `hybridmem predict --json` object; `X-Cache: hit` when it
         came from the cache."""
-        body = await _json_body(request)
+        body = await _json_body(request, settings.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body
         deadline = time.monotonic() + settings.timeout_s
@@ -334,7 +328,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         {"status": 422 / 429 / 503 / 504, "detail": the one line}; at most --max-batch-jobs
         jobs, the whole body held to --max-body, every job to the time limit (from when a
         worker takes it)."""
-        body = await _json_body(request)
+        body = await _json_body(request, settings.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body
         jobs = body.get("jobs") if isinstance(body, dict) and set(body) == {"jobs"} else body
@@ -347,16 +341,33 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         rows = await anyio.to_thread.run_sync(service.batch, jobs, abandon_on_cancel=True)
         return JSONResponse({"results": rows})
 
-    async def _json_body(request: Request) -> object:
-        """The parsed body, or the 413 / 422 answer."""
-        raw = await _body(request, settings.max_body_bytes)
-        if raw is None:
-            return _error(413, f"body: larger than {settings.max_body_bytes} bytes")
-        try:  # not UTF-8, malformed or nested past jsonfile.MAX_DEPTH: one 422 line
-            return parse_json(raw or b"null", "body", "request")
-        except SpecError as err:
-            return _error(422, f"body: {err.reason}")
 
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The app; `settings` default to `hybridmem serve`'s defaults."""
+    settings = settings or Settings()
+    service = Service(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        # the analytic workers start with the server, so the first answers find them warm
+        await anyio.to_thread.run_sync(service.analytic.start)
+        try:
+            yield
+        finally:  # uvicorn's SIGTERM / SIGINT handling ends here: no worker outlives us
+            service.shutdown()
+
+    app = FastAPI(title="hybridmem", version="1", lifespan=lifespan,
+                  description="Predict the peak GPU memory of a training job before it runs. "
+                  "`POST /v1/predict` answers what `hybridmem predict --json` answers.")
+    app.state.service = service
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["content-type"])
+
+    _info_routes(app)
+    _predict_routes(app, service, settings)
     mount_page(app)  # POST /v1/config (the page's "fill the form") and /docs offline
     return app
 

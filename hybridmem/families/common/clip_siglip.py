@@ -9,9 +9,50 @@ SigLIP head feed LLaVA: it reads `hidden_states[vision_feature_layer]`, taken *b
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from hybridmem.models.graph import Layer, ParamTensor as T, linear
 
 INT64 = 8  # position_ids buffer dtype (torch.arange default)
+
+
+class TowerDims(TypedDict):
+    """A ViT tower's: `n` crops (or tiles) of `t` tokens, hidden `h`."""
+
+    n: int
+    t: int
+    h: int
+
+
+class VisionEmbeddingsDims(TowerDims, total=False):
+    channels: int
+    side: int
+    """The crop's side in pixels."""
+    cls: bool
+    """CLIP's class token (SigLIP has none)."""
+    anyres: bool
+    """The crops are concatenated into a new pixel tensor the patch conv saves."""
+
+
+class EncoderLayerDims(TowerDims, total=False):
+    heads: int
+    head_dim: int
+    ffn: int
+    act: str
+    qk_norm: bool
+    rms: bool
+    """InternViT's RMSNorm (`norm_type`); CLIP / SigLIP: LayerNorm."""
+
+
+class TowerNormDims(TowerDims, total=False):
+    feeds: bool
+    """The norm's output is the feature the projector reads."""
+    identity: bool
+    """InternViT with mean pooling: the norm is nn.Identity."""
+
+
+class PoolingHeadDims(TowerDims):
+    ffn: int
 
 
 def _ln(prefix: str, h: int) -> tuple[T, ...]:

@@ -11,6 +11,8 @@ projections, Gemma's four norms per layer, scaled embedding and logit softcappin
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from hybridmem.families import (
     FUSED, GEMMA, MOE, QK_NORM, QKV_BIAS, SLIDING, text_family, with_trait,
 )
@@ -158,7 +160,61 @@ def decoder_layer_params(tc, sparse: bool = False) -> tuple[T, ...]:
                 T("post_feedforward_layernorm.weight", (h,))) if gemma(tc) else ()))
 
 
-def decoder_dims(tc, batch: int, seq: int) -> dict:
+class DecoderShape(TypedDict):
+    """What every decoder closed form reads (a Pixtral block priced as a decoder layer gives
+    only these, `pixtral.acts.as_decoder`)."""
+
+    b: int
+    s: int
+    h: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+
+
+class DecoderDims(DecoderShape, total=False):
+    """The decoder's dims (`decoder_dims`): the same dict for the embedding, the rotary tables,
+    the layers, the final norm and the head; the traits the family's config sets."""
+
+    vocab: int
+    act: str
+    attn_dropout: float
+    qk_norm: bool
+    fused: bool
+    gemma: bool
+    attn_softcap: bool
+    final_softcap: bool
+    moe: bool
+    rope_tables: int
+    mask_types: int
+    sliding_masked: bool
+    masked: bool
+    """This layer's SDPA gets a materialised mask (a sliding layer past its window; Gemma 3 with
+    images: every layer)."""
+    image_masks: bool
+    """Gemma 3 with images: both masks built (`gemma3.model.image_masks`)."""
+
+
+class DecoderLayerDims(DecoderDims, total=False):
+    """A decoder layer's: a sparse layer adds its experts and router rules (`moe_dims`,
+    `Family.experts`)."""
+
+    experts: int
+    top_k: int
+    router_copy: bool
+    router_norm: bool
+    router_fp32_weights: bool
+
+
+class LmHeadDims(DecoderDims, total=False):
+    """The head's: whether it is tied to the embedding (an objective's score head: vocab 1,
+    untied)."""
+
+    tied: bool
+
+
+def decoder_dims(tc, batch: int, seq: int) -> DecoderDims:
     return dict(b=batch, s=seq, h=tc.hidden_size, heads=tc.num_attention_heads,
                 kv_heads=kv_heads(tc), head_dim=head_dim(tc), ffn=tc.intermediate_size,
                 vocab=tc.vocab_size, act=activation(tc),
@@ -179,7 +235,7 @@ def _sliding_masked(tc, seq: int) -> bool:
             and "sliding_attention" in layer_types(tc))
 
 
-def moe_dims(tc, dims: dict) -> dict:
+def moe_dims(tc, dims: DecoderDims) -> DecoderLayerDims:
     """A sparse layer's dims: experts, top_k, the experts' intermediate size as `ffn`, and
     the router's rules, as the family gives them (`Family.experts`)."""
     return dict(dims, moe=True, **experts(tc))

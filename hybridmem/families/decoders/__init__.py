@@ -19,11 +19,15 @@ from hybridmem.families import (
 def layer_kinds() -> dict:
     """The decoder's layers (`acts.py`)."""
     from hybridmem.families.common import decoder_acts as TA
+    from hybridmem.families.common.decoder_graph import DecoderDims, DecoderLayerDims, LmHeadDims
     from hybridmem.families import LayerKind
 
-    return {"embedding": LayerKind(TA.embedding), "rotary": LayerKind(TA.rotary),
-            "decoder_layer": LayerKind(TA.decoder_layer, checkpointed=True, linear=True),
-            "rmsnorm": LayerKind(TA.rmsnorm), "lm_head": LayerKind(TA.lm_head, linear=True)}
+    return {"embedding": LayerKind(TA.embedding, dims=DecoderDims),
+            "rotary": LayerKind(TA.rotary, dims=DecoderDims),
+            "decoder_layer": LayerKind(TA.decoder_layer, checkpointed=True, linear=True,
+                                       dims=DecoderLayerDims),
+            "rmsnorm": LayerKind(TA.rmsnorm, dims=DecoderDims),
+            "lm_head": LayerKind(TA.lm_head, linear=True, dims=LmHeadDims)}
 
 
 def gemma3_layer_types(tc) -> list[str]:

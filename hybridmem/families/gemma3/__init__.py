@@ -71,9 +71,10 @@ def lm_graph(cfg, spec, lm, images: int, plan):
 
 def layer_kinds() -> dict:
     from hybridmem.families.gemma3 import acts as GA
+    from hybridmem.families.gemma3.model import Gemma3ProjectorDims
     from hybridmem.families import LayerKind
 
-    return {"gemma3_projector": LayerKind(GA.mm_projector)}
+    return {"gemma3_projector": LayerKind(GA.mm_projector, dims=Gemma3ProjectorDims)}
 
 
 FAMILIES = (

@@ -20,6 +20,8 @@ against the meta model and the analytic tier against the trace tier).
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from dataclasses import replace
 
 from hybridmem.errors import SpecError
@@ -31,6 +33,17 @@ DEFAULTS = dict(mm_tokens_per_image=256, boi_token_index=255_999, eoi_token_inde
                 image_token_index=262_144, tie_word_embeddings=True)
 TEXT_TYPE = "gemma3_text"            # Gemma3Config.sub_configs_defaults["text_config"]
 VISION_TYPE = "siglip_vision_model"  # Gemma3Config.sub_configs_defaults["vision_config"]
+
+
+
+class Gemma3ProjectorDims(TypedDict):
+    """`n` images of `t` patches pooled to `k` tokens, from the tower's `h` to the LM's `out`."""
+
+    n: int
+    t: int
+    k: int
+    h: int
+    out: int
 
 
 def light_config(data: dict, vision, text):

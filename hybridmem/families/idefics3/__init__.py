@@ -63,8 +63,9 @@ def meta_patches():
 def layer_kinds() -> dict:
     from hybridmem.families import LayerKind
     from hybridmem.families.idefics3.acts import pixel_shuffle_projector
+    from hybridmem.families.idefics3.model import PixelShuffleDims
 
-    return {"pixel_shuffle_projector": LayerKind(pixel_shuffle_projector)}
+    return {"pixel_shuffle_projector": LayerKind(pixel_shuffle_projector, dims=PixelShuffleDims)}
 
 
 _COMMON = dict(check_config=check_text_config, light_config=light_config, image_plan=image_plan,

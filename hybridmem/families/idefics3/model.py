@@ -12,10 +12,23 @@ folds every scale x scale patches into one token of width E·scale², then
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from dataclasses import replace
 
 from hybridmem.models.graph import Layer, Module, ParamTensor as T
 from hybridmem.families.common.clip_siglip import tokens_per_crop, vision_layers
+
+
+
+class PixelShuffleDims(TypedDict):
+    """`n` crops of `t` tokens, `s2` of them shuffled into one, from `h` to the LM's `out`."""
+
+    n: int
+    t: int
+    h: int
+    s2: int
+    out: int
 
 
 def connector_layer(cfg, n_crops: int) -> Layer:

@@ -56,11 +56,15 @@ def vision_seq(vc) -> int:
 def layer_kinds() -> dict:
     """InternViT's layers (CLIP's with layer scale), its final norm and projector."""
     from hybridmem.families.internvl import acts as IA
+    from hybridmem.families.internvl.model import InternVLProjectorDims
+    from hybridmem.families.common.clip_siglip import EncoderLayerDims, TowerNormDims
     from hybridmem.families import LayerKind
 
-    return {"internvl_encoder_layer": LayerKind(IA.encoder_layer, checkpointed=True, linear=True),
-            "internvl_final_norm": LayerKind(IA.final_norm),
-            "internvl_projector": LayerKind(IA.projector, linear=True)}
+    return {"internvl_encoder_layer": LayerKind(IA.encoder_layer, checkpointed=True, linear=True,
+                                                dims=EncoderLayerDims),
+            "internvl_final_norm": LayerKind(IA.final_norm, dims=TowerNormDims),
+            "internvl_projector": LayerKind(IA.projector, linear=True,
+                                            dims=InternVLProjectorDims)}
 
 
 FAMILIES = (

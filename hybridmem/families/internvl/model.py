@@ -12,6 +12,8 @@ every 1/r x 1/r patches into one token of width E/r², then LayerNorm - Linear -
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from hybridmem.errors import SpecError
 from hybridmem.models.graph import Layer, Module, ParamTensor as T, linear
 
@@ -19,6 +21,17 @@ from hybridmem.models.graph import Layer, Module, ParamTensor as T, linear
 # max_patches 12; InternVLProcessor.images_kwargs turns `crop_to_patches` on
 MIN_TILES = 1
 MAX_TILES = 12
+
+
+
+class InternVLProjectorDims(TypedDict):
+    """`n` tiles of `t` patches, `s2` of them shuffled into one, from `h` to the LM's `out`."""
+
+    n: int
+    t: int
+    h: int
+    s2: int
+    out: int
 
 
 def tile_side(vc) -> int:

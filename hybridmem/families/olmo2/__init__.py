@@ -23,10 +23,13 @@ def layer_kinds() -> dict:
     """OLMo 2's decoder layer, RoPE tables and final norm (`acts.py`), named by its layers'
     `formula`; the other kinds are the shared decoder's."""
     from hybridmem.families import LayerKind
+    from hybridmem.families.common.decoder_graph import DecoderDims, DecoderLayerDims
     from hybridmem.families.olmo2 import acts
 
-    return {"olmo2_decoder_layer": LayerKind(acts.decoder_layer, checkpointed=True, linear=True),
-            "olmo2_rotary": LayerKind(acts.rotary), "olmo2_rmsnorm": LayerKind(acts.rmsnorm)}
+    return {"olmo2_decoder_layer": LayerKind(acts.decoder_layer, checkpointed=True, linear=True,
+                                             dims=DecoderLayerDims),
+            "olmo2_rotary": LayerKind(acts.rotary, dims=DecoderDims),
+            "olmo2_rmsnorm": LayerKind(acts.rmsnorm, dims=DecoderDims)}
 
 
 FAMILIES = (

@@ -106,12 +106,17 @@ def layer_kinds() -> dict:
     from hybridmem.families.qwen_vl import acts as QA, qwen3_acts as Q3
     from hybridmem.families import LayerKind
 
+    from hybridmem.families.qwen_vl import model as M, qwen3_model as M3
+
     return {"qwen_patch_embed": LayerKind(QA.patch_embed, pixel_bytes=QA.pixel_bytes,
-                                          packed=True),
-            "qwen_vision_rotary": LayerKind(QA.vision_rotary),
-            "qwen_vision_block": LayerKind(QA.vision_block, checkpointed=True),
-            "patch_merger": LayerKind(QA.patch_merger), "qwen3_pos_embed": LayerKind(Q3.pos_embed),
-            "qwen3_merger": LayerKind(Q3.merger), "deepstack_add": LayerKind(Q3.deepstack_add)}
+                                          packed=True, dims=M.QwenPatchEmbedDims),
+            "qwen_vision_rotary": LayerKind(QA.vision_rotary, dims=M.QwenRotaryDims),
+            "qwen_vision_block": LayerKind(QA.vision_block, checkpointed=True,
+                                           dims=M.QwenVisionBlockDims),
+            "patch_merger": LayerKind(QA.patch_merger, dims=M.PatchMergerDims),
+            "qwen3_pos_embed": LayerKind(Q3.pos_embed, dims=M3.PosEmbedDims),
+            "qwen3_merger": LayerKind(Q3.merger, dims=M3.Qwen3MergerDims),
+            "deepstack_add": LayerKind(Q3.deepstack_add, dims=M3.DeepstackDims)}
 
 
 # `model.visual.merger` is the projector, nested in the tower: matched before `visual`

@@ -17,10 +17,49 @@ of `window_size` px in all blocks but `fullatt_block_indexes`), so its layers ar
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from hybridmem.job.images import ImagePlan
 from hybridmem.models.graph import Layer, ParamTensor as T, linear
 
 FP32 = 4  # rotary inv_freq buffers are float32 (Qwen2VLVisionRotaryEmbedding)
+
+
+
+class QwenPatchEmbedDims(TypedDict):
+    """The packed sequence of `n` patches, each a `row` of pixels, embedded to `h`."""
+
+    n: int
+    row: int
+    h: int
+    images: int
+
+
+class QwenRotaryDims(TypedDict):
+    n: int
+    head_dim: int
+
+
+class QwenVisionBlockDims(TypedDict):
+    n: int
+    h: int
+    heads: int
+    head_dim: int
+    ffn: int
+    act: str
+    rms: bool
+    segments: tuple
+    """The attention segments' patch counts (whole images, or Qwen2.5-VL's windows)."""
+    window: bool
+
+
+class PatchMergerDims(TypedDict):
+    n: int
+    h: int
+    m2: int
+    out: int
+    rms: bool
+    tokens: int
 
 
 def is_qwen25(vc) -> bool:

@@ -23,11 +23,43 @@ The LM is Qwen3's decoder (`families/common/decoder_graph.py`, q/k norm) at `mod
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from dataclasses import replace
 
 from hybridmem.job.images import ImagePlan
 from hybridmem.models.graph import Layer, Module, ParamTensor as T, linear
 from hybridmem.families.qwen_vl.model import norm_params
+
+
+
+class PosEmbedDims(TypedDict):
+    n: int
+    h: int
+    taps: int
+    """The bilinear interpolation's taps per patch."""
+
+
+class _MergerDims(TypedDict):
+    n: int
+    h: int
+    m2: int
+    out: int
+    tokens: int
+    postshuffle: bool
+
+
+class Qwen3MergerDims(_MergerDims, total=False):
+    block: int
+    """A DeepStack merger's block index (the final merger has none)."""
+
+
+class DeepstackDims(TypedDict):
+    b: int
+    s: int
+    h: int
+    rows: int
+    """The image-token rows the visual features are added to."""
 
 
 def _ln(prefix: str, e: int) -> tuple[T, ...]:

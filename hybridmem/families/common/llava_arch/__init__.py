@@ -96,7 +96,14 @@ def layer_kinds() -> dict:
 
     from hybridmem.families.common.images import crop_pixel_bytes
 
-    return {"vision_embeddings": LayerKind(VA.vision_embeddings, pixel_bytes=crop_pixel_bytes),
-            "encoder_layer": LayerKind(VA.encoder_layer, checkpointed=True, linear=True),
-            "layernorm": LayerKind(VA.layernorm), "projector": LayerKind(VA.projector, linear=True),
-            "image_newline": LayerKind(keeps_nothing), "pooling_head": LayerKind(keeps_nothing)}
+    from hybridmem.families.common import clip_siglip as V
+    from hybridmem.families.common.llava_arch.graph import ImageNewlineDims, ProjectorDims
+
+    return {"vision_embeddings": LayerKind(VA.vision_embeddings, pixel_bytes=crop_pixel_bytes,
+                                           dims=V.VisionEmbeddingsDims),
+            "encoder_layer": LayerKind(VA.encoder_layer, checkpointed=True, linear=True,
+                                       dims=V.EncoderLayerDims),
+            "layernorm": LayerKind(VA.layernorm, dims=V.TowerNormDims),
+            "projector": LayerKind(VA.projector, linear=True, dims=ProjectorDims),
+            "image_newline": LayerKind(keeps_nothing, dims=ImageNewlineDims),
+            "pooling_head": LayerKind(keeps_nothing, dims=V.PoolingHeadDims)}

@@ -9,6 +9,8 @@ Counting follows transformers 5.x `modeling_llava.py` (`get_image_features`: hid
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from dataclasses import replace
 
 from hybridmem.errors import SpecError
@@ -17,6 +19,25 @@ from hybridmem.families.common.clip_siglip import (
     has_cls, patches_per_side, tokens_per_crop, vision_layers,
 )
 from hybridmem.models.graph import ImageLayout, Layer, Module, ParamTensor as T, linear
+
+
+
+class ProjectorDims(TypedDict):
+    """LLaVA's MLP projector over `n` crops of `t` features (`d_in` wide) into the LM's `h`."""
+
+    n: int
+    t: int
+    d_in: int
+    h: int
+    act: str
+    packed: int
+    """AnyRes: the packed per-image features the model keeps (0: none)."""
+
+
+class ImageNewlineDims(TypedDict):
+    n: int
+    """`image_newline` rows appended in the batch."""
+    h: int
 
 
 def features_per_crop(cfg) -> int:

@@ -53,10 +53,13 @@ def layer_kinds() -> dict:
     from hybridmem.families.common.pixtral import acts as MA
     from hybridmem.families import LayerKind
 
+    from hybridmem.families.common.pixtral import graph as G
+
     return {"pixtral_patch_conv": LayerKind(MA.patch_conv, pixel_bytes=MA.pixel_bytes,
-                                            packed=True),
-            "pixtral_ln_pre": LayerKind(MA.ln_pre),
-            "pixtral_rotary": LayerKind(MA.rotary),
+                                            packed=True, dims=G.PatchConvDims),
+            "pixtral_ln_pre": LayerKind(MA.ln_pre, dims=G.PackedDims),
+            "pixtral_rotary": LayerKind(MA.rotary, dims=G.PackedRotaryDims),
             "pixtral_block": LayerKind(MA.block, checkpointed=True, linear=True,
-                                       sac_as=MA.as_decoder),
-            "pixtral_projector": LayerKind(MA.projector, linear=True)}
+                                       sac_as=MA.as_decoder, dims=G.PixtralBlockDims),
+            "pixtral_projector": LayerKind(MA.projector, linear=True,
+                                           dims=G.PixtralProjectorDims)}

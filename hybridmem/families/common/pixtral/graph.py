@@ -19,12 +19,49 @@ number of merged patches (`patch_size * spatial_merge_size`, set by
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import math
 
 from hybridmem.job.images import ImagePlan
 from hybridmem.models.graph import Layer, Module, ParamTensor as T, linear
 
 FP32 = 4  # PixtralVisionRotaryEmbedding inv_freq buffers are float32
+
+
+
+class PackedDims(TypedDict):
+    """The tower's one packed sequence of `n` patches, hidden `h`."""
+
+    n: int
+    h: int
+
+
+class PatchConvDims(PackedDims):
+    channels: int
+    h_px: int
+    w_px: int
+    images: int
+
+
+class PackedRotaryDims(TypedDict):
+    n: int
+    head_dim: int
+
+
+class PixtralBlockDims(PackedDims):
+    heads: int
+    head_dim: int
+    ffn: int
+
+
+class PixtralProjectorDims(PackedDims):
+    """Mistral-3's patch merger (`m2` patches into one) and MLP into the LM's `out`."""
+
+    m2: int
+    out: int
+    tokens: int
+    images: int
 
 
 def longest_edge(cfg) -> int:
