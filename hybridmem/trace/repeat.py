@@ -382,111 +382,125 @@ def _code(stack: int, layer: int) -> int:
     return stack * _BIG + layer
 
 
+class _Copier:
+    """One pass of `extrapolate`: the trace's events re-emitted, each template block once per
+    copy of its stack's period, every storage keyed by (stack, layer, role) so that a free
+    finds the allocation it matches in the longer model."""
+
+    def __init__(self, tr: LayeredTracker, stacks: list[Stack], copies: list[int]):
+        self.events, self.ctx, self.tag, self.storages = tr.events, tr.ctx, tr.tag, tr.storages
+        if len(self.ctx) != len(self.events) or len(self.tag) != len(self.storages):
+            raise NotRepeatable("layer contexts incomplete")
+        self.stacks, self.copies = stacks, copies
+        self.role, seen = [0] * len(self.storages), {}
+        for sid, c in enumerate(self.tag):  # the k-th storage made under one layer context
+            self.role[sid] = seen.get(c, 0)
+            seen[c] = self.role[sid] + 1
+        self.out: list[int] = []
+        self.new: list[Storage] = []
+        self.keys: dict = {}
+        self.pos = [0] * (len(self.events) + 1)
+
+    @staticmethod
+    def split(code: int) -> tuple[int, int]:
+        return (-1, -1) if code < 0 else divmod(code, _BIG)
+
+    def template(self, code: int) -> bool:
+        s, layer = self.split(code)
+        return s >= 0 and 0 <= layer - self.stacks[s].start < self.stacks[s].period
+
+    def outside(self, s: int, layer: int) -> int:
+        st = self.stacks[s]
+        if layer < st.start:
+            return layer
+        if layer >= st.start + st.period:
+            return layer + (self.copies[s] - 1) * st.period
+        raise NotRepeatable("a template layer is referenced from outside its stack")
+
+    def key(self, e: int, shift: int | None) -> tuple:
+        ev = self.events[e]
+        sid = ev if ev >= 0 else ~ev
+        s_t, l_t = self.split(self.tag[sid])
+        if s_t < 0:
+            if shift:
+                raise NotRepeatable("a repeated layer frees a storage outside the layers")
+            return ("n", sid)
+        if ev >= 0:
+            return (s_t, l_t + shift if shift is not None else self.outside(s_t, l_t),
+                    self.role[sid])
+        s_e, l_e = self.split(self.ctx[e])
+        if s_e == s_t and (shift is not None or self.template(self.tag[sid])):
+            at = l_e + shift if shift is not None else self.outside(s_e, l_e)
+            return (s_t, at + l_t - l_e, self.role[sid])
+        return (s_t, self.outside(s_t, l_t), self.role[sid])
+
+    def emit(self, e: int, shift: int | None) -> None:
+        ev, key, out, new = self.events[e], self.key(e, shift), self.out, self.new
+        if ev >= 0:
+            st = self.storages[ev]
+            self.keys[key] = len(new)
+            out.append(len(new))
+            new.append(Storage(st.nbytes, st.category, st.part, st.phase, st.iteration,
+                               len(out) - 1, -1, st.op))
+            return
+        if key not in self.keys:
+            raise NotRepeatable(f"free of {key} has no matching allocation")
+        k = self.keys.pop(key)
+        new[k].death = len(out)
+        out.append(~k)
+
+    def forward_block(self, i: int, j: int, s: int) -> bool:
+        """Whether the block of events [i, j) of stack s runs in layer order (the neighbours
+        on both sides agree), else in reverse (backward)."""
+        ctx, st, n, order = self.ctx, self.stacks[s], len(self.events), []
+        for k in (i - 1, j):
+            if 0 <= k < n and self.split(ctx[k])[0] == s:
+                before = self.split(ctx[k])[1] < st.start
+                order.append(before if k == i - 1 else not before)
+        if not order or len(set(order)) > 1:
+            raise NotRepeatable("direction of a repeated block is ambiguous")
+        return order[0]
+
+    def run(self) -> None:
+        ctx, n, i = self.ctx, len(self.events), 0
+        while i < n:
+            self.pos[i] = len(self.out)
+            if not self.template(ctx[i]):
+                self.emit(i, None)
+                i += 1
+                continue
+            s = self.split(ctx[i])[0]
+            j = i
+            while j < n and self.template(ctx[j]) and self.split(ctx[j])[0] == s:
+                j += 1
+            shifts = [k * self.stacks[s].period for k in range(self.copies[s])]
+            for shift in (shifts if self.forward_block(i, j, s) else shifts[::-1]):
+                for e in range(i, j):
+                    self.emit(e, shift)
+            for e in range(i + 1, j):
+                self.pos[e] = -1  # inside a repeated block: no mark may point here
+            i = j
+        self.pos[n] = len(self.out)
+
+    def moved(self, index: int) -> int:
+        if self.pos[index] < 0:
+            raise NotRepeatable("a phase mark falls inside a repeated block")
+        return self.pos[index]
+
+
 def extrapolate(tr: LayeredTracker, stacks: list[Stack], full: list[int] | None = None,
                 after: list[int] = ()) -> tuple[StorageTracker, list[int]]:
     """The event stream of the model with `full[s]` layers in stack s (default: the real
     counts), from the trace `tr` of `stacks[s].traced` layers; and `after` (event indices)
     moved onto it. Raises NotRepeatable where the rule does not apply."""
     full = [s.full for s in stacks] if full is None else full
-    copies = [(n - s.traced) // s.period + 1 for s, n in zip(stacks, full)]
-    events, ctx, tag, storages = tr.events, tr.ctx, tr.tag, tr.storages
-    if len(ctx) != len(events) or len(tag) != len(storages):
-        raise NotRepeatable("layer contexts incomplete")
-    role, seen = [0] * len(storages), {}
-    for sid, c in enumerate(tag):
-        role[sid] = seen.get(c, 0)
-        seen[c] = role[sid] + 1
-
-    def split(code):
-        return (-1, -1) if code < 0 else divmod(code, _BIG)
-
-    def template(code):
-        s, layer = split(code)
-        return s >= 0 and stacks[s].start <= layer < stacks[s].start + stacks[s].period
-
-    def outside(s, layer):
-        st = stacks[s]
-        if layer < st.start:
-            return layer
-        if layer >= st.start + st.period:
-            return layer + (copies[s] - 1) * st.period
-        raise NotRepeatable("a template layer is referenced from outside its stack")
-
-    out: list[int] = []
-    new: list[Storage] = []
-    keys: dict = {}
-    pos = [0] * (len(events) + 1)
-
-    def emit(e: int, shift: int | None) -> None:
-        ev = events[e]
-        sid = ev if ev >= 0 else ~ev
-        s_t, l_t = split(tag[sid])
-        if s_t < 0:
-            if shift:
-                raise NotRepeatable("a repeated layer frees a storage outside the layers")
-            key = ("n", sid)
-        elif ev >= 0:
-            key = (s_t, l_t + shift if shift is not None else outside(s_t, l_t), role[sid])
-        else:
-            s_e, l_e = split(ctx[e])
-            if s_e == s_t and (shift is not None or template(tag[sid])):
-                at = l_e + shift if shift is not None else outside(s_e, l_e)
-                key = (s_t, at + l_t - l_e, role[sid])
-            else:
-                key = (s_t, outside(s_t, l_t), role[sid])
-        if ev >= 0:
-            st = storages[sid]
-            keys[key] = len(new)
-            out.append(len(new))
-            new.append(Storage(st.nbytes, st.category, st.part, st.phase, st.iteration,
-                               len(out) - 1, -1, st.op))
-        else:
-            if key not in keys:
-                raise NotRepeatable(f"free of {key} has no matching allocation")
-            k = keys.pop(key)
-            new[k].death = len(out)
-            out.append(~k)
-
-    n, i = len(events), 0
-    while i < n:
-        pos[i] = len(out)
-        c = ctx[i]
-        if not template(c):
-            emit(i, None)
-            i += 1
-            continue
-        s = split(c)[0]
-        j = i
-        while j < n and template(ctx[j]) and split(ctx[j])[0] == s:
-            j += 1
-        st = stacks[s]
-        order = []
-        for k in (i - 1, j):
-            if 0 <= k < n and split(ctx[k])[0] == s:
-                layer = split(ctx[k])[1]
-                before = layer < st.start
-                order.append(before if k == i - 1 else not before)
-        if not order or len(set(order)) > 1:
-            raise NotRepeatable("direction of a repeated block is ambiguous")
-        shifts = [k * st.period for k in range(copies[s])]
-        for shift in (shifts if order[0] else shifts[::-1]):
-            for e in range(i, j):
-                emit(e, shift)
-        for e in range(i + 1, j):
-            pos[e] = -1  # inside a repeated block: no mark may point here
-        i = j
-    pos[n] = len(out)
-
-    def moved(index: int) -> int:
-        if pos[index] < 0:
-            raise NotRepeatable("a phase mark falls inside a repeated block")
-        return pos[index]
-
+    copier = _Copier(tr, stacks, [(n - s.traced) // s.period + 1 for s, n in zip(stacks, full)])
+    copier.run()
     result = StorageTracker()
-    result.storages, result.events = new, out
-    result.marks = [(moved(m), p, it) for m, p, it in tr.marks]
-    result.empty_caches = [moved(k) for k in tr.empty_caches]
-    return result, [moved(k + 1) - 1 for k in after]
+    result.storages, result.events = copier.new, copier.out
+    result.marks = [(copier.moved(m), p, it) for m, p, it in tr.marks]
+    result.empty_caches = [copier.moved(k) for k in tr.empty_caches]
+    return result, [copier.moved(k + 1) - 1 for k in after]
 
 
 def same_stream(a: StorageTracker, b: StorageTracker) -> str | None:
