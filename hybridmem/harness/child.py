@@ -79,7 +79,6 @@ def measure(request: dict, probe) -> dict:
     """Run one config under `probe`; always returns a result dict (ok / oom / error)."""
     import torch
 
-    from hybridmem import objectives
     from hybridmem.harness import distributed
     from hybridmem.job.spec import TrainingSpec
 
@@ -101,7 +100,6 @@ def measure(request: dict, probe) -> dict:
             probe.start_history()
         from hybridmem.harness import workload
         from hybridmem.models.loader import load_config
-        from hybridmem.job.spec import empty_cache_at
 
         from hybridmem.families.defaults import as_job
 
@@ -121,28 +119,8 @@ def measure(request: dict, probe) -> dict:
         times = []
         for iteration in range(request["iterations"]):
             start = time.perf_counter()
-            # grad_accum micro-steps of forward + backward (one phase entry each), then the
-            # step (clipping included); torch.cuda.empty_cache() where the loop calls it
-            where = empty_cache_at(spec, iteration)
-            steps = ("forward", "backward") * spec.grad_accum + ("optimizer",)
-            generates = objectives.of(spec).GENERATES  # GRPO's generation phase
-            for phase in (("generation",) if generates else ()) + steps:
-                probe.phase_start(phase, iteration)
-                if phase == "generation":  # GRPO's completions, before the first forward
-                    workload.generation(job, spec)
-                elif phase == "forward":
-                    loss = workload.forward(job, spec, device)
-                    if where == "after_forward":  # Trainer.training_step, before backward
-                        workload.empty_cache(device)
-                elif phase == "backward":
-                    workload.backward(job, loss, spec)
-                    del loss
-                else:
-                    workload.optimizer_step(
-                        job, spec, empty_cache_device=device if where == "after_step" else None)
-                    workload.end_step(job)
-                phases.append({"phase": phase, "iteration": iteration,
-                               **probe.phase_end(phase, iteration)})
+            for phase in _iteration(job, spec, device, probe, iteration, phases):
+                pass  # each phase entered is where an OOM is reported
             times.append(time.perf_counter() - start)
         if ranked:
             distributed.barrier()
@@ -157,6 +135,42 @@ def measure(request: dict, probe) -> dict:
         result.update(outcome="oom" if oom else "error", error=_first_line(err),
                       traceback=traceback.format_exc()[-4000:],
                       **({"oom_phase": phase, "oom_iteration": iteration} if oom else {}))
+    return _finish(result, phases, probe, history)
+
+
+def _iteration(job, spec, device, probe, iteration: int, phases: list[dict]):
+    """One optimizer step: grad_accum micro-steps of forward + backward (one phase entry
+    each), then the step (clipping included), torch.cuda.empty_cache() where the loop calls
+    it; yields each phase as it starts, so that the caller knows where an OOM struck."""
+    from hybridmem import objectives
+    from hybridmem.harness import workload
+    from hybridmem.job.spec import empty_cache_at
+
+    where = empty_cache_at(spec, iteration)
+    steps = ("forward", "backward") * spec.grad_accum + ("optimizer",)
+    generates = objectives.of(spec).GENERATES  # GRPO's generation phase
+    for phase in (("generation",) if generates else ()) + steps:
+        yield phase
+        probe.phase_start(phase, iteration)
+        if phase == "generation":  # GRPO's completions, before the first forward
+            workload.generation(job, spec)
+        elif phase == "forward":
+            loss = workload.forward(job, spec, device)
+            if where == "after_forward":  # Trainer.training_step, before backward
+                workload.empty_cache(device)
+        elif phase == "backward":
+            workload.backward(job, loss, spec)
+            del loss
+        else:
+            workload.optimizer_step(
+                job, spec, empty_cache_device=device if where == "after_step" else None)
+            workload.end_step(job)
+        phases.append({"phase": phase, "iteration": iteration,
+                       **probe.phase_end(phase, iteration)})
+
+
+def _finish(result: dict, phases: list[dict], probe, history: str | None) -> dict:
+    """The row's counters, phases, peaks and history, whatever the outcome."""
     try:
         result.update(probe.counters())
     except Exception:  # CUDA never came up: no counters
