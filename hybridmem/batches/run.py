@@ -220,6 +220,57 @@ def _series(values: np.ndarray, points: int = SERIES_POINTS) -> dict:
     return {"step": idx.tolist(), "reserved_bytes": np.maximum.reduceat(values, idx).tolist()}
 
 
+def _shape_streams(spec: Job, steps, method: str, ws) -> tuple[list, np.ndarray | None]:
+    """One alloc/free stream per distinct shape, by `method`'s closed forms or trace; and,
+    with empty_cache every N > 1 steps, which steps call it: the streams then carry a call at
+    every place the loop makes one, kept on the steps `empty_cache_at` names (two iterations
+    show N = 1 only)."""
+    every = spec.empty_cache_steps > 1
+    stream_spec = spec.with_(empty_cache_steps=1) if every else spec
+    empties = np.array([empty_cache_at(spec, j) is not None for j in range(len(steps))]) \
+        if every else None
+    streams = []
+    for shape in steps.shapes:
+        try:
+            streams.append(shape_stream(method, _shape_spec(stream_spec, shape), ws))
+        except SpecError as err:
+            raise SpecError(err.field, err.value, err.choices, reason=f"{err.reason} (a batch "
+                            f"of {shape.batch} x {shape.tokens} tokens from --lengths)") from None
+    return streams, empties
+
+
+def _run_info(data, steps, spec: Job, allocated: np.ndarray, top: int, per_step: np.ndarray,
+              run, limit, growth: int, at_cap: int, at_longest: int) -> dict:
+    """`extras["lengths"]`: the run's batches, shapes, steps and reserved figures."""
+    longest = steps.shapes[top]
+    first_top = int(np.argmax(steps.index == top))
+    peak_step = int(np.argmax(per_step >= per_step.max()))
+    return {
+        "source": data.source, "samples": len(data), "samples_seen": steps.samples,
+        "epochs": steps.epochs, "batches": steps.batches, "steps": len(steps),
+        "sampler": spec.sampler, "pad_to": spec.pad_to, "packing": spec.packing,
+        "distinct_shapes": [
+            {"batch": s.batch, "tokens": s.tokens, "images": None if s.images < 0 else s.images,
+             "steps": int((steps.index == i).sum()), "allocated_bytes": int(allocated[i])}
+            for i, s in enumerate(steps.shapes)],
+        "padded_tokens": {"p50": int(np.percentile(steps.padded, 50)),
+                          "max": int(steps.padded.max())},
+        "longest_batch": {"batch": longest.batch, "tokens": longest.tokens,
+                          "images": None if longest.images < 0 else longest.images,
+                          "first_step": first_top},
+        "reserved_per_step": {"p50": int(np.percentile(per_step, 50)),
+                              "p99": int(np.percentile(per_step, 99)),
+                              "max": int(per_step.max())},
+        "peak_step": peak_step,
+        "replayed_steps": run.replayed_steps,
+        "capacity_bytes": limit, "num_alloc_retries": run.retries, "oom": run.oom,
+        "shape_growth_bytes": growth,
+        "reserved_at_cap_bytes": at_cap,
+        "reserved_at_longest_batch_bytes": at_longest,
+        "per_step": _series(per_step),
+    }
+
+
 def simulate(spec: Job, method: str, price: Callable[[TrainingSpec], Prediction],
              gpu: GPU | None = None) -> Prediction:
     """`spec`'s answer over the batches its lengths file makes: the tier's answer (`price`) at
@@ -229,20 +280,7 @@ def simulate(spec: Job, method: str, price: Callable[[TrainingSpec], Prediction]
     images = -1 if spec.images_per_sample is None else spec.images_per_sample
     steps = plan(data, spec, images)
     stream_method = "trace" if method == "trace" else "analytic"
-    ws = cublas_workspace(gpu)
-    # empty_cache every N > 1 steps: streams with a call at every place the loop makes one,
-    # kept on the steps `empty_cache_at` names (two iterations show N = 1 only)
-    every = spec.empty_cache_steps > 1
-    stream_spec = spec.with_(empty_cache_steps=1) if every else spec
-    empties = np.array([empty_cache_at(spec, j) is not None for j in range(len(steps))]) \
-        if every else None
-    streams = []
-    for shape in steps.shapes:
-        try:
-            streams.append(shape_stream(stream_method, _shape_spec(stream_spec, shape), ws))
-        except SpecError as err:
-            raise SpecError(err.field, err.value, err.choices, reason=f"{err.reason} (a batch "
-                            f"of {shape.batch} x {shape.tokens} tokens from --lengths)") from None
+    streams, empties = _shape_streams(spec, steps, stream_method, cublas_workspace(gpu))
     allocated = np.array([s.allocated for s in streams], dtype=np.int64)
     top = max(range(len(streams)), key=lambda i: (allocated[i], steps.shapes[i].tokens))
     answer = price(_shape_spec(spec, steps.shapes[top]))
@@ -272,32 +310,8 @@ def simulate(spec: Job, method: str, price: Callable[[TrainingSpec], Prediction]
     breakdown = {**answer.breakdown,
                  "fragmentation": answer.breakdown.get("fragmentation", 0) + growth}
     longest = steps.shapes[top]
-    first_top = int(np.argmax(steps.index == top))
-    peak_step = int(np.argmax(per_step >= per_step.max()))
-    info = {
-        "source": data.source, "samples": len(data), "samples_seen": steps.samples,
-        "epochs": steps.epochs, "batches": steps.batches, "steps": len(steps),
-        "sampler": spec.sampler, "pad_to": spec.pad_to, "packing": spec.packing,
-        "distinct_shapes": [
-            {"batch": s.batch, "tokens": s.tokens, "images": None if s.images < 0 else s.images,
-             "steps": int((steps.index == i).sum()), "allocated_bytes": int(allocated[i])}
-            for i, s in enumerate(steps.shapes)],
-        "padded_tokens": {"p50": int(np.percentile(steps.padded, 50)),
-                          "max": int(steps.padded.max())},
-        "longest_batch": {"batch": longest.batch, "tokens": longest.tokens,
-                          "images": None if longest.images < 0 else longest.images,
-                          "first_step": first_top},
-        "reserved_per_step": {"p50": int(np.percentile(per_step, 50)),
-                              "p99": int(np.percentile(per_step, 99)),
-                              "max": int(per_step.max())},
-        "peak_step": peak_step,
-        "replayed_steps": run.replayed_steps,
-        "capacity_bytes": limit, "num_alloc_retries": run.retries, "oom": run.oom,
-        "shape_growth_bytes": growth,
-        "reserved_at_cap_bytes": cap.peak.reserved_bytes,
-        "reserved_at_longest_batch_bytes": answer.peak.reserved_bytes,
-        "per_step": _series(per_step),
-    }
+    info = _run_info(data, steps, spec, allocated, top, per_step, run, limit, growth,
+                     cap.peak.reserved_bytes, answer.peak.reserved_bytes)
     note = (f"lengths: {len(data)} samples from {data.source} -> {len(steps)} steps "
             f"({spec.sampler} sampler, pad to {spec.pad_to}); priced at the largest step "
             f"({longest.batch} x {longest.tokens} tokens), {len(steps.shapes)} distinct "

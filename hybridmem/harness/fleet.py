@@ -204,14 +204,7 @@ def _drive(ray, sweep, address, source, out, backend, resume, max_minutes, recor
                                       too_many_ranks=len(todo) - len(runnable))
     resources = ray.cluster_resources()
     slots = max(1, int(resources.get("GPU" if gpus else "CPU", 1)))
-    # a GPU task asks for its world size, any other for one CPU (Ray's default)
-    need = (lambda it: it.spec.parallel.world_size) if gpus else (lambda it: 1)
     budget = max_minutes if max_minutes is not None else sweep.max_minutes
-    timeout = 2 * sweep.timeout_s + TASK_SLACK_S
-    task = ray.remote(run_task)
-    options = {"max_retries": MAX_RETRIES, "retry_exceptions": False,
-               "runtime_env": _runtime_env()}
-    light = dataclasses.replace(sweep, items=())  # what a task needs of the sweep, not its items
     nodes: Counter = Counter()
     start = time.monotonic()
     if on_start:
@@ -225,49 +218,15 @@ def _drive(ray, sweep, address, source, out, backend, resume, max_minutes, recor
         if on_row:
             on_row(item, row)
 
+    queue = _Queue(ray, sweep, envs, source, backend, out, record_history, gpus, slots, write)
     with collection.tracking_run(f"{sweep.name}-{backend}-ray", mlflow) as run:
         run.params({"sweep": sweep.name, "backend": backend, "source": source, "out": out,
                     "resume": resume, "max_minutes": budget, "planned": report.planned,
                     "skipped": report.skipped, "harness_version": HARNESS_VERSION,
                     "ray_address": address, "ray_nodes": len(envs), "ray_slots": slots})
         run.artifact(sweep.path)
-        queue, pending = list(runnable), {}
-        try:
-            while queue or pending:
-                # the next config goes out once the cluster has room for it (in run order)
-                while queue and (not pending or sum(p[2] for p in pending.values())
-                                 + need(queue[0]) <= slots):
-                    if budget is not None and time.monotonic() - start > budget * 60:
-                        report.stopped_by_budget = True
-                        queue.clear()
-                        break
-                    item = queue.pop(0)
-                    if on_item:
-                        on_item(item)
-                    ranks = item.spec.parallel.world_size if gpus else 0
-                    ref = task.options(num_gpus=ranks, **options).remote(
-                        item, backend, light, str(out), record_history)
-                    pending[ref] = (item, time.monotonic(), need(item))
-                if not pending:
-                    break
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-                for ref in ready:
-                    item, t0, _ = pending.pop(ref)
-                    try:
-                        row = ray.get(ref)
-                    except Exception as err:  # Ray's own errors: worker / node died, cancelled
-                        row = failure_row(item, f"ray task failed: {_first_line(err)}", envs,
-                                           source, sweep, time.monotonic() - t0)
-                    write(item, row)
-                now = time.monotonic()
-                for ref, (item, t0, _) in list(pending.items()):
-                    if now - t0 > timeout:
-                        ray.cancel(ref)
-                        del pending[ref]
-                        write(item, failure_row(item, f"ray task timed out after {timeout:g} s",
-                                                 envs, source, sweep, now - t0))
-        finally:
-            _stop(ray, pending)
+        deadline = start + budget * 60 if budget is not None else None
+        report.stopped_by_budget = queue.run(runnable, deadline, on_item)
         report.wall_seconds = time.monotonic() - start
         store.compact(out)
         run.metrics({"planned": report.planned, "skipped": report.skipped,
@@ -277,6 +236,71 @@ def _drive(ray, sweep, address, source, out, backend, resume, max_minutes, recor
         run.json_artifact({**report.summary(), "rows_per_node": dict(nodes)}, "summary.json")
     report.nodes.update(nodes)
     return report
+
+
+class _Queue:
+    """The sweep's configs on the cluster, in run order: each goes out once the cluster has
+    room for it (a GPU task asks for its world size, any other for one CPU, Ray's default),
+    each row written as its task returns; a task past twice the sweep's time limit (plus
+    slack) is cancelled, and so is every pending one when the drive ends."""
+
+    def __init__(self, ray, sweep, envs, source, backend, out, record_history, gpus, slots,
+                 write):
+        self.ray, self.sweep, self.envs, self.source = ray, sweep, envs, source
+        self.gpus, self.slots, self.write = gpus, slots, write
+        self.timeout = 2 * sweep.timeout_s + TASK_SLACK_S
+        task = ray.remote(run_task)
+        options = {"max_retries": MAX_RETRIES, "retry_exceptions": False,
+                   "runtime_env": _runtime_env()}
+        light = dataclasses.replace(sweep, items=())  # what a task needs of the sweep
+        self.submit = lambda item, ranks: task.options(num_gpus=ranks, **options).remote(
+            item, backend, light, str(out), record_history)
+        self.pending: dict = {}
+
+    def need(self, item: SweepItem) -> int:
+        return item.spec.parallel.world_size if self.gpus else 1
+
+    def run(self, items: list[SweepItem], deadline: float | None, on_item) -> bool:
+        """Every item priced or failed; True where the budget stopped it early."""
+        queue, stopped = list(items), False
+        try:
+            while queue or self.pending:
+                while queue and (not self.pending or sum(p[2] for p in self.pending.values())
+                                 + self.need(queue[0]) <= self.slots):
+                    if deadline is not None and time.monotonic() > deadline:
+                        stopped = True
+                        queue.clear()
+                        break
+                    item = queue.pop(0)
+                    if on_item:
+                        on_item(item)
+                    ref = self.submit(item, item.spec.parallel.world_size if self.gpus else 0)
+                    self.pending[ref] = (item, time.monotonic(), self.need(item))
+                if not self.pending:
+                    break
+                self.collect()
+        finally:
+            _stop(self.ray, self.pending)
+        return stopped
+
+    def collect(self) -> None:
+        """The rows of the tasks done within one poll; the late tasks cancelled."""
+        ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=POLL_S)
+        for ref in ready:
+            item, t0, _ = self.pending.pop(ref)
+            try:
+                row = self.ray.get(ref)
+            except Exception as err:  # Ray's own errors: worker / node died, cancelled
+                row = failure_row(item, f"ray task failed: {_first_line(err)}", self.envs,
+                                  self.source, self.sweep, time.monotonic() - t0)
+            self.write(item, row)
+        now = time.monotonic()
+        for ref, (item, t0, _) in list(self.pending.items()):
+            if now - t0 > self.timeout:
+                self.ray.cancel(ref)
+                del self.pending[ref]
+                self.write(item, failure_row(item, f"ray task timed out after {self.timeout:g} s",
+                                             self.envs, self.source, self.sweep, now - t0))
 
 
 def _metric_name(host: str) -> str:
