@@ -133,6 +133,35 @@ def rank_fragmentation(spec: TrainingSpec, gpu: GPU | None) -> Bounded | None:
         return None
 
 
+def _rank_notes(spec: Job, base: Prediction, fit, breakdown: dict, nccl: int,
+                gpu: GPU | None) -> tuple[str, ...]:
+    """The single-GPU answer's notes, less the caveats the rank answers, and the rank's own."""
+    ps = spec.parallel
+    # single-GPU caveats this module answers (ZeRO's fp32 grad partition is priced in the step)
+    answered = ("DeepSpeed's extra fp32 gradient buffers",) if ps.zero_stage else ()
+    notes = [n for n in base.notes if not any(a in n for a in answered)] + [
+        f"per rank of {ps.world_size} GPUs ({ps.strategy}); activations are per micro-batch of "
+        f"{spec.micro_batch} on each GPU",
+    ]
+    if nccl:
+        notes.append(f"NCCL buffers outside PyTorch: nominal {nccl / 2**20:.0f} MiB in context")
+    if fit is None:
+        notes.append("fragmentation: the single-GPU tier's (the analytic tier has no stream "
+                     "for this spec to replay per rank)")
+    else:
+        notes.append("fragmentation per rank: the analytic stream with this rank's sharded "
+                     "states and buffers, replayed through the allocator simulator "
+                     "(hybridmem.parallel.stream)")
+        tensors = sum(breakdown[c] for c in TENSOR_CATEGORIES)
+        notes += capacity_notes(fit, tensors, f"{gpu.name if gpu else 'the GPU'}'s memory "
+                                f"minus {(CUDA_CONTEXT_DEFAULT + nccl) >> 20} MiB outside "
+                                "PyTorch's allocator (CUDA context, NCCL buffers)")
+    if ps.strategy == "zero1":
+        notes.append("ZeRO-1 keeps full gradients (ZeRO paper P_os); DeepSpeed may free the other "
+                     "ranks' grads at the accumulation boundary, making this an upper bound")
+    return tuple(notes)
+
+
 def estimate_per_rank(spec: Job, single_gpu_estimate: Estimator,
                       points: Callable[[TrainingSpec], list[ActPoint]] | None = None,
                       gpu: GPU | None = None) -> Prediction:
@@ -175,28 +204,7 @@ def estimate_per_rank(spec: Job, single_gpu_estimate: Estimator,
         # the capacity is the GPU's memory less what the rank holds outside the allocator)
         over = sum(breakdown.values()) - states.paged > gpu.memory_bytes
         fit = dataclasses.replace(fit, over_capacity=over)
-    # single-GPU caveats this module answers (ZeRO's fp32 grad partition is priced in the step)
-    answered = ("DeepSpeed's extra fp32 gradient buffers",) if ps.zero_stage else ()
-    notes = [n for n in base.notes if not any(a in n for a in answered)] + [
-        f"per rank of {ps.world_size} GPUs ({ps.strategy}); activations are per micro-batch of "
-        f"{spec.micro_batch} on each GPU",
-    ]
-    if nccl:
-        notes.append(f"NCCL buffers outside PyTorch: nominal {nccl / 2**20:.0f} MiB in context")
-    if fit is None:
-        notes.append("fragmentation: the single-GPU tier's (the analytic tier has no stream "
-                     "for this spec to replay per rank)")
-    else:
-        notes.append("fragmentation per rank: the analytic stream with this rank's sharded "
-                     "states and buffers, replayed through the allocator simulator "
-                     "(hybridmem.parallel.stream)")
-        tensors = sum(breakdown[c] for c in TENSOR_CATEGORIES)
-        notes += capacity_notes(fit, tensors, f"{gpu.name if gpu else 'the GPU'}'s memory "
-                                f"minus {(CUDA_CONTEXT_DEFAULT + nccl) >> 20} MiB outside "
-                                "PyTorch's allocator (CUDA context, NCCL buffers)")
-    if ps.strategy == "zero1":
-        notes.append("ZeRO-1 keeps full gradients (ZeRO paper P_os); DeepSpeed may free the other "
-                     "ranks' grads at the accumulation boundary, making this an upper bound")
+    notes = _rank_notes(spec, base, fit, breakdown, nccl, gpu)
     extras = dict(base.extras)
     extras.update({
         "world_size": ps.world_size, "strategy": ps.strategy, "per_rank": True,
@@ -213,7 +221,7 @@ def estimate_per_rank(spec: Job, single_gpu_estimate: Estimator,
     return dataclasses.replace(
         base, method=f"{base.method}+{ps.strategy}", breakdown=breakdown,
         modules=_scaled_modules(base, states, single_states),
-        peak=_peak(breakdown, base, phase, iteration), notes=tuple(notes), extras=extras,
+        peak=_peak(breakdown, base, phase, iteration), notes=notes, extras=extras,
         max_micro_batch=None, paged_bytes=states.paged)
 
 
