@@ -199,14 +199,12 @@ def _expert_parallel_saved(spec: TrainingSpec, top_k: int, w: int) -> int:
     return t(rows, 8) + t(rows, 1) + t(rows, w)
 
 
-def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) -> RankAnswer:
-    """Price pipeline rank `rank` from the priced narrow graph (`narrow`: the rank's shard at
-    `seq / cp`) and, under sequence parallelism, the full-width one at `seq / (cp x tp)`."""
-    from hybridmem.analytic.timeline import walk
-
+def _stage_steps(spec: TrainingSpec, narrow, wide, ids: set[int], first: bool, last: bool,
+                 shape, e_top) -> list:
+    """The stage's (priced layer, step) pairs: its decoder layers (`ids`) and the edge layers
+    of the first / last stage, each step's activations as the rank's layout keeps them
+    (sequence parallelism's sharded and gathered tensors, expert parallelism's dispatch)."""
     ps = spec.parallel
-    ids = set(stage_layers(ps, shape.layers, rank))
-    first, last = rank == 0, rank == ps.pp - 1
     chosen, layer_no = [], 0
     acts_of = {p.layer.name: p.step.acts for p in wide} if wide else {}
     for p in narrow:
@@ -234,6 +232,18 @@ def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) 
                 step = dataclasses.replace(step, acts=dataclasses.replace(
                     acts_of[p.layer.name], cache=step.acts.cache))
             chosen.append((p, step))
+    return chosen
+
+
+def _stage(spec: TrainingSpec, rank: int, narrow, wide, st, shape, comm, e_top) -> RankAnswer:
+    """Price pipeline rank `rank` from the priced narrow graph (`narrow`: the rank's shard at
+    `seq / cp`) and, under sequence parallelism, the full-width one at `seq / (cp x tp)`."""
+    from hybridmem.analytic.timeline import walk
+
+    ps = spec.parallel
+    ids = set(stage_layers(ps, shape.layers, rank))
+    first, last = rank == 0, rank == ps.pp - 1
+    chosen = _stage_steps(spec, narrow, wide, ids, first, last, shape, e_top)
     steps = [s for _, s in chosen]
     k = in_flight(ps, rank)
     per_micro = sum(s.kept for s in steps)
