@@ -350,6 +350,35 @@ def _stashed_grads(layer, tokens: int, e: int) -> int:
     return total
 
 
+def _chunk_stashes(spec: TrainingSpec, shape, rank: int, chosen: list, chunks: list,
+                   tokens: int, e: int) -> list[list[int]]:
+    """Per chunk of the rank, per layer, the op-output gradients its I stashes until W: none
+    on the first stage (it runs no I), and a non-last stage's last linear's is the receive
+    buffer it was passed (`_zero_bubble_points`)."""
+    ps = spec.parallel
+    v, total = ps.pp_virtual_stages, ps.pp * ps.pp_virtual_stages
+    stash = [[_stashed_grads(p.layer, tokens, e) if p.layer.kind != "embedding" else 0
+              for (p, _), cs in zip(chosen, chunks) if c in cs] for c in range(v)]
+    for c in range(v):
+        stage = rank + c * ps.pp
+        if stage == 0:
+            stash[c] = [0] * len(stash[c])
+        elif stage < total - 1 and stash[c]:
+            stash[c][-1] -= t(tokens * shape.hidden, e)
+    return stash
+
+
+def _chunk_outputs(spec: TrainingSpec, shape, rank: int, tokens: int, e: int) -> list[int]:
+    """Per chunk of the rank, its output, held in `fwd_cache` from its forward until
+    `backward_one_chunk` returns (the first stage: until W, through `backward_state`): hidden
+    states, or the last stage's logits (vocab shard)."""
+    ps = spec.parallel
+    total = ps.pp * ps.pp_virtual_stages
+    vocab = math.ceil(shape.vocab / ps.tp)
+    return [t(tokens * (vocab if rank + c * ps.pp == total - 1 else shape.hidden), e)
+            for c in range(ps.pp_virtual_stages)]
+
+
 def _zero_bubble_points(spec: TrainingSpec, shape, rank: int, chosen: list, comm,
                         constant: int) -> tuple[list[ActPoint], int]:
     """Every forward / backward point of rank `rank`'s zero-bubble step, action by action
@@ -368,7 +397,7 @@ def _zero_bubble_points(spec: TrainingSpec, shape, rank: int, chosen: list, comm
     non-last stage's last linear's stashed gradient is the received gradient buffer (autograd
     passes it through the residual add), already a receive buffer."""
     ps = spec.parallel
-    v, total = ps.pp_virtual_stages, ps.pp * ps.pp_virtual_stages
+    v = ps.pp_virtual_stages
     tokens = spec.micro_batch * (spec.seq_len // ps.cp)
     if ps.sequence_parallel:
         tokens //= ps.tp
@@ -376,22 +405,10 @@ def _zero_bubble_points(spec: TrainingSpec, shape, rank: int, chosen: list, comm
     chunks = _chunk_of(spec, shape, rank, chosen)
     steps = [[s for (_, s), cs in zip(chosen, chunks) if c in cs] for c in range(v)]
     kept = [sum(s.kept for s in cs) for cs in steps]
-    stash = [[_stashed_grads(p.layer, tokens, e) if p.layer.kind != "embedding" else 0
-              for (p, _), cs in zip(chosen, chunks) if c in cs] for c in range(v)]
-    for c in range(v):
-        stage = rank + c * ps.pp
-        if stage == 0:
-            stash[c] = [0] * len(stash[c])
-        elif stage < total - 1 and stash[c]:
-            stash[c][-1] -= t(tokens * shape.hidden, e)
+    stash = _chunk_stashes(spec, shape, rank, chosen, chunks, tokens, e)
     grads = [sum(s.grad for s in cs) for cs in steps]
     all_grads = sum(s.grad for _, s in chosen) or 1
-    # the chunk's output, held in `fwd_cache` from its forward until `backward_one_chunk`
-    # returns (the first stage: until W, through `backward_state`): hidden states, or the
-    # last stage's logits (vocab shard)
-    vocab = math.ceil(shape.vocab / ps.tp)
-    output = [t(tokens * (vocab if rank + c * ps.pp == total - 1 else shape.hidden), e)
-              for c in range(v)]
+    output = _chunk_outputs(spec, shape, rank, tokens, e)
     # the input gradient `stage_backward_input` leaves on the stage's input, the receive
     # buffer (`inp.grad = dinput`), until the next step's `clear_runtime_states`
     dinput = t(tokens * shape.hidden, e)
