@@ -217,7 +217,7 @@ def test_without_a_collector_the_warning_is_a_python_warning():
 
 def test_deepspeed_unknown_and_unpriced_keys_warn():
     from hybridmem.intake.config_keys import collect_warnings
-    from hybridmem.intake.readers.trainer import from_deepspeed_json
+    from hybridmem.intake.readers.deepspeed import from_deepspeed_json
 
     with collect_warnings() as caught:
         out = from_deepspeed_json({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5,
@@ -254,7 +254,7 @@ def test_bnb_and_peft_unknown_keys_warn(tmp_path):
 
 
 def test_every_conversion_key_is_declared_on_a_field():
-    from hybridmem.intake.readers.trainer import CONVERSIONS
+    from hybridmem.intake.readers.common import CONVERSIONS
 
     for source, conversions in CONVERSIONS.items():
         declared = set(schema.config_keys(source))

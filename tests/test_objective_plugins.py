@@ -74,7 +74,7 @@ COMPARED = re.compile(  # `objective == "dpo"`, `o in ("orpo", ...)`, `"grpo" !=
     rf"""|(objective|\bo) +(not +)?in +[({{]*["']({NAMES})"""
     rf"""|["']({NAMES})["'] *(==|!=) *[a-z_.]*objective""")
 # the TRL config reader's marker table, which names the configs the keys come from
-STILL_NAMED = {"intake/readers/trainer.py"}
+STILL_NAMED = {"intake/readers/trl.py"}
 
 
 def test_no_objective_name_is_compared_outside_the_plug_ins():

@@ -8,7 +8,8 @@ import pytest
 
 from hybridmem.errors import SpecError
 from hybridmem.intake.merge import merge_inputs, spec_from_inputs
-from hybridmem.intake.readers.trainer import from_deepspeed_json, from_training_args
+from hybridmem.intake.readers.deepspeed import from_deepspeed_json
+from hybridmem.intake.readers.trainer import from_training_args
 from hybridmem.intake.recipes import RECIPES, ZERO3_JSON
 from hybridmem.job.parallel import ParallelSpec
 from hybridmem.job.spec import TrainingSpec

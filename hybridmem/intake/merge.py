@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
 from hybridmem.intake.readers.bnb import quantization
-from hybridmem.intake.readers.trainer import from_deepspeed_json
+from hybridmem.intake.readers.common import layer_values
+from hybridmem.intake.readers.deepspeed import from_deepspeed_json, hidden_size_of
 from hybridmem.intake.readers.peft import from_peft_config
 from hybridmem.intake.readers.trainer import (
     HF_DEFAULT_BATCH, HF_DEFAULTS, OPTION_FILES, TRAINER_DEFAULT, from_training_args,
-    hidden_size_of, layer_values,
 )
 from hybridmem.intake.recipes import RECIPES
 from hybridmem.job import schema

@@ -31,7 +31,7 @@ from hybridmem.job import schema
 from hybridmem.jsonfile import read_json_object
 from hybridmem.intake import config_keys
 from hybridmem.intake.readers import fsdp as fsdp_config
-from hybridmem.intake.readers.trainer import typed_value
+from hybridmem.intake.readers.common import typed_value
 from hybridmem.intake.dialects.common import Layer, LauncherConfig, local_file
 
 NAME = "accelerate"

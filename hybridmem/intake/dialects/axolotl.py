@@ -29,11 +29,8 @@ from hybridmem.job.spec import DEFAULT_LORA_TARGETS
 from hybridmem.jsonfile import read_json_object
 from hybridmem.intake import config_keys
 from hybridmem.intake.readers import fsdp as fsdp_config
-from hybridmem.intake.readers.trainer import (
-    HF_DEFAULT_MAX_GRAD_NORM,
-    fsdp_options,
-    typed_value,
-)
+from hybridmem.intake.readers.common import typed_value
+from hybridmem.intake.readers.trainer import HF_DEFAULT_MAX_GRAD_NORM, fsdp_options
 from hybridmem.intake.dialects.common import (
     Layer,
     LauncherConfig,

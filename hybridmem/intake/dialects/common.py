@@ -34,7 +34,7 @@ class LauncherConfig:
     """Layers in `merge_inputs`' form, lowest first."""
     hf: dict
     """TrainingArguments-like values that resolve DeepSpeed "auto" keys
-    (`readers.trainer.from_deepspeed_json`)."""
+    (`readers.deepspeed.from_deepspeed_json`)."""
     deepspeed: dict | None = None
     deepspeed_where: str | None = None
 

@@ -27,11 +27,8 @@ from pathlib import Path
 
 from hybridmem.errors import SpecError
 from hybridmem.intake import config_keys
-from hybridmem.intake.readers.trainer import (
-    HF_DEFAULT_BATCH,
-    from_training_args,
-    typed_value,
-)
+from hybridmem.intake.readers.common import typed_value
+from hybridmem.intake.readers.trainer import HF_DEFAULT_BATCH, from_training_args
 from hybridmem.intake.dialects.common import (
     Layer,
     LauncherConfig,

@@ -26,7 +26,7 @@ from pathlib import Path
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.intake import config_keys
-from hybridmem.intake.readers.trainer import typed_value
+from hybridmem.intake.readers.common import typed_value
 from hybridmem.intake.dialects.common import Layer, LauncherConfig, flag, model_of
 
 NAME = "torchtune"

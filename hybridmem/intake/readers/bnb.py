@@ -9,7 +9,7 @@ import os
 
 from hybridmem.errors import SpecError
 from hybridmem.intake import config_keys
-from hybridmem.intake.readers.trainer import key_where, file_source, used_keys
+from hybridmem.intake.readers.common import file_source, key_where, used_keys
 from hybridmem.jsonfile import read_json_object
 
 

@@ -13,7 +13,7 @@ from dataclasses import fields
 from hybridmem.adapters import read_adapter_config, spec_fields
 from hybridmem.errors import SpecError
 from hybridmem.intake import config_keys
-from hybridmem.intake.readers.trainer import key_where, file_source, used_keys
+from hybridmem.intake.readers.common import file_source, key_where, used_keys
 from hybridmem.job.spec import LoraSpec
 
 

@@ -18,9 +18,10 @@ joins them) is one more layer, above a recipe and below the other files:
 its launcher's defaults, then its keys. Each layer says where each field it sets came from
 (`sources`: flat key -> "FILE: key", "flag --x", "launcher default (...)"), and
 `resolve_inputs` returns those of the fields the job does not leave at the schema default.
-HF Trainer's own inputs are read here, with the helpers every reader shares: its
-`TrainingArguments` (and TRL's trainer configs) and the DeepSpeed JSON it resolves from them;
-the PEFT and BitsAndBytes files beside it (`readers.peft`, `readers.bnb`), the layers joined in
+HF Trainer's `TrainingArguments` (and TRL's trainer configs) are read here; the DeepSpeed JSON
+it resolves from them in `readers.deepspeed`, the PEFT and BitsAndBytes files beside it
+(`readers.peft`, `readers.bnb`), the helpers every reader shares in `readers.common`, which
+TRL config names which trainer in `readers.trl`; the layers are joined in
 `hybridmem.intake.merge`.
 """
 
@@ -28,27 +29,24 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from hybridmem.errors import SpecError
 from hybridmem.job import schema
 from hybridmem.job.optimizers import HF_DEFAULT_OPTIM, HF_OPTIMS, from_hf  # noqa: F401
 from hybridmem.techniques.liger import check_liger_config
-from hybridmem.jsonfile import read_json_object
 from hybridmem.intake import config_keys
 from hybridmem.intake.readers import fsdp as fsdp_config
+from hybridmem.intake.readers.common import (
+    CONVERSIONS, attribute, clip_norm, converts, copy_declared, flag_value, key_where,
+    layer_values, read_json, typed_value, used_keys, whole_count,
+)
+from hybridmem.intake.readers.trl import SFT_MARKERS, objective_of
 
 # transformers `OptimizerNames` -> our optimizer names: the registry's (`job.optimizers`)
 HF_DEFAULT_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
 # TrainingArguments defaults of the fields that resolve DeepSpeed "auto" values
 HF_DEFAULTS: dict = {"per_device_train_batch_size": HF_DEFAULT_BATCH, "bf16": False,
                      "fp16": False, "gradient_accumulation_steps": 1}
-# DeepSpeed "optimizer.type" -> ours: Adam/AdamW build DeepSpeed's FusedAdam (no foreach
-# temporaries; engine `_configure_basic_optimizer`), Lion its FusedLion.
-# FusedLion (deepspeed/ops/lion/fused_lion.py) keeps `exp_avg` (zeros_like the fp32 partition)
-# and updates in place, as bitsandbytes' 32-bit Lion does: our `lion-32bit`.
-DS_OPTIMS: dict[str, str] = {"adam": "adamw-fused", "adamw": "adamw-fused", "lion": "lion-32bit"}
 # TrainingArguments `fsdp` options -> FSDP settings (FSDP1 names; SHARD_GRAD_OP keeps params
 # unsharded between forward and backward = FSDP2 reshard_after_forward=False)
 FSDP_OPTIONS: dict[str, dict] = {
@@ -66,151 +64,6 @@ TRAINER_DEFAULT = "launcher default (HF Trainer)"
 """The source of a field a TrainingArguments file sets without naming it (Trainer's default)."""
 
 
-def _read_json(source: str | os.PathLike | dict, field: str) -> dict:
-    if isinstance(source, dict):
-        return json.loads(json.dumps(source))  # a private deep copy
-    return read_json_object(source, field)
-
-
-def key_where(source: object, default: str) -> str:
-    """How a warning names the file: its path, else what it came from."""
-    return default if isinstance(source, dict) else os.fspath(source)
-
-
-OWNER_PARTS: tuple[str, ...] = ("spec", "parallel", "lora")
-
-
-def flat_key(owner: str, name: str) -> str:
-    """The job-schema key of a layer entry: LoRA settings are `lora_<name>`."""
-    return f"lora_{name}" if owner == "lora" else name
-
-
-def layer_values(layer: dict) -> dict:
-    """flat key -> value of every field a layer sets."""
-    return {flat_key(o, n): v for o in OWNER_PARTS for n, v in layer.get(o, {}).items()}
-
-
-def attribute(out: dict, before: dict, before_sources: dict, where: str, given: list[str],
-              source: str, default: str) -> None:
-    """Name the source of every field of layer `out` that changed since `before`
-    (`layer_values`) and whose source was not set meanwhile: "WHERE: key" with the `given` file
-    keys the schema declares for that field under `source` (all of `given` when it declares
-    none of them), else `default` (the reader's default, no key given)."""
-    sources = out.setdefault("sources", {})
-    for key, value in layer_values(out).items():
-        if (key in before and before[key] == value) \
-                or sources.get(key) != before_sources.get(key):
-            continue
-        meta = schema.BY_KEY.get(key)
-        own = [k for k in given if meta is not None and k in meta.keys.get(source, ())]
-        keys = own or given
-        sources[key] = f"{where}: {'/'.join(keys)}" if keys else default
-
-
-def file_source(where: str, source: str, key: str, data: dict) -> str:
-    """"WHERE: key" for a field read from a `source` file: the file keys the schema declares
-    for it that the file holds (`schema.config_keys`)."""
-    meta = schema.BY_KEY.get(key)
-    keys = [k for k in (meta.keys.get(source, ()) if meta else ()) if k in data]
-    return f"{where}: {'/'.join(keys)}" if keys else where
-
-
-def _count(field: str, value: object) -> int:
-    """DeepSpeed numbers may be written 1e9; they must be whole and non-negative."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
-            or int(value) != value:
-        raise SpecError(field, value, reason="must be a non-negative whole number")
-    return int(value)
-
-
-def _norm(field: str, value: object) -> float:
-    if value is None:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise SpecError(field, value, reason="must be a number >= 0 (0 = no clipping)")
-    return float(value)
-
-
-def _flag(field: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise SpecError(field, value, [True, False])
-    return value
-
-
-def hidden_size_of(model: str) -> int:
-    """The hidden size transformers uses for "auto" DeepSpeed keys (`trainer_config_finalize`:
-    config.hidden_size, else max(hidden_sizes), else the text_config's)."""
-    from hybridmem.models import load_config
-
-    cfg = load_config(model)
-    for c in (cfg, getattr(cfg, "text_config", None)):
-        if c is None:
-            continue
-        if getattr(c, "hidden_size", None):
-            return int(c.hidden_size)
-        if getattr(c, "hidden_sizes", None):
-            return int(max(c.hidden_sizes))
-    raise SpecError("model", model, reason="config has no hidden_size to resolve DeepSpeed 'auto'")
-
-
-# ---------------------------------------------------------------- key maps from the schema
-
-@dataclass(frozen=True)
-class Conversion:
-    """A reader's own conversion of some config keys into job fields (keys that need more
-    than a copy: a flag that picks a policy, an "auto", a name map)."""
-
-    reads: tuple[str, ...]
-    fn: Callable[[dict, dict], None]
-    """fn(config, out): reads `reads` from the config, writes out["spec" | "parallel" |
-    "lora"] (and out["deepspeed"], a nested DeepSpeed config)."""
-
-
-CONVERSIONS: dict[str, list[Conversion]] = {"training_args": [], "deepspeed": []}
-"""Per source, in the order they apply (a later one wins on the same field)."""
-
-
-def converts(source: str, *reads: str):
-    """Register the decorated `fn(config, out)` as the conversion of `reads` keys of `source`;
-    each key must be declared on the fields it sets (tests/test_job_schema.py checks)."""
-    def register(fn):
-        CONVERSIONS[source].append(Conversion(reads, fn))
-        return fn
-    return register
-
-
-def used_keys(source: str) -> set[str]:
-    """Keys of `source` the readers use: declared on a job field or read by a conversion."""
-    return set(schema.config_keys(source)) | {
-        k for c in CONVERSIONS.get(source, ()) for k in c.reads}
-
-
-def typed_value(field: str, meta, value: object) -> object:
-    """A copied config value checked as the field's type, the error naming the file's key."""
-    tp = schema.value_type(schema.TYPES[meta.key])
-    if tp is bool:
-        return _flag(field, value)
-    if tp is int:
-        return _count(field, value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise SpecError(field, value, reason="must be a number >= 0")
-        return float(value)
-    return value
-
-
-def _copy_declared(source: str, cfg: dict, out: dict) -> None:
-    """Copy every declared top-level key of `source` that no conversion reads onto its fields,
-    in declaration order; a missing or null key sets nothing."""
-    claimed = {k for c in CONVERSIONS[source] for k in c.reads}
-    for key, metas in schema.config_keys(source).items():
-        if key in claimed or "." in key or cfg.get(key) is None:
-            continue
-        for meta in metas:
-            out[meta.owner][meta.name] = typed_value(f"{source}.{key}", meta, cfg[key])
-            out.setdefault("sources", {})[meta.key] = f"{out.get('where', source)}: {key}"
-
-
 # ---------------------------------------------------------------- TrainingArguments
 
 @converts("training_args", "activation_checkpointing", "gradient_checkpointing",
@@ -225,7 +78,7 @@ def _checkpointing(args: dict, out: dict) -> None:
     spec = out["spec"]
     for name in ("activation_checkpointing", "gradient_checkpointing"):
         if args.get(name) is not None:
-            spec["grad_ckpt"] = _flag(f"training_args.{name}", args[name])
+            spec["grad_ckpt"] = flag_value(f"training_args.{name}", args[name])
             break
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
         kwargs = args.get(name)
@@ -239,7 +92,7 @@ def _checkpointing(args: dict, out: dict) -> None:
         if not isinstance(kwargs, dict):
             raise SpecError(f"training_args.{name}", kwargs, reason="must be an object")
         if kwargs.get("offload") is not None:  # save_on_cpu around each checkpoint call
-            if _flag(f"training_args.{name}.offload", kwargs["offload"]) and spec.get("grad_ckpt"):
+            if flag_value(f"training_args.{name}.offload", kwargs["offload"]) and spec.get("grad_ckpt"):
                 spec["offload_activations"] = "ckpt-inputs"
         every = kwargs.get("every_n_layers", 1)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -255,7 +108,7 @@ def _offloading(args: dict, out: dict) -> None:
     """TRL SFTConfig `activation_offloading` (trl/trainer/sft_config.py): SFTTrainer wraps each
     training_step in get_act_offloading_ctx_manager(model) (hybridmem.techniques.offload "all"); it
     takes precedence over the checkpoint-inputs-only variant, whose inputs it offloads too."""
-    if args.get("activation_offloading") is not None and _flag(
+    if args.get("activation_offloading") is not None and flag_value(
             "training_args.activation_offloading", args["activation_offloading"]):
         out["spec"]["offload_activations"] = "all"
 
@@ -265,7 +118,7 @@ def _packing(args: dict, out: dict) -> None:
     """TRL SFTConfig `padding_free` / `packing` (sft_trainer.py: packing, or padding_free, makes
     the collator `DataCollatorForLanguageModeling(padding_free=True)`; hybridmem.techniques.packing)."""
     for key in ("padding_free", "packing"):
-        if args.get(key) is not None and _flag(f"training_args.{key}", args[key]):
+        if args.get(key) is not None and flag_value(f"training_args.{key}", args[key]):
             out["spec"]["packing"] = True
 
 
@@ -282,7 +135,7 @@ def _batching(args: dict, out: dict) -> None:
         out["spec"]["sampler"] = sampler
     for key in ("seed", "data_seed"):  # data_seed, when given, seeds the sampler instead
         if args.get(key) is not None:
-            out["spec"]["seed"] = _count(f"training_args.{key}", args[key])
+            out["spec"]["seed"] = whole_count(f"training_args.{key}", args[key])
     steps = args.get("max_steps")
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < -1:
@@ -292,12 +145,6 @@ def _batching(args: dict, out: dict) -> None:
 # The TRL trainer a config JSON belongs to, told by a key only its config class has
 # (trl/trainer/grpo_config.py, kto_config.py, reward_config.py, dpo_config.py); ORPOConfig
 # has none of them but `beta` (orpo_config.py)
-# SFTConfig's own dataset keys (trl/trainer/sft_config.py; not TrainingArguments fields): a
-# config JSON that has one is an SFTTrainer's (`trainer="trl"`)
-SFT_MARKERS: tuple[str, ...] = ("dataset_text_field", "completion_only_loss",
-                                "assistant_only_loss", "dataset_kwargs")
-
-
 @converts("training_args", *SFT_MARKERS)
 def _sft_trainer(args: dict, out: dict) -> None:
     """A TRL SFTConfig JSON (`SFT_MARKERS`) runs SFTTrainer's step: `trainer="trl"` (its
@@ -307,35 +154,6 @@ def _sft_trainer(args: dict, out: dict) -> None:
         out.setdefault("sources", {})["trainer"] = (
             f"{out.get('where', 'training_args')}: "
             f"{next(k for k in SFT_MARKERS if k in args)}")
-
-
-OBJECTIVE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("grpo", ("num_generations", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")),
-    ("kto", ("desirable_weight", "undesirable_weight")),
-    ("rm", ("center_rewards_coefficient",)),
-    ("dpo", ("rpo_alpha", "loss_type", "precompute_ref_log_probs")),
-    ("orpo", ("beta",)),
-)
-# DPOConfig / SFTConfig / GRPOConfig all have `loss_type`: only DPO's values name DPO
-DPO_LOSS_TYPES = frozenset({"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
-                            "sppo_hard", "aot", "aot_pair", "apo_zero", "apo_down",
-                            "discopop", "sft"})
-
-
-def objective_of(args: dict) -> str | None:
-    """The objective a TRL config JSON's keys name (`OBJECTIVE_MARKERS`), else None."""
-    for objective, keys in OBJECTIVE_MARKERS:
-        for key in keys:
-            if key not in args:  # a dumped config carries its fields, null ones included
-                continue
-            if key == "loss_type" and (not isinstance(args[key], (str, list)) or any(
-                    v not in DPO_LOSS_TYPES for v in
-                    (args[key] if isinstance(args[key], list) else [args[key]]))):
-                continue
-            if objective == "kto" and "precompute_ref_log_probs" in args:
-                return "kto"
-            return objective
-    return None
 
 
 @converts("training_args", "num_generations", "use_vllm", "vllm_mode",
@@ -360,16 +178,16 @@ def _objective(args: dict, out: dict) -> None:
     spec["objective"] = objective
     if args.get("beta") is not None:
         spec["beta"] = typed_value("training_args.beta", schema.BY_KEY["beta"], args["beta"])
-    if args.get("precompute_ref_log_probs") is not None and _flag(
+    if args.get("precompute_ref_log_probs") is not None and flag_value(
             "training_args.precompute_ref_log_probs", args["precompute_ref_log_probs"]):
         spec["ref_model"] = "precomputed"
     for key in ("max_prompt_length", "max_completion_length"):
         if args.get(key) is not None:
-            spec[key] = _count(f"training_args.{key}", args[key])
+            spec[key] = whole_count(f"training_args.{key}", args[key])
     if not objectives.REGISTRY[objective].GENERATES:  # the rest is GRPOConfig's generation
         return
     if args.get("num_generations") is not None:
-        spec["num_generations"] = _count("training_args.num_generations",
+        spec["num_generations"] = whole_count("training_args.num_generations",
                                          args["num_generations"])
     completion = spec.get("max_completion_length") or grpo.DEFAULT_COMPLETION
     prompt = spec.get("max_prompt_length")
@@ -379,7 +197,7 @@ def _objective(args: dict, out: dict) -> None:
         spec["seq_len"] = prompt + completion
         spec["max_prompt_length"] = prompt
     use = args.get("use_vllm")
-    if use is not None and _flag("training_args.use_vllm", use) \
+    if use is not None and flag_value("training_args.use_vllm", use) \
             and args.get("vllm_mode", "server") == "colocate":
         frac = args.get("vllm_gpu_memory_utilization")
         spec["vllm_gpu_memory_utilization"] = float(
@@ -414,7 +232,7 @@ def _trainer_loop(args: dict, out: dict) -> None:
     """A TrainingArguments file describes a Trainer run: only the loss outlives the forward,
     gradients clipped at max_grad_norm (0 = off, as Trainer reads it; Trainer's default 1.0)."""
     out["spec"]["loop"] = "trainer"
-    out["spec"]["max_grad_norm"] = _norm("training_args.max_grad_norm",
+    out["spec"]["max_grad_norm"] = clip_norm("training_args.max_grad_norm",
                                          args.get("max_grad_norm", HF_DEFAULT_MAX_GRAD_NORM))
 
 
@@ -444,7 +262,7 @@ def _liger(args: dict, out: dict) -> None:
             raise SpecError("training_args.liger_kernel_config", args["liger_kernel_config"],
                             reason="needs use_liger_kernel: true")
         return
-    on = _flag("training_args.use_liger_kernel", args["use_liger_kernel"])
+    on = flag_value("training_args.use_liger_kernel", args["use_liger_kernel"])
     if on:
         check_liger_config(args.get("liger_kernel_config"))
     out["spec"]["liger"] = on
@@ -484,7 +302,7 @@ def _sharding(args: dict, out: dict) -> None:
                         reason="FSDP and DeepSpeed cannot both be set")
     out["deepspeed_where"] = None if ds is None or isinstance(ds, dict) else os.fspath(ds)
     if ds is not None and not isinstance(ds, dict):
-        ds = _read_json(ds, "training_args.deepspeed")
+        ds = read_json(ds, "training_args.deepspeed")
     out["deepspeed"] = ds
 
 
@@ -498,7 +316,7 @@ def _fsdp_config(args: dict, out: dict) -> None:
     if not cfg or out["parallel"].get("strategy") != "fsdp":
         return
     if isinstance(cfg, (str, os.PathLike)):
-        cfg = _read_json(cfg, "training_args.fsdp_config")
+        cfg = read_json(cfg, "training_args.fsdp_config")
     where = out.get("where", "training_args")
     parallel, spec, sources = fsdp_config.read(cfg, where, "training_args.fsdp_config",
                                                "training_args")
@@ -519,14 +337,14 @@ def from_training_args(source: str | os.PathLike | dict, where: str | None = Non
     "hf" holds the TrainingArguments values (Trainer's defaults where the file is silent) that
     resolve DeepSpeed "auto" keys, and "_given": whether the file set the batch size.
     """
-    args = _read_json(source, "training_args")
+    args = read_json(source, "training_args")
     where = where or key_where(source, "training_args")
     config_keys.check_keys("training_args", args, where, used=used_keys("training_args"),
                            known=config_keys.training_args_known)
     config_keys.unpriced("training_args", args, where, config_keys.TRAINING_ARGS_UNPRICED)
     out: dict = {"spec": {}, "parallel": {}, "lora": {}, "deepspeed": None, "where": where,
                  "sources": {}, "label": where}
-    _copy_declared("training_args", args, out)
+    copy_declared("training_args", args, out)
     for conversion in CONVERSIONS["training_args"]:
         before, before_sources = layer_values(out), dict(out["sources"])
         conversion.fn(args, out)
@@ -560,132 +378,3 @@ def fsdp_options(value: object, field: str = "training_args.fsdp") -> dict:
 
 
 # ---------------------------------------------------------------- DeepSpeed JSON
-
-ZERO = "zero_optimization."
-# "auto" keys transformers fills from the model's hidden size h (integrations/deepspeed.py
-# `trainer_config_finalize`), by the key it fills; stage-3 ones only with stage 3
-AUTO_HIDDEN: dict[str, object] = {"reduce_bucket_size": lambda h: h * h}
-AUTO_HIDDEN_STAGE3: dict[str, object] = {
-    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "stage3_param_persistence_threshold": lambda h: 10 * h,
-}
-
-
-def zero_keys() -> dict[str, object]:
-    """`zero_optimization` key -> the ParallelSpec field it is copied onto (schema-declared
-    keys; `stage` and the offload blocks are conversions)."""
-    return {key[len(ZERO):]: metas[0] for key, metas in schema.config_keys("deepspeed").items()
-            if key.startswith(ZERO) and key not in (ZERO + "stage", ZERO + "offload_optimizer",
-                                                     ZERO + "offload_param")}
-
-
-def from_deepspeed_json(source: str | os.PathLike | dict, *, hidden_size: int | None = None,
-                        hf: dict | None = None, where: str | None = None) -> dict:
-    """A DeepSpeed config -> layered kwargs, "auto" resolved from `hf` (TrainingArguments values,
-    HF defaults when None) and `hidden_size` (the model's; needed only for hidden-size keys).
-    Keys neither read nor DeepSpeed's own are warnings (`config_keys`)."""
-    cfg = _read_json(source, "deepspeed")
-    where = where or key_where(source, "deepspeed")
-    hf = hf or HF_DEFAULTS
-    used = used_keys("deepspeed")
-    config_keys.check_keys("deepspeed", cfg, where, used={k.split(".")[0] for k in used},
-                           known=lambda: config_keys.DEEPSPEED_KEYS)
-    zero = cfg.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise SpecError("deepspeed.zero_optimization", zero, reason="must be a JSON object")
-    config_keys.check_keys("deepspeed", zero, where, prefix=ZERO,
-                           used={k[len(ZERO):] for k in used if k.startswith(ZERO)},
-                           known=lambda: config_keys.ZERO_KEYS)
-    config_keys.unpriced("deepspeed", zero, where, config_keys.ZERO_UNPRICED)
-    stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise SpecError("deepspeed.zero_optimization.stage", stage, [0, 1, 2, 3])
-    parallel: dict = {"strategy": f"zero{stage}" if stage else "ddp"}
-    sources: dict = {"strategy": f"{where}: {ZERO}stage"}
-    auto_hidden = {**AUTO_HIDDEN, **(AUTO_HIDDEN_STAGE3 if stage == 3 else {})}
-    for key, meta in zero_keys().items():
-        if key not in zero:
-            continue
-        value = zero[key]
-        if value == "auto":
-            if key not in auto_hidden:
-                # transformers fills no "auto" here (its stage3_ names only,
-                # integrations/deepspeed.py `trainer_config_process`), and DeepSpeed drops a
-                # leftover "auto" to keep its field default (runtime/config_utils.py
-                # `DeepSpeedConfigModel.__init__`, not strict): the schema's default, which is
-                # DeepSpeed's
-                sources[meta.name] = f"{where}: {ZERO}{key} ('auto' left to DeepSpeed's default)"
-                continue
-            if hidden_size is None:
-                raise SpecError(f"deepspeed.zero_optimization.{key}", "auto",
-                                reason="needs the model's hidden size: give --model")
-            value = auto_hidden[key](hidden_size)
-        parallel[meta.name] = typed_value(f"deepspeed.zero_optimization.{key}", meta, value)
-        sources[meta.name] = f"{where}: {ZERO}{key}"
-    for key in ("offload_optimizer", "offload_param"):
-        block = zero.get(key) or {}
-        if not isinstance(block, dict):
-            raise SpecError(f"deepspeed.zero_optimization.{key}", block, reason="must be a JSON object")
-        device = block.get("device", "none")
-        if device not in ("none", "cpu", "nvme"):
-            raise SpecError(f"deepspeed.zero_optimization.{key}.device", device, ["none", "cpu", "nvme"])
-        # NVMe offload frees the GPU exactly as CPU offload does
-        parallel[key] = "none" if device == "none" else "cpu"
-        if key in zero:
-            sources[key] = f"{where}: {ZERO}{key}.device"
-    spec: dict = {"precision": _ds_precision(cfg, hf)}
-    on = [k for k in ("bf16", "fp16", "bfloat16") if isinstance(cfg.get(k), dict)
-          and cfg[k].get("enabled", False) is not False]
-    sources["precision"] = f"{where}: {'/'.join(on)}.enabled" if on else \
-        f"{where}: no bf16/fp16 block enabled"
-    micro = cfg.get("train_micro_batch_size_per_gpu", "auto")
-    spec["micro_batch"] = hf["per_device_train_batch_size"] if micro == "auto" else micro
-    if micro != "auto":
-        sources["micro_batch"] = f"{where}: train_micro_batch_size_per_gpu"
-    if micro != "auto" and micro != hf["per_device_train_batch_size"] and hf.get("_given"):
-        # transformers `trainer_config_finalize` refuses mismatches between the two files
-        raise SpecError("deepspeed.train_micro_batch_size_per_gpu", micro,
-                        reason=f"TrainingArguments say {hf['per_device_train_batch_size']}")
-    ws = _world_size_from_batch(cfg, spec["micro_batch"], hf)
-    if ws is not None:
-        parallel["world_size"] = ws
-        sources["world_size"] = f"{where}: train_batch_size"
-    opt = cfg.get("optimizer")
-    if opt is not None:
-        kind = str((opt or {}).get("type", "")).lower() if isinstance(opt, dict) else str(opt)
-        if kind not in DS_OPTIMS:
-            raise SpecError("deepspeed.optimizer.type", kind, sorted(DS_OPTIMS))
-        spec["optimizer"] = DS_OPTIMS[kind]
-        sources["optimizer"] = f"{where}: optimizer.type"
-    return {"spec": spec, "parallel": parallel, "lora": {}, "sources": sources, "label": where}
-
-
-def _ds_precision(cfg: dict, hf: dict) -> str:
-    """bf16/fp16 "auto" from the TrainingArguments (`trainer_config_process`). DeepSpeed then
-    holds the model in 16 bits with an fp32 master partition: priced as bf16-master (fp16 has the
-    same bytes); without either, everything is fp32. `bfloat16` is DeepSpeed's older name of the
-    bf16 block, read when `bf16` is absent (runtime/config.py `get_bfloat16_config`)."""
-    enabled = {}
-    for key in ("bf16", "fp16"):
-        block = cfg.get(key, cfg.get("bfloat16", {}) if key == "bf16" else {})
-        value = block.get("enabled", False) if isinstance(block, dict) else block
-        enabled[key] = hf[key] if value == "auto" else _flag(f"deepspeed.{key}.enabled", value)
-    if enabled["bf16"] and enabled["fp16"]:
-        raise SpecError("deepspeed.fp16.enabled", True, reason="bf16 and fp16 cannot both be enabled")
-    return "bf16-master" if enabled["bf16"] or enabled["fp16"] else "fp32"
-
-
-def _world_size_from_batch(cfg: dict, micro: int, hf: dict) -> int | None:
-    """DeepSpeed asserts train_batch_size == micro * grad_accum * world_size; a numeric
-    train_batch_size therefore fixes the world size."""
-    total = cfg.get("train_batch_size", "auto")
-    if total == "auto" or not isinstance(micro, int):
-        return None
-    gas = cfg.get("gradient_accumulation_steps", "auto")
-    gas = hf.get("gradient_accumulation_steps", 1) if gas == "auto" else gas
-    total, gas = _count("deepspeed.train_batch_size", total), _count(
-        "deepspeed.gradient_accumulation_steps", gas)
-    if gas == 0 or micro <= 0 or total % (micro * gas):
-        raise SpecError("deepspeed.train_batch_size", total,
-                        reason=f"is not micro batch {micro} x grad accumulation {gas} x world size")
-    return total // (micro * gas)
